@@ -1,0 +1,66 @@
+"""``attention()``: validate → normalise → dispatch → run → restore."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from . import dispatch
+from .inputs import restore, validate
+from .masks import Mask
+
+
+class AttentionResult(NamedTuple):
+    """What ``attention(..., return_lse=True / return_weights=True)`` returns.
+
+    ``out [..., Hq, Tq, Dv]`` in the input dtype; ``lse [..., Hq, Tq]`` natural-log
+    log-sum-exp of the masked scaled scores (float32, float64 for float64 input; −inf on a
+    fully masked row) or ``None``; ``weights [..., Hq, Tq, Tk]`` (before dropout) or ``None``.
+    """
+
+    out: torch.Tensor
+    lse: Optional[torch.Tensor]
+    weights: Optional[torch.Tensor]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: Union[Mask, torch.Tensor, None] = None, *, scale: Optional[float] = None,
+              dropout_p: float = 0.0, generator: Optional[torch.Generator] = None,
+              backend: str = "auto", return_lse: bool = False, return_weights: bool = False,
+              ) -> Union[torch.Tensor, AttentionResult]:
+    """Scaled dot-product attention ``softmax(q kᵀ · scale + mask) v``.
+
+    Shapes: ``q [..., Hq, Tq, Dk]``, ``k [..., Hkv, Tk, Dk]``, ``v [..., Hkv, Tk, Dv]`` with Hq a
+    multiple of Hkv (GQA/MQA, K/V never copied per query head); also ``[T, D]`` and
+    ``[B, T, D]`` (one head). Returns ``out [..., Hq, Tq, Dv]`` in the input dtype, or an
+    :class:`AttentionResult` when ``return_lse`` or ``return_weights`` is set.
+
+    Args:
+        mask: an attnkit mask (``causal()``, ``padding(...)``, combined with ``& | ~``), a bool
+            tensor (True = may attend) or a float tensor added to the scores, broadcastable
+            to ``[..., Hq, Tq, Tk]``.
+        scale: multiplies the scores; default ``1/sqrt(Dk)``. A temperature τ is
+            ``scale=1/(τ·sqrt(Dk))``.
+        dropout_p: dropout on the attention weights (rescaled by ``1/(1-p)``); reproducible
+            with ``generator`` or the global seed.
+        backend: ``"auto"`` or a name from ``attnkit.backends()``; an explicit backend that
+            cannot run the input raises ``ValueError`` with its reasons.
+
+    A query row whose keys are all masked gets output 0 and LSE −inf (never NaN), and zero
+    gradients.
+    """
+    inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
+                      need_weights=return_weights, need_lse=return_lse)
+    result = dispatch.select(inputs, backend).forward(inputs)
+    out = restore(result.out, inputs)
+    if not (return_lse or return_weights):
+        return out
+    lse = restore(result.lse, inputs) if return_lse else None
+    weights = restore(result.weights, inputs) if return_weights else None
+    return AttentionResult(out, lse, weights)
+
+
+def backends() -> dict[str, str]:
+    """Every backend by name, with ``""`` when usable here or the reason it is not."""
+    return {name: (b.unavailable_reason() or "") for name, b in dispatch.BACKENDS.items()}

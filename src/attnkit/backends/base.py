@@ -1,0 +1,71 @@
+"""The backend protocol: what a backend supports, stated as data, and why it refuses an input."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..inputs import Inputs
+
+
+class BackendOutput(NamedTuple):
+    """``out [B, Hq, Tq, Dv]`` (input dtype), ``lse [B, Hq, Tq]`` (fp32; fp64 for fp64 input;
+    may be ``None`` when not requested), ``weights [B, Hq, Tq, Tk]`` or ``None`` when not requested."""
+
+    out: torch.Tensor
+    lse: Optional[torch.Tensor]
+    weights: Optional[torch.Tensor]
+
+
+class Backend:
+    """A way to compute attention. Subclasses set the capability fields and ``forward``.
+
+    ``forward`` must be differentiable in q, k, v (plain autograd or a ``torch.autograd.Function``).
+    """
+
+    NAME: str = "?"
+    DEVICES: tuple[str, ...] = ("cpu", "cuda")
+    DTYPES: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    SUPPORTS_DROPOUT: bool = True
+    SUPPORTS_WEIGHTS: bool = True
+    SUPPORTS_BIAS: bool = True
+    MAX_HEAD_DIM: Optional[int] = None
+    DESCRIPTION: str = ""
+
+    def unavailable_reason(self) -> Optional[str]:
+        """Why this backend cannot run on this machine at all (``None`` when it can)."""
+        return None
+
+    def is_available(self) -> bool:
+        return self.unavailable_reason() is None
+
+    def not_supported_reasons(self, inputs: Inputs) -> list[str]:
+        """Every reason this backend cannot run ``inputs``, one line each; empty means it can."""
+        name = self.NAME
+        reasons = []
+        why_not = self.unavailable_reason()
+        if why_not:
+            reasons.append(why_not)
+        if inputs.q.device.type not in self.DEVICES:
+            reasons.append(f"device={inputs.q.device.type} (not supported by {name})")
+        if inputs.q.dtype not in self.DTYPES:
+            reasons.append(f"dtype={inputs.q.dtype} (not supported by {name})")
+        if inputs.dropout_p > 0 and not self.SUPPORTS_DROPOUT:
+            reasons.append(f"dropout_p={inputs.dropout_p} (not supported by {name})")
+        if inputs.need_weights and not self.SUPPORTS_WEIGHTS:
+            reasons.append(f"return_weights=True (not supported by {name})")
+        if inputs.mask is not None and inputs.mask.has_bias and not self.SUPPORTS_BIAS:
+            reasons.append(f"additive bias mask (not supported by {name})")
+        head_dim = max(inputs.q.shape[-1], inputs.v.shape[-1])
+        if self.MAX_HEAD_DIM is not None and head_dim > self.MAX_HEAD_DIM:
+            reasons.append(f"head dim {head_dim} > {self.MAX_HEAD_DIM} (not supported by {name})")
+        reasons.extend(self.extra_reasons(inputs))
+        return reasons
+
+    def extra_reasons(self, inputs: Inputs) -> list[str]:
+        """Backend-specific refusals beyond the capability fields."""
+        return []
+
+    def forward(self, inputs: Inputs) -> BackendOutput:
+        raise NotImplementedError

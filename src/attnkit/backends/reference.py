@@ -1,0 +1,77 @@
+"""The exact reference: float64, materialised, every intermediate kept.
+
+This is the definition the other backends are tested against, written as the math reads::
+
+    scores = q @ kᵀ                     [B, Hq, Tq, Tk]
+    scaled = scores * scale
+    masked = scaled + bias, −inf where the mask forbids
+    weights, lse = stable softmax(masked)   (a fully masked row: weights 0, lse −inf)
+    out = dropout(weights) @ v          [B, Hq, Tq, Dv]
+
+It costs O(Tq·Tk) memory per head and computes in float64 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..inputs import Inputs
+from ..numerics import dropout_keep, masked_softmax
+from .base import Backend, BackendOutput
+
+
+class Steps(NamedTuple):
+    """Every intermediate of one reference computation (float64), for ``attnkit explain``."""
+
+    scores: torch.Tensor  # [B, Hq, Tq, Tk]  q @ kᵀ
+    scaled: torch.Tensor  # [B, Hq, Tq, Tk]  scores * scale
+    allowed: Optional[torch.Tensor]  # [Bm, Hm, Tq, Tk] bool, or None without a mask
+    masked: torch.Tensor  # [B, Hq, Tq, Tk]  scaled + bias, −inf where masked
+    weights: torch.Tensor  # [B, Hq, Tq, Tk]  softmax rows (0 on fully masked rows)
+    lse: torch.Tensor  # [B, Hq, Tq]
+    out: torch.Tensor  # [B, Hq, Tq, Dv]
+
+
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """``a [B, Hq, T, X] @ b [B, Hkv, X, Y]`` with Hq = G·Hkv, broadcasting b over each group
+    (GQA without repeating K/V in memory) → ``[B, Hq, T, Y]``."""
+    batch, heads_q, t, x = a.shape
+    grouped = a.reshape(batch, heads_kv, heads_q // heads_kv, t, x)  # [B, Hkv, G, T, X]
+    return (grouped @ b[:, :, None]).reshape(batch, heads_q, t, b.shape[-1])
+
+
+def steps(inputs: Inputs) -> Steps:
+    """Run the reference computation in float64 and keep every intermediate."""
+    q, k, v = (t.to(torch.float64) for t in (inputs.q, inputs.k, inputs.v))
+    heads_kv = k.shape[1]
+    scores = grouped_matmul(q, k.transpose(-1, -2), heads_kv)  # [B, Hq, Tq, Tk]
+    scaled = scores * inputs.scale
+    allowed = bias = None
+    if inputs.mask is not None:
+        space = inputs.space
+        allowed = inputs.mask.to_dense(space)  # [Bm, Hm, Tq, Tk]
+        bias = inputs.mask.dense_bias(space)
+    masked = scaled if bias is None else scaled + bias.to(torch.float64)
+    if allowed is not None:
+        masked = masked.masked_fill(~allowed, float("-inf"))
+    weights, lse = masked_softmax(masked, None)
+    applied = weights
+    if inputs.dropout_p > 0:
+        keep = dropout_keep(weights.shape, inputs.dropout_p, inputs.generator, weights.device)
+        applied = weights * keep / (1.0 - inputs.dropout_p)
+    out = grouped_matmul(applied, v, heads_kv)  # [B, Hq, Tq, Dv]
+    return Steps(scores, scaled, allowed, masked, weights, lse, out)
+
+
+class ReferenceBackend(Backend):
+    NAME = "reference"
+    DESCRIPTION = "float64, materialised O(Tq·Tk), keeps every step; the definition others are tested against"
+
+    def forward(self, inputs: Inputs) -> BackendOutput:
+        s = steps(inputs)
+        dtype = inputs.q.dtype
+        lse = s.lse if dtype == torch.float64 else s.lse.to(torch.float32)
+        weights = s.weights.to(dtype) if inputs.need_weights else None
+        return BackendOutput(s.out.to(dtype), lse, weights)

@@ -1,0 +1,75 @@
+"""PyTorch's own fused kernel (``F.scaled_dot_product_attention``), where it meets the contract.
+
+On CPU with Dk == Dv it calls the fused flash kernel directly, which also returns the LSE.
+Masks: none and top-left causal go in as ``is_causal``; any other boolean/bias mask is
+materialised once as an additive bias (O(Tq·Tk) memory). Rows with no allowed key are
+zeroed and given LSE −inf afterwards, so the contract holds whatever the kernel does there.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..inputs import Inputs
+from ..masks import _Band
+from ..numerics import accum_dtype
+from .base import Backend, BackendOutput
+
+
+def _fused_cpu(inputs: Inputs) -> bool:
+    """The CPU flash kernel (which also returns the LSE) needs Dk == Dv."""
+    return inputs.q.device.type == "cpu" and inputs.q.shape[-1] == inputs.v.shape[-1]
+
+
+def _is_plain_causal(mask) -> bool:
+    return isinstance(mask, _Band) and mask.left is None and mask.right == 0 and mask.align == "top_left"
+
+
+def dense_bias(inputs: Inputs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The mask as an additive bias in q's dtype ``[Bm, Hm, Tq, Tk]`` (−inf where forbidden),
+    and the per-row "has an allowed key" flags ``[Bm, Hm, Tq, 1]``."""
+    space = inputs.space
+    allowed = inputs.mask.to_dense(space)
+    values = inputs.mask.dense_bias(space)
+    fill = torch.zeros((), dtype=inputs.q.dtype, device=inputs.q.device)
+    additive = fill.expand(allowed.shape) if values is None else values.to(inputs.q.dtype)
+    additive = additive.masked_fill(~allowed, float("-inf"))
+    return additive, allowed.any(dim=-1, keepdim=True)
+
+
+class TorchBackend(Backend):
+    NAME = "torch"
+    SUPPORTS_DROPOUT = False  # torch's dropout cannot follow attnkit's generator contract
+    SUPPORTS_WEIGHTS = False
+    DESCRIPTION = "torch's fused SDPA kernel; masks other than causal are materialised as a bias"
+
+    def extra_reasons(self, inputs: Inputs) -> list[str]:
+        reasons = []
+        if inputs.need_lse and not _fused_cpu(inputs):
+            reasons.append("return_lse needs the CPU fused kernel with Dk == Dv "
+                           "(not supported by torch)")
+        return reasons
+
+    def forward(self, inputs: Inputs) -> BackendOutput:
+        q, k, v, mask = inputs.q, inputs.k, inputs.v, inputs.mask
+        is_causal = _is_plain_causal(mask)
+        additive = row_ok = None
+        if mask is not None and not is_causal:
+            additive, row_ok = dense_bias(inputs)
+        if _fused_cpu(inputs):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, is_causal, attn_mask=additive, scale=inputs.scale)
+            lse = lse.to(accum_dtype(q.dtype))
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, is_causal=is_causal,
+                                                 scale=inputs.scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            lse = None
+        if row_ok is not None:
+            out = out.masked_fill(~row_ok, 0.0)
+            if lse is not None:
+                lse = lse.masked_fill(~row_ok[..., 0], float("-inf"))
+        return BackendOutput(out, lse, None)

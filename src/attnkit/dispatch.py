@@ -1,0 +1,57 @@
+"""Backend registry and selection: ``backend="auto"`` takes the first backend, in priority
+order, whose ``not_supported_reasons`` is empty; an explicit backend that cannot run the
+input raises with its reasons. The order is data (``PRIORITY``), never mutated at run time."""
+
+from __future__ import annotations
+
+from .backends.base import Backend
+from .backends.reference import ReferenceBackend
+from .backends.torch_sdpa import TorchBackend
+from .inputs import Inputs
+
+BACKENDS: dict[str, Backend] = {b.NAME: b for b in (ReferenceBackend(), TorchBackend())}
+"""Every backend by name. Later backends (tiled, triton) register here."""
+
+PRIORITY: tuple[str, ...] = ("torch", "reference")
+"""Order tried by ``backend="auto"``: fastest first, the exact reference last (it runs anything)."""
+
+AUTO_RULES = (
+    "torch: torch's fused kernel whenever it can run the input (no dropout, no weights)",
+    "reference: everything else (dropout, returned weights, Dk != Dv with LSE)",
+)
+"""Human-readable dispatch rules, shown by ``attnkit info``."""
+
+
+def names() -> list[str]:
+    return ["auto", *BACKENDS]
+
+
+def register(backend: Backend, *, before: str | None = None) -> None:
+    """Add a backend (at import time of its module) and place it in the auto order."""
+    global PRIORITY
+    BACKENDS[backend.NAME] = backend
+    order = [n for n in PRIORITY if n != backend.NAME]
+    order.insert(order.index(before) if before in order else len(order) - 1, backend.NAME)
+    PRIORITY = tuple(order)
+
+
+def select(inputs: Inputs, backend: str) -> Backend:
+    """The backend to run ``inputs`` with, or a ValueError listing every reason."""
+    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
+        raise ValueError(f"unknown backend {backend!r}: choose one of {names()}")
+    if backend != "auto":
+        chosen = BACKENDS[backend]
+        reasons = chosen.not_supported_reasons(inputs)
+        if reasons:
+            raise ValueError(f"backend {backend!r} cannot run these inputs:\n  - "
+                             + "\n  - ".join(reasons) + f"\nInputs:\n{inputs.describe()}\n"
+                             f"Use backend='auto' to pick one that can.")
+        return chosen
+    all_reasons = {}
+    for name in PRIORITY:
+        reasons = BACKENDS[name].not_supported_reasons(inputs)
+        if not reasons:
+            return BACKENDS[name]
+        all_reasons[name] = reasons
+    detail = "\n".join(f"  {name}: " + "; ".join(r) for name, r in all_reasons.items())
+    raise ValueError(f"no backend can run these inputs:\n{detail}\nInputs:\n{inputs.describe()}")

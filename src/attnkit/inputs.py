@@ -1,0 +1,193 @@
+"""Validation and shape normalisation: every user error of ``attention()`` is raised here.
+
+``validate`` checks the call once and returns an :class:`Inputs` whose tensors are
+``[B, H, T, D]`` views of the caller's (no copies where the layout allows). Backends only ever
+see :class:`Inputs`; ``restore`` puts results back into the caller's shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .masks import Mask, MaskSpace, as_mask
+
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Inputs:
+    """A validated call. ``q [B, Hq, Tq, Dk]``, ``k [B, Hkv, Tk, Dk]``, ``v [B, Hkv, Tk, Dv]``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Optional[Mask]
+    scale: float
+    dropout_p: float
+    generator: Optional[torch.Generator]
+    batch_shape: tuple  # the caller's leading dims (flattened into B)
+    input_rank: int  # 2: [T, D]; 3: [B, T, D]; 4+: [..., H, T, D]
+    need_weights: bool = False
+    need_lse: bool = False
+    need_grad: bool = field(default=False)
+
+    @property
+    def space(self) -> MaskSpace:
+        b, h, tq, _ = self.q.shape
+        return MaskSpace(batch=b, heads=h, q_len=tq, kv_len=self.k.shape[2], device=self.q.device)
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (GQA); 1 for ordinary multi-head attention."""
+        return self.q.shape[1] // self.k.shape[1]
+
+    def describe(self) -> str:
+        """One line per tensor, for error messages."""
+        lines = [f"  {name}: shape {tuple(t.shape)}, {t.dtype}, {t.device}"
+                 for name, t in (("q", self.q), ("k", self.k), ("v", self.v))]
+        lines.append(f"  mask: {self.mask!r}, scale={self.scale:g}, dropout_p={self.dropout_p}")
+        return "\n".join(lines)
+
+
+def _describe(**tensors) -> str:
+    return ", ".join(f"{name} {tuple(t.shape)} {t.dtype} {t.device}" for name, t in tensors.items()
+                     if isinstance(t, torch.Tensor))
+
+
+def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
+             need_weights=False, need_lse=False) -> Inputs:
+    """Check an ``attention()`` call and normalise it to ``[B, H, T, D]``; raise on bad input.
+
+    Accepted forms: ``[Tq, Dk]`` (one sequence), ``[B, Tq, Dk]`` (a batch, one head) and
+    ``[..., Hq, Tq, Dk]`` (any leading batch dims). k/v have the same rank and leading dims.
+    """
+    tensors = dict(q=q, k=k, v=v)
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    where = _describe(**tensors)
+    for name, t in tensors.items():
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; attention needs floating point "
+                            f"(float64/float32/float16/bfloat16): convert with {name}.float(). Got {where}")
+        if t.dim() < 2:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; attention needs at least 2 dims "
+                             f"[T, D] (use {name}[None] for a single vector). Got {where}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype: {where}. Cast them, e.g. k.to(q.dtype)")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device: {where}. Move them with .to(q.device)")
+    if not (q.dim() == k.dim() == v.dim()):
+        raise ValueError(f"q, k and v must have the same number of dims: {where}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share the feature dim Dk (the last): q has {q.shape[-1]}, "
+                         f"k has {k.shape[-1]}. Got {where}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same length Tk (dim -2): k has {k.shape[-2]}, "
+                         f"v has {v.shape[-2]}. Got {where}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must match in every dim but the last: {where}")
+    for name, t in tensors.items():
+        if t.shape[-1] == 0:
+            raise ValueError(f"{name} has an empty feature dim: {where}")
+
+    rank = q.dim()
+    if rank == 2:
+        q4, k4, v4 = q[None, None], k[None, None], v[None, None]
+        batch_shape = ()
+    elif rank == 3:
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"3-D inputs are [B, T, D]: q and k must share the batch size B, "
+                             f"got {where}. For heads use 4-D [B, H, T, D]")
+        q4, k4, v4 = q[:, None], k[:, None], v[:, None]
+        batch_shape = (q.shape[0],)
+    else:
+        batch_shape = tuple(q.shape[:-3])
+        if tuple(k.shape[:-3]) != batch_shape:
+            raise ValueError(f"q and k must share the leading batch dims {batch_shape}, got "
+                             f"{tuple(k.shape[:-3])}: {where}. Broadcast them explicitly with .expand()")
+        hq, hkv = q.shape[-3], k.shape[-3]
+        if hkv == 0 or hq % hkv:
+            raise ValueError(f"k has {hkv} heads but q has {hq}: the number of query heads must be "
+                             f"a multiple of key/value heads (GQA). Got {where}")
+        q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a positive float (or None for 1/sqrt(Dk)), got {scale!r}")
+    elif not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale!r}: use a finite positive number (a temperature τ is "
+                         f"scale=1/(τ·sqrt(Dk)))")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p!r}: must be a float in [0, 1)")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+
+    mask = as_mask(mask)
+    inputs = Inputs(q=q4, k=k4, v=v4, mask=mask, scale=float(scale), dropout_p=float(dropout_p),
+                    generator=generator, batch_shape=batch_shape, input_rank=rank,
+                    need_weights=need_weights, need_lse=need_lse,
+                    need_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+    if mask is not None:
+        mask = _fit_mask(mask, inputs)
+        inputs.mask = mask
+        problems = mask.check(inputs.space)
+        if problems:
+            raise ValueError("mask does not fit the inputs:\n  " + "\n  ".join(problems)
+                             + f"\nInputs (normalised to [B, H, T, D]):\n{inputs.describe()}")
+    return inputs
+
+
+def _fit_mask(mask: Mask, inputs: Inputs) -> Mask:
+    """Tensor masks follow the caller's layout; map them to [B, H, Tq, Tk] once, here."""
+    from .masks import _Bias, _Combined, _Dense  # local: private classes of the masks module
+
+    if isinstance(mask, _Combined):
+        mask.parts = tuple(_fit_mask(p, inputs) for p in mask.parts)
+        return mask
+    if isinstance(mask, (_Dense, _Bias)):
+        t = mask.allowed if isinstance(mask, _Dense) else mask.values
+        if t.device != inputs.q.device:
+            raise ValueError(f"mask is on {t.device} but q is on {inputs.q.device}: move it with .to()")
+        if isinstance(mask, _Bias) and t.dtype != inputs.q.dtype and t.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"bias has dtype {t.dtype} but q has {inputs.q.dtype}: cast the bias")
+        t4 = _to_4d(t, inputs)
+        return type(mask)(t4)
+    return mask
+
+
+def _to_4d(t: torch.Tensor, inputs: Inputs) -> torch.Tensor:
+    """A tensor broadcastable to the caller's [..., H, Tq, Tk] → [Bm, Hm, Tq, Tk]."""
+    rank, batch_shape = inputs.input_rank, inputs.batch_shape
+    caller = (*batch_shape, inputs.q.shape[1], inputs.q.shape[2], inputs.k.shape[2])
+    if rank == 3:  # caller's form is [B, Tq, Tk] with no head dim
+        caller = (*batch_shape, inputs.q.shape[2], inputs.k.shape[2])
+    elif rank == 2:
+        caller = caller[-2:]
+    if t.dim() > len(caller) or any(s not in (1, c) for s, c in zip(t.shape[::-1], caller[::-1])):
+        raise ValueError(f"mask of shape {tuple(t.shape)} is not broadcastable to the scores "
+                         f"{list(caller)} (q {tuple(inputs.q.shape)} normalised): each dim must "
+                         f"match or be 1; masks are never silently broadcast otherwise")
+    t = t.reshape((1,) * (len(caller) - t.dim()) + tuple(t.shape))
+    if rank == 3:
+        t = t.unsqueeze(1)
+    elif rank == 2:
+        t = t[None, None]
+    lead = t.shape[:-3]
+    if all(s == 1 for s in lead):
+        return t.reshape(1, *t.shape[-3:])
+    return t.expand(*batch_shape, *t.shape[-3:]).reshape(-1, *t.shape[-3:])
+
+
+def restore(x: torch.Tensor, inputs: Inputs) -> torch.Tensor:
+    """``[B, H, Tq, ...]`` → the caller's layout (``[Tq, ...]``, ``[B, Tq, ...]`` or ``[..., H, Tq, ...]``)."""
+    if inputs.input_rank == 2:
+        return x[0, 0]
+    if inputs.input_rank == 3:
+        return x[:, 0]
+    return x.reshape(*inputs.batch_shape, *x.shape[1:])

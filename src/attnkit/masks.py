@@ -1,0 +1,581 @@
+"""Mask objects: which keys each query may attend to, without building a dense matrix.
+
+A mask answers three questions, and every backend uses only these:
+
+- ``tile(q_idx, kv_idx, space)``: the boolean "may attend" for one tile of positions,
+  shape ``[Bm, Hm, len(q_idx), len(kv_idx)]`` with ``Bm in (1, B)`` and ``Hm in (1, H)``.
+- ``tile_bias(q_idx, kv_idx, space)``: the additive float bias for that tile, or ``None``.
+- ``block_map(block_q, block_k, space)``: for every (query-block, key-block) tile,
+  ``EMPTY`` (skip it), ``FULL`` (no masking needed) or ``PARTIAL`` (apply ``tile``).
+
+Positions are *global*: ``q_idx``/``kv_idx`` are absolute indices into the whole sequence,
+so a shard of a longer sequence is evaluated by passing its own index range (``q_offset``).
+``space`` (:class:`MaskSpace`) carries the batch size, head count and the *global* lengths.
+
+True means "may attend", as in ``torch.nn.functional.scaled_dot_product_attention``::
+
+    >>> print(causal().draw(4, 4))
+    █░░░
+    ██░░
+    ███░
+    ████
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+"""Block-map codes: skip the tile, apply the element mask, or use the tile unmasked."""
+
+__all__ = [
+    "EMPTY", "PARTIAL", "FULL", "MaskSpace", "Mask", "causal", "sliding_window", "padding",
+    "documents", "dense", "bias", "from_function", "as_mask",
+]
+
+
+@dataclass(frozen=True)
+class MaskSpace:
+    """The extent a mask is evaluated over: batch size, heads, and global sequence lengths."""
+
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    device: torch.device = torch.device("cpu")
+
+
+def _positions(start: int, stop: int, device) -> torch.Tensor:
+    return torch.arange(start, stop, device=device)
+
+
+def _as_4d(x: torch.Tensor) -> torch.Tensor:
+    while x.dim() < 4:
+        x = x.unsqueeze(0)
+    return x
+
+
+class Mask:
+    """Base class. Subclasses implement :meth:`tile`; structured ones also :meth:`block_map`."""
+
+    has_bias: bool = False
+    """True when the mask carries an additive float bias (tiles then always need applying)."""
+
+    # ---- the three questions -------------------------------------------------------------
+    def tile(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, space: MaskSpace) -> torch.Tensor:
+        """Bool "may attend" for positions ``q_idx`` [tq] × ``kv_idx`` [tk] → ``[Bm, Hm, tq, tk]``."""
+        raise NotImplementedError
+
+    def tile_bias(self, q_idx: torch.Tensor, kv_idx: torch.Tensor,
+                  space: MaskSpace) -> Optional[torch.Tensor]:
+        """Additive bias ``[Bm, Hm, tq, tk]`` (float), or ``None`` when the mask has none."""
+        return None
+
+    def block_map(self, block_q: int, block_k: int, space: MaskSpace, *,
+                  q_offset: int = 0, q_count: Optional[int] = None,
+                  kv_offset: int = 0, kv_count: Optional[int] = None) -> torch.Tensor:
+        """Classify tiles: int8 ``[Bm, Hm, ceil(q_count/block_q), ceil(kv_count/block_k)]``.
+
+        Covers queries ``q_offset .. q_offset+q_count`` and keys ``kv_offset .. kv_offset+kv_count``
+        (global positions; the counts default to the rest of the sequence). Codes are
+        :data:`EMPTY`, :data:`PARTIAL`, :data:`FULL`. The generic version evaluates the element
+        mask once (O(tq·tk) booleans); structured masks override it with O(blocks) arithmetic.
+        """
+        q_count = space.q_len - q_offset if q_count is None else q_count
+        kv_count = space.kv_len - kv_offset if kv_count is None else kv_count
+        allowed = self.tile(_positions(q_offset, q_offset + q_count, space.device),
+                            _positions(kv_offset, kv_offset + kv_count, space.device), space)
+        return _reduce_blocks(allowed, block_q, block_k, self.has_bias)
+
+    def to_dense(self, space: MaskSpace) -> torch.Tensor:
+        """The whole bool mask ``[Bm, Hm, q_len, kv_len]`` (for the reference backend and pictures)."""
+        return self.tile(_positions(0, space.q_len, space.device),
+                         _positions(0, space.kv_len, space.device), space)
+
+    def dense_bias(self, space: MaskSpace) -> Optional[torch.Tensor]:
+        """The whole additive bias ``[Bm, Hm, q_len, kv_len]``, or ``None``."""
+        return self.tile_bias(_positions(0, space.q_len, space.device),
+                              _positions(0, space.kv_len, space.device), space)
+
+    def draw(self, q_len: int = 8, kv_len: Optional[int] = None, *, batch: int = 0,
+             head: int = 0) -> str:
+        """Text picture of the mask: █ may attend, ░ masked (one line per query)."""
+        kv_len = q_len if kv_len is None else kv_len
+        space = MaskSpace(batch=max(batch + 1, self._min_batch()), heads=head + 1,
+                          q_len=q_len, kv_len=kv_len)
+        grid = self.to_dense(space)
+        grid = grid[min(batch, grid.shape[0] - 1), min(head, grid.shape[1] - 1)]
+        return "\n".join("".join("█" if a else "░" for a in row.tolist()) for row in grid)
+
+    def _min_batch(self) -> int:
+        return 1
+
+    def check(self, space: MaskSpace) -> list[str]:
+        """Problems fitting this mask to ``space`` (empty when it fits); used by validation."""
+        return []
+
+    # ---- combinators ------------------------------------------------------------------------
+    def __and__(self, other: "Mask") -> "Mask":
+        return _And(self, as_mask(other))
+
+    def __or__(self, other: "Mask") -> "Mask":
+        return _Or(self, as_mask(other))
+
+    def __invert__(self) -> "Mask":
+        return _Not(self)
+
+    def __str__(self) -> str:
+        return self.draw(8, 8)
+
+
+def _reduce_blocks(allowed: torch.Tensor, block_q: int, block_k: int, has_bias: bool) -> torch.Tensor:
+    """Collapse an element mask ``[Bm, Hm, tq, tk]`` into block codes."""
+    bm, hm, tq, tk = allowed.shape
+    nq, nk = math.ceil(tq / block_q), math.ceil(tk / block_k)
+    pad_q, pad_k = nq * block_q - tq, nk * block_k - tk
+    # Padding positions count as allowed for "all" and disallowed for "any".
+    padded = torch.nn.functional.pad(allowed.to(torch.int8), (0, pad_k, 0, pad_q), value=-1)
+    blocks = padded.reshape(bm, hm, nq, block_q, nk, block_k).transpose(3, 4)
+    blocks = blocks.reshape(bm, hm, nq, nk, block_q * block_k)
+    any_allowed = (blocks == 1).any(-1)
+    all_allowed = (blocks != 0).all(-1)
+    codes = torch.full((bm, hm, nq, nk), PARTIAL, dtype=torch.int8, device=allowed.device)
+    codes[~any_allowed] = EMPTY
+    if not has_bias:
+        codes[all_allowed & any_allowed] = FULL
+    return codes
+
+
+def _block_bounds(offset: int, count: int, block: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and last global position of every block: two [n] tensors."""
+    starts = torch.arange(offset, offset + count, block, device=device)
+    ends = torch.clamp(starts + block - 1, max=offset + count - 1)
+    return starts, ends
+
+
+def _codes_from_bounds(any_allowed: torch.Tensor, all_allowed: torch.Tensor) -> torch.Tensor:
+    codes = torch.full(any_allowed.shape, PARTIAL, dtype=torch.int8, device=any_allowed.device)
+    codes[~any_allowed] = EMPTY
+    codes[all_allowed & any_allowed] = FULL
+    return codes
+
+
+class _Band(Mask):
+    """Keys in ``[q + shift - left, q + shift + right]``; ``None`` bounds are unbounded."""
+
+    def __init__(self, left: Optional[int], right: Optional[int], align: str):
+        if align not in ("top_left", "bottom_right"):
+            raise ValueError(f"align={align!r}: use 'top_left' (torch SDPA) or 'bottom_right' (flash-attn)")
+        self.left, self.right, self.align = left, right, align
+
+    def _shift(self, space: MaskSpace) -> int:
+        return space.kv_len - space.q_len if self.align == "bottom_right" else 0
+
+    def tile(self, q_idx, kv_idx, space):
+        rel = kv_idx[None, :] - (q_idx[:, None] + self._shift(space))  # [tq, tk]
+        allowed = torch.ones_like(rel, dtype=torch.bool)
+        if self.right is not None:
+            allowed &= rel <= self.right
+        if self.left is not None:
+            allowed &= rel >= -self.left
+        return _as_4d(allowed)
+
+    def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
+                  kv_count=None):
+        q_count = space.q_len - q_offset if q_count is None else q_count
+        kv_count = space.kv_len - kv_offset if kv_count is None else kv_count
+        q_lo, q_hi = _block_bounds(q_offset, q_count, block_q, space.device)
+        k_lo, k_hi = _block_bounds(kv_offset, kv_count, block_k, space.device)
+        shift = self._shift(space)
+        # rel = k - q - shift over a tile spans [k_lo - q_hi, k_hi - q_lo] - shift.
+        rel_min = k_lo[None, :] - q_hi[:, None] - shift  # [nq, nk]
+        rel_max = k_hi[None, :] - q_lo[:, None] - shift
+        hi = self.right if self.right is not None else math.inf
+        lo = -self.left if self.left is not None else -math.inf
+        any_allowed = (rel_min <= hi) & (rel_max >= lo)
+        all_allowed = (rel_max <= hi) & (rel_min >= lo)
+        return _codes_from_bounds(any_allowed, all_allowed)[None, None]  # [1, 1, nq, nk]
+
+    def __repr__(self):
+        return f"{type(self).__name__}(left={self.left}, right={self.right}, align={self.align!r})"
+
+
+def causal(align: str = "top_left") -> Mask:
+    """Causal mask: query i sees keys j ≤ i.
+
+    ``align="top_left"`` (torch SDPA's ``is_causal``) anchors the diagonal at (0, 0);
+    ``align="bottom_right"`` (flash-attn) anchors it at the last query and last key, so with
+    more keys than queries (decoding with a cache) the last query sees every key::
+
+        top_left, 3×5      bottom_right, 3×5
+        █░░░░              ███░░
+        ██░░░              ████░
+        ███░░              █████
+    """
+    return _Band(left=None, right=0, align=align)
+
+
+def sliding_window(left: int, right: int = 0, align: str = "top_left") -> Mask:
+    """Local attention: query i sees keys ``i - left ≤ j ≤ i + right`` (``right=0``: causal window).
+
+    ``sliding_window(2)`` on 5×5::
+
+        █░░░░
+        ██░░░
+        ███░░
+        ░███░
+        ░░███
+    """
+    for name, value in (("left", left), ("right", right)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"sliding_window {name}={value!r}: must be an int number of positions")
+        if value < 0:
+            raise ValueError(f"sliding_window {name}={value} is negative: use a window of 0 or more "
+                             f"positions (left counts keys before the query, right keys after it)")
+    return _Band(left=left, right=right, align=align)
+
+
+def _lengths(name: str, value) -> Optional[torch.Tensor]:
+    if value is None:
+        return None
+    t = torch.as_tensor(value)
+    if t.is_floating_point() or t.dtype == torch.bool:
+        raise TypeError(f"padding {name} has dtype {t.dtype}: pass integer lengths, one per batch element")
+    return t.to(torch.long)
+
+
+class _Padding(Mask):
+    def __init__(self, q_lengths, kv_lengths):
+        self.q_lengths = _lengths("q_lengths", q_lengths)
+        self.kv_lengths = _lengths("kv_lengths", kv_lengths)
+        if self.q_lengths is None and self.kv_lengths is None:
+            raise ValueError("padding() needs q_lengths or kv_lengths (a length per batch element)")
+
+    def _min_batch(self):
+        return max(t.numel() for t in (self.q_lengths, self.kv_lengths) if t is not None)
+
+    def check(self, space):
+        problems = []
+        for name, lengths, limit in (("q_lengths", self.q_lengths, space.q_len),
+                                     ("kv_lengths", self.kv_lengths, space.kv_len)):
+            if lengths is None:
+                continue
+            if lengths.numel() not in (1, space.batch):
+                problems.append(f"padding {name} has {lengths.numel()} entries (shape "
+                                f"{tuple(lengths.shape)}) but the batch has {space.batch}: give one "
+                                f"length per batch element")
+            elif lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > limit):
+                problems.append(f"padding {name}={lengths.tolist()} out of range: each must be in "
+                                f"[0, {limit}] (the {'query' if name[0] == 'q' else 'key'} length)")
+        return problems
+
+    def _bounds(self, space):
+        def per_batch(lengths, default):
+            if lengths is None:
+                return torch.full((1,), default, dtype=torch.long, device=space.device)
+            return lengths.reshape(-1).to(space.device)
+        return per_batch(self.q_lengths, space.q_len), per_batch(self.kv_lengths, space.kv_len)
+
+    def tile(self, q_idx, kv_idx, space):
+        q_len, kv_len = self._bounds(space)  # [Bm]
+        q_ok = q_idx[None, :] < q_len[:, None]  # [Bm, tq]
+        kv_ok = kv_idx[None, :] < kv_len[:, None]  # [Bm, tk]
+        return (q_ok[:, :, None] & kv_ok[:, None, :])[:, None]  # [Bm, 1, tq, tk]
+
+    def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
+                  kv_count=None):
+        q_count = space.q_len - q_offset if q_count is None else q_count
+        kv_count = space.kv_len - kv_offset if kv_count is None else kv_count
+        q_len, kv_len = self._bounds(space)
+        q_lo, q_hi = _block_bounds(q_offset, q_count, block_q, space.device)
+        k_lo, k_hi = _block_bounds(kv_offset, kv_count, block_k, space.device)
+        q_any, q_all = q_lo[None] < q_len[:, None], q_hi[None] < q_len[:, None]  # [Bm, nq]
+        k_any, k_all = k_lo[None] < kv_len[:, None], k_hi[None] < kv_len[:, None]  # [Bm, nk]
+        any_allowed = q_any[:, :, None] & k_any[:, None, :]
+        all_allowed = q_all[:, :, None] & k_all[:, None, :]
+        return _codes_from_bounds(any_allowed, all_allowed)[:, None]  # [Bm, 1, nq, nk]
+
+    def __repr__(self):
+        return f"padding(q_lengths={self.q_lengths}, kv_lengths={self.kv_lengths})"
+
+
+def padding(q_lengths=None, kv_lengths=None) -> Mask:
+    """Variable-length batches: query i / key j of batch b is real when ``i < q_lengths[b]`` /
+    ``j < kv_lengths[b]``; padded keys are never attended, padded queries output exactly 0.
+
+    ``padding(kv_lengths=[3])`` on 4×5::
+
+        ███░░
+        ███░░
+        ███░░
+        ███░░
+    """
+    return _Padding(q_lengths, kv_lengths)
+
+
+class _Documents(Mask):
+    def __init__(self, q_ids, kv_ids):
+        self.q_ids = torch.as_tensor(q_ids)
+        self.kv_ids = self.q_ids if kv_ids is None else torch.as_tensor(kv_ids)
+        for name, ids in (("q_ids", self.q_ids), ("kv_ids", self.kv_ids)):
+            if ids.is_floating_point() or ids.dim() not in (1, 2):
+                raise TypeError(f"documents {name} must be integer ids of shape [T] or [B, T], "
+                                f"got {ids.dtype} {tuple(ids.shape)}")
+
+    def _min_batch(self):
+        return max(self.q_ids.dim() == 2 and self.q_ids.shape[0] or 1,
+                   self.kv_ids.dim() == 2 and self.kv_ids.shape[0] or 1)
+
+    def check(self, space):
+        problems = []
+        for name, ids, length in (("q_ids", self.q_ids, space.q_len), ("kv_ids", self.kv_ids, space.kv_len)):
+            if ids.shape[-1] != length:
+                problems.append(f"documents {name} has shape {tuple(ids.shape)} but the sequence has "
+                                f"{length} positions: give one document id per position")
+            if ids.dim() == 2 and ids.shape[0] not in (1, space.batch):
+                problems.append(f"documents {name} has {ids.shape[0]} rows but the batch has "
+                                f"{space.batch}: use shape [T] or [{space.batch}, T]")
+        return problems
+
+    def _ids(self, ids, idx, space):
+        ids = ids.to(space.device)
+        return (ids if ids.dim() == 2 else ids[None])[:, idx]  # [Bm, t]
+
+    def tile(self, q_idx, kv_idx, space):
+        q_doc, kv_doc = self._ids(self.q_ids, q_idx, space), self._ids(self.kv_ids, kv_idx, space)
+        return (q_doc[:, :, None] == kv_doc[:, None, :])[:, None]
+
+    def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
+                  kv_count=None):
+        q_count = space.q_len - q_offset if q_count is None else q_count
+        kv_count = space.kv_len - kv_offset if kv_count is None else kv_count
+
+        def ranges(ids, offset, count, block):
+            part = self._ids(ids, torch.arange(offset, offset + count, device=space.device), space)
+            n = math.ceil(count / block)
+            pad = n * block - count
+            lo = torch.nn.functional.pad(part, (0, pad), value=int(part.max()) if part.numel() else 0)
+            hi = torch.nn.functional.pad(part, (0, pad), value=int(part.min()) if part.numel() else 0)
+            return (lo.reshape(part.shape[0], n, block).amin(-1),
+                    hi.reshape(part.shape[0], n, block).amax(-1))  # [Bm, n] each
+
+        q_min, q_max = ranges(self.q_ids, q_offset, q_count, block_q)
+        k_min, k_max = ranges(self.kv_ids, kv_offset, kv_count, block_k)
+        # Disjoint id ranges share no document; one shared id on both sides is a full tile.
+        any_allowed = (q_min[:, :, None] <= k_max[:, None, :]) & (k_min[:, None, :] <= q_max[:, :, None])
+        all_allowed = ((q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]
+                       & (q_min[:, :, None] == k_min[:, None, :]))
+        return _codes_from_bounds(any_allowed, all_allowed)[:, None]  # [Bm, 1, nq, nk]
+
+    def __repr__(self):
+        return f"documents(q_ids={tuple(self.q_ids.shape)}, kv_ids={tuple(self.kv_ids.shape)})"
+
+
+def documents(q_ids, kv_ids=None) -> Mask:
+    """Packed sequences: a query attends only to keys of the same document id.
+
+    ``q_ids`` is ``[T]`` or ``[B, T]`` (integers); ``kv_ids`` defaults to ``q_ids``. Combine
+    with :func:`causal` for packed causal training. ``documents([0, 0, 1, 1, 1])``::
+
+        ██░░░
+        ██░░░
+        ░░███
+        ░░███
+        ░░███
+    """
+    return _Documents(q_ids, kv_ids)
+
+
+def _fit_tensor(t: torch.Tensor, q_idx, kv_idx, space) -> torch.Tensor:
+    """Index a [..., Tq, Tk]-broadcastable tensor at global positions → [Bm, Hm, tq, tk]."""
+    t = _as_4d(t.to(space.device))
+    if t.shape[-2] != 1:
+        t = t.index_select(-2, q_idx)
+    if t.shape[-1] != 1:
+        t = t.index_select(-1, kv_idx)
+    return t.expand(*t.shape[:2], len(q_idx), len(kv_idx))
+
+
+def _fit_problems(kind: str, t: torch.Tensor, space: MaskSpace) -> list[str]:
+    shape = tuple(t.shape)
+    target = (space.batch, space.heads, space.q_len, space.kv_len)
+    if t.dim() > 4 or any(s not in (1, full) for s, full in zip(shape[::-1], target[::-1])):
+        return [f"{kind} mask of shape {shape} does not broadcast to [B, H, Tq, Tk] = "
+                f"{list(target)}: each dimension must equal the target's or be 1"]
+    return []
+
+
+class _Dense(Mask):
+    def __init__(self, allowed: torch.Tensor):
+        if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
+            raise TypeError(f"dense() takes a bool tensor (True = may attend), got "
+                            f"{getattr(allowed, 'dtype', type(allowed).__name__)}; "
+                            f"for an additive float mask use attnkit.bias()")
+        self.allowed = allowed
+
+    def _min_batch(self):
+        return self.allowed.shape[0] if self.allowed.dim() == 4 else 1
+
+    def check(self, space):
+        return _fit_problems("dense", self.allowed, space)
+
+    def tile(self, q_idx, kv_idx, space):
+        return _fit_tensor(self.allowed, q_idx, kv_idx, space)
+
+    def __repr__(self):
+        return f"dense({tuple(self.allowed.shape)})"
+
+
+def dense(allowed: torch.Tensor) -> Mask:
+    """A bool tensor broadcastable to ``[B, H, Tq, Tk]``; True = may attend (as torch SDPA)."""
+    return _Dense(allowed)
+
+
+class _Bias(Mask):
+    has_bias = True
+
+    def __init__(self, values: torch.Tensor):
+        if not isinstance(values, torch.Tensor) or not values.is_floating_point():
+            raise TypeError(f"bias() takes a float tensor added to the scores, got "
+                            f"{getattr(values, 'dtype', type(values).__name__)}; for a bool mask "
+                            f"use attnkit.dense()")
+        self.values = values
+
+    def _min_batch(self):
+        return self.values.shape[0] if self.values.dim() == 4 else 1
+
+    def check(self, space):
+        return _fit_problems("bias", self.values, space)
+
+    def tile(self, q_idx, kv_idx, space):
+        # -inf entries mean "masked", so fully masked rows follow the contract (output 0).
+        return ~torch.isneginf(_fit_tensor(self.values, q_idx, kv_idx, space))
+
+    def tile_bias(self, q_idx, kv_idx, space):
+        values = _fit_tensor(self.values, q_idx, kv_idx, space)
+        return torch.where(torch.isneginf(values), torch.zeros((), dtype=values.dtype,
+                                                                device=values.device), values)
+
+    def __repr__(self):
+        return f"bias({tuple(self.values.shape)})"
+
+
+def bias(values: torch.Tensor) -> Mask:
+    """An additive float bias broadcastable to ``[B, H, Tq, Tk]`` (ALiBi, relative positions, …),
+    added to the scaled scores before the softmax. ``-inf`` entries are masked positions."""
+    return _Bias(values)
+
+
+class _Function(Mask):
+    def __init__(self, fn: Callable, name: Optional[str]):
+        if not callable(fn):
+            raise TypeError(f"from_function() takes a callable fn(b, h, q_idx, kv_idx) -> bool tensor, "
+                            f"got {type(fn).__name__}")
+        self.fn, self.name = fn, name or getattr(fn, "__name__", "fn")
+
+    def tile(self, q_idx, kv_idx, space):
+        b = torch.arange(space.batch, device=space.device)[:, None, None, None]
+        h = torch.arange(space.heads, device=space.device)[None, :, None, None]
+        out = self.fn(b, h, q_idx[None, None, :, None], kv_idx[None, None, None, :])
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            raise TypeError(f"from_function({self.name}) must return a bool tensor, got "
+                            f"{getattr(out, 'dtype', type(out).__name__)}")
+        out = _as_4d(out)
+        return out.expand(out.shape[0], out.shape[1], len(q_idx), len(kv_idx))
+
+    def __repr__(self):
+        return f"from_function({self.name})"
+
+
+def from_function(fn: Callable, name: Optional[str] = None) -> Mask:
+    """A mask from ``fn(b, h, q_idx, kv_idx) -> bool``, evaluated on broadcast index tensors
+    (``b [B,1,1,1]``, ``h [1,H,1,1]``, ``q_idx [1,1,tq,1]``, ``kv_idx [1,1,1,tk]``), like
+    FlexAttention's ``mask_mod``. Its block map is found by evaluating it once."""
+    return _Function(fn, name)
+
+
+class _Combined(Mask):
+    def __init__(self, *parts: Mask):
+        self.parts = parts
+        self.has_bias = any(p.has_bias for p in parts)
+
+    def _min_batch(self):
+        return max(p._min_batch() for p in self.parts)
+
+    def check(self, space):
+        return [problem for p in self.parts for problem in p.check(space)]
+
+
+class _And(_Combined):
+    def tile(self, q_idx, kv_idx, space):
+        a, b = (p.tile(q_idx, kv_idx, space) for p in self.parts)
+        return a & b
+
+    def tile_bias(self, q_idx, kv_idx, space):
+        biases = [b for b in (p.tile_bias(q_idx, kv_idx, space) for p in self.parts) if b is not None]
+        if not biases:
+            return None
+        return biases[0] if len(biases) == 1 else biases[0] + biases[1]
+
+    def block_map(self, block_q, block_k, space, **where):
+        a, b = (p.block_map(block_q, block_k, space, **where) for p in self.parts)
+        codes = torch.minimum(a, b)  # EMPTY < PARTIAL < FULL
+        if self.has_bias:
+            codes = torch.clamp(codes, max=PARTIAL)
+        return codes
+
+    def __repr__(self):
+        return f"({self.parts[0]!r} & {self.parts[1]!r})"
+
+
+class _Or(_Combined):
+    def __init__(self, *parts):
+        super().__init__(*parts)
+        if self.has_bias:
+            raise TypeError("a bias mask can only be combined with &: '|' has no meaning for "
+                            "additive biases")
+
+    def tile(self, q_idx, kv_idx, space):
+        a, b = (p.tile(q_idx, kv_idx, space) for p in self.parts)
+        return a | b
+
+    def block_map(self, block_q, block_k, space, **where):
+        a, b = (p.block_map(block_q, block_k, space, **where) for p in self.parts)
+        return torch.maximum(a, b)
+
+    def __repr__(self):
+        return f"({self.parts[0]!r} | {self.parts[1]!r})"
+
+
+class _Not(_Combined):
+    def __init__(self, part):
+        super().__init__(part)
+        if self.has_bias:
+            raise TypeError("a bias mask cannot be inverted with ~: it is additive, not boolean")
+
+    def tile(self, q_idx, kv_idx, space):
+        return ~self.parts[0].tile(q_idx, kv_idx, space)
+
+    def block_map(self, block_q, block_k, space, **where):
+        return (FULL - self.parts[0].block_map(block_q, block_k, space, **where)).to(torch.int8)
+
+    def __repr__(self):
+        return f"~{self.parts[0]!r}"
+
+
+def as_mask(mask) -> Optional[Mask]:
+    """``None``/Mask pass through; a bool tensor becomes :func:`dense`, a float one :func:`bias`."""
+    if mask is None or isinstance(mask, Mask):
+        return mask
+    if isinstance(mask, torch.Tensor):
+        return dense(mask) if mask.dtype == torch.bool else bias(mask) if mask.is_floating_point() else _bad_mask(mask)
+    return _bad_mask(mask)
+
+
+def _bad_mask(mask):
+    raise TypeError(f"mask must be an attnkit mask, a bool tensor (True = may attend) or a float "
+                    f"bias tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")

@@ -1,0 +1,77 @@
+"""Pure numerics shared by every backend: mask fill values, the stable masked softmax, LSE
+merging. Small functions, each unit-tested alone (see docs/NUMERICS.md)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype softmax statistics live in: float64 for float64 input, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def mask_value(dtype: torch.dtype) -> float:
+    """A finite, very negative fill for masked scores in ``dtype`` (the dtype's lowest value).
+
+    Used where a kernel needs a finite number (``-inf - (-inf)`` is NaN): ``exp(fill - max)``
+    underflows to exactly 0 for any unmasked max, and two fills never sum to ``-inf``
+    because masked scores are *replaced*, never added. fp16: -65504; fp32: -3.4e38.
+    """
+    return torch.finfo(dtype).min
+
+
+def masked_softmax(scores: torch.Tensor, allowed: Optional[torch.Tensor],
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable softmax over the last dim of ``scores`` [..., Tk], masked positions excluded.
+
+    Returns ``(weights, lse)``: ``weights`` like ``scores`` and ``lse`` [...] (natural log).
+    A row with no allowed key gets weights exactly 0 and ``lse = -inf`` (never NaN), and
+    gradients of exactly 0. The row max is subtracted before ``exp`` (the max is detached: the
+    softmax does not depend on it, so it carries no gradient).
+    """
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True).detach()  # [..., 1]
+    safe_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    exp = torch.exp(scores - safe_max)  # masked: exp(-inf) = 0
+    total = exp.sum(dim=-1, keepdim=True)  # [..., 1]
+    empty = total == 0
+    weights = exp / torch.where(empty, torch.ones_like(total), total)
+    log_total = torch.log(torch.where(empty, torch.ones_like(total), total))
+    lse = torch.where(empty, torch.full_like(total, float("-inf")), safe_max + log_total)
+    return weights, lse.squeeze(-1)
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attention results over disjoint key sets.
+
+    ``out_* [..., T, D]`` (each normalised over its own keys), ``lse_* [..., T]``. Returns the
+    result over the union, in the accumulation dtype (fp32, or fp64 for fp64)::
+
+        out = out_a - sigmoid(lse_b - lse_a) * (out_a - out_b)
+        lse = lse_a - logsigmoid(lse_a - lse_b)
+
+    A side with ``lse = -inf`` (no keys) contributes nothing; both ``-inf`` gives ``(0, -inf)``.
+    """
+    dtype = accum_dtype(out_a.dtype)
+    out_a, out_b = out_a.to(dtype), out_b.to(dtype)
+    lse_a, lse_b = lse_a.to(dtype), lse_b.to(dtype)
+    a_empty, b_empty = torch.isneginf(lse_a), torch.isneginf(lse_b)
+    # Replace -inf by a finite value where needed so no inf - inf appears; fix those rows after.
+    safe_a = torch.where(a_empty, torch.zeros_like(lse_a), lse_a)
+    safe_b = torch.where(b_empty, torch.zeros_like(lse_b), lse_b)
+    diff = torch.where(a_empty | b_empty, torch.zeros_like(safe_a), safe_b - safe_a)
+    out = out_a - torch.sigmoid(diff)[..., None] * (out_a - out_b)
+    lse = safe_a - torch.nn.functional.logsigmoid(-diff)
+    out = torch.where(a_empty[..., None], out_b, torch.where(b_empty[..., None], out_a, out))
+    lse = torch.where(a_empty, lse_b, torch.where(b_empty, lse_a, lse))
+    return out, lse
+
+
+def dropout_keep(shape, p: float, generator: Optional[torch.Generator], device) -> torch.Tensor:
+    """Bool keep-mask for dropout of probability ``p`` over ``shape`` (reproducible via ``generator``)."""
+    return torch.rand(shape, generator=generator, device=device) >= p
