@@ -49,7 +49,8 @@ def select(inputs: Inputs, backend: str) -> Backend:
         return chosen
     all_reasons = {}
     for name in PRIORITY:
-        reasons = BACKENDS[name].not_supported_reasons(inputs)
+        candidate = BACKENDS[name]
+        reasons = candidate.not_supported_reasons(inputs) or candidate.auto_reasons(inputs)
         if not reasons:
             return BACKENDS[name]
         all_reasons[name] = reasons

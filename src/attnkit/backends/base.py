@@ -67,5 +67,11 @@ class Backend:
         """Backend-specific refusals beyond the capability fields."""
         return []
 
+    def auto_reasons(self, inputs: Inputs) -> list[str]:
+        """Why ``backend="auto"`` should pass over this backend although it *can* run ``inputs``
+        (it is measured slower there, e.g. a dense-materialised mask, or an interpreter on CPU).
+        An explicit ``backend=NAME`` ignores these."""
+        return []
+
     def forward(self, inputs: Inputs) -> BackendOutput:
         raise NotImplementedError
