@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from .backends.base import Backend
 from .backends.reference import ReferenceBackend
+from .backends.tiled import TiledBackend
 from .backends.torch_sdpa import TorchBackend
 from .inputs import Inputs
 
-BACKENDS: dict[str, Backend] = {b.NAME: b for b in (ReferenceBackend(), TorchBackend())}
+BACKENDS: dict[str, Backend] = {b.NAME: b for b in (ReferenceBackend(), TorchBackend(), TiledBackend())}
 """Every backend by name. Later backends (tiled, triton) register here."""
 
-PRIORITY: tuple[str, ...] = ("torch", "reference")
+PRIORITY: tuple[str, ...] = ("torch", "tiled", "reference")
 """Order tried by ``backend="auto"``: fastest first, the exact reference last (it runs anything)."""
 
 AUTO_RULES = (

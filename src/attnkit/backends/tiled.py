@@ -1,0 +1,350 @@
+"""Memory-efficient tiled attention in PyTorch (FlashAttention's algorithm, CPU and CUDA).
+
+The score matrix is never built: queries are processed ``block_q`` rows at a time and keys in
+*segments* (runs of ``block_k``-wide blocks that the mask's block map classifies alike):
+
+- EMPTY blocks are never computed,
+- FULL runs apply no mask,
+- PARTIAL runs evaluate ``mask.tile`` (and ``tile_bias``) for that run only.
+
+An online softmax (running max ``m``, running sum ``l``, rescaled accumulator) in fp32 (fp64 for
+fp64 input) merges the segments. The backward pass recomputes every tile from
+``(q, k, v, out, lse)``; nothing of size Tq×Tk is saved. Peak extra memory is a few tiles of
+``TILE_ELEMENTS`` scores plus O(T·D) accumulators.
+
+GQA keeps K/V un-repeated: a query block of all G heads sharing one K/V head is laid out as
+``[B, Hkv, G·n, D]`` so one batched matmul serves the whole group.
+
+Positions may be offset (``q_offset``, ``kv_offset``: global positions of the first local
+query/key) so one shard of a longer sequence is computed against another with the global mask,
+as ring attention does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..inputs import Inputs
+from ..masks import EMPTY, FULL, Mask, MaskSpace
+from ..numerics import accum_dtype
+from .base import Backend, BackendOutput
+
+BLOCK_K = 128
+"""Key-block width of the block map: the granularity at which tiles are skipped."""
+
+TILE_ELEMENTS = 1 << 21
+"""Score elements per tile (8 MiB in fp32): bounds memory and sets ``block_q``."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Keys ``[start, stop)`` (local) computed together; ``partial``: apply the element mask."""
+
+    start: int
+    stop: int
+    partial: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which key segments each query block visits. ``rows[i]`` lists block i's segments."""
+
+    block_q: int
+    block_k: int
+    rows: tuple[tuple[Segment, ...], ...]
+
+    def tiles_computed(self) -> int:
+        """Number of ``block_q × block_k`` tiles the plan computes (skipped ones excluded)."""
+        return sum(math.ceil((s.stop - s.start) / self.block_k) for row in self.rows for s in row)
+
+
+def choose_block_q(rows_of_work: int, kv_len: int) -> int:
+    """Query rows per block so that one tile ``[rows_of_work · block_q, kv_len]`` fits
+    ``TILE_ELEMENTS`` (a power of two in [16, 512])."""
+    per_row = max(1, rows_of_work * min(kv_len, 4096))
+    block = 1 << max(4, min(9, int(math.log2(max(1, TILE_ELEMENTS // per_row)))))
+    return block
+
+
+def make_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
+              q_offset: int, q_count: int, kv_offset: int, kv_count: int,
+              block_q: Optional[int] = None, block_k: int = BLOCK_K) -> Plan:
+    """Turn the mask's block map into per-query-block key segments.
+
+    A block counts as EMPTY only when it is empty for every batch element and head, and as
+    FULL only when it is full for all of them; otherwise it is PARTIAL (the element mask, which
+    varies per batch/head, is applied). Consecutive blocks of one kind merge into one segment
+    of at most ``TILE_ELEMENTS`` scores.
+    """
+    block_q = block_q or choose_block_q(batch * heads, kv_count)
+    nq, nk = math.ceil(q_count / block_q), math.ceil(kv_count / block_k)
+    if mask is None:
+        codes = [[FULL] * nk for _ in range(nq)]
+    else:
+        per_bh = mask.block_map(block_q, block_k, space, q_offset=q_offset, q_count=q_count,
+                                kv_offset=kv_offset, kv_count=kv_count)  # [Bm, Hm, nq, nk]
+        all_empty = (per_bh == EMPTY).flatten(0, 1).all(0)
+        all_full = (per_bh == FULL).flatten(0, 1).all(0)
+        union = torch.where(all_empty, EMPTY, torch.where(all_full, FULL, 1))
+        codes = union.tolist()
+    max_blocks = max(1, TILE_ELEMENTS // (batch * heads * block_q * block_k))
+    rows = []
+    for row in codes:
+        segments, j = [], 0
+        while j < nk:
+            code = row[j]
+            if code == EMPTY:
+                j += 1
+                continue
+            end = j + 1
+            while end < nk and row[end] == code and end - j < max_blocks:
+                end += 1
+            segments.append(Segment(j * block_k, min(end * block_k, kv_count), code != FULL))
+            j = end
+        rows.append(tuple(segments))
+    return Plan(block_q, block_k, tuple(rows))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything about one tiled computation except the tensors."""
+
+    mask: Optional[Mask]
+    scale: float
+    space: MaskSpace
+    q_offset: int
+    kv_offset: int
+    plan: Plan
+    dropout_p: float = 0.0
+    seed: int = 0
+
+
+def _grouped(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """``[B, Hq, n, D]`` → ``[B, Hkv, G·n, D]`` (query heads of one K/V head stacked as rows)."""
+    b, hq, n, d = x.shape
+    return x.reshape(b, heads_kv, (hq // heads_kv) * n, d)
+
+
+def _ungrouped(x: torch.Tensor, heads_q: int) -> torch.Tensor:
+    """Inverse of :func:`_grouped` for ``[B, Hkv, G·n, ...]``."""
+    b, hkv, gn = x.shape[:3]
+    return x.reshape(b, heads_q, gn // (heads_q // hkv), *x.shape[3:])
+
+
+def _apply_mask(scores: torch.Tensor, problem: Problem, rows: tuple[int, int],
+                seg: Segment, heads_q: int) -> None:
+    """In place: −inf where the mask forbids, + bias, on ``scores [B, Hkv, G·n, span]``."""
+    b, hkv, gn, span = scores.shape
+    n = rows[1] - rows[0]
+    q_idx = torch.arange(problem.q_offset + rows[0], problem.q_offset + rows[1], device=scores.device)
+    kv_idx = torch.arange(problem.kv_offset + seg.start, problem.kv_offset + seg.stop,
+                          device=scores.device)
+    view = scores.view(b, hkv, heads_q // hkv, n, span)  # [B, Hkv, G, n, span]
+
+    def fit(t: torch.Tensor) -> torch.Tensor:  # [Bm, Hm, n, span] → broadcastable to view
+        if t.shape[1] == 1:
+            return t[:, :, None]
+        return t.reshape(t.shape[0], hkv, heads_q // hkv, n, span)
+
+    bias = problem.mask.tile_bias(q_idx, kv_idx, problem.space)
+    if bias is not None:
+        view.add_(fit(bias).to(scores.dtype))
+    allowed = problem.mask.tile(q_idx, kv_idx, problem.space)
+    view.masked_fill_(~fit(allowed), float("-inf"))
+
+
+def _dropout_keep(problem: Problem, block_row: int, seg: Segment, shape, device) -> torch.Tensor:
+    """Keep-mask ``[B, Hkv, G·n, span]`` for one segment, drawn per (query block, key block) from
+    a generator seeded by (seed, block_row, key block), so forward and backward agree."""
+    b, hkv, gn, span = shape
+    pieces = []
+    for start in range(seg.start, seg.stop, problem.plan.block_k):
+        width = min(start + problem.plan.block_k, seg.stop) - start
+        gen = torch.Generator(device=device)
+        gen.manual_seed((problem.seed * 1_000_003 + block_row * 65_537 + start // problem.plan.block_k)
+                        % (2**63 - 1))
+        pieces.append(torch.rand((b, hkv, gn, width), generator=gen, device=device))
+    return torch.cat(pieces, dim=-1) >= problem.dropout_p
+
+
+def _rows(plan: Plan, tq: int):
+    for i, segments in enumerate(plan.rows):
+        yield i, (i * plan.block_q, min((i + 1) * plan.block_q, tq)), segments
+
+
+def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward pass. ``q [B, Hq, Tq, Dk]``, ``k [B, Hkv, Tk, Dk]``, ``v [B, Hkv, Tk, Dv]`` →
+    ``out [B, Hq, Tq, Dv]`` (q's dtype) and ``lse [B, Hq, Tq]`` (fp32, fp64 for fp64)."""
+    batch, heads_q, tq, _ = q.shape
+    heads_kv, dv = k.shape[1], v.shape[-1]
+    acc = accum_dtype(q.dtype)
+    q_scaled = q.to(acc) * problem.scale  # [B, Hq, Tq, Dk]
+    keys, values = k.to(acc), v.to(acc)  # no copy when already acc
+    out = torch.empty(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads_q, tq, dtype=acc, device=q.device)
+    for i, (r0, r1), segments in _rows(problem.plan, tq):
+        q_block = _grouped(q_scaled[:, :, r0:r1], heads_kv)  # [B, Hkv, G·n, Dk]
+        rows = q_block.shape[2]
+        row_max = torch.full((batch, heads_kv, rows), float("-inf"), dtype=acc, device=q.device)
+        row_sum = torch.zeros((batch, heads_kv, rows), dtype=acc, device=q.device)
+        acc_out = torch.zeros((batch, heads_kv, rows, dv), dtype=acc, device=q.device)
+        for seg in segments:
+            scores = q_block @ keys[:, :, seg.start:seg.stop].transpose(-1, -2)  # [B, Hkv, G·n, span]
+            if seg.partial:
+                _apply_mask(scores, problem, (r0, r1), seg, heads_q)
+            new_max = torch.maximum(row_max, scores.amax(dim=-1))  # [B, Hkv, G·n]
+            safe_max = torch.where(torch.isneginf(new_max), 0.0, new_max)
+            probs = scores.sub_(safe_max[..., None]).exp_()  # [B, Hkv, G·n, span]
+            rescale = torch.exp(row_max - safe_max)  # 0 where row_max was −inf
+            row_sum = row_sum * rescale + probs.sum(dim=-1)
+            if problem.dropout_p > 0:
+                keep = _dropout_keep(problem, i, seg, probs.shape, q.device)
+                probs = probs.masked_fill_(~keep, 0.0).div_(1.0 - problem.dropout_p)
+            acc_out = torch.baddbmm(acc_out.flatten(0, 1) * rescale.flatten(0, 1)[..., None],
+                                    probs.flatten(0, 1), values[:, :, seg.start:seg.stop].flatten(0, 1)
+                                    ).view_as(acc_out)
+            row_max = new_max
+        empty = row_sum == 0
+        block_out = acc_out / torch.where(empty, 1.0, row_sum)[..., None]
+        block_lse = torch.where(empty, float("-inf"),
+                                torch.where(empty, 0.0, row_max) + torch.log(torch.where(empty, 1.0, row_sum)))
+        out[:, :, r0:r1] = _ungrouped(block_out, heads_q).to(q.dtype)
+        lse[:, :, r0:r1] = _ungrouped(block_lse, heads_q)
+    return out, lse
+
+
+def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward pass, recomputing tiles. ``grad_out [B, Hq, Tq, Dv]``, ``grad_lse [B, Hq, Tq]``
+    or ``None`` → ``(dq, dk, dv)`` in the input dtypes. dK/dV of a K/V head sum over its group."""
+    batch, heads_q, tq, _ = q.shape
+    heads_kv = k.shape[1]
+    acc = accum_dtype(q.dtype)
+    q_scaled = q.to(acc) * problem.scale
+    keys, values = k.to(acc), v.to(acc)
+    grad_out = grad_out.to(acc)
+    delta = (grad_out * out.to(acc)).sum(dim=-1)  # [B, Hq, Tq]  rowsum(dO ∘ O)
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(acc)  # d lse / d score = p, folded into the same term
+    lse_safe = torch.where(torch.isneginf(lse), float("inf"), lse.to(acc))  # p = 0 on empty rows
+    dq = torch.zeros_like(q_scaled)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for i, (r0, r1), segments in _rows(problem.plan, tq):
+        if not segments:
+            continue
+        q_block = _grouped(q_scaled[:, :, r0:r1], heads_kv)  # [B, Hkv, G·n, Dk]
+        do_block = _grouped(grad_out[:, :, r0:r1], heads_kv)  # [B, Hkv, G·n, Dv]
+        lse_block = _grouped(lse_safe[:, :, r0:r1, None], heads_kv)  # [B, Hkv, G·n, 1]
+        delta_block = _grouped(delta[:, :, r0:r1, None], heads_kv)
+        dq_block = torch.zeros_like(q_block)
+        for seg in segments:
+            k_seg, v_seg = keys[:, :, seg.start:seg.stop], values[:, :, seg.start:seg.stop]
+            scores = q_block @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
+            if seg.partial:
+                _apply_mask(scores, problem, (r0, r1), seg, heads_q)
+            probs = scores.sub_(lse_block).exp_()  # softmax weights, recomputed
+            grad_probs = do_block @ v_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
+            if problem.dropout_p > 0:
+                keep = _dropout_keep(problem, i, seg, probs.shape, q.device)
+                kept = probs.masked_fill(~keep, 0.0).div_(1.0 - problem.dropout_p)
+                grad_probs.masked_fill_(~keep, 0.0).div_(1.0 - problem.dropout_p)
+            else:
+                kept = probs
+            dv[:, :, seg.start:seg.stop] += kept.transpose(-1, -2) @ do_block
+            grad_scores = grad_probs.sub_(delta_block).mul_(probs)  # dS = P ∘ (dP − Δ)
+            dq_block += grad_scores @ k_seg
+            dk[:, :, seg.start:seg.stop] += grad_scores.transpose(-1, -2) @ q_block
+        dq[:, :, r0:r1] = _ungrouped(dq_block, heads_q)
+    return ((dq * problem.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+
+
+class _TiledAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, problem: Problem):
+        out, lse = tiled_forward(q, k, v, problem)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.problem = problem
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = tiled_backward(q, k, v, out, lse, grad_out, grad_lse, ctx.problem)
+        return dq, dk, dv, None
+
+
+def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask] = None,
+                    *, scale: float, space: Optional[MaskSpace] = None, q_offset: int = 0,
+                    kv_offset: int = 0, dropout_p: float = 0.0, seed: int = 0,
+                    block_q: Optional[int] = None, block_k: int = BLOCK_K,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable tiled attention on ``[B, H, T, D]`` tensors → ``(out, lse)``.
+
+    ``q``'s rows sit at global positions ``q_offset…`` and ``k``'s at ``kv_offset…`` of a
+    sequence described by ``space`` (default: these tensors alone), and ``mask`` is evaluated
+    at those global positions. Inputs are not validated: call through ``attention()`` unless
+    you build :class:`~attnkit.inputs.Inputs` yourself (ring attention does).
+    """
+    batch, heads_q, tq, _ = q.shape
+    tk = k.shape[2]
+    space = space or MaskSpace(batch, heads_q, tq, tk, q.device)
+    plan = make_plan(mask, space, batch=batch, heads=heads_q, q_offset=q_offset, q_count=tq,
+                     kv_offset=kv_offset, kv_count=tk, block_q=block_q, block_k=block_k)
+    problem = Problem(mask, scale, space, q_offset, kv_offset, plan, dropout_p, seed)
+    return _TiledAttention.apply(q, k, v, problem)
+
+
+def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: Problem,
+                  ) -> torch.Tensor:
+    """The softmax weights ``[B, Hq, Tq, Tk]`` rebuilt tile by tile from the LSE (O(Tq·Tk)
+    memory: only when asked for; not differentiable)."""
+    batch, heads_q, tq, _ = q.shape
+    heads_kv, tk = k.shape[1], k.shape[2]
+    acc = accum_dtype(q.dtype)
+    weights = torch.zeros(batch, heads_q, tq, tk, dtype=q.dtype, device=q.device)
+    q_scaled, keys = q.detach().to(acc) * problem.scale, k.detach().to(acc)
+    lse_safe = torch.where(torch.isneginf(lse), float("inf"), lse.detach().to(acc))
+    for _, (r0, r1), segments in _rows(problem.plan, tq):
+        q_block = _grouped(q_scaled[:, :, r0:r1], heads_kv)
+        lse_block = _grouped(lse_safe[:, :, r0:r1, None], heads_kv)
+        for seg in segments:
+            scores = q_block @ keys[:, :, seg.start:seg.stop].transpose(-1, -2)
+            if seg.partial:
+                _apply_mask(scores, problem, (r0, r1), seg, heads_q)
+            weights[:, :, r0:r1, seg.start:seg.stop] = _ungrouped(scores.sub_(lse_block).exp_(),
+                                                                   heads_q).to(q.dtype)
+    return weights
+
+
+class TiledBackend(Backend):
+    NAME = "tiled"
+    DESCRIPTION = ("online-softmax tiles in PyTorch: O(T) memory, EMPTY tiles skipped, FULL tiles "
+                   "unmasked; backward recomputes tiles")
+
+    def extra_reasons(self, inputs: Inputs) -> list[str]:
+        if inputs.need_weights and inputs.need_grad:
+            return ["return_weights with autograd (not supported by tiled: weights are rebuilt "
+                    "without a graph)"]
+        return []
+
+    def forward(self, inputs: Inputs) -> BackendOutput:
+        seed = 0
+        if inputs.dropout_p > 0:
+            seed = int(torch.randint(0, 2**62, (1,), generator=inputs.generator,
+                                     device=inputs.generator.device if inputs.generator else "cpu"))
+        batch, heads_q, tq, _ = inputs.q.shape
+        space = inputs.space
+        plan = make_plan(inputs.mask, space, batch=batch, heads=heads_q, q_offset=0, q_count=tq,
+                         kv_offset=0, kv_count=space.kv_len)
+        problem = Problem(inputs.mask, inputs.scale, space, 0, 0, plan, inputs.dropout_p, seed)
+        out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v, problem)
+        weights = tiled_weights(inputs.q, inputs.k, lse, problem) if inputs.need_weights else None
+        return BackendOutput(out, lse, weights)
