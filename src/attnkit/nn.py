@@ -1,0 +1,449 @@
+"""Attention layers built on :func:`attnkit.attention`.
+
+- :class:`MultiHeadAttention`: batch-first multi-head attention with separate q/k/v/out
+  projections, grouped-query attention (``num_kv_heads``), cross-attention (``kdim``/``vdim``),
+  any attnkit mask, a key-padding mask, per-head weights and a :class:`KVCache` for
+  incremental decoding. :meth:`MultiHeadAttention.from_torch` copies a
+  ``torch.nn.MultiheadAttention`` and reproduces its outputs.
+- :class:`AdditiveAttention`: Bahdanau's additive score ``vᵀ tanh(W_q q + W_k k)``.
+
+Mask conventions are attnkit's everywhere: **True = may attend**. PyTorch's
+``nn.MultiheadAttention`` uses the opposite for its bool ``attn_mask`` and
+``key_padding_mask`` (True = ignore), so a mask written for torch is passed here as ``~mask``.
+
+Shapes (E = embed_dim, H = num_heads, Hkv = num_kv_heads, D = E // H)::
+
+    query [B, Tq, E]   key [B, Tk, kdim]   value [B, Tk, vdim]     (or unbatched [T, ·])
+    out   [B, Tq, E]   weights [B, H, Tq, Tk]   cache.keys / cache.values [B, Hkv, T, D]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from .api import attention
+from .masks import Mask, MaskSpace, as_mask, causal, dense
+from .numerics import accum_dtype, masked_softmax
+
+__all__ = ["KVCache", "MultiHeadAttention", "AdditiveAttention"]
+
+MaskLike = Union[Mask, torch.Tensor, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVCache:
+    """Projected keys and values of the tokens seen so far, for incremental decoding.
+
+    ``keys [B, Hkv, T, D]``, ``values [B, Hkv, T, D]`` (both ``None`` while empty) and
+    ``length = T``. Immutable: :meth:`append` returns a new cache, so one prefix can be
+    extended in several ways (beam search) without copying it by hand.
+    """
+
+    keys: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    length: int = 0
+
+    def __post_init__(self):
+        if (self.keys is None) != (self.values is None):
+            raise ValueError("KVCache needs both keys and values, or neither (an empty cache)")
+        stored = 0 if self.keys is None else self.keys.shape[-2]
+        if self.keys is not None and (self.keys.dim() != 4 or self.values.dim() != 4
+                                      or self.keys.shape[:3] != self.values.shape[:3]):
+            raise ValueError(f"KVCache keys/values must be [B, Hkv, T, D] with matching B, Hkv, T; "
+                             f"got keys {tuple(self.keys.shape)}, values {tuple(self.values.shape)}")
+        if self.length != stored:
+            raise ValueError(f"KVCache length={self.length} but the keys hold {stored} positions")
+
+    @classmethod
+    def empty(cls) -> "KVCache":
+        """A cache with no tokens yet (its dtype, device and batch come from the first step)."""
+        return cls()
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> "KVCache":
+        """This cache followed by ``keys [B, Hkv, t, D]`` / ``values [B, Hkv, t, D]`` (a new cache)."""
+        if self.keys is None:
+            return KVCache(keys, values, keys.shape[-2])
+        if (self.keys.shape[:2] != keys.shape[:2] or self.keys.shape[-1] != keys.shape[-1]
+                or self.values.shape[-1] != values.shape[-1]):
+            raise ValueError(f"new keys {tuple(keys.shape)} / values {tuple(values.shape)} do not "
+                             f"continue the cache (keys {tuple(self.keys.shape)}, values "
+                             f"{tuple(self.values.shape)}): batch size, KV heads and head dim must "
+                             f"match. Start a new cache with KVCache.empty() for a new batch")
+        if self.keys.dtype != keys.dtype or self.keys.device != keys.device:
+            raise ValueError(f"new keys are {keys.dtype} on {keys.device} but the cache holds "
+                             f"{self.keys.dtype} on {self.keys.device}: decode in one dtype/device")
+        keys = torch.cat([self.keys, keys], dim=2)  # [B, Hkv, T + t, D]
+        values = torch.cat([self.values, values], dim=2)  # [B, Hkv, T + t, D]
+        return KVCache(keys, values, keys.shape[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-head attention
+# ---------------------------------------------------------------------------------------------
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name}={value} must be positive")
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention, batch first, with GQA/MQA, cross-attention and a KV cache.
+
+    ``out = out_proj(attention(q_proj(query), k_proj(key), v_proj(value)))`` with the
+    projections split into heads: q into ``num_heads``, k and v into ``num_kv_heads`` heads of
+    ``head_dim = embed_dim // num_heads`` each. Query head h reads key/value head
+    ``h // (num_heads // num_kv_heads)``; K/V are never repeated in memory.
+
+    Args:
+        embed_dim: E, width of the query and of the output.
+        num_heads: H, query heads; must divide ``embed_dim``.
+        num_kv_heads: Hkv, key/value heads (default ``num_heads``; 1 is multi-query attention);
+            must divide ``num_heads``.
+        dropout: dropout probability on the attention weights, applied in training mode only.
+        bias: whether the four projections have a bias.
+        kdim, vdim: input widths of key and value (default ``embed_dim``) for cross-attention.
+        backend: attnkit backend name passed to :func:`attnkit.attention` (``"auto"`` picks one).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None,
+                 dropout: float = 0.0, bias: bool = True, kdim: Optional[int] = None,
+                 vdim: Optional[int] = None, *, backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        kdim = embed_dim if kdim is None else kdim
+        vdim = embed_dim if vdim is None else vdim
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads),
+                            ("num_kv_heads", num_kv_heads), ("kdim", kdim), ("vdim", vdim)):
+            _check_positive_int(name, value)
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}: "
+                             f"each head gets embed_dim // num_heads features; choose num_heads "
+                             f"among the divisors of {embed_dim} or change embed_dim")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads="
+                             f"{num_kv_heads}: each key/value head serves a whole group of query "
+                             f"heads (GQA); choose num_kv_heads among the divisors of {num_heads}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout={dropout!r}: must be a float in [0, 1)")
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a backend name (str), got {backend!r}")
+
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.kdim, self.vdim = kdim, vdim
+        self.dropout = float(dropout)
+        self.backend = backend
+        factory = dict(device=device, dtype=dtype)
+        kv_width = num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(kdim, kv_width, bias=bias, **factory)
+        self.v_proj = nn.Linear(vdim, kv_width, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform input projections and zero biases (as ``torch.nn.MultiheadAttention``)."""
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight)
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads="
+                f"{self.num_kv_heads}, head_dim={self.head_dim}, dropout={self.dropout}, "
+                f"backend={self.backend!r}")
+
+    @staticmethod
+    def empty_cache() -> KVCache:
+        """An empty :class:`KVCache` to start incremental decoding with."""
+        return KVCache.empty()
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(self, query: torch.Tensor, key: Optional[torch.Tensor] = None,
+                value: Optional[torch.Tensor] = None, *, mask: MaskLike = None,
+                key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = False,
+                cache: Optional[KVCache] = None, is_causal: bool = False):
+        """Attend from ``query`` to ``key``/``value`` (both default to ``query``: self-attention).
+
+        Args:
+            query: ``[B, Tq, E]`` or unbatched ``[Tq, E]``.
+            key: ``[B, Tk, kdim]`` (same rank and batch as ``query``); default ``query``.
+            value: ``[B, Tk, vdim]``; default ``key``.
+            mask: anything :func:`attnkit.attention` accepts, over the scores
+                ``[B, H, Tq, Tk]``: an attnkit mask (``causal()``, ``padding(...)``, ...), a bool
+                tensor (**True = may attend**) or a float bias, broadcastable to
+                ``[B, H, Tq, Tk]`` (``[Tq, Tk]`` is shared by every batch element and head; a
+                per-batch mask is ``[B, 1, Tq, Tk]``).
+            key_padding_mask: bool ``[B, Tk]`` (``[Tk]`` unbatched), **True = a real key that
+                may be attended**, False = padding. This is the *opposite* of torch's
+                ``nn.MultiheadAttention`` (pass ``~torch_key_padding_mask``). With a cache,
+                Tk counts the cached keys too. Combined with ``mask`` and ``is_causal`` by "and".
+            need_weights: also return the attention weights per head (before dropout).
+                It may change which backend runs, and so the dropout pattern a seed gives;
+                pin ``backend=`` for patterns that must not depend on it.
+            cache: a :class:`KVCache` (e.g. ``self.empty_cache()``); this call's projected
+                keys/values are appended to it and the queries attend over the whole cache.
+            is_causal: causal attention. Without a cache query i sees keys ``j <= i``
+                (top-left, as torch); with a cache the mask is bottom-right aligned
+                (``attnkit.causal(align="bottom_right")``): the new queries are the *last* Tq
+                positions, so a chunk of several new tokens decodes correctly.
+
+        Returns:
+            ``(out, weights)``: ``out [B, Tq, E]`` and ``weights [B, H, Tq, Tk]`` or ``None``
+            (unbatched: ``[Tq, E]``, ``[H, Tq, Tk]``); with a cache ``(out, weights, new_cache)``.
+            A query row whose keys are all masked gets 0 attention output (never NaN).
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        unbatched = self._check_inputs(query, key, value)
+        if unbatched:
+            query, key, value = query[None], key[None], value[None]
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask[None]
+        batch, q_len, _ = query.shape
+
+        q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)  # [B, H, Tq, D]
+        k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, Hkv, Tk, D]
+        v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, Hkv, Tk, D]
+
+        new_cache = None
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must be a KVCache (MultiHeadAttention.empty_cache()), "
+                                f"got {type(cache).__name__}")
+            new_cache = cache.append(k, v)
+            k, v = new_cache.keys, new_cache.values  # [B, Hkv, T_cache + Tk, D]
+
+        full_mask = self._combine_masks(mask, key_padding_mask, is_causal, cached=cache is not None,
+                                        batch=batch, kv_len=k.shape[2])
+        result = attention(q, k, v, full_mask, dropout_p=self.dropout if self.training else 0.0,
+                           backend=self.backend, return_weights=need_weights)
+        heads_out, weights = (result.out, result.weights) if need_weights else (result, None)
+        out = self.out_proj(heads_out.transpose(1, 2).flatten(-2))  # [B, Tq, E]
+        if unbatched:
+            out = out[0]  # [Tq, E]
+            weights = None if weights is None else weights[0]  # [H, Tq, Tk]
+        if cache is not None:
+            return out, weights, new_cache
+        return out, weights
+
+    def _check_inputs(self, query, key, value) -> bool:
+        """Raise on shapes the projections cannot take; return True for unbatched input."""
+        where = ", ".join(f"{n} {tuple(t.shape)}" for n, t in (("query", query), ("key", key),
+                                                             ("value", value))
+                          if isinstance(t, torch.Tensor))
+        for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim),
+                               ("value", value, self.vdim)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() not in (2, 3):
+                raise ValueError(f"{name} must be [B, T, {width}] (batch first) or unbatched "
+                                 f"[T, {width}]; got {where}")
+            if t.shape[-1] != width:
+                hint = "embed_dim" if name == "query" else name[0] + "dim"
+                raise ValueError(f"{name} has width {t.shape[-1]} but this module expects "
+                                 f"{width} ({hint}); got {where}")
+        if not query.dim() == key.dim() == value.dim():
+            raise ValueError(f"query, key and value must all be batched [B, T, ·] or all "
+                             f"unbatched [T, ·]; got {where}")
+        if query.dim() == 3 and not query.shape[0] == key.shape[0] == value.shape[0]:
+            raise ValueError(f"query, key and value must share the batch size (dim 0, batch "
+                             f"first); got {where}")
+        if key.shape[-2] != value.shape[-2]:
+            raise ValueError(f"key and value must have the same length Tk; got {where}")
+        return query.dim() == 2
+
+    def _combine_masks(self, mask: MaskLike, key_padding_mask: Optional[torch.Tensor],
+                       is_causal: bool, *, cached: bool, batch: int, kv_len: int) -> Optional[Mask]:
+        """``mask & causal & key padding`` as one attnkit mask over ``[B, H, Tq, Tk]``."""
+        parts = []
+        if mask is not None:
+            parts.append(as_mask(mask))
+        if is_causal:
+            parts.append(causal(align="bottom_right" if cached else "top_left"))
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+                raise TypeError(f"key_padding_mask must be a bool tensor [B, Tk] with True = real "
+                                f"key (may attend), got {getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}"
+                                f"; torch's convention (True = ignore) is the opposite: pass ~mask")
+            if tuple(key_padding_mask.shape) != (batch, kv_len):
+                raise ValueError(f"key_padding_mask has shape {tuple(key_padding_mask.shape)} but "
+                                 f"the keys are [B, Tk] = [{batch}, {kv_len}] (with a cache, Tk "
+                                 f"counts cached keys too); True = real key")
+            parts.append(dense(key_padding_mask[:, None, None, :]))  # [B, 1, 1, Tk]
+        if not parts:
+            return None
+        combined = parts[0]
+        for part in parts[1:]:
+            combined = combined & part
+        return combined
+
+    # ---- conversion ---------------------------------------------------------------------------
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention, *, backend: str = "auto") -> "MultiHeadAttention":
+        """A copy of ``torch.nn.MultiheadAttention`` (weights, biases, dropout, dtype, device).
+
+        Handles the packed ``in_proj_weight`` and the separate ``q/k/v_proj_weight`` layouts
+        (the latter when kdim/vdim differ from embed_dim). The result is always batch first:
+        transpose ``[T, B, E]`` inputs of a ``batch_first=False`` source. Mask conventions
+        differ: torch's bool masks mean True = ignore, attnkit's True = may attend (use ``~``),
+        and torch averages the weights over heads unless ``average_attn_weights=False``.
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(module).__name__}")
+        if module.bias_k is not None or module.bias_v is not None:
+            raise ValueError("from_torch: add_bias_kv=True (a learned extra key/value) is not "
+                             "supported; rebuild the torch module with add_bias_kv=False")
+        if module.add_zero_attn:
+            raise ValueError("from_torch: add_zero_attn=True is not supported; rebuild the torch "
+                             "module with add_zero_attn=False")
+        ref = module.out_proj.weight
+        has_bias = module.out_proj.bias is not None
+        copy = cls(module.embed_dim, module.num_heads, dropout=module.dropout, bias=has_bias,
+                   kdim=module.kdim, vdim=module.vdim, backend=backend, device=ref.device,
+                   dtype=ref.dtype)
+        e = module.embed_dim
+        with torch.no_grad():
+            if module.in_proj_weight is not None:  # packed [3E, E]: rows q, k, v
+                weights = module.in_proj_weight.split(e, dim=0)
+            else:
+                weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+            for proj, weight in zip((copy.q_proj, copy.k_proj, copy.v_proj), weights):
+                proj.weight.copy_(weight)
+            if module.in_proj_bias is not None:
+                for proj, b in zip((copy.q_proj, copy.k_proj, copy.v_proj), module.in_proj_bias.split(e)):
+                    proj.bias.copy_(b)
+            copy.out_proj.weight.copy_(module.out_proj.weight)
+            if has_bias:
+                copy.out_proj.bias.copy_(module.out_proj.bias)
+        copy.train(module.training)
+        return copy
+
+
+# ---------------------------------------------------------------------------------------------
+# Additive (Bahdanau) attention
+# ---------------------------------------------------------------------------------------------
+class AdditiveAttention(nn.Module):
+    """Additive attention (Bahdanau et al., 2015): ``score(q, k) = vᵀ tanh(W_q q + W_k k + b)``.
+
+    The weights are the softmax of the scores over the keys (masked keys excluded) and the
+    output is their average of the values: ``out = weights @ values``.
+
+    Parameters: ``query_proj`` (W_q, ``query_dim → hidden_dim``, no bias), ``key_proj``
+    (W_k and b, ``key_dim → hidden_dim``) and ``score_proj`` (vᵀ, ``hidden_dim → 1``, no bias).
+
+    Args:
+        query_dim, key_dim: Dq and Dk, widths of queries and keys.
+        hidden_dim: width of the tanh layer.
+        value_dim: optional Dv; when given, ``values`` must have this width (checked).
+    """
+
+    def __init__(self, query_dim: int, key_dim: int, hidden_dim: int,
+                 value_dim: Optional[int] = None, *, device=None, dtype=None):
+        super().__init__()
+        for name, value in (("query_dim", query_dim), ("key_dim", key_dim),
+                            ("hidden_dim", hidden_dim)):
+            _check_positive_int(name, value)
+        if value_dim is not None:
+            _check_positive_int("value_dim", value_dim)
+        self.query_dim, self.key_dim, self.hidden_dim, self.value_dim = (
+            query_dim, key_dim, hidden_dim, value_dim)
+        factory = dict(device=device, dtype=dtype)
+        self.query_proj = nn.Linear(query_dim, hidden_dim, bias=False, **factory)
+        self.key_proj = nn.Linear(key_dim, hidden_dim, bias=True, **factory)
+        self.score_proj = nn.Linear(hidden_dim, 1, bias=False, **factory)
+
+    def extra_repr(self) -> str:
+        return (f"query_dim={self.query_dim}, key_dim={self.key_dim}, hidden_dim={self.hidden_dim}"
+                f", value_dim={self.value_dim}")
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                mask: MaskLike = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attend from each query to the keys.
+
+        Args:
+            query: ``[B, Tq, Dq]`` (or unbatched ``[Tq, Dq]``).
+            keys: ``[B, Tk, Dk]``; values: ``[B, Tk, Dv]`` (same rank as ``query``).
+            mask: ``None``; a bool tensor broadcastable to ``[B, Tq, Tk]``, **True = may
+              attend**; a float tensor added to the scores (−inf = masked); or an attnkit mask
+              (``causal()``, ``padding(kv_lengths=...)``, ...), evaluated over
+              ``MaskSpace(B, 1, Tq, Tk)``.
+
+        Returns:
+            ``(out [B, Tq, Dv], weights [B, Tq, Tk])``. A query whose keys are all masked
+            gets weights 0 and output 0 (never NaN), with zero gradients.
+        """
+        unbatched = self._check_inputs(query, keys, values)
+        if unbatched:
+            query, keys, values = query[None], keys[None], values[None]
+        batch, q_len, _ = query.shape
+        kv_len = keys.shape[1]
+
+        hidden = self.query_proj(query)[:, :, None, :] + self.key_proj(keys)[:, None, :, :]  # [B, Tq, Tk, Hd]
+        scores = self.score_proj(torch.tanh(hidden)).squeeze(-1)  # [B, Tq, Tk]
+        allowed, bias = self._dense_mask(mask, batch, q_len, kv_len, query.device)
+        if bias is not None:
+            scores = scores + bias.to(scores.dtype)  # [B, Tq, Tk]
+        work = accum_dtype(scores.dtype)
+        weights, _ = masked_softmax(scores.to(work), allowed)  # [B, Tq, Tk]
+        weights = weights.to(values.dtype)
+        out = weights @ values  # [B, Tq, Dv]
+        if unbatched:
+            return out[0], weights[0]
+        return out, weights
+
+    def _check_inputs(self, query, keys, values) -> bool:
+        where = f"query {tuple(query.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
+        if not query.dim() == keys.dim() == values.dim() or query.dim() not in (2, 3):
+            raise ValueError(f"query, keys and values must all be [B, T, D] (or all unbatched "
+                             f"[T, D]); got {where}")
+        if query.shape[-1] != self.query_dim or keys.shape[-1] != self.key_dim:
+            raise ValueError(f"query width must be query_dim={self.query_dim} and keys width "
+                             f"key_dim={self.key_dim}; got {where}")
+        if self.value_dim is not None and values.shape[-1] != self.value_dim:
+            raise ValueError(f"values width must be value_dim={self.value_dim}; got {where}")
+        if keys.shape[-2] != values.shape[-2]:
+            raise ValueError(f"keys and values must have the same length Tk; got {where}")
+        if query.dim() == 3 and not query.shape[0] == keys.shape[0] == values.shape[0]:
+            raise ValueError(f"query, keys and values must share the batch size; got {where}")
+        return query.dim() == 2
+
+    @staticmethod
+    def _dense_mask(mask: MaskLike, batch: int, q_len: int, kv_len: int, device,
+                    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``mask`` as (allowed bool, additive bias) tensors broadcastable to ``[B, Tq, Tk]``."""
+        if mask is None:
+            return None, None
+        target = (batch, q_len, kv_len)
+        if isinstance(mask, torch.Tensor):
+            if mask.dtype != torch.bool and not mask.is_floating_point():
+                raise TypeError(f"mask must be a bool tensor (True = may attend), a float bias or "
+                                f"an attnkit mask, got {mask.dtype}")
+            if mask.dim() > 3 or any(s not in (1, t) for s, t in zip(mask.shape[::-1], target[::-1])):
+                raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the "
+                                 f"scores [B, Tq, Tk] = {list(target)}")
+            if mask.dtype == torch.bool:
+                return mask.to(device), None
+            values = mask.to(device)
+            allowed = ~torch.isneginf(values)
+            return allowed, values.masked_fill(~allowed, 0.0)
+        if not isinstance(mask, Mask):
+            raise TypeError(f"mask must be a bool tensor (True = may attend), a float bias or an "
+                            f"attnkit mask, got {type(mask).__name__}")
+        space = MaskSpace(batch=batch, heads=1, q_len=q_len, kv_len=kv_len, device=device)
+        problems = mask.check(space)
+        if problems:
+            raise ValueError("mask does not fit [B, Tq, Tk] = " + str(list(target)) + ":\n  "
+                             + "\n  ".join(problems))
+        allowed = mask.to_dense(space)[:, 0]  # [Bm, Tq, Tk]
+        bias = mask.dense_bias(space)
+        return allowed, None if bias is None else bias[:, 0]

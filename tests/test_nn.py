@@ -1,0 +1,426 @@
+"""Tests of attnkit.nn: MultiHeadAttention (vs torch.nn.MultiheadAttention, GQA, KV cache,
+weights, dropout, gradients) and AdditiveAttention (vs a hand-written float64 computation)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+import attnkit as ak
+from attnkit.nn import AdditiveAttention, KVCache, MultiHeadAttention
+
+F64 = torch.float64
+
+
+def _rand(*shape, dtype=F64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen, dtype=dtype)
+
+
+def _torch_mha(embed_dim, num_heads, *, bias=True, kdim=None, vdim=None, batch_first=True, seed=0):
+    torch.manual_seed(seed)
+    module = torch.nn.MultiheadAttention(embed_dim, num_heads, bias=bias, kdim=kdim, vdim=vdim,
+                                         batch_first=batch_first, dtype=F64)
+    if bias:  # torch initialises biases to 0: make them count
+        with torch.no_grad():
+            module.in_proj_bias.normal_()
+            module.out_proj.bias.normal_()
+    return module.eval()
+
+
+# ---- from_torch -------------------------------------------------------------------------------
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_from_torch_self_attention(bias, batch_first, need_weights):
+    src = _torch_mha(12, 3, bias=bias, batch_first=batch_first)
+    assert src._qkv_same_embed_dim  # the packed in_proj_weight layout
+    mha = MultiHeadAttention.from_torch(src)
+    x = _rand(2, 5, 12)  # [B, T, E]
+    x_src = x if batch_first else x.transpose(0, 1)  # torch's [T, B, E] layout
+    expected, expected_w = src(x_src, x_src, x_src, need_weights=need_weights,
+                               average_attn_weights=False)
+    if not batch_first:
+        expected = expected.transpose(0, 1)
+    out, weights = mha(x, need_weights=need_weights)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    if need_weights:
+        assert weights.shape == (2, 3, 5, 5)
+        torch.testing.assert_close(weights, expected_w, rtol=0, atol=1e-12)
+    else:
+        assert weights is None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_from_torch_cross_attention_kdim_vdim(bias, batch_first):
+    src = _torch_mha(8, 2, bias=bias, kdim=5, vdim=3, batch_first=batch_first, seed=1)
+    assert not src._qkv_same_embed_dim  # the separate q/k/v_proj_weight layout
+    mha = MultiHeadAttention.from_torch(src)
+    assert (mha.kdim, mha.vdim) == (5, 3)
+    query, key, value = _rand(2, 4, 8, seed=1), _rand(2, 6, 5, seed=2), _rand(2, 6, 3, seed=3)
+    args = (query, key, value) if batch_first else tuple(t.transpose(0, 1) for t in (query, key, value))
+    expected, expected_w = src(*args, average_attn_weights=False)
+    if not batch_first:
+        expected = expected.transpose(0, 1)
+    out, weights = mha(query, key, value, need_weights=True)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(weights, expected_w, rtol=0, atol=1e-12)
+
+
+def test_from_torch_with_attn_mask_and_key_padding_mask():
+    batch, heads, tq, tk = 3, 2, 4, 6
+    src = _torch_mha(8, heads, kdim=5, vdim=7, seed=2)
+    mha = MultiHeadAttention.from_torch(src)
+    query, key, value = _rand(batch, tq, 8, seed=4), _rand(batch, tk, 5, seed=5), _rand(batch, tk, 7, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    torch_attn_mask = torch.rand(tq, tk, generator=gen) < 0.3  # True = NOT allowed (torch)
+    torch_attn_mask[:, 0] = False  # keep a key for every row: torch gives NaN on empty rows
+    torch_padding = torch.tensor([[False] * tk, [False] * 4 + [True] * 2, [False] * 3 + [True] * 3])
+    assert torch_attn_mask.any() and torch_padding.any()
+    expected, expected_w = src(query, key, value, attn_mask=torch_attn_mask,
+                               key_padding_mask=torch_padding, average_attn_weights=False)
+    out, weights = mha(query, key, value, mask=~torch_attn_mask, key_padding_mask=~torch_padding,
+                       need_weights=True)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(weights, expected_w, rtol=0, atol=1e-12)
+    # The conversion matters: passing torch's masks unchanged gives another answer.
+    wrong, _ = mha(query, key, value, mask=~torch_attn_mask, key_padding_mask=torch_padding)
+    assert (wrong - expected).abs().max() > 1e-3
+
+    # A per-head bool mask [B*H, Tq, Tk] (torch) is [B, H, Tq, Tk] here.
+    per_head = torch.rand(batch * heads, tq, tk, generator=gen) < 0.4
+    per_head[..., 1] = False
+    expected, _ = src(query, key, value, attn_mask=per_head)
+    out, _ = mha(query, key, value, mask=~per_head.reshape(batch, heads, tq, tk))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+
+    # A float attn_mask is an additive bias in both.
+    bias = _rand(tq, tk, seed=8)
+    expected, _ = src(query, key, value, attn_mask=bias)
+    out, _ = mha(query, key, value, mask=bias)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+
+
+def test_is_causal_matches_torch_causal_attn_mask():
+    src = _torch_mha(8, 2, seed=3)
+    mha = MultiHeadAttention.from_torch(src)
+    x = _rand(2, 5, 8, seed=9)
+    future = torch.ones(5, 5, dtype=torch.bool).triu(1)  # torch: True = not allowed
+    expected, _ = src(x, x, x, attn_mask=future)
+    out, _ = mha(x, is_causal=True)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out_mask, _ = mha(x, mask=ak.causal())
+    torch.testing.assert_close(out_mask, expected, rtol=0, atol=1e-12)
+
+
+def test_fully_masked_row_gives_zero_attention_not_nan():
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    with torch.no_grad():
+        mha.out_proj.bias.normal_()
+    x = _rand(2, 4, 8, seed=10)
+    padding = torch.tensor([[True] * 4, [False] * 4])  # batch 1 has no real key
+    out, weights = mha(x, key_padding_mask=padding, need_weights=True)
+    assert not out.isnan().any()
+    # attention output 0 → the module's output is the out_proj bias alone.
+    torch.testing.assert_close(out[1], mha.out_proj.bias.expand(4, 8), rtol=0, atol=0)
+    assert (weights[1] == 0).all()
+    torch.testing.assert_close(weights[0].sum(-1), torch.ones(2, 4, dtype=F64))
+
+
+def test_from_torch_refuses_extra_key_value_bias():
+    src = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True)
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        MultiHeadAttention.from_torch(src)
+
+
+# ---- GQA / MQA ----------------------------------------------------------------------------------
+def _manual_mha(mha: MultiHeadAttention, query, key, value, mask=None):
+    """Projections written out, K/V heads repeated explicitly, attention by the reference."""
+    b, tq, _ = query.shape
+    tk = key.shape[1]
+    h, hkv, d = mha.num_heads, mha.num_kv_heads, mha.head_dim
+    q = (query @ mha.q_proj.weight.T + mha.q_proj.bias).reshape(b, tq, h, d).transpose(1, 2)
+    k = (key @ mha.k_proj.weight.T + mha.k_proj.bias).reshape(b, tk, hkv, d).transpose(1, 2)
+    v = (value @ mha.v_proj.weight.T + mha.v_proj.bias).reshape(b, tk, hkv, d).transpose(1, 2)
+    k = k.repeat_interleave(h // hkv, dim=1)  # [B, H, Tk, D]: query head i reads kv head i // G
+    v = v.repeat_interleave(h // hkv, dim=1)
+    heads = ak.attention(q, k, v, mask, backend="reference")  # [B, H, Tq, D]
+    return heads.transpose(1, 2).reshape(b, tq, h * d) @ mha.out_proj.weight.T + mha.out_proj.bias
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 3])
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_gqa_matches_repeated_heads(num_kv_heads, backend):
+    torch.manual_seed(11)
+    mha = MultiHeadAttention(24, 6, num_kv_heads, kdim=5, vdim=7, backend=backend, dtype=F64)
+    with torch.no_grad():
+        for p in mha.parameters():
+            p.normal_(std=0.5)
+    assert mha.k_proj.weight.shape == (num_kv_heads * 4, 5)
+    query, key, value = _rand(2, 4, 24, seed=12), _rand(2, 7, 5, seed=13), _rand(2, 7, 7, seed=14)
+    out, _ = mha(query, key, value)
+    torch.testing.assert_close(out, _manual_mha(mha, query, key, value), rtol=0, atol=1e-12)
+    mask = ak.sliding_window(2, 1) & ak.padding(kv_lengths=[7, 5])
+    out, _ = mha(query, key, value, mask=mask)
+    torch.testing.assert_close(out, _manual_mha(mha, query, key, value, mask), rtol=0, atol=1e-12)
+
+
+# ---- KV cache -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,atol", [(F64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_kv_cache_matches_one_causal_pass(dtype, atol, chunk, num_kv_heads):
+    torch.manual_seed(15)
+    mha = MultiHeadAttention(16, 4, num_kv_heads, dtype=dtype).eval()
+    x = _rand(2, 7, 16, dtype=dtype, seed=16)  # [B, T, E]; 7 = 3 + 3 + 1 for chunks of 3
+    full, full_w = mha(x, is_causal=True, need_weights=True)
+    cache = mha.empty_cache()
+    outs = []
+    for start in range(0, 7, chunk):
+        step = x[:, start:start + chunk]
+        before = cache
+        out, weights, cache = mha(step, cache=cache, is_causal=True, need_weights=True)
+        assert before.length == start  # the cache given in is never modified
+        assert cache.length == start + step.shape[1]
+        assert cache.keys.shape == (2, num_kv_heads, cache.length, 4)
+        # weights of the new queries over every key so far = the last rows of the full weights
+        torch.testing.assert_close(weights, full_w[:, :, start:start + chunk, :cache.length],
+                                   rtol=0, atol=atol)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=0, atol=atol)
+    # the cache holds exactly the projected keys/values
+    expected_k = mha.k_proj(x).unflatten(-1, (num_kv_heads, 4)).transpose(1, 2)
+    torch.testing.assert_close(cache.keys, expected_k, rtol=0, atol=atol)
+
+
+def test_kv_cache_chunk_uses_bottom_right_causal():
+    """Without bottom-right alignment a 3-token chunk after 4 cached tokens would see the wrong keys."""
+    torch.manual_seed(17)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    x = _rand(1, 7, 8, seed=18)
+    _, _, cache = mha(x[:, :4], cache=KVCache.empty(), is_causal=True)
+    out, weights, _ = mha(x[:, 4:], cache=cache, is_causal=True, need_weights=True)
+    allowed = ak.causal(align="bottom_right").to_dense(ak.masks.MaskSpace(1, 1, 3, 7))[0, 0]
+    assert ((weights > 0) == allowed).all()
+    expected, _ = mha(x, is_causal=True)
+    torch.testing.assert_close(out, expected[:, 4:], rtol=0, atol=1e-12)
+
+
+def test_kv_cache_with_key_padding_mask_and_unbatched():
+    torch.manual_seed(19)
+    mha = MultiHeadAttention(8, 2, 1, dtype=F64)
+    x = _rand(5, 8, seed=20)  # unbatched [T, E]
+    real = torch.tensor([True, False, True, True, True])
+    full, _ = mha(x, is_causal=True, key_padding_mask=real)
+    cache = mha.empty_cache()
+    outs = []
+    for t in range(5):
+        out, _, cache = mha(x[t:t + 1], cache=cache, is_causal=True, key_padding_mask=real[:t + 1])
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs), full, rtol=0, atol=1e-12)
+    assert cache.keys.shape == (1, 1, 5, 4)
+
+
+def test_kv_cache_rejects_mismatched_batch():
+    mha = MultiHeadAttention(8, 2)
+    _, _, cache = mha(torch.randn(2, 3, 8), cache=mha.empty_cache())
+    with pytest.raises(ValueError, match="batch size"):
+        mha(torch.randn(3, 1, 8), cache=cache)
+    with pytest.raises(ValueError, match="length"):
+        KVCache(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 2)
+
+
+# ---- weights, dropout -----------------------------------------------------------------------------
+def test_need_weights_shape_and_rows_sum_to_one():
+    torch.manual_seed(21)
+    mha = MultiHeadAttention(12, 3, dtype=F64)
+    query, memory = _rand(2, 4, 12, seed=22), _rand(2, 6, 12, seed=23)
+    real = torch.tensor([[True] * 6, [True] * 2 + [False] * 4])
+    out, weights = mha(query, memory, key_padding_mask=real, need_weights=True)
+    assert out.shape == (2, 4, 12) and weights.shape == (2, 3, 4, 6)
+    assert (weights >= 0).all()
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 3, 4, dtype=F64))
+    assert (weights[1, :, :, 2:] == 0).all()  # padded keys get no weight
+    # unbatched input gives the unbatched shapes and the same numbers
+    out0, weights0 = mha(query[0], memory[0], need_weights=True)
+    assert out0.shape == (4, 12) and weights0.shape == (3, 4, 6)
+    torch.testing.assert_close(out0, out[0], rtol=0, atol=1e-12)
+
+
+def test_dropout_reproducible_in_train_and_off_in_eval():
+    torch.manual_seed(24)
+    mha = MultiHeadAttention(8, 2, dropout=0.5, dtype=F64)
+    plain = MultiHeadAttention(8, 2, dropout=0.0, dtype=F64)
+    plain.load_state_dict(mha.state_dict())
+    x = _rand(2, 6, 8, seed=25)
+
+    mha.train()
+    torch.manual_seed(0)
+    first, _ = mha(x)
+    torch.manual_seed(0)
+    second, _ = mha(x)
+    torch.manual_seed(1)
+    third, _ = mha(x)
+    assert torch.equal(first, second)
+    assert not torch.allclose(first, third)
+    # the same seed drives attnkit.attention's dropout (same inputs → same backend): by hand
+    q = mha.q_proj(x).unflatten(-1, (2, 4)).transpose(1, 2)
+    k = mha.k_proj(x).unflatten(-1, (2, 4)).transpose(1, 2)
+    v = mha.v_proj(x).unflatten(-1, (2, 4)).transpose(1, 2)
+    torch.manual_seed(0)
+    heads = ak.attention(q, k, v, dropout_p=0.5)
+    torch.testing.assert_close(first, mha.out_proj(heads.transpose(1, 2).flatten(-2)),
+                               rtol=0, atol=1e-12)
+    # returned weights are taken before dropout: rows still sum to 1
+    _, weights = mha(x, need_weights=True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 2, 6, dtype=F64))
+
+    mha.eval()
+    expected, _ = plain(x)
+    assert not torch.allclose(first, expected)
+    torch.manual_seed(0)
+    eval_a, _ = mha(x)
+    torch.manual_seed(1)
+    eval_b, _ = mha(x)
+    torch.testing.assert_close(eval_a, expected, rtol=0, atol=1e-12)
+    assert torch.equal(eval_a, eval_b)
+
+
+# ---- configuration errors ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(embed_dim=10, num_heads=3), ["embed_dim=10", "num_heads=3"]),
+    (dict(embed_dim=12, num_heads=4, num_kv_heads=3), ["num_heads=4", "num_kv_heads=3"]),
+    (dict(embed_dim=0, num_heads=1), ["embed_dim=0"]),
+    (dict(embed_dim=8, num_heads=-2), ["num_heads=-2"]),
+    (dict(embed_dim=8, num_heads=2, num_kv_heads=0), ["num_kv_heads=0"]),
+    (dict(embed_dim=8, num_heads=2, kdim=0), ["kdim=0"]),
+    (dict(embed_dim=8, num_heads=2, dropout=1.0), ["dropout=1.0"]),
+])
+def test_bad_config_raises(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        MultiHeadAttention(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_bad_inputs_raise():
+    mha = MultiHeadAttention(8, 2, kdim=5)
+    with pytest.raises(ValueError, match="kdim"):
+        mha(torch.randn(2, 3, 8), torch.randn(2, 4, 8))
+    with pytest.raises(ValueError, match="batch"):
+        mha(torch.randn(2, 3, 8), torch.randn(3, 4, 5), torch.randn(3, 4, 8))
+    with pytest.raises(TypeError, match="True = real"):
+        mha(torch.randn(2, 3, 8), torch.randn(2, 4, 5), torch.randn(2, 4, 8),
+            key_padding_mask=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        mha(torch.randn(2, 3, 8), torch.randn(2, 4, 5), torch.randn(2, 4, 8),
+            key_padding_mask=torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="hidden_dim=0"):
+        AdditiveAttention(4, 4, 0)
+
+
+# ---- gradients --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_gradcheck_tiny_mha(backend):
+    torch.manual_seed(26)
+    mha = MultiHeadAttention(4, 2, 1, kdim=3, backend=backend, dtype=F64)
+    query = _rand(1, 3, 4, seed=27).requires_grad_()
+    key = _rand(1, 4, 3, seed=28).requires_grad_()
+    value = _rand(1, 4, 4, seed=29).requires_grad_()
+    real = torch.tensor([[True, True, True, False]])
+
+    def fn(q, k, v):
+        return mha(q, k, v, key_padding_mask=real, mask=ak.sliding_window(2, 1))[0]
+
+    assert gradcheck(fn, (query, key, value))
+    fn(query, key, value).square().sum().backward()
+    for name, p in mha.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert (value.grad[0, 3] == 0).all()  # a padded value never reaches the output
+
+
+# ---- AdditiveAttention -----------------------------------------------------------------------------
+def _additive_by_hand(module: AdditiveAttention, query, keys, values, allowed):
+    """vᵀ tanh(W_q q + W_k k + b), masked softmax over keys, written out in float64."""
+    w_q, w_k = module.query_proj.weight.detach().double(), module.key_proj.weight.detach().double()
+    b, v = module.key_proj.bias.detach().double(), module.score_proj.weight.detach().double()[0]
+    out = torch.zeros(query.shape[0], query.shape[1], values.shape[-1], dtype=F64)
+    weights = torch.zeros(query.shape[0], query.shape[1], keys.shape[1], dtype=F64)
+    for bi in range(query.shape[0]):
+        for i in range(query.shape[1]):
+            scores = [float(v @ torch.tanh(w_q @ query[bi, i] + w_k @ keys[bi, j] + b))
+                      for j in range(keys.shape[1])]
+            live = [j for j in range(keys.shape[1]) if allowed[bi, i, j]]
+            if not live:
+                continue  # fully masked: weights and output stay 0
+            top = max(scores[j] for j in live)
+            total = sum(math.exp(scores[j] - top) for j in live)
+            for j in live:
+                weights[bi, i, j] = math.exp(scores[j] - top) / total
+            out[bi, i] = weights[bi, i] @ values[bi].double()
+    return out, weights
+
+
+def test_additive_attention_matches_hand_computation():
+    torch.manual_seed(30)
+    module = AdditiveAttention(query_dim=3, key_dim=5, hidden_dim=4, value_dim=2).double()
+    with torch.no_grad():
+        module.key_proj.bias.normal_()
+    query, keys, values = _rand(2, 3, 3, seed=31), _rand(2, 4, 5, seed=32), _rand(2, 4, 2, seed=33)
+    allowed = torch.ones(2, 3, 4, dtype=torch.bool)
+    allowed[0, 1, 2] = False
+    allowed[1, 2] = False  # a fully masked row
+    expected_out, expected_w = _additive_by_hand(module, query, keys, values, allowed)
+    out, weights = module(query, keys, values, mask=allowed)
+    assert out.shape == (2, 3, 2) and weights.shape == (2, 3, 4)
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(weights, expected_w, rtol=0, atol=1e-12)
+    assert (out[1, 2] == 0).all() and (weights[1, 2] == 0).all()
+    assert not out.isnan().any()
+
+    # fully masked rows have zero gradients (and no NaN anywhere)
+    q = query.clone().requires_grad_()
+    module(q, keys, values, mask=allowed)[0].sum().backward()
+    assert not q.grad.isnan().any() and (q.grad[1, 2] == 0).all() and q.grad[1, 1].abs().sum() > 0
+
+    # no mask: every row sums to 1
+    _, unmasked_w = module(query, keys, values)
+    torch.testing.assert_close(unmasked_w.sum(-1), torch.ones(2, 3, dtype=F64))
+
+
+def test_additive_attention_accepts_attnkit_masks():
+    torch.manual_seed(34)
+    module = AdditiveAttention(4, 4, 6).double()
+    query, keys, values = _rand(2, 3, 4, seed=35), _rand(2, 5, 4, seed=36), _rand(2, 5, 3, seed=37)
+    mask = ak.padding(kv_lengths=[5, 0]) | ak.causal()  # batch 1: causal keys only
+    allowed = mask.to_dense(ak.masks.MaskSpace(2, 1, 3, 5))[:, 0]
+    expected_out, expected_w = _additive_by_hand(module, query, keys, values, allowed)
+    out, weights = module(query, keys, values, mask=mask)
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(weights, expected_w, rtol=0, atol=1e-12)
+    # padding every key of batch 1 empties its rows
+    out, weights = module(query, keys, values, mask=ak.padding(kv_lengths=[5, 0]))
+    assert (out[1] == 0).all() and (weights[1] == 0).all()
+    # float32 too, and unbatched input
+    module32 = AdditiveAttention(4, 4, 6)
+    module32.load_state_dict(module.state_dict())
+    out32, _ = module32(query[0].float(), keys[0].float(), values[0].float(), mask=allowed[0])
+    torch.testing.assert_close(out32.double(), expected_out[0], rtol=0, atol=1e-5)
+
+
+def test_combined_mask_object_is_reusable():
+    """Regression (core fix in inputs._fit_mask): validating a call must not rewrite the parts
+    of the caller's combined mask, or a reused mask fails in the next call (rank-3 inputs)."""
+    x = _rand(2, 4, 8, seed=38)
+    mask = ak.causal() & ak.dense(torch.tensor([True, True, False, True]).expand(2, 4, 4))
+    first = ak.attention(x, x, x, mask=mask)
+    second = ak.attention(x, x, x, mask=mask)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    # and the module path: a mask object shared by many decoding steps
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    shared = ak.dense(torch.ones(4, 4, dtype=torch.bool)) & ak.causal()
+    torch.testing.assert_close(mha(x, mask=shared)[0], mha(x, mask=shared)[0], rtol=0, atol=0)
