@@ -30,7 +30,7 @@ import torch
 
 from ..inputs import Inputs
 from ..masks import EMPTY, FULL, Mask, MaskSpace
-from ..numerics import accum_dtype
+from ..numerics import accum_dtype, merge
 from .base import Backend, BackendOutput
 
 BLOCK_K = 128
@@ -38,6 +38,9 @@ BLOCK_K = 128
 
 TILE_ELEMENTS = 1 << 21
 """Score elements per tile (8 MiB in fp32): bounds memory and sets ``block_q``."""
+
+FUSED_BLOCK_Q = 256
+"""Query rows per block when tiles go through torch's fused CPU kernel."""
 
 
 @dataclass(frozen=True)
@@ -72,15 +75,16 @@ def choose_block_q(rows_of_work: int, kv_len: int) -> int:
 
 def make_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
               q_offset: int, q_count: int, kv_offset: int, kv_count: int,
-              block_q: Optional[int] = None, block_k: int = BLOCK_K) -> Plan:
+              block_q: Optional[int] = None, block_k: int = BLOCK_K, fused: bool = False) -> Plan:
     """Turn the mask's block map into per-query-block key segments.
 
     A block counts as EMPTY only when it is empty for every batch element and head, and as
     FULL only when it is full for all of them; otherwise it is PARTIAL (the element mask, which
     varies per batch/head, is applied). Consecutive blocks of one kind merge into one segment
-    of at most ``TILE_ELEMENTS`` scores.
+    of at most ``TILE_ELEMENTS`` scores (FULL runs are unbounded with the ``fused`` kernel, which
+    tiles internally and never materialises them).
     """
-    block_q = block_q or choose_block_q(batch * heads, kv_count)
+    block_q = block_q or (FUSED_BLOCK_Q if fused else choose_block_q(batch * heads, kv_count))
     nq, nk = math.ceil(q_count / block_q), math.ceil(kv_count / block_k)
     if mask is None:
         codes = [[FULL] * nk for _ in range(nq)]
@@ -101,7 +105,8 @@ def make_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
                 j += 1
                 continue
             end = j + 1
-            while end < nk and row[end] == code and end - j < max_blocks:
+            while end < nk and row[end] == code and (
+                    end - j < max_blocks or (fused and code == FULL)):
                 end += 1
             segments.append(Segment(j * block_k, min(end * block_k, kv_count), code != FULL))
             j = end
@@ -135,26 +140,27 @@ def _ungrouped(x: torch.Tensor, heads_q: int) -> torch.Tensor:
     return x.reshape(b, heads_q, gn // (heads_q // hkv), *x.shape[3:])
 
 
-def _apply_mask(scores: torch.Tensor, problem: Problem, rows: tuple[int, int],
-                seg: Segment, heads_q: int) -> None:
-    """In place: −inf where the mask forbids, + bias, on ``scores [B, Hkv, G·n, span]``."""
-    b, hkv, gn, span = scores.shape
+def _segment_bias(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q: int,
+                  heads_kv: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mask of one segment as an additive tile ``[Bm, Hkv|1, G·n, span]`` (−inf where
+    forbidden, + bias) and whether each row has any allowed key ``[Bm, Hkv|1, G·n]``."""
     n = rows[1] - rows[0]
-    q_idx = torch.arange(problem.q_offset + rows[0], problem.q_offset + rows[1], device=scores.device)
-    kv_idx = torch.arange(problem.kv_offset + seg.start, problem.kv_offset + seg.stop,
-                          device=scores.device)
-    view = scores.view(b, hkv, heads_q // hkv, n, span)  # [B, Hkv, G, n, span]
+    group = heads_q // heads_kv
+    device = problem.space.device
+    q_idx = torch.arange(problem.q_offset + rows[0], problem.q_offset + rows[1], device=device)
+    kv_idx = torch.arange(problem.kv_offset + seg.start, problem.kv_offset + seg.stop, device=device)
 
-    def fit(t: torch.Tensor) -> torch.Tensor:  # [Bm, Hm, n, span] → broadcastable to view
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [Bm, Hm, n, span] → [Bm, Hkv|1, G·n, span]
         if t.shape[1] == 1:
-            return t[:, :, None]
-        return t.reshape(t.shape[0], hkv, heads_q // hkv, n, span)
+            return t.expand(t.shape[0], group, n, t.shape[-1]).reshape(t.shape[0], 1, group * n, -1)
+        return t.reshape(t.shape[0], heads_kv, group * n, t.shape[-1])
 
-    bias = problem.mask.tile_bias(q_idx, kv_idx, problem.space)
-    if bias is not None:
-        view.add_(fit(bias).to(scores.dtype))
-    allowed = problem.mask.tile(q_idx, kv_idx, problem.space)
-    view.masked_fill_(~fit(allowed), float("-inf"))
+    allowed = grouped(problem.mask.tile(q_idx, kv_idx, problem.space))
+    values = problem.mask.tile_bias(q_idx, kv_idx, problem.space)
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    if values is not None:
+        additive = additive + grouped(values).to(dtype)
+    return additive.masked_fill_(~allowed, float("-inf")), allowed.any(dim=-1)
 
 
 def _dropout_keep(problem: Problem, block_row: int, seg: Segment, shape, device) -> torch.Tensor:
@@ -171,9 +177,56 @@ def _dropout_keep(problem: Problem, block_row: int, seg: Segment, shape, device)
     return torch.cat(pieces, dim=-1) >= problem.dropout_p
 
 
+def uses_fused_kernel(q: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    """Tiles go through torch's fused CPU flash kernel (which returns the LSE) for fp32/fp64 CPU
+    inputs with Dk == Dv and no dropout; everything else uses the matmul path below."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+            and q.shape[-1] == v.shape[-1] and dropout_p == 0 and FUSED_TILES)
+
+
+FUSED_TILES = True
+"""Switch for the fused CPU tile kernel (tests turn it off to exercise the matmul path on CPU)."""
+
+
+def _segment_forward(q_block, k_seg, v_seg, additive, has_key, scale, fused, keep=None, dropout_p=0.0):
+    """Attention of one query block over one key segment → ``(out, lse)``, each normalised over
+    the segment alone. ``q_block [B, Hkv, G·n, Dk]``, ``k_seg/v_seg [B, Hkv, span, D]``."""
+    if fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_block, k_seg, v_seg, 0.0, False, attn_mask=additive, scale=scale)
+        if has_key is not None:  # the kernel leaves out 0 but lse 0 on rows with no key
+            lse = lse.masked_fill(~has_key, float("-inf"))
+        return out, lse
+    scores = (q_block * scale) @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
+    if additive is not None:
+        scores.add_(additive)
+    row_max = scores.amax(dim=-1)  # [B, Hkv, G·n]
+    safe_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
+    probs = scores.sub_(safe_max[..., None]).exp_()
+    row_sum = probs.sum(dim=-1)
+    if keep is not None:
+        probs.masked_fill_(~keep, 0.0).div_(1.0 - dropout_p)
+    empty = row_sum == 0
+    out = (probs @ v_seg) / torch.where(empty, 1.0, row_sum)[..., None]
+    lse = torch.where(empty, float("-inf"), safe_max + torch.log(torch.where(empty, 1.0, row_sum)))
+    return out, lse
+
+
 def _rows(plan: Plan, tq: int):
     for i, segments in enumerate(plan.rows):
         yield i, (i * plan.block_q, min((i + 1) * plan.block_q, tq)), segments
+
+
+def _segment_inputs(problem, q_grouped_block, keys, values, i, rows, seg, heads_q, fused):
+    heads_kv = keys.shape[1]
+    k_seg, v_seg = keys[:, :, seg.start:seg.stop], values[:, :, seg.start:seg.stop]
+    additive = has_key = keep = None
+    if seg.partial:
+        additive, has_key = _segment_bias(problem, rows, seg, heads_q, heads_kv, keys.dtype)
+    if problem.dropout_p > 0:
+        shape = (*q_grouped_block.shape[:3], seg.stop - seg.start)
+        keep = _dropout_keep(problem, i, seg, shape, keys.device)
+    return k_seg, v_seg, additive, has_key, keep
 
 
 def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
@@ -183,38 +236,25 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
     batch, heads_q, tq, _ = q.shape
     heads_kv, dv = k.shape[1], v.shape[-1]
     acc = accum_dtype(q.dtype)
-    q_scaled = q.to(acc) * problem.scale  # [B, Hq, Tq, Dk]
-    keys, values = k.to(acc), v.to(acc)  # no copy when already acc
-    out = torch.empty(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, heads_q, tq, dtype=acc, device=q.device)
-    for i, (r0, r1), segments in _rows(problem.plan, tq):
-        q_block = _grouped(q_scaled[:, :, r0:r1], heads_kv)  # [B, Hkv, G·n, Dk]
-        rows = q_block.shape[2]
-        row_max = torch.full((batch, heads_kv, rows), float("-inf"), dtype=acc, device=q.device)
-        row_sum = torch.zeros((batch, heads_kv, rows), dtype=acc, device=q.device)
-        acc_out = torch.zeros((batch, heads_kv, rows, dv), dtype=acc, device=q.device)
+    fused = uses_fused_kernel(q, v, problem.dropout_p)
+    queries, keys, values = q.to(acc), k.to(acc), v.to(acc)  # no copy when already acc
+    out = torch.zeros(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
+    for i, rows, segments in _rows(problem.plan, tq):
+        q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)  # [B, Hkv, G·n, Dk]
+        block_out = block_lse = None
         for seg in segments:
-            scores = q_block @ keys[:, :, seg.start:seg.stop].transpose(-1, -2)  # [B, Hkv, G·n, span]
-            if seg.partial:
-                _apply_mask(scores, problem, (r0, r1), seg, heads_q)
-            new_max = torch.maximum(row_max, scores.amax(dim=-1))  # [B, Hkv, G·n]
-            safe_max = torch.where(torch.isneginf(new_max), 0.0, new_max)
-            probs = scores.sub_(safe_max[..., None]).exp_()  # [B, Hkv, G·n, span]
-            rescale = torch.exp(row_max - safe_max)  # 0 where row_max was −inf
-            row_sum = row_sum * rescale + probs.sum(dim=-1)
-            if problem.dropout_p > 0:
-                keep = _dropout_keep(problem, i, seg, probs.shape, q.device)
-                probs = probs.masked_fill_(~keep, 0.0).div_(1.0 - problem.dropout_p)
-            acc_out = torch.baddbmm(acc_out.flatten(0, 1) * rescale.flatten(0, 1)[..., None],
-                                    probs.flatten(0, 1), values[:, :, seg.start:seg.stop].flatten(0, 1)
-                                    ).view_as(acc_out)
-            row_max = new_max
-        empty = row_sum == 0
-        block_out = acc_out / torch.where(empty, 1.0, row_sum)[..., None]
-        block_lse = torch.where(empty, float("-inf"),
-                                torch.where(empty, 0.0, row_max) + torch.log(torch.where(empty, 1.0, row_sum)))
-        out[:, :, r0:r1] = _ungrouped(block_out, heads_q).to(q.dtype)
-        lse[:, :, r0:r1] = _ungrouped(block_lse, heads_q)
+            k_seg, v_seg, additive, has_key, keep = _segment_inputs(
+                problem, q_block, keys, values, i, rows, seg, heads_q, fused)
+            seg_out, seg_lse = _segment_forward(q_block, k_seg, v_seg, additive, has_key,
+                                                problem.scale, fused, keep, problem.dropout_p)
+            if block_out is None:
+                block_out, block_lse = seg_out.to(acc), seg_lse.to(acc)
+            else:
+                block_out, block_lse = merge(block_out, block_lse, seg_out, seg_lse)
+        if block_out is not None:
+            out[:, :, rows[0]:rows[1]] = _ungrouped(block_out, heads_q).to(q.dtype)
+            lse[:, :, rows[0]:rows[1]] = _ungrouped(block_lse, heads_q)
     return out, lse
 
 
@@ -225,48 +265,60 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem,
     batch, heads_q, tq, _ = q.shape
     heads_kv = k.shape[1]
     acc = accum_dtype(q.dtype)
-    q_scaled = q.to(acc) * problem.scale
-    keys, values = k.to(acc), v.to(acc)
-    grad_out = grad_out.to(acc)
-    delta = (grad_out * out.to(acc)).sum(dim=-1)  # [B, Hq, Tq]  rowsum(dO ∘ O)
+    fused = uses_fused_kernel(q, v, problem.dropout_p) and grad_lse is None
+    queries, keys, values = q.to(acc), k.to(acc), v.to(acc)
+    grad_out, out = grad_out.to(acc), out.to(acc)
+    delta = (grad_out * out).sum(dim=-1)  # [B, Hq, Tq]  rowsum(dO ∘ O)
     if grad_lse is not None:
         delta = delta - grad_lse.to(acc)  # d lse / d score = p, folded into the same term
     lse_safe = torch.where(torch.isneginf(lse), float("inf"), lse.to(acc))  # p = 0 on empty rows
-    dq = torch.zeros_like(q_scaled)
+    dq = torch.zeros_like(queries)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    for i, (r0, r1), segments in _rows(problem.plan, tq):
+    for i, rows, segments in _rows(problem.plan, tq):
         if not segments:
             continue
-        q_block = _grouped(q_scaled[:, :, r0:r1], heads_kv)  # [B, Hkv, G·n, Dk]
-        do_block = _grouped(grad_out[:, :, r0:r1], heads_kv)  # [B, Hkv, G·n, Dv]
-        lse_block = _grouped(lse_safe[:, :, r0:r1, None], heads_kv)  # [B, Hkv, G·n, 1]
-        delta_block = _grouped(delta[:, :, r0:r1, None], heads_kv)
+        q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)  # [B, Hkv, G·n, Dk]
+        do_block = _grouped(grad_out[:, :, rows[0]:rows[1]], heads_kv)  # [B, Hkv, G·n, Dv]
+        lse_block = _grouped(lse_safe[:, :, rows[0]:rows[1], None], heads_kv)  # [B, Hkv, G·n, 1]
         dq_block = torch.zeros_like(q_block)
+        if fused:
+            out_block = _grouped(out[:, :, rows[0]:rows[1]], heads_kv)
+        else:
+            delta_block = _grouped(delta[:, :, rows[0]:rows[1], None], heads_kv)
+            q_block_scaled = q_block * problem.scale
         for seg in segments:
-            k_seg, v_seg = keys[:, :, seg.start:seg.stop], values[:, :, seg.start:seg.stop]
-            scores = q_block @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
-            if seg.partial:
-                _apply_mask(scores, problem, (r0, r1), seg, heads_q)
+            k_seg, v_seg, additive, _, keep = _segment_inputs(
+                problem, q_block, keys, values, i, rows, seg, heads_q, fused)
+            if fused:
+                dq_seg, dk_seg, dv_seg = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    do_block, q_block, k_seg, v_seg, out_block, lse_block[..., 0], 0.0, False,
+                    attn_mask=additive, scale=problem.scale)
+                dq_block += dq_seg
+                dk[:, :, seg.start:seg.stop] += dk_seg
+                dv[:, :, seg.start:seg.stop] += dv_seg
+                continue
+            scores = q_block_scaled @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
+            if additive is not None:
+                scores.add_(additive)
             probs = scores.sub_(lse_block).exp_()  # softmax weights, recomputed
             grad_probs = do_block @ v_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
-            if problem.dropout_p > 0:
-                keep = _dropout_keep(problem, i, seg, probs.shape, q.device)
+            kept = probs
+            if keep is not None:
                 kept = probs.masked_fill(~keep, 0.0).div_(1.0 - problem.dropout_p)
                 grad_probs.masked_fill_(~keep, 0.0).div_(1.0 - problem.dropout_p)
-            else:
-                kept = probs
             dv[:, :, seg.start:seg.stop] += kept.transpose(-1, -2) @ do_block
             grad_scores = grad_probs.sub_(delta_block).mul_(probs)  # dS = P ∘ (dP − Δ)
-            dq_block += grad_scores @ k_seg
-            dk[:, :, seg.start:seg.stop] += grad_scores.transpose(-1, -2) @ q_block
-        dq[:, :, r0:r1] = _ungrouped(dq_block, heads_q)
-    return ((dq * problem.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+            dq_block += (grad_scores @ k_seg) * problem.scale
+            dk[:, :, seg.start:seg.stop] += grad_scores.transpose(-1, -2) @ q_block_scaled
+        dq[:, :, rows[0]:rows[1]] = _ungrouped(dq_block, heads_q)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, problem: Problem):
+        ctx.set_materialize_grads(False)  # an unused lse gives grad_lse None, not zeros
         out, lse = tiled_forward(q, k, v, problem)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.problem = problem
@@ -297,7 +349,8 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
     tk = k.shape[2]
     space = space or MaskSpace(batch, heads_q, tq, tk, q.device)
     plan = make_plan(mask, space, batch=batch, heads=heads_q, q_offset=q_offset, q_count=tq,
-                     kv_offset=kv_offset, kv_count=tk, block_q=block_q, block_k=block_k)
+                     kv_offset=kv_offset, kv_count=tk, block_q=block_q, block_k=block_k,
+                     fused=uses_fused_kernel(q, v, dropout_p))
     problem = Problem(mask, scale, space, q_offset, kv_offset, plan, dropout_p, seed)
     return _TiledAttention.apply(q, k, v, problem)
 
@@ -310,17 +363,17 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
     heads_kv, tk = k.shape[1], k.shape[2]
     acc = accum_dtype(q.dtype)
     weights = torch.zeros(batch, heads_q, tq, tk, dtype=q.dtype, device=q.device)
-    q_scaled, keys = q.detach().to(acc) * problem.scale, k.detach().to(acc)
+    queries, keys = q.detach().to(acc) * problem.scale, k.detach().to(acc)
     lse_safe = torch.where(torch.isneginf(lse), float("inf"), lse.detach().to(acc))
-    for _, (r0, r1), segments in _rows(problem.plan, tq):
-        q_block = _grouped(q_scaled[:, :, r0:r1], heads_kv)
-        lse_block = _grouped(lse_safe[:, :, r0:r1, None], heads_kv)
+    for _, rows, segments in _rows(problem.plan, tq):
+        q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)
+        lse_block = _grouped(lse_safe[:, :, rows[0]:rows[1], None], heads_kv)
         for seg in segments:
             scores = q_block @ keys[:, :, seg.start:seg.stop].transpose(-1, -2)
             if seg.partial:
-                _apply_mask(scores, problem, (r0, r1), seg, heads_q)
-            weights[:, :, r0:r1, seg.start:seg.stop] = _ungrouped(scores.sub_(lse_block).exp_(),
-                                                                   heads_q).to(q.dtype)
+                scores.add_(_segment_bias(problem, rows, seg, heads_q, heads_kv, acc)[0])
+            weights[:, :, rows[0]:rows[1], seg.start:seg.stop] = _ungrouped(
+                scores.sub_(lse_block).exp_(), heads_q).to(q.dtype)
     return weights
 
 
@@ -343,7 +396,8 @@ class TiledBackend(Backend):
         batch, heads_q, tq, _ = inputs.q.shape
         space = inputs.space
         plan = make_plan(inputs.mask, space, batch=batch, heads=heads_q, q_offset=0, q_count=tq,
-                         kv_offset=0, kv_count=space.kv_len)
+                         kv_offset=0, kv_count=space.kv_len,
+                         fused=uses_fused_kernel(inputs.q, inputs.v, inputs.dropout_p))
         problem = Problem(inputs.mask, inputs.scale, space, 0, 0, plan, inputs.dropout_p, seed)
         out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v, problem)
         weights = tiled_weights(inputs.q, inputs.k, lse, problem) if inputs.need_weights else None
