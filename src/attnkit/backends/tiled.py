@@ -59,6 +59,20 @@ class Plan:
     block_q: int
     block_k: int
     rows: tuple[tuple[Segment, ...], ...]
+    fused: bool = False
+
+    def groups(self, tq: int):
+        """Yield ``(i, (row_start, row_stop), segments)`` for execution. With the fused kernel,
+        consecutive query blocks whose segments are identical and all FULL run as one call
+        (a dense row range is a single kernel launch); otherwise one query block at a time."""
+        i = 0
+        while i < len(self.rows):
+            end = i + 1
+            if self.fused and not any(s.partial for s in self.rows[i]):
+                while end < len(self.rows) and self.rows[end] == self.rows[i]:
+                    end += 1
+            yield i, (i * self.block_q, min(end * self.block_q, tq)), self.rows[i]
+            i = end
 
     def tiles_computed(self) -> int:
         """Number of ``block_q × block_k`` tiles the plan computes (skipped ones excluded)."""
@@ -111,7 +125,7 @@ def make_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
             segments.append(Segment(j * block_k, min(end * block_k, kv_count), code != FULL))
             j = end
         rows.append(tuple(segments))
-    return Plan(block_q, block_k, tuple(rows))
+    return Plan(block_q, block_k, tuple(rows), fused)
 
 
 @dataclass(frozen=True)
@@ -212,11 +226,6 @@ def _segment_forward(q_block, k_seg, v_seg, additive, has_key, scale, fused, kee
     return out, lse
 
 
-def _rows(plan: Plan, tq: int):
-    for i, segments in enumerate(plan.rows):
-        yield i, (i * plan.block_q, min((i + 1) * plan.block_q, tq)), segments
-
-
 def _segment_inputs(problem, q_grouped_block, keys, values, i, rows, seg, heads_q, fused):
     heads_kv = keys.shape[1]
     k_seg, v_seg = keys[:, :, seg.start:seg.stop], values[:, :, seg.start:seg.stop]
@@ -240,7 +249,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)  # no copy when already acc
     out = torch.zeros(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
     lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
-    for i, rows, segments in _rows(problem.plan, tq):
+    for i, rows, segments in problem.plan.groups(tq):
         q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)  # [B, Hkv, G·n, Dk]
         block_out = block_lse = None
         for seg in segments:
@@ -275,7 +284,7 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem,
     dq = torch.zeros_like(queries)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    for i, rows, segments in _rows(problem.plan, tq):
+    for i, rows, segments in problem.plan.groups(tq):
         if not segments:
             continue
         q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)  # [B, Hkv, G·n, Dk]
@@ -365,7 +374,7 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
     weights = torch.zeros(batch, heads_q, tq, tk, dtype=q.dtype, device=q.device)
     queries, keys = q.detach().to(acc) * problem.scale, k.detach().to(acc)
     lse_safe = torch.where(torch.isneginf(lse), float("inf"), lse.detach().to(acc))
-    for _, rows, segments in _rows(problem.plan, tq):
+    for _, rows, segments in problem.plan.groups(tq):
         q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)
         lse_block = _grouped(lse_safe[:, :, rows[0]:rows[1], None], heads_kv)
         for seg in segments:
