@@ -51,7 +51,19 @@ class TorchBackend(Backend):
         if inputs.need_lse and not _fused_cpu(inputs):
             reasons.append("return_lse needs the CPU fused kernel with Dk == Dv "
                            "(not supported by torch)")
+        if inputs.need_lse and inputs.need_grad:
+            # torch's kernel marks its LSE output non-differentiable: returning it would
+            # silently drop the LSE's part of the gradient.
+            reasons.append("return_lse=True with inputs that require grad: torch's kernel gives "
+                           "no gradient for the LSE (not supported by torch)")
         return reasons
+
+    def auto_reasons(self, inputs: Inputs) -> list[str]:
+        mask = inputs.mask
+        if mask is not None and not _is_plain_causal(mask):
+            return ["mask would be materialised as a dense Tq×Tk bias (auto prefers tiled, which "
+                    "skips empty tiles: measured faster, see docs/BENCHMARKS.md)"]
+        return []
 
     def forward(self, inputs: Inputs) -> BackendOutput:
         q, k, v, mask = inputs.q, inputs.k, inputs.v, inputs.mask
