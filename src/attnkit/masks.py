@@ -177,11 +177,12 @@ class _Band(Mask):
 
     def tile(self, q_idx, kv_idx, space):
         rel = kv_idx[None, :] - (q_idx[:, None] + self._shift(space))  # [tq, tk]
-        allowed = torch.ones_like(rel, dtype=torch.bool)
-        if self.right is not None:
-            allowed &= rel <= self.right
+        if self.right is None and self.left is None:
+            return _as_4d(torch.ones_like(rel, dtype=torch.bool))
+        allowed = rel <= self.right if self.right is not None else None
         if self.left is not None:
-            allowed &= rel >= -self.left
+            above = rel >= -self.left
+            allowed = above if allowed is None else allowed & above
         return _as_4d(allowed)
 
     def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
@@ -243,6 +244,8 @@ def _lengths(name: str, value) -> Optional[torch.Tensor]:
     if value is None:
         return None
     t = torch.as_tensor(value)
+    if t.numel() == 0 and not isinstance(value, torch.Tensor):
+        t = t.to(torch.long)  # an empty list has no dtype (as_tensor says float): validation reports the count
     if t.is_floating_point() or t.dtype == torch.bool:
         raise TypeError(f"padding {name} has dtype {t.dtype}: pass integer lengths, one per batch element")
     return t.to(torch.long)

@@ -3,6 +3,7 @@ merging. Small functions, each unit-tested alone (see docs/NUMERICS.md)."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -49,27 +50,23 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two partial attention results over disjoint key sets.
 
-    ``out_* [..., T, D]`` (each normalised over its own keys), ``lse_* [..., T]``. Returns the
-    result over the union, in the accumulation dtype (fp32, or fp64 for fp64)::
+    ``out_* [..., T, D]`` (each normalised over its own keys; rows with no key are 0),
+    ``lse_* [..., T]``. Returns the result over the union, in the accumulation dtype (fp32, or
+    fp64 for fp64)::
 
-        out = out_a - sigmoid(lse_b - lse_a) * (out_a - out_b)
-        lse = lse_a - logsigmoid(lse_a - lse_b)
+        out = out_a + sigmoid(lse_b - lse_a) * (out_b - out_a)     (one lerp)
+        lse = log(exp(lse_a) + exp(lse_b))                         (logaddexp)
 
-    A side with ``lse = -inf`` (no keys) contributes nothing; both ``-inf`` gives ``(0, -inf)``.
+    A side with ``lse = -inf`` (no keys) gets weight exactly 0, so the other side passes through
+    unchanged; both ``-inf`` gives ``(0, -inf)``. Only [..., T]-sized vectors need special cases.
     """
     dtype = accum_dtype(out_a.dtype)
     out_a, out_b = out_a.to(dtype), out_b.to(dtype)
     lse_a, lse_b = lse_a.to(dtype), lse_b.to(dtype)
-    a_empty, b_empty = torch.isneginf(lse_a), torch.isneginf(lse_b)
-    # Replace -inf by a finite value where needed so no inf - inf appears; fix those rows after.
-    safe_a = torch.where(a_empty, torch.zeros_like(lse_a), lse_a)
-    safe_b = torch.where(b_empty, torch.zeros_like(lse_b), lse_b)
-    diff = torch.where(a_empty | b_empty, torch.zeros_like(safe_a), safe_b - safe_a)
-    out = out_a - torch.sigmoid(diff)[..., None] * (out_a - out_b)
-    lse = safe_a - torch.nn.functional.logsigmoid(-diff)
-    out = torch.where(a_empty[..., None], out_b, torch.where(b_empty[..., None], out_a, out))
-    lse = torch.where(a_empty, lse_b, torch.where(b_empty, lse_a, lse))
-    return out, lse
+    diff = lse_b - lse_a  # [..., T]; NaN only where both sides are empty
+    weight_b = torch.sigmoid(torch.nan_to_num(diff, nan=0.0, posinf=math.inf, neginf=-math.inf))
+    out = torch.lerp(out_a, out_b, weight_b[..., None])
+    return out, torch.logaddexp(lse_a, lse_b)
 
 
 def dropout_keep(shape, p: float, generator: Optional[torch.Generator], device) -> torch.Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -154,10 +154,19 @@ def _ungrouped(x: torch.Tensor, heads_q: int) -> torch.Tensor:
     return x.reshape(b, heads_q, gn // (heads_q // hkv), *x.shape[3:])
 
 
-def _segment_bias(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q: int,
-                  heads_kv: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mask of one segment as an additive tile ``[Bm, Hkv|1, G·n, span]`` (−inf where
-    forbidden, + bias) and whether each row has any allowed key ``[Bm, Hkv|1, G·n]``."""
+class TileMask(NamedTuple):
+    """How one PARTIAL segment is masked: an additive tile ``[Bm, Hkv|1, G·n, span]`` (−inf where
+    forbidden, + bias) with per-row "has a key" flags ``[Bm, Hkv|1, G·n]``; or, when the tile is
+    exactly a lower triangle on its own diagonal, ``causal=True`` and nothing materialised."""
+
+    additive: Optional[torch.Tensor]
+    has_key: Optional[torch.Tensor]
+    causal: bool = False
+
+
+def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q: int,
+                  heads_kv: int, dtype: torch.dtype, fused: bool) -> TileMask:
+    """Evaluate the mask on one segment (see :class:`TileMask`)."""
     n = rows[1] - rows[0]
     group = heads_q // heads_kv
     device = problem.space.device
@@ -171,10 +180,16 @@ def _segment_bias(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
 
     allowed = grouped(problem.mask.tile(q_idx, kv_idx, problem.space))
     values = problem.mask.tile_bias(q_idx, kv_idx, problem.space)
-    additive = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    if values is not None:
-        additive = additive + grouped(values).to(dtype)
-    return additive.masked_fill_(~allowed, float("-inf")), allowed.any(dim=-1)
+    span = seg.stop - seg.start
+    if fused and group == 1 and values is None and n == span:
+        # The diagonal tile of a causal mask: the fused kernel's is_causal skips its upper half.
+        lower = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
+        if torch.equal(allowed, lower.expand_as(allowed)):
+            return TileMask(None, None, causal=True)
+    kept = (torch.zeros((), dtype=dtype, device=device) if values is None
+            else grouped(values).to(dtype))
+    additive = torch.where(allowed, kept, torch.tensor(float("-inf"), dtype=dtype, device=device))
+    return TileMask(additive, allowed.any(dim=-1))
 
 
 def _dropout_keep(problem: Problem, block_row: int, seg: Segment, shape, device) -> torch.Tensor:
@@ -202,14 +217,17 @@ FUSED_TILES = True
 """Switch for the fused CPU tile kernel (tests turn it off to exercise the matmul path on CPU)."""
 
 
-def _segment_forward(q_block, k_seg, v_seg, additive, has_key, scale, fused, keep=None, dropout_p=0.0):
+def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
+                     dropout_p=0.0):
     """Attention of one query block over one key segment → ``(out, lse)``, each normalised over
     the segment alone. ``q_block [B, Hkv, G·n, Dk]``, ``k_seg/v_seg [B, Hkv, span, D]``."""
+    additive = tile.additive if tile is not None else None
     if fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_block, k_seg, v_seg, 0.0, False, attn_mask=additive, scale=scale)
-        if has_key is not None:  # the kernel leaves out 0 but lse 0 on rows with no key
-            lse = lse.masked_fill(~has_key, float("-inf"))
+            q_block, k_seg, v_seg, 0.0, tile is not None and tile.causal, attn_mask=additive,
+            scale=scale)
+        if additive is not None:  # the kernel leaves out 0 but lse 0 on rows with no key
+            lse = lse.masked_fill(~tile.has_key, float("-inf"))
         return out, lse
     scores = (q_block * scale) @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
     if additive is not None:
@@ -229,13 +247,13 @@ def _segment_forward(q_block, k_seg, v_seg, additive, has_key, scale, fused, kee
 def _segment_inputs(problem, q_grouped_block, keys, values, i, rows, seg, heads_q, fused):
     heads_kv = keys.shape[1]
     k_seg, v_seg = keys[:, :, seg.start:seg.stop], values[:, :, seg.start:seg.stop]
-    additive = has_key = keep = None
+    tile = keep = None
     if seg.partial:
-        additive, has_key = _segment_bias(problem, rows, seg, heads_q, heads_kv, keys.dtype)
+        tile = _segment_mask(problem, rows, seg, heads_q, heads_kv, keys.dtype, fused)
     if problem.dropout_p > 0:
         shape = (*q_grouped_block.shape[:3], seg.stop - seg.start)
         keep = _dropout_keep(problem, i, seg, shape, keys.device)
-    return k_seg, v_seg, additive, has_key, keep
+    return k_seg, v_seg, tile, keep
 
 
 def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
@@ -253,10 +271,10 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
         q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)  # [B, Hkv, G·n, Dk]
         block_out = block_lse = None
         for seg in segments:
-            k_seg, v_seg, additive, has_key, keep = _segment_inputs(
+            k_seg, v_seg, tile, keep = _segment_inputs(
                 problem, q_block, keys, values, i, rows, seg, heads_q, fused)
-            seg_out, seg_lse = _segment_forward(q_block, k_seg, v_seg, additive, has_key,
-                                                problem.scale, fused, keep, problem.dropout_p)
+            seg_out, seg_lse = _segment_forward(q_block, k_seg, v_seg, tile, problem.scale, fused,
+                                                keep, problem.dropout_p)
             if block_out is None:
                 block_out, block_lse = seg_out.to(acc), seg_lse.to(acc)
             else:
@@ -297,12 +315,13 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem,
             delta_block = _grouped(delta[:, :, rows[0]:rows[1], None], heads_kv)
             q_block_scaled = q_block * problem.scale
         for seg in segments:
-            k_seg, v_seg, additive, _, keep = _segment_inputs(
+            k_seg, v_seg, tile, keep = _segment_inputs(
                 problem, q_block, keys, values, i, rows, seg, heads_q, fused)
+            additive = tile.additive if tile is not None else None
             if fused:
                 dq_seg, dk_seg, dv_seg = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    do_block, q_block, k_seg, v_seg, out_block, lse_block[..., 0], 0.0, False,
-                    attn_mask=additive, scale=problem.scale)
+                    do_block, q_block, k_seg, v_seg, out_block, lse_block[..., 0], 0.0,
+                    tile is not None and tile.causal, attn_mask=additive, scale=problem.scale)
                 dq_block += dq_seg
                 dk[:, :, seg.start:seg.stop] += dk_seg
                 dv[:, :, seg.start:seg.stop] += dv_seg
@@ -380,7 +399,7 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
         for seg in segments:
             scores = q_block @ keys[:, :, seg.start:seg.stop].transpose(-1, -2)
             if seg.partial:
-                scores.add_(_segment_bias(problem, rows, seg, heads_q, heads_kv, acc)[0])
+                scores.add_(_segment_mask(problem, rows, seg, heads_q, heads_kv, acc, False).additive)
             weights[:, :, rows[0]:rows[1], seg.start:seg.stop] = _ungrouped(
                 scores.sub_(lse_block).exp_(), heads_q).to(q.dtype)
     return weights
