@@ -3,7 +3,6 @@ merging. Small functions, each unit-tested alone (see docs/NUMERICS.md)."""
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -63,10 +62,14 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     dtype = accum_dtype(out_a.dtype)
     out_a, out_b = out_a.to(dtype), out_b.to(dtype)
     lse_a, lse_b = lse_a.to(dtype), lse_b.to(dtype)
-    diff = lse_b - lse_a  # [..., T]; NaN only where both sides are empty
-    weight_b = torch.sigmoid(torch.nan_to_num(diff, nan=0.0, posinf=math.inf, neginf=-math.inf))
+    # Where both sides are empty, -inf - (-inf) would be NaN (in diff, and in logaddexp's
+    # gradient exp(lse_a - lse)): use 0 there, restore -inf after; masked_fill passes no gradient.
+    both_empty = torch.isneginf(lse_a) & torch.isneginf(lse_b)  # [..., T]
+    lse_a, lse_b = lse_a.masked_fill(both_empty, 0.0), lse_b.masked_fill(both_empty, 0.0)
+    diff = lse_b - lse_a  # [..., T]; ±inf where exactly one side is empty
+    weight_b = torch.sigmoid(diff)
     out = torch.lerp(out_a, out_b, weight_b[..., None])
-    return out, torch.logaddexp(lse_a, lse_b)
+    return out, torch.logaddexp(lse_a, lse_b).masked_fill(both_empty, float("-inf"))
 
 
 def dropout_keep(shape, p: float, generator: Optional[torch.Generator], device) -> torch.Tensor:

@@ -1,0 +1,282 @@
+"""Shared helpers for the core tests.
+
+Everything here is written from scratch and never calls attnkit's own computation, so the
+tests compare attnkit against an *independent* definition:
+
+- :func:`naive_attention`: float64 attention as the math reads (matmul, scale, bias, −inf
+  where masked, softmax, fully masked rows set to 0, LSE by ``logsumexp``); GQA by
+  ``repeat_interleave`` of K/V over the query heads.
+- :func:`plain_attention`: the same computation done in a low-precision dtype, the yardstick of
+  the "≤ 2× plain PyTorch math error" rule (flash-attn's test rule).
+- hand-written dense constructions of every structured mask, with Python loops, so a
+  vectorised bug in ``attnkit.masks`` cannot hide in an identical vectorised expectation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit import dispatch
+
+# Test tensors are tiny: intra-op threads only add synchronisation cost, which is large on the
+# shared 2-core machines we test on (3x slower per test measured). Results do not depend on it.
+torch.set_num_threads(1)
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+ALL_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+# ---- the independent attention ---------------------------------------------------------------
+
+def _attention_math(q, k, v, allowed, bias, scale, dtype):
+    """softmax(q kᵀ·scale + bias, masked) v computed entirely in ``dtype``.
+
+    q ``[..., Hq, Tq, Dk]`` (or ``[Tq, Dk]`` / ``[B, Tq, Dk]``), k ``[..., Hkv, Tk, Dk]``,
+    v ``[..., Hkv, Tk, Dv]``; ``allowed`` bool and ``bias`` float broadcastable to the scores
+    ``[..., Hq, Tq, Tk]``. Returns ``(out [..., Hq, Tq, Dv], lse [..., Hq, Tq], weights
+    [..., Hq, Tq, Tk])`` in ``dtype``.
+    """
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if q.dim() >= 4 and q.shape[-3] != k.shape[-3]:  # GQA / MQA: copy each K/V head per group
+        group = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(group, dim=-3)  # [..., Hq, Tk, Dk]
+        v = v.repeat_interleave(group, dim=-3)  # [..., Hq, Tk, Dv]
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., Hq, Tq, Tk]
+    if bias is not None:
+        scores = scores + bias.to(dtype)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    row_empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # [..., Hq, Tq, 1]
+    weights = torch.softmax(scores, dim=-1)  # NaN on fully masked rows …
+    weights = weights.masked_fill(row_empty, 0.0)  # … which are defined as 0
+    lse = torch.logsumexp(scores, dim=-1)  # −inf on fully masked rows
+    out = torch.matmul(weights, v)  # [..., Hq, Tq, Dv]
+    return out, lse, weights
+
+
+def naive_attention(q, k, v, allowed=None, bias=None, scale=None):
+    """The float64 truth: ``(out, lse, weights)`` in float64 (see :func:`_attention_math`)."""
+    return _attention_math(q, k, v, allowed, bias, scale, torch.float64)
+
+
+def plain_attention(q, k, v, allowed=None, bias=None, scale=None, dtype=None):
+    """Plain PyTorch math in ``dtype`` (default: q's dtype), the yardstick of the 2× rule."""
+    return _attention_math(q, k, v, allowed, bias, scale, dtype or q.dtype)
+
+
+def max_error(actual: torch.Tensor, truth: torch.Tensor) -> float:
+    """Largest absolute difference, treating equal infinities as exact and any mismatch of
+    infinities or NaN as an infinite error."""
+    actual, truth = actual.detach().to(torch.float64), truth.detach().to(torch.float64)
+    same_inf = torch.isinf(actual) & torch.isinf(truth) & (torch.sign(actual) == torch.sign(truth))
+    diff = (actual - truth).abs()
+    diff = torch.where(same_inf, torch.zeros_like(diff), diff)
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def error_floor(dtype: torch.dtype, truth: torch.Tensor) -> float:
+    """Absolute slack added to the 2× rule, for when plain math is exact by luck.
+
+    Plain math may hit the float64 truth almost exactly on tiny inputs (its error is then ~0
+    and "2× of 0" would demand bit-exactness). The unavoidable error of *any* implementation is
+    rounding the exact result to the output dtype: ½ ulp of the largest entry. We allow one ulp
+    (``eps · max|truth|``) for fp16/bf16 — for fp16 that is ≈ 1e-3·max — and 8 ulps for fp32
+    (≈ 1e-6 for outputs of size ~1), because fp32 kernels sum in a different order than the
+    plain matmul (blocked flash accumulation), which costs a few ulps, not more.
+    """
+    if dtype == torch.float64:
+        return 1e-12 * max(1.0, _finite_max(truth))
+    ulps = 8 if dtype == torch.float32 else 1
+    return ulps * torch.finfo(dtype).eps * max(1.0, _finite_max(truth))
+
+
+def _finite_max(t: torch.Tensor) -> float:
+    finite = t[torch.isfinite(t)]
+    return float(finite.detach().abs().max()) if finite.numel() else 0.0
+
+
+def assert_within_2x(name: str, actual: torch.Tensor, truth: torch.Tensor, plain: torch.Tensor,
+                     dtype: torch.dtype) -> None:
+    """The golden rule: error(actual) ≤ 2·error(plain math in ``dtype``) + floor (float64 truth)."""
+    assert actual.shape == truth.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(truth.shape)}"
+    err, plain_err = max_error(actual, truth), max_error(plain, truth)
+    bound = 2 * plain_err + error_floor(dtype, truth)
+    assert err <= bound, (f"{name} ({dtype}): error {err:.3g} > 2 × plain-math error "
+                          f"{plain_err:.3g} + floor {error_floor(dtype, truth):.3g}")
+
+
+# ---- hand-written dense masks (loops, on purpose) ----------------------------------------------
+
+def dense_band(tq: int, tk: int, left: Optional[int], right: Optional[int],
+               align: str = "top_left") -> torch.Tensor:
+    """``[tq, tk]``: key j allowed for query i when ``i+s-left ≤ j ≤ i+s+right``,
+    ``s = tk - tq`` for bottom_right alignment, 0 for top_left; ``None`` = unbounded."""
+    shift = tk - tq if align == "bottom_right" else 0
+    out = torch.zeros(tq, tk, dtype=torch.bool)
+    for i in range(tq):
+        for j in range(tk):
+            ok = True
+            if right is not None and j > i + shift + right:
+                ok = False
+            if left is not None and j < i + shift - left:
+                ok = False
+            out[i, j] = ok
+    return out
+
+
+def dense_causal(tq: int, tk: int, align: str = "top_left") -> torch.Tensor:
+    return dense_band(tq, tk, None, 0, align)
+
+
+def dense_padding(tq: int, tk: int, q_lengths=None, kv_lengths=None, batch: int = 1) -> torch.Tensor:
+    """``[B, 1, tq, tk]``: query i / key j of batch b real when ``i < q_lengths[b]`` / ``j < kv_lengths[b]``."""
+    out = torch.zeros(batch, 1, tq, tk, dtype=torch.bool)
+    for b in range(batch):
+        q_len = tq if q_lengths is None else int(q_lengths[b if len(q_lengths) > 1 else 0])
+        kv_len = tk if kv_lengths is None else int(kv_lengths[b if len(kv_lengths) > 1 else 0])
+        for i in range(tq):
+            for j in range(tk):
+                out[b, 0, i, j] = i < q_len and j < kv_len
+    return out
+
+
+def dense_documents(q_ids, kv_ids=None) -> torch.Tensor:
+    """``[B, 1, tq, tk]`` (B = 1 for 1-D ids): same document id."""
+    q_ids = torch.as_tensor(q_ids)
+    kv_ids = q_ids if kv_ids is None else torch.as_tensor(kv_ids)
+    q2 = q_ids if q_ids.dim() == 2 else q_ids[None]
+    k2 = kv_ids if kv_ids.dim() == 2 else kv_ids[None]
+    batch = max(q2.shape[0], k2.shape[0])
+    out = torch.zeros(batch, 1, q2.shape[1], k2.shape[1], dtype=torch.bool)
+    for b in range(batch):
+        qb, kb = q2[min(b, q2.shape[0] - 1)], k2[min(b, k2.shape[0] - 1)]
+        for i in range(q2.shape[1]):
+            for j in range(k2.shape[1]):
+                out[b, 0, i, j] = bool(qb[i] == kb[j])
+    return out
+
+
+def sorted_ids(length: int, n_docs: int, gen: torch.Generator, batch: Optional[int] = None):
+    """Sorted document ids (packed sequences): ``[length]`` or ``[batch, length]`` int64."""
+    rows = []
+    for _ in range(batch or 1):
+        ids = torch.randint(0, n_docs, (length,), generator=gen).sort().values
+        rows.append(ids)
+    return torch.stack(rows) if batch else rows[0]
+
+
+# ---- mask cases for attention tests ------------------------------------------------------------
+
+def mask_case(kind: str, batch_shape: tuple, rank: int, tq: int, tk: int, gen: torch.Generator):
+    """A mask argument for ``attention`` and its expected dense form in the caller's layout.
+
+    Returns ``(mask, allowed, bias)``: ``mask`` is what to pass as ``mask=`` (a Mask object or a
+    raw tensor); ``allowed`` (bool or None) and ``bias`` (float or None) broadcast to the scores
+    in the caller's layout (``[Tq, Tk]`` for 2-D inputs, ``[B, Tq, Tk]`` for 3-D, and
+    ``[..., H, Tq, Tk]`` for 4-D and up).
+    """
+    batch = math.prod(batch_shape) if batch_shape else 1
+
+    def caller(per_batch: torch.Tensor) -> torch.Tensor:
+        """``[B_flat, 1, tq, tk]`` (or ``[1, 1, …]``) → the caller's broadcastable layout."""
+        if per_batch.shape[0] == 1:
+            return per_batch[0, 0]  # [tq, tk] broadcasts everywhere
+        if rank == 3:
+            return per_batch[:, 0]  # [B, tq, tk]
+        return per_batch.reshape(*batch_shape, 1, tq, tk)
+
+    if kind == "none":
+        return None, None, None
+    if kind == "causal":
+        return ak.causal(), dense_causal(tq, tk), None
+    if kind == "causal_bottom_right":
+        return ak.causal("bottom_right"), dense_causal(tq, tk, "bottom_right"), None
+    if kind == "window":
+        return ak.sliding_window(2, 1), dense_band(tq, tk, 2, 1), None
+    if kind == "padding":
+        # Lengths include 0 (a fully masked batch element) when there is more than one element.
+        q_lengths = [int(x) for x in torch.randint(1, tq + 1, (batch,), generator=gen)]
+        kv_lengths = [int(x) for x in torch.randint(0, tk + 1, (batch,), generator=gen)]
+        if batch > 1:
+            kv_lengths[0] = 0
+            q_lengths[-1] = tq
+            kv_lengths[-1] = tk
+        else:
+            kv_lengths = [max(1, kv_lengths[0])]
+        mask = ak.padding(q_lengths=q_lengths, kv_lengths=kv_lengths)
+        return mask, caller(dense_padding(tq, tk, q_lengths, kv_lengths, batch)), None
+    if kind == "documents":
+        if tq != tk:  # cross attention: separate id sequences for queries and keys
+            q_ids, kv_ids = sorted_ids(tq, 3, gen), sorted_ids(tk, 3, gen)
+            return ak.documents(q_ids, kv_ids), dense_documents(q_ids, kv_ids)[0, 0], None
+        ids = sorted_ids(tq, 3, gen)
+        return ak.documents(ids), dense_documents(ids)[0, 0], None
+    if kind == "causal&padding":
+        kv_lengths = [int(x) for x in torch.randint(1, tk + 1, (batch,), generator=gen)]
+        mask = ak.causal() & ak.padding(kv_lengths=kv_lengths)
+        allowed = dense_causal(tq, tk) & dense_padding(tq, tk, None, kv_lengths, batch)
+        return mask, caller(allowed), None
+    if kind == "documents|window":
+        ids = sorted_ids(tq, 2, gen)
+        kv_ids = ids if tq == tk else sorted_ids(tk, 2, gen)
+        mask = ak.documents(ids, kv_ids) | ak.sliding_window(1)
+        return mask, dense_documents(ids, kv_ids)[0, 0] | dense_band(tq, tk, 1, 0), None
+    if kind == "~causal":
+        return ~ak.causal(), ~dense_causal(tq, tk), None
+    if kind == "from_function":
+        def even_distance(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx) % 2 == 0
+        allowed = torch.tensor([[(i - j) % 2 == 0 for j in range(tk)] for i in range(tq)])
+        return ak.from_function(even_distance), allowed, None
+    if kind == "bool_tensor":  # a raw [Tq, Tk] bool tensor as mask=
+        allowed = torch.rand(tq, tk, generator=gen) < 0.7
+        return allowed, allowed, None
+    if kind == "dense":
+        allowed = torch.rand(tq, tk, generator=gen) < 0.7
+        return ak.dense(allowed), allowed, None
+    if kind == "float_tensor":  # a raw float tensor as mask= is a bias; −inf entries are masked
+        values = torch.randn(tq, tk, generator=gen, dtype=torch.float64)
+        values[torch.rand(tq, tk, generator=gen) < 0.2] = float("-inf")
+        return values.float(), ~torch.isneginf(values), torch.nan_to_num(values.float().double(), neginf=0.0)
+    if kind == "bias&causal":
+        values = torch.randn(tq, tk, generator=gen)
+        return ak.bias(values) & ak.causal(), dense_causal(tq, tk), values.double()
+    if kind == "broadcast_bool":  # a per-batch [B, 1, Tq, Tk] bool tensor (4-D inputs and up)
+        per_batch = torch.rand(batch, 1, tq, tk, generator=gen) < 0.6
+        shaped = per_batch.reshape(*batch_shape, 1, tq, tk) if rank >= 4 else (
+            per_batch[:, 0] if rank == 3 else per_batch[0, 0])
+        return shaped, shaped, None
+    raise KeyError(kind)
+
+
+MASK_KINDS = ("none", "causal", "causal_bottom_right", "window", "padding", "documents",
+              "causal&padding", "documents|window", "~causal", "from_function", "bool_tensor",
+              "dense", "float_tensor", "bias&causal", "broadcast_bool")
+
+
+# ---- backends ---------------------------------------------------------------------------------
+
+def usable_backends() -> list[str]:
+    """Every registered backend that can run on this machine (later backends join automatically)."""
+    return [name for name, b in dispatch.BACKENDS.items() if b.is_available()]
+
+
+def reasons_for(backend: str, q, k, v, mask=None, **kwargs) -> list[str]:
+    """``not_supported_reasons`` of ``backend`` for one call (empty when it can run it)."""
+    from attnkit.inputs import validate
+    inputs = validate(q, k, v, mask, **kwargs)
+    return dispatch.BACKENDS[backend].not_supported_reasons(inputs)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A seeded generator, so every test draws the same numbers on every run."""
+    return torch.Generator().manual_seed(1234)

@@ -1,0 +1,220 @@
+"""Every bad input raises ValueError/TypeError from validation — never AssertionError, never a
+RuntimeError from deep inside torch — with a message that names the shapes and a fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit as ak
+
+
+def qkv(q_shape=(2, 4, 5, 8), k_shape=(2, 4, 6, 8), v_shape=None, dtype=torch.float32):
+    v_shape = v_shape or k_shape
+    return tuple(torch.randn(s, dtype=dtype) for s in (q_shape, k_shape, v_shape))
+
+
+def raises(exc, call, *words):
+    """Run ``call``; it must raise exactly ``exc`` (not a subclass of AssertionError or a bare
+    RuntimeError) whose message contains every word (case-insensitive)."""
+    with pytest.raises((ValueError, TypeError, AssertionError, RuntimeError)) as info:
+        call()
+    assert type(info.value) is exc, f"expected {exc.__name__}, got {type(info.value).__name__}: {info.value}"
+    message = str(info.value)
+    for word in words:
+        assert word.lower() in message.lower(), f"{word!r} not in message:\n{message}"
+    return message
+
+
+def test_dk_mismatch():
+    q, k, v = qkv((2, 4, 5, 8), (2, 4, 6, 7))
+    raises(ValueError, lambda: ak.attention(q, k, v), "Dk", "(2, 4, 5, 8)", "(2, 4, 6, 7)")
+
+
+def test_kv_length_mismatch():
+    q, k, v = qkv((2, 4, 5, 8), (2, 4, 6, 8), (2, 4, 7, 8))
+    raises(ValueError, lambda: ak.attention(q, k, v), "length", "(2, 4, 6, 8)", "(2, 4, 7, 8)")
+
+
+def test_kv_heads_mismatch():
+    q, k, v = qkv((2, 4, 5, 8), (2, 2, 6, 8), (2, 4, 6, 8))
+    raises(ValueError, lambda: ak.attention(q, k, v), "k and v", "(2, 2, 6, 8)", "(2, 4, 6, 8)")
+
+
+def test_heads_not_a_multiple():
+    q, k, v = qkv((2, 8, 5, 8), (2, 3, 6, 8))
+    raises(ValueError, lambda: ak.attention(q, k, v), "multiple", "3 heads", "8", "(2, 8, 5, 8)")
+
+
+def test_batch_mismatch():
+    q, k, v = qkv((2, 4, 5, 8), (3, 4, 6, 8))
+    raises(ValueError, lambda: ak.attention(q, k, v), "batch", "(2, 4, 5, 8)", "(3, 4, 6, 8)")
+    q, k, v = qkv((2, 5, 8), (3, 6, 8))
+    raises(ValueError, lambda: ak.attention(q, k, v), "batch", "(2, 5, 8)", "(3, 6, 8)")
+
+
+def test_rank_mismatch():
+    q, k, v = qkv((2, 4, 5, 8), (4, 6, 8))
+    raises(ValueError, lambda: ak.attention(q, k, v), "dims", "(2, 4, 5, 8)", "(4, 6, 8)")
+
+
+@pytest.mark.parametrize("mask_shape", [(5, 7), (3, 1, 5, 6), (2, 4, 5, 6, 1), (4, 6, 5)])
+def test_mask_not_broadcastable(mask_shape):
+    q, k, v = qkv()
+    for mask in (torch.ones(mask_shape, dtype=torch.bool), torch.zeros(mask_shape)):
+        raises(ValueError, lambda: ak.attention(q, k, v, mask=mask), "broadcast", str(mask_shape))
+        combined = ak.causal() & ak.masks.as_mask(mask)
+        raises(ValueError, lambda: ak.attention(q, k, v, mask=combined), "broadcast", str(mask_shape))
+
+
+def test_mask_broadcast_to_3d_inputs():
+    q, k, v = qkv((2, 5, 8), (2, 6, 8))
+    raises(ValueError, lambda: ak.attention(q, k, v, mask=torch.ones(3, 5, 6, dtype=torch.bool)),
+           "broadcast", "(3, 5, 6)")
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(kv_lengths=[7, 2]), ["kv_lengths", "[7, 2]", "[0, 6]"]),
+    (dict(kv_lengths=[-1, 2]), ["kv_lengths", "[-1, 2]", "range"]),
+    (dict(q_lengths=[6, 2]), ["q_lengths", "[6, 2]", "[0, 5]"]),
+    (dict(kv_lengths=[1, 2, 3]), ["kv_lengths", "3 entries", "batch has 2"]),
+    (dict(q_lengths=[]), ["q_lengths", "0 entries"]),
+])
+def test_padding_lengths(kwargs, words):
+    q, k, v = qkv()
+    raises(ValueError, lambda: ak.attention(q, k, v, mask=ak.padding(**kwargs)), *words)
+    raises(ValueError, lambda: ak.attention(q, k, v, mask=ak.causal() & ak.padding(**kwargs)), *words)
+
+
+def test_padding_float_lengths():
+    raises(TypeError, lambda: ak.padding(kv_lengths=torch.tensor([2.0, 3.0])), "integer")
+    raises(ValueError, lambda: ak.padding(), "q_lengths or kv_lengths")
+
+
+def test_window_arguments():
+    raises(ValueError, lambda: ak.sliding_window(-2), "negative", "left=-2")
+    raises(ValueError, lambda: ak.sliding_window(2, -1), "negative", "right=-1")
+    raises(TypeError, lambda: ak.sliding_window(2.0), "int", "left=2.0")
+    raises(TypeError, lambda: ak.sliding_window(True), "int")
+    raises(TypeError, lambda: ak.sliding_window(None), "int")
+    raises(ValueError, lambda: ak.causal("top"), "align", "bottom_right")
+
+
+def test_dtype_mismatch():
+    q = torch.randn(2, 5, 8)
+    k = v = torch.randn(2, 6, 8, dtype=torch.float64)
+    raises(TypeError, lambda: ak.attention(q, k, v), "dtype", "float32", "float64", "(2, 5, 8)")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+def test_non_float_inputs(dtype):
+    q = torch.ones(2, 5, 8, dtype=dtype)
+    k = v = torch.ones(2, 6, 8, dtype=dtype)
+    raises(TypeError, lambda: ak.attention(q, k, v), "floating point", str(dtype), ".float()")
+
+
+def test_non_tensor_inputs():
+    k = v = torch.randn(6, 8)
+    raises(TypeError, lambda: ak.attention([[1.0] * 8], k, v), "q must be a torch.Tensor", "list")
+
+
+@pytest.mark.parametrize("shape", [(8,), ()])
+def test_1d_inputs(shape):
+    q = torch.randn(shape)
+    k = v = torch.randn(6, 8)
+    raises(ValueError, lambda: ak.attention(q, k, v), "at least 2 dims", str(tuple(shape)), "q[None]")
+
+
+def test_empty_feature_dim():
+    q, k, v = qkv((5, 0), (6, 0))
+    raises(ValueError, lambda: ak.attention(q, k, v), "empty feature dim")
+
+
+def test_device_mismatch_with_meta():
+    """Two devices can be fabricated with the meta device; validation must catch the mix
+    before torch raises from inside a matmul."""
+    q = torch.randn(2, 5, 8, device="meta")
+    k = v = torch.randn(2, 6, 8)
+    raises(ValueError, lambda: ak.attention(q, k, v), "device", "meta", "cpu", ".to(")
+
+
+def test_all_meta_inputs_are_refused_with_reasons():
+    q, k, v = (t.to("meta") for t in qkv())
+    message = raises(ValueError, lambda: ak.attention(q, k, v), "no backend", "device=meta")
+    assert "reference" in message and "(2, 4, 5, 8)" in message
+    raises(ValueError, lambda: ak.attention(q, k, v, backend="reference"), "device=meta",
+           "not supported by reference")
+
+
+def test_mask_on_another_device():
+    q, k, v = qkv()
+    mask = torch.ones(5, 6, dtype=torch.bool, device="meta")
+    raises(ValueError, lambda: ak.attention(q, k, v, mask=mask), "mask", "meta", "cpu")
+
+
+@pytest.mark.parametrize("name", ["flash", "Reference", "", None, 0])
+def test_unknown_backend(name):
+    q, k, v = qkv()
+    raises(ValueError, lambda: ak.attention(q, k, v, backend=name), "unknown backend", "auto", "reference")
+
+
+@pytest.mark.parametrize("scale", [0, 0.0, -1.0, float("nan"), float("inf")])
+def test_bad_scale_value(scale):
+    q, k, v = qkv()
+    raises(ValueError, lambda: ak.attention(q, k, v, scale=scale), "scale", "positive")
+
+
+@pytest.mark.parametrize("scale", ["0.5", True, torch.tensor(0.5), [1.0]])
+def test_bad_scale_type(scale):
+    q, k, v = qkv()
+    raises(TypeError, lambda: ak.attention(q, k, v, scale=scale), "scale")
+
+
+@pytest.mark.parametrize("p", [1.0, 1.5, -0.1, float("nan"), "0.1", True])
+def test_bad_dropout(p):
+    q, k, v = qkv()
+    raises(ValueError, lambda: ak.attention(q, k, v, dropout_p=p), "dropout_p", "[0, 1)")
+
+
+def test_bad_generator():
+    q, k, v = qkv()
+    raises(TypeError, lambda: ak.attention(q, k, v, dropout_p=0.1, generator=123), "generator")
+
+
+def test_documents_wrong_length():
+    q, k, v = qkv()
+    raises(ValueError, lambda: ak.attention(q, k, v, mask=ak.documents([0, 0, 1, 1])),
+           "documents", "q_ids", "(4,)", "5 positions")
+    raises(ValueError, lambda: ak.attention(q, k, v, mask=ak.documents([0, 0, 1, 1, 1], [0, 1])),
+           "documents", "kv_ids", "(2,)", "6 positions")
+    raises(ValueError, lambda: ak.attention(q, k, v, mask=ak.documents(torch.zeros(3, 5, dtype=torch.long),
+                                                                          torch.zeros(3, 6, dtype=torch.long))),
+           "documents", "3 rows", "batch has 2")
+    raises(TypeError, lambda: ak.documents(torch.zeros(2, 2, 5, dtype=torch.long)), "documents", "[B, T]")
+
+
+def test_float_mask_to_dense_and_bool_to_bias():
+    raises(TypeError, lambda: ak.dense(torch.zeros(5, 6)), "bool", "bias")
+    raises(TypeError, lambda: ak.bias(torch.ones(5, 6, dtype=torch.bool)), "float", "dense")
+    raises(TypeError, lambda: ak.bias(torch.ones(5, 6, dtype=torch.long)), "float")
+
+
+@pytest.mark.parametrize("mask", [[[True] * 6] * 5, "causal", 1.0, torch.ones(5, 6, dtype=torch.long)])
+def test_mask_of_wrong_type(mask):
+    q, k, v = qkv()
+    raises(TypeError, lambda: ak.attention(q, k, v, mask=mask), "mask", "bool tensor")
+
+
+def test_bias_dtype_mismatch():
+    q, k, v = qkv(dtype=torch.bfloat16)
+    raises(TypeError, lambda: ak.attention(q, k, v, mask=torch.zeros(5, 6, dtype=torch.float16)),
+           "bias", "float16", "bfloat16")
+
+
+def test_valid_edge_inputs_do_not_raise():
+    """The validation is not over-eager: broadcastable masks, GQA, bias in fp32 for fp16 inputs."""
+    q, k, v = qkv((2, 8, 5, 4), (2, 2, 6, 4), (2, 2, 6, 3), dtype=torch.float16)
+    for mask in (None, torch.ones(5, 6, dtype=torch.bool), torch.zeros(2, 1, 5, 6),
+                 torch.zeros(1, 8, 1, 6, dtype=torch.float32), ak.causal() & ak.padding(kv_lengths=[6, 0])):
+        out = ak.attention(q, k, v, mask=mask)
+        assert out.shape == (2, 8, 5, 3) and out.dtype == torch.float16

@@ -1,0 +1,389 @@
+"""Mask objects: dense forms against hand-written constructions, block maps, tiles, pictures."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import random
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.masks import EMPTY, FULL, PARTIAL, MaskSpace
+
+from conftest import (dense_band, dense_causal, dense_documents, dense_padding, sorted_ids)
+
+
+def space(batch=1, heads=1, q_len=8, kv_len=8):
+    return MaskSpace(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
+
+
+def full_shape(dense: torch.Tensor, sp: MaskSpace) -> torch.Tensor:
+    """Broadcast a ``[Bm, Hm, Tq, Tk]`` answer to ``[B, H, Tq, Tk]`` for comparison."""
+    assert dense.dim() == 4 and dense.shape[0] in (1, sp.batch) and dense.shape[1] in (1, sp.heads)
+    return dense.expand(sp.batch, sp.heads, sp.q_len, sp.kv_len)
+
+
+def assert_dense(mask, expected: torch.Tensor, sp: MaskSpace):
+    got = mask.to_dense(sp)
+    assert got.dtype == torch.bool
+    assert torch.equal(full_shape(got, sp), expected.expand(sp.batch, sp.heads, sp.q_len, sp.kv_len))
+
+
+# ---- to_dense against hand-written constructions -------------------------------------------------
+
+@pytest.mark.parametrize("tq,tk", [(5, 5), (3, 7), (7, 3), (1, 4), (4, 1)])
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+def test_causal_dense(tq, tk, align):
+    assert_dense(ak.causal(align), dense_causal(tq, tk, align), space(q_len=tq, kv_len=tk))
+
+
+def test_causal_default_is_top_left_and_bottom_right_last_query_sees_all():
+    sp = space(q_len=3, kv_len=5)
+    assert torch.equal(ak.causal().to_dense(sp), ak.causal("top_left").to_dense(sp))
+    assert ak.causal("bottom_right").to_dense(sp)[0, 0, -1].all()
+    assert ak.causal("top_left").to_dense(sp)[0, 0, 0].tolist() == [True, False, False, False, False]
+
+
+@pytest.mark.parametrize("tq,tk", [(6, 6), (4, 9), (9, 4)])
+@pytest.mark.parametrize("left,right", [(0, 0), (2, 0), (1, 3), (0, 2), (5, 5)])
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+def test_sliding_window_dense(tq, tk, left, right, align):
+    mask = ak.sliding_window(left, right, align=align)
+    assert_dense(mask, dense_band(tq, tk, left, right, align), space(q_len=tq, kv_len=tk))
+
+
+@pytest.mark.parametrize("q_lengths,kv_lengths", [
+    (None, [3, 0, 6]), ([2, 5, 0], None), ([0, 4, 5], [6, 1, 0]), ([5], [2]), (None, [4]),
+])
+def test_padding_dense(q_lengths, kv_lengths):
+    batch = 3
+    sp = space(batch=batch, heads=2, q_len=5, kv_len=6)
+    expected = dense_padding(5, 6, q_lengths, kv_lengths, batch)
+    assert_dense(ak.padding(q_lengths=q_lengths, kv_lengths=kv_lengths), expected, sp)
+
+
+def test_padding_accepts_tensor_lengths():
+    sp = space(batch=2, q_len=4, kv_len=4)
+    assert_dense(ak.padding(kv_lengths=torch.tensor([1, 3])), dense_padding(4, 4, None, [1, 3], 2), sp)
+
+
+def test_documents_dense_1d_2d_and_cross():
+    ids = [0, 0, 1, 1, 1, 2]
+    assert_dense(ak.documents(ids), dense_documents(ids), space(q_len=6, kv_len=6))
+    ids2 = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 2, 2]])
+    assert_dense(ak.documents(ids2), dense_documents(ids2), space(batch=2, q_len=6, kv_len=6))
+    q_ids, kv_ids = [0, 1, 1], [0, 0, 1, 1, 2]  # cross attention: different q and kv ids
+    assert_dense(ak.documents(q_ids, kv_ids), dense_documents(q_ids, kv_ids), space(q_len=3, kv_len=5))
+    # unsorted ids are allowed too (the mask is a plain equality test)
+    ids3 = [2, 0, 2, 1, 0]
+    assert_dense(ak.documents(ids3), dense_documents(ids3), space(q_len=5, kv_len=5))
+
+
+def test_dense_and_raw_bool(gen):
+    allowed = torch.rand(2, 1, 5, 7, generator=gen) < 0.5
+    sp = space(batch=2, heads=3, q_len=5, kv_len=7)
+    assert_dense(ak.dense(allowed), allowed, sp)
+    assert_dense(ak.masks.as_mask(allowed), allowed, sp)
+    assert_dense(ak.dense(allowed[0, 0]), allowed[0, 0], sp)  # [Tq, Tk] broadcasts
+
+
+def test_bias_neginf_counts_as_masked(gen):
+    values = torch.randn(5, 7, generator=gen)
+    values[values > 0.8] = float("-inf")
+    sp = space(q_len=5, kv_len=7)
+    mask = ak.bias(values)
+    assert mask.has_bias
+    assert_dense(mask, ~torch.isneginf(values), sp)
+    tile_bias = mask.dense_bias(sp)
+    assert torch.isfinite(tile_bias).all()
+    assert torch.equal(tile_bias[0, 0], torch.where(torch.isneginf(values), 0.0, values))
+    assert ak.causal().dense_bias(sp) is None
+
+
+def test_from_function_dense():
+    def alternate_heads(b, h, q_idx, kv_idx):
+        return ((q_idx - kv_idx).abs() <= 1) | ((h == 1) & (kv_idx == 0)) | (b == 1)
+    sp = space(batch=2, heads=2, q_len=4, kv_len=5)
+    expected = torch.zeros(2, 2, 4, 5, dtype=torch.bool)
+    for b in range(2):
+        for h in range(2):
+            for i in range(4):
+                for j in range(5):
+                    expected[b, h, i, j] = abs(i - j) <= 1 or (h == 1 and j == 0) or b == 1
+    assert_dense(ak.from_function(alternate_heads), expected, sp)
+
+
+def test_from_function_must_return_bool():
+    with pytest.raises(TypeError, match="bool"):
+        ak.from_function(lambda b, h, q, k: (q - k).float()).to_dense(space())
+    with pytest.raises(TypeError, match="callable"):
+        ak.from_function(3)
+
+
+def test_combinators_dense():
+    tq, tk = 6, 8
+    sp = space(batch=2, q_len=tq, kv_len=tk)
+    causal, window = dense_causal(tq, tk), dense_band(tq, tk, 2, 1)
+    pad = dense_padding(tq, tk, None, [5, 2], 2)
+    docs = dense_documents([0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, 1])
+    d = ak.documents([0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, 1])
+    cases = [
+        (ak.causal() & ak.padding(kv_lengths=[5, 2]), causal & pad),
+        (ak.causal() | ak.sliding_window(2, 1), causal | window),
+        (~ak.causal(), ~causal),
+        (~(ak.causal() & ak.padding(kv_lengths=[5, 2])), ~(causal & pad)),
+        (d & ak.causal(), docs & causal),
+        ((d | ak.sliding_window(2, 1)) & ~ak.padding(kv_lengths=[5, 2]), (docs | window) & ~pad),
+        (~~ak.causal(), causal),
+    ]
+    for mask, expected in cases:
+        assert_dense(mask, expected, sp)
+
+
+def test_bias_combines_only_with_and(gen):
+    values = torch.randn(4, 4, generator=gen)
+    combined = ak.bias(values) & ak.causal()
+    sp = space(q_len=4, kv_len=4)
+    assert_dense(combined, dense_causal(4, 4), sp)
+    assert torch.equal(combined.dense_bias(sp)[0, 0], values)
+    both = ak.bias(values) & ak.bias(2 * values)
+    assert torch.allclose(both.dense_bias(sp)[0, 0], 3 * values)
+    with pytest.raises(TypeError, match=r"\|"):
+        ak.bias(values) | ak.causal()
+    with pytest.raises(TypeError, match=r"\|"):
+        ak.causal() | ak.bias(values)
+    with pytest.raises(TypeError, match="~"):
+        ~ak.bias(values)
+    with pytest.raises(TypeError, match="~"):
+        ~(ak.bias(values) & ak.causal())
+
+
+def test_combinators_accept_raw_tensors():
+    allowed = torch.ones(4, 4, dtype=torch.bool)
+    allowed[:, 0] = False
+    sp = space(q_len=4, kv_len=4)
+    assert_dense(ak.causal() & allowed, dense_causal(4, 4) & allowed, sp)
+
+
+# ---- block maps -------------------------------------------------------------------------------
+
+def _random_masks(rng: random.Random, gen: torch.Generator, batch: int, tq: int, tk: int):
+    """(name, mask, exact) for every kind and some combinations; ``exact``: the block map
+    must classify EMPTY/FULL exactly (structured masks, and the generic evaluator)."""
+    ids = sorted_ids(tq, rng.randint(1, 5), gen)
+    ids_2d = sorted_ids(tq, rng.randint(1, 5), gen, batch=batch)
+    shared_tq_tk = tq == tk
+    kv_ids = ids if shared_tq_tk else sorted_ids(tk, 3, gen)
+    q_lengths = [rng.randint(0, tq) for _ in range(batch)]
+    kv_lengths = [rng.randint(0, tk) for _ in range(batch)]
+    left, right = rng.randint(0, 9), rng.randint(0, 6)
+    bias_values = torch.randn(batch, 1, tq, tk, generator=gen)
+    bias_values[torch.rand(batch, 1, tq, tk, generator=gen) < 0.3] = float("-inf")
+    dense_allowed = torch.rand(1, 2, tq, tk, generator=gen) < 0.5
+    fn = ak.from_function(lambda b, h, q, k: (q // 5) == (k // 7), name="blocks57")
+    masks = [
+        ("causal", ak.causal(), True),
+        ("causal_br", ak.causal("bottom_right"), True),
+        ("window", ak.sliding_window(left, right), True),
+        ("window_br", ak.sliding_window(left, right, align="bottom_right"), True),
+        ("padding", ak.padding(q_lengths=q_lengths, kv_lengths=kv_lengths), True),
+        ("padding_kv", ak.padding(kv_lengths=kv_lengths), True),
+        ("dense", ak.dense(dense_allowed), True),
+        ("bias", ak.bias(bias_values), True),
+        ("from_function", fn, True),
+        ("~causal", ~ak.causal(), True),
+        ("~padding", ~ak.padding(q_lengths=q_lengths, kv_lengths=kv_lengths), True),
+        ("causal&padding", ak.causal() & ak.padding(kv_lengths=kv_lengths), False),
+        ("window|causal_br", ak.sliding_window(left, right) | ak.causal("bottom_right"), False),
+        ("bias&window", ak.bias(bias_values) & ak.sliding_window(left, right), False),
+        ("~(causal|padding)", ~(ak.causal() | ak.padding(q_lengths=q_lengths)), False),
+        ("dense&~window", ak.dense(dense_allowed) & ~ak.sliding_window(left, right), False),
+    ]
+    if shared_tq_tk:  # sorted ids shared by q and kv: the range test is exact
+        masks += [("documents", ak.documents(ids), True),
+                  ("documents_2d", ak.documents(ids_2d), True),
+                  ("documents&causal", ak.documents(ids_2d) & ak.causal(), False)]
+    masks += [("documents_cross", ak.documents(ids, kv_ids), shared_tq_tk),
+              ("documents|window", ak.documents(ids, kv_ids) | ak.sliding_window(left), False)]
+    return masks
+
+
+def _check_block_map(name, mask, exact, sp, block_q, block_k, q_offset, q_count, kv_offset, kv_count):
+    codes = mask.block_map(block_q, block_k, sp, q_offset=q_offset, q_count=q_count,
+                           kv_offset=kv_offset, kv_count=kv_count)
+    nq, nk = math.ceil(q_count / block_q), math.ceil(kv_count / block_k)
+    where = f"{name} blocks {block_q}x{block_k} q[{q_offset}:+{q_count}] kv[{kv_offset}:+{kv_count}]"
+    assert codes.dtype == torch.int8, where
+    assert codes.dim() == 4 and codes.shape[2:] == (nq, nk), f"{where}: shape {tuple(codes.shape)}"
+    assert codes.shape[0] in (1, sp.batch) and codes.shape[1] in (1, sp.heads), where
+    assert set(codes.unique().tolist()) <= {EMPTY, PARTIAL, FULL}, where
+    dense = full_shape(mask.to_dense(sp), sp)
+    codes = codes.expand(sp.batch, sp.heads, nq, nk)
+    for qb in range(nq):
+        q0 = q_offset + qb * block_q
+        q1 = min(q0 + block_q, q_offset + q_count)
+        for kb in range(nk):
+            k0 = kv_offset + kb * block_k
+            k1 = min(k0 + block_k, kv_offset + kv_count)
+            tile = dense[:, :, q0:q1, k0:k1].flatten(2)  # [B, H, tile elements]
+            none_allowed, all_allowed = ~tile.any(-1), tile.all(-1)
+            code = codes[:, :, qb, kb]
+            at = f"{where} tile ({qb}, {kb})"
+            assert not (none_allowed == False)[code == EMPTY].any(), f"{at}: EMPTY but has allowed keys"
+            assert all_allowed[code == FULL].all(), f"{at}: FULL but has masked keys"
+            if mask.has_bias:
+                assert not (code == FULL).any(), f"{at}: FULL for a mask with a bias"
+            if exact:
+                assert torch.equal(code == EMPTY, none_allowed), f"{at}: EMPTY not exact"
+                if not mask.has_bias:
+                    assert torch.equal(code == FULL, all_allowed & ~none_allowed), f"{at}: FULL not exact"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_map_whole_sequence(seed, gen):
+    rng = random.Random(seed)
+    gen.manual_seed(seed)
+    tq, tk = (37, 53) if seed == 0 else (rng.randint(1, 40), rng.randint(1, 40))
+    if seed == 1:
+        tk = tq  # a self-attention shape, so the document masks get their exact checks
+    block_q, block_k = (8, 16) if seed == 0 else (rng.choice([1, 2, 3, 4, 8, 16]), rng.choice([1, 3, 5, 8, 16]))
+    batch = 2
+    sp = space(batch=batch, heads=2, q_len=tq, kv_len=tk)
+    for name, mask, exact in _random_masks(rng, gen, batch, tq, tk):
+        _check_block_map(name, mask, exact, sp, block_q, block_k, 0, tq, 0, tk)
+        # defaults of q_count / kv_count cover the rest of the sequence
+        assert torch.equal(mask.block_map(block_q, block_k, sp),
+                           mask.block_map(block_q, block_k, sp, q_offset=0, q_count=tq,
+                                          kv_offset=0, kv_count=tk)), name
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_map_shard_offsets(seed, gen):
+    """A shard of a longer sequence: global positions, ragged last blocks."""
+    rng = random.Random(100 + seed)
+    gen.manual_seed(100 + seed)
+    t = rng.randint(20, 48)
+    tq, tk = (t, t) if seed % 2 == 0 else (t, rng.randint(10, 48))
+    batch = 2
+    sp = space(batch=batch, heads=2, q_len=tq, kv_len=tk)
+    for name, mask, exact in _random_masks(rng, gen, batch, tq, tk):
+        block_q, block_k = rng.choice([2, 3, 4, 8]), rng.choice([2, 5, 8, 16])
+        q_offset = rng.randint(0, tq - 1)
+        q_count = rng.randint(1, tq - q_offset)
+        kv_offset = rng.randint(0, tk - 1)
+        kv_count = rng.randint(1, tk - kv_offset)
+        _check_block_map(name, mask, exact, sp, block_q, block_k, q_offset, q_count, kv_offset, kv_count)
+        # without counts, a shard runs to the end of the sequence
+        codes = mask.block_map(block_q, block_k, sp, q_offset=q_offset, kv_offset=kv_offset)
+        assert codes.shape[2:] == (math.ceil((tq - q_offset) / block_q), math.ceil((tk - kv_offset) / block_k))
+
+
+def test_block_map_causal_picture():
+    """Causal 8×8 with 4×4 blocks: the diagonal tiles are PARTIAL, below FULL, above EMPTY."""
+    codes = ak.causal().block_map(4, 4, space(q_len=8, kv_len=8))
+    assert codes[0, 0].tolist() == [[PARTIAL, EMPTY], [FULL, PARTIAL]]
+    codes = ak.causal().block_map(2, 4, space(q_len=8, kv_len=8), q_offset=4, q_count=4)
+    assert codes[0, 0].tolist() == [[FULL, PARTIAL], [FULL, PARTIAL]]
+
+
+# ---- tiles at offsets -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tile_equals_slice_of_dense(seed, gen):
+    rng = random.Random(200 + seed)
+    gen.manual_seed(200 + seed)
+    tq, tk = 21, 21 if seed == 0 else 30
+    batch = 2
+    sp = space(batch=batch, heads=2, q_len=tq, kv_len=tk)
+    for name, mask, _ in _random_masks(rng, gen, batch, tq, tk):
+        dense = full_shape(mask.to_dense(sp), sp)
+        dense_bias = mask.dense_bias(sp)
+        for _ in range(3):
+            q0, k0 = rng.randint(0, tq - 1), rng.randint(0, tk - 1)
+            q1, k1 = rng.randint(q0 + 1, tq), rng.randint(k0 + 1, tk)
+            q_idx, kv_idx = torch.arange(q0, q1), torch.arange(k0, k1)
+            tile = mask.tile(q_idx, kv_idx, sp)
+            assert torch.equal(full_shape_tile(tile, sp, q1 - q0, k1 - k0), dense[:, :, q0:q1, k0:k1]), name
+            tile_bias = mask.tile_bias(q_idx, kv_idx, sp)
+            assert (tile_bias is None) == (dense_bias is None), name
+            if tile_bias is not None:
+                expected = dense_bias.expand(batch, 2, tq, tk)[:, :, q0:q1, k0:k1]
+                assert torch.equal(tile_bias.expand(batch, 2, q1 - q0, k1 - k0), expected), name
+
+
+def full_shape_tile(tile, sp, tq, tk):
+    assert tile.shape[0] in (1, sp.batch) and tile.shape[1] in (1, sp.heads)
+    return tile.expand(sp.batch, sp.heads, tq, tk)
+
+
+def test_tile_with_non_contiguous_positions():
+    """Tiles are evaluated at any global positions, not only ranges."""
+    sp = space(q_len=10, kv_len=10)
+    q_idx, kv_idx = torch.tensor([9, 2, 5]), torch.tensor([0, 7, 5, 9])
+    expected = dense_causal(10, 10)[q_idx][:, kv_idx]
+    assert torch.equal(ak.causal().tile(q_idx, kv_idx, sp)[0, 0], expected)
+
+
+# ---- pictures ---------------------------------------------------------------------------------
+
+def test_draw_causal_4x4():
+    assert ak.causal().draw(4, 4) == "█░░░\n██░░\n███░\n████"
+    assert str(ak.causal()) == ak.causal().draw(8, 8)
+
+
+def _docstring_pictures(fn):
+    """Every block of █/░ lines in a docstring, as lists of rows (side-by-side pictures split)."""
+    pictures, current = [], []
+    for line in inspect.getdoc(fn).splitlines() + [""]:
+        cells = line.strip()
+        if cells and set(cells) <= set("█░ "):
+            current.append(cells.split())
+        elif current:
+            columns = len(current[0])
+            pictures += [[row[c] for row in current] for c in range(columns)]
+            current = []
+    return pictures
+
+
+@pytest.mark.parametrize("fn,masks", [
+    (ak.masks, [ak.causal()]),
+    (ak.causal, [ak.causal("top_left"), ak.causal("bottom_right")]),
+    (ak.sliding_window, [ak.sliding_window(2)]),
+    (ak.padding, [ak.padding(kv_lengths=[3])]),
+    (ak.documents, [ak.documents([0, 0, 1, 1, 1])]),
+])
+def test_docstring_pictures_match_draw(fn, masks):
+    pictures = _docstring_pictures(fn)
+    assert len(pictures) == len(masks), f"{fn.__name__}: found {len(pictures)} pictures"
+    for picture, mask in zip(pictures, masks):
+        q_len, kv_len = len(picture), len(picture[0])
+        assert mask.draw(q_len, kv_len) == "\n".join(picture), f"{fn.__name__}: {mask!r}"
+
+
+def test_draw_per_batch_and_head():
+    mask = ak.padding(kv_lengths=[1, 3])
+    assert mask.draw(2, 4, batch=1) == "███░\n███░"
+    assert mask.draw(2, 4, batch=0) == "█░░░\n█░░░"
+
+
+# ---- constructor errors -------------------------------------------------------------------------
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match="align"):
+        ak.causal("middle")
+    with pytest.raises(ValueError, match="negative"):
+        ak.sliding_window(-1)
+    with pytest.raises(TypeError, match="int"):
+        ak.sliding_window(2.5)
+    with pytest.raises(ValueError, match="q_lengths or kv_lengths"):
+        ak.padding()
+    with pytest.raises(TypeError, match="integer"):
+        ak.padding(kv_lengths=[1.5, 2.0])
+    with pytest.raises(TypeError, match="bool"):
+        ak.dense(torch.zeros(3, 3))
+    with pytest.raises(TypeError, match="float"):
+        ak.bias(torch.zeros(3, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="integer"):
+        ak.documents(torch.zeros(4))
