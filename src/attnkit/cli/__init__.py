@@ -1,0 +1,71 @@
+"""The ``attnkit`` command line: one module per subcommand, listed in :data:`COMMANDS`.
+
+Each command module defines three things::
+
+    HELP = "one line for `attnkit --help`"
+    def add_arguments(parser: argparse.ArgumentParser) -> None: ...
+    def run(args: argparse.Namespace, console: rich.console.Console) -> int: ...   # exit code
+
+Adding a command (e.g. ``bench``) is one module plus one entry in :data:`COMMANDS`.
+Plotting modules import matplotlib inside their plotting functions only, so
+``import attnkit`` never pulls in matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+COMMANDS: dict[str, str] = {
+    "explain": "attnkit.cli.explain",
+    "scale-study": "attnkit.cli.scale_study",
+    "check": "attnkit.cli.check",
+    "info": "attnkit.cli.info",
+    "demo": "attnkit.cli.demo",
+    # "bench": "attnkit.cli.bench",   # slot for the benchmark command
+}
+"""Subcommand name → module implementing it (``HELP``, ``add_arguments``, ``run``), in help order."""
+
+
+def command_module(name: str):
+    """The module implementing subcommand ``name``."""
+    return importlib.import_module(COMMANDS[name])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per entry of :data:`COMMANDS`."""
+    from attnkit import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="attnkit", description="Scaled dot-product attention: explain it, study its scale, "
+                                    "check every backend against the float64 reference.")
+    parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        module = command_module(name)
+        command = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(command)
+        command.set_defaults(_module=module)
+    return parser
+
+
+def make_console():
+    """A rich console on stdout; wide enough for the check table when output is not a terminal."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=140)
+    return console
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``attnkit`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return int(args._module.run(args, make_console()) or 0)

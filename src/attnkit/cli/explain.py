@@ -1,0 +1,291 @@
+"""``attnkit explain``: the reference computation, step by step, on small matrices.
+
+With no inputs it runs Example 2 of seed document 004 (Q = K = V = [[1,0],[2,0],[3,0]],
+d_k = 2, causal) and compares the seed's printed numbers with the computed ones: the seed's
+row 2 (A[2] = [0.063, 0.262, 0.675], O[2] = [2.612, 0]) is wrong; the computed values are
+softmax([2.121, 4.243, 6.364]) ≈ [0.0127, 0.1057, 0.8816] and O[2] ≈ [2.869, 0].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+from rich.markup import escape
+
+from ..backends.reference import Steps, steps
+from ..inputs import Inputs, validate
+from ..masks import causal
+
+from ._common import agg_figure, fmt_number, matrix_table, save_figure
+
+HELP = "print the attention computation step by step (default: seed 004's causal example)"
+
+EXAMPLE_QKV = [[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]]
+"""Seed 004, Example 2: Q = K = V (3 positions, d_k = 2), causal mask, scale 1/√2."""
+
+SEED_PRINTED = {
+    "S (scaled scores)": [[0.707, 1.414, 2.121], [1.414, 2.828, 4.243], [2.121, 4.243, 6.364]],
+    "A[0]": [1.0, 0.0, 0.0],
+    "A[1]": [0.196, 0.804, 0.0],
+    "A[2]": [0.063, 0.262, 0.675],
+    "O[0]": [1.0, 0.0],
+    "O[1]": [1.804, 0.0],
+    "O[2]": [2.612, 0.0],
+}
+"""The values seed document 004 prints for Example 2 (3 decimals), checked against the computation."""
+
+SEED_TOLERANCE = 0.005
+"""A printed 3-decimal value differing from the computed one by more than this is flagged."""
+
+
+class SeedDifference(NamedTuple):
+    """One printed quantity of the seed example next to its computed value."""
+
+    name: str
+    printed: list
+    computed: list
+    max_abs_diff: float
+
+    @property
+    def wrong(self) -> bool:
+        return self.max_abs_diff > SEED_TOLERANCE
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for name, what in (("q", "queries [Tq, Dk]"), ("k", "keys [Tk, Dk] (default: --q)"),
+                       ("v", "values [Tk, Dv] (default: --k)")):
+        parser.add_argument(f"--{name}", metavar="JSON|FILE.npy",
+                            help=f"{what}: a JSON nested list like '[[1,0],[2,0]]' or a .npy file")
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                        help="apply the causal mask (query i sees keys j <= i); on by default "
+                             "for the built-in example, off for your own inputs")
+    parser.add_argument("--scale", type=float, default=None,
+                        help="multiply the scores by this (default 1/sqrt(Dk))")
+    parser.add_argument("--plot", metavar="PATH", default=None,
+                        help="write a heatmap PNG of the attention weights to PATH")
+
+
+def parse_matrix(text: str) -> torch.Tensor:
+    """A JSON nested list or the path of a ``.npy`` file → a float64 tensor (≥ 2-D)."""
+    path = Path(text)
+    if text.endswith(".npy") or path.is_file():
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"cannot read {text!r} as a .npy array: {error}") from None
+    else:
+        try:
+            array = np.asarray(json.loads(text), dtype=np.float64)
+        except (json.JSONDecodeError, ValueError, TypeError) as error:
+            raise ValueError(f"cannot read {text!r} as a JSON matrix (e.g. '[[1,0],[2,0]]') "
+                             f"or a .npy file: {error}") from None
+    if not np.issubdtype(array.dtype, np.number):
+        raise ValueError(f"{text!r} holds {array.dtype}, not numbers")
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float64))
+
+
+def build_inputs(q=None, k=None, v=None, *, causal_mask: Optional[bool] = None,
+                 scale: Optional[float] = None) -> tuple[Inputs, bool]:
+    """Validated inputs for explain, and whether they are exactly seed 004's Example 2.
+
+    ``q``/``k``/``v`` are tensors or ``None``: all ``None`` means the built-in example (causal
+    unless ``causal_mask=False``); ``k`` defaults to ``q`` and ``v`` to ``k`` (self-attention).
+    """
+    use_example = q is None and k is None and v is None
+    if use_example:
+        q = torch.tensor(EXAMPLE_QKV, dtype=torch.float64)  # [3, 2]
+        k, v = q.clone(), q.clone()
+        causal_mask = True if causal_mask is None else causal_mask
+    else:
+        q = q if q is not None else (k if k is not None else v)
+        k = k if k is not None else q
+        v = v if v is not None else k
+    mask = causal() if causal_mask else None
+    inputs = validate(q, k, v, mask, scale=scale)
+    example = torch.tensor(EXAMPLE_QKV, dtype=torch.float64)
+    is_seed_example = (bool(causal_mask) and all(t.shape == example.shape and torch.equal(t, example)
+                                                 for t in (q.double(), k.double(), v.double()))
+                       and math.isclose(inputs.scale, 1 / math.sqrt(2), rel_tol=1e-12))
+    return inputs, is_seed_example
+
+
+def seed_differences(result: Steps) -> list[SeedDifference]:
+    """Compare seed 004's printed Example 2 values with the computed ``result`` (of that example)."""
+    computed = {"S (scaled scores)": result.scaled[0, 0]}  # [3, 3]
+    for i in range(3):
+        computed[f"A[{i}]"] = result.weights[0, 0, i]  # [3]
+        computed[f"O[{i}]"] = result.out[0, 0, i]  # [2]
+    rows = []
+    for name, printed in SEED_PRINTED.items():
+        value = computed[name]
+        diff = (value - torch.tensor(printed, dtype=torch.float64)).abs().max().item()
+        rows.append(SeedDifference(name, printed, value.tolist(), diff))
+    return rows
+
+
+def plot_weights(weights: torch.Tensor, allowed: Optional[torch.Tensor], path, *,
+                 title: str = "attention weights") -> Path:
+    """Heatmap PNG of ``weights [Tq, Tk]`` with each cell annotated; masked cells (``allowed``
+    False, ``[Tq, Tk]`` or ``None``) are labelled "masked". Uses the Agg canvas."""
+    values = weights.detach().double().cpu().numpy()
+    rows, cols = values.shape
+    figure = agg_figure(figsize=(max(4.5, 1.6 + 0.7 * cols), max(3.4, 1.2 + 0.6 * rows)))
+    axes = figure.add_subplot()
+    import matplotlib
+
+    shown = values if allowed is None else np.ma.masked_array(values, mask=~allowed.cpu().numpy())
+    colormap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
+    image = axes.imshow(shown, cmap=colormap, vmin=0.0, vmax=1.0)
+    figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04)
+    annotate = rows * cols <= 400
+    for i in range(rows):
+        for j in range(cols):
+            if not annotate:
+                break
+            masked = allowed is not None and not bool(allowed[i, j])
+            text = "masked" if masked else f"{values[i, j]:.3f}"
+            color = "black" if masked or values[i, j] > 0.6 else "white"
+            axes.text(j, i, text, ha="center", va="center", color=color,
+                      fontsize=7 if masked else 8)
+    axes.set_xticks(range(cols))
+    axes.set_yticks(range(rows))
+    axes.set_xlabel("key j")
+    axes.set_ylabel("query i")
+    axes.set_title(title, fontsize=10)
+    return save_figure(figure, path)
+
+
+def describe_mask(mask) -> str:
+    """A short human name for the masks explain builds (only causal today)."""
+    from ..backends.torch_sdpa import _is_plain_causal
+
+    return "causal, query i sees keys j <= i" if _is_plain_causal(mask) else repr(mask)
+
+
+def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
+    """Print every step for batch ``b``, query head ``h``."""
+    q, k, v = inputs.q[b, h], inputs.k[b, h // inputs.group_size], inputs.v[b, h // inputs.group_size]
+    tq, dk = q.shape
+    tk, dv = v.shape
+    default_scale = 1 / math.sqrt(dk)
+    scale_note = (f"1/√{dk} = {inputs.scale:.6g}" if math.isclose(inputs.scale, default_scale)
+                  else f"{inputs.scale:.6g} (given; 1/√d_k would be {default_scale:.6g})")
+
+    def say(text: str) -> None:  # plain text: brackets like A[i, j] are not rich markup
+        console.print(text, markup=False, highlight=False)
+
+    console.rule("[bold]1. Inputs")
+    gqa = (f"   (GQA: query head {h} uses K/V head {h // inputs.group_size})"
+           if inputs.group_size > 1 else "")
+    say(f"Q [Tq={tq}, d_k={dk}]   K [Tk={tk}, d_k={dk}]   V [Tk={tk}, d_v={dv}]   "
+        f"scale = {scale_note}{gqa}")
+    for name, t in (("Q", q), ("K", k), ("V", v)):
+        console.print(matrix_table(t.double(), title=name, row_name="row"))
+
+    console.rule("[bold]2. Scores  S = Q Kᵀ")
+    say(f"S[i, j] = q_i · k_j   shape [{tq}, {tk}]")
+    console.print(matrix_table(result.scores[b, h], row_name="i"))
+
+    console.rule("[bold]3. Scaled  S · scale")
+    say(f"multiply by {inputs.scale:.6g}: keeps the score variance ≈ 1 when q, k have "
+        f"unit-variance entries (Var(q·k) = d_k)")
+    console.print(matrix_table(result.scaled[b, h], row_name="i"))
+
+    console.rule("[bold]4. Masked  (−inf where a query may not attend)")
+    if result.allowed is None:
+        say("no mask: every query sees every key (masked = scaled)")
+    else:
+        allowed = result.allowed[min(b, result.allowed.shape[0] - 1), min(h, result.allowed.shape[1] - 1)]
+        say(f"mask: {describe_mask(inputs.mask)}  (█ may attend, ░ masked):")
+        say("\n".join("  " + "".join("█" if a else "░" for a in row) for row in allowed.tolist()))
+        console.print(matrix_table(result.masked[b, h], row_name="i"))
+
+    console.rule("[bold]5. Weights  A = softmax(masked) per row")
+    say("A[i, j] = exp(m_ij − max_j m_ij) / Σ_j exp(m_ij − max_j m_ij); each row sums to 1 "
+        "(0 for a query with no visible key)")
+    weights = result.weights[b, h]  # [Tq, Tk]
+    console.print(matrix_table(weights, row_name="i", extra={"row sum": weights.sum(-1).tolist()}))
+
+    console.rule("[bold]6. Output  O = A V")
+    say(f"O[i] = Σ_j A[i, j] · v_j   shape [{tq}, {dv}]")
+    console.print(matrix_table(result.out[b, h], row_name="i"))
+
+    console.rule("[bold]" + escape("7. Log-sum-exp  LSE[i] = log Σ_j exp(masked[i, j])"))
+    lse = result.lse[b, h]  # [Tq]
+    rebuilt = torch.exp(result.masked[b, h] - lse[:, None])  # [Tq, Tk]
+    rebuilt = torch.where(torch.isneginf(lse)[:, None], torch.zeros_like(rebuilt), rebuilt)
+    say("what fast kernels keep instead of A: A = exp(masked − LSE) rebuilds the weights "
+        f"(max |difference| here: {(rebuilt - weights).abs().max().item():.1e})")
+    say("  " + "   ".join(f"LSE[{i}] = {fmt_number(x)}" for i, x in enumerate(lse.tolist())))
+
+
+def _show(values, digits: Optional[int] = None) -> str:
+    """A (nested) list of numbers as text: ``digits`` decimals, or as given (``:g``) when None."""
+    if isinstance(values, list):
+        return "[" + ", ".join(_show(v, digits) for v in values) + "]"
+    return f"{values:g}" if digits is None else fmt_number(values, digits)
+
+
+def _print_seed_note(console, result: Steps) -> list[SeedDifference]:
+    """Table of the seed's printed Example 2 values against the computed ones, and a note."""
+    from rich.table import Table
+
+    rows = seed_differences(result)
+    console.rule("[bold]Seed document 004, Example 2: printed vs computed")
+    table = Table(show_edge=False, pad_edge=False)
+    for column in ("quantity", "seed printed", "computed", "max |diff|", "verdict"):
+        table.add_column(column)
+    for row in rows:
+        verdict = "[red]DIFFERS (seed is wrong)" if row.wrong else "[green]agrees"
+        table.add_row(escape(row.name), _show(row.printed), _show(row.computed, 4),
+                      f"{row.max_abs_diff:.4f}", verdict)
+    console.print(table)
+    wrong = [row for row in rows if row.wrong]
+    if not wrong:
+        console.print("The seed's printed values agree with the computation.")
+        return rows
+    console.print(escape(f"Note: the seed's printed {', '.join(r.name for r in wrong)} differ from "
+                         f"the computed values by more than {SEED_TOLERANCE} (the slack of 3-decimal "
+                         f"rounding); the computed values above are the correct ones."))
+    for row in wrong:
+        console.print(escape(f"  {row.name}: seed prints {_show(row.printed)}, computed "
+                             f"{_show(row.computed, 4)}"))
+    return rows
+
+
+def run(args: argparse.Namespace, console) -> int:
+    try:
+        tensors = {name: parse_matrix(getattr(args, name)) if getattr(args, name) else None
+                   for name in ("q", "k", "v")}
+        inputs, is_seed_example = build_inputs(**tensors, causal_mask=args.causal, scale=args.scale)
+    except (ValueError, TypeError) as error:
+        print(f"attnkit explain: error: {error}", file=sys.stderr)
+        return 2
+    result = steps(inputs)
+    if is_seed_example:
+        console.print("[bold]Seed document 004, Example 2[/bold]: Q = K = V = [[1,0],[2,0],[3,0]], "
+                      "d_k = 2, causal mask, computed by the float64 reference backend")
+    batch, heads = inputs.q.shape[:2]
+    for b in range(batch):
+        for h in range(heads):
+            if batch * heads > 1:
+                console.rule(f"[bold magenta]batch {b}, head {h}")
+            _print_head(console, result, inputs, b, h)
+    if is_seed_example:
+        _print_seed_note(console, result)
+    if args.plot:
+        allowed = None
+        if result.allowed is not None:
+            allowed = result.allowed[0, 0]  # [Tq, Tk]
+        path = plot_weights(result.weights[0, 0], allowed, args.plot,
+                            title="attention weights (batch 0, head 0)" if batch * heads > 1
+                            else "attention weights A = softmax(masked)")
+        console.print(f"wrote weights heatmap: {path}")
+    return 0

@@ -1,0 +1,412 @@
+"""The ``attnkit`` command line: every command through ``main([...])``.
+
+Expected numbers are computed here independently (``math.exp`` softmax, float64), never copied
+from the CLI's output; the seed 004 values appear only where the test checks the CLI's
+comparison against them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from attnkit import cli, dispatch
+from attnkit.backends.base import BackendOutput
+from attnkit.backends.reference import ReferenceBackend
+from attnkit.cli import check as check_cmd
+from attnkit.cli import explain as explain_cmd
+from attnkit.cli import scale_study
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def softmax_rows(scores):
+    """Row-wise softmax of a list of lists (None = masked), in plain Python floats."""
+    rows = []
+    for row in scores:
+        visible = [s for s in row if s is not None]
+        top = max(visible)
+        total = sum(math.exp(s - top) for s in visible)
+        rows.append([0.0 if s is None else math.exp(s - top) / total for s in row])
+    return rows
+
+
+def attention_by_hand(q, k, v, causal=False, scale=None):
+    """softmax(q kᵀ·scale [causal]) v with Python lists: returns (weights, out)."""
+    scale = 1 / math.sqrt(len(q[0])) if scale is None else scale
+    scores = [[None if causal and j > i else scale * sum(a * b for a, b in zip(qi, kj))
+               for j, kj in enumerate(k)] for i, qi in enumerate(q)]
+    weights = softmax_rows(scores)
+    out = [[sum(w * vj[c] for w, vj in zip(row, v)) for c in range(len(v[0]))] for row in weights]
+    return weights, out
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert len(data) > 0
+    assert data[:8] == PNG_SIGNATURE
+
+
+# ---- explain ---------------------------------------------------------------------------------
+
+def test_explain_default_prints_correct_row_2_and_flags_the_seed(capsys):
+    assert cli.main(["explain"]) == 0
+    text = capsys.readouterr().out
+    example = [[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]]
+    weights, out = attention_by_hand(example, example, example, causal=True)
+    # Row 2 by hand: softmax([3, 6, 9] / √2) ≈ [0.0127, 0.1057, 0.8816], O[2] ≈ 2.869.
+    assert [f"{w:.4f}" for w in weights[2]] == ["0.0127", "0.1057", "0.8816"]
+    for value in weights[2] + weights[1] + [out[1][0], out[2][0]]:
+        assert f"{value:.4f}" in text
+    assert "2.869" in text
+    # The seed's wrong row 2 is quoted and flagged; its correct rows are not.
+    assert "0.063, 0.262, 0.675" in text and "2.612" in text
+    assert "DIFFERS (seed is wrong)" in text
+    note = text[text.index("Note:"):]
+    assert "A[2]" in note and "O[2]" in note and "A[1]" not in note and "O[1]" not in note
+
+
+def test_seed_differences_flag_exactly_row_2():
+    inputs, is_seed = explain_cmd.build_inputs()
+    assert is_seed
+    rows = {row.name: row for row in explain_cmd.seed_differences(explain_cmd.steps(inputs))}
+    assert {name for name, row in rows.items() if row.wrong} == {"A[2]", "O[2]"}
+    # A[2] = [0.063, 0.262, 0.675] against softmax([3, 6, 9]/√2): worst entry off by ~0.207.
+    by_hand, _ = attention_by_hand([[3.0, 0.0]], [[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]], [[0.0]] * 3)
+    expected = max(abs(a - b) for a, b in zip(by_hand[0], [0.063, 0.262, 0.675]))
+    assert rows["A[2]"].max_abs_diff == pytest.approx(expected, abs=1e-12)
+    assert rows["A[1]"].max_abs_diff < explain_cmd.SEED_TOLERANCE
+
+
+def test_explain_json_inputs(capsys):
+    q, k, v = [[0.5, -1.0], [2.0, 0.25]], [[1.0, 3.0], [-2.0, 0.5], [0.0, 1.5]], [[1.0], [10.0], [100.0]]
+    argv = ["explain", "--q", json.dumps(q), "--k", json.dumps(k), "--v", json.dumps(v)]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    weights, out = attention_by_hand(q, k, v)
+    for value in [w for row in weights for w in row] + [o[0] for o in out]:
+        assert f"{value:.4f}" in text
+    assert "Seed document 004" not in text  # the note belongs to the seed example only
+    assert "no mask" in text
+
+
+def test_explain_npy_inputs_with_causal_and_scale(tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    q, k, v = rng.normal(size=(4, 3)), rng.normal(size=(4, 3)), rng.normal(size=(4, 2))
+    paths = {}
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        paths[name] = tmp_path / f"{name}.npy"
+        np.save(paths[name], array)
+    argv = ["explain", "--causal", "--scale", "0.9"] + [f"--{n}={p}" for n, p in paths.items()]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    weights, out = attention_by_hand(q.tolist(), k.tolist(), v.tolist(), causal=True, scale=0.9)
+    for value in [w for row in weights for w in row] + [o for row in out for o in row]:
+        assert f"{value:.4f}" in text
+    assert "-inf" in text and "█░░░" in text
+
+
+def test_explain_plot_writes_png(tmp_path, capsys):
+    path = tmp_path / "sub" / "weights.png"
+    assert cli.main(["explain", "--plot", str(path)]) == 0
+    assert_png(path)
+    assert str(path) in capsys.readouterr().out
+
+
+def test_explain_rejects_bad_input(capsys):
+    assert cli.main(["explain", "--q", "[[1, 0], [2"]) == 2
+    assert cli.main(["explain", "--q", "[[1, 0]]", "--k", "[[1, 0, 3]]"]) == 2
+    err = capsys.readouterr().err
+    assert "JSON" in err and "feature dim" in err
+
+
+# ---- scale-study -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def experiment_rows():
+    return scale_study.experiment()
+
+
+def test_example_1_variance_theory_and_estimate():
+    samples, d_k = 20000, 64
+    rows = {row["scale"]: row for row in scale_study.variance_example(d_k, samples, seed=1)}
+    assert rows["1"]["theory_var"] == 64 and rows["1/√d_k"]["theory_var"] == 1
+    assert rows["1/d_k"]["theory_var"] == pytest.approx(1 / 64)
+    # qᵀk is a sum of d_k products of N(0,1)s: E s⁴ = 3d² + 6d, so the sample variance of N
+    # independent pairs has relative standard error √((2 + 6/d) / N) ≈ 0.010; allow 5 of them.
+    rel_se = math.sqrt((2 + 6 / d_k) / samples)
+    for row in rows.values():
+        assert abs(row["empirical_var"] / row["theory_var"] - 1) < 5 * rel_se
+
+
+def test_example_3_softmax_values():
+    rows = {row["scale"]: row for row in scale_study.softmax_example(64)}
+    for name, factor in (("1", 1.0), ("1/√d_k", 1 / 8), ("1/d_k", 1 / 64)):
+        (by_hand,) = softmax_rows([[0.0, 64 * factor, 128 * factor]])
+        assert rows[name]["weights"] == pytest.approx(by_hand, rel=1e-12, abs=1e-300)
+    # The seed's Example 3 values are right (to the digits it prints).
+    for name, seed in (("1", [0.0, 0.0, 1.0]), ("1/√d_k", [1.12e-7, 3.35e-4, 0.99966]),
+                       ("1/d_k", [0.090, 0.245, 0.665])):
+        assert rows[name]["weights"] == pytest.approx(seed, rel=0.01, abs=1e-12)
+
+
+def test_experiment_statistics(experiment_rows):
+    rows = {(row["d_k"], row["scale"]): row for row in experiment_rows}
+    assert {d for d, _ in rows} == set(scale_study.D_KS)
+    n_q = n_k = 64
+    repeats = 3
+    for d_k in scale_study.D_KS:
+        plain, sqrt_scaled, over_d = rows[d_k, "1"], rows[d_k, "1/√d_k"], rows[d_k, "1/d_k"]
+        # Relative variance of mean(s²) over the 64×64 grid: (2 + 6/d + 2(n_q + n_k - 2)/d) / n
+        # (scores sharing a query or key are correlated through ‖q‖², ‖k‖²), over 3 draws.
+        rel_se = math.sqrt((2 + 6 / d_k + 2 * (n_q + n_k - 2) / d_k) / (n_q * n_k * repeats))
+        assert abs(plain["score_var"] / d_k - 1) < 5 * rel_se
+        assert abs(sqrt_scaled["score_var"] - 1) < 5 * rel_se
+        assert abs(over_d["score_var"] * d_k - 1) < 5 * rel_se
+        # Larger scale, sharper softmax: entropy falls and the max weight rises.
+        assert over_d["entropy"] > sqrt_scaled["entropy"] > plain["entropy"]
+        assert over_d["max_weight"] < sqrt_scaled["max_weight"] < plain["max_weight"]
+        for row in (plain, sqrt_scaled, over_d):
+            assert 0 < row["entropy_frac"] <= 1 + 1e-12
+            assert row["entropy"] == pytest.approx(row["entropy_frac"] * math.log(n_k))
+            assert 1 / n_k - 1e-12 <= row["max_weight"] <= 1
+            assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
+    # Saturation starves the scores of gradient: unscaled, ‖∂L/∂s‖ at d_k = 1024 is a fraction
+    # of its value at d_k = 16 and far below the 1/√d_k run.
+    assert rows[1024, "1"]["score_grad_norm"] < 0.5 * rows[16, "1"]["score_grad_norm"]
+    assert rows[1024, "1"]["score_grad_norm"] < 0.5 * rows[1024, "1/√d_k"]["score_grad_norm"]
+
+
+def test_experiment_gradient_matches_finite_difference():
+    """grad_norm is ‖∂L/∂q_i‖ of L = Σ out ⊙ g: check one direction by central differences."""
+    row = scale_study.experiment((16,), n_queries=4, n_keys=5, dim_v=3, repeats=1, seed=7)[1]
+    generator = torch.Generator().manual_seed(7 * 1_000_003 + 16 * 101)
+    q = torch.randn(4, 16, generator=generator, dtype=torch.float64)
+    k = torch.randn(5, 16, generator=generator, dtype=torch.float64)
+    v = torch.randn(5, 3, generator=generator, dtype=torch.float64)
+    g = torch.randn(4, 3, generator=generator, dtype=torch.float64)
+
+    def loss(q_):
+        weights = torch.softmax(q_ @ k.T / 4.0, dim=-1)
+        return ((weights @ v) * g).sum()
+
+    eps, norms = 1e-6, []
+    for i in range(4):
+        grad_i = torch.zeros(16, dtype=torch.float64)
+        for c in range(16):
+            step = torch.zeros_like(q)
+            step[i, c] = eps
+            grad_i[c] = (loss(q + step) - loss(q - step)) / (2 * eps)
+        norms.append(grad_i.norm().item())
+    assert row["scale"] == "1/√d_k"
+    assert row["grad_norm"] == pytest.approx(sum(norms) / 4, rel=1e-6)
+
+
+def test_scale_study_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(scale_study, "D_KS", (16, 1024))  # the full sweep runs in the demo test
+    assert cli.main(["scale-study", "--out", str(tmp_path), "--samples", "5000", "--seed", "2"]) == 0
+    text = capsys.readouterr().out
+    assert_png(tmp_path / "scale_study.png")
+    assert "Example 1" in text and "Example 3" in text and "1024" in text
+    assert "64.0000" in text  # theory Var(qᵀk) for d_k = 64
+
+
+# ---- check -----------------------------------------------------------------------------------
+
+class _Scaled(ReferenceBackend):
+    """A wrong backend: the reference output times 1.01."""
+
+    NAME = "broken"
+
+    def forward(self, inputs):
+        result = super().forward(inputs)
+        return BackendOutput(result.out * 1.01, result.lse, result.weights)
+
+
+class _Maskless(ReferenceBackend):
+    """A wrong backend: ignores the mask."""
+
+    NAME = "maskless"
+
+    def forward(self, inputs):
+        inputs.mask = None
+        return super().forward(inputs)
+
+
+class _NaN(ReferenceBackend):
+    """A wrong backend: NaN on fully masked rows, correct elsewhere."""
+
+    NAME = "nan"
+
+    def forward(self, inputs):
+        result = super().forward(inputs)
+        empty = torch.isneginf(result.lse)[..., None]
+        return BackendOutput(result.out.masked_fill(empty, float("nan")), result.lse, result.weights)
+
+
+class _Refuses(ReferenceBackend):
+    NAME = "picky"
+
+    def extra_reasons(self, inputs):
+        return ["every input (not supported by picky)"]
+
+
+class _ForwardOnly(ReferenceBackend):
+    NAME = "fwd-only"
+
+    def extra_reasons(self, inputs):
+        return ["backward (not supported by fwd-only)"] if inputs.need_grad else []
+
+
+class _Absent(ReferenceBackend):
+    NAME = "absent"
+
+    def unavailable_reason(self):
+        return "needs hardware this machine lacks"
+
+
+def test_check_quick_passes_and_lists_reference_and_torch(capsys):
+    assert cli.main(["check", "--quick"]) == 0
+    text = capsys.readouterr().out
+    assert "reference" in text and "torch" in text and "FAIL" not in text
+    results = check_cmd.run_checks(quick=True, backends=["reference", "torch"])
+    assert {r.backend for r in results} == {"reference", "torch"}
+    assert all(r.status in ("PASS", "skip") for r in results)
+    reference = [r for r in results if r.backend == "reference"]
+    assert reference and all(r.status == "PASS" for r in reference)
+    quantities = {m.quantity for r in reference for m in r.measures}
+    assert quantities == {"out", "lse", "dq", "dk", "dv"}
+    # One torch case has Dv != Dk, where torch returns no LSE: that quantity is skipped, with why.
+    lse_skips = [m for r in results if r.backend == "torch" for m in r.measures
+                 if m.quantity == "lse" and m.status == "skip"]
+    assert lse_skips and all("not supported by torch" in m.reason for m in lse_skips)
+
+
+@pytest.mark.parametrize("fake, bad_cases", [(_Scaled, "all"), (_Maskless, "masked"), (_NaN, "empty rows")])
+def test_check_detects_a_broken_backend(monkeypatch, capsys, fake, bad_cases):
+    monkeypatch.setitem(dispatch.BACKENDS, fake.NAME, fake())
+    assert cli.main(["check", "--quick", "--backend", fake.NAME]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    results = check_cmd.run_checks(quick=True, backends=[fake.NAME])
+    failed = {r.case for r in results if r.status == "FAIL"}
+    passed = {r.case for r in results if r.status == "PASS"}
+    if bad_cases == "all":
+        assert failed and not passed
+    elif bad_cases == "masked":  # the maskless backend is right exactly where there is no mask
+        assert passed == {c for c in passed | failed if c.startswith("none ")} and failed
+    else:  # NaN only where a row is fully masked (padding, bottom-right causal with Tq > Tk)
+        assert any("NaN" in r.reason for r in results if r.status == "FAIL")
+        assert any(c.startswith("none ") for c in passed)
+    assert fake.NAME not in dispatch.PRIORITY
+
+
+def test_check_picks_up_new_backends_and_reports_skips(monkeypatch):
+    registry = {"reference": dispatch.BACKENDS["reference"], "broken": _Scaled(),
+                "picky": _Refuses(), "absent": _Absent(), "fwd-only": _ForwardOnly()}
+    monkeypatch.setattr(dispatch, "BACKENDS", registry)
+    results = check_cmd.run_checks(quick=True)  # no names: whatever is registered
+    by_backend = {name: [r for r in results if r.backend == name] for name in registry}
+    assert all(r.status == "PASS" for r in by_backend["reference"])
+    assert by_backend["broken"] and all(r.status == "FAIL" for r in by_backend["broken"])
+    assert by_backend["picky"] and all(r.status == "skip" and "not supported by picky" in r.reason
+                                       for r in by_backend["picky"])
+    assert [(r.status, r.reason) for r in by_backend["absent"]] == [("skip", "needs hardware this machine lacks")]
+    # A forward-only backend is still checked forward; its gradients show as skipped, with why.
+    forward_only = by_backend["fwd-only"]
+    assert forward_only and all(r.status == "PASS" and r.measure("out").status == "PASS" for r in forward_only)
+    grad_skips = [r.measure("dq") for r in forward_only if r.dtype == "float32"]
+    assert grad_skips and all(m.status == "skip" and "fwd-only" in m.reason for m in grad_skips)
+
+
+def test_check_unknown_backend_is_a_usage_error(capsys):
+    assert cli.main(["check", "--quick", "--backend", "no-such-backend"]) == 2
+    assert "no-such-backend" in capsys.readouterr().err
+
+
+def test_plain_math_and_error_measure():
+    """The yardstick: plain math in float64 matches the reference (fully masked rows included),
+    and max_error treats equal infinities as exact and NaN as a failure."""
+    for mask_name, shape in (("padding", check_cmd.RAGGED), ("causal(bottom_right)", check_cmd.TALL),
+                             ("bias&causal", check_cmd.DV), ("dense", check_cmd.GQA)):
+        truth = check_cmd._truth(mask_name, shape, torch.float64, seed=5)
+        assert truth.plain_error["out"] < 1e-12 and truth.plain_error["lse"] < 1e-12
+        assert torch.isneginf(truth.reference["lse"]).any() or mask_name in ("bias&causal",)
+        low = check_cmd._truth(mask_name, shape, torch.float16, seed=5)
+        assert 1e-5 < low.plain_error["out"] < 1e-1  # fp16 rounding, not a blunder
+    ref = torch.tensor([1.0, float("-inf")], dtype=torch.float64)
+    assert check_cmd.max_error(torch.tensor([1.5, float("-inf")]), ref) == 0.5
+    assert math.isnan(check_cmd.max_error(torch.tensor([1.0, float("nan")]), ref))
+    assert check_cmd.max_error(torch.tensor([1.0, 0.0]), ref) == math.inf
+
+
+# ---- info, demo, help, registry --------------------------------------------------------------
+
+def test_info_lists_backends_and_dispatch(capsys):
+    assert cli.main(["info"]) == 0
+    text = capsys.readouterr().out
+    for name, backend in dispatch.BACKENDS.items():
+        assert name in text
+        status = "available" if backend.is_available() else backend.unavailable_reason()
+        assert all(word in text for word in status.split())  # the table may fold long reasons
+    assert torch.__version__ in text and np.__version__ in text
+    assert "triton" in text and "cuda" in text
+    assert " → ".join(dispatch.PRIORITY) in text
+    assert dispatch.AUTO_RULES[0] in text
+
+
+def test_demo_writes_both_pngs(tmp_path, capsys):
+    assert cli.main(["demo", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert_png(tmp_path / "explain_weights.png")
+    assert_png(tmp_path / "scale_study.png")
+    assert "0.8816" in text and "passed" in text and str(tmp_path) in text
+
+
+def test_demo_fails_when_check_fails(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(check_cmd, "QUICK_CASES", check_cmd.QUICK_CASES[:1])
+    monkeypatch.setattr(check_cmd, "QUICK_DTYPES", (torch.float32,))
+    monkeypatch.setattr(scale_study, "D_KS", (16, 32))
+    monkeypatch.setattr(scale_study, "plot_study", lambda rows, path: path)  # PNGs: tested above
+    monkeypatch.setattr(dispatch, "BACKENDS", {"reference": dispatch.BACKENDS["reference"],
+                                               "broken": _Scaled()})
+    assert cli.main(["demo", "--out", str(tmp_path)]) == 1
+    assert "failed: check" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [None, *cli.COMMANDS])
+def test_help_exits_zero(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"] if command is None else [command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: attnkit" in capsys.readouterr().out
+
+
+def test_no_command_prints_help(capsys):
+    assert cli.main([]) == 0
+    assert "scale-study" in capsys.readouterr().out
+
+
+def test_a_new_command_plugs_into_the_table(monkeypatch, capsys):
+    module = types.ModuleType("fake_bench_command")
+    module.HELP = "a stand-in for attnkit bench"
+    module.add_arguments = lambda parser: parser.add_argument("--repeat", type=int, default=1)
+    module.run = lambda args, console: console.print(f"bench x{args.repeat}") or 7
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(cli.COMMANDS, "bench", module.__name__)
+    assert cli.main(["bench", "--repeat", "3"]) == 7
+    assert "bench x3" in capsys.readouterr().out
+
+
+def test_module_entry_point_runs():
+    done = subprocess.run([sys.executable, "-m", "attnkit.cli", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for name in cli.COMMANDS:
+        assert name in done.stdout
