@@ -1,0 +1,260 @@
+"""The tiled engine with many small tiles: forward and backward against the independent float64
+truth, on both tile primitives (torch's fused CPU kernel and the matmul path), ragged tails,
+every mask kind and combination, GQA, all dtypes, shard offsets, dropout, determinism, block
+skipping and the O(T) memory contract (nothing Tq×Tk saved for backward)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.backends import tiled
+from attnkit.backends.tiled import make_plan, tiled_attention
+from attnkit.masks import MaskSpace
+
+from conftest import ALL_DTYPES, MASK_KINDS, assert_within_2x, mask_case, naive_attention, plain_attention
+
+# Small blocks so that every case has many tiles, ragged tails and all three tile kinds.
+BLOCKS = dict(block_q=16, block_k=8)
+
+
+@pytest.fixture(params=["fused", "matmul"])
+def path(request, monkeypatch):
+    """Run a test on each tile primitive (fused applies to fp32/fp64 with Dk == Dv only)."""
+    monkeypatch.setattr(tiled, "FUSED_TILES", request.param == "fused")
+    return request.param
+
+
+def _inputs(gen, dtype, batch=2, heads_q=4, heads_kv=2, tq=37, tk=53, dk=16, dv=16):
+    q = torch.randn(batch, heads_q, tq, dk, generator=gen, dtype=torch.float64).to(dtype)
+    k = torch.randn(batch, heads_kv, tk, dk, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(batch, heads_kv, tk, dv, generator=gen, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+def _fit_mask(kind, gen, batch, tq, tk):
+    mask, allowed, bias = mask_case(kind, (batch,), 4, tq, tk, gen)
+    mask = ak.masks.as_mask(mask)
+    if mask is not None:  # tensor masks come in the caller's layout; give them [B?, 1, Tq, Tk]
+        from attnkit.inputs import validate
+        mask = validate(torch.zeros(batch, 1, tq, 1), torch.zeros(batch, 1, tk, 1),
+                        torch.zeros(batch, 1, tk, 1), mask).mask
+    return mask, allowed, bias
+
+
+def _run(q, k, v, mask, scale, grad_seed=None, **kw):
+    """Forward (and backward with a fixed random cotangent) → (out, lse, grads)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = tiled_attention(q, k, v, mask, scale=scale, **{**BLOCKS, **kw})
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    (out * cot.to(out.dtype)).sum().backward()
+    return out, lse, [t.grad for t in (q, k, v)]
+
+
+def _truth(q, k, v, allowed, bias, scale, dtype):
+    """Float64 truth and plain-math-in-dtype (out, lse, grads) with the same cotangent."""
+    results = []
+    for compute in (torch.float64, dtype):
+        qq, kk, vv = (t.detach().to(compute).requires_grad_() for t in (q, k, v))
+        out, lse, _ = plain_attention(qq, kk, vv, allowed, bias, scale, dtype=compute)
+        cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        (out * cot.to(compute)).sum().backward()
+        results.append((out, lse, [t.grad for t in (qq, kk, vv)]))
+    return results
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_every_mask_forward_backward(path, kind, gen):
+    dtype = torch.float32
+    q, k, v = _inputs(gen, dtype)
+    mask, allowed, bias = _fit_mask(kind, gen, 2, 37, 53)
+    scale = 0.3
+    out, lse, grads = _run(q, k, v, mask, scale)
+    (t_out, t_lse, t_grads), (p_out, p_lse, p_grads) = _truth(q, k, v, allowed, bias, scale, dtype)
+    assert_within_2x("out", out, t_out, p_out, dtype)
+    assert_within_2x("lse", lse, t_lse, p_lse, dtype)
+    for name, g, tg, pg in zip("qkv", grads, t_grads, p_grads):
+        assert_within_2x(f"d{name}", g, tg, pg, dtype)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [
+    dict(tq=37, tk=53),  # ragged tails on both sides
+    dict(tq=64, tk=64, heads_q=6, heads_kv=1),  # MQA, exact multiples of the blocks
+    dict(tq=5, tk=70, dv=24),  # Dv != Dk (matmul path), long keys
+    dict(tq=45, tk=9, batch=1, heads_q=2, heads_kv=2),  # fewer keys than one block row
+])
+@pytest.mark.parametrize("kind", ["causal", "causal&padding", "documents", "bias&causal"])
+def test_dtypes_and_shapes(path, dtype, shape, kind, gen):
+    q, k, v = _inputs(gen, dtype, **shape)
+    batch, tq, tk = q.shape[0], q.shape[2], k.shape[2]
+    mask, allowed, bias = _fit_mask(kind, gen, batch, tq, tk)
+    out, lse, grads = _run(q, k, v, mask, None if False else 1 / math.sqrt(q.shape[-1]))
+    (t_out, t_lse, t_grads), (p_out, p_lse, p_grads) = _truth(q, k, v, allowed, bias, None, dtype)
+    assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_within_2x("out", out, t_out, p_out, dtype)
+    assert_within_2x("lse", lse, t_lse, p_lse.float() if dtype != torch.float64 else p_lse, dtype)
+    for name, g, tg, pg in zip("qkv", grads, t_grads, p_grads):
+        assert_within_2x(f"d{name}", g, tg, pg, dtype)
+
+
+def test_fully_masked_rows_exact_zero(path, gen):
+    q, k, v = _inputs(gen, torch.float32)
+    mask = ak.padding(q_lengths=[37, 20], kv_lengths=[0, 30])  # batch 0: no keys at all
+    out, lse, grads = _run(q, k, v, mask, 0.25)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+    assert torch.equal(out[1, :, 20:], torch.zeros_like(out[1, :, 20:]))
+    for g in grads:
+        assert not g.isnan().any()
+        assert torch.equal(g[0], torch.zeros_like(g[0]))
+    assert torch.equal(grads[0][1, :, 20:], torch.zeros_like(grads[0][1, :, 20:]))
+    assert torch.equal(grads[1][1, :, 30:], torch.zeros_like(grads[1][1, :, 30:]))
+
+
+@pytest.mark.parametrize("offsets", [(0, 0), (24, 0), (16, 40), (53, 13)])
+def test_shard_offsets_equal_slices_of_the_whole(path, offsets, gen):
+    """One shard of queries against one shard of keys, with the mask at global positions,
+    equals that block of the whole computation (what ring attention relies on)."""
+    total_q, total_k = 80, 96
+    q, k, v = _inputs(gen, torch.float64, tq=total_q, tk=total_k)
+    ids = torch.arange(total_q) // 23
+    mask = ak.documents(ids, torch.arange(total_k) // 23) & ak.causal("bottom_right")
+    space = MaskSpace(2, 4, total_q, total_k)
+    q0, k0 = offsets
+    q_part, k_part, v_part = q[:, :, q0:q0 + 27], k[:, :, k0:k0 + 31], v[:, :, k0:k0 + 31]
+    out, lse = tiled_attention(q_part, k_part, v_part, mask, scale=0.25, space=space,
+                               q_offset=q0, kv_offset=k0, **BLOCKS)
+    allowed = mask.to_dense(space)[..., q0:q0 + 27, k0:k0 + 31]
+    t_out, t_lse, _ = naive_attention(q_part, k_part, v_part, allowed, None, 0.25)
+    assert torch.allclose(out, t_out, atol=1e-12)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(t_lse))
+    finite = torch.isfinite(t_lse)
+    assert torch.allclose(lse[finite], t_lse[finite], atol=1e-12)
+
+
+def test_bit_identical_reruns(path, gen):
+    q, k, v = _inputs(gen, torch.float32, tq=70, tk=70)
+    mask = ak.sliding_window(9) & ak.padding(kv_lengths=[60, 70])
+    first = _run(q, k, v, mask, 0.2)
+    second = _run(q, k, v, mask, 0.2)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    for a, b in zip(first[2], second[2]):
+        assert torch.equal(a, b)
+
+
+def test_lse_gradient(path, gen):
+    """Gradients flow through the returned LSE too (d lse / d score = softmax weight)."""
+    # gradcheck perturbs every input element: keep them few (still several tiles of 16×8).
+    q, k, v = _inputs(gen, torch.float64, batch=1, heads_q=2, heads_kv=1, tq=23, tk=21, dk=4, dv=4)
+    mask = ak.causal() & ak.padding(q_lengths=[20])  # rows 20.. are fully masked
+
+    def fn(q, k, v):
+        out, lse = tiled_attention(q, k, v, mask, scale=0.3, **BLOCKS)
+        return out, torch.nan_to_num(lse, neginf=0.0)
+
+    assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))
+
+
+def test_gradcheck_through_backend(path, gen):
+    q, k, v = _inputs(gen, torch.float64, batch=1, heads_q=2, heads_kv=1, tq=21, tk=19, dk=4, dv=4)
+    mask = ak.documents(torch.arange(21) // 7, torch.arange(19) // 7) & ak.causal()
+    fn = lambda q, k, v: ak.attention(q, k, v, mask, backend="tiled")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))
+
+
+def test_dropout_reproducible_and_consistent(gen):
+    """Same generator seed → same output; the backward uses the forward's dropout pattern
+    (gradcheck passes only if both passes see the same keep-mask, tile by tile)."""
+    q, k, v = _inputs(gen, torch.float64, batch=1, heads_q=2, heads_kv=1, tq=17, tk=19, dk=4, dv=4)
+
+    def seeded(seed):
+        return ak.attention(q, k, v, ak.causal("bottom_right"), dropout_p=0.3, backend="tiled",
+                            generator=torch.Generator().manual_seed(seed))
+
+    assert torch.equal(seeded(11), seeded(11))
+    assert not torch.equal(seeded(11), seeded(12))
+
+    def fn(q, k, v):
+        out, _ = tiled_attention(q, k, v, ak.causal("bottom_right"), scale=0.5, dropout_p=0.3,
+                                 seed=11, **BLOCKS)
+        return out
+
+    assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))
+
+
+def test_dropout_expectation(gen):
+    """Averaged over many seeds, dropout's output approaches the dropout-free output."""
+    q, k, v = _inputs(gen, torch.float64, batch=1, heads_q=1, heads_kv=1, tq=8, tk=40)
+    clean = ak.attention(q, k, v, backend="tiled")
+    runs = torch.stack([ak.attention(q, k, v, dropout_p=0.5, backend="tiled",
+                                     generator=torch.Generator().manual_seed(s)) for s in range(200)])
+    # The mean of 200 independent runs has standard error std/sqrt(200); allow 5 of them.
+    spread = runs.std(0).max() / math.sqrt(200)
+    assert (runs.mean(0) - clean).abs().max() < 5 * spread
+
+
+def test_nothing_of_size_tq_tk_is_saved(path, gen):
+    q, k, v = _inputs(gen, torch.float32, batch=1, heads_q=2, heads_kv=1, tq=96, tk=96)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        q.requires_grad_()
+        out = ak.attention(q, k, v, ak.causal(), backend="tiled")
+    assert saved and max(saved) < 96 * 96, saved
+    out.sum().backward()
+
+
+@pytest.mark.parametrize("mask, expected", [
+    (None, 1.0),
+    (ak.causal(), 0.5),
+    (ak.sliding_window(32), 48 / 512),
+])
+def test_block_skipping(mask, expected):
+    """The plan computes only the tiles the mask needs: ~half for causal, a band for a window."""
+    n = 512
+    space = MaskSpace(1, 1, n, n)
+    plan = make_plan(mask, space, batch=1, heads=1, q_offset=0, q_count=n, kv_offset=0,
+                     kv_count=n, block_q=16, block_k=16)
+    fraction = plan.tiles_computed() / (n // 16) ** 2
+    assert fraction == pytest.approx(expected, abs=2 / (n // 16))
+    if mask is not None:
+        assert any(s.partial for row in plan.rows for s in row)
+        assert any(not s.partial for row in plan.rows for s in row)
+
+
+def test_empty_tiles_are_never_evaluated(monkeypatch, gen):
+    """PARTIAL tiles evaluate the element mask; FULL and EMPTY tiles never do."""
+    calls = []
+    real_tile = ak.masks._Documents.tile
+
+    def spy(self, q_idx, kv_idx, space):
+        calls.append((int(q_idx[0]), int(q_idx[-1]), int(kv_idx[0]), int(kv_idx[-1])))
+        return real_tile(self, q_idx, kv_idx, space)
+
+    monkeypatch.setattr(ak.masks._Documents, "tile", spy)
+    ids = torch.arange(64) // 16  # four documents of 16, aligned with the blocks
+    q, k, v = _inputs(gen, torch.float32, batch=1, heads_q=1, heads_kv=1, tq=64, tk=64)
+    tiled_attention(q, k, v, ak.documents(ids), scale=0.25, block_q=16, block_k=16)
+    assert calls == []  # every tile is FULL (same document) or EMPTY (different ones)
+
+
+def test_weights_rebuilt_tile_by_tile(gen):
+    q, k, v = _inputs(gen, torch.float64)
+    mask = ak.causal() & ak.padding(kv_lengths=[0, 40])
+    r = ak.attention(q, k, v, mask, backend="tiled", return_weights=True, return_lse=True)
+    ref = ak.attention(q, k, v, mask, backend="reference", return_weights=True)
+    assert torch.allclose(r.weights, ref.weights, atol=1e-12)
+
+
+def test_refuses_weights_with_autograd(gen):
+    q, k, v = _inputs(gen, torch.float32)
+    q.requires_grad_()
+    with pytest.raises(ValueError, match="not supported by tiled"):
+        ak.attention(q, k, v, backend="tiled", return_weights=True)
