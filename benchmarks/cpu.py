@@ -1,0 +1,49 @@
+"""The full CPU benchmark: ``python benchmarks/cpu.py`` runs ``attnkit bench`` (same options),
+writes ``results/cpu.json`` and the PNGs, and rewrites the results section of
+docs/BENCHMARKS.md (between ``<!-- results:start -->`` and ``<!-- results:end -->``) with the
+tables, the machine, the date, the thread count and the exact command.
+
+    python benchmarks/cpu.py                 # full run (~10 min on 2 cores)
+    python benchmarks/cpu.py --no-docs ...   # any `attnkit bench` option; leave the docs alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from attnkit.bench import plots, report, runner
+from attnkit.cli import bench as bench_cli
+from attnkit.cli import make_console
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="benchmarks/cpu.py", description=__doc__.split("\n\n")[0])
+    bench_cli.add_arguments(parser)
+    parser.add_argument("--no-docs", action="store_true",
+                        help=f"do not rewrite the results section of {DOCS.name}")
+    parser.add_argument("--docs", default=str(DOCS), help="the markdown file to update")
+    args = parser.parse_args(argv)
+    console = make_console()
+    command = " ".join(["python", "benchmarks/cpu.py", *map(shlex.quote, argv)])
+    options = bench_cli.options_from(args, command)
+    results = runner.run_benchmark(options, console=console)
+    runner.print_report(results, console)
+    out_dir = options.out_dir()
+    path = runner.write_results(results, out_dir)
+    figures = plots.write_all(results, out_dir)
+    console.print(f"results: {path}; figures: {', '.join(figures)}")
+    if not args.no_docs:
+        docs = Path(args.docs)
+        docs.write_text(report.replace_section(docs.read_text(), report.markdown(results)))
+        console.print(f"updated the results section of {docs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,486 @@
+"""Run the attention benchmark: every method on every workload, timed side by side in one run.
+
+Method (one *cell* is a workload × pass, ``fwd`` or ``fwd+bwd``):
+
+1. Build the inputs, the dense bool mask and Flex's block mask once, outside any timing.
+2. Warm-up: call every method once; that first call is timed as ``first_call_s`` (for Flex it
+   includes the compilation, after ``torch._dynamo.reset()``, so each workload compiles afresh).
+   Its output (and gradients) are compared with ``attnkit tiled``'s; a method whose maximum
+   absolute difference exceeds :data:`TOLERANCE` is flagged ``mismatch``.
+3. Timed repetitions *interleaved* across methods (A, B, C, A, B, C, …) so that noise from
+   other processes on the machine hits every method alike; the number of rounds fits a time
+   budget per cell (between ``min_reps`` and ``max_reps``).
+4. Median and inter-quartile range per method, TFLOP/s from the useful-FLOP count
+   (:mod:`attnkit.bench.workloads`) and speed-ups ``t_reference / t_method`` against torch SDPA
+   without a mask, SDPA with the dense bool mask, and compiled FlexAttention.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import __version__
+from ..api import attention
+from .workloads import Workload, quick_workloads, standard_workloads
+
+SCHEMA = "attnkit-bench/1"
+"""Version tag of the JSON layout written by :func:`run_benchmark`."""
+
+TOLERANCE = 1e-4
+"""Largest max-abs difference from ``attnkit tiled`` (fp32) before a method is flagged."""
+
+METHODS = ("tiled", "auto", "sdpa", "sdpa_mask", "flex", "naive")
+"""Method keys in table order; ``tiled`` first, as every other output is checked against it."""
+
+PASSES = ("fwd", "fwd+bwd")
+
+REFERENCES = {"sdpa": "sdpa", "sdpa_mask": "sdpa_mask", "flex": "flex"}
+"""Speed-up columns: name in the JSON → method whose median is the numerator."""
+
+
+class Unsupported(Exception):
+    """A method cannot run a cell (e.g. FlexAttention has no CPU backward); the message says why."""
+
+
+def method_label(key: str, workload: Workload) -> str:
+    """The row label of method ``key`` on ``workload``."""
+    if key == "sdpa":
+        if workload.kind == "dense":
+            return "torch SDPA no mask"
+        if workload.kind == "causal":
+            return "torch SDPA is_causal"
+        return "SDPA (ignores mask)"
+    return {"tiled": "attnkit tiled", "auto": "attnkit auto", "sdpa_mask": "torch SDPA dense mask",
+            "flex": "FlexAttention compiled", "naive": "naive"}[key]
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Textbook attention: ``softmax(mask(q kᵀ / sqrt(D))) v``, every score materialised.
+
+    ``q, k, v [B, H, N, D]``, ``allowed`` bool ``[1|B, 1|H, N, N]`` or ``None``. Masked scores are
+    filled with the dtype's most negative finite value (as Hugging Face does), so a row with no
+    allowed key averages all values instead of producing NaN.
+    """
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # [B, H, N, N]
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return scores.softmax(dim=-1) @ v  # [B, H, N, D]
+
+
+def _flex_probe_backward() -> None:
+    """Raise :class:`Unsupported` when FlexAttention cannot differentiate CPU tensors (tried
+    eagerly on a tiny input, not guessed from a version number)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q = torch.zeros(1, 1, 16, 16, requires_grad=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flex_attention(q, q, q).sum().backward()
+    except NotImplementedError as error:
+        raise Unsupported(f"FlexAttention: {error}") from None
+
+
+def make_method(key: str, workload: Workload, *, backward: bool, dense_mask: torch.Tensor,
+                block_mask=None) -> Callable:
+    """A function ``(q, k, v) -> out [B, H, N, D]`` running method ``key`` on ``workload``.
+
+    Raises :class:`Unsupported` when the method cannot run this cell. For ``flex`` the returned
+    function is freshly compiled (``torch._dynamo.reset()`` first): its first call compiles.
+    """
+    mask = workload.attnkit_mask()
+    if key in ("tiled", "auto"):
+        backend = "tiled" if key == "tiled" else "auto"
+        return lambda q, k, v: attention(q, k, v, mask, backend=backend)
+    if key == "sdpa":
+        is_causal = workload.kind == "causal"
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    if key == "sdpa_mask":
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask)
+    if key == "naive":
+        allowed = None if workload.kind == "dense" else dense_mask
+        return lambda q, k, v: naive_attention(q, k, v, allowed)
+    if key == "flex":
+        if backward:
+            _flex_probe_backward()
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.reset()
+        compiled = torch.compile(flex_attention)
+        return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+    raise ValueError(f"unknown method {key!r}: choose from {METHODS}")
+
+
+def auto_backend_name(workload: Workload, backward: bool) -> str:
+    """Which backend ``backend="auto"`` picks for ``workload`` (as dispatch decides it)."""
+    from .. import dispatch
+    from ..inputs import validate
+
+    q = torch.empty(workload.shape, dtype=workload.dtype, requires_grad=backward)
+    return dispatch.select(validate(q, q, q, workload.attnkit_mask()), "auto").NAME
+
+
+@dataclass
+class Settings:
+    """How hard to measure: rounds per cell between ``min_reps`` and ``max_reps``, fitted to
+    ``cell_budget_s`` seconds of timed rounds; which methods and passes."""
+
+    max_reps: int = 10
+    min_reps: int = 2
+    cell_budget_s: float = 20.0
+    methods: tuple[str, ...] = METHODS
+    passes: tuple[str, ...] = PASSES
+    tolerance: float = TOLERANCE
+    seed: int = 0
+
+
+def _stats(times: list[float]) -> tuple[float, float]:
+    """Median and inter-quartile range (0 for fewer than two samples)."""
+    if len(times) < 2:
+        return times[0], 0.0
+    quartiles = statistics.quantiles(times, n=4, method="inclusive")
+    return statistics.median(times), quartiles[2] - quartiles[0]
+
+
+def _max_error(result: tuple[torch.Tensor, ...], reference: tuple[torch.Tensor, ...],
+               rows: torch.Tensor) -> float:
+    """Max abs difference over the output's rows that have an allowed key (``rows [N]``) and,
+    when present, every gradient (dq on those rows only)."""
+    errors = []
+    for position, (got, want) in enumerate(zip(result, reference)):
+        if position < 2:  # out and dq: a padded query row's value is not defined by the mask
+            got, want = got[..., rows, :], want[..., rows, :]
+        errors.append(float((got.double() - want.double()).abs().max()))
+    return max(errors)
+
+
+def run_cell(workload: Workload, backward: bool, settings: Settings,
+             on_step: Callable[[str], None] = lambda text: None) -> list[dict]:
+    """Time every method of ``settings.methods`` on one workload and pass; one record each."""
+    pass_name = "fwd+bwd" if backward else "fwd"
+    q, k, v = workload.inputs(settings.seed, requires_grad=backward)
+    rows = workload.rows_with_keys()  # [N]
+    gen = torch.Generator().manual_seed(settings.seed + 1)
+    # upstream gradient, zero on padded query rows (a real loss ignores them)
+    grad_out = torch.randn(workload.shape, generator=gen) * rows[:, None]  # [B, H, N, D]
+    dense_mask = workload.dense_mask()  # [1, 1, N, N], built once, outside timing
+    block_mask = workload.block_mask() if "flex" in settings.methods and not backward else None
+
+    records: dict[str, dict] = {}
+    steps: dict[str, Callable[[], tuple]] = {}
+    for key in settings.methods:
+        record = {"workload": workload.name, "description": workload.describe(),
+                  "kind": workload.kind, "shape": list(workload.shape),
+                  "dtype": str(workload.dtype).replace("torch.", ""), "pass": pass_name,
+                  "method": key, "label": method_label(key, workload), "status": "ok",
+                  "reason": None, "median_s": None, "iqr_s": None, "n": 0, "times_s": [],
+                  "tflops": None, "first_call_s": None, "max_err": None, "agrees": None,
+                  "speedup": {}, "backend": None}
+        records[key] = record
+        try:
+            fn = make_method(key, workload, backward=backward, dense_mask=dense_mask,
+                             block_mask=block_mask)
+        except Unsupported as why:
+            record.update(status="unsupported", reason=str(why))
+            continue
+        if key == "auto":
+            record["backend"] = auto_backend_name(workload, backward)
+        steps[key] = _step(fn, q, k, v, grad_out if backward else None)
+
+    # warm-up: the first call of every method, timed, and its result kept for the check
+    results, estimate = {}, {}
+    for key, step in list(steps.items()):
+        on_step(f"{records[key]['label']} · first call")
+        start = time.perf_counter()
+        try:
+            results[key] = step()
+        except Exception as error:  # a method failing must not sink the whole run
+            records[key].update(status="error", reason=f"{type(error).__name__}: {error}")
+            del steps[key]
+            continue
+        records[key]["first_call_s"] = estimate[key] = time.perf_counter() - start
+        if key == "flex":  # the first call compiled: time one steady call for the estimate
+            start = time.perf_counter()
+            step()
+            estimate[key] = time.perf_counter() - start
+    reference = results.get("tiled")
+    for key, result in results.items():
+        if reference is None:
+            break
+        error = _max_error(result, reference, rows)
+        records[key]["max_err"] = error
+        if key == "sdpa" and workload.structured:
+            records[key]["reason"] = "speed reference only: computes attention without the mask"
+            continue
+        records[key]["agrees"] = error <= settings.tolerance
+        if not records[key]["agrees"]:
+            records[key]["status"] = "mismatch"
+    del results, reference
+
+    # timed rounds, interleaved across methods
+    round_s = sum(estimate.values()) or 1e-9
+    reps = int(min(settings.max_reps, max(settings.min_reps, settings.cell_budget_s // round_s)))
+    for rep in range(reps):
+        for key, step in steps.items():
+            on_step(f"{records[key]['label']} · rep {rep + 1}/{reps}")
+            start = time.perf_counter()
+            step()
+            records[key]["times_s"].append(time.perf_counter() - start)
+
+    flops = workload.flops(backward)
+    for key in steps:
+        record = records[key]
+        record["median_s"], record["iqr_s"] = _stats(record["times_s"])
+        record["n"] = len(record["times_s"])
+        record["tflops"] = flops / record["median_s"] / 1e12
+    for key, record in records.items():
+        for column, ref in REFERENCES.items():
+            ref_median = records.get(ref, {}).get("median_s")
+            if record["median_s"] and ref_median:
+                record["speedup"][column] = ref_median / record["median_s"]
+    return list(records.values())
+
+
+def _step(fn: Callable, q, k, v, grad_out: Optional[torch.Tensor]) -> Callable[[], tuple]:
+    """One timed call: forward, or forward+backward when ``grad_out`` is given → ``(out,)`` or
+    ``(out, dq, dk, dv)`` (detached)."""
+    if grad_out is None:
+        def forward_only():
+            return (fn(q, k, v),)
+        return forward_only
+
+    def forward_backward():
+        for t in (q, k, v):
+            t.grad = None
+        out = fn(q, k, v)
+        out.backward(grad_out)
+        return out.detach(), q.grad, k.grad, v.grad
+    return forward_backward
+
+
+def machine_info() -> dict:
+    """CPU count, torch threads and versions: what the numbers depend on."""
+    return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "attnkit": __version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "hostname": platform.node()}
+
+
+@dataclass
+class Options:
+    """Everything ``attnkit bench`` can be asked (see :mod:`attnkit.cli.bench`)."""
+
+    quick: bool = False
+    out: Optional[str] = None
+    workloads: Optional[list[str]] = None
+    methods: Optional[list[str]] = None
+    reps: Optional[int] = None
+    flex: Optional[bool] = None  # None: on for full runs, off for --quick
+    memory: bool = True
+    command: str = "attnkit bench"
+
+    def settings(self) -> Settings:
+        chosen = self.methods or METHODS
+        unknown = [m for m in chosen if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}: choose from {list(METHODS)}")
+        if "tiled" not in chosen:
+            raise ValueError("--methods must include tiled: every output is checked against it")
+        methods = tuple(m for m in METHODS if m in chosen and (m != "flex" or self.use_flex))
+        if self.quick:
+            return Settings(max_reps=self.reps or 2, min_reps=1, cell_budget_s=1.0, methods=methods)
+        return Settings(max_reps=self.reps or 10, min_reps=min(2, self.reps or 2), methods=methods)
+
+    @property
+    def use_flex(self) -> bool:
+        wanted = (not self.quick) if self.flex is None else self.flex
+        return wanted and (self.methods is None or "flex" in self.methods)
+
+    def out_dir(self) -> str:
+        return self.out or os.path.join("results", "quick" if self.quick else "")
+
+
+def _fresh_inductor_cache() -> Optional[str]:
+    """Point torch's compile cache at a new empty folder (unless the user chose one), so Flex's
+    first call is a real compile, not a hit in a cache left by an earlier run."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return None
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="attnkit-bench-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
+
+
+def run_benchmark(options: Options, console=None) -> dict:
+    """Run the workloads, then (unless ``options.memory`` is off) the memory measurements and
+    the sweep against N, with a rich progress bar; return the results dict (see ``SCHEMA``)."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                               TimeElapsedColumn)
+
+    from . import memory
+    from .workloads import select
+
+    workloads = select(quick_workloads() if options.quick else standard_workloads(),
+                       options.workloads)
+    settings = options.settings()
+    plan = (memory.default_plan(options.quick, flex=options.use_flex, methods=settings.methods)
+            if options.memory else None)
+    cells = [(w, p == "fwd+bwd") for w in workloads for p in settings.passes]
+    inductor_cache = _fresh_inductor_cache() if "flex" in settings.methods else None
+    total = len(cells) + (plan.count() if plan else 0)
+    started = time.perf_counter()
+    results: dict = {
+        "schema": SCHEMA, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": options.command, "machine": machine_info(),
+        "config": {"quick": options.quick, "max_reps": settings.max_reps,
+                   "min_reps": settings.min_reps, "cell_budget_s": settings.cell_budget_s,
+                   "methods": list(settings.methods), "tolerance": settings.tolerance,
+                   "inductor_cache": (inductor_cache and "fresh folder for this run") or (
+                       "TORCHINDUCTOR_CACHE_DIR as set" if "flex" in settings.methods else None),
+                   "flop_convention": "4*B*H*D per attended (q,k) pair forward (causal: N^2/2); "
+                                      "fwd+bwd = 3.5x fwd"},
+        "workloads": [w.describe() for w in workloads], "results": [], "memory": None,
+        "sweep": None}
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                        MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False)
+    with progress:
+        task = progress.add_task("benchmark", total=total)
+        for workload, backward in cells:
+            where = f"{workload.name} · {'fwd+bwd' if backward else 'fwd'}"
+            results["results"].extend(run_cell(
+                workload, backward, settings,
+                on_step=lambda text: progress.update(task, description=f"{where} · {text}")))
+            progress.advance(task)
+        if plan:
+            def on_measure(text):
+                progress.update(task, description=f"memory · {text}")
+
+            def after_measure():
+                progress.advance(task)
+            results["sweep"] = memory.run_plan(plan, on_measure=on_measure, after=after_measure)
+            results["memory"] = memory.headline(results["sweep"], plan)
+        progress.update(task, description="done")
+    results["elapsed_s"] = time.perf_counter() - started
+    if inductor_cache:
+        import shutil
+
+        shutil.rmtree(inductor_cache, ignore_errors=True)
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    return results
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+
+def _ms(seconds: Optional[float]) -> str:
+    return "—" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _speedup(record: dict, column: str) -> str:
+    value = record["speedup"].get(column)
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def results_table(results: dict, pass_name: str):
+    """A rich table of one pass: a row per workload × method."""
+    from rich.table import Table
+
+    table = Table(title=f"{pass_name}: median of interleaved rounds; speed-up = t_ref / t "
+                        f"(> 1: faster than the reference)",
+                  title_justify="left", show_edge=False, pad_edge=False)
+    for column, justify in (("workload", "left"), ("method", "left"), ("median ms", "right"),
+                            ("IQR ms", "right"), ("n", "right"), ("TFLOP/s", "right"),
+                            ("vs SDPA mask", "right"), ("vs Flex", "right"),
+                            ("1st call s", "right"), ("max err", "right")):
+        table.add_column(column, justify=justify, no_wrap=True)
+    table.add_column("note", overflow="fold")
+    previous = None
+    for record in results["results"]:
+        if record["pass"] != pass_name:
+            continue
+        if previous is not None and record["workload"] != previous:
+            table.add_section()
+        workload = record["workload"] if record["workload"] != previous else ""
+        previous = record["workload"]
+        style, note = "", ""
+        if record["status"] == "mismatch":
+            style, note = "red", f"DISAGREES with tiled (> {results['config']['tolerance']:g})"
+        elif record["status"] in ("unsupported", "error"):
+            style, note = "dim", record["reason"] or ""
+        elif record["backend"]:
+            note = f"auto picked {record['backend']}"
+        first = "—" if record["first_call_s"] is None else f"{record['first_call_s']:.2f}"
+        error = "—" if record["max_err"] is None else f"{record['max_err']:.1e}"
+        tflops = "—" if record["tflops"] is None else f"{record['tflops']:.3f}"
+        table.add_row(workload, record["label"], _ms(record["median_s"]), _ms(record["iqr_s"]),
+                      str(record["n"]), tflops, _speedup(record, "sdpa_mask"),
+                      _speedup(record, "flex"), first, error, note, style=style)
+    return table
+
+
+def memory_table(results: dict):
+    """A rich table of the sweep against N (its largest N is the memory headline)."""
+    from rich.table import Table
+
+    from .memory import fmt_mib
+
+    table = Table(title="forward+backward, causal, H1 D64, one fresh process each: extra peak RSS "
+                        "beyond inputs, outputs and gradients",
+                  title_justify="left", show_edge=False, pad_edge=False)
+    for column in ("method", "N", "extra peak MiB", "median s", "n"):
+        table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)
+    table.add_column("note", overflow="fold")
+    for row in results.get("sweep") or []:
+        median = "—" if row.get("median_s") is None else f"{row['median_s']:.3f}"
+        table.add_row(row["label"], str(row["n"]), fmt_mib(row.get("extra_peak_mib")), median,
+                      str(row.get("reps", 0)), row.get("reason") or "",
+                      style="" if row["status"] == "ok" else "dim")
+    return table
+
+
+def print_report(results: dict, console) -> None:
+    """Print the machine line, one table per pass and the memory table."""
+    machine = results["machine"]
+    console.print(f"[bold]machine:[/bold] {machine['cpu_count']} CPUs, {machine['torch_threads']} "
+                  f"torch threads, torch {machine['torch']}, {machine['platform']}; {results['date']}")
+    for pass_name in PASSES:
+        if any(r["pass"] == pass_name for r in results["results"]):
+            console.print(results_table(results, pass_name))
+    if results.get("sweep"):
+        console.print(memory_table(results))
+
+
+def write_results(results: dict, out_dir: str, name: str = "cpu.json") -> str:
+    """Write the results as strict JSON (NaN/inf become null) into ``out_dir`` (created);
+    returns the file's path."""
+    import json
+
+    os.makedirs(out_dir or ".", exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as handle:
+        json.dump(_jsonable(results), handle, indent=1, allow_nan=False)
+    return path
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

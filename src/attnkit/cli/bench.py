@@ -1,0 +1,69 @@
+"""``attnkit bench``: time attnkit against torch SDPA, FlexAttention and naive attention, side by
+side in one run, and measure peak memory against N; writes JSON and PNGs (see
+docs/BENCHMARKS.md for the method and the numbers)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+HELP = "benchmark attnkit vs torch SDPA, FlexAttention and naive attention (time, memory)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes, 1-2 rounds, no Flex compile unless --flex (a smoke test)")
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="folder for cpu.json and the PNGs (default: results/, "
+                             "results/quick/ with --quick)")
+    parser.add_argument("--workloads", nargs="+", metavar="NAME",
+                        help="only these workloads (dense, causal, window, documents, causal_padding)")
+    parser.add_argument("--methods", nargs="+", metavar="NAME",
+                        help="only these methods (tiled, auto, sdpa, sdpa_mask, flex, naive); "
+                             "tiled is always needed: outputs are checked against it")
+    parser.add_argument("--reps", type=int, metavar="N",
+                        help="timed rounds per method and cell, at most (default 10; fewer when a "
+                             "cell's 20 s budget runs out, never under 2)")
+    flex = parser.add_mutually_exclusive_group()
+    flex.add_argument("--flex", dest="flex", action="store_true", default=None,
+                      help="include compiled FlexAttention even with --quick")
+    flex.add_argument("--no-flex", dest="flex", action="store_false",
+                      help="leave out FlexAttention (its compile takes ~30 s per workload)")
+    parser.add_argument("--no-memory", dest="memory", action="store_false",
+                        help="skip the peak-memory measurements and the sweep against N")
+
+
+def options_from(args: argparse.Namespace, command: str = ""):
+    """The :class:`attnkit.bench.Options` of parsed arguments."""
+    from ..bench import Options
+
+    if args.reps is not None and args.reps < 1:
+        raise ValueError(f"--reps {args.reps}: give at least 1")
+    return Options(quick=args.quick, out=args.out, workloads=args.workloads, methods=args.methods,
+                   reps=args.reps, flex=args.flex, memory=args.memory,
+                   command=command or "attnkit bench")
+
+
+def run(args: argparse.Namespace, console) -> int:
+    from ..bench import plots, runner
+
+    command = "attnkit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == [
+        "bench"] else "attnkit bench"
+    try:
+        options = options_from(args, command)
+        results = runner.run_benchmark(options, console=console)
+    except ValueError as error:
+        console.print(f"[bold red]error:[/bold red] {error}")
+        return 2
+    runner.print_report(results, console)
+    out_dir = options.out_dir()
+    path = runner.write_results(results, out_dir)
+    figures = plots.write_all(results, out_dir)
+    console.print(f"results: {path}; figures: {', '.join(figures) or 'none'}")
+    mismatched = [f"{r['workload']}/{r['pass']}/{r['method']}" for r in results["results"]
+                  if r["status"] == "mismatch"]
+    if mismatched:
+        console.print(f"[bold red]outputs that disagree with attnkit tiled:[/bold red] "
+                      f"{', '.join(mismatched)}")
+    return 0

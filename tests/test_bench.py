@@ -1,0 +1,219 @@
+"""The benchmark machinery: workloads (FLOPs, three equivalent masks), the interleaved runner and
+its mismatch flag, the memory measurement in fresh processes, and ``attnkit bench --quick``
+end to end. Tests check results, never speed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnkit.bench import memory, report, runner
+from attnkit.bench.workloads import Workload, quick_workloads, standard_workloads
+from attnkit.cli import main as cli_main
+
+N_SMALL = 100  # not a multiple of any block size or document length below
+
+
+def small_workloads(n: int = N_SMALL) -> list[Workload]:
+    """Every kind at a small, ragged size, with B and H above 1."""
+    return [Workload("dense", "dense", 2, 3, n, 8),
+            Workload("causal", "causal", 2, 3, n, 8),
+            Workload("window", "window", 2, 3, n, 8, window=7),
+            Workload("documents", "documents", 2, 3, n, 8, doc_len=13),
+            Workload("causal_padding", "causal_padding", 2, 3, n, 8, real_len=3 * n // 4)]
+
+
+def hand_allowed(workload: Workload) -> torch.Tensor:
+    """The mask from its definition, with Python loops: bool ``[N, N]``."""
+    n = workload.seq_len
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        for j in range(n):
+            if workload.kind == "dense":
+                allowed[i, j] = True
+            elif workload.kind == "causal":
+                allowed[i, j] = j <= i
+            elif workload.kind == "window":
+                allowed[i, j] = i - workload.window <= j <= i
+            elif workload.kind == "documents":
+                allowed[i, j] = j <= i and i // workload.doc_len == j // workload.doc_len
+            else:
+                allowed[i, j] = j <= i < workload.real_len
+    return allowed
+
+
+# ---- FLOPs ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("workload", small_workloads(), ids=lambda w: w.kind)
+def test_flops_count_allowed_pairs(workload):
+    mask = workload.attnkit_mask()
+    if mask is None:
+        pairs = workload.seq_len ** 2
+    else:
+        pairs = int(mask.to_dense(workload.space).sum())  # brute force over [1, 1, N, N]
+    per_pair = 4 * workload.batch * workload.heads * workload.head_dim
+    if workload.kind == "causal":
+        # the convention counts N²/2 pairs; the mask really allows N(N+1)/2
+        n = workload.seq_len
+        assert pairs == n * (n + 1) // 2
+        assert workload.flops() == per_pair * n * n / 2
+    else:
+        assert workload.flops() == per_pair * pairs
+    assert workload.flops(backward=True) == pytest.approx(3.5 * workload.flops())
+
+
+def test_standard_workloads_match_the_issue():
+    shapes = {w.name: (w.shape, w.kind, w.window, w.doc_len, w.real_len) for w in standard_workloads()}
+    assert shapes == {
+        "dense": ((1, 8, 2048, 64), "dense", None, None, None),
+        "causal": ((1, 8, 2048, 64), "causal", None, None, None),
+        "window": ((1, 4, 8192, 64), "window", 512, None, None),
+        "documents": ((1, 4, 8192, 64), "documents", None, 512, None),
+        "causal_padding": ((1, 4, 8192, 64), "causal_padding", None, None, 6144)}
+    assert all(w.dtype == torch.float32 for w in standard_workloads())
+
+
+# ---- the three masks agree -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("workload", small_workloads(40), ids=lambda w: w.kind)
+def test_mask_forms_agree(workload):
+    n = workload.seq_len
+    expected = hand_allowed(workload)
+    ak_dense = workload.dense_mask()  # [1, 1, N, N]
+    assert ak_dense.shape == (1, 1, n, n)
+    assert torch.equal(ak_dense[0, 0], expected)
+    b = torch.arange(workload.batch)[:, None, None, None]
+    h = torch.arange(workload.heads)[None, :, None, None]
+    q_idx = torch.arange(n)[None, None, :, None]
+    kv_idx = torch.arange(n)[None, None, None, :]
+    flex = workload.mask_mod()(b, h, q_idx, kv_idx)
+    flex = flex.expand(workload.batch, workload.heads, n, n)  # [B, H, N, N]
+    assert torch.equal(flex, expected.expand_as(flex))
+    assert torch.equal(workload.rows_with_keys(), expected.any(dim=-1))
+
+
+@pytest.mark.parametrize("workload", quick_workloads(), ids=lambda w: w.kind)
+def test_flex_block_mask_covers_the_mask(workload):
+    """Flex's block mask (block 128) lists exactly the 128×128 blocks with an allowed pair."""
+    block_mask = workload.block_mask()
+    if block_mask is None:
+        assert workload.kind == "dense"
+        return
+    n, size = workload.seq_len, 128
+    allowed = workload.dense_mask()[0, 0]  # [N, N]
+    blocks = allowed.reshape(n // size, size, n // size, size).any(dim=3).any(dim=1)  # [nq, nk]
+    assert torch.equal(block_mask.to_dense()[0, 0].bool(), blocks)
+
+
+# ---- the runner ----------------------------------------------------------------------------------
+
+def test_stats_median_and_iqr():
+    median, iqr = runner._stats([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert median == 3.0
+    assert iqr == 4.0 - 2.0  # inclusive quartiles of five points are the 2nd and 4th
+    assert runner._stats([0.5]) == (0.5, 0.0)
+
+
+def test_naive_attention_matches_float64_softmax():
+    workload = small_workloads(24)[3]  # documents
+    q, k, v = (t.double() for t in workload.inputs(seed=3))
+    allowed = workload.dense_mask()
+    scores = torch.einsum("bhid,bhjd->bhij", q, k) / workload.head_dim ** 0.5
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    expected = torch.einsum("bhij,bhjd->bhid", weights, v)
+    torch.testing.assert_close(runner.naive_attention(q, k, v, allowed), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_cell_interleaves_rounds_and_flags_a_wrong_method(monkeypatch):
+    calls = []
+    real = runner.make_method
+
+    def recording(key, workload, **kwargs):
+        fn = real(key, workload, **kwargs)
+        if key == "naive":  # a wrong answer: must be flagged
+            def wrong(q, k, v):
+                calls.append(key)
+                return fn(q, k, v) + 1e-3
+            return wrong
+
+        def counted(q, k, v):
+            calls.append(key)
+            return fn(q, k, v)
+        return counted
+
+    monkeypatch.setattr(runner, "make_method", recording)
+    workload = small_workloads(64)[2]  # window
+    settings = runner.Settings(max_reps=3, min_reps=3, methods=("tiled", "sdpa_mask", "naive"))
+    records = {r["method"]: r for r in runner.run_cell(workload, backward=True, settings=settings)}
+    order = ["tiled", "sdpa_mask", "naive"]
+    assert calls == order * 4  # one warm-up round, then three interleaved rounds
+    assert records["naive"]["status"] == "mismatch" and records["naive"]["agrees"] is False
+    assert records["naive"]["max_err"] == pytest.approx(1e-3, rel=1e-3)
+    assert records["sdpa_mask"]["status"] == "ok" and records["sdpa_mask"]["max_err"] < 1e-5
+    assert records["tiled"]["max_err"] == 0.0 and records["tiled"]["n"] == 3
+    for record in records.values():
+        assert record["speedup"]["sdpa_mask"] == pytest.approx(
+            records["sdpa_mask"]["median_s"] / record["median_s"])
+
+
+# ---- memory --------------------------------------------------------------------------------------
+
+def test_memory_of_naive_is_positive_and_above_tiled():
+    small = memory.measure(memory.Spec("naive", 1024, max_reps=1, time_budget_s=0))
+    assert small["status"] == "ok", small
+    assert small["extra_peak_bytes"] > 0
+    n = 4096
+    naive = memory.measure(memory.Spec("naive", n, max_reps=1, time_budget_s=0))
+    tiled = memory.measure(memory.Spec("tiled", n, max_reps=1, time_budget_s=0))
+    assert naive["status"] == tiled["status"] == "ok", (naive, tiled)
+    assert naive["extra_peak_bytes"] >= n * n * 4  # at least one fp32 score matrix
+    assert tiled["extra_peak_bytes"] < naive["extra_peak_bytes"]
+
+
+def test_memory_skips_what_would_not_fit():
+    record = memory.measure(memory.Spec("naive", 65536))
+    assert record["status"] == "skipped" and "GiB" in record["reason"]
+
+
+# ---- end to end ----------------------------------------------------------------------------------
+
+def test_quick_run_writes_json_and_pngs(tmp_path, capsys):
+    assert cli_main(["bench", "--quick", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "cpu.json").read_text())
+    assert results["schema"] == runner.SCHEMA
+    assert set(results["machine"]) >= {"cpu_count", "torch_threads", "torch"}
+    assert results["machine"]["torch_threads"] == torch.get_num_threads()
+    assert results["date"] and results["command"].startswith("attnkit bench")
+    kinds = [w.name for w in quick_workloads()]
+    methods = [m for m in runner.METHODS if m != "flex"]  # no compile in --quick
+    got = [(r["workload"], r["pass"], r["method"]) for r in results["results"]]
+    assert got == [(w, p, m) for w in kinds for p in runner.PASSES for m in methods]
+    for r in results["results"]:
+        assert set(r) >= {"median_s", "iqr_s", "n", "tflops", "speedup", "first_call_s", "max_err"}
+        assert r["status"] == "ok", r
+        assert r["n"] >= 1 and r["median_s"] > 0 and r["tflops"] > 0
+        assert r["speedup"]["sdpa_mask"] > 0
+        if r["method"] == "sdpa" and r["kind"] not in ("dense", "causal"):
+            assert r["agrees"] is None  # ignores the mask: not checked
+        else:
+            assert r["agrees"] is True and r["max_err"] < runner.TOLERANCE
+    sweep = results["sweep"]
+    assert {(r["method"], r["n"]) for r in sweep} == {
+        (m, n) for m in ("tiled", "sdpa", "sdpa_mask", "naive") for n in (256, 512)}
+    assert all(r["status"] == "ok" and r["extra_peak_bytes"] >= 0 for r in sweep)
+    assert set(results["memory"]["methods"]) == {"tiled", "sdpa", "sdpa_mask", "naive"}
+    for name in ("time_vs_n.png", "memory_vs_n.png", "speedups.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    section = report.markdown(results)
+    assert "| **window** |" in section and "Targets of issue 3" in section
+    assert "torch threads" in section and results["command"] in section
+
+
+def test_replace_section_keeps_the_rest():
+    text = f"head\n{report.START}\nold\n{report.END}\ntail\n"
+    assert report.replace_section(text, "new") == f"head\n{report.START}\nnew\n{report.END}\ntail\n"
+    with pytest.raises(ValueError, match="markers"):
+        report.replace_section("no markers", "new")
