@@ -24,7 +24,7 @@ COMMANDS: dict[str, str] = {
     "check": "attnkit.cli.check",
     "info": "attnkit.cli.info",
     "demo": "attnkit.cli.demo",
-    # "bench": "attnkit.cli.bench",   # slot for the benchmark command
+    "bench": "attnkit.cli.bench",
 }
 """Subcommand name → module implementing it (``HELP``, ``add_arguments``, ``run``), in help order."""
 
