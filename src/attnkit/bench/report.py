@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .runner import first_sentence
+
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 STRUCTURED = ("window", "documents", "causal_padding")
@@ -103,7 +105,7 @@ def markdown(results: dict) -> str:
         for r in records:
             workload = f"**{r['workload']}**" if r["workload"] != previous else ""
             previous = r["workload"]
-            note = r["reason"] or ""
+            note = first_sentence(r["reason"])
             if r["status"] == "mismatch":
                 note = f"**disagrees with tiled** (> {results['config']['tolerance']:g})"
             elif r["backend"]:
@@ -140,7 +142,7 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {labels[method]} | " + " | ".join(cells) + " |")
             lines.append("")
         for method, reason in notes.items():
-            lines.append(f"n/a — {labels[method]}: {reason}")
+            lines.append(f"n/a — {labels[method]}: {first_sentence(reason)}.")
         lines.append("")
     lines += ["#### Targets of issue 3 (this run)", "", "| target | measured | met |", "|---|--:|:-:|"]
     for row in targets(results):

@@ -384,6 +384,11 @@ def run_benchmark(options: Options, console=None) -> dict:
 
 # ---- reporting ---------------------------------------------------------------------------------
 
+def first_sentence(text: Optional[str]) -> str:
+    """The first sentence of a reason, for a table cell (the JSON keeps it whole)."""
+    return (text or "").split(". ")[0]
+
+
 def _ms(seconds: Optional[float]) -> str:
     return "—" if seconds is None else f"{seconds * 1e3:.1f}"
 
@@ -418,7 +423,7 @@ def results_table(results: dict, pass_name: str):
         if record["status"] == "mismatch":
             style, note = "red", f"DISAGREES with tiled (> {results['config']['tolerance']:g})"
         elif record["status"] in ("unsupported", "error"):
-            style, note = "dim", record["reason"] or ""
+            style, note = "dim", first_sentence(record["reason"])
         elif record["backend"]:
             note = f"auto picked {record['backend']}"
         first = "—" if record["first_call_s"] is None else f"{record['first_call_s']:.2f}"
@@ -445,7 +450,7 @@ def memory_table(results: dict):
     for row in results.get("sweep") or []:
         median = "—" if row.get("median_s") is None else f"{row['median_s']:.3f}"
         table.add_row(row["label"], str(row["n"]), fmt_mib(row.get("extra_peak_mib")), median,
-                      str(row.get("reps", 0)), row.get("reason") or "",
+                      str(row.get("reps", 0)), first_sentence(row.get("reason")),
                       style="" if row["status"] == "ok" else "dim")
     return table
 
