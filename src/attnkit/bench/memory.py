@@ -189,6 +189,18 @@ def _context():
     return _CONTEXT
 
 
+def _nothing() -> None:
+    pass
+
+
+def start_server() -> None:
+    """Start the forkserver now and wait until it has imported torch and attnkit (forking one
+    child that does nothing), so the sweep measures the code the run started with."""
+    child = _context().Process(target=_nothing)
+    child.start()
+    child.join()
+
+
 def measure(spec: Spec) -> dict:
     """Measure ``spec`` in a fresh child process; returns the record for the JSON (with
     ``extra_peak_mib``; ``status`` ``ok``, ``skipped``, ``unsupported`` or ``error``)."""

@@ -86,8 +86,8 @@ def markdown(results: dict) -> str:
     lines = [
         f"Measured {results['date']} on `{machine['hostname']}`: {machine['cpu_count']} CPUs "
         f"({machine['processor']}), **{machine['torch_threads']} torch threads**, torch "
-        f"{machine['torch']}, attnkit {machine['attnkit']}, Python {machine['python']}, "
-        f"{machine['platform']}.",
+        f"{machine['torch']}, attnkit {machine['attnkit']} (source "
+        f"`{machine.get('source') or 'unknown'}`), Python {machine['python']}, {machine['platform']}.",
         "",
         f"Command: `{results['command']}` (total {results.get('elapsed_s', 0) / 60:.1f} min). "
         f"Rounds per cell: {results['config']['min_reps']}–{results['config']['max_reps']} "

@@ -271,11 +271,30 @@ def _step(fn: Callable, q, k, v, grad_out: Optional[torch.Tensor]) -> Callable[[
 
 
 def machine_info() -> dict:
-    """CPU count, torch threads and versions: what the numbers depend on."""
+    """CPU count, torch threads, versions and the source revision: what the numbers depend on."""
     return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "attnkit": __version__,
+            "torch": torch.__version__, "attnkit": __version__, "source": source_revision(),
             "python": platform.python_version(), "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(), "hostname": platform.node()}
+
+
+def source_revision() -> Optional[str]:
+    """``git describe``-style revision of the attnkit checkout (``+modified`` when its
+    ``src/attnkit`` differs from the commit), or ``None`` outside a git checkout."""
+    import subprocess
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=package,
+                                capture_output=True, text=True, timeout=10)
+        if commit.returncode != 0:
+            return None
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=package,
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    modified = [line[3:] for line in changed.stdout.splitlines() if line[:2] != "??"]
+    return commit.stdout.strip() + (f"+modified ({', '.join(modified)})" if modified else "")
 
 
 @dataclass
@@ -339,6 +358,8 @@ def run_benchmark(options: Options, console=None) -> dict:
     plan = (memory.default_plan(options.quick, flex=options.use_flex, methods=settings.methods)
             if options.memory else None)
     cells = [(w, p == "fwd+bwd") for w in workloads for p in settings.passes]
+    if plan:
+        memory.start_server()  # imports attnkit now: the sweep runs the same code as the cells
     inductor_cache = _fresh_inductor_cache() if "flex" in settings.methods else None
     total = len(cells) + (plan.count() if plan else 0)
     started = time.perf_counter()
