@@ -1,0 +1,402 @@
+"""Ring attention: exact attention over a sequence sharded across the ranks of a process group.
+
+Every rank holds one shard of the queries, keys and values (dim -2 is the sequence). The K/V
+shards travel around the ring, one hop per step; after P steps every query shard has met every
+key shard. Each step is computed by the tiled engine (:mod:`attnkit.backends.tiled`) at GLOBAL
+positions, so the mask is the one that would be given to ``attention`` on the whole sequence,
+and partial results are merged in fp32 with the stable LSE merge (:func:`attnkit.numerics.merge`).
+
+- Double buffering: the next K/V shard is already in flight while the current one is computed.
+- Skipping: a (query chunk × key chunk) pair whose block map is empty everywhere is never
+  computed (most of the upper triangle of a causal mask), and its K/V still moves on.
+- Backward: each step's exact contribution to dQ, dK, dV comes from the tiled backward with the
+  *final* out and LSE (as FlashAttention / ring-flash-attn). dK/dV accumulators travel around
+  the ring with the K/V and arrive, complete, at the rank that owns the shard.
+- ``layout="zigzag"``: the sequence is cut into 2P chunks and rank r holds chunks r and
+  2P−1−r, so every rank does the same causal work. A step is then up to 4 chunk pairs.
+
+Tested with multi-process gloo on CPU (world sizes 1–4, float64/float32, every structured
+mask); written for NCCL on GPUs, not tested there (see docs/DISTRIBUTED.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ..api import AttentionResult
+from ..backends.tiled import BLOCK_K, Problem, make_plan, tiled_backward, tiled_forward, uses_fused_kernel
+from ..inputs import Inputs, restore, validate
+from ..masks import Mask, MaskSpace
+from ..numerics import accum_dtype, merge
+from .comm import RingComm
+
+LAYOUTS = ("contiguous", "zigzag")
+"""How the global sequence is cut into shards (see :func:`shard`)."""
+
+KV_TAG, GRAD_TAG = 0, 8
+"""Tag ranges of the K/V and the dK/dV transfers (both are in flight at once in backward)."""
+
+
+# ---- layouts ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Piece:
+    """One contiguous run of a rank's shard: local rows ``[start, start+count)`` are the global
+    positions ``[global_start, global_start+count)``."""
+
+    start: int
+    global_start: int
+    count: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.count)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: use 'contiguous' (rank r holds the r-th of P equal "
+                         f"parts) or 'zigzag' (rank r holds chunks r and 2P-1-r of 2P, balanced "
+                         f"for causal masks)")
+
+
+def pieces(local_len: int, rank: int, world_size: int, layout: str) -> list[Piece]:
+    """The runs of global positions that rank ``rank``'s shard of ``local_len`` rows holds.
+
+    contiguous: one run, ``[rank·L, (rank+1)·L)``. zigzag: two runs of ``L/2`` rows, chunks
+    ``rank`` and ``2P−1−rank`` of the 2P chunks of size ``L/2``.
+    """
+    _check_layout(layout)
+    if layout == "contiguous":
+        return [Piece(0, rank * local_len, local_len)]
+    half = local_len // 2
+    return [Piece(0, rank * half, half), Piece(half, (2 * world_size - 1 - rank) * half, half)]
+
+
+def shard(x: torch.Tensor, rank: int, world_size: int, layout: str = "contiguous",
+          dim: int = -2) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``x`` along ``dim`` (default -2, the sequence of ``[..., H, T, D]``).
+
+    ``x [..., T, D]`` → ``[..., T/P, D]``. contiguous: the rank-th of P equal parts. zigzag: the
+    sequence cut into 2P chunks, the shard is chunk ``rank`` followed by chunk ``2P−1−rank``.
+    The result is a new contiguous tensor (differentiable). :func:`unshard` is its inverse.
+    """
+    _check_layout(layout)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: must be a positive int")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r}: must be an int in [0, {world_size})")
+    length = x.shape[dim]
+    parts = world_size * (2 if layout == "zigzag" else 1)
+    if length % parts:
+        raise ValueError(f"sequence length {length} (dim {dim} of {tuple(x.shape)}) does not split "
+                         f"into {parts} equal chunks for layout={layout!r} with world_size="
+                         f"{world_size}: pad the sequence to a multiple of {parts} (and mask the "
+                         f"padding)")
+    runs = pieces(length // world_size, rank, world_size, layout)
+    return torch.cat([x.narrow(dim, run.global_start, run.count) for run in runs], dim=dim)
+
+
+def unshard(shards: Sequence[torch.Tensor], layout: str = "contiguous", dim: int = -2) -> torch.Tensor:
+    """The whole tensor from every rank's shard (rank order): the inverse of :func:`shard`.
+
+    ``shards``: P tensors ``[..., T/P, D]`` → ``[..., T, D]``.
+    """
+    _check_layout(layout)
+    shards = list(shards)
+    if not shards:
+        raise ValueError("unshard needs at least one shard")
+    if any(s.shape != shards[0].shape for s in shards):
+        raise ValueError(f"unshard: shards must all have one shape, got "
+                         f"{[tuple(s.shape) for s in shards]}")
+    world_size, local_len = len(shards), shards[0].shape[dim]
+    if layout == "zigzag" and local_len % 2:
+        raise ValueError(f"unshard: zigzag shards hold two equal chunks, so their length must be "
+                         f"even; got {local_len} (dim {dim} of {tuple(shards[0].shape)})")
+    chunks_per_rank = 2 if layout == "zigzag" else 1
+    chunk = local_len // chunks_per_rank
+    if chunk == 0:  # empty shards: nothing to reorder
+        return torch.cat(shards, dim=dim)
+    ordered: list[Optional[torch.Tensor]] = [None] * (world_size * chunks_per_rank)
+    for rank, part in enumerate(shards):
+        for run in pieces(local_len, rank, world_size, layout):
+            ordered[run.global_start // chunk] = part.narrow(dim, run.start, run.count)
+    return torch.cat(ordered, dim=dim)
+
+
+# ---- one call's plan --------------------------------------------------------------------------
+
+@dataclass
+class RingStats:
+    """What one :func:`ring_attention` call did on this rank (filled when passed as ``stats=``).
+
+    ``tiles_per_step[i]``: ``block_q × block_k`` tiles computed at ring step i (the K/V of rank
+    ``rank − i``); ``forward_tiles`` their sum; ``backward_tiles`` the same for the backward pass
+    (0 until it runs). ``pairs_skipped``: (query chunk × key chunk) pairs the mask empties.
+    ``bytes_sent``: bytes this rank sent (forward, plus backward once it ran).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    layout: str = "contiguous"
+    tiles_per_step: list[int] = field(default_factory=list)
+    forward_tiles: int = 0
+    backward_tiles: int = 0
+    pairs_computed: int = 0
+    pairs_skipped: int = 0
+    bytes_sent: int = 0
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """One tiled computation of a step: these local query rows against these rows of the K/V
+    shard currently held, with offsets and plan at global positions."""
+
+    q: Piece
+    kv: Piece
+    problem: Problem
+
+
+@dataclass
+class _Ring:
+    comm: RingComm
+    steps: list[list[_Pair]]  # steps[i]: pairs against the K/V of rank (rank - i) mod P
+    stats: RingStats
+
+
+def _plan_steps(mask: Optional[Mask], space: MaskSpace, scale: float, local_q: int, local_kv: int,
+                comm: RingComm, layout: str, fused: bool, block_q: Optional[int],
+                block_k: Optional[int], stats: RingStats) -> list[list[_Pair]]:
+    """Every step's non-empty pairs (plans from the mask's block map at global positions)."""
+    rank, world = comm.rank, comm.world_size
+    q_runs = pieces(local_q, rank, world, layout)
+    steps = []
+    for step in range(world):
+        kv_runs = pieces(local_kv, (rank - step) % world, world, layout)
+        pairs, tiles = [], 0
+        for q_run in q_runs:
+            for kv_run in kv_runs:
+                plan = make_plan(mask, space, batch=space.batch, heads=space.heads,
+                                 q_offset=q_run.global_start, q_count=q_run.count,
+                                 kv_offset=kv_run.global_start, kv_count=kv_run.count,
+                                 block_q=block_q, block_k=block_k or BLOCK_K, fused=fused)
+                count = plan.tiles_computed()
+                if count == 0:
+                    stats.pairs_skipped += 1
+                    continue
+                tiles += count
+                pairs.append(_Pair(q_run, kv_run, Problem(mask, scale, space, q_run.global_start,
+                                                          kv_run.global_start, plan)))
+        stats.tiles_per_step.append(tiles)
+        stats.pairs_computed += len(pairs)
+        steps.append(pairs)
+    stats.forward_tiles = sum(stats.tiles_per_step)
+    return steps
+
+
+# ---- forward and backward ---------------------------------------------------------------------
+
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [B, Hq, Tq/P, Dk]``, ``k [B, Hkv, Tk/P, Dk]``, ``v [B, Hkv, Tk/P, Dv]`` (this rank's
+    shards) → ``out [B, Hq, Tq/P, Dv]`` (q's dtype) and ``lse [B, Hq, Tq/P]`` (fp32/fp64) over
+    the whole key sequence."""
+    batch, heads_q, tq, _ = q.shape
+    acc = accum_dtype(q.dtype)
+    out = torch.zeros(batch, heads_q, tq, v.shape[-1], dtype=acc, device=q.device)  # [B, Hq, Tq/P, Dv]
+    lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)  # [B, Hq, Tq/P]
+    current, spare = [k, v], None  # the K/V shard being computed; a free receive buffer
+    for step, pairs in enumerate(ring.steps):
+        transfer = None
+        if step + 1 < len(ring.steps):  # the next shard travels while this one is computed
+            transfer = ring.comm.exchange(current, spare, tag=KV_TAG)
+        keys, values = current
+        for pair in pairs:
+            rows = pair.q.rows
+            part_out, part_lse = tiled_forward(q[:, :, rows], keys[:, :, pair.kv.rows],
+                                               values[:, :, pair.kv.rows], pair.problem)
+            out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
+                                                     part_out, part_lse)
+        if transfer is not None:
+            received = transfer.wait()
+            spare = current if step > 0 else None  # the caller's own k/v are never written
+            current = received
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(q, k, v, out, lse, grad_out, grad_lse, ring: _Ring,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of this rank's shards. ``out``/``lse`` are the final forward results of this
+    rank's queries, ``grad_out [B, Hq, Tq/P, Dv]``, ``grad_lse [B, Hq, Tq/P]`` or ``None``.
+
+    K/V go around the ring as in the forward pass; with them travel the dK/dV sums of their
+    owner (fp32, fp64 for fp64), to which each rank adds its queries' contribution. After P
+    steps plus one last hop every sum is back home, complete."""
+    acc = accum_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [B, Hq, Tq/P, Dk]
+    current, spare = [k, v], None
+    grads_sent, grads_free, grads_transfer = None, None, None
+    for step, pairs in enumerate(ring.steps):
+        transfer = None
+        if step + 1 < len(ring.steps):
+            transfer = ring.comm.exchange(current, spare, tag=KV_TAG)
+        keys, values = current
+        contributions = []
+        for pair in pairs:
+            rows, kv_rows = pair.q.rows, pair.kv.rows
+            dq_part, dk_part, dv_part = tiled_backward(
+                q[:, :, rows], keys[:, :, kv_rows], values[:, :, kv_rows], out[:, :, rows],
+                lse[:, :, rows], grad_out[:, :, rows],
+                None if grad_lse is None else grad_lse[:, :, rows], pair.problem)
+            dq[:, :, rows] += dq_part
+            contributions.append((kv_rows, dk_part, dv_part))
+        if grads_transfer is None:  # step 0: this rank starts the sums of its own K/V
+            grads = [torch.zeros(k.shape, dtype=acc, device=k.device),  # [B, Hkv, Tk/P, Dk]
+                     torch.zeros(v.shape, dtype=acc, device=v.device)]  # [B, Hkv, Tk/P, Dv]
+        else:  # the sums for the K/V now held, from the ranks before this one
+            grads = grads_transfer.wait()
+            grads_free = grads_sent  # that exchange's send has completed too
+        for kv_rows, dk_part, dv_part in contributions:
+            grads[0][:, :, kv_rows] += dk_part
+            grads[1][:, :, kv_rows] += dv_part
+        grads_transfer = ring.comm.exchange(grads, grads_free, tag=GRAD_TAG)
+        grads_sent, grads_free = grads, None
+        if transfer is not None:
+            received = transfer.wait()
+            spare = current if step > 0 else None
+            current = received
+    dk, dv = grads_transfer.wait()  # the last hop brings this rank its own sums
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring):
+        ctx.set_materialize_grads(False)  # an unused lse gives grad_lse None, not zeros
+        k, v = k.contiguous(), v.contiguous()  # they are sent as they are
+        sent = ring.comm.bytes_sent
+        out, lse = _ring_forward(q, k, v, ring)
+        ring.stats.bytes_sent += ring.comm.bytes_sent - sent
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        sent = ring.comm.bytes_sent
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, grad_out, grad_lse, ring)
+        ring.stats.bytes_sent += ring.comm.bytes_sent - sent
+        ring.stats.backward_tiles = ring.stats.forward_tiles
+        return dq, dk, dv, None
+
+
+# ---- validation (every rank agrees, or every rank raises) -------------------------------------
+
+def _whole(t: torch.Tensor, world_size: int) -> torch.Tensor:
+    """A stand-in for the whole sequence of ``t`` (``[..., T/P, D]`` → ``[..., T, D]``) that holds
+    no memory: one element, expanded. Only its shape, dtype and device are looked at."""
+    shape = (*t.shape[:-2], t.shape[-2] * world_size, t.shape[-1])
+    return torch.empty((), dtype=t.dtype, device=t.device).expand(shape)
+
+
+def _signature(q, k, v, mask, layout, scale) -> dict:
+    """What every rank must agree on, in a picklable form."""
+    def shape(t):
+        return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+    return dict(q=shape(q), k=shape(k), v=shape(v), dtype=str(getattr(q, "dtype", None)),
+                layout=layout, scale=scale, mask=repr(mask))
+
+
+def _validate(q, k, v, mask, scale, layout, return_lse, comm: RingComm,
+              ) -> tuple[Inputs, Optional[Mask], MaskSpace]:
+    """Check this rank's shards, then that all ranks agree; raise the same error on every rank.
+
+    Returns the local :class:`Inputs` (``[B, H, T/P, D]`` views), the mask fitted to the whole
+    sequence and the global :class:`MaskSpace`.
+    """
+    failure, result = None, None
+    try:
+        _check_layout(layout)
+        local = validate(q, k, v, None, scale=scale, need_lse=return_lse)
+        if layout == "zigzag" and (local.q.shape[2] % 2 or local.k.shape[2] % 2):
+            raise ValueError(
+                f"layout='zigzag' cuts the sequence into 2P = {2 * comm.world_size} chunks and each "
+                f"rank holds two of them, so the local length must be even; got q length "
+                f"{local.q.shape[2]}, k length {local.k.shape[2]}: pad the global sequence to a "
+                f"multiple of {2 * comm.world_size}")
+        try:
+            whole = validate(*(_whole(t, comm.world_size) for t in (q, k, v)), mask, scale=scale)
+        except ValueError as error:
+            raise ValueError(f"mask at global positions (the whole sequence is world_size="
+                             f"{comm.world_size} × the local shard): {error}") from None
+        result = (local, whole.mask, whole.space)
+    except (TypeError, ValueError) as error:
+        failure = (type(error).__name__, str(error))
+    everyone = comm.all_gather_object((failure, _signature(q, k, v, mask, layout, scale)))
+    failed = [(rank, f) for rank, (f, _) in enumerate(everyone) if f is not None]
+    if failed:
+        first_rank, (kind, message) = failed[0]
+        error_type = TypeError if kind == "TypeError" else ValueError
+        raise error_type(f"ring_attention: invalid input on rank(s) "
+                         f"{[rank for rank, _ in failed]} (rank {first_rank}): {message}")
+    signatures = [signature for _, signature in everyone]
+    if any(signature != signatures[0] for signature in signatures):
+        lines = "\n".join(f"  rank {rank}: " + ", ".join(f"{key} {value}" for key, value in s.items())
+                          for rank, s in enumerate(signatures))
+        raise ValueError(f"ring_attention: the {comm.world_size} ranks disagree; every rank must "
+                         f"pass shards of one shape and dtype (the sequence cut into equal parts "
+                         f"along dim -2), with the same mask, scale and layout:\n{lines}")
+    return result
+
+
+# ---- the public function ----------------------------------------------------------------------
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: Union[Mask, torch.Tensor, None] = None, *, scale: Optional[float] = None,
+                   group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
+                   return_lse: bool = False, block_q: Optional[int] = None,
+                   block_k: Optional[int] = None, stats: Optional[RingStats] = None,
+                   ) -> Union[torch.Tensor, AttentionResult]:
+    """Exact attention over a sequence sharded across the ranks of ``group``; call on every rank.
+
+    Each rank passes its shard along dim -2: ``q [..., Hq, Tq/P, Dk]``, ``k [..., Hkv, Tk/P, Dk]``,
+    ``v [..., Hkv, Tk/P, Dv]`` (also ``[T/P, D]`` and ``[B, T/P, D]``), cut as :func:`shard` cuts
+    with the same ``layout``. Returns this rank's ``out [..., Hq, Tq/P, Dv]``, or an
+    :class:`~attnkit.AttentionResult` ``(out, lse [..., Hq, Tq/P], None)`` with ``return_lse``:
+    the rows of what ``attention(q_whole, k_whole, v_whole, mask)`` returns for this shard.
+
+    Args:
+        mask: the mask of the WHOLE sequence, as given to ``attention`` (causal in both
+            alignments, documents, padding, sliding window, dense/bias tensors of the global
+            size, and their combinations); every rank passes the same one.
+        group: the process group (default: the world); its timeout bounds every wait.
+        layout: ``"contiguous"`` or ``"zigzag"`` (balanced causal work; the local length must
+            be even).
+        block_q, block_k: tile sizes of the tiled engine (default: its own choice).
+        stats: a :class:`RingStats` to fill with this rank's computed tiles and traffic.
+
+    Differentiable: the backward pass is a ring too, so every rank must run it (e.g. each
+    backpropagates its share of the loss). Shapes, dtypes, layout and mask are checked on every
+    rank and compared across ranks: any problem raises the same error on every rank.
+    """
+    comm = RingComm(group)
+    local, fitted, space = _validate(q, k, v, mask, scale, layout, return_lse, comm)
+    stats = stats if stats is not None else RingStats()
+    stats.rank, stats.world_size, stats.layout = comm.rank, comm.world_size, layout
+    stats.tiles_per_step, stats.pairs_computed, stats.pairs_skipped = [], 0, 0
+    stats.backward_tiles, stats.bytes_sent = 0, 0
+    steps = _plan_steps(fitted, space, local.scale, local.q.shape[2], local.k.shape[2], comm,
+                        layout, uses_fused_kernel(local.q, local.v, 0.0), block_q, block_k, stats)
+    out, lse = _RingAttention.apply(local.q, local.k, local.v, _Ring(comm, steps, stats))
+    out = restore(out, local)
+    if not return_lse:
+        return out
+    return AttentionResult(out, restore(lse, local), None)
