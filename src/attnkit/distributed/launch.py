@@ -47,6 +47,8 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, backend: str,
             env: Mapping[str, str]) -> None:
     os.environ.update(env)
     torch.set_num_threads(threads)
+    if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one device)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=timeout)
     try:
@@ -66,8 +68,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh local processes that share a
     ``torch.distributed`` process group; return their return values, in rank order.
 
-    The group uses ``backend`` (gloo: CPU tensors) over a free port on 127.0.0.1 only, with
-    ``timeout`` on every collective. ``fn`` must be importable (a module-level function).
+    The group uses ``backend`` (gloo: CPU tensors; ``"nccl"``: rank r uses GPU r, untested
+    here) over a free port on 127.0.0.1 only, with ``timeout`` on every collective and
+    transfer. ``fn`` must be importable (a module-level function) and its result picklable.
     ``threads``: intra-op threads per process (default: the cores this process may use, shared
     out among the ranks). ``env``: extra environment variables set in each process before it
     starts work. An exception in any rank stops every rank and is raised here
