@@ -244,6 +244,19 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
     return out, lse
 
 
+def _bounded(segments, rows_of_work: int, block_k: int, fused: bool):
+    """Segments as computed: the fused kernel tiles internally and takes them whole; the matmul
+    path materialises ``[rows_of_work, span]`` scores, so long segments are cut into pieces of at
+    most ``TILE_ELEMENTS`` scores (block-aligned, so dropout keys and masks are unchanged)."""
+    if fused:
+        yield from segments
+        return
+    max_span = max(block_k, TILE_ELEMENTS // max(1, rows_of_work) // block_k * block_k)
+    for seg in segments:
+        for start in range(seg.start, seg.stop, max_span):
+            yield Segment(start, min(start + max_span, seg.stop), seg.partial)
+
+
 def _segment_inputs(problem, q_grouped_block, keys, values, i, rows, seg, heads_q, fused):
     heads_kv = keys.shape[1]
     k_seg, v_seg = keys[:, :, seg.start:seg.stop], values[:, :, seg.start:seg.stop]
@@ -270,7 +283,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
     for i, rows, segments in problem.plan.groups(tq):
         q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)  # [B, Hkv, G·n, Dk]
         block_out = block_lse = None
-        for seg in segments:
+        for seg in _bounded(segments, q_block.numel() // q_block.shape[-1], problem.plan.block_k, fused):
             k_seg, v_seg, tile, keep = _segment_inputs(
                 problem, q_block, keys, values, i, rows, seg, heads_q, fused)
             seg_out, seg_lse = _segment_forward(q_block, k_seg, v_seg, tile, problem.scale, fused,
@@ -314,7 +327,7 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem,
         else:
             delta_block = _grouped(delta[:, :, rows[0]:rows[1], None], heads_kv)
             q_block_scaled = q_block * problem.scale
-        for seg in segments:
+        for seg in _bounded(segments, q_block.numel() // q_block.shape[-1], problem.plan.block_k, fused):
             k_seg, v_seg, tile, keep = _segment_inputs(
                 problem, q_block, keys, values, i, rows, seg, heads_q, fused)
             additive = tile.additive if tile is not None else None
@@ -396,7 +409,7 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
     for _, rows, segments in problem.plan.groups(tq):
         q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)
         lse_block = _grouped(lse_safe[:, :, rows[0]:rows[1], None], heads_kv)
-        for seg in segments:
+        for seg in _bounded(segments, q_block.numel() // q_block.shape[-1], problem.plan.block_k, False):
             scores = q_block @ keys[:, :, seg.start:seg.stop].transpose(-1, -2)
             if seg.partial:
                 scores.add_(_segment_mask(problem, rows, seg, heads_q, heads_kv, acc, False).additive)
