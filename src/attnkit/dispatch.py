@@ -8,15 +8,18 @@ from .backends.base import Backend
 from .backends.reference import ReferenceBackend
 from .backends.tiled import TiledBackend
 from .backends.torch_sdpa import TorchBackend
+from .backends.triton import TritonBackend
 from .inputs import Inputs
 
-BACKENDS: dict[str, Backend] = {b.NAME: b for b in (ReferenceBackend(), TorchBackend(), TiledBackend())}
+BACKENDS: dict[str, Backend] = {b.NAME: b for b in (ReferenceBackend(), TorchBackend(), TiledBackend(),
+                                                  TritonBackend())}
 """Every backend by name. Later backends (tiled, triton) register here."""
 
-PRIORITY: tuple[str, ...] = ("torch", "tiled", "reference")
+PRIORITY: tuple[str, ...] = ("triton", "torch", "tiled", "reference")
 """Order tried by ``backend="auto"``: fastest first, the exact reference last (it runs anything)."""
 
 AUTO_RULES = (
+    "triton: fused Triton kernels for CUDA tensors (fp16/bf16/fp32, head dim <= 256, no dropout/weights)",
     "torch: torch's fused kernel whenever it can run the input (no dropout, no weights)",
     "reference: everything else (dropout, returned weights, Dk != Dv with LSE)",
 )

@@ -1,0 +1,551 @@
+"""GPU benchmark of ``backend="triton"``: correctness at full size first, then TFLOP/s against
+torch SDPA (flash and cuDNN backends), compiled FlexAttention and SDPA with a dense mask.
+
+One command on a machine with an H100/H200 (about 6–10 minutes for the default set; the first
+call also autotunes and compiles every kernel)::
+
+    python benchmarks/gpu.py                      # everything; JSON to $OUT (or results/)
+    python benchmarks/gpu.py --dims 128 --lengths 4096,16384   # a shorter first look
+
+Anywhere (no GPU)::
+
+    python benchmarks/gpu.py --dry-run            # whole pipeline at toy sizes, CPU interpreter
+    python benchmarks/gpu.py --compile-only       # build every kernel config for sm90 offline:
+                                                  # shared memory, registers, spills per config
+
+Method (``/work/.library/device/METHOD.md``):
+
+- Two numbers first: the machine's measured bf16 matmul rate and device-to-device copy
+  bandwidth are printed before anything else; every row also shows its fraction of that matmul
+  rate (attention is compute-bound at these sizes: the floor is FLOPs / matmul rate).
+- Correct first: every workload is checked at its full sequence length (batch 1, 2 heads, fresh
+  random inputs) against float32 math on the GPU (one head at a time), for out, LSE, dq, dk, dv,
+  by ‖x − ref‖/‖ref‖. The allowed error is 2× that of the same call through torch SDPA in the
+  same dtype, plus 2e-3. The caching allocator is filled with NaN first, so an output element
+  the kernel never writes shows up as NaN.
+- Timing: ``triton.testing.do_bench`` (CUDA events, warm-up first, median). FLOPs count only
+  attended pairs: forward 4·B·H·D·pairs (pairs = N² dense, N²/2 causal, exact counts for the
+  window and documents), forward+backward 3.5× that (backward 2.5× forward). 16k tokens per
+  batch: B = 16384 / N, H = hidden / D.
+
+The table is printed last; the JSON holds every number, the device, versions and the checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch  # does not import triton: --dry-run can still pick the interpreter below
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+COMPETITORS = ("attnkit-triton", "sdpa-flash", "sdpa-cudnn", "flex-compiled", "sdpa-dense-mask")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true",
+                   help="toy sizes on CPU through the Triton interpreter (sets TRITON_INTERPRET=1); "
+                        "skips the CUDA-only competitors")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile every kernel config for sm90 offline and report resources (no GPU)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    p.add_argument("--dims", default="64,128", help="head dims, comma separated")
+    p.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="sequence lengths N")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per batch: B = tokens / N")
+    p.add_argument("--hidden", type=int, default=2048, help="model width: H = hidden / D")
+    p.add_argument("--masked-length", type=int, default=8192,
+                   help="N for the sliding-window and documents workloads")
+    p.add_argument("--span", type=int, default=1024, help="window size and document length")
+    p.add_argument("--modes", default="fwd,fwd+bwd")
+    p.add_argument("--competitors", default=",".join(COMPETITORS))
+    p.add_argument("--skip-check", action="store_true", help="time without the correctness check")
+    p.add_argument("--out", default=None, help="folder for the JSON (default: $OUT, else results/)")
+    args = p.parse_args(argv)
+    args.dims_given = any(a.startswith("--dims") for a in (argv if argv is not None else sys.argv[1:]))
+    if args.dry_run:
+        args.dims, args.lengths, args.tokens, args.hidden = "32", "64", 64, 64
+        args.masked_length, args.span = 64, 16
+    return args
+
+
+# ---- workloads ---------------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    mask: str  # "dense", "causal", "window", "documents&causal"
+    n: int
+    d: int
+    batch: int
+    heads: int
+    span: int
+
+    @property
+    def label(self) -> str:
+        return {"window": f"window{self.span}", "documents&causal": f"docs{self.span}&causal"}.get(
+            self.mask, self.mask)
+
+    def pairs(self) -> float:
+        """Attended (query, key) pairs per head: the FLOP count's N² factor."""
+        n, w = self.n, self.span
+        if self.mask == "dense":
+            return float(n * n)
+        if self.mask == "causal":
+            return n * n / 2  # the usual convention (exactly n(n+1)/2)
+        if self.mask == "window":  # query i sees keys max(0, i-w) .. i
+            return float(sum(min(i, w) + 1 for i in range(n)))
+        full, rest = divmod(n, w)  # causal documents of length w
+        return float(full * w * (w + 1) // 2 + rest * (rest + 1) // 2)
+
+    def flops(self, mode: str) -> float:
+        forward = 4.0 * self.batch * self.heads * self.d * self.pairs()
+        return forward * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def workloads(args) -> list[Workload]:
+    dims = [int(x) for x in args.dims.split(",")]
+    out = []
+    for d in dims:
+        heads = max(1, args.hidden // d)
+        for mask in ("causal", "dense"):
+            for n in (int(x) for x in args.lengths.split(",")):
+                out.append(Workload(mask, n, d, max(1, args.tokens // n), heads, args.span))
+        for mask in ("window", "documents&causal"):
+            n = args.masked_length
+            out.append(Workload(mask, n, d, max(1, args.tokens // n), heads, args.span))
+    return out
+
+
+# ---- the ways to compute it -----------------------------------------------------------------------------
+class Masks:
+    """One workload's mask in every form: attnkit mask, FlexAttention mask_mod, dense bool."""
+
+    def __init__(self, w: Workload, device):
+        import attnkit as ak
+
+        self.w, self.device = w, device
+        self.doc_ids = (torch.arange(w.n, device=device) // w.span) if w.mask.startswith("documents") else None
+        self.attnkit = {"dense": None, "causal": ak.causal(),
+                        "window": ak.sliding_window(w.span),
+                        "documents&causal": (ak.documents(self.doc_ids) & ak.causal())
+                        if self.doc_ids is not None else None}[w.mask]
+        self._dense = None
+
+    def mask_mod(self):
+        span, docs = self.w.span, self.doc_ids
+        if self.w.mask == "causal":
+            return lambda b, h, q, kv: q >= kv
+        if self.w.mask == "window":
+            return lambda b, h, q, kv: (q >= kv) & (q - kv <= span)
+        if self.w.mask == "documents&causal":
+            return lambda b, h, q, kv: (docs[q] == docs[kv]) & (q >= kv)
+        return None
+
+    def dense(self, rows: Optional[slice] = None):
+        """Bool ``[N, N]`` (or the ``rows`` of it), True = may attend."""
+        n = self.w.n
+        q = torch.arange(n, device=self.device)[rows if rows is not None else slice(None)][:, None]
+        kv = torch.arange(n, device=self.device)[None, :]
+        if self.w.mask == "dense":
+            return torch.ones(q.shape[0], n, dtype=torch.bool, device=self.device)
+        allowed = q >= kv
+        if self.w.mask == "window":
+            allowed &= q - kv <= self.w.span
+        if self.doc_ids is not None:
+            allowed &= self.doc_ids[q] == self.doc_ids[kv]
+        return allowed
+
+    def dense_full(self):
+        if self._dense is None:
+            self._dense = self.dense()
+        return self._dense
+
+
+def make_fn(name: str, masks: Masks, device) -> tuple[Optional[Callable], str]:
+    """``fn(q, k, v) -> out`` for competitor ``name``, or ``(None, why not)``."""
+    import torch.nn.functional as F
+
+    import attnkit as ak
+
+    kind = masks.w.mask
+    if name == "attnkit-triton":
+        mask = masks.attnkit
+        return (lambda q, k, v: ak.attention(q, k, v, mask, backend="triton")), ""
+    if name in ("sdpa-flash", "sdpa-cudnn"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if kind not in ("dense", "causal"):
+            return None, f"{name} takes no mask but causal"
+        if name == "sdpa-cudnn" and device.type != "cuda":
+            return None, "cuDNN needs CUDA"
+        chosen = SDPBackend.FLASH_ATTENTION if name == "sdpa-flash" else SDPBackend.CUDNN_ATTENTION
+        causal = kind == "causal"
+
+        def run(q, k, v):
+            with sdpa_kernel(chosen):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return run, ""
+    if name == "flex-compiled":
+        if device.type != "cuda":
+            return None, "compiled FlexAttention needs CUDA here"
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        compiled = torch.compile(flex_attention, dynamic=False)
+        mod = masks.mask_mod()
+        block_mask = None if mod is None else create_block_mask(mod, None, None, masks.w.n, masks.w.n,
+                                                                device=device)
+        return (lambda q, k, v: compiled(q, k, v, block_mask=block_mask)), ""
+    if name == "sdpa-dense-mask":
+        allowed = masks.dense_full()
+        return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)), ""
+    raise KeyError(name)
+
+
+# ---- timing ------------------------------------------------------------------------------------------------
+def timer(device) -> Callable[[Callable], float]:
+    """Median milliseconds of ``fn()``: ``do_bench`` on CUDA, a host clock on CPU (dry run)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+        return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def host(fn, repeats=1):
+        fn()  # warm-up (interpreter: rewriting the kernels)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+    return host
+
+
+def step(fn, mode, q, k, v, dout) -> Callable[[], None]:
+    if mode == "fwd":
+        return lambda: fn(q, k, v)
+
+    def forward_backward():
+        for t in (q, k, v):
+            t.grad = None
+        fn(q, k, v).backward(dout)
+    return forward_backward
+
+
+# ---- correctness at full size --------------------------------------------------------------------------------
+def reference(q, k, v, dout, masks: Masks, scale: float):
+    """float32 math, one head at a time: ``out, lse, dq, dk, dv`` (float32)."""
+    outs, lses, grads = [], [], [[], [], []]
+    allowed = masks.dense_full()
+    for h in range(q.shape[1]):
+        qh, kh, vh = (t[:, h:h + 1].detach().float().requires_grad_() for t in (q, k, v))
+        scores = (qh @ kh.transpose(-1, -2)) * scale  # [1, 1, N, N]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        out = torch.softmax(scores, -1) @ vh
+        for store, g in zip(grads, torch.autograd.grad(out, (qh, kh, vh), dout[:, h:h + 1].float())):
+            store.append(g)
+        outs.append(out.detach())
+        lses.append(lse.detach())
+        del scores
+    return (torch.cat(outs, 1), torch.cat(lses, 1), *(torch.cat(g, 1) for g in grads))
+
+
+def relative_error(x, ref) -> float:
+    x, ref = x.detach().float(), ref.detach().float()
+    if not torch.isfinite(x).all():
+        return math.inf
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def poison_allocator(device, nbytes: int) -> None:
+    """Leave NaN in the caching allocator's free blocks, so unwritten outputs read as NaN."""
+    if device.type == "cuda":
+        block = torch.full((nbytes // 4,), float("nan"), device=device)
+        del block
+
+
+def check(w: Workload, dtype, device) -> dict:
+    """One workload at full N (batch 1, 2 heads) against float32 math; SDPA as the yardstick."""
+    import torch.nn.functional as F
+
+    import attnkit as ak
+
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(f"{w.mask} {w.n} {w.d}".encode()))
+    heads = 2
+    q, k, v = (torch.randn(1, heads, w.n, w.d, generator=gen, device=device, dtype=dtype).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(1, heads, w.n, w.d, generator=gen, device=device, dtype=dtype)
+    masks = Masks(Workload(w.mask, w.n, w.d, 1, heads, w.span), device)
+    scale = 1 / math.sqrt(w.d)
+    ref = reference(q, k, v, dout, masks, scale)
+
+    poison_allocator(device, 8 * q.numel() * q.element_size())
+    r = ak.attention(q, k, v, masks.attnkit, backend="triton", return_lse=True)
+    ours = (r.out, r.lse, *torch.autograd.grad(r.out, (q, k, v), dout))
+    allowed = None if w.mask == "dense" else masks.dense_full()
+    yard_out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    yard_lse = r.lse.detach().float()  # SDPA returns no LSE: LSE is judged against fp32 alone
+    yard = (yard_out, yard_lse, *torch.autograd.grad(yard_out, (q, k, v), dout))
+    result = {"workload": w.label, "n": w.n, "d": w.d, "ok": True, "errors": {}}
+    for name, mine, theirs, truth in zip(("out", "lse", "dq", "dk", "dv"), ours, yard, ref):
+        err, yard_err = relative_error(mine, truth), relative_error(theirs, truth)
+        bound = (1e-4 if name == "lse" else 2 * yard_err) + 2e-3
+        result["errors"][name] = {"triton": err, "sdpa": yard_err, "bound": bound}
+        result["ok"] &= err <= bound
+    return result
+
+
+# ---- the two ceilings (METHOD.md: measure them once) ------------------------------------------------------------
+def ceilings(device, dtype, bench) -> dict:
+    if device.type != "cuda":
+        return {"matmul_tflops": None, "copy_gbps": None}
+    a = torch.randn(8192, 8192, device=device, dtype=dtype)
+    b = torch.randn(8192, 8192, device=device, dtype=dtype)
+    ms = bench(lambda: a @ b)
+    src = torch.randn(256 * 2**20, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = bench(lambda: dst.copy_(src))
+    return {"matmul_tflops": 2 * 8192**3 / ms / 1e9, "copy_gbps": 2 * src.numel() * 4 / copy_ms / 1e6}
+
+
+# ---- offline compile check --------------------------------------------------------------------------------------
+def compile_only(dims: list[int], out: Optional[str]) -> int:
+    """Build fwd / dK-dV / dQ for sm90 at ``dims`` in every autotune config of their bucket."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from attnkit.backends.triton import launch
+    import attnkit as ak
+    from attnkit.inputs import validate
+
+    if launch.interpreting():
+        print("--compile-only needs compiled mode: unset TRITON_INTERPRET")
+        return 2
+    type_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                  torch.int32: "i32", torch.int64: "i64", torch.int8: "i8"}
+    ptxas = triton.knobs.nvidia.ptxas_blackwell.path if hasattr(triton.knobs.nvidia, "ptxas_blackwell") \
+        else triton.knobs.nvidia.ptxas.path
+    rows, failures = [], 0
+    for d in dims:
+        q = torch.zeros(1, 2, 512, d, dtype=torch.bfloat16)
+        inputs = validate(q, q, q, ak.causal())
+        plan = launch.make_plan(inputs)
+        lse, delta = torch.zeros(1, 2, 512), torch.zeros(1, 2, 512)
+        calls = [launch.forward_call(q, q, q, q, lse, plan),
+                 launch.dkdv_call(q, q, q, q, lse, delta, q, q, plan),
+                 launch.dq_call(q, q, q, q, lse, delta, q, plan)]
+        for call in calls:
+            kernel = getattr(launch.kernels(), call.name)
+            for m, n, warps, stages in launch.CONFIGS[call.name][launch.head_bucket(d)]:
+                values = dict(call.args, BLOCK_M=m, BLOCK_N=n)
+                signature, constexprs = {}, {}
+                for param in kernel.params:
+                    value = values[param.name]
+                    if param.is_constexpr:
+                        signature[param.name], constexprs[param.name] = "constexpr", value
+                    elif isinstance(value, torch.Tensor):
+                        signature[param.name] = "*" + type_names[value.dtype]
+                    elif isinstance(value, float):
+                        signature[param.name] = "fp32"
+                    else:
+                        signature[param.name] = "i64" if abs(int(value)) >= 2**31 else "i32"
+                start = time.perf_counter()
+                row = {"kernel": call.name, "d": d, "block_m": m, "block_n": n, "warps": warps,
+                       "stages": stages}
+                try:
+                    compiled = triton.compile(ASTSource(kernel, signature, constexprs),
+                                              target=GPUTarget("cuda", 90, 32),
+                                              options={"num_warps": warps, "num_stages": stages})
+                    row["shared_kib"] = compiled.metadata.shared / 1024
+                    row.update(_ptxas_report(ptxas, compiled.asm["ptx"]))
+                    row["fits"] = compiled.metadata.shared <= 227 * 1024
+                    row["wgmma"] = "wgmma" in compiled.asm["ptx"]
+                except Exception as error:  # noqa: BLE001 - reported, counted
+                    row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+                    failures += 1
+                row["seconds"] = time.perf_counter() - start
+                rows.append(row)
+                print(_compile_line(row), flush=True)
+    out_dir = Path(out or os.environ.get("OUT") or REPO / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "compile_sm90.json").write_text(json.dumps(
+        {"triton": triton.__version__, "target": "sm90 (offline, no device)", "rows": rows}, indent=1))
+    print("\nkernel          D   BM  BN  w s  smem KiB  regs  spill B  fits  wgmma")
+    for row in rows:
+        print(_compile_line(row))
+    return 1 if failures else 0
+
+
+def _ptxas_report(ptxas: str, ptx: str) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.ptx"
+        path.write_text(ptx)
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(Path(tmp) / "k.o")],
+                              capture_output=True, text=True)
+    text = done.stdout + done.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spill.group(1)) if spill else None}
+
+
+def _compile_line(row: dict) -> str:
+    head = f"{row['kernel']:15s} {row['d']:3d} {row['block_m']:4d}{row['block_n']:4d} {row['warps']:2d} {row['stages']}"
+    if "error" in row:
+        return f"{head}  ERROR {row['error']}"
+    return (f"{head} {row['shared_kib']:9.1f} {row['registers'] or '?':>5} {row['spill_bytes'] or 0:8d}"
+            f"  {'yes' if row['fits'] else 'NO':4s}  {'yes' if row['wgmma'] else 'no'}")
+
+
+# ---- main ------------------------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    workload: str
+    d: int
+    n: int
+    batch: int
+    heads: int
+    mode: str
+    backend: str
+    ms: Optional[float] = None
+    tflops: Optional[float] = None
+    status: str = "ok"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the interpreter
+    if args.compile_only:
+        return compile_only([int(x) for x in (args.dims if args.dims_given else "64,128,256").split(",")], args.out)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    if device.type == "cpu" and not args.dry_run:
+        print("no CUDA device: use --dry-run (CPU interpreter) or --compile-only")
+        return 2
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    bench = timer(device)
+    import triton
+
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
+            "dry_run": args.dry_run, "tokens": args.tokens, "hidden": args.hidden}
+    info.update(ceilings(device, dtype, bench))
+    print(f"device {info['device']}  torch {info['torch']}  triton {info['triton']}  {args.dtype}")
+    if info["matmul_tflops"]:
+        print(f"ceilings: bf16/fp16 matmul {info['matmul_tflops']:.0f} TFLOP/s, "
+              f"copy {info['copy_gbps']:.0f} GB/s")
+
+    todo = workloads(args)
+    checks = []
+    if not args.skip_check:
+        seen = set()
+        for w in todo:  # each mask kind and head dim once, at its longest N
+            longest = max(x.n for x in todo if x.mask == w.mask and x.d == w.d)
+            if (w.mask, w.d) in seen or w.n != longest:
+                continue
+            seen.add((w.mask, w.d))
+            try:
+                result = check(w, dtype, device)
+            except Exception as error:  # noqa: BLE001 - a failed check is a result
+                traceback.print_exc()
+                result = {"workload": w.label, "n": w.n, "d": w.d, "ok": False, "errors": {},
+                          "exception": repr(error)}
+            checks.append(result)
+            errs = " ".join(f"{k} {v['triton']:.1e}/{v['sdpa']:.1e}" for k, v in result["errors"].items())
+            print(f"check {w.label:18s} D{w.d:<4d} N{w.n:<6d} {'ok' if result['ok'] else 'FAILED'}  "
+                  f"(triton/sdpa rel. error) {errs}", flush=True)
+
+    competitors = [c for c in args.competitors.split(",") if c]
+    results: list[Result] = []
+    for w in todo:
+        masks = Masks(w, device)
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(w.batch, w.heads, w.n, w.d, generator=gen, device=device,
+                               dtype=dtype).requires_grad_() for _ in range(3))
+        dout = torch.randn(w.batch, w.heads, w.n, w.d, generator=gen, device=device, dtype=dtype)
+        for name in competitors:
+            try:
+                fn, why = make_fn(name, masks, device)
+            except Exception as error:  # noqa: BLE001
+                fn, why = None, f"setup failed: {error!r}"[:120]
+            for mode in args.modes.split(","):
+                row = Result(w.label, w.d, w.n, w.batch, w.heads, mode, name)
+                if fn is None:
+                    row.status = f"n/a: {why}"
+                else:
+                    try:
+                        row.ms = bench(step(fn, mode, q, k, v, dout))
+                        row.tflops = w.flops(mode) / row.ms / 1e9
+                    except Exception as error:  # noqa: BLE001 - e.g. a backend refusing a shape
+                        row.status = f"error: {str(error).splitlines()[0][:100]}"
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                results.append(row)
+        del q, k, v, dout, masks
+
+    out_dir = Path(args.out or os.environ.get("OUT") or REPO / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = "dry_run" if args.dry_run else datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+    path = out_dir / f"gpu_bench_{stamp}.json"
+    path.write_text(json.dumps({"info": info, "checks": checks,
+                                "results": [asdict(r) for r in results]}, indent=1))
+    print_table(results, competitors, info)
+    print(f"JSON: {path}")
+    failed = [c for c in checks if not c["ok"]]
+    if failed:
+        print(f"CORRECTNESS FAILED for {[c['workload'] + ' D' + str(c['d']) for c in failed]}: "
+              f"the timings above are not to be trusted")
+        return 1
+    return 0
+
+
+def print_table(results: list[Result], competitors: list[str], info: dict) -> None:
+    """TFLOP/s per competitor, side by side, and our ratio to the best competitor on the row."""
+    keyed = {}
+    for r in results:
+        keyed.setdefault((r.workload, r.d, r.n, r.mode), {})[r.backend] = r
+    short = {"attnkit-triton": "triton", "sdpa-flash": "flash", "sdpa-cudnn": "cudnn",
+             "flex-compiled": "flex", "sdpa-dense-mask": "sdpa+mask"}
+    header = f"{'workload':16s} {'D':>4s} {'N':>6s} {'mode':8s}" + "".join(
+        f"{short.get(c, c):>10s}" for c in competitors) + f"{'vs best':>9s}{'% mm':>6s}"
+    print("\nTFLOP/s (median of do_bench; n/a = cannot run this mask)")
+    print(header)
+    for (workload, d, n, mode), row in keyed.items():
+        cells, best_other = [], None
+        for c in competitors:
+            r = row.get(c)
+            if r is None or r.tflops is None:
+                cells.append(f"{'n/a' if r is None or r.status.startswith('n/a') else 'err':>10s}")
+                continue
+            cells.append(f"{r.tflops:10.1f}" if r.tflops >= 1 else f"{r.tflops:10.2g}")
+            if c != "attnkit-triton":
+                best_other = max(best_other or 0.0, r.tflops)
+        ours = row.get("attnkit-triton")
+        ratio = (f"{ours.tflops / best_other:8.2f}x" if ours and ours.tflops and best_other
+                 else f"{'':>9s}")
+        peak = info.get("matmul_tflops")
+        share = f"{100 * ours.tflops / peak:5.0f}%" if ours and ours.tflops and peak else f"{'':>6s}"
+        print(f"{workload:16s} {d:4d} {n:6d} {mode:8s}" + "".join(cells) + ratio + share)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""``backend="triton"``: the layered autograd around the kernels.
+
+``_forward(q, k, v, plan) -> (out, lse)`` and ``_backward(...) -> (dq, dk, dv)`` allocate and
+launch (``launch.py``); one ``torch.autograd.Function`` ties them together; ``TritonBackend``
+states what it supports. Nothing imports triton until a kernel is launched (or until
+``unavailable_reason`` is asked), so ``import attnkit`` stays fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Optional
+
+import torch
+
+from ...inputs import Inputs
+from ...masks import _Bias
+from ..base import Backend, BackendOutput
+from . import launch
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: launch.Plan,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [B, H, Tq, Dk]``, ``k [B, Hkv, Tk, Dk]``, ``v [B, Hkv, Tk, Dv]`` → ``out [B, H, Tq, Dv]``
+    (q's dtype) and ``lse [B, H, Tq]`` (float32, natural log, −inf on fully masked rows)."""
+    batch, heads, q_len, _ = q.shape
+    out = torch.empty(batch, heads, q_len, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf"))
+    if k.shape[2] == 0:  # no keys at all: every row is fully masked
+        return out.zero_(), lse.fill_(float("-inf"))
+    launch.forward_call(q, k, v, out, lse, plan).run(plan.interpret)
+    return out, lse
+
+
+def _backward(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, plan: launch.Plan,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``dq [B, H, Tq, Dk]``, ``dk [B, Hkv, Tk, Dk]``, ``dv [B, Hkv, Tk, Dv]``, recomputed
+    from (q, k, v, out, lse). ``dlse [B, H, Tq]`` (or ``None``) is the gradient of the LSE: since
+    ∂lse/∂s = p, it enters as ``Δ − dlse`` in ``ds = p ∘ (dp − Δ)``."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    batch, heads, q_len, _ = q.shape
+    delta = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)  # [B, H, Tq]
+    launch.delta(out, dout, delta, plan)
+    if dlse is not None:
+        delta = (delta - dlse.to(torch.float32)).contiguous()
+    launch.dkdv_call(q, k, v, dout, lse, delta, dk, dv, plan).run(plan.interpret)
+    launch.dq_call(q, k, v, dout, lse, delta, dq, plan).run(plan.interpret)
+    return dq, dk, dv
+
+
+class _TritonAttention(torch.autograd.Function):
+    """Differentiable in q, k, v (the mask and its bias are constants)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan):
+        out, lse = _forward(q, k, v, plan)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, ctx.plan)
+        return dq, dk, dv, None
+
+
+@functools.lru_cache(maxsize=1)
+def _installed() -> bool:
+    """Found without importing it (importing triton takes 0.4–3 s): the import happens at the
+    first launch."""
+    return importlib.util.find_spec("triton") is not None
+
+
+class TritonBackend(Backend):
+    NAME = "triton"
+    DEVICES = ("cpu", "cuda")
+    DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+    SUPPORTS_DROPOUT = False
+    SUPPORTS_WEIGHTS = False
+    SUPPORTS_BIAS = True
+    MAX_HEAD_DIM = 256
+    DESCRIPTION = ("fused Triton kernels (online softmax, block-sparse masks, GQA, LSE); "
+                   "CPU tensors run through the Triton interpreter (TRITON_INTERPRET=1)")
+
+    def unavailable_reason(self) -> Optional[str]:
+        if not _installed():
+            return "triton is not installed"
+        if not torch.cuda.is_available() and launch.cpu_problem():
+            return f"no CUDA device, and {launch.cpu_problem()} (not supported by triton)"
+        return None
+
+    def extra_reasons(self, inputs: Inputs) -> list[str]:
+        reasons = []
+        if inputs.q.device.type == "cpu" and self.unavailable_reason() is None:  # else said
+            problem = launch.cpu_problem()
+            if problem:
+                reasons.append(f"{problem} (not supported by triton)")
+        if any(isinstance(leaf, _Bias) and leaf.values.requires_grad
+               for leaf in launch.and_leaves(inputs.mask)):
+            reasons.append("a bias that requires grad (not supported by triton: the bias is a "
+                           "constant here)")
+        return reasons
+
+    def auto_reasons(self, inputs: Inputs) -> list[str]:
+        if inputs.q.device.type != "cuda":
+            return [f"device={inputs.q.device.type}: auto picks triton only for CUDA tensors (on CPU it "
+                    f"runs through the slow Triton interpreter; ask for backend='triton')"]
+        return []
+
+    def forward(self, inputs: Inputs) -> BackendOutput:
+        plan = launch.make_plan(inputs)
+        out, lse = _TritonAttention.apply(inputs.q, inputs.k, inputs.v, plan)
+        return BackendOutput(out, lse, None)

@@ -1,0 +1,475 @@
+"""Host side of the triton backend: what the kernels are told, and how they are launched.
+
+Three pieces, each built once per ``attention()`` call and kept for the backward:
+
+- :class:`MaskProgram`: the mask as the kernels see it. Structured parts of an ``&`` chain
+  become parameters evaluated from indices inside PARTIAL tiles (one band ``lo ≤ kv − q ≤ hi``
+  that every causal/sliding-window part intersects into, per-batch query/key lengths, one pair
+  of document-id vectors); everything else (dense bool masks, ``from_function``, ``|``, ``~``,
+  a second ``documents``) is materialised once as a ``[B, H, Tq, Tk]`` view and loaded per
+  tile, and additive biases are loaded the same way (``-inf`` = masked). Each feature is a
+  ``tl.constexpr`` flag, so one kernel source serves every mask.
+- :class:`BlockLists`: the mask's ``block_map`` at the sparse-block granularity turned into
+  compact per-row lists, PARTIAL blocks first then FULL ones (FlexAttention's
+  ``kv_num_blocks``/``kv_indices``/``full_kv_num_blocks``). EMPTY blocks are never listed.
+  The forward and dQ walk rows (query blocks → key blocks); dK/dV walk the transposed lists.
+- :class:`Tiles`: sparse-block and kernel-block sizes. On a GPU the kernel blocks are
+  autotuned (``triton.autotune``) inside fixed 128×128 sparse blocks, so the block lists do not
+  depend on the chosen config; under the interpreter one small fixed config is used.
+
+Interpreter or compiler is a per-process choice. Triton reads ``TRITON_INTERPRET`` when
+``@triton.jit`` decorates a function, and its own library (``tl.zeros``, ``tl.max``, ``tl.sum``)
+is decorated when triton is first imported; an interpreted kernel cannot call a compiled
+library function, nor the reverse. So :func:`interpreting` reads the mode off the imported
+library, and :func:`kernels` loads ``kernels.py`` decorated in that same mode, whatever the
+environment says by then. CPU tensors therefore need ``TRITON_INTERPRET=1`` set before triton
+is first imported (``cpu_problem`` says so when it was not).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Callable, Optional
+
+import torch
+
+from ...inputs import Inputs
+from ...masks import FULL, PARTIAL, Mask, MaskSpace, _And, _Band, _Bias, _Documents, _Padding
+
+LOG2E = 1.4426950408889634
+
+_FLAVOURS: dict[bool, ModuleType] = {}
+_TUNED: dict[str, object] = {}
+
+
+def interpreter_requested() -> bool:
+    """True when ``TRITON_INTERPRET`` is set to a true value (as Triton itself reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def interpreting() -> bool:
+    """Whether this process runs Triton kernels through the interpreter: fixed when triton was
+    first imported (importing it now, under the current environment, if nobody has yet)."""
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    probe = getattr(tl, "zeros", None)  # a @jit function of triton's own library
+    if isinstance(probe, InterpretedFunction):
+        return True
+    if isinstance(probe, JITFunction):
+        return False
+    return bool(triton.knobs.runtime.interpret)
+
+
+def cpu_problem() -> Optional[str]:
+    """Why CPU tensors cannot run here (``None`` when the interpreter is on), without importing
+    triton when it is not imported yet."""
+    if not interpreter_requested():
+        return "CPU tensors need TRITON_INTERPRET=1"
+    if "triton.language" in sys.modules and not interpreting():
+        return ("CPU tensors need TRITON_INTERPRET=1 set before triton is first imported "
+                "(triton was imported without it)")
+    return None
+
+
+def kernels() -> ModuleType:
+    """``kernels.py`` decorated in this process's mode (interpreted or compiled), loaded once
+    per mode with Triton's knob set explicitly."""
+    interpret = interpreting()
+    if interpret not in _FLAVOURS:
+        import triton
+
+        name = f"{__package__}._kernels_{'interpreted' if interpret else 'compiled'}"
+        path = os.path.join(os.path.dirname(__file__), "kernels.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        with triton.knobs.runtime.scope():
+            triton.knobs.runtime.interpret = interpret
+            spec.loader.exec_module(module)
+        _FLAVOURS[interpret] = module
+    return _FLAVOURS[interpret]
+
+
+# ---- tile sizes and autotuning ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tiles:
+    """Sparse-block sizes (the block-map granularity) and, under the interpreter, the fixed
+    kernel blocks ``(BLOCK_M, BLOCK_N)`` of each kernel (``None``: autotuned on a GPU)."""
+
+    sparse_q: int
+    sparse_k: int
+    fwd: Optional[tuple[int, int]] = None
+    dkdv: Optional[tuple[int, int]] = None
+    dq: Optional[tuple[int, int]] = None
+
+
+GPU_TILES = Tiles(sparse_q=128, sparse_k=128)
+INTERPRETER_TILES = Tiles(sparse_q=32, sparse_k=32, fwd=(32, 32), dkdv=(32, 32), dq=(32, 32))
+"""Under the interpreter each block op costs about the same whatever its size (Python overhead
+dominates), so 32×32 tiles run the tests about twice as fast as 16×16 while sequences of
+40–80 positions still span several blocks. Tests swap in other tiles (e.g. 32×32 sparse blocks
+walked by 16-wide kernel blocks) to cover the sub-tile loops the GPU configs use."""
+
+# Autotune candidates per kernel and head-dim bucket (the larger of the padded Dk, Dv):
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); blocks divide the 128×128 sparse blocks. Chosen from
+# an offline sm90 build (``benchmarks/gpu.py --compile-only``): configs whose ptxas report showed
+# large register spills were dropped, as were dQ/forward tiles under 64 query rows (no wgmma).
+# None of them has been timed on a GPU yet.
+CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
+    "attn_fwd": {
+        64: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
+        128: [(128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
+        256: [(64, 32, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2)],
+    },
+    "attn_bwd_dkdv": {  # BLOCK_N key rows per program, BLOCK_M query rows per step
+        64: [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (16, 64, 4, 2)],
+        128: [(32, 128, 8, 2), (16, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2)],
+        256: [(16, 64, 8, 2), (16, 64, 4, 1), (32, 64, 8, 1)],
+    },
+    "attn_bwd_dq": {
+        64: [(128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2)],
+        128: [(128, 64, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2)],
+        256: [(64, 32, 8, 2), (64, 16, 4, 2), (64, 32, 4, 1)],
+    },
+}
+
+
+def head_bucket(head: int) -> int:
+    """The ``CONFIGS`` bucket for a padded head dim."""
+    return 64 if head <= 64 else 128 if head <= 128 else 256
+
+
+def _config_key(config) -> tuple[int, int, int, int]:
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
+def _pruner(name: str):
+    def prune(configs, named_args, **kwargs):
+        """Keep the candidates of this head-dim bucket (the autotuner then times them)."""
+        bucket = head_bucket(max(kwargs["DK_PAD"], kwargs["DV_PAD"]))
+        wanted = set(CONFIGS[name][bucket])
+        return [c for c in configs if _config_key(c) in wanted]
+    return prune
+
+
+def _tuned(name: str):
+    """The compiled kernel ``name`` wrapped in ``triton.autotune`` (created once)."""
+    if name not in _TUNED:
+        import triton
+
+        every = sorted({c for bucket in CONFIGS[name].values() for c in bucket})
+        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                   for m, n, w, s in every]
+        _TUNED[name] = triton.autotune(configs=configs, key=["DK_PAD", "DV_PAD", "TUNE_KEY"],
+                                       prune_configs_by={"early_config_prune": _pruner(name)},
+                                       )(getattr(kernels(), name))
+    return _TUNED[name]
+
+
+def head_pad(dim: int) -> int:
+    """Head dim rounded up to a power of two, at least 16 (``tl.dot``'s smallest side)."""
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+# ---- the mask program -----------------------------------------------------------------------
+def and_leaves(mask: Optional[Mask]) -> list[Mask]:
+    """The parts of an ``&`` chain, flattened (``a & (b & c)`` → ``[a, b, c]``)."""
+    if mask is None:
+        return []
+    if isinstance(mask, _And):
+        return [leaf for part in mask.parts for leaf in and_leaves(part)]
+    return [mask]
+
+
+@dataclass
+class MaskProgram:
+    """What a PARTIAL tile must evaluate, in the form the kernels take.
+
+    ``band_lo``/``band_hi``: ``lo ≤ kv − q ≤ hi`` (``None`` = unbounded); ``q_lengths``/
+    ``kv_lengths`` int32 ``[B]``; ``q_docs`` ``[B, Tq]``/``kv_docs`` ``[B, Tk]`` integer ids;
+    ``allowed`` int8 ``[B, H, Tq, Tk]`` (a view: broadcast dims have stride 0); ``bias`` float
+    ``[B, H, Tq, Tk]`` with ``-inf`` = masked. Unset features cost nothing in the kernels.
+    """
+
+    band_lo: Optional[int] = None
+    band_hi: Optional[int] = None
+    q_lengths: Optional[torch.Tensor] = None
+    kv_lengths: Optional[torch.Tensor] = None
+    q_docs: Optional[torch.Tensor] = None
+    kv_docs: Optional[torch.Tensor] = None
+    allowed: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
+
+    def features(self) -> list[str]:
+        """Names of the features that are on (for tests and error messages)."""
+        names = [("band_lo", self.band_lo), ("band_hi", self.band_hi), ("q_lengths", self.q_lengths),
+                 ("kv_lengths", self.kv_lengths), ("documents", self.q_docs),
+                 ("dense", self.allowed), ("bias", self.bias)]
+        return [name for name, value in names if value is not None]
+
+    def flags(self) -> dict[str, bool]:
+        return dict(HAS_LO=self.band_lo is not None, HAS_HI=self.band_hi is not None,
+                    HAS_QLEN=self.q_lengths is not None, HAS_KVLEN=self.kv_lengths is not None,
+                    HAS_DOCS=self.q_docs is not None, HAS_DENSE=self.allowed is not None,
+                    HAS_BIAS=self.bias is not None)
+
+    def args(self, placeholder: torch.Tensor) -> dict:
+        """Kernel arguments; unused pointers get ``placeholder`` and strides 0."""
+        def vec(t):
+            return (placeholder, 0) if t is None else (t, t.stride(0))
+
+        def mat(t):
+            return (placeholder, 0, 0) if t is None else (t, *t.stride())
+
+        def grid4(t):
+            return (placeholder, 0, 0, 0, 0) if t is None else (t, *t.stride())
+
+        a = dict(band_lo=self.band_lo or 0, band_hi=self.band_hi or 0)
+        a.update(zip(("q_lens", "s_qlen_b"), vec(self.q_lengths)))
+        a.update(zip(("kv_lens", "s_kvlen_b"), vec(self.kv_lengths)))
+        a.update(zip(("q_docs", "s_qdoc_b", "s_qdoc_t"), mat(self.q_docs)))
+        a.update(zip(("kv_docs", "s_kvdoc_b", "s_kvdoc_t"), mat(self.kv_docs)))
+        a.update(zip(("dense", "s_dense_b", "s_dense_h", "s_dense_q", "s_dense_k"), grid4(self.allowed)))
+        a.update(zip(("bias", "s_bias_b", "s_bias_h", "s_bias_q", "s_bias_k"), grid4(self.bias)))
+        return a
+
+
+def _as_lengths(lengths: torch.Tensor, batch: int, device) -> torch.Tensor:
+    return lengths.reshape(-1).to(device=device, dtype=torch.int32).expand(batch)
+
+
+def _as_ids(ids: torch.Tensor, batch: int, length: int, device) -> torch.Tensor:
+    ids = ids.to(device=device, dtype=torch.int64)
+    return (ids if ids.dim() == 2 else ids[None]).expand(batch, length)
+
+
+def compile_mask(mask: Optional[Mask], space: MaskSpace) -> MaskProgram:
+    """Turn ``mask`` into a :class:`MaskProgram` for ``space`` (the inputs' ``[B, H, Tq, Tk]``)."""
+    program = MaskProgram()
+    full = (space.batch, space.heads, space.q_len, space.kv_len)
+    loaded, biases = [], []
+    for leaf in and_leaves(mask):
+        if isinstance(leaf, _Band):
+            shift = leaf._shift(space)
+            if leaf.left is not None:
+                lo = shift - leaf.left
+                program.band_lo = lo if program.band_lo is None else max(program.band_lo, lo)
+            if leaf.right is not None:
+                hi = shift + leaf.right
+                program.band_hi = hi if program.band_hi is None else min(program.band_hi, hi)
+        elif isinstance(leaf, _Padding):
+            for name, lengths in (("q_lengths", leaf.q_lengths), ("kv_lengths", leaf.kv_lengths)):
+                if lengths is None:
+                    continue
+                lengths = _as_lengths(lengths, space.batch, space.device)
+                current = getattr(program, name)
+                setattr(program, name, lengths if current is None else torch.minimum(current, lengths))
+        elif isinstance(leaf, _Documents) and program.q_docs is None:
+            program.q_docs = _as_ids(leaf.q_ids, space.batch, space.q_len, space.device)
+            program.kv_docs = _as_ids(leaf.kv_ids, space.batch, space.kv_len, space.device)
+        elif isinstance(leaf, _Bias):
+            biases.append(leaf.values.to(space.device))
+        else:  # dense, from_function, |, ~, a second documents(): evaluated once, loaded per tile
+            loaded.append(leaf.to_dense(space))
+    if loaded:
+        allowed = loaded[0]
+        for more in loaded[1:]:
+            allowed = allowed & more
+        program.allowed = allowed.view(torch.int8).expand(full)
+    if biases:
+        total = biases[0]
+        for more in biases[1:]:
+            total = total + more
+        program.bias = total.expand(full)
+    return program
+
+
+# ---- block lists ------------------------------------------------------------------------------
+@dataclass
+class BlockLists:
+    """Per (batch, head, row): the listed blocks of that row, PARTIAL first then FULL.
+
+    ``num_partial``/``num_full`` int32 ``[B, H, R]`` and ``index`` int32 ``[B, H, R, C]``
+    (entries past ``num_partial + num_full`` are unused); broadcast dims have stride 0.
+    """
+
+    num_partial: torch.Tensor
+    num_full: torch.Tensor
+    index: torch.Tensor
+
+    def args(self) -> dict:
+        sn, si = self.num_partial.stride(), self.index.stride()
+        return dict(num_partial=self.num_partial, num_full=self.num_full, index=self.index,
+                    s_n_b=sn[0], s_n_h=sn[1], s_n_r=sn[2], s_i_b=si[0], s_i_h=si[1], s_i_r=si[2])
+
+    def visited(self) -> int:
+        """Number of (batch, head, block) tiles a kernel walking these lists visits."""
+        return int((self.num_partial.long() + self.num_full.long()).sum())
+
+
+def block_lists(codes: torch.Tensor, batch: int, heads: int) -> BlockLists:
+    """Block codes ``[Bm, Hm, R, C]`` (EMPTY/PARTIAL/FULL) → :class:`BlockLists` over rows R."""
+    rank = torch.where(codes == PARTIAL, 0, torch.where(codes == FULL, 1, 2))  # list order
+    index = torch.sort(rank, dim=-1, stable=True).indices.to(torch.int32).contiguous()
+    num_partial = (codes == PARTIAL).sum(-1, dtype=torch.int32)
+    num_full = (codes == FULL).sum(-1, dtype=torch.int32)
+    rows, cols = codes.shape[-2:]
+    return BlockLists(num_partial.expand(batch, heads, rows), num_full.expand(batch, heads, rows),
+                      index.expand(batch, heads, rows, cols))
+
+
+def block_codes(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> torch.Tensor:
+    """The mask's block map at the sparse granularity, ``[Bm, Hm, R, C]`` int8, with FULL blocks
+    that reach past the end of either sequence downgraded to PARTIAL (they need bounds checks)."""
+    rows, cols = math.ceil(space.q_len / tiles.sparse_q), math.ceil(space.kv_len / tiles.sparse_k)
+    if mask is None:
+        codes = torch.full((1, 1, rows, cols), FULL, dtype=torch.int8, device=space.device)
+    else:
+        codes = mask.block_map(tiles.sparse_q, tiles.sparse_k, space).to(torch.int8).clone()
+    if space.q_len % tiles.sparse_q and rows:
+        last = codes[..., -1, :]
+        last[last == FULL] = PARTIAL
+    if space.kv_len % tiles.sparse_k and cols:
+        last = codes[..., -1]
+        last[last == FULL] = PARTIAL
+    return codes
+
+
+# ---- one call's plan ----------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """Everything the kernels need besides the tensors, built once per call."""
+
+    scale: float
+    interpret: bool
+    tiles: Tiles
+    program: MaskProgram
+    codes: torch.Tensor  # [Bm, Hm, R, C] sparse block codes
+    batch: int
+    heads: int
+    rows: BlockLists  # query rows → key blocks (forward, dQ)
+    _cols: Optional[BlockLists] = field(default=None, repr=False)
+
+    @property
+    def cols(self) -> BlockLists:
+        """Key columns → query blocks (dK/dV), built on first use (the backward)."""
+        if self._cols is None:
+            self._cols = block_lists(self.codes.transpose(-1, -2), self.batch, self.heads)
+        return self._cols
+
+    @property
+    def tune_key(self) -> int:
+        """Lengths (as powers of two) and mask features, packed into one int for the autotuner."""
+        q_bits = max(self.codes.shape[-2], 1).bit_length()
+        kv_bits = max(self.codes.shape[-1], 1).bit_length()
+        flags = sum(int(on) << i for i, on in enumerate(self.program.flags().values()))
+        return (q_bits << 16) | (kv_bits << 8) | flags
+
+
+def make_plan(inputs: Inputs, tiles: Optional[Tiles] = None) -> Plan:
+    """Compile the mask and build the forward block lists for ``inputs``."""
+    interpret = interpreting()
+    tiles = tiles or (INTERPRETER_TILES if interpret else GPU_TILES)
+    space = inputs.space
+    codes = block_codes(inputs.mask, space, tiles)
+    return Plan(scale=inputs.scale, interpret=interpret, tiles=tiles,
+                program=compile_mask(inputs.mask, space), codes=codes, batch=space.batch,
+                heads=space.heads, rows=block_lists(codes, space.batch, space.heads))
+
+
+# ---- launches ------------------------------------------------------------------------------------
+def _strides(prefix: str, t: torch.Tensor) -> dict:
+    return {f"s_{prefix}_{axis}": s for axis, s in zip("bhtd", t.stride())}
+
+
+def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> dict:
+    """Arguments every attention kernel takes: shapes, scale, tiles, dtype switches, mask."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    args = dict(q_len=q.shape[2], kv_len=k.shape[2], head_dk=dk, head_dv=dv,
+                qk_scale=plan.scale * LOG2E, TUNE_KEY=plan.tune_key,
+                SPARSE_Q=plan.tiles.sparse_q, SPARSE_K=plan.tiles.sparse_k,
+                DK_PAD=head_pad(dk), DV_PAD=head_pad(dv),
+                EVEN_DK=dk == head_pad(dk), EVEN_DV=dv == head_pad(dv),
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                UPCAST=plan.interpret and q.dtype == torch.bfloat16)
+    args.update(plan.program.args(plan.rows.num_partial))
+    args.update(plan.program.flags())
+    return args
+
+
+@dataclass
+class Call:
+    """One kernel launch as data: kernel ``name``, its arguments (without ``BLOCK_M``/``BLOCK_N``),
+    ``grid(BLOCK_M, BLOCK_N)``, and the fixed blocks used under the interpreter. Kept separate
+    from running it so ``benchmarks/gpu.py --compile-only`` can build each kernel offline."""
+
+    name: str
+    args: dict
+    grid: Callable[[int, int], tuple[int, int]]
+    fixed: Optional[tuple[int, int]]
+
+    def run(self, interpret: bool) -> None:
+        """A fixed config under the interpreter; ``triton.autotune`` over the configs when compiled."""
+        if interpret:
+            block_m, block_n = self.fixed
+            kernel = getattr(kernels(), self.name)
+            kernel[self.grid(block_m, block_n)](BLOCK_M=block_m, BLOCK_N=block_n, **self.args)
+        else:
+            _tuned(self.name)[lambda meta: self.grid(meta["BLOCK_M"], meta["BLOCK_N"])](**self.args)
+
+
+def forward_call(q, k, v, out, lse, plan: Plan) -> Call:
+    """The forward launch filling ``out [B, H, Tq, Dv]`` and ``lse [B, H, Tq]`` (float32)."""
+    batch, heads, q_len, _ = q.shape
+    args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **_strides("q", q), **_strides("k", k),
+                **_strides("v", v), **_strides("o", out),
+                s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2),
+                heads=heads, group=heads // k.shape[1], **_common(q, k, v, plan), **plan.rows.args())
+    return Call("attn_fwd", args, lambda block_m, block_n: (cdiv(q_len, block_m), batch * heads),
+                plan.tiles.fwd)
+
+
+def dkdv_call(q, k, v, dout, lse, delta_, dk, dv, plan: Plan) -> Call:
+    """The launch filling ``dk [B, Hkv, Tk, Dk]`` and ``dv [B, Hkv, Tk, Dv]``."""
+    batch, heads, _, _ = q.shape
+    heads_kv, kv_len = k.shape[1], k.shape[2]
+    args = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dK=dk, dV=dv,
+                **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", dout),
+                s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2),
+                **_strides("dk", dk), **_strides("dv", dv),
+                heads=heads, heads_kv=heads_kv, group=heads // heads_kv, sm_scale=plan.scale,
+                **_common(q, k, v, plan), **plan.cols.args())
+    return Call("attn_bwd_dkdv", args,
+                lambda block_m, block_n: (cdiv(kv_len, block_n), batch * heads_kv), plan.tiles.dkdv)
+
+
+def dq_call(q, k, v, dout, lse, delta_, dq, plan: Plan) -> Call:
+    """The launch filling ``dq [B, H, Tq, Dk]``."""
+    batch, heads, q_len, _ = q.shape
+    args = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dQ=dq,
+                **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", dout),
+                s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2), **_strides("dq", dq),
+                heads=heads, group=heads // k.shape[1], sm_scale=plan.scale,
+                **_common(q, k, v, plan), **plan.rows.args())
+    return Call("attn_bwd_dq", args, lambda block_m, block_n: (cdiv(q_len, block_m), batch * heads),
+                plan.tiles.dq)
+
+
+def delta(out, dout, result, plan: Plan) -> None:
+    """``result [B, H, Tq]`` (float32, contiguous) = rowsum(dout ∘ out)."""
+    batch, heads, q_len, dv = out.shape
+    block_m = 16 if plan.interpret else 64
+    kernels().attn_bwd_delta[(cdiv(q_len, block_m), batch * heads)](
+        out, dout, result, *out.stride(), *dout.stride(), heads, q_len, dv,
+        BLOCK_M=block_m, DV_PAD=head_pad(dv))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

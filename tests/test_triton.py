@@ -1,0 +1,473 @@
+"""``backend="triton"`` through the Triton interpreter, on CPU tensors.
+
+The interpreter runs the very ``@triton.jit`` kernels a GPU compiles, one program at a time in
+numpy. How it is switched on here: Triton reads ``TRITON_INTERPRET`` when ``@triton.jit``
+*decorates* a function, and its own library (``tl.zeros``, ``tl.max`` …) is decorated when
+triton is first imported, so the mode is fixed per process at that import. This module (at
+collection, before any test runs) therefore imports triton with ``TRITON_INTERPRET=1`` set just
+for that import, on machines without CUDA where the interpreter is the only way to run Triton
+anyway; the backend's own kernels follow the library's mode whatever the environment says
+later (``launch.kernels``). ``TRITON_INTERPRET=1`` is also the user's opt-in that the backend
+checks per call, so the autouse fixture sets it with ``monkeypatch`` for each test here and
+nothing leaks into other test files. On a CUDA machine, or when something imported triton
+compiled before this module, the tests skip with the reason (run
+``TRITON_INTERPRET=1 pytest tests/test_triton.py`` there; ``benchmarks/gpu.py`` checks the GPU).
+
+Every check compares against float64 math written here (``attention_math``, NaN-safe so its
+gradients exist on fully masked rows) with hand-built dense masks from ``conftest``, by the
+rule error ≤ 2 × (error of the same math in the input dtype) + ``conftest.error_floor``.
+Sizes are small (T ≤ 80): the interpreter costs tens of ms per block operation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+
+def _import_triton_interpreted() -> None:
+    if "triton" in sys.modules or torch.cuda.is_available():
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401  (decorates triton's library in interpreter mode)
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+_import_triton_interpreted()
+
+import attnkit as ak  # noqa: E402
+from attnkit import dispatch  # noqa: E402
+from attnkit.backends.triton import backend as triton_backend  # noqa: E402
+from attnkit.backends.triton import launch  # noqa: E402
+from attnkit.inputs import validate  # noqa: E402
+from attnkit.masks import EMPTY, FULL, PARTIAL  # noqa: E402
+
+from conftest import (assert_within_2x, dense_band, dense_causal, dense_documents,  # noqa: E402
+                      dense_padding, sorted_ids)
+
+if not launch.interpreting():
+    pytest.skip("triton runs compiled in this process (a CUDA machine, or imported before this "
+                "module without TRITON_INTERPRET=1): run TRITON_INTERPRET=1 pytest "
+                "tests/test_triton.py for these CPU tests", allow_module_level=True)
+
+NAN = float("nan")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    """Opt in to the interpreter for this test only (see the module docstring)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+# ---- the independent math -------------------------------------------------------------------------
+
+def attention_math(q, k, v, allowed, bias, scale, dtype):
+    """softmax(q kᵀ·scale + bias, masked) v in ``dtype``, differentiable everywhere.
+
+    q ``[B, Hq, Tq, Dk]``, k ``[B, Hkv, Tk, Dk]``, v ``[B, Hkv, Tk, Dv]``; ``allowed``/``bias``
+    broadcastable to ``[B, Hq, Tq, Tk]``. Fully masked rows: output 0, LSE −inf, and (since their
+    scores are replaced by 0 before the softmax, then their weights by 0) zero gradients.
+    Returns ``out [B, Hq, Tq, Dv]`` and ``lse [B, Hq, Tq]``.
+    """
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, Hq, Tk, D]
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tk]
+    if bias is not None:
+        scores = scores + bias.to(dtype)
+    if allowed is None:
+        allowed = torch.ones(scores.shape, dtype=torch.bool)
+    allowed = allowed.expand(scores.shape)
+    row_empty = ~allowed.any(-1, keepdim=True)  # [B, Hq, Tq, 1]
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(row_empty, 0.0)
+    weights = torch.softmax(scores, -1).masked_fill(row_empty, 0.0)
+    lse = torch.logsumexp(scores, -1).masked_fill(row_empty[..., 0], float("-inf"))
+    return weights @ v, lse
+
+
+def make_qkv(batch, heads, heads_kv, q_len, kv_len, dk, dv, dtype, gen):
+    shapes = ((batch, heads, q_len, dk), (batch, heads_kv, kv_len, dk), (batch, heads_kv, kv_len, dv))
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def check(q, k, v, mask, allowed=None, bias=None, *, gen, dout=None, grads=True, lse_grad=False,
+          kernel_qkv=None):
+    """Forward (out, LSE) and backward (dq, dk, dv) of the triton backend against float64.
+
+    ``allowed``/``bias``: the mask written out independently, broadcastable to the scores.
+    ``dout``: the output gradient (random when ``None``); ``lse_grad`` adds a loss term on the
+    LSE so its gradient flows too; ``kernel_qkv``: what the kernel gets instead of (q, k, v)
+    (same values where it matters, poison where it must not look). Returns the triton result
+    and gradients.
+    """
+    dtype = q.dtype
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    leaves = [t.detach().requires_grad_() for t in (kernel_qkv or (q, k, v))]  # views stay views
+    result = ak.attention(*leaves, mask=mask, backend="triton", return_lse=True)
+    truth_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    plain_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out_true, lse_true = attention_math(*truth_leaves, allowed, bias, scale, torch.float64)
+    out_plain, lse_plain = attention_math(*plain_leaves, allowed, bias, scale, dtype)
+
+    assert result.out.dtype == dtype and result.lse.dtype == torch.float32
+    assert torch.isfinite(result.out).all(), "NaN/inf in the output"
+    assert_within_2x("out", result.out, out_true, out_plain, dtype)
+    empty_rows = torch.isneginf(lse_true)  # [B, Hq, Tq]
+    assert torch.equal(torch.isneginf(result.lse), empty_rows), "LSE −inf exactly on fully masked rows"
+    assert (result.out[empty_rows] == 0).all(), "fully masked rows must be exactly 0"
+    assert_within_2x("lse", result.lse, lse_true, lse_plain, dtype)
+    if not grads:
+        return result, None
+
+    if dout is None:
+        dout = torch.randn(result.out.shape, generator=gen, dtype=torch.float64).to(dtype)
+    dlse = torch.randn(result.lse.shape, generator=gen, dtype=torch.float64) if lse_grad else None
+
+    def loss(out, lse):
+        total = (out.double() * dout.double()).sum()
+        if dlse is not None:
+            total = total + (torch.where(torch.isinf(lse), 0.0, lse.double()) * dlse).sum()
+        return total
+
+    if lse_grad:
+        got = torch.autograd.grad(loss(result.out, result.lse), leaves)
+    else:  # dout goes in as given (it may be a strided view: the kernels read it by strides)
+        got = torch.autograd.grad(result.out, leaves, dout)
+    true = torch.autograd.grad(loss(out_true, lse_true), truth_leaves)
+    plain = torch.autograd.grad(loss(out_plain, lse_plain), plain_leaves)
+    for name, g, t, p in zip(("dq", "dk", "dv"), got, true, plain):
+        assert g.dtype == dtype and g.shape == t.shape
+        assert torch.isfinite(g).all(), f"NaN/inf in {name}"
+        assert_within_2x(name, g, t, p, dtype)
+    assert (got[0][empty_rows] == 0).all(), "fully masked rows must get exactly zero dq"
+    return result, got
+
+
+# ---- every mask kind, forward and backward ----------------------------------------------------------
+
+def _padding_case(gen):
+    """Batch 0 has no keys at all (every row fully masked); batch 1 pads queries and keys."""
+    q_lengths, kv_lengths = [20, 41], [0, 33]
+    return ak.padding(q_lengths, kv_lengths), dense_padding(48, 40, q_lengths, kv_lengths, batch=2)
+
+
+def _bias_case(gen):
+    values = torch.randn(1, 2, 45, 45, generator=gen)  # per head
+    values[torch.rand(values.shape, generator=gen) < 0.2] = float("-inf")
+    values[0, 1, 7] = float("-inf")  # one fully masked row
+    return ak.bias(values), ~torch.isneginf(values), torch.nan_to_num(values, neginf=0.0)
+
+
+def _dense_case(gen):
+    allowed = torch.rand(45, 45, generator=gen) < 0.6
+    allowed[3] = False
+    return ak.dense(allowed), allowed
+
+
+def _function_case(gen):
+    def every_third(b, h, q_idx, kv_idx):  # depends on the head: loaded per head
+        return (q_idx - kv_idx + h) % 3 == 0
+    allowed = torch.tensor([[[(i - j + h) % 3 == 0 for j in range(45)] for i in range(45)]
+                            for h in range(2)])
+    return ak.from_function(every_third), allowed
+
+
+MASK_CASES = {
+    # name: (batch, q_len, kv_len, build(gen) -> (mask, allowed[, bias]))
+    "none_ragged": (1, 37, 53, lambda gen: (None, None)),
+    "causal": (1, 64, 64, lambda gen: (ak.causal(), dense_causal(64, 64))),
+    "causal_bottom_right": (1, 37, 53, lambda gen: (ak.causal("bottom_right"),
+                                                    dense_causal(37, 53, "bottom_right"))),
+    "causal_top_left_tq_gt_tk": (1, 53, 37, lambda gen: (ak.causal(), dense_causal(53, 37))),
+    "window": (1, 70, 70, lambda gen: (ak.sliding_window(9, 4), dense_band(70, 70, 9, 4))),
+    "padding": (2, 48, 40, _padding_case),
+    "documents": (1, 64, 64, lambda gen: _docs(gen, 64, 4)),
+    "documents&causal": (1, 64, 64, lambda gen: _docs(gen, 64, 4, causal=True)),
+    "documents_per_batch&causal": (2, 50, 50, lambda gen: _docs(gen, 50, 3, causal=True, batch=2)),
+    "window&causal&padding": (2, 45, 45, lambda gen: (
+        ak.sliding_window(12, 5) & ak.causal() & ak.padding(kv_lengths=[30, 45]),
+        dense_band(45, 45, 12, 0) & dense_padding(45, 45, None, [30, 45], batch=2))),
+    "dense": (1, 45, 45, _dense_case),
+    "bias": (1, 45, 45, _bias_case),
+    "bias&causal": (1, 45, 45, lambda gen: _bias_causal(gen)),
+    "from_function": (1, 45, 45, _function_case),
+    "documents|window": (1, 45, 45, lambda gen: _docs_or_window(gen)),
+    "~causal": (1, 40, 40, lambda gen: (~ak.causal(), ~dense_causal(40, 40))),
+}
+
+
+def _docs(gen, length, n_docs, causal=False, batch=None):
+    ids = sorted_ids(length, n_docs, gen, batch)
+    mask, allowed = ak.documents(ids), dense_documents(ids)
+    if causal:
+        mask, allowed = mask & ak.causal(), allowed & dense_causal(length, length)
+    return mask, allowed
+
+
+def _bias_causal(gen):
+    values = torch.randn(45, 45, generator=gen)
+    return ak.bias(values) & ak.causal(), dense_causal(45, 45), values
+
+
+def _docs_or_window(gen):
+    ids = sorted_ids(45, 3, gen)
+    return ak.documents(ids) | ak.sliding_window(2), dense_documents(ids) | dense_band(45, 45, 2, 0)
+
+
+@pytest.mark.parametrize("name", list(MASK_CASES))
+def test_masks_forward_backward(name, gen):
+    batch, q_len, kv_len, build = MASK_CASES[name]
+    mask, allowed, *bias = build(gen)
+    q, k, v = make_qkv(batch, 2, 1, q_len, kv_len, 32, 32, torch.float32, gen)  # GQA 2/1
+    check(q, k, v, mask, allowed, bias[0] if bias else None, gen=gen)
+
+
+# ---- dtypes, head dims, GQA, lengths ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["causal", "padding"])
+def test_low_precision(dtype, kind, gen):
+    """fp16/bf16 in, fp32 accumulation: within 2× of plain math in the same dtype."""
+    if kind == "causal":
+        q, k, v = make_qkv(1, 4, 2, 53, 53, 64, 64, dtype, gen)  # GQA 4/2, D 64
+        check(q, k, v, ak.causal(), dense_causal(53, 53), gen=gen)
+    else:
+        mask, allowed = _padding_case(gen)
+        q, k, v = make_qkv(2, 2, 2, 48, 40, 32, 32, dtype, gen)
+        check(q, k, v, mask, allowed, gen=gen)
+
+
+@pytest.mark.parametrize("dk,dv", [(16, 16), (64, 64), (48, 24), (32, 80)])
+def test_head_dims(dk, dv, gen):
+    """Powers of two and padded ones (48 → 64, 24 → 32, 80 → 128), Dk ≠ Dv."""
+    q, k, v = make_qkv(1, 2, 2, 37, 45, dk, dv, torch.float32, gen)
+    check(q, k, v, ak.causal("bottom_right"), dense_causal(37, 45, "bottom_right"), gen=gen)
+
+
+def test_gqa_with_per_head_mask(gen):
+    """4 query heads over 2 K/V heads with a different mask per query head: the dK/dV program
+    of one K/V head walks each of its query heads' own (transposed) block lists."""
+    allowed = torch.rand(1, 4, 50, 50, generator=gen) < 0.5
+    allowed[:, 1] = dense_causal(50, 50)  # head 1 skips blocks, the others do not
+    allowed[:, 2, :, 20:] = False  # head 2: whole key blocks EMPTY
+    q, k, v = make_qkv(1, 4, 2, 50, 50, 32, 32, torch.float32, gen)
+    check(q, k, v, ak.dense(allowed), allowed, gen=gen)
+
+
+def test_lse_gradient(gen):
+    """A loss on the LSE reaches q and k (∂lse/∂s = p enters as Δ − dlse)."""
+    q, k, v = make_qkv(1, 2, 1, 40, 40, 32, 32, torch.float32, gen)
+    mask, allowed = ak.causal() & ak.padding(q_lengths=[30]), dense_causal(40, 40) & dense_padding(40, 40, [30])
+    check(q, k, v, mask, allowed, gen=gen, lse_grad=True)
+
+
+@pytest.mark.parametrize("tiles", [
+    launch.Tiles(sparse_q=32, sparse_k=32, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16)),
+    launch.Tiles(sparse_q=32, sparse_k=32, fwd=(32, 16), dkdv=(16, 32), dq=(32, 16)),
+], ids=["square_subtiles", "rectangular_subtiles"])
+def test_kernel_blocks_inside_sparse_blocks(tiles, gen, monkeypatch):
+    """On a GPU, autotuned kernel blocks walk sub-tiles of the 128×128 sparse blocks; the same
+    loops run here with 16-wide kernel blocks inside 32-wide sparse blocks."""
+    monkeypatch.setattr(launch, "INTERPRETER_TILES", tiles)
+    mask, allowed = _docs(gen, 53, 3, causal=True)
+    q, k, v = make_qkv(1, 2, 1, 53, 53, 32, 16, torch.float32, gen)
+    check(q, k, v, mask, allowed, gen=gen)
+
+
+# ---- memory safety and determinism ----------------------------------------------------------------
+
+def poisoned(t: torch.Tensor, extra=(1, 1, 7, 5)) -> torch.Tensor:
+    """``t`` copied into a larger NaN-filled buffer: a strided view whose neighbours (next head,
+    rows past the end, features past the last) are NaN, so any out-of-bounds read shows."""
+    buffer = torch.full([s + e for s, e in zip(t.shape, extra)], NAN, dtype=t.dtype)
+    view = buffer[tuple(slice(0, s) for s in t.shape)]
+    view.copy_(t)
+    return view
+
+
+def test_nan_poisoned_memory(gen):
+    """q, k, v, dout, the bias and the dense mask all live inside NaN-filled buffers."""
+    q, k, v = (poisoned(t) for t in make_qkv(1, 2, 1, 37, 45, 24, 40, torch.float32, gen))
+    values = torch.randn(2, 37, 45, generator=gen)
+    flags = torch.rand(37, 45, generator=gen) < 0.7
+    bias_view = poisoned(values, extra=(1, 3, 9))
+    flag_buffer = torch.zeros(40, 50, dtype=torch.bool)  # bool cannot hold NaN: False around it
+    flag_view = flag_buffer[:37, :45]
+    flag_view.copy_(flags)
+    mask = ak.bias(bias_view) & ak.dense(flag_view) & ak.causal("bottom_right")
+    allowed = flags & dense_causal(37, 45, "bottom_right")
+    dout = poisoned(torch.randn(1, 2, 37, 40, generator=gen))
+    for view in (q, k, v, dout, bias_view):
+        after_first_row = view.as_strided((1,), (1,), view.storage_offset() + view.shape[-1])
+        assert not view.is_contiguous() and torch.isnan(after_first_row).all()
+    check(q, k, v, mask, allowed, values, gen=gen, dout=dout)
+
+
+def test_skipped_blocks_are_never_read(gen):
+    """Keys 32+ of a 30-key padding mask lie in EMPTY blocks: NaN there must not reach anything
+    (a visited block would compute 0 · NaN = NaN in p @ v)."""
+    q, k, v = make_qkv(1, 2, 2, 40, 80, 32, 32, torch.float32, gen)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[:, :, 32:], v_nan[:, :, 32:] = NAN, NAN
+    mask = ak.padding(kv_lengths=[30])
+    _, grads = check(q, k, v, mask, dense_padding(40, 80, None, [30]), gen=gen,
+                     kernel_qkv=(q, k_nan, v_nan))
+    assert (grads[1][:, :, 30:] == 0).all() and (grads[2][:, :, 30:] == 0).all()
+
+
+def test_rerun_is_bit_identical(gen):
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 1, 45, 45, 32, 32, torch.bfloat16, gen))
+    mask = ak.documents(sorted_ids(45, 3, gen)) & ak.causal()
+    dout = torch.randn(1, 2, 45, 32, generator=gen).to(torch.bfloat16)
+
+    def run():
+        r = ak.attention(q, k, v, mask, backend="triton", return_lse=True)
+        return (r.out, r.lse, *torch.autograd.grad(r.out, (q, k, v), dout))
+
+    for first, second in zip(run(), run()):
+        assert torch.equal(first, second)
+
+
+# ---- block skipping (host block lists) -----------------------------------------------------------
+
+def _plan(mask, q_len, kv_len, tiles, heads=1, batch=1):
+    q = torch.zeros(batch, heads, q_len, 16)
+    k = torch.zeros(batch, heads, kv_len, 16)
+    return launch.make_plan(validate(q, k, k, mask), tiles)
+
+
+def test_causal_visits_about_half_the_tiles():
+    tiles = launch.Tiles(sparse_q=16, sparse_k=16)
+    n = 1024 // 16
+    plan = _plan(ak.causal(), 1024, 1024, tiles)
+    assert plan.rows.visited() == n * (n + 1) // 2  # the lower triangle and the diagonal
+    assert plan.cols.visited() == n * (n + 1) // 2
+    assert int((plan.rows.num_partial).sum()) == n  # only diagonal tiles need the mask
+    assert _plan(None, 1024, 1024, tiles).rows.visited() == n * n
+
+
+def test_window_and_documents_visit_only_their_band():
+    tiles = launch.Tiles(sparse_q=16, sparse_k=16)
+    n = 1024 // 16
+    window = _plan(ak.sliding_window(32), 1024, 1024, tiles).rows.visited()
+    assert window <= 4 * n  # 32 keys back span at most 3 blocks plus the diagonal one
+    ids = torch.arange(1024) // 128  # 8 documents of 128: 8×8 blocks each on the diagonal
+    docs = _plan(ak.documents(ids), 1024, 1024, tiles)
+    assert docs.rows.visited() == 8 * 8 * 8 and int(docs.rows.num_partial.sum()) == 0
+
+
+def test_block_lists_order_and_tails():
+    """PARTIAL blocks are listed first, then FULL; blocks past a ragged end are never FULL."""
+    codes = torch.tensor([[[[FULL, EMPTY, PARTIAL, FULL], [EMPTY, EMPTY, EMPTY, EMPTY]]]], dtype=torch.int8)
+    lists = launch.block_lists(codes, batch=2, heads=3)
+    assert lists.num_partial[1, 2].tolist() == [1, 0] and lists.num_full[0, 0].tolist() == [2, 0]
+    assert lists.index[1, 1, 0, :3].tolist() == [2, 0, 3]
+    space = validate(torch.zeros(1, 1, 40, 16), torch.zeros(1, 1, 50, 16), torch.zeros(1, 1, 50, 16)).space
+    tail = launch.block_codes(None, space, launch.Tiles(sparse_q=32, sparse_k=32))
+    assert tail[0, 0].tolist() == [[FULL, PARTIAL], [PARTIAL, PARTIAL]]
+
+
+def test_mask_program_features():
+    """Structured parts of an & chain become index arithmetic; the rest is loaded."""
+    space = validate(torch.zeros(2, 2, 40, 16), torch.zeros(2, 2, 40, 16), torch.zeros(2, 2, 40, 16)).space
+    program = launch.compile_mask(ak.causal() & ak.sliding_window(8, 3), space)
+    assert program.features() == ["band_lo", "band_hi"] and (program.band_lo, program.band_hi) == (-8, 0)
+    program = launch.compile_mask(ak.padding(kv_lengths=[3, 9]) & ak.padding(kv_lengths=[5, 4]), space)
+    assert program.kv_lengths.tolist() == [3, 4]
+    program = launch.compile_mask(ak.documents(torch.arange(40) // 10) | ak.causal(), space)
+    assert program.features() == ["dense"] and program.allowed.stride()[:2] == (0, 0)
+    program = launch.compile_mask(ak.bias(torch.zeros(40, 40)) & ak.causal("bottom_right"), space)
+    assert program.features() == ["band_hi", "bias"]
+
+
+# ---- refusals and dispatch ------------------------------------------------------------------------
+
+def _reasons(q, k, v, mask=None, **kwargs):
+    return dispatch.BACKENDS["triton"].not_supported_reasons(validate(q, k, v, mask, **kwargs))
+
+
+def test_refusals(gen, monkeypatch):
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 16, 16, torch.float32, gen)
+    assert _reasons(q, k, v) == []
+    assert "dropout_p=0.1 (not supported by triton)" in _reasons(q, k, v, dropout_p=0.1)
+    assert "return_weights=True (not supported by triton)" in _reasons(q, k, v, need_weights=True)
+    assert "dtype=torch.float64 (not supported by triton)" in _reasons(q.double(), k.double(), v.double())
+    wide = torch.zeros(1, 1, 4, 320)
+    assert "head dim 320 > 256 (not supported by triton)" in _reasons(wide, wide, wide)
+    trainable = torch.zeros(8, 8, requires_grad=True)
+    assert any("bias that requires grad" in r for r in _reasons(q, k, v, ak.bias(trainable)))
+    with pytest.raises(ValueError, match="dropout_p=0.1"):
+        ak.attention(q, k, v, dropout_p=0.1, backend="triton")
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        assert "TRITON_INTERPRET=1" in triton_backend.TritonBackend().unavailable_reason()
+    assert any("CPU tensors need TRITON_INTERPRET=1 (not supported by triton)" in r
+               for r in _reasons(q, k, v))
+
+    monkeypatch.setattr(triton_backend.importlib.util, "find_spec", lambda name: None)
+    triton_backend._installed.cache_clear()
+    try:
+        assert triton_backend.TritonBackend().unavailable_reason() == "triton is not installed"
+    finally:
+        monkeypatch.undo()
+        triton_backend._installed.cache_clear()
+
+
+def test_auto_never_picks_the_interpreter(gen):
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 16, 16, torch.float32, gen)
+    inputs = validate(q, k, v, ak.causal())
+    assert dispatch.select(inputs, "auto").NAME != "triton"
+    assert dispatch.select(inputs, "triton").NAME == "triton"
+    assert dispatch.PRIORITY.index("triton") < dispatch.PRIORITY.index("torch")
+
+
+def test_no_keys_at_all(gen):
+    """Tk = 0: every row is fully masked (3-D inputs: 4-D ones with Tk = 0 trip a reshape in
+    ``inputs.validate``, reported separately)."""
+    q = torch.randn(2, 5, 16, generator=gen, requires_grad=True)
+    k = torch.zeros(2, 0, 16, requires_grad=True)
+    r = ak.attention(q, k, k, backend="triton", return_lse=True)
+    assert r.out.shape == (2, 5, 16) and (r.out == 0).all() and torch.isneginf(r.lse).all()
+    r.out.sum().backward()
+    assert (q.grad == 0).all()
+
+
+# ---- the GPU benchmark's pipeline, end to end at toy sizes ---------------------------------------------
+
+def test_benchmark_dry_run(tmp_path, capsys, monkeypatch):
+    """``benchmarks/gpu.py --dry-run``: the whole pipeline (checks, every competitor that runs on
+    CPU, table, JSON) at toy sizes through the interpreter, in this process (its triton is
+    already in interpreter mode, and the imports are paid)."""
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", REPO / "benchmarks" / "gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script prepends src/ to it
+    spec.loader.exec_module(bench)
+    start = time.perf_counter()
+    assert bench.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    saved = json.loads((tmp_path / "gpu_bench_dry_run.json").read_text())
+    assert all(check["ok"] for check in saved["checks"]) and len(saved["checks"]) == 4
+    ours = [r for r in saved["results"] if r["backend"] == "attnkit-triton"]
+    assert ours and all(r["tflops"] and r["tflops"] > 0 for r in ours)
+    assert "TFLOP/s" in printed and "docs16&causal" in printed
+    assert time.perf_counter() - start < 60
