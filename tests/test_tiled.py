@@ -258,3 +258,19 @@ def test_refuses_weights_with_autograd(gen):
     q.requires_grad_()
     with pytest.raises(ValueError, match="not supported by tiled"):
         ak.attention(q, k, v, backend="tiled", return_weights=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled", "auto"])
+@pytest.mark.parametrize("q_shape, kv_shape", [
+    ((2, 3, 4, 8), (2, 3, 0, 8)),  # no keys: every row fully masked
+    ((2, 3, 0, 8), (2, 3, 5, 8)),  # no queries
+    ((0, 3, 4, 8), (0, 3, 4, 8)),  # empty batch
+])
+def test_empty_sequences(backend, q_shape, kv_shape):
+    q = torch.randn(q_shape, requires_grad=True)
+    k, v = torch.randn(kv_shape), torch.randn(kv_shape)
+    r = ak.attention(q, k, v, ak.causal(), backend=backend, return_lse=True)
+    assert r.out.shape == q_shape and torch.equal(r.out, torch.zeros(q_shape))
+    assert torch.isneginf(r.lse).all()
+    r.out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros(q_shape))

@@ -114,7 +114,7 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
         if hkv == 0 or hq % hkv:
             raise ValueError(f"k has {hkv} heads but q has {hq}: the number of query heads must be "
                              f"a multiple of key/value heads (GQA). Got {where}")
-        q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in (q, k, v))
+        q4, k4, v4 = (t.reshape(math.prod(batch_shape), *t.shape[-3:]) for t in (q, k, v))
 
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -181,7 +181,7 @@ def _to_4d(t: torch.Tensor, inputs: Inputs) -> torch.Tensor:
     lead = t.shape[:-3]
     if all(s == 1 for s in lead):
         return t.reshape(1, *t.shape[-3:])
-    return t.expand(*batch_shape, *t.shape[-3:]).reshape(-1, *t.shape[-3:])
+    return t.expand(*batch_shape, *t.shape[-3:]).reshape(math.prod(batch_shape), *t.shape[-3:])
 
 
 def restore(x: torch.Tensor, inputs: Inputs) -> torch.Tensor:

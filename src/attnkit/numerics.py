@@ -34,6 +34,9 @@ def masked_softmax(scores: torch.Tensor, allowed: Optional[torch.Tensor],
     """
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
+    if scores.shape[-1] == 0:  # no keys at all: every row is fully masked
+        return scores, torch.full(scores.shape[:-1], float("-inf"), dtype=scores.dtype,
+                                  device=scores.device)
     row_max = scores.amax(dim=-1, keepdim=True).detach()  # [..., 1]
     safe_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     exp = torch.exp(scores - safe_max)  # masked: exp(-inf) = 0

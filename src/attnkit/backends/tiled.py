@@ -109,7 +109,7 @@ def make_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
         all_full = (per_bh == FULL).flatten(0, 1).all(0)
         union = torch.where(all_empty, EMPTY, torch.where(all_full, FULL, 1))
         codes = union.tolist()
-    max_blocks = max(1, TILE_ELEMENTS // (batch * heads * block_q * block_k))
+    max_blocks = max(1, TILE_ELEMENTS // (max(1, batch * heads) * block_q * block_k))
     rows = []
     for row in codes:
         segments, j = [], 0

@@ -48,6 +48,9 @@ class TorchBackend(Backend):
 
     def extra_reasons(self, inputs: Inputs) -> list[str]:
         reasons = []
+        if inputs.k.shape[2] == 0 or inputs.q.shape[2] == 0:
+            reasons.append("an empty sequence, Tq=0 or Tk=0 (not supported by torch: its kernel "
+                           "crashes)")
         if inputs.need_lse and not _fused_cpu(inputs):
             reasons.append("return_lse needs the CPU fused kernel with Dk == Dv "
                            "(not supported by torch)")
