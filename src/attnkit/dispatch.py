@@ -13,30 +13,25 @@ from .inputs import Inputs
 
 BACKENDS: dict[str, Backend] = {b.NAME: b for b in (ReferenceBackend(), TorchBackend(), TiledBackend(),
                                                   TritonBackend())}
-"""Every backend by name. Later backends (tiled, triton) register here."""
+"""Every backend by name; a new backend is added here and placed in ``PRIORITY``."""
 
 PRIORITY: tuple[str, ...] = ("triton", "torch", "tiled", "reference")
 """Order tried by ``backend="auto"``: fastest first, the exact reference last (it runs anything)."""
 
 AUTO_RULES = (
-    "triton: fused Triton kernels for CUDA tensors (fp16/bf16/fp32, head dim <= 256, no dropout/weights)",
-    "torch: torch's fused kernel whenever it can run the input (no dropout, no weights)",
-    "reference: everything else (dropout, returned weights, Dk != Dv with LSE)",
+    "triton: CUDA tensors, fp16/bf16/fp32, head dim <= 256, no dropout or returned weights "
+    "(never CPU tensors: the interpreter is for tests)",
+    "torch: no mask or top-left causal (its fused kernel; auto costs only dispatch overhead), "
+    "no dropout, no weights, no differentiated LSE",
+    "tiled: every other mask (skipping empty tiles beats torch with a dense mask, measured in "
+    "docs/BENCHMARKS.md), dropout, weights without autograd; O(T) memory",
+    "reference: whatever is left (returned weights with autograd); float64, O(Tq*Tk) memory",
 )
 """Human-readable dispatch rules, shown by ``attnkit info``."""
 
 
 def names() -> list[str]:
     return ["auto", *BACKENDS]
-
-
-def register(backend: Backend, *, before: str | None = None) -> None:
-    """Add a backend (at import time of its module) and place it in the auto order."""
-    global PRIORITY
-    BACKENDS[backend.NAME] = backend
-    order = [n for n in PRIORITY if n != backend.NAME]
-    order.insert(order.index(before) if before in order else len(order) - 1, backend.NAME)
-    PRIORITY = tuple(order)
 
 
 def select(inputs: Inputs, backend: str) -> Backend:
