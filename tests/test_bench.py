@@ -217,3 +217,21 @@ def test_replace_section_keeps_the_rest():
     assert report.replace_section(text, "new") == f"head\n{report.START}\nnew\n{report.END}\ntail\n"
     with pytest.raises(ValueError, match="markers"):
         report.replace_section("no markers", "new")
+
+
+def test_threads_option_is_recorded_and_restored(tmp_path):
+    before = torch.get_num_threads()
+    wanted = 2 if before != 2 else 1
+    code = cli_main(["bench", "--quick", "--workloads", "dense", "--methods", "tiled", "sdpa_mask",
+                     "--no-memory", "--threads", str(wanted), "--out", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "cpu.json").read_text())
+    assert results["machine"]["torch_threads"] == wanted
+    assert [r["method"] for r in results["results"]] == ["tiled", "sdpa_mask"] * 2
+    assert torch.get_num_threads() == before
+
+
+def test_unknown_method_is_a_clear_error(tmp_path, capsys):
+    assert cli_main(["bench", "--quick", "--methods", "tiled", "magic", "--no-memory",
+                     "--out", str(tmp_path)]) == 2
+    assert "unknown method(s) ['magic']" in capsys.readouterr().out

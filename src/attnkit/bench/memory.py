@@ -78,6 +78,7 @@ class Spec:
     head_dim: int = 64
     max_reps: int = 3
     time_budget_s: float = 5.0
+    threads: Optional[int] = None  # torch.set_num_threads in the child; None: torch's default
 
 
 def _method(method: str, n: int) -> tuple[Callable, bool]:
@@ -131,6 +132,8 @@ def measure_here(spec: Spec) -> dict:
     from .runner import Unsupported
 
     shape = (1, spec.heads, spec.n, spec.head_dim)  # [1, H, N, D]
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
     try:
         fn, needs_mask = _method(spec.method, spec.n)
     except Unsupported as why:
@@ -239,27 +242,29 @@ class Plan:
     head_dim: int = 64
     max_reps: int = 3
     time_budget_s: float = 6.0
+    threads: Optional[int] = None
 
     def specs(self) -> list[Spec]:
         # N-major order: the methods at one N run close together in time, so a burst of load
         # from other processes skews one N rather than one method
-        return [Spec(method, n, self.heads, self.head_dim, self.max_reps, self.time_budget_s)
-                for n in self.lengths for method in self.methods]
+        return [Spec(method, n, self.heads, self.head_dim, self.max_reps, self.time_budget_s,
+                     self.threads) for n in self.lengths for method in self.methods]
 
     def count(self) -> int:
         return len(self.lengths) * len(self.methods)
 
 
 def default_plan(quick: bool = False, flex: bool = True,
-                 methods: Optional[tuple[str, ...]] = None) -> Plan:
+                 methods: Optional[tuple[str, ...]] = None, threads: Optional[int] = None) -> Plan:
     """N ∈ {1024 … 16384} (headline 16384) for a full run; N ∈ {256, 512} for ``--quick``;
     the methods of :data:`SWEEP_METHODS` (those in ``methods`` when given; Flex only if ``flex``)."""
     methods = tuple(m for m in SWEEP_METHODS
                     if (flex or m != "flex") and (methods is None or m in methods))
     if quick:
         return Plan(lengths=(256, 512), methods=methods, headline_n=512, head_dim=32,
-                    max_reps=1, time_budget_s=1.0)
-    return Plan(lengths=(1024, 2048, 4096, 8192, 16384), methods=methods, headline_n=16384)
+                    max_reps=1, time_budget_s=1.0, threads=threads)
+    return Plan(lengths=(1024, 2048, 4096, 8192, 16384), methods=methods, headline_n=16384,
+                threads=threads)
 
 
 def run_plan(plan: Plan, on_measure: Callable[[str], None] = lambda text: None,

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -81,6 +82,8 @@ def speedups(results: list[dict], path: str, reference: str = "sdpa_mask") -> st
     """Grouped bars: for each workload (and pass), each method's speed-up over ``reference``
     (log scale; the line at 1 is the reference itself) → ``path``."""
     passes = [p for p in ("fwd", "fwd+bwd") if any(r["pass"] == p for r in results)]
+    from matplotlib.ticker import FuncFormatter
+
     figure = _figure(figsize=(9.0, 3.6 * max(1, len(passes))))
     for row, pass_name in enumerate(passes):
         axes = figure.add_subplot(len(passes), 1, row + 1)
@@ -100,6 +103,8 @@ def speedups(results: list[dict], path: str, reference: str = "sdpa_mask") -> st
             axes.bar(xs, ys, width=width, color=colour, label=label)
         axes.axhline(1.0, color="black", linewidth=0.8)
         axes.set_yscale("log")
+        axes.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}×"))
+        axes.yaxis.set_minor_formatter(FuncFormatter(_minor_label))
         axes.set_xticks(range(len(workloads)), workloads)
         axes.set_ylabel(f"speed-up vs {METHOD_STYLE[reference][0]}", fontsize=8)
         axes.set_title(f"{pass_name}: higher is faster", fontsize=10)
@@ -107,6 +112,14 @@ def speedups(results: list[dict], path: str, reference: str = "sdpa_mask") -> st
         if methods:
             axes.legend(fontsize=7, ncol=3)
     return _save(figure, path)
+
+
+def _minor_label(y: float, _position) -> str:
+    """Label the 2× and 5× minor ticks of a log axis (0.2, 0.5, 2, 5, 20, …), not the others."""
+    if y <= 0:
+        return ""
+    leading = y / 10 ** math.floor(math.log10(y))
+    return f"{y:g}×" if min(abs(leading - 2), abs(leading - 5)) < 1e-6 else ""
 
 
 def _speedup_of(records: list[dict], workload: str, method: str, reference: str) -> Optional[float]:

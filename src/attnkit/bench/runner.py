@@ -308,6 +308,7 @@ class Options:
     reps: Optional[int] = None
     flex: Optional[bool] = None  # None: on for full runs, off for --quick
     memory: bool = True
+    threads: Optional[int] = None  # torch.set_num_threads for the run; None: torch's default
     command: str = "attnkit bench"
 
     def settings(self) -> Settings:
@@ -345,40 +346,61 @@ def _fresh_inductor_cache() -> Optional[str]:
 
 def run_benchmark(options: Options, console=None) -> dict:
     """Run the workloads, then (unless ``options.memory`` is off) the memory measurements and
-    the sweep against N, with a rich progress bar; return the results dict (see ``SCHEMA``)."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                               TimeElapsedColumn)
-
+    the sweep against N, with a rich progress bar; return the results dict (see ``SCHEMA``).
+    The thread count and compile-cache setting it changes are restored afterwards."""
     from . import memory
     from .workloads import select
 
     workloads = select(quick_workloads() if options.quick else standard_workloads(),
                        options.workloads)
     settings = options.settings()
-    plan = (memory.default_plan(options.quick, flex=options.use_flex, methods=settings.methods)
-            if options.memory else None)
-    cells = [(w, p == "fwd+bwd") for w in workloads for p in settings.passes]
-    if plan:
-        memory.start_server()  # imports attnkit now: the sweep runs the same code as the cells
+    plan = (memory.default_plan(options.quick, flex=options.use_flex, methods=settings.methods,
+                                threads=options.threads) if options.memory else None)
+    threads_before = torch.get_num_threads()
+    if options.threads:
+        torch.set_num_threads(options.threads)
     inductor_cache = _fresh_inductor_cache() if "flex" in settings.methods else None
-    total = len(cells) + (plan.count() if plan else 0)
-    started = time.perf_counter()
-    results: dict = {
-        "schema": SCHEMA, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": options.command, "machine": machine_info(),
-        "config": {"quick": options.quick, "max_reps": settings.max_reps,
-                   "min_reps": settings.min_reps, "cell_budget_s": settings.cell_budget_s,
-                   "methods": list(settings.methods), "tolerance": settings.tolerance,
-                   "inductor_cache": (inductor_cache and "fresh folder for this run") or (
-                       "TORCHINDUCTOR_CACHE_DIR as set" if "flex" in settings.methods else None),
-                   "flop_convention": "4*B*H*D per attended (q,k) pair forward (causal: N^2/2); "
-                                      "fwd+bwd = 3.5x fwd"},
-        "workloads": [w.describe() for w in workloads], "results": [], "memory": None,
-        "sweep": None}
+    try:
+        if plan:
+            memory.start_server()  # imports attnkit now: the sweep runs the same code as the cells
+        results = {
+            "schema": SCHEMA,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": options.command, "machine": machine_info(),
+            "config": {"quick": options.quick, "max_reps": settings.max_reps,
+                       "min_reps": settings.min_reps, "cell_budget_s": settings.cell_budget_s,
+                       "methods": list(settings.methods), "tolerance": settings.tolerance,
+                       "inductor_cache": (inductor_cache and "fresh folder for this run") or (
+                           "TORCHINDUCTOR_CACHE_DIR as set" if "flex" in settings.methods else None),
+                       "flop_convention": "4*B*H*D per attended (q,k) pair forward (causal: "
+                                          "N^2/2); fwd+bwd = 3.5x fwd"},
+            "workloads": [w.describe() for w in workloads], "results": [], "memory": None,
+            "sweep": None}
+        started = time.perf_counter()
+        _measure(results, workloads, settings, plan, console)
+        results["elapsed_s"] = time.perf_counter() - started
+    finally:
+        torch.set_num_threads(threads_before)
+        if inductor_cache:
+            import shutil
+
+            shutil.rmtree(inductor_cache, ignore_errors=True)
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    return results
+
+
+def _measure(results: dict, workloads: list[Workload], settings: Settings, plan, console) -> None:
+    """The cells, then the memory plan, under one progress bar; fills ``results`` in place."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                               TimeElapsedColumn)
+
+    from . import memory
+
+    cells = [(w, p == "fwd+bwd") for w in workloads for p in settings.passes]
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                         MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False)
     with progress:
-        task = progress.add_task("benchmark", total=total)
+        task = progress.add_task("benchmark", total=len(cells) + (plan.count() if plan else 0))
         for workload, backward in cells:
             where = f"{workload.name} · {'fwd+bwd' if backward else 'fwd'}"
             results["results"].extend(run_cell(
@@ -386,21 +408,11 @@ def run_benchmark(options: Options, console=None) -> dict:
                 on_step=lambda text: progress.update(task, description=f"{where} · {text}")))
             progress.advance(task)
         if plan:
-            def on_measure(text):
-                progress.update(task, description=f"memory · {text}")
-
-            def after_measure():
-                progress.advance(task)
-            results["sweep"] = memory.run_plan(plan, on_measure=on_measure, after=after_measure)
+            results["sweep"] = memory.run_plan(
+                plan, on_measure=lambda text: progress.update(task, description=f"memory · {text}"),
+                after=lambda: progress.advance(task))
             results["memory"] = memory.headline(results["sweep"], plan)
         progress.update(task, description="done")
-    results["elapsed_s"] = time.perf_counter() - started
-    if inductor_cache:
-        import shutil
-
-        shutil.rmtree(inductor_cache, ignore_errors=True)
-        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    return results
 
 
 # ---- reporting ---------------------------------------------------------------------------------

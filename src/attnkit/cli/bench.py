@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="include compiled FlexAttention even with --quick")
     flex.add_argument("--no-flex", dest="flex", action="store_false",
                       help="leave out FlexAttention (its compile takes ~30 s per workload)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="torch.set_num_threads(N) for the run (default: torch's own default, "
+                             "recorded in the JSON)")
     parser.add_argument("--no-memory", dest="memory", action="store_false",
                         help="skip the peak-memory measurements and the sweep against N")
 
@@ -38,10 +41,12 @@ def options_from(args: argparse.Namespace, command: str = ""):
     """The :class:`attnkit.bench.Options` of parsed arguments."""
     from ..bench import Options
 
-    if args.reps is not None and args.reps < 1:
-        raise ValueError(f"--reps {args.reps}: give at least 1")
+    for name in ("reps", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} {value}: give at least 1")
     return Options(quick=args.quick, out=args.out, workloads=args.workloads, methods=args.methods,
-                   reps=args.reps, flex=args.flex, memory=args.memory,
+                   reps=args.reps, flex=args.flex, memory=args.memory, threads=args.threads,
                    command=command or "attnkit bench")
 
 
