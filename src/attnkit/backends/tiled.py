@@ -22,6 +22,7 @@ as ring attention does.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -154,6 +155,12 @@ def _ungrouped(x: torch.Tensor, heads_q: int) -> torch.Tensor:
     return x.reshape(b, heads_q, gn // (heads_q // hkv), *x.shape[3:])
 
 
+@functools.lru_cache(maxsize=8)
+def _lower_triangle(n: int, device: torch.device) -> torch.Tensor:
+    """``[n, n]`` bool, True on and below the diagonal (cached: every causal diagonal tile asks)."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril_()
+
+
 class TileMask(NamedTuple):
     """How one PARTIAL segment is masked: an additive tile ``[Bm, Hkv|1, G·n, span]`` (−inf where
     forbidden, + bias) with per-row "has a key" flags ``[Bm, Hkv|1, G·n]``; or, when the tile is
@@ -183,8 +190,7 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
     span = seg.stop - seg.start
     if fused and group == 1 and values is None and n == span:
         # The diagonal tile of a causal mask: the fused kernel's is_causal skips its upper half.
-        lower = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
-        if torch.equal(allowed, lower.expand_as(allowed)):
+        if torch.equal(allowed, _lower_triangle(n, device).expand_as(allowed)):
             return TileMask(None, None, causal=True)
     kept = (torch.zeros((), dtype=dtype, device=device) if values is None
             else grouped(values).to(dtype))
@@ -278,7 +284,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
     acc = accum_dtype(q.dtype)
     fused = uses_fused_kernel(q, v, problem.dropout_p)
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)  # no copy when already acc
-    out = torch.zeros(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
+    out = torch.empty(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
     lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
     for i, rows, segments in problem.plan.groups(tq):
         q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)  # [B, Hkv, G·n, Dk]
@@ -292,7 +298,9 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
                 block_out, block_lse = seg_out.to(acc), seg_lse.to(acc)
             else:
                 block_out, block_lse = merge(block_out, block_lse, seg_out, seg_lse)
-        if block_out is not None:
+        if block_out is None:  # no key for any of these rows
+            out[:, :, rows[0]:rows[1]] = 0
+        else:
             out[:, :, rows[0]:rows[1]] = _ungrouped(block_out, heads_q).to(q.dtype)
             lse[:, :, rows[0]:rows[1]] = _ungrouped(block_lse, heads_q)
     return out, lse
