@@ -13,10 +13,11 @@ Status (read before trusting it on a GPU)
   loops the GPU configs use (16-wide kernel blocks in 32-wide sparse blocks).
 - **Built for sm90, offline**: ``benchmarks/gpu.py --compile-only`` compiles every autotune
   config (head dims 64/128/256) to a Hopper cubin with the wheel's ptxas and reports shared
-  memory, registers and spills. All build and use wgmma; every forward config at D ≤ 128
-  builds without spills, as does dQ's 128×64 8-warp one; dK/dV at D = 128 spills 160–800
-  bytes in every config, and everything at D = 256 spills (0.7–23 KB): expect D = 256 to be
-  slow.
+  memory, registers and spills. All build and use wgmma. With the report's plain ptxas flags
+  every forward config at D ≤ 128 builds without spills; with the flags Triton itself passes
+  (``-lineinfo --regAllocOptLevel=2``, not yet used by the report) some spill ~100–180 bytes
+  (e.g. forward D=64 128×32). dK/dV at D = 128 spills 160–800 bytes in every config, and
+  everything at D = 256 spills (0.7–23 KB): expect D = 256 to be slow.
 - **Not yet run on a GPU — none of it.** Nothing compiled has executed: the autotuned configs
   (``launch.CONFIGS``), real fp16/bf16 tensor-core numerics and the speed are unmeasured.
   ``benchmarks/gpu.py`` checks correctness at full size first, then times it against torch
