@@ -85,8 +85,7 @@ class Mask:
         :data:`EMPTY`, :data:`PARTIAL`, :data:`FULL`. The generic version evaluates the element
         mask once (O(tq·tk) booleans); structured masks override it with O(blocks) arithmetic.
         """
-        q_count = space.q_len - q_offset if q_count is None else q_count
-        kv_count = space.kv_len - kv_offset if kv_count is None else kv_count
+        q_count, kv_count = _counts(space, q_offset, q_count, kv_offset, kv_count)
         allowed = self.tile(_positions(q_offset, q_offset + q_count, space.device),
                             _positions(kv_offset, kv_offset + kv_count, space.device), space)
         return _reduce_blocks(allowed, block_q, block_k, self.has_bias)
@@ -130,6 +129,13 @@ class Mask:
 
     def __str__(self) -> str:
         return self.draw(8, 8)
+
+
+def _counts(space: MaskSpace, q_offset: int, q_count: Optional[int], kv_offset: int,
+            kv_count: Optional[int]) -> tuple[int, int]:
+    """The query and key counts a block map covers (default: the rest of the sequence)."""
+    return (space.q_len - q_offset if q_count is None else q_count,
+            space.kv_len - kv_offset if kv_count is None else kv_count)
 
 
 def _reduce_blocks(allowed: torch.Tensor, block_q: int, block_k: int, has_bias: bool) -> torch.Tensor:
@@ -187,8 +193,7 @@ class _Band(Mask):
 
     def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
                   kv_count=None):
-        q_count = space.q_len - q_offset if q_count is None else q_count
-        kv_count = space.kv_len - kv_offset if kv_count is None else kv_count
+        q_count, kv_count = _counts(space, q_offset, q_count, kv_offset, kv_count)
         q_lo, q_hi = _block_bounds(q_offset, q_count, block_q, space.device)
         k_lo, k_hi = _block_bounds(kv_offset, kv_count, block_k, space.device)
         shift = self._shift(space)
@@ -291,8 +296,7 @@ class _Padding(Mask):
 
     def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
                   kv_count=None):
-        q_count = space.q_len - q_offset if q_count is None else q_count
-        kv_count = space.kv_len - kv_offset if kv_count is None else kv_count
+        q_count, kv_count = _counts(space, q_offset, q_count, kv_offset, kv_count)
         q_len, kv_len = self._bounds(space)
         q_lo, q_hi = _block_bounds(q_offset, q_count, block_q, space.device)
         k_lo, k_hi = _block_bounds(kv_offset, kv_count, block_k, space.device)
@@ -354,8 +358,7 @@ class _Documents(Mask):
 
     def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
                   kv_count=None):
-        q_count = space.q_len - q_offset if q_count is None else q_count
-        kv_count = space.kv_len - kv_offset if kv_count is None else kv_count
+        q_count, kv_count = _counts(space, q_offset, q_count, kv_offset, kv_count)
 
         def ranges(ids, offset, count, block):
             part = self._ids(ids, torch.arange(offset, offset + count, device=space.device), space)
