@@ -23,6 +23,15 @@ def mask_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
+def additive_mask(allowed: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype,
+                  ) -> torch.Tensor:
+    """A mask as one additive tensor in ``dtype``: ``bias`` (or 0) where ``allowed``, ``-inf``
+    elsewhere (replaced, never added), broadcast to ``allowed``'s shape. For kernels that take
+    an additive ``attn_mask``."""
+    kept = torch.zeros((), dtype=dtype, device=allowed.device) if bias is None else bias.to(dtype)
+    return torch.where(allowed, kept, torch.tensor(float("-inf"), dtype=dtype, device=allowed.device))
+
+
 def masked_softmax(scores: torch.Tensor, allowed: Optional[torch.Tensor],
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable softmax over the last dim of ``scores`` [..., Tk], masked positions excluded.

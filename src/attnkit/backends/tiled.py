@@ -31,7 +31,7 @@ import torch
 
 from ..inputs import Inputs
 from ..masks import EMPTY, FULL, Mask, MaskSpace
-from ..numerics import accum_dtype, merge
+from ..numerics import accum_dtype, additive_mask, merge
 from .base import Backend, BackendOutput
 
 BLOCK_K = 128
@@ -192,9 +192,7 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
         # The diagonal tile of a causal mask: the fused kernel's is_causal skips its upper half.
         if torch.equal(allowed, _lower_triangle(n, device).expand_as(allowed)):
             return TileMask(None, None, causal=True)
-    kept = (torch.zeros((), dtype=dtype, device=device) if values is None
-            else grouped(values).to(dtype))
-    additive = torch.where(allowed, kept, torch.tensor(float("-inf"), dtype=dtype, device=device))
+    additive = additive_mask(allowed, None if values is None else grouped(values), dtype)
     return TileMask(additive, allowed.any(dim=-1))
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..inputs import Inputs
 from ..masks import _Band
-from ..numerics import accum_dtype
+from ..numerics import accum_dtype, additive_mask
 from .base import Backend, BackendOutput
 
 
@@ -34,10 +34,7 @@ def dense_bias(inputs: Inputs) -> tuple[Optional[torch.Tensor], Optional[torch.T
     space = inputs.space
     allowed = inputs.mask.to_dense(space)
     values = inputs.mask.dense_bias(space)
-    fill = torch.zeros((), dtype=inputs.q.dtype, device=inputs.q.device)
-    additive = fill.expand(allowed.shape) if values is None else values.to(inputs.q.dtype)
-    additive = additive.masked_fill(~allowed, float("-inf"))
-    return additive, allowed.any(dim=-1, keepdim=True)
+    return additive_mask(allowed, values, inputs.q.dtype), allowed.any(dim=-1, keepdim=True)
 
 
 class TorchBackend(Backend):
