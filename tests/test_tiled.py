@@ -15,7 +15,8 @@ from attnkit.backends import tiled
 from attnkit.backends.tiled import make_plan, tiled_attention
 from attnkit.masks import MaskSpace
 
-from conftest import ALL_DTYPES, MASK_KINDS, assert_within_2x, mask_case, naive_attention, plain_attention
+from conftest import (ALL_DTYPES, MASK_KINDS, assert_within_2x, dense_band, dense_documents,
+                      dense_padding, mask_case, naive_attention, plain_attention)
 
 # Small blocks so that every case has many tiles, ragged tails and all three tile kinds.
 BLOCKS = dict(block_q=16, block_k=8)
@@ -274,3 +275,89 @@ def test_empty_sequences(backend, q_shape, kv_shape):
     assert torch.isneginf(r.lse).all()
     r.out.sum().backward()
     assert torch.equal(q.grad, torch.zeros(q_shape))
+
+
+# ---- tiles the mask knows to be triangles (run with is_causal, never evaluated) --------------
+
+def _structure_cases():
+    """(mask, its dense form [Bm, 1, tq, tk] built by hand) on a 40×44 space, batch 2."""
+    tq, tk = 40, 44
+    ids_q, ids_k = torch.arange(tq) // 8, torch.arange(tk) // 8
+    ids2_q = torch.stack([torch.arange(tq) // 8, torch.arange(tq) // 5])
+    ids2_k = torch.stack([torch.arange(tk) // 8, torch.arange(tk) // 5])
+    return [
+        (ak.causal(), dense_band(tq, tk, None, 0)[None, None]),
+        (ak.causal("bottom_right"), dense_band(tq, tk, None, 0, "bottom_right")[None, None]),
+        (ak.sliding_window(8), dense_band(tq, tk, 8, 0)[None, None]),
+        (ak.sliding_window(6, 3), dense_band(tq, tk, 6, 3)[None, None]),
+        (ak.sliding_window(0, 8, "bottom_right"), dense_band(tq, tk, 0, 8, "bottom_right")[None, None]),
+        (ak.documents(ids_q, ids_k) & ak.causal(),
+         dense_documents(ids_q, ids_k) & dense_band(tq, tk, None, 0)),
+        (ak.documents(ids2_q, ids2_k) & ak.sliding_window(8),
+         dense_documents(ids2_q, ids2_k) & dense_band(tq, tk, 8, 0)),
+        (ak.causal() & ak.padding(q_lengths=[30, 40], kv_lengths=[33, 44]),
+         dense_band(tq, tk, None, 0) & dense_padding(tq, tk, [30, 40], [33, 44], batch=2)),
+        (ak.causal() & ak.bias(torch.zeros(tq, tk)), None),  # a bias: never a known structure
+        (ak.causal() | ak.sliding_window(2), None),  # masks that cannot tell say None
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_structure_cases())))
+def test_tile_structure_is_never_wrong(case):
+    """Every structure a mask claims for a tile equals its hand-built dense form there, for every
+    batch element; and the claims do occur (lower and upper triangles, full tiles)."""
+    mask, dense = _structure_cases()[case]
+    space = MaskSpace(2, 1, 40, 44)
+    tiles = [(q0, q0 + n, k0, k0 + n) for n in (1, 3, 8, 9, 16)
+             for q0 in range(0, 41 - n) for k0 in range(0, 45 - n)]  # every square tile
+    tiles += [(q0, q0 + 8, k0, k0 + 12) for q0 in range(0, 33, 4) for k0 in range(0, 33, 4)]
+    claims = set()
+    for q0, q1, k0, k1 in tiles:
+        claim = mask.tile_structure(q0, q1, k0, k1, space)
+        claims.add(claim)
+        if claim is None:
+            continue
+        assert dense is not None, f"{mask!r} claimed {claim}"
+        got = dense[..., q0:q1, k0:k1].expand(2, 1, q1 - q0, k1 - k0)
+        square = torch.ones(q1 - q0, q1 - q0, dtype=torch.bool)
+        want = {"empty": lambda: torch.zeros_like(got), "full": lambda: torch.ones_like(got),
+                "lower": lambda: square.tril().expand_as(got),
+                "upper": lambda: square.triu().expand_as(got)}[claim]()
+        assert torch.equal(got, want), (mask, (q0, q1, k0, k1), claim)
+    if dense is None:
+        assert claims == {None}
+    elif case < 6:  # bands and documents&causal: triangles must be recognised
+        assert claims & {"lower", "upper"}, claims
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind, seq", [("window", 64), ("window", 70), ("documents", 64),
+                                       ("bottom_right", 48)])
+def test_triangle_tiles_forward_backward(path, dtype, kind, seq, gen, monkeypatch):
+    """Lower and upper triangle tiles (recognised from the mask's structure, run with the fused
+    kernel's is_causal, upper ones reversed) against the float64 truth; on block-aligned
+    sizes with the fused kernel the element mask is never evaluated."""
+    tq = seq if kind != "bottom_right" else 32
+    q, k, v = _inputs(gen, dtype, batch=2, heads_q=3, heads_kv=3, tq=tq, tk=seq)
+    if kind == "window":  # window 32 on blocks 16×8: upper, full and lower tiles per row
+        mask, allowed = ak.sliding_window(32), dense_band(tq, seq, 32, 0)
+    elif kind == "documents":
+        ids = torch.arange(seq) // 32
+        mask, allowed = ak.documents(ids) & ak.causal(), dense_documents(ids) & dense_band(seq, seq, None, 0)
+    else:
+        mask, allowed = ak.causal("bottom_right"), dense_band(tq, seq, None, 0, "bottom_right")
+    plan = make_plan(mask, MaskSpace(2, 3, tq, seq), batch=2, heads=3, q_offset=0, q_count=tq,
+                     kv_offset=0, kv_count=seq, fused=True, **BLOCKS)
+    structures = {s.structure for row in plan.rows for s in row if s.partial}
+    assert "lower" in structures and ("upper" in structures) == (kind == "window")
+    evaluated = []
+    real_tile = type(mask).tile
+    monkeypatch.setattr(type(mask), "tile", lambda self, *a: evaluated.append(1) or real_tile(self, *a))
+    out, lse, grads = _run(q, k, v, mask, 0.3)
+    if path == "fused" and seq % 16 == 0:
+        assert evaluated == []
+    (t_out, t_lse, t_grads), (p_out, p_lse, p_grads) = _truth(q, k, v, allowed, None, 0.3, dtype)
+    assert_within_2x("out", out, t_out, p_out, dtype)
+    assert_within_2x("lse", lse, t_lse, p_lse, dtype)
+    for name, g, tg, pg in zip("qkv", grads, t_grads, p_grads):
+        assert_within_2x(f"d{name}", g, tg, pg, dtype)

@@ -90,6 +90,27 @@ class Mask:
                             _positions(kv_offset, kv_offset + kv_count, space.device), space)
         return _reduce_blocks(allowed, block_q, block_k, self.has_bias)
 
+    def tile_structure(self, q_start: int, q_stop: int, kv_start: int, kv_stop: int,
+                       space: MaskSpace) -> Optional[str]:
+        """What the tile of queries ``[q_start, q_stop)`` × keys ``[kv_start, kv_stop)`` (global
+        positions) is, for every batch element and head, when the mask knows it *without
+        evaluating elements*; ``None`` when it cannot tell (the caller then evaluates
+        :meth:`tile`). Never a guess: a mask that is unsure says ``None``. Answers:
+
+        - ``"empty"`` / ``"full"``: nothing / everything allowed,
+        - ``"lower"`` (square tile): key ≤ query counted from the tile's corner, i.e. torch's
+          ``is_causal`` on the tile; ``"upper"`` (square tile): key ≥ query from the corner::
+
+              lower  upper
+              █░░░   ████
+              ██░░   ░███
+              ███░   ░░██
+              ████   ░░░█
+
+        Masks with a bias always answer ``None``. The base class knows nothing.
+        """
+        return None
+
     def to_dense(self, space: MaskSpace) -> torch.Tensor:
         """The whole bool mask ``[Bm, Hm, q_len, kv_len]`` (for the reference backend and pictures)."""
         return self.tile(_positions(0, space.q_len, space.device),
@@ -206,6 +227,25 @@ class _Band(Mask):
         all_allowed = (rel_max <= hi) & (rel_min >= lo)
         return _codes_from_bounds(any_allowed, all_allowed)[None, None]  # [1, 1, nq, nk]
 
+    def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
+        if q_stop <= q_start or kv_stop <= kv_start:
+            return None
+        hi = self.right if self.right is not None else math.inf
+        lo = -self.left if self.left is not None else -math.inf
+        corner = kv_start - q_start - self._shift(space)  # rel = k - q - shift at the corner
+        rel_min = corner - (q_stop - 1 - q_start)  # rel over the tile spans [rel_min, rel_max]
+        rel_max = corner + (kv_stop - 1 - kv_start)
+        if rel_min > hi or rel_max < lo:
+            return "empty"
+        if lo <= rel_min and rel_max <= hi:
+            return "full"
+        if q_stop - q_start == kv_stop - kv_start:  # square: rel - corner = column - row
+            if hi == corner and lo <= rel_min:
+                return "lower"
+            if lo == corner and rel_max <= hi:
+                return "upper"
+        return None
+
     def __repr__(self):
         return f"{type(self).__name__}(left={self.left}, right={self.right}, align={self.align!r})"
 
@@ -306,6 +346,12 @@ class _Padding(Mask):
         all_allowed = q_all[:, :, None] & k_all[:, None, :]
         return _codes_from_bounds(any_allowed, all_allowed)[:, None]  # [Bm, 1, nq, nk]
 
+    def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
+        q_len, kv_len = self._bounds(space)  # [Bm]
+        if q_stop <= int(q_len.min()) and kv_stop <= int(kv_len.min()):
+            return "full"
+        return None
+
     def __repr__(self):
         return f"padding(q_lengths={self.q_lengths}, kv_lengths={self.kv_lengths})"
 
@@ -376,6 +422,16 @@ class _Documents(Mask):
         all_allowed = ((q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]
                        & (q_min[:, :, None] == k_min[:, None, :]))
         return _codes_from_bounds(any_allowed, all_allowed)[:, None]  # [Bm, 1, nq, nk]
+
+    def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
+        if q_stop <= q_start or kv_stop <= kv_start:
+            return None
+        q_doc = self.q_ids.to(space.device)[..., q_start:q_stop]  # [Bm?, tq]
+        kv_doc = self.kv_ids.to(space.device)[..., kv_start:kv_stop]  # [Bm?, tk]
+        first = q_doc[..., :1]  # [Bm?, 1]: each batch row's document must be the same throughout
+        if bool((q_doc == first).all()) and bool((kv_doc == first).all()):
+            return "full"
+        return None
 
     def __repr__(self):
         return f"documents(q_ids={tuple(self.q_ids.shape)}, kv_ids={tuple(self.kv_ids.shape)})"
@@ -533,6 +589,19 @@ class _And(_Combined):
         if self.has_bias:
             codes = torch.clamp(codes, max=PARTIAL)
         return codes
+
+    def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
+        if self.has_bias:
+            return None
+        first = self.parts[0].tile_structure(q_start, q_stop, kv_start, kv_stop, space)
+        if first is None:
+            return None
+        if first == "empty":
+            return "empty"
+        second = self.parts[1].tile_structure(q_start, q_stop, kv_start, kv_stop, space)
+        if second in ("empty", "full"):
+            return "empty" if second == "empty" else first
+        return second if first in ("full", second) else None
 
     def __repr__(self):
         return f"({self.parts[0]!r} & {self.parts[1]!r})"

@@ -46,11 +46,14 @@ FUSED_BLOCK_Q = 256
 
 @dataclass(frozen=True)
 class Segment:
-    """Keys ``[start, stop)`` (local) computed together; ``partial``: apply the element mask."""
+    """Keys ``[start, stop)`` (local) computed together; ``partial``: apply the element mask.
+    ``structure``: for a partial square tile the mask knows without evaluating it (see
+    :meth:`~attnkit.masks.Mask.tile_structure`), ``"lower"`` or ``"upper"``; else ``None``."""
 
     start: int
     stop: int
     partial: bool
+    structure: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ def make_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
         codes = union.tolist()
     max_blocks = max(1, TILE_ELEMENTS // (max(1, batch * heads) * block_q * block_k))
     rows = []
-    for row in codes:
+    for i, row in enumerate(codes):
         segments, j = [], 0
         while j < nk:
             code = row[j]
@@ -125,8 +128,27 @@ def make_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
                 end += 1
             segments.append(Segment(j * block_k, min(end * block_k, kv_count), code != FULL))
             j = end
+        if fused and mask is not None:
+            segments = _with_structure(mask, space, segments, q_offset + i * block_q,
+                                       q_offset + min((i + 1) * block_q, q_count), kv_offset)
         rows.append(tuple(segments))
     return Plan(block_q, block_k, tuple(rows), fused)
+
+
+def _with_structure(mask: Mask, space: MaskSpace, segments: list, q_start: int, q_stop: int,
+                    kv_offset: int) -> list:
+    """Mark the partial square segments of one query block that the mask knows to be a lower
+    or upper triangle (global queries ``[q_start, q_stop)``): the fused kernel runs those with
+    ``is_causal`` and the element mask is never evaluated."""
+    marked = []
+    for seg in segments:
+        if seg.partial and seg.stop - seg.start == q_stop - q_start:
+            structure = mask.tile_structure(q_start, q_stop, kv_offset + seg.start,
+                                            kv_offset + seg.stop, space)
+            if structure in ("lower", "upper"):
+                seg = Segment(seg.start, seg.stop, True, structure)
+        marked.append(seg)
+    return marked
 
 
 @dataclass(frozen=True)
@@ -164,11 +186,13 @@ def _lower_triangle(n: int, device: torch.device) -> torch.Tensor:
 class TileMask(NamedTuple):
     """How one PARTIAL segment is masked: an additive tile ``[Bm, Hkv|1, G·n, span]`` (−inf where
     forbidden, + bias) with per-row "has a key" flags ``[Bm, Hkv|1, G·n]``; or, when the tile is
-    exactly a lower triangle on its own diagonal, ``causal=True`` and nothing materialised."""
+    exactly a lower triangle on its own diagonal, ``causal=True`` and nothing materialised;
+    ``flipped`` too when it is an upper triangle (reversing its rows and keys makes it lower)."""
 
     additive: Optional[torch.Tensor]
     has_key: Optional[torch.Tensor]
     causal: bool = False
+    flipped: bool = False
 
 
 def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q: int,
@@ -176,6 +200,8 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
     """Evaluate the mask on one segment (see :class:`TileMask`)."""
     n = rows[1] - rows[0]
     group = heads_q // heads_kv
+    if fused and group == 1 and seg.structure is not None:  # known triangle: nothing to evaluate
+        return TileMask(None, None, causal=True, flipped=seg.structure == "upper")
     device = problem.space.device
     q_idx = torch.arange(problem.q_offset + rows[0], problem.q_offset + rows[1], device=device)
     kv_idx = torch.arange(problem.kv_offset + seg.start, problem.kv_offset + seg.stop, device=device)
@@ -226,6 +252,10 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
     """Attention of one query block over one key segment → ``(out, lse)``, each normalised over
     the segment alone. ``q_block [B, Hkv, G·n, Dk]``, ``k_seg/v_seg [B, Hkv, span, D]``."""
     additive = tile.additive if tile is not None else None
+    if fused and tile is not None and tile.flipped:  # upper triangle: reversed, it is lower
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_block.flip(-2), k_seg.flip(-2), v_seg.flip(-2), 0.0, True, scale=scale)
+        return out.flip(-2), lse.flip(-1)
     if fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q_block, k_seg, v_seg, 0.0, tile is not None and tile.causal, attn_mask=additive,
@@ -337,6 +367,14 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem,
             k_seg, v_seg, tile, keep = _segment_inputs(
                 problem, q_block, keys, values, i, rows, seg, heads_q, fused)
             additive = tile.additive if tile is not None else None
+            if fused and tile is not None and tile.flipped:  # upper triangle: reversed, lower
+                dq_seg, dk_seg, dv_seg = (g.flip(-2) for g in torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    do_block.flip(-2), q_block.flip(-2), k_seg.flip(-2), v_seg.flip(-2),
+                    out_block.flip(-2), lse_block[..., 0].flip(-1), 0.0, True, scale=problem.scale))
+                dq_block += dq_seg
+                dk[:, :, seg.start:seg.stop] += dk_seg
+                dv[:, :, seg.start:seg.stop] += dv_seg
+                continue
             if fused:
                 dq_seg, dk_seg, dv_seg = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     do_block, q_block, k_seg, v_seg, out_block, lse_block[..., 0], 0.0,
