@@ -34,7 +34,9 @@ The table is printed last; the JSON holds every number, the device, versions and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import io
 import json
 import math
 import os
@@ -76,7 +78,15 @@ def parse_args(argv=None):
     p.add_argument("--span", type=int, default=1024, help="window size and document length")
     p.add_argument("--modes", default="fwd,fwd+bwd")
     p.add_argument("--competitors", default=",".join(COMPETITORS))
+    p.add_argument("--flex-masks", default="window,documents&causal",
+                   help="masks FlexAttention is timed on ('all' for every one; each costs a compile "
+                        "of ~10-30 s for the forward and again for the backward)")
     p.add_argument("--skip-check", action="store_true", help="time without the correctness check")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds: start no new workload after this (the JSON and table keep what ran)")
+    p.add_argument("--no-warm", action="store_true",
+                   help="skip compiling every kernel config in parallel processes first")
+    p.add_argument("--warm-one", default=None, help=argparse.SUPPRESS)  # "mask:d" (a warm worker)
     p.add_argument("--out", default=None, help="folder for the JSON (default: $OUT, else results/)")
     args = p.parse_args(argv)
     args.dims_given = any(a.startswith("--dims") for a in (argv if argv is not None else sys.argv[1:]))
@@ -177,7 +187,7 @@ class Masks:
         return self._dense
 
 
-def make_fn(name: str, masks: Masks, device) -> tuple[Optional[Callable], str]:
+def make_fn(name: str, masks: Masks, device, flex_masks: str = "all") -> tuple[Optional[Callable], str]:
     """``fn(q, k, v) -> out`` for competitor ``name``, or ``(None, why not)``."""
     import torch.nn.functional as F
 
@@ -204,6 +214,8 @@ def make_fn(name: str, masks: Masks, device) -> tuple[Optional[Callable], str]:
     if name == "flex-compiled":
         if device.type != "cuda":
             return None, "compiled FlexAttention needs CUDA here"
+        if flex_masks != "all" and kind not in flex_masks.split(","):
+            return None, f"not asked for {kind} (--flex-masks)"
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         compiled = torch.compile(flex_attention, dynamic=False)
@@ -339,8 +351,6 @@ def compile_only(dims: list[int], out: Optional[str]) -> int:
         return 2
     type_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                   torch.int32: "i32", torch.int64: "i64", torch.int8: "i8"}
-    ptxas = triton.knobs.nvidia.ptxas_blackwell.path if hasattr(triton.knobs.nvidia, "ptxas_blackwell") \
-        else triton.knobs.nvidia.ptxas.path
     rows, failures = [], 0
     for d in dims:
         q = torch.zeros(1, 2, 512, d, dtype=torch.bfloat16)
@@ -354,26 +364,41 @@ def compile_only(dims: list[int], out: Optional[str]) -> int:
             kernel = getattr(launch.kernels(), call.name)
             for m, n, warps, stages in launch.CONFIGS[call.name][launch.head_bucket(d)]:
                 values = dict(call.args, BLOCK_M=m, BLOCK_N=n)
-                signature, constexprs = {}, {}
-                for param in kernel.params:
+                # as the JIT specializes a launch: ints equal to 1 become constants, multiples of
+                # 16 (and 16-byte aligned pointers; the caching allocator's are) get the
+                # divisibility hint, unless the kernel opts the argument out
+                signature, constexprs, attrs = {}, {}, {}
+                for i, param in enumerate(kernel.params):
                     value = values[param.name]
+                    hinted = not param.do_not_specialize
                     if param.is_constexpr:
                         signature[param.name], constexprs[param.name] = "constexpr", value
                     elif isinstance(value, torch.Tensor):
                         signature[param.name] = "*" + type_names[value.dtype]
+                        if hinted:
+                            attrs[(i,)] = [["tt.divisibility", 16]]
                     elif isinstance(value, float):
                         signature[param.name] = "fp32"
+                    elif hinted and int(value) == 1:
+                        signature[param.name], constexprs[param.name] = "constexpr", 1
                     else:
                         signature[param.name] = "i64" if abs(int(value)) >= 2**31 else "i32"
+                        if hinted and int(value) % 16 == 0:
+                            attrs[(i,)] = [["tt.divisibility", 16]]
                 start = time.perf_counter()
                 row = {"kernel": call.name, "d": d, "block_m": m, "block_n": n, "warps": warps,
                        "stages": stages}
                 try:
-                    compiled = triton.compile(ASTSource(kernel, signature, constexprs),
-                                              target=GPUTarget("cuda", 90, 32),
-                                              options={"num_warps": warps, "num_stages": stages})
+                    log = io.StringIO()
+                    with triton.knobs.nvidia.scope(), triton.knobs.compilation.scope(), \
+                            contextlib.redirect_stdout(log):
+                        triton.knobs.nvidia.dump_ptxas_log = True  # Triton's own ptxas run, its flags
+                        triton.knobs.compilation.always_compile = True  # no cache hit: ptxas runs
+                        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                                                  target=GPUTarget("cuda", 90, 32),
+                                                  options={"num_warps": warps, "num_stages": stages})
                     row["shared_kib"] = compiled.metadata.shared / 1024
-                    row.update(_ptxas_report(ptxas, compiled.asm["ptx"]))
+                    row.update(_ptxas_report(log.getvalue()))
                     row["fits"] = compiled.metadata.shared <= 227 * 1024
                     row["wgmma"] = "wgmma" in compiled.asm["ptx"]
                 except Exception as error:  # noqa: BLE001 - reported, counted
@@ -392,17 +417,10 @@ def compile_only(dims: list[int], out: Optional[str]) -> int:
     return 1 if failures else 0
 
 
-def _ptxas_report(ptxas: str, ptx: str) -> dict:
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.ptx"
-        path.write_text(ptx)
-        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", str(Path(tmp) / "k.o")],
-                              capture_output=True, text=True)
-    text = done.stdout + done.stderr
-    regs = re.search(r"Used (\d+) registers", text)
-    spill = re.search(r"(\d+) bytes spill stores", text)
+def _ptxas_report(log: str) -> dict:
+    """Registers and spill bytes from the ptxas log of Triton's own compile (its own flags)."""
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
     return {"registers": int(regs.group(1)) if regs else None,
             "spill_bytes": int(spill.group(1)) if spill else None}
 
@@ -430,8 +448,13 @@ class Result:
     status: str = "ok"
 
 
+STARTED = time.perf_counter()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.warm_one:
+        return warm_one(args.warm_one, args.dtype, args.span)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the interpreter
     if args.compile_only:
@@ -455,6 +478,8 @@ def main(argv=None) -> int:
               f"copy {info['copy_gbps']:.0f} GB/s")
 
     todo = workloads(args)
+    if device.type == "cuda" and not args.no_warm:
+        warm(todo, args)
     checks = []
     if not args.skip_check:
         seen = set()
@@ -474,9 +499,17 @@ def main(argv=None) -> int:
             print(f"check {w.label:18s} D{w.d:<4d} N{w.n:<6d} {'ok' if result['ok'] else 'FAILED'}  "
                   f"(triton/sdpa rel. error) {errs}", flush=True)
 
+    out_dir = Path(args.out or os.environ.get("OUT") or REPO / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = "dry_run" if args.dry_run else datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+    path = out_dir / f"gpu_bench_{stamp}.json"
     competitors = [c for c in args.competitors.split(",") if c]
     results: list[Result] = []
+    skipped = []
     for w in todo:
+        if args.budget is not None and time.perf_counter() - STARTED > args.budget:
+            skipped.append(f"{w.label} D{w.d} N{w.n}")
+            continue
         masks = Masks(w, device)
         gen = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(w.batch, w.heads, w.n, w.d, generator=gen, device=device,
@@ -484,7 +517,7 @@ def main(argv=None) -> int:
         dout = torch.randn(w.batch, w.heads, w.n, w.d, generator=gen, device=device, dtype=dtype)
         for name in competitors:
             try:
-                fn, why = make_fn(name, masks, device)
+                fn, why = make_fn(name, masks, device, args.flex_masks)
             except Exception as error:  # noqa: BLE001
                 fn, why = None, f"setup failed: {error!r}"[:120]
             for mode in args.modes.split(","):
@@ -501,13 +534,24 @@ def main(argv=None) -> int:
                         torch.cuda.empty_cache()
                 results.append(row)
         del q, k, v, dout, masks
-
-    out_dir = Path(args.out or os.environ.get("OUT") or REPO / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = "dry_run" if args.dry_run else datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    path = out_dir / f"gpu_bench_{stamp}.json"
-    path.write_text(json.dumps({"info": info, "checks": checks,
+        ours = [r for r in results[-len(competitors) * 2:] if r.backend == "attnkit-triton"]
+        print(f"timed {w.label} D{w.d} N{w.n}: triton "
+              + ", ".join(f"{r.mode} {r.tflops:.0f}" if r.tflops else f"{r.mode} {r.status}"
+                          for r in ours)
+              + f" TFLOP/s  [{time.perf_counter() - STARTED:.0f} s]", flush=True)
+        info["autotuned"] = autotuned()
+        info.setdefault("config_ms", {})[f"{w.label} D{w.d} N{w.n}"] = config_timings()
+        path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
+                                    "results": [asdict(r) for r in results]}, indent=1))
+    info["autotuned"] = autotuned()
+    info["elapsed_s"] = time.perf_counter() - STARTED
+    path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
                                 "results": [asdict(r) for r in results]}, indent=1))
+    print("\nautotuned configs (kernel: tune key -> BLOCK_M, BLOCK_N, warps, stages)")
+    for line in info["autotuned"]:
+        print("  " + line)
+    if skipped:
+        print(f"over the --budget, not timed: {', '.join(skipped)}")
     print_table(results, competitors, info)
     print(f"JSON: {path}")
     failed = [c for c in checks if not c["ok"]]
@@ -515,6 +559,66 @@ def main(argv=None) -> int:
         print(f"CORRECTNESS FAILED for {[c['workload'] + ' D' + str(c['d']) for c in failed]}: "
               f"the timings above are not to be trusted")
         return 1
+    return 0
+
+
+def autotuned() -> list[str]:
+    """The config the autotuner chose for each kernel and key seen so far."""
+    from attnkit.backends.triton import launch
+
+    lines = []
+    for name, tuner in launch._TUNED.items():
+        for key, config in getattr(tuner, "cache", {}).items():
+            lines.append(f"{name}: {key[:3]} -> {config.kwargs.get('BLOCK_M')}, "
+                         f"{config.kwargs.get('BLOCK_N')}, {config.num_warps}, {config.num_stages}")
+    return lines
+
+
+def config_timings() -> dict:
+    """Each tuned kernel's last autotuning: config → median ms (what the autotuner measured)."""
+    from attnkit.backends.triton import launch
+
+    table = {}
+    for name, tuner in launch._TUNED.items():
+        timings = getattr(tuner, "configs_timings", None) or {}
+        table[name] = {f"{c.kwargs.get('BLOCK_M')}x{c.kwargs.get('BLOCK_N')} w{c.num_warps} s{c.num_stages}":
+                       (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
+    return table
+
+
+def warm(todo: list[Workload], args) -> None:
+    """Compile every kernel config each (mask, head dim) needs, in parallel processes, into
+    Triton's on-disk cache: the timed process then loads binaries instead of compiling ~40
+    configs one after another. (The kernels do not specialize on lengths or mask parameters,
+    so one small problem per mask and head dim builds the same binaries the workloads use.)"""
+    jobs = sorted({(w.mask, w.d) for w in todo})
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, __file__, "--warm-one", f"{mask}:{d}", "--dtype", args.dtype,
+                               "--span", "128"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for mask, d in jobs]
+    for (mask, d), proc in zip(jobs, procs):
+        output, _ = proc.communicate()
+        state = "ok" if proc.returncode == 0 else f"FAILED ({proc.returncode}):\n{output[-2000:]}"
+        print(f"warm {mask} D{d}: {state}", flush=True)
+    print(f"warm: {len(jobs)} (mask, D) compiled in parallel in {time.perf_counter() - start:.0f} s",
+          flush=True)
+
+
+def warm_one(spec: str, dtype_name: str, span: int) -> int:
+    """One warm worker: forward and backward of ``mask:d`` at a small size (autotuning compiles
+    every config of the head-dim bucket)."""
+    import attnkit as ak
+
+    mask, d = spec.rsplit(":", 1)
+    device = torch.device("cuda")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    w = Workload(mask, 1024, int(d), 2, 2, span)
+    q, k, v = (torch.randn(w.batch, w.heads, w.n, w.d, device=device, dtype=dtype).requires_grad_()
+               for _ in range(3))
+    out = ak.attention(q, k, v, Masks(w, device).attnkit, backend="triton")
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
     return 0
 
 

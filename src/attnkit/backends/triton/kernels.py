@@ -56,6 +56,17 @@ pointer with its strides; unused ones get a placeholder and stride 0), then the 
 feature switches."""
 
 
+SIZES_AND_MASK = ["TUNE_KEY", "heads", "q_len", "kv_len",
+                  "s_n_b", "s_n_h", "s_n_r", "s_i_b", "s_i_h", "s_i_r", "band_lo", "band_hi",
+                  "s_qlen_b", "s_kvlen_b", "s_qdoc_b", "s_qdoc_t", "s_kvdoc_b", "s_kvdoc_t",
+                  "s_dense_b", "s_dense_h", "s_dense_q", "s_dense_k",
+                  "s_bias_b", "s_bias_h", "s_bias_q", "s_bias_k"]
+"""Integer arguments the JIT must not specialize on (divisible by 16, equal to 1): lengths,
+head counts, block-list strides and mask parameters change with every shape and mask but gain
+nothing from the hints, so leaving them out lets one binary serve every sequence length.
+(Q/K/V/output strides keep their hints: they decide whether tile loads are vectorized.)"""
+
+
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """``a [M, K] @ b [K, N]`` accumulated in float32."""
@@ -185,7 +196,7 @@ def _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h, s_k_t, 
 
 
 # ---- forward ---------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["TUNE_KEY"])
+@triton.jit(do_not_specialize=SIZES_AND_MASK)
 def attn_fwd(Q, K, V, Out, Lse,
              s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_t, s_k_d,
              s_v_b, s_v_h, s_v_t, s_v_d, s_o_b, s_o_h, s_o_t, s_o_d, s_l_b, s_l_h, s_l_t,
@@ -288,7 +299,7 @@ def _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len):
     return lse2, delta
 
 
-@triton.jit(do_not_specialize=["TUNE_KEY"])
+@triton.jit(do_not_specialize=SIZES_AND_MASK + ["heads_kv"])
 def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                   s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_t, s_k_d,
                   s_v_b, s_v_h, s_v_t, s_v_d, s_do_b, s_do_h, s_do_t, s_do_d,
@@ -359,7 +370,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
              dv.to(dV.dtype.element_ty), mask=_in_bounds(offs_n, offs_dv, kv_len, head_dv))
 
 
-@triton.jit(do_not_specialize=["TUNE_KEY"])
+@triton.jit(do_not_specialize=SIZES_AND_MASK)
 def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_t, s_k_d,
                 s_v_b, s_v_h, s_v_t, s_v_d, s_do_b, s_do_h, s_do_t, s_do_d,
