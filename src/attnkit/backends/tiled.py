@@ -31,7 +31,7 @@ import torch
 
 from ..inputs import Inputs
 from ..masks import EMPTY, FULL, Mask, MaskSpace
-from ..numerics import accum_dtype, additive_mask, merge
+from ..numerics import accum_dtype, additive_mask
 from .base import Backend, BackendOutput
 
 BLOCK_K = 128
@@ -303,6 +303,16 @@ def _segment_inputs(problem, q_grouped_block, keys, values, i, rows, seg, heads_
     return k_seg, v_seg, tile, keep
 
 
+def _merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attnkit.numerics.merge` without autograd, overwriting ``out_a`` (a result this
+    engine owns): ``out_a [..., n, D]`` becomes ``lerp(out_a, out_b, σ(lse_b − lse_a))``, and
+    the union's ``lse [..., n]`` is returned. Rows empty on both sides (σ of NaN) get weight 0:
+    both outputs are 0 there and ``logaddexp(−inf, −inf) = −inf``."""
+    weight_b = torch.sub(lse_b, lse_a).sigmoid_().nan_to_num_(0.0)  # [..., n]
+    return out_a.lerp_(out_b, weight_b.unsqueeze(-1)), torch.logaddexp(lse_a, lse_b)
+
+
 def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward pass. ``q [B, Hq, Tq, Dk]``, ``k [B, Hkv, Tk, Dk]``, ``v [B, Hkv, Tk, Dv]`` →
@@ -325,7 +335,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
             if block_out is None:
                 block_out, block_lse = seg_out.to(acc), seg_lse.to(acc)
             else:
-                block_out, block_lse = merge(block_out, block_lse, seg_out, seg_lse)
+                block_out, block_lse = _merge_into(block_out, block_lse, seg_out.to(acc), seg_lse.to(acc))
         if block_out is None:  # no key for any of these rows
             out[:, :, rows[0]:rows[1]] = 0
         else:
