@@ -331,14 +331,15 @@ def test_tile_structure_is_never_wrong(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("heads", [(3, 3), (4, 2)])
 @pytest.mark.parametrize("kind, seq", [("window", 64), ("window", 70), ("documents", 64),
                                        ("bottom_right", 48)])
-def test_triangle_tiles_forward_backward(path, dtype, kind, seq, gen, monkeypatch):
-    """Lower and upper triangle tiles (recognised from the mask's structure, run with the fused
-    kernel's is_causal, upper ones reversed) against the float64 truth; on block-aligned
-    sizes with the fused kernel the element mask is never evaluated."""
+def test_triangle_tiles_forward_backward(path, dtype, heads, kind, seq, gen, monkeypatch):
+    """Lower and upper triangle tiles (recognised from the mask's structure: lower ones run with
+    the fused kernel's is_causal, upper ones and GQA with a cached triangle) against the float64
+    truth; on block-aligned sizes with the fused kernel the element mask is never evaluated."""
     tq = seq if kind != "bottom_right" else 32
-    q, k, v = _inputs(gen, dtype, batch=2, heads_q=3, heads_kv=3, tq=tq, tk=seq)
+    q, k, v = _inputs(gen, dtype, batch=2, heads_q=heads[0], heads_kv=heads[1], tq=tq, tk=seq)
     if kind == "window":  # window 32 on blocks 16×8: upper, full and lower tiles per row
         mask, allowed = ak.sliding_window(32), dense_band(tq, seq, 32, 0)
     elif kind == "documents":
@@ -346,7 +347,7 @@ def test_triangle_tiles_forward_backward(path, dtype, kind, seq, gen, monkeypatc
         mask, allowed = ak.documents(ids) & ak.causal(), dense_documents(ids) & dense_band(seq, seq, None, 0)
     else:
         mask, allowed = ak.causal("bottom_right"), dense_band(tq, seq, None, 0, "bottom_right")
-    plan = make_plan(mask, MaskSpace(2, 3, tq, seq), batch=2, heads=3, q_offset=0, q_count=tq,
+    plan = make_plan(mask, MaskSpace(2, heads[0], tq, seq), batch=2, heads=heads[0], q_offset=0, q_count=tq,
                      kv_offset=0, kv_count=seq, fused=True, **BLOCKS)
     structures = {s.structure for row in plan.rows for s in row if s.partial}
     assert "lower" in structures and ("upper" in structures) == (kind == "window")

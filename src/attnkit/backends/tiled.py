@@ -183,16 +183,26 @@ def _lower_triangle(n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril_()
 
 
+@functools.lru_cache(maxsize=8)
+def _triangle_additive(structure: str, n: int, group: int, dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+    """The additive mask ``[1, 1, G·n, n]`` of a ``"lower"``/``"upper"`` triangle tile (0 where
+    allowed, −inf elsewhere), repeated for the G query heads stacked as rows (cached: one per
+    tile size; every row of such a tile has a key, its diagonal)."""
+    allowed = torch.ones(n, n, dtype=torch.bool, device=device)
+    allowed = allowed.tril_() if structure == "lower" else allowed.triu_()
+    return additive_mask(allowed.repeat(group, 1), None, dtype)[None, None]
+
+
 class TileMask(NamedTuple):
     """How one PARTIAL segment is masked: an additive tile ``[Bm, Hkv|1, G·n, span]`` (−inf where
     forbidden, + bias) with per-row "has a key" flags ``[Bm, Hkv|1, G·n]``; or, when the tile is
-    exactly a lower triangle on its own diagonal, ``causal=True`` and nothing materialised;
-    ``flipped`` too when it is an upper triangle (reversing its rows and keys makes it lower)."""
+    exactly a lower triangle on its own diagonal, ``causal=True`` and nothing materialised.
+    ``has_key`` is ``None`` when every row has a key."""
 
     additive: Optional[torch.Tensor]
     has_key: Optional[torch.Tensor]
     causal: bool = False
-    flipped: bool = False
 
 
 def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q: int,
@@ -200,8 +210,10 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
     """Evaluate the mask on one segment (see :class:`TileMask`)."""
     n = rows[1] - rows[0]
     group = heads_q // heads_kv
-    if fused and group == 1 and seg.structure is not None:  # known triangle: nothing to evaluate
-        return TileMask(None, None, causal=True, flipped=seg.structure == "upper")
+    if fused and seg.structure is not None:  # a known triangle: nothing to evaluate
+        if group == 1 and seg.structure == "lower":
+            return TileMask(None, None, causal=True)
+        return TileMask(_triangle_additive(seg.structure, n, group, dtype, problem.space.device), None)
     device = problem.space.device
     q_idx = torch.arange(problem.q_offset + rows[0], problem.q_offset + rows[1], device=device)
     kv_idx = torch.arange(problem.kv_offset + seg.start, problem.kv_offset + seg.stop, device=device)
@@ -252,15 +264,11 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
     """Attention of one query block over one key segment → ``(out, lse)``, each normalised over
     the segment alone. ``q_block [B, Hkv, G·n, Dk]``, ``k_seg/v_seg [B, Hkv, span, D]``."""
     additive = tile.additive if tile is not None else None
-    if fused and tile is not None and tile.flipped:  # upper triangle: reversed, it is lower
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_block.flip(-2), k_seg.flip(-2), v_seg.flip(-2), 0.0, True, scale=scale)
-        return out.flip(-2), lse.flip(-1)
     if fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q_block, k_seg, v_seg, 0.0, tile is not None and tile.causal, attn_mask=additive,
             scale=scale)
-        if additive is not None:  # the kernel leaves out 0 but lse 0 on rows with no key
+        if additive is not None and tile.has_key is not None:  # out 0 but lse 0 on rows with no key
             lse = lse.masked_fill(~tile.has_key, float("-inf"))
         return out, lse
     scores = (q_block * scale) @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
@@ -377,14 +385,6 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem,
             k_seg, v_seg, tile, keep = _segment_inputs(
                 problem, q_block, keys, values, i, rows, seg, heads_q, fused)
             additive = tile.additive if tile is not None else None
-            if fused and tile is not None and tile.flipped:  # upper triangle: reversed, lower
-                dq_seg, dk_seg, dv_seg = (g.flip(-2) for g in torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    do_block.flip(-2), q_block.flip(-2), k_seg.flip(-2), v_seg.flip(-2),
-                    out_block.flip(-2), lse_block[..., 0].flip(-1), 0.0, True, scale=problem.scale))
-                dq_block += dq_seg
-                dk[:, :, seg.start:seg.stop] += dk_seg
-                dv[:, :, seg.start:seg.stop] += dv_seg
-                continue
             if fused:
                 dq_seg, dk_seg, dv_seg = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     do_block, q_block, k_seg, v_seg, out_block, lse_block[..., 0], 0.0,
