@@ -480,6 +480,10 @@ def main(argv=None) -> int:
     todo = workloads(args)
     if device.type == "cuda" and not args.no_warm:
         warm(todo, args)
+    if device.type == "cuda":
+        info["host_us_per_call"] = host_overhead(device, dtype)
+        print("host time per call (tiny problem, GPU idle: the floor a small workload sees), us: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in info["host_us_per_call"].items()), flush=True)
     checks = []
     if not args.skip_check:
         seen = set()
@@ -560,6 +564,30 @@ def main(argv=None) -> int:
               f"the timings above are not to be trusted")
         return 1
     return 0
+
+
+def host_overhead(device, dtype, calls: int = 200) -> dict:
+    """Wall-clock µs per call of a tiny forward (B1 H1 N128 D128, causal), the GPU waiting on
+    the host: what each backend's Python and launch path costs before any kernel time."""
+    import torch.nn.functional as F
+
+    import attnkit as ak
+
+    q, k, v = (torch.randn(1, 1, 128, 128, device=device, dtype=dtype) for _ in range(3))
+    mask = ak.causal()
+    fns = {"attnkit-triton": lambda: ak.attention(q, k, v, mask, backend="triton"),
+           "attnkit-auto": lambda: ak.attention(q, k, v, mask),
+           "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+    result = {}
+    for name, fn in fns.items():
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        result[name] = (time.perf_counter() - start) / calls * 1e6
+    return result
 
 
 def autotuned() -> list[str]:

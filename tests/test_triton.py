@@ -346,6 +346,31 @@ def test_rerun_is_bit_identical(gen):
         assert torch.equal(first, second)
 
 
+# ---- the layout cache (block lists reused between calls) -------------------------------------------
+
+def test_layout_is_reused_for_the_same_mask_and_shapes():
+    ids = torch.arange(96) // 32
+    mask = ak.documents(ids) & ak.causal()
+    first = _plan(mask, 96, 96, launch.INTERPRETER_TILES).layout
+    assert _plan(mask, 96, 96, launch.INTERPRETER_TILES).layout is first
+    assert _plan(mask, 96, 96, launch.INTERPRETER_TILES, heads=2).layout is not first  # other shapes
+    equal = ak.documents(ids.clone()) & ak.causal()  # another tensor: planned again
+    assert _plan(equal, 96, 96, launch.INTERPRETER_TILES).layout is not first
+    assert launch.mask_key(ak.from_function(lambda b, h, q, kv: q >= kv), []) is None
+
+
+def test_layout_cache_sees_in_place_changes(gen):
+    """Document ids written in place after a call must give a new layout and right results."""
+    ids = torch.arange(64) // 32  # 2 documents
+    mask = ak.documents(ids)
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 16, 16, torch.float32, gen)
+    check(q, k, v, mask, dense_documents(ids), gen=gen, grads=False)
+    before = _plan(mask, 64, 64, launch.INTERPRETER_TILES).layout
+    ids[:] = torch.arange(64) // 16  # now 4 documents: blocks that were FULL are EMPTY
+    assert _plan(mask, 64, 64, launch.INTERPRETER_TILES).layout is not before
+    check(q, k, v, mask, dense_documents(ids), gen=gen)
+
+
 # ---- block skipping (host block lists) -----------------------------------------------------------
 
 def _plan(mask, q_len, kv_len, tiles, heads=1, batch=1):

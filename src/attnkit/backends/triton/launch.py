@@ -32,6 +32,7 @@ import importlib.util
 import math
 import os
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable, Optional
@@ -39,11 +40,13 @@ from typing import Callable, Optional
 import torch
 
 from ...inputs import Inputs
-from ...masks import FULL, PARTIAL, Mask, MaskSpace, _And, _Band, _Bias, _Documents, _Padding
+from ...masks import (FULL, PARTIAL, Mask, MaskSpace, _And, _Band, _Bias, _Combined, _Dense, _Documents,
+                      _Padding)
 
 LOG2E = 1.4426950408889634
 
 _FLAVOURS: dict[bool, ModuleType] = {}
+_MODE: list[bool] = []  # interpreting(), once known
 _TUNED: dict[str, object] = {}
 
 
@@ -55,6 +58,8 @@ def interpreter_requested() -> bool:
 def interpreting() -> bool:
     """Whether this process runs Triton kernels through the interpreter: fixed when triton was
     first imported (importing it now, under the current environment, if nobody has yet)."""
+    if _MODE:
+        return _MODE[0]
     import triton
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
@@ -62,10 +67,12 @@ def interpreting() -> bool:
 
     probe = getattr(tl, "zeros", None)  # a @jit function of triton's own library
     if isinstance(probe, InterpretedFunction):
-        return True
-    if isinstance(probe, JITFunction):
-        return False
-    return bool(triton.knobs.runtime.interpret)
+        _MODE.append(True)  # fixed for the life of the process
+    elif isinstance(probe, JITFunction):
+        _MODE.append(False)
+    else:
+        return bool(triton.knobs.runtime.interpret)
+    return _MODE[0]
 
 
 def cpu_problem() -> Optional[str]:
@@ -344,12 +351,11 @@ def block_codes(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> torch.T
 
 # ---- one call's plan ----------------------------------------------------------------------------
 @dataclass
-class Plan:
-    """Everything the kernels need besides the tensors, built once per call."""
+class Layout:
+    """What depends on the mask and the shapes alone: the mask program and the block lists.
+    Cached between calls (:func:`layout`), so a training step that reuses a mask pays for its
+    block map once, as FlexAttention's ``create_block_mask`` is paid once."""
 
-    scale: float
-    interpret: bool
-    tiles: Tiles
     program: MaskProgram
     codes: torch.Tensor  # [Bm, Hm, R, C] sparse block codes
     batch: int
@@ -364,24 +370,103 @@ class Plan:
             self._cols = block_lists(self.codes.transpose(-1, -2), self.batch, self.heads)
         return self._cols
 
+
+@dataclass
+class Plan:
+    """Everything the kernels need besides the tensors: the call's scale and mode, the tiles,
+    and the (possibly shared) :class:`Layout`."""
+
+    scale: float
+    interpret: bool
+    tiles: Tiles
+    layout: Layout
+
+    @property
+    def program(self) -> MaskProgram:
+        return self.layout.program
+
+    @property
+    def codes(self) -> torch.Tensor:
+        return self.layout.codes
+
+    @property
+    def rows(self) -> BlockLists:
+        return self.layout.rows
+
+    @property
+    def cols(self) -> BlockLists:
+        return self.layout.cols
+
     @property
     def tune_key(self) -> int:
-        """Lengths (as powers of two) and mask features, packed into one int for the autotuner."""
+        """Batch × heads and lengths (as powers of two: the grid's size) and the mask features,
+        packed into one int for the autotuner."""
+        bh_bits = max(self.layout.batch * self.layout.heads, 1).bit_length()
         q_bits = max(self.codes.shape[-2], 1).bit_length()
         kv_bits = max(self.codes.shape[-1], 1).bit_length()
         flags = sum(int(on) << i for i, on in enumerate(self.program.flags().values()))
-        return (q_bits << 16) | (kv_bits << 8) | flags
+        return (bh_bits << 24) | (q_bits << 16) | (kv_bits << 8) | flags
+
+
+LAYOUT_CACHE_SIZE = 32
+_LAYOUTS: "OrderedDict[tuple, tuple[Layout, list]]" = OrderedDict()
+
+
+def _tensor_key(t: Optional[torch.Tensor]):
+    """A tensor's identity *and* state: an in-place write bumps ``_version``, so a mask whose
+    tensor was modified misses the cache."""
+    if t is None:
+        return None
+    return (id(t), t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+def mask_key(mask: Optional[Mask], keep: list) -> Optional[tuple]:
+    """A hashable description of ``mask`` for the layout cache, or ``None`` when it cannot be
+    cached (``from_function``: its function may read anything). Tensors the key names by ``id``
+    are appended to ``keep``; the cache holds them, so an id cannot be reused while cached."""
+    if mask is None:
+        return ()
+    if isinstance(mask, _Band):
+        return ("band", mask.left, mask.right, mask.align)
+    tensors = {_Padding: ("q_lengths", "kv_lengths"), _Documents: ("q_ids", "kv_ids"),
+               _Dense: ("allowed",), _Bias: ("values",)}.get(type(mask))
+    if tensors is not None:
+        values = [getattr(mask, name) for name in tensors]
+        keep.extend(t for t in values if t is not None)
+        return (type(mask).__name__, *(_tensor_key(t) for t in values))
+    if isinstance(mask, _Combined):
+        parts = [mask_key(part, keep) for part in mask.parts]
+        return None if any(p is None for p in parts) else (type(mask).__name__, *parts)
+    return None
+
+
+def layout(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> Layout:
+    """The :class:`Layout` of ``mask`` over ``space``, from the cache when this mask (same
+    tensors, unmodified) was planned for the same shapes before."""
+    keep: list = []
+    key = mask_key(mask, keep)
+    if key is not None:
+        key = (key, space, tiles)
+        hit = _LAYOUTS.get(key)
+        if hit is not None:
+            _LAYOUTS.move_to_end(key)
+            return hit[0]
+    codes = block_codes(mask, space, tiles)
+    built = Layout(program=compile_mask(mask, space), codes=codes, batch=space.batch,
+                   heads=space.heads, rows=block_lists(codes, space.batch, space.heads))
+    if key is not None:
+        _LAYOUTS[key] = (built, keep)
+        while len(_LAYOUTS) > LAYOUT_CACHE_SIZE:
+            _LAYOUTS.popitem(last=False)
+    return built
 
 
 def make_plan(inputs: Inputs, tiles: Optional[Tiles] = None) -> Plan:
-    """Compile the mask and build the forward block lists for ``inputs``."""
+    """The plan of one call: its scale and mode, and the mask's (cached) layout."""
     interpret = interpreting()
     tiles = tiles or (INTERPRETER_TILES if interpret else GPU_TILES)
-    space = inputs.space
-    codes = block_codes(inputs.mask, space, tiles)
     return Plan(scale=inputs.scale, interpret=interpret, tiles=tiles,
-                program=compile_mask(inputs.mask, space), codes=codes, batch=space.batch,
-                heads=space.heads, rows=block_lists(codes, space.batch, space.heads))
+                layout=layout(inputs.mask, inputs.space, tiles))
 
 
 # ---- launches ------------------------------------------------------------------------------------
