@@ -362,20 +362,22 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem,
     fused = uses_fused_kernel(q, v, problem.dropout_p) and grad_lse is None
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)
     grad_out, out = grad_out.to(acc), out.to(acc)
-    delta = (grad_out * out).sum(dim=-1)  # [B, Hq, Tq]  rowsum(dO ∘ O)
-    if grad_lse is not None:
-        delta = delta - grad_lse.to(acc)  # d lse / d score = p, folded into the same term
+    if not fused:  # the fused kernel forms rowsum(dO ∘ O) itself
+        delta = (grad_out * out).sum(dim=-1)  # [B, Hq, Tq]  rowsum(dO ∘ O)
+        if grad_lse is not None:
+            delta = delta - grad_lse.to(acc)  # d lse / d score = p, folded into the same term
     lse_safe = torch.where(torch.isneginf(lse), float("inf"), lse.to(acc))  # p = 0 on empty rows
-    dq = torch.zeros_like(queries)
+    dq = torch.empty_like(queries)  # every query block writes its rows below
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for i, rows, segments in problem.plan.groups(tq):
         if not segments:
+            dq[:, :, rows[0]:rows[1]] = 0
             continue
         q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)  # [B, Hkv, G·n, Dk]
         do_block = _grouped(grad_out[:, :, rows[0]:rows[1]], heads_kv)  # [B, Hkv, G·n, Dv]
         lse_block = _grouped(lse_safe[:, :, rows[0]:rows[1], None], heads_kv)  # [B, Hkv, G·n, 1]
-        dq_block = torch.zeros_like(q_block)
+        dq_block = None  # the first segment's dq (a fresh tensor), then the sum in place
         if fused:
             out_block = _grouped(out[:, :, rows[0]:rows[1]], heads_kv)
         else:
@@ -389,9 +391,9 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem,
                 dq_seg, dk_seg, dv_seg = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     do_block, q_block, k_seg, v_seg, out_block, lse_block[..., 0], 0.0,
                     tile is not None and tile.causal, attn_mask=additive, scale=problem.scale)
-                dq_block += dq_seg
-                dk[:, :, seg.start:seg.stop] += dk_seg
-                dv[:, :, seg.start:seg.stop] += dv_seg
+                dq_block = dq_seg if dq_block is None else dq_block.add_(dq_seg)
+                dk[:, :, seg.start:seg.stop].add_(dk_seg)  # in place: `+=` on a slice copies back
+                dv[:, :, seg.start:seg.stop].add_(dv_seg)
                 continue
             scores = q_block_scaled @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
             if additive is not None:
@@ -402,10 +404,11 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem,
             if keep is not None:
                 kept = probs.masked_fill(~keep, 0.0).div_(1.0 - problem.dropout_p)
                 grad_probs.masked_fill_(~keep, 0.0).div_(1.0 - problem.dropout_p)
-            dv[:, :, seg.start:seg.stop] += kept.transpose(-1, -2) @ do_block
+            dv[:, :, seg.start:seg.stop].add_(kept.transpose(-1, -2) @ do_block)
             grad_scores = grad_probs.sub_(delta_block).mul_(probs)  # dS = P ∘ (dP − Δ)
-            dq_block += (grad_scores @ k_seg) * problem.scale
-            dk[:, :, seg.start:seg.stop] += grad_scores.transpose(-1, -2) @ q_block_scaled
+            dq_seg = (grad_scores @ k_seg).mul_(problem.scale)  # [B, Hkv, G·n, Dk]
+            dq_block = dq_seg if dq_block is None else dq_block.add_(dq_seg)
+            dk[:, :, seg.start:seg.stop].add_(grad_scores.transpose(-1, -2) @ q_block_scaled)
         dq[:, :, rows[0]:rows[1]] = _ungrouped(dq_block, heads_q)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
