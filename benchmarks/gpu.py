@@ -362,8 +362,8 @@ def compile_only(dims: list[int], out: Optional[str]) -> int:
                  launch.dq_call(q, q, q, q, lse, delta, q, plan)]
         for call in calls:
             kernel = getattr(launch.kernels(), call.name)
-            for m, n, warps, stages in launch.CONFIGS[call.name][launch.head_bucket(d)]:
-                values = dict(call.args, BLOCK_M=m, BLOCK_N=n)
+            for m, n, warps, stages, walk in launch.CONFIGS[call.name][launch.head_bucket(d)]:
+                values = dict(call.args, BLOCK_M=m, BLOCK_N=n, **launch.WALKS[walk])
                 # as the JIT specializes a launch: ints equal to 1 become constants, multiples of
                 # 16 (and 16-byte aligned pointers; the caching allocator's are) get the
                 # divisibility hint, unless the kernel opts the argument out
@@ -387,7 +387,7 @@ def compile_only(dims: list[int], out: Optional[str]) -> int:
                             attrs[(i,)] = [["tt.divisibility", 16]]
                 start = time.perf_counter()
                 row = {"kernel": call.name, "d": d, "block_m": m, "block_n": n, "warps": warps,
-                       "stages": stages}
+                       "stages": stages, "walk": walk}
                 try:
                     log = io.StringIO()
                     with triton.knobs.nvidia.scope(), triton.knobs.compilation.scope(), \
@@ -411,7 +411,7 @@ def compile_only(dims: list[int], out: Optional[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "compile_sm90.json").write_text(json.dumps(
         {"triton": triton.__version__, "target": "sm90 (offline, no device)", "rows": rows}, indent=1))
-    print("\nkernel          D   BM  BN  w s  smem KiB  regs  spill B  fits  wgmma")
+    print("\nkernel          D   BM  BN  w s W  smem KiB  regs  spill B  fits  wgmma")
     for row in rows:
         print(_compile_line(row))
     return 1 if failures else 0
@@ -426,7 +426,8 @@ def _ptxas_report(log: str) -> dict:
 
 
 def _compile_line(row: dict) -> str:
-    head = f"{row['kernel']:15s} {row['d']:3d} {row['block_m']:4d}{row['block_n']:4d} {row['warps']:2d} {row['stages']}"
+    head = (f"{row['kernel']:15s} {row['d']:3d} {row['block_m']:4d}{row['block_n']:4d} {row['warps']:2d} "
+            f"{row['stages']} {row['walk'][0]}")
     if "error" in row:
         return f"{head}  ERROR {row['error']}"
     return (f"{head} {row['shared_kib']:9.1f} {row['registers'] or '?':>5} {row['spill_bytes'] or 0:8d}"
@@ -551,11 +552,16 @@ def main(argv=None) -> int:
     info["elapsed_s"] = time.perf_counter() - STARTED
     path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
                                 "results": [asdict(r) for r in results]}, indent=1))
-    print("\nautotuned configs (kernel: tune key -> BLOCK_M, BLOCK_N, warps, stages)")
+    print("\nautotuned configs (kernel: tune key -> BLOCK_M, BLOCK_N, warps, stages, walk)")
     for line in info["autotuned"]:
         print("  " + line)
     if skipped:
         print(f"over the --budget, not timed: {', '.join(skipped)}")
+    for label, kernels_ in info.get("config_ms", {}).items():
+        if "window" in label or "docs" in label:
+            for name, tuned in kernels_.items():
+                ranked = sorted(tuned["ms"].items(), key=lambda kv: kv[1])[:4]
+                print(f"  {label:26s} {name:14s} " + "  ".join(f"{c} {ms:.3f}" for c, ms in ranked))
     print_table(results, competitors, info)
     print(f"JSON: {path}")
     failed = [c for c in checks if not c["ok"]]
@@ -597,20 +603,22 @@ def autotuned() -> list[str]:
     lines = []
     for name, tuner in launch._TUNED.items():
         for key, config in getattr(tuner, "cache", {}).items():
-            lines.append(f"{name}: {key[:3]} -> {config.kwargs.get('BLOCK_M')}, "
-                         f"{config.kwargs.get('BLOCK_N')}, {config.num_warps}, {config.num_stages}")
+            lines.append(f"{name}: {key[:3]} -> " + ", ".join(map(str, launch._config_key(config))))
     return lines
 
 
 def config_timings() -> dict:
-    """Each tuned kernel's last autotuning: config → median ms (what the autotuner measured)."""
+    """Each tuned kernel's latest autotuning (its key, and config → median ms as the autotuner
+    measured it on the workload that triggered it)."""
     from attnkit.backends.triton import launch
 
     table = {}
     for name, tuner in launch._TUNED.items():
         timings = getattr(tuner, "configs_timings", None) or {}
-        table[name] = {f"{c.kwargs.get('BLOCK_M')}x{c.kwargs.get('BLOCK_N')} w{c.num_warps} s{c.num_stages}":
-                       (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
+        keys = list(getattr(tuner, "cache", {}))
+        table[name] = {"key": str(keys[-1][:3]) if keys else None, "ms": {
+            "{}x{} w{} s{} {}".format(*launch._config_key(c)): (t[0] if isinstance(t, (list, tuple)) else t)
+            for c, t in timings.items()}}
     return table
 
 

@@ -292,6 +292,26 @@ def test_kernel_blocks_inside_sparse_blocks(tiles, gen, monkeypatch):
     check(q, k, v, mask, allowed, gen=gen)
 
 
+@pytest.mark.parametrize("walk", sorted(launch.WALKS))
+@pytest.mark.parametrize("case", ["docs&causal", "window&padding", "bias"])
+def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
+    """Each walk the autotuner may pick (PARTIAL loop first, FULL loop first, one merged loop
+    that masks every tile) gives the same attention, on rows mixing PARTIAL and FULL blocks."""
+    monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
+        sparse_q=16, sparse_k=16, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), walk=walk))
+    if case == "docs&causal":
+        mask, allowed = _docs(gen, 70, 2, causal=True)
+        bias = None
+    elif case == "window&padding":
+        mask = ak.sliding_window(20) & ak.padding(kv_lengths=[61])
+        allowed, bias = dense_band(70, 70, 20, 0) & dense_padding(70, 70, None, [61]), None
+    else:
+        bias = torch.randn(70, 70, generator=gen)
+        mask, allowed = ak.bias(bias), None
+    q, k, v = make_qkv(1, 2, 2, 70, 70, 16, 16, torch.float32, gen)
+    check(q, k, v, mask, allowed, bias, gen=gen)
+
+
 # ---- memory safety and determinism ----------------------------------------------------------------
 
 def poisoned(t: torch.Tensor, extra=(1, 1, 7, 5)) -> torch.Tensor:

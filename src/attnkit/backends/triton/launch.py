@@ -115,6 +115,7 @@ class Tiles:
     fwd: Optional[tuple[int, int]] = None
     dkdv: Optional[tuple[int, int]] = None
     dq: Optional[tuple[int, int]] = None
+    walk: str = "partial_first"  # under the interpreter (see WALKS)
 
 
 GPU_TILES = Tiles(sparse_q=128, sparse_k=128)
@@ -124,26 +125,40 @@ dominates), so 32×32 tiles run the tests about twice as fast as 16×16 while se
 40–80 positions still span several blocks. Tests swap in other tiles (e.g. 32×32 sparse blocks
 walked by 16-wide kernel blocks) to cover the sub-tile loops the GPU configs use."""
 
+WALKS = {"partial_first": dict(FULL_FIRST=False, MERGED=0),
+         "full_first": dict(FULL_FIRST=True, MERGED=0),
+         "merged": dict(FULL_FIRST=False, MERGED=1)}
+"""How a kernel walks a row's block list (``kernels.py``): the PARTIAL loop then the FULL one,
+the FULL loop first, or one loop that masks every tile. Autotuned with the block sizes."""
+
+P, F, M = "partial_first", "full_first", "merged"
+
 # Autotune candidates per kernel and head-dim bucket (the larger of the padded Dk, Dv):
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); blocks divide the 128×128 sparse blocks. Chosen from
-# an offline sm90 build (``benchmarks/gpu.py --compile-only``): configs whose ptxas report showed
-# large register spills were dropped, as were dQ/forward tiles under 64 query rows (no wgmma).
-# None of them has been timed on a GPU yet.
-CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int]]]] = {
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, walk); blocks divide the 128×128 sparse blocks.
+# Chosen from an offline sm90 build (``benchmarks/gpu.py --compile-only``: no spills at D ≤ 128
+# but small ones in dK/dV) and two H200 runs (docs/BENCHMARKS.md): the autotuner picked
+# 128×128 (forward), 32×128 (dK/dV) and 128×64 (dQ) at D = 128 for every mask. The walks
+# other than PARTIAL-first are candidates for the few-block rows of causal/documents masks.
+CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     "attn_fwd": {
-        64: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
-        128: [(128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
-        256: [(64, 32, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2)],
+        64: [(128, 128, 8, 2, P), (128, 64, 8, 3, P), (128, 32, 4, 3, P), (64, 64, 4, 3, P),
+             (64, 64, 4, 3, M), (64, 32, 4, 2, P), (64, 32, 4, 2, M)],
+        128: [(128, 128, 8, 2, P), (128, 128, 8, 2, F), (128, 128, 8, 2, M), (128, 64, 8, 3, P),
+              (128, 64, 8, 3, M), (64, 64, 4, 3, P), (64, 32, 4, 2, P)],
+        256: [(64, 32, 4, 2, P), (64, 64, 8, 2, P), (64, 32, 8, 2, P)],
     },
     "attn_bwd_dkdv": {  # BLOCK_N key rows per program, BLOCK_M query rows per step
-        64: [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (16, 64, 4, 2)],
-        128: [(32, 128, 8, 2), (16, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 2)],
-        256: [(16, 64, 8, 2), (16, 64, 4, 1), (32, 64, 8, 1)],
+        64: [(32, 128, 8, 2, P), (32, 128, 8, 2, M), (64, 128, 8, 2, P), (64, 128, 8, 2, M),
+             (32, 64, 4, 3, P), (16, 64, 4, 2, P)],
+        128: [(32, 128, 8, 2, P), (32, 128, 8, 2, F), (32, 128, 8, 2, M), (16, 64, 4, 2, P),
+              (32, 64, 8, 2, P), (64, 64, 8, 2, P)],
+        256: [(16, 64, 8, 2, P), (16, 64, 4, 1, P), (32, 64, 8, 1, P)],
     },
     "attn_bwd_dq": {
-        64: [(128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2)],
-        128: [(128, 64, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2)],
-        256: [(64, 32, 8, 2), (64, 16, 4, 2), (64, 32, 4, 1)],
+        64: [(128, 64, 8, 2, P), (64, 64, 4, 3, P), (64, 64, 4, 3, M), (64, 32, 4, 2, P)],
+        128: [(128, 64, 8, 2, P), (128, 64, 8, 2, F), (128, 64, 8, 2, M), (64, 64, 8, 2, P),
+              (64, 32, 4, 2, P)],
+        256: [(64, 32, 8, 2, P), (64, 16, 4, 2, P), (64, 32, 4, 1, P)],
     },
 }
 
@@ -153,8 +168,10 @@ def head_bucket(head: int) -> int:
     return 64 if head <= 64 else 128 if head <= 128 else 256
 
 
-def _config_key(config) -> tuple[int, int, int, int]:
-    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+def _config_key(config) -> tuple[int, int, int, int, str]:
+    walk = next(name for name, flags in WALKS.items()
+                if all(config.kwargs[k] == v for k, v in flags.items()))
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages, walk
 
 
 def _pruner(name: str):
@@ -172,8 +189,8 @@ def _tuned(name: str):
         import triton
 
         every = sorted({c for bucket in CONFIGS[name].values() for c in bucket})
-        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-                   for m, n, w, s in every]
+        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **WALKS[walk]}, num_warps=w,
+                                 num_stages=s) for m, n, w, s, walk in every]
         _TUNED[name] = triton.autotune(configs=configs, key=["DK_PAD", "DV_PAD", "TUNE_KEY"],
                                        prune_configs_by={"early_config_prune": _pruner(name)},
                                        )(getattr(kernels(), name))
@@ -499,13 +516,15 @@ class Call:
     args: dict
     grid: Callable[[int, int], tuple[int, int]]
     fixed: Optional[tuple[int, int]]
+    walk: str = "partial_first"  # under the interpreter
 
     def run(self, interpret: bool) -> None:
         """A fixed config under the interpreter; ``triton.autotune`` over the configs when compiled."""
         if interpret:
             block_m, block_n = self.fixed
             kernel = getattr(kernels(), self.name)
-            kernel[self.grid(block_m, block_n)](BLOCK_M=block_m, BLOCK_N=block_n, **self.args)
+            kernel[self.grid(block_m, block_n)](BLOCK_M=block_m, BLOCK_N=block_n, **WALKS[self.walk],
+                                                **self.args)
         else:
             _tuned(self.name)[lambda meta: self.grid(meta["BLOCK_M"], meta["BLOCK_N"])](**self.args)
 
@@ -518,7 +537,7 @@ def forward_call(q, k, v, out, lse, plan: Plan) -> Call:
                 s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2),
                 heads=heads, group=heads // k.shape[1], **_common(q, k, v, plan), **plan.rows.args())
     return Call("attn_fwd", args, lambda block_m, block_n: (cdiv(q_len, block_m), batch * heads),
-                plan.tiles.fwd)
+                plan.tiles.fwd, plan.tiles.walk)
 
 
 def dkdv_call(q, k, v, dout, lse, delta_, dk, dv, plan: Plan) -> Call:
@@ -532,7 +551,7 @@ def dkdv_call(q, k, v, dout, lse, delta_, dk, dv, plan: Plan) -> Call:
                 heads=heads, heads_kv=heads_kv, group=heads // heads_kv, sm_scale=plan.scale,
                 **_common(q, k, v, plan), **plan.cols.args())
     return Call("attn_bwd_dkdv", args,
-                lambda block_m, block_n: (cdiv(kv_len, block_n), batch * heads_kv), plan.tiles.dkdv)
+                lambda block_m, block_n: (cdiv(kv_len, block_n), batch * heads_kv), plan.tiles.dkdv, plan.tiles.walk)
 
 
 def dq_call(q, k, v, dout, lse, delta_, dq, plan: Plan) -> Call:
@@ -544,7 +563,7 @@ def dq_call(q, k, v, dout, lse, delta_, dq, plan: Plan) -> Call:
                 heads=heads, group=heads // k.shape[1], sm_scale=plan.scale,
                 **_common(q, k, v, plan), **plan.rows.args())
     return Call("attn_bwd_dq", args, lambda block_m, block_n: (cdiv(q_len, block_m), batch * heads),
-                plan.tiles.dq)
+                plan.tiles.dq, plan.tiles.walk)
 
 
 def delta(out, dout, result, plan: Plan) -> None:
