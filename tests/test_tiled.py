@@ -332,12 +332,16 @@ def test_tile_structure_is_never_wrong(case):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("heads", [(3, 3), (4, 2)])
+@pytest.mark.parametrize("strip", [64, 4, 5])
 @pytest.mark.parametrize("kind, seq", [("window", 64), ("window", 70), ("documents", 64),
                                        ("bottom_right", 48)])
-def test_triangle_tiles_forward_backward(path, dtype, heads, kind, seq, gen, monkeypatch):
-    """Lower and upper triangle tiles (recognised from the mask's structure: lower ones run with
-    the fused kernel's is_causal, upper ones and GQA with a cached triangle) against the float64
-    truth; on block-aligned sizes with the fused kernel the element mask is never evaluated."""
+def test_triangle_tiles_forward_backward(path, dtype, heads, strip, kind, seq, gen, monkeypatch):
+    """Lower and upper triangle tiles (recognised from the mask's structure: with the fused
+    kernel, run in strips of rows when the tile holds two strips — 16-row tiles with strips of 4
+    or 5, the last one ragged — else lower ones with is_causal, upper ones and GQA with a cached
+    triangle) against the float64 truth; on block-aligned sizes with the fused kernel the element
+    mask is never evaluated; reruns are bit-identical."""
+    monkeypatch.setattr(tiled, "TRIANGLE_STRIP", strip)
     tq = seq if kind != "bottom_right" else 32
     q, k, v = _inputs(gen, dtype, batch=2, heads_q=heads[0], heads_kv=heads[1], tq=tq, tk=seq)
     if kind == "window":  # window 32 on blocks 16×8: upper, full and lower tiles per row
@@ -357,6 +361,9 @@ def test_triangle_tiles_forward_backward(path, dtype, heads, kind, seq, gen, mon
     out, lse, grads = _run(q, k, v, mask, 0.3)
     if path == "fused" and seq % 16 == 0:
         assert evaluated == []
+    again = _run(q, k, v, mask, 0.3)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+    assert all(torch.equal(a, b) for a, b in zip(grads, again[2]))
     (t_out, t_lse, t_grads), (p_out, p_lse, p_grads) = _truth(q, k, v, allowed, None, 0.3, dtype)
     assert_within_2x("out", out, t_out, p_out, dtype)
     assert_within_2x("lse", lse, t_lse, p_lse, dtype)
