@@ -131,33 +131,33 @@ WALKS = {"partial_first": dict(FULL_FIRST=False, MERGED=0),
 """How a kernel walks a row's block list (``kernels.py``): the PARTIAL loop then the FULL one,
 the FULL loop first, or one loop that masks every tile. Autotuned with the block sizes."""
 
-P, F, M = "partial_first", "full_first", "merged"
+P, F = "partial_first", "full_first"
 
 # Autotune candidates per kernel and head-dim bucket (the larger of the padded Dk, Dv):
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, walk); blocks divide the 128×128 sparse blocks.
 # Chosen from an offline sm90 build (``benchmarks/gpu.py --compile-only``: no spills at D ≤ 128
-# but small ones in dK/dV) and two H200 runs (docs/BENCHMARKS.md): the autotuner picked
-# 128×128 (forward), 32×128 (dK/dV) and 128×64 (dQ) at D = 128 for every mask. The walks
-# other than PARTIAL-first are candidates for the few-block rows of causal/documents masks.
+# but small ones in dK/dV) and three H200 runs (docs/BENCHMARKS.md): at D = 128 the autotuner
+# picked 128×128 (forward), 32×128 (dK/dV) and 128×64 (dQ) for every mask. FULL-first ties
+# with PARTIAL-first (0.96–1.05× over 36 tunings) and stays a candidate there; the merged walk
+# lost 72 of 73 tunings (by up to 2.5×) and is listed nowhere (WALKS keeps it, tested, for
+# other GPUs).
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     "attn_fwd": {
         64: [(128, 128, 8, 2, P), (128, 64, 8, 3, P), (128, 32, 4, 3, P), (64, 64, 4, 3, P),
-             (64, 64, 4, 3, M), (64, 32, 4, 2, P), (64, 32, 4, 2, M)],
-        128: [(128, 128, 8, 2, P), (128, 128, 8, 2, F), (128, 128, 8, 2, M), (128, 64, 8, 3, P),
-              (128, 64, 8, 3, M), (64, 64, 4, 3, P), (64, 32, 4, 2, P)],
+             (64, 32, 4, 2, P)],
+        128: [(128, 128, 8, 2, P), (128, 128, 8, 2, F), (128, 64, 8, 3, P), (64, 64, 4, 3, P),
+              (64, 32, 4, 2, P)],
         256: [(64, 32, 4, 2, P), (64, 64, 8, 2, P), (64, 32, 8, 2, P)],
     },
     "attn_bwd_dkdv": {  # BLOCK_N key rows per program, BLOCK_M query rows per step
-        64: [(32, 128, 8, 2, P), (32, 128, 8, 2, M), (64, 128, 8, 2, P), (64, 128, 8, 2, M),
-             (32, 64, 4, 3, P), (16, 64, 4, 2, P)],
-        128: [(32, 128, 8, 2, P), (32, 128, 8, 2, F), (32, 128, 8, 2, M), (16, 64, 4, 2, P),
-              (32, 64, 8, 2, P), (64, 64, 8, 2, P)],
+        64: [(32, 128, 8, 2, P), (64, 128, 8, 2, P), (32, 64, 4, 3, P), (16, 64, 4, 2, P)],
+        128: [(32, 128, 8, 2, P), (32, 128, 8, 2, F), (16, 64, 4, 2, P), (32, 64, 8, 2, P),
+              (64, 64, 8, 2, P)],
         256: [(16, 64, 8, 2, P), (16, 64, 4, 1, P), (32, 64, 8, 1, P)],
     },
     "attn_bwd_dq": {
-        64: [(128, 64, 8, 2, P), (64, 64, 4, 3, P), (64, 64, 4, 3, M), (64, 32, 4, 2, P)],
-        128: [(128, 64, 8, 2, P), (128, 64, 8, 2, F), (128, 64, 8, 2, M), (64, 64, 8, 2, P),
-              (64, 32, 4, 2, P)],
+        64: [(128, 64, 8, 2, P), (64, 64, 4, 3, P), (64, 32, 4, 2, P)],
+        128: [(128, 64, 8, 2, P), (128, 64, 8, 2, F), (64, 64, 8, 2, P), (64, 32, 4, 2, P)],
         256: [(64, 32, 8, 2, P), (64, 16, 4, 2, P), (64, 32, 4, 1, P)],
     },
 }
