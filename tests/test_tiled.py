@@ -333,19 +333,25 @@ def test_tile_structure_is_never_wrong(case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("heads", [(3, 3), (4, 2)])
 @pytest.mark.parametrize("strip", [64, 4, 5])
+@pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.parametrize("kind, seq", [("window", 64), ("window", 70), ("documents", 64),
-                                       ("bottom_right", 48)])
-def test_triangle_tiles_forward_backward(path, dtype, heads, strip, kind, seq, gen, monkeypatch):
-    """Lower and upper triangle tiles (recognised from the mask's structure: with the fused
-    kernel, run in strips of rows when the tile holds two strips — 16-row tiles with strips of 4
-    or 5, the last one ragged — else lower ones with is_causal, upper ones and GQA with a cached
-    triangle) against the float64 truth; on block-aligned sizes with the fused kernel the element
-    mask is never evaluated; reruns are bit-identical."""
+                                       ("bottom_right", 48), ("window_right", 64)])
+def test_triangle_tiles_forward_backward(path, dtype, heads, strip, merge, kind, seq, gen,
+                                         monkeypatch):
+    """Lower and upper triangle tiles recognised from the mask's structure, alone or merged with
+    their full neighbours into staircase segments (``merge``), against the float64 truth. With
+    the fused kernel they run in strips of rows when the tile holds two strips (16-row tiles,
+    strips of 4 or 5, the last one ragged), else lower squares with is_causal and the rest (GQA
+    too) with a cached additive staircase. On block-aligned sizes with the fused kernel the
+    element mask is never evaluated; reruns are bit-identical."""
     monkeypatch.setattr(tiled, "TRIANGLE_STRIP", strip)
+    monkeypatch.setattr(tiled, "STAIRCASE_MAX_KEYS", tiled.STAIRCASE_MAX_KEYS if merge else 0)
     tq = seq if kind != "bottom_right" else 32
     q, k, v = _inputs(gen, dtype, batch=2, heads_q=heads[0], heads_kv=heads[1], tq=tq, tk=seq)
     if kind == "window":  # window 32 on blocks 16×8: upper, full and lower tiles per row
         mask, allowed = ak.sliding_window(32), dense_band(tq, seq, 32, 0)
+    elif kind == "window_right":  # upper and full tiles, then partial ones evaluated
+        mask, allowed = ak.sliding_window(32, 20), dense_band(tq, seq, 32, 20)
     elif kind == "documents":
         ids = torch.arange(seq) // 32
         mask, allowed = ak.documents(ids) & ak.causal(), dense_documents(ids) & dense_band(seq, seq, None, 0)
@@ -354,12 +360,13 @@ def test_triangle_tiles_forward_backward(path, dtype, heads, strip, kind, seq, g
     plan = make_plan(mask, MaskSpace(2, heads[0], tq, seq), batch=2, heads=heads[0], q_offset=0, q_count=tq,
                      kv_offset=0, kv_count=seq, fused=True, **BLOCKS)
     structures = {s.structure for row in plan.rows for s in row if s.partial}
-    assert "lower" in structures and ("upper" in structures) == (kind == "window")
+    expected = {"window": {"lower", "band" if merge else "upper"}, "window_right": {"upper"}}
+    assert expected.get(kind, {"lower"}) <= structures
     evaluated = []
     real_tile = type(mask).tile
     monkeypatch.setattr(type(mask), "tile", lambda self, *a: evaluated.append(1) or real_tile(self, *a))
     out, lse, grads = _run(q, k, v, mask, 0.3)
-    if path == "fused" and seq % 16 == 0:
+    if path == "fused" and seq % 16 == 0 and kind != "window_right":
         assert evaluated == []
     again = _run(q, k, v, mask, 0.3)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])

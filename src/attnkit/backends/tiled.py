@@ -47,8 +47,13 @@ FUSED_BLOCK_Q = 256
 @dataclass(frozen=True)
 class Segment:
     """Keys ``[start, stop)`` (local) computed together; ``partial``: apply the element mask.
-    ``structure``: for a partial square tile the mask knows without evaluating it (see
-    :meth:`~attnkit.masks.Mask.tile_structure`), ``"lower"`` or ``"upper"``; else ``None``."""
+
+    ``structure`` (fused plans only): the segment's mask, known without evaluating it (see
+    :meth:`~attnkit.masks.Mask.tile_structure`), as a *staircase* over the query block's ``n``
+    rows: ``"lower"``: its last ``n`` keys are a lower triangle, every key before them allowed;
+    ``"upper"``: its first ``n`` keys are an upper triangle, every key after them allowed;
+    ``"band"``: both. A square triangle tile is the case ``stop - start == n``. ``None``: the
+    element mask is evaluated (partial) or not needed (full)."""
 
     start: int
     stop: int
@@ -135,20 +140,45 @@ def make_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
     return Plan(block_q, block_k, tuple(rows), fused)
 
 
+STAIRCASE_MAX_KEYS = 1024
+"""Widest run ``upper triangle, full…, [lower triangle]`` merged into one staircase segment (one
+set of strips, no merges: sliding windows, 1.08x measured). A lower triangle is not merged with
+the full keys before it: those run better as one call of the whole query block (causal
+measured 2% slower merged)."""
+
+
 def _with_structure(mask: Mask, space: MaskSpace, segments: list, q_start: int, q_stop: int,
                     kv_offset: int) -> list:
-    """Mark the partial square segments of one query block that the mask knows to be a lower
-    or upper triangle (global queries ``[q_start, q_stop)``): the fused kernel runs those with
-    ``is_causal`` and the element mask is never evaluated."""
+    """Mark the partial square segments of one query block (global queries ``[q_start,
+    q_stop)``) that the mask knows to be lower or upper triangles, and merge each adjacent run
+    ``upper, full…, [lower]`` into one staircase segment of at most :data:`STAIRCASE_MAX_KEYS`
+    keys (see :class:`Segment`). The element mask of these segments is never evaluated."""
+    n = q_stop - q_start
     marked = []
     for seg in segments:
-        if seg.partial and seg.stop - seg.start == q_stop - q_start:
+        if seg.partial and seg.stop - seg.start == n:
             structure = mask.tile_structure(q_start, q_stop, kv_offset + seg.start,
                                             kv_offset + seg.stop, space)
             if structure in ("lower", "upper"):
                 seg = Segment(seg.start, seg.stop, True, structure)
         marked.append(seg)
-    return marked
+
+    merged, i = [], 0
+    while i < len(marked):
+        j = i + 1
+        if marked[i].structure == "upper":  # with the full segments and lower triangle after it
+            while j < len(marked) and not marked[j].partial and marked[j].start == marked[j - 1].stop:
+                j += 1
+            if j < len(marked) and marked[j].structure == "lower" and marked[j].start == marked[j - 1].stop:
+                j += 1
+        run = marked[i:j]
+        if len(run) > 1 and run[-1].stop - run[0].start <= STAIRCASE_MAX_KEYS:
+            structure = "band" if run[-1].structure == "lower" else "upper"
+            merged.append(Segment(run[0].start, run[-1].stop, True, structure))
+        else:
+            merged.extend(run)
+        i = j
+    return merged
 
 
 @dataclass(frozen=True)
@@ -183,36 +213,48 @@ def _lower_triangle(n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril_()
 
 
-@functools.lru_cache(maxsize=8)
-def _triangle_additive(structure: str, n: int, group: int, dtype: torch.dtype,
-                       device: torch.device) -> torch.Tensor:
-    """The additive mask ``[1, 1, G·n, n]`` of a ``"lower"``/``"upper"`` triangle tile (0 where
-    allowed, −inf elsewhere), repeated for the G query heads stacked as rows (cached: one per
-    tile size; every row of such a tile has a key, its diagonal)."""
-    allowed = torch.ones(n, n, dtype=torch.bool, device=device)
-    allowed = allowed.tril_() if structure == "lower" else allowed.triu_()
+def _staircase(structure: str, n: int, width: int, device: torch.device) -> torch.Tensor:
+    """The allowed keys ``[n, width]`` (bool) of a staircase segment (see :class:`Segment`)."""
+    rows = torch.arange(n, device=device)[:, None]  # [n, 1]
+    cols = torch.arange(width, device=device)[None, :]  # [1, width]
+    allowed = torch.ones(n, width, dtype=torch.bool, device=device)
+    if structure in ("upper", "band"):
+        allowed &= cols >= rows
+    if structure in ("lower", "band"):
+        allowed &= cols - (width - n) <= rows
+    return allowed
+
+
+@functools.lru_cache(maxsize=16)
+def _staircase_additive(structure: str, n: int, width: int, group: int, dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+    """The additive mask ``[1, 1, G·n, width]`` of a staircase segment (0 where allowed, −inf
+    elsewhere), repeated for the G query heads stacked as rows (cached: a handful of shapes;
+    every row keeps a key, its diagonal)."""
+    allowed = _staircase(structure, n, width, device)
     return additive_mask(allowed.repeat(group, 1), None, dtype)[None, None]
 
 
 TRIANGLE_STRIP = 64
-"""Query rows per kernel call inside a triangle tile. The fused kernel skips no key of a tile
-narrower than its 512-key blocks, so a 256-wide triangle run whole computes its masked half
-too; run as strips, each strip sees only the keys it may (10% faster per tile, measured)."""
+"""Query rows per kernel call inside a staircase segment. The fused kernel skips no key of a
+tile narrower than its 512-key blocks, so a 256-wide triangle run whole computes its masked
+half too; run as strips, each strip sees only the keys it may (10% faster per tile, measured)."""
 
 
-@functools.lru_cache(maxsize=8)
-def _triangle_strips(structure: str, n: int, strip: int, dtype: torch.dtype,
-                     device: torch.device) -> tuple:
-    """How an ``n × n`` ``"lower"``/``"upper"`` triangle tile runs in strips of ``strip`` rows:
-    ``(rows, keys, additive)`` per strip, ``rows``/``keys`` slices of the tile and ``additive``
-    ``[1, 1, rows, keys]`` (0 where allowed, −inf elsewhere). A lower strip sees the keys up to
-    its last row, an upper strip those from its first row on; every row keeps its diagonal."""
-    allowed = torch.ones(n, n, dtype=torch.bool, device=device)
-    allowed = allowed.tril_() if structure == "lower" else allowed.triu_()
+@functools.lru_cache(maxsize=16)
+def _staircase_strips(structure: str, n: int, width: int, strip: int, dtype: torch.dtype,
+                      device: torch.device) -> tuple:
+    """How a staircase segment (``n`` rows × ``width`` keys) runs in strips of ``strip`` rows:
+    ``(rows, keys, additive)`` per strip, ``rows``/``keys`` slices of the segment and
+    ``additive [1, 1, rows, keys]`` (0 where allowed, −inf elsewhere). Each strip's keys start
+    at its first row's first allowed key and end at its last row's last one."""
+    allowed = _staircase(structure, n, width, device)
     strips = []
     for start in range(0, n, strip):
         stop = min(start + strip, n)
-        keys = slice(0, stop) if structure == "lower" else slice(start, n)
+        first = start if structure in ("upper", "band") else 0
+        last = width - n + stop if structure in ("lower", "band") else width
+        keys = slice(first, last)
         piece = additive_mask(allowed[start:stop, keys], None, dtype)[None, None]  # [1, 1, r, k]
         strips.append((slice(start, stop), keys, piece))
     return tuple(strips)
@@ -222,7 +264,7 @@ class TileMask(NamedTuple):
     """How one PARTIAL segment is masked: an additive tile ``[Bm, Hkv|1, G·n, span]`` (−inf where
     forbidden, + bias) with per-row "has a key" flags ``[Bm, Hkv|1, G·n]``; or, when the tile is
     exactly a lower triangle on its own diagonal, ``causal=True`` and nothing materialised; or,
-    for a triangle run in strips (see :func:`_triangle_strips`), ``strips``.
+    for a staircase run in strips (see :func:`_staircase_strips`), ``strips``.
     ``has_key`` is ``None`` when every row has a key."""
 
     additive: Optional[torch.Tensor]
@@ -236,13 +278,14 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
     """Evaluate the mask on one segment (see :class:`TileMask`)."""
     n = rows[1] - rows[0]
     group = heads_q // heads_kv
-    if fused and seg.structure is not None:  # a known triangle: nothing to evaluate
+    if fused and seg.structure is not None:  # a known staircase: nothing to evaluate
+        width, device = seg.stop - seg.start, problem.space.device
         if group == 1 and n >= 2 * TRIANGLE_STRIP:
-            return TileMask(None, None, strips=_triangle_strips(
-                seg.structure, n, TRIANGLE_STRIP, dtype, problem.space.device))
-        if group == 1 and seg.structure == "lower":
+            return TileMask(None, None, strips=_staircase_strips(
+                seg.structure, n, width, TRIANGLE_STRIP, dtype, device))
+        if group == 1 and seg.structure == "lower" and width == n:
             return TileMask(None, None, causal=True)
-        return TileMask(_triangle_additive(seg.structure, n, group, dtype, problem.space.device), None)
+        return TileMask(_staircase_additive(seg.structure, n, width, group, dtype, device), None)
     device = problem.space.device
     q_idx = torch.arange(problem.q_offset + rows[0], problem.q_offset + rows[1], device=device)
     kv_idx = torch.arange(problem.kv_offset + seg.start, problem.kv_offset + seg.stop, device=device)
