@@ -58,6 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 COMPETITORS = ("attnkit-triton", "sdpa-flash", "sdpa-cudnn", "flex-compiled", "sdpa-dense-mask")
+OPTIONAL = ("attnkit-auto", "sdpa-default")  # ask with --competitors: what auto picks, torch's own pick
 
 
 def parse_args(argv=None):
@@ -197,6 +198,14 @@ def make_fn(name: str, masks: Masks, device, flex_masks: str = "all") -> tuple[O
     if name == "attnkit-triton":
         mask = masks.attnkit
         return (lambda q, k, v: ak.attention(q, k, v, mask, backend="triton")), ""
+    if name == "attnkit-auto":
+        mask = masks.attnkit
+        return (lambda q, k, v: ak.attention(q, k, v, mask)), ""
+    if name == "sdpa-default":
+        if kind not in ("dense", "causal"):
+            return None, "sdpa-default is timed without a mask but causal"
+        causal = kind == "causal"
+        return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)), ""
     if name in ("sdpa-flash", "sdpa-cudnn"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -664,7 +673,8 @@ def print_table(results: list[Result], competitors: list[str], info: dict) -> No
     for r in results:
         keyed.setdefault((r.workload, r.d, r.n, r.mode), {})[r.backend] = r
     short = {"attnkit-triton": "triton", "sdpa-flash": "flash", "sdpa-cudnn": "cudnn",
-             "flex-compiled": "flex", "sdpa-dense-mask": "sdpa+mask"}
+             "flex-compiled": "flex", "sdpa-dense-mask": "sdpa+mask", "attnkit-auto": "auto",
+             "sdpa-default": "sdpa"}
     header = f"{'workload':16s} {'D':>4s} {'N':>6s} {'mode':8s}" + "".join(
         f"{short.get(c, c):>10s}" for c in competitors) + f"{'vs best':>9s}{'% mm':>6s}"
     print("\nTFLOP/s (median of do_bench; n/a = cannot run this mask)")
@@ -677,7 +687,7 @@ def print_table(results: list[Result], competitors: list[str], info: dict) -> No
                 cells.append(f"{'n/a' if r is None or r.status.startswith('n/a') else 'err':>10s}")
                 continue
             cells.append(f"{r.tflops:10.1f}" if r.tflops >= 1 else f"{r.tflops:10.2g}")
-            if c != "attnkit-triton":
+            if not c.startswith("attnkit-"):
                 best_other = max(best_other or 0.0, r.tflops)
         ours = row.get("attnkit-triton")
         ratio = (f"{ours.tflops / best_other:8.2f}x" if ours and ours.tflops and best_other
