@@ -5,7 +5,11 @@ The score matrix is never built: queries are processed ``block_q`` rows at a tim
 
 - EMPTY blocks are never computed,
 - FULL runs apply no mask,
-- PARTIAL runs evaluate ``mask.tile`` (and ``tile_bias``) for that run only.
+- PARTIAL runs evaluate ``mask.tile`` (and ``tile_bias``) for that run only, except, with
+  torch's fused CPU kernel, square tiles the mask knows to be lower/upper triangles
+  (``Mask.tile_structure``): those are never evaluated and run as *staircase* segments (a
+  sliding-window row: upper triangle, full keys, lower triangle) in strips of
+  ``TRIANGLE_STRIP`` query rows that each see only their allowed keys.
 
 An online softmax (running max ``m``, running sum ``l``, rescaled accumulator) in fp32 (fp64 for
 fp64 input) merges the segments. The backward pass recomputes every tile from
@@ -163,13 +167,16 @@ def _with_structure(mask: Mask, space: MaskSpace, segments: list, q_start: int, 
                 seg = Segment(seg.start, seg.stop, True, structure)
         marked.append(seg)
 
+    def adjacent(j: int) -> bool:
+        return marked[j].start == marked[j - 1].stop
+
     merged, i = [], 0
     while i < len(marked):
         j = i + 1
         if marked[i].structure == "upper":  # with the full segments and lower triangle after it
-            while j < len(marked) and not marked[j].partial and marked[j].start == marked[j - 1].stop:
+            while j < len(marked) and adjacent(j) and not marked[j].partial:
                 j += 1
-            if j < len(marked) and marked[j].structure == "lower" and marked[j].start == marked[j - 1].stop:
+            if j < len(marked) and adjacent(j) and marked[j].structure == "lower":
                 j += 1
         run = marked[i:j]
         if len(run) > 1 and run[-1].stop - run[0].start <= STAIRCASE_MAX_KEYS:
@@ -421,7 +428,8 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
             if block_out is None:
                 block_out, block_lse = seg_out.to(acc), seg_lse.to(acc)
             else:
-                block_out, block_lse = _merge_into(block_out, block_lse, seg_out.to(acc), seg_lse.to(acc))
+                block_out, block_lse = _merge_into(block_out, block_lse, seg_out.to(acc),
+                                                   seg_lse.to(acc))
         if block_out is None:  # no key for any of these rows
             out[:, :, rows[0]:rows[1]] = 0
         else:
@@ -467,14 +475,17 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem,
             additive = tile.additive if tile is not None else None
             if fused and tile is not None and tile.strips is not None:
                 dq_pieces = []
-                for rows_, keys_, strip_mask in tile.strips:
-                    dq_strip, dk_strip, dv_strip = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                        do_block[:, :, rows_], q_block[:, :, rows_], k_seg[:, :, keys_],
-                        v_seg[:, :, keys_], out_block[:, :, rows_], lse_block[:, :, rows_, 0], 0.0,
-                        False, attn_mask=strip_mask, scale=problem.scale)
+                for strip_rows, strip_keys, strip_mask in tile.strips:
+                    key_range = slice(seg.start + strip_keys.start, seg.start + strip_keys.stop)
+                    dq_strip, dk_strip, dv_strip = (
+                        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                            do_block[:, :, strip_rows], q_block[:, :, strip_rows],
+                            keys[:, :, key_range], values[:, :, key_range],
+                            out_block[:, :, strip_rows], lse_block[:, :, strip_rows, 0], 0.0,
+                            False, attn_mask=strip_mask, scale=problem.scale))
                     dq_pieces.append(dq_strip)
-                    dk[:, :, seg.start:seg.stop][:, :, keys_].add_(dk_strip)
-                    dv[:, :, seg.start:seg.stop][:, :, keys_].add_(dv_strip)
+                    dk[:, :, key_range].add_(dk_strip)
+                    dv[:, :, key_range].add_(dv_strip)
                 dq_seg = torch.cat(dq_pieces, dim=2)  # [B, Hkv, n, Dk]
                 dq_block = dq_seg if dq_block is None else dq_block.add_(dq_seg)
                 continue
