@@ -492,6 +492,17 @@ def test_auto_never_picks_the_interpreter(gen):
     assert dispatch.PRIORITY.index("triton") < dispatch.PRIORITY.index("torch")
 
 
+def test_auto_leaves_plain_and_causal_to_torch(gen):
+    """On CUDA, auto hands no-mask and top-left-causal inputs to torch's fused SDPA (measured
+    faster) unless torch cannot run them; structured masks stay with triton."""
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 16, 16, torch.float32, gen)
+    assert triton_backend.torch_is_faster(validate(q, k, v, None))
+    assert triton_backend.torch_is_faster(validate(q, k, v, ak.causal()))
+    assert not triton_backend.torch_is_faster(validate(q, k, v, ak.causal("bottom_right") & ak.sliding_window(3)))
+    assert not triton_backend.torch_is_faster(validate(q, k, v, ak.documents(torch.arange(8) // 4)))
+    assert not triton_backend.torch_is_faster(validate(q, k, v, ak.causal(), dropout_p=0.5))
+
+
 def test_no_keys_at_all(gen):
     """Tk = 0: every row is fully masked (3-D inputs: 4-D ones with Tk = 0 trip a reshape in
     ``inputs.validate``, reported separately)."""

@@ -19,10 +19,11 @@ PRIORITY: tuple[str, ...] = ("triton", "torch", "tiled", "reference")
 """Order tried by ``backend="auto"``: fastest first, the exact reference last (it runs anything)."""
 
 AUTO_RULES = (
-    "triton: CUDA tensors, fp16/bf16/fp32, head dim <= 256, no dropout or returned weights "
-    "(never CPU tensors: the interpreter is for tests)",
-    "torch: no mask or top-left causal (its fused kernel; auto costs only dispatch overhead), "
-    "no dropout, no weights, no differentiated LSE",
+    "triton: CUDA, a mask torch's fused kernel can't take (or an LSE), fp16/bf16/fp32, "
+    "head dim <= 256, no dropout/weights; never on CPU",
+    "torch: no mask or top-left causal (its fused kernel: cuDNN/flash on CUDA, measured faster "
+    "than triton there; auto costs only dispatch overhead), no dropout, no weights, no "
+    "differentiated LSE",
     "tiled: every other mask (skipping empty tiles beats torch with a dense mask, measured in "
     "docs/BENCHMARKS.md), dropout, weights without autograd; O(T) memory",
     "reference: whatever is left (returned weights with autograd); float64, O(Tq*Tk) memory",

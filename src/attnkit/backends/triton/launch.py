@@ -140,13 +140,14 @@ P, F = "partial_first", "full_first"
 # picked 128×128 (forward), 32×128 (dK/dV) and 128×64 (dQ) for every mask. FULL-first ties
 # with PARTIAL-first (0.96–1.05× over 36 tunings) and stays a candidate there; the merged walk
 # lost 72 of 73 tunings (by up to 2.5×) and is listed nowhere (WALKS keeps it, tested, for
-# other GPUs).
+# other GPUs). Also tried at D = 128 and dropped (a fourth run: never the fastest): forward
+# 128×64 with 2 stages and 64×128 with 4 warps, dQ 128×32.
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     "attn_fwd": {
         64: [(128, 128, 8, 2, P), (128, 64, 8, 3, P), (128, 32, 4, 3, P), (64, 64, 4, 3, P),
              (64, 32, 4, 2, P)],
-        128: [(128, 128, 8, 2, P), (128, 128, 8, 2, F), (128, 64, 8, 3, P), (128, 64, 8, 2, P),
-              (64, 128, 4, 2, P), (64, 64, 4, 3, P), (64, 32, 4, 2, P)],
+        128: [(128, 128, 8, 2, P), (128, 128, 8, 2, F), (128, 64, 8, 3, P), (64, 64, 4, 3, P),
+              (64, 32, 4, 2, P)],
         256: [(64, 32, 4, 2, P), (64, 64, 8, 2, P), (64, 32, 8, 2, P)],
     },
     "attn_bwd_dkdv": {  # BLOCK_N key rows per program, BLOCK_M query rows per step
@@ -157,8 +158,7 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     },
     "attn_bwd_dq": {
         64: [(128, 64, 8, 2, P), (64, 64, 4, 3, P), (64, 32, 4, 2, P)],
-        128: [(128, 64, 8, 2, P), (128, 64, 8, 2, F), (128, 32, 8, 2, P), (64, 64, 8, 2, P),
-              (64, 32, 4, 2, P)],
+        128: [(128, 64, 8, 2, P), (128, 64, 8, 2, F), (64, 64, 8, 2, P), (64, 32, 4, 2, P)],
         256: [(64, 32, 8, 2, P), (64, 16, 4, 2, P), (64, 32, 4, 1, P)],
     },
 }
