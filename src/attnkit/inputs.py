@@ -58,6 +58,19 @@ def _describe(**tensors) -> str:
                      if isinstance(t, torch.Tensor))
 
 
+class _Lazy:
+    """A string computed on first formatting (error messages only)."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def __format__(self, spec):
+        return format(self.make(), spec)
+
+    def __str__(self):
+        return self.make()
+
+
 def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
              need_weights=False, need_lse=False) -> Inputs:
     """Check an ``attention()`` call and normalise it to ``[B, H, T, D]``; raise on bad input.
@@ -69,7 +82,7 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    where = _describe(**tensors)
+    where = _Lazy(lambda: _describe(**tensors))  # built only when a message needs it
     for name, t in tensors.items():
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; attention needs floating point "
@@ -114,7 +127,10 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
         if hkv == 0 or hq % hkv:
             raise ValueError(f"k has {hkv} heads but q has {hq}: the number of query heads must be "
                              f"a multiple of key/value heads (GQA). Got {where}")
-        q4, k4, v4 = (t.reshape(math.prod(batch_shape), *t.shape[-3:]) for t in (q, k, v))
+        if rank == 4:
+            q4, k4, v4 = q, k, v
+        else:
+            q4, k4, v4 = (t.reshape(math.prod(batch_shape), *t.shape[-3:]) for t in (q, k, v))
 
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
