@@ -348,7 +348,7 @@ class _Padding(Mask):
 
     def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
         q_len, kv_len = self._bounds(space)  # [Bm]
-        if q_stop <= int(q_len.min()) and kv_stop <= int(kv_len.min()):
+        if q_len.numel() and kv_len.numel() and q_stop <= int(q_len.min()) and kv_stop <= int(kv_len.min()):
             return "full"
         return None
 

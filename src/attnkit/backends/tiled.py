@@ -232,12 +232,12 @@ def _staircase(structure: str, n: int, width: int, device: torch.device) -> torc
     return allowed
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=8)
 def _staircase_additive(structure: str, n: int, width: int, group: int, dtype: torch.dtype,
                         device: torch.device) -> torch.Tensor:
     """The additive mask ``[1, 1, G·n, width]`` of a staircase segment (0 where allowed, −inf
-    elsewhere), repeated for the G query heads stacked as rows (cached: a handful of shapes;
-    every row keeps a key, its diagonal)."""
+    elsewhere), repeated for the G query heads stacked as rows (cached: a workload has a handful
+    of shapes, each at most G·256 × STAIRCASE_MAX_KEYS; every row keeps a key, its diagonal)."""
     allowed = _staircase(structure, n, width, device)
     return additive_mask(allowed.repeat(group, 1), None, dtype)[None, None]
 
@@ -248,7 +248,7 @@ tile narrower than its 512-key blocks, so a 256-wide triangle run whole computes
 half too; run as strips, each strip sees only the keys it may (10% faster per tile, measured)."""
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=8)
 def _staircase_strips(structure: str, n: int, width: int, strip: int, dtype: torch.dtype,
                       device: torch.device) -> tuple:
     """How a staircase segment (``n`` rows × ``width`` keys) runs in strips of ``strip`` rows:
