@@ -335,7 +335,8 @@ def test_tile_structure_is_never_wrong(case):
 @pytest.mark.parametrize("strip", [64, 4, 5])
 @pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.parametrize("kind, seq", [("window", 64), ("window", 70), ("documents", 64),
-                                       ("bottom_right", 48), ("window_right", 64)])
+                                       ("bottom_right", 48), ("window_right", 64),
+                                       ("window_block", 64)])
 def test_triangle_tiles_forward_backward(path, dtype, heads, strip, merge, kind, seq, gen,
                                          monkeypatch):
     """Lower and upper triangle tiles recognised from the mask's structure, alone or merged with
@@ -350,6 +351,8 @@ def test_triangle_tiles_forward_backward(path, dtype, heads, strip, merge, kind,
     q, k, v = _inputs(gen, dtype, batch=2, heads_q=heads[0], heads_kv=heads[1], tq=tq, tk=seq)
     if kind == "window":  # window 32 on blocks 16×8: upper, full and lower tiles per row
         mask, allowed = ak.sliding_window(32), dense_band(tq, seq, 32, 0)
+    elif kind == "window_block":  # window 16 = block_q: upper and lower tiles in one partial run
+        mask, allowed = ak.sliding_window(16), dense_band(tq, seq, 16, 0)
     elif kind == "window_right":  # upper and full tiles, then partial ones evaluated
         mask, allowed = ak.sliding_window(32, 20), dense_band(tq, seq, 32, 20)
     elif kind == "documents":
@@ -360,7 +363,8 @@ def test_triangle_tiles_forward_backward(path, dtype, heads, strip, merge, kind,
     plan = make_plan(mask, MaskSpace(2, heads[0], tq, seq), batch=2, heads=heads[0], q_offset=0, q_count=tq,
                      kv_offset=0, kv_count=seq, fused=True, **BLOCKS)
     structures = {s.structure for row in plan.rows for s in row if s.partial}
-    expected = {"window": {"lower", "band" if merge else "upper"}, "window_right": {"upper"}}
+    expected = {"window": {"lower", "band" if merge else "upper"}, "window_right": {"upper"},
+                "window_block": {"lower", "band" if merge else "upper"}}
     assert expected.get(kind, {"lower"}) <= structures
     evaluated = []
     real_tile = type(mask).tile

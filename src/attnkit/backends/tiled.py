@@ -154,18 +154,28 @@ measured 2% slower merged)."""
 def _with_structure(mask: Mask, space: MaskSpace, segments: list, q_start: int, q_stop: int,
                     kv_offset: int) -> list:
     """Mark the partial square segments of one query block (global queries ``[q_start,
-    q_stop)``) that the mask knows to be lower or upper triangles, and merge each adjacent run
-    ``upper, full…, [lower]`` into one staircase segment of at most :data:`STAIRCASE_MAX_KEYS`
-    keys (see :class:`Segment`). The element mask of these segments is never evaluated."""
+    q_stop)``) that the mask knows to be lower or upper triangles (a partial run of several
+    squares, all known, is split into them), and merge each adjacent run ``upper, full…,
+    [lower]`` into one staircase segment of at most :data:`STAIRCASE_MAX_KEYS` keys (see
+    :class:`Segment`). The element mask of these segments is never evaluated."""
     n = q_stop - q_start
     marked = []
     for seg in segments:
-        if seg.partial and seg.stop - seg.start == n:
-            structure = mask.tile_structure(q_start, q_stop, kv_offset + seg.start,
-                                            kv_offset + seg.stop, space)
-            if structure in ("lower", "upper"):
-                seg = Segment(seg.start, seg.stop, True, structure)
-        marked.append(seg)
+        width = seg.stop - seg.start
+        if not seg.partial or width % n:
+            marked.append(seg)
+            continue
+        # A partial run of whole squares (e.g. the upper and lower triangle of a window as wide
+        # as the block): known when every square is known.
+        squares = []
+        for start in range(seg.start, seg.stop, n):
+            structure = mask.tile_structure(q_start, q_stop, kv_offset + start,
+                                            kv_offset + start + n, space)
+            if structure not in ("lower", "upper", "full"):
+                break
+            squares.append(Segment(start, start + n, structure != "full",
+                                   None if structure == "full" else structure))
+        marked.extend(squares if len(squares) == width // n else [seg])
 
     def adjacent(j: int) -> bool:
         return marked[j].start == marked[j - 1].stop
