@@ -588,10 +588,19 @@ def host_overhead(device, dtype, calls: int = 200) -> dict:
 
     import attnkit as ak
 
+    from attnkit.backends.triton import launch
+    from attnkit.inputs import validate
+
     q, k, v = (torch.randn(1, 1, 128, 128, device=device, dtype=dtype) for _ in range(3))
     mask = ak.causal()
+    plan = launch.make_plan(validate(q, k, v, mask))
+    out, lse = torch.empty_like(q), torch.empty(1, 1, 128, device=device)
     fns = {"attnkit-triton": lambda: ak.attention(q, k, v, mask, backend="triton"),
            "attnkit-auto": lambda: ak.attention(q, k, v, mask),
+           # the split: our Python before the launch, and Triton's launch (autotuner included)
+           "validate+plan": lambda: launch.make_plan(validate(q, k, v, mask)),
+           "forward_call": lambda: launch.forward_call(q, k, v, out, lse, plan),
+           "triton-launch": lambda: launch.forward_call(q, k, v, out, lse, plan).run(plan.interpret),
            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
     result = {}
     for name, fn in fns.items():
