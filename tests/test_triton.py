@@ -383,7 +383,7 @@ def test_layout_is_reused_for_the_same_mask_and_shapes():
     assert _plan(mask, 96, 96, launch.INTERPRETER_TILES, heads=2).layout is not first  # other shapes
     equal = ak.documents(ids.clone()) & ak.causal()  # another tensor: planned again
     assert _plan(equal, 96, 96, launch.INTERPRETER_TILES).layout is not first
-    assert launch.mask_key(ak.from_function(lambda b, h, q, kv: q >= kv), []) is None
+    assert ak.masks.cache_key(ak.from_function(lambda b, h, q, kv: q >= kv), []) is None
 
 
 def test_layout_cache_sees_in_place_changes(gen):

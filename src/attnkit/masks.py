@@ -24,6 +24,7 @@ True means "may attend", as in ``torch.nn.functional.scaled_dot_product_attentio
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -654,3 +655,60 @@ def as_mask(mask) -> Optional[Mask]:
 def _bad_mask(mask):
     raise TypeError(f"mask must be an attnkit mask, a bool tensor (True = may attend) or a float "
                     f"bias tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+
+
+# ---- caching what is derived from a mask ----------------------------------------------------
+def _tensor_key(t: Optional[torch.Tensor]):
+    """A tensor's identity *and* state: an in-place write bumps ``_version``, so a mask whose
+    tensor was modified misses the cache."""
+    if t is None:
+        return None
+    return (id(t), t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+def cache_key(mask: Optional[Mask], keep: list) -> Optional[tuple]:
+    """A hashable description of ``mask`` (its kind, parameters and tensors), or ``None`` when
+    it cannot be cached (``from_function``: its function may read anything). Tensors the key
+    names by ``id`` are appended to ``keep``; a cache must hold them, so an id cannot be reused
+    while its entry lives."""
+    if mask is None:
+        return ()
+    if isinstance(mask, _Band):
+        return ("band", mask.left, mask.right, mask.align)
+    tensors = {_Padding: ("q_lengths", "kv_lengths"), _Documents: ("q_ids", "kv_ids"),
+               _Dense: ("allowed",), _Bias: ("values",)}.get(type(mask))
+    if tensors is not None:
+        values = [getattr(mask, name) for name in tensors]
+        keep.extend(t for t in values if t is not None)
+        return (type(mask).__name__, *(_tensor_key(t) for t in values))
+    if isinstance(mask, _Combined):
+        parts = [cache_key(part, keep) for part in mask.parts]
+        return None if any(p is None for p in parts) else (type(mask).__name__, *parts)
+    return None
+
+
+class MaskCache:
+    """A small LRU of values derived from a mask and shapes (block lists, tile plans), so a
+    training loop that reuses one mask pays for its block map once, as FlexAttention's
+    ``create_block_mask`` is paid once. Masks that cannot be keyed are never cached."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: OrderedDict = OrderedDict()
+
+    def get(self, mask: Optional[Mask], extra: tuple, build: Callable[[], object]):
+        """The cached value for ``(mask, extra)``, or ``build()`` (stored when cacheable)."""
+        keep: list = []
+        key = cache_key(mask, keep)
+        if key is None:
+            return build()
+        key = (key, extra)
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+            return hit[0]
+        value = build()
+        self._entries[key] = (value, keep)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return value

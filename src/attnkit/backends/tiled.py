@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..inputs import Inputs
-from ..masks import EMPTY, FULL, Mask, MaskSpace
+from ..masks import EMPTY, FULL, Mask, MaskCache, MaskSpace
 from ..numerics import accum_dtype, additive_mask
 from .base import Backend, BackendOutput
 
@@ -100,9 +100,24 @@ def choose_block_q(rows_of_work: int, kv_len: int) -> int:
     return block
 
 
+_PLANS = MaskCache(64)
+
+
 def make_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
               q_offset: int, q_count: int, kv_offset: int, kv_count: int,
               block_q: Optional[int] = None, block_k: int = BLOCK_K, fused: bool = False) -> Plan:
+    """Per-query-block key segments for ``mask`` (see :func:`build_plan`), cached per mask
+    (same tensors, unmodified) and arguments: a loop that reuses a mask plans it once."""
+    extra = (space, batch, heads, q_offset, q_count, kv_offset, kv_count, block_q, block_k, fused,
+             TILE_ELEMENTS, FUSED_BLOCK_Q, STAIRCASE_MAX_KEYS, TRIANGLE_STRIP)  # the knobs too
+    return _PLANS.get(mask, extra, lambda: build_plan(
+        mask, space, batch=batch, heads=heads, q_offset=q_offset, q_count=q_count,
+        kv_offset=kv_offset, kv_count=kv_count, block_q=block_q, block_k=block_k, fused=fused))
+
+
+def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
+               q_offset: int, q_count: int, kv_offset: int, kv_count: int,
+               block_q: Optional[int] = None, block_k: int = BLOCK_K, fused: bool = False) -> Plan:
     """Turn the mask's block map into per-query-block key segments.
 
     A block counts as EMPTY only when it is empty for every batch element and head, and as

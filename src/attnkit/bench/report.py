@@ -90,8 +90,8 @@ def markdown(results: dict) -> str:
         f"`{machine.get('source') or 'unknown'}`), Python {machine['python']}, {machine['platform']}.",
         "",
         f"Command: `{results['command']}` (total {results.get('elapsed_s', 0) / 60:.1f} min). "
-        f"Rounds per cell: {results['config']['min_reps']}–{results['config']['max_reps']} "
-        f"(a {results['config']['cell_budget_s']:.0f} s budget per workload × pass).",
+        f"Rounds per method: {results['config']['min_reps']}–{results['config']['max_reps']} "
+        f"(an equal share of a {results['config']['cell_budget_s']:.0f} s budget per workload × pass).",
         ""]
     for pass_name in ("fwd", "fwd+bwd"):
         records = [r for r in results["results"] if r["pass"] == pass_name]

@@ -8,8 +8,9 @@ Method (one *cell* is a workload × pass, ``fwd`` or ``fwd+bwd``):
    Its output (and gradients) are compared with ``attnkit tiled``'s; a method whose maximum
    absolute difference exceeds :data:`TOLERANCE` is flagged ``mismatch``.
 3. Timed repetitions *interleaved* across methods (A, B, C, A, B, C, …) so that noise from
-   other processes on the machine hits every method alike; the number of rounds fits a time
-   budget per cell (between ``min_reps`` and ``max_reps``).
+   other processes on the machine hits every method alike; each method's number of rounds fits
+   an equal share of a time budget per cell (between ``min_reps`` and ``max_reps``), so the
+   fast methods get more rounds than the slow references.
 4. Median and inter-quartile range per method, TFLOP/s from the useful-FLOP count
    (:mod:`attnkit.bench.workloads`) and speed-ups ``t_reference / t_method`` against torch SDPA
    without a mask, SDPA with the dense bool mask, and compiled FlexAttention.
@@ -229,12 +230,16 @@ def run_cell(workload: Workload, backward: bool, settings: Settings,
             records[key]["status"] = "mismatch"
     del results, reference
 
-    # timed rounds, interleaved across methods
-    round_s = sum(estimate.values()) or 1e-9
-    reps = int(min(settings.max_reps, max(settings.min_reps, settings.cell_budget_s // round_s)))
-    for rep in range(reps):
+    # timed rounds, interleaved across methods; each method's round count fits an equal share
+    # of the budget, so a slow method (naive, a dense mask) does not cut the fast ones' rounds
+    share = settings.cell_budget_s / max(len(steps), 1)
+    reps = {key: int(min(settings.max_reps, max(settings.min_reps, share // max(estimate[key], 1e-9))))
+            for key in steps}
+    for rep in range(max(reps.values(), default=0)):
         for key, step in steps.items():
-            on_step(f"{records[key]['label']} · rep {rep + 1}/{reps}")
+            if rep >= reps[key]:
+                continue
+            on_step(f"{records[key]['label']} · rep {rep + 1}/{reps[key]}")
             start = time.perf_counter()
             step()
             records[key]["times_s"].append(time.perf_counter() - start)

@@ -32,7 +32,6 @@ import importlib.util
 import math
 import os
 import sys
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable, Optional
@@ -40,8 +39,7 @@ from typing import Callable, Optional
 import torch
 
 from ...inputs import Inputs
-from ...masks import (FULL, PARTIAL, Mask, MaskSpace, _And, _Band, _Bias, _Combined, _Dense, _Documents,
-                      _Padding)
+from ...masks import FULL, PARTIAL, Mask, MaskCache, MaskSpace, _And, _Band, _Bias, _Documents, _Padding
 
 LOG2E = 1.4426950408889634
 
@@ -426,57 +424,17 @@ class Plan:
         return (bh_bits << 24) | (q_bits << 16) | (kv_bits << 8) | flags
 
 
-LAYOUT_CACHE_SIZE = 32
-_LAYOUTS: "OrderedDict[tuple, tuple[Layout, list]]" = OrderedDict()
-
-
-def _tensor_key(t: Optional[torch.Tensor]):
-    """A tensor's identity *and* state: an in-place write bumps ``_version``, so a mask whose
-    tensor was modified misses the cache."""
-    if t is None:
-        return None
-    return (id(t), t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-
-
-def mask_key(mask: Optional[Mask], keep: list) -> Optional[tuple]:
-    """A hashable description of ``mask`` for the layout cache, or ``None`` when it cannot be
-    cached (``from_function``: its function may read anything). Tensors the key names by ``id``
-    are appended to ``keep``; the cache holds them, so an id cannot be reused while cached."""
-    if mask is None:
-        return ()
-    if isinstance(mask, _Band):
-        return ("band", mask.left, mask.right, mask.align)
-    tensors = {_Padding: ("q_lengths", "kv_lengths"), _Documents: ("q_ids", "kv_ids"),
-               _Dense: ("allowed",), _Bias: ("values",)}.get(type(mask))
-    if tensors is not None:
-        values = [getattr(mask, name) for name in tensors]
-        keep.extend(t for t in values if t is not None)
-        return (type(mask).__name__, *(_tensor_key(t) for t in values))
-    if isinstance(mask, _Combined):
-        parts = [mask_key(part, keep) for part in mask.parts]
-        return None if any(p is None for p in parts) else (type(mask).__name__, *parts)
-    return None
+_LAYOUTS = MaskCache(32)
 
 
 def layout(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> Layout:
     """The :class:`Layout` of ``mask`` over ``space``, from the cache when this mask (same
     tensors, unmodified) was planned for the same shapes before."""
-    keep: list = []
-    key = mask_key(mask, keep)
-    if key is not None:
-        key = (key, space, tiles)
-        hit = _LAYOUTS.get(key)
-        if hit is not None:
-            _LAYOUTS.move_to_end(key)
-            return hit[0]
-    codes = block_codes(mask, space, tiles)
-    built = Layout(program=compile_mask(mask, space), codes=codes, batch=space.batch,
-                   heads=space.heads, rows=block_lists(codes, space.batch, space.heads))
-    if key is not None:
-        _LAYOUTS[key] = (built, keep)
-        while len(_LAYOUTS) > LAYOUT_CACHE_SIZE:
-            _LAYOUTS.popitem(last=False)
-    return built
+    def build() -> Layout:
+        codes = block_codes(mask, space, tiles)
+        return Layout(program=compile_mask(mask, space), codes=codes, batch=space.batch,
+                      heads=space.heads, rows=block_lists(codes, space.batch, space.heads))
+    return _LAYOUTS.get(mask, (space, tiles), build)
 
 
 def make_plan(inputs: Inputs, tiles: Optional[Tiles] = None) -> Plan:
