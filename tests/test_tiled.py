@@ -380,3 +380,22 @@ def test_triangle_tiles_forward_backward(path, dtype, heads, strip, merge, kind,
     assert_within_2x("lse", lse, t_lse, p_lse, dtype)
     for name, g, tg, pg in zip("qkv", grads, t_grads, p_grads):
         assert_within_2x(f"d{name}", g, tg, pg, dtype)
+
+
+def test_backward_can_keep_the_accumulation_dtype(gen):
+    """``accumulate=True`` hands back fp32 gradients for bf16 inputs (ring attention sums the
+    parts of every step, then rounds once); the default rounds them to the input dtype."""
+    q, k, v = _inputs(gen, torch.bfloat16, batch=1, heads_q=2, heads_kv=1, tq=40, tk=40)
+    mask, scale = ak.causal(), 0.25
+    space = MaskSpace(1, 2, 40, 40)
+    plan = make_plan(mask, space, batch=1, heads=2, q_offset=0, q_count=40, kv_offset=0,
+                     kv_count=40, block_q=16, block_k=16)
+    problem = tiled.Problem(mask, scale, space, 0, 0, plan)
+    out, lse = tiled.tiled_forward(q, k, v, problem)
+    dout = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
+    kept = tiled.tiled_backward(q, k, v, out, lse, dout, None, problem, accumulate=True)
+    rounded = tiled.tiled_backward(q, k, v, out, lse, dout, None, problem)
+    for full, low in zip(kept, rounded):
+        assert full.dtype == torch.float32 and low.dtype == torch.bfloat16
+        assert torch.equal(full.to(torch.bfloat16), low)
+        assert not torch.equal(full, low.float())  # the kept bits are really there

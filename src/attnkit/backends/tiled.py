@@ -463,10 +463,12 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
     return out, lse
 
 
-def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
+                   accumulate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward pass, recomputing tiles. ``grad_out [B, Hq, Tq, Dv]``, ``grad_lse [B, Hq, Tq]``
-    or ``None`` → ``(dq, dk, dv)`` in the input dtypes. dK/dV of a K/V head sum over its group."""
+    or ``None`` → ``(dq, dk, dv)`` in the input dtypes, or with ``accumulate`` in the
+    accumulation dtype (fp32 for fp16/bf16: a caller summing several calls, as ring attention
+    does, rounds once at the end). dK/dV of a K/V head sum over its group."""
     batch, heads_q, tq, _ = q.shape
     heads_kv = k.shape[1]
     acc = accum_dtype(q.dtype)
@@ -537,6 +539,8 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem,
             dq_block = dq_seg if dq_block is None else dq_block.add_(dq_seg)
             dk[:, :, seg.start:seg.stop].add_(grad_scores.transpose(-1, -2) @ q_block_scaled)
         dq[:, :, rows[0]:rows[1]] = _ungrouped(dq_block, heads_q)
+    if accumulate:
+        return dq, dk, dv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -251,7 +251,8 @@ def _ring_backward(q, k, v, out, lse, grad_out, grad_lse, ring: _Ring,
             dq_part, dk_part, dv_part = tiled_backward(
                 q[:, :, rows], keys[:, :, kv_rows], values[:, :, kv_rows], out[:, :, rows],
                 lse[:, :, rows], grad_out[:, :, rows],
-                None if grad_lse is None else grad_lse[:, :, rows], pair.problem)
+                None if grad_lse is None else grad_lse[:, :, rows], pair.problem,
+                accumulate=True)  # fp32 parts for fp16/bf16: rounded once, at the end
             dq[:, :, rows] += dq_part
             contributions.append((kv_rows, dk_part, dv_part))
         if grads_transfer is None:  # step 0: this rank starts the sums of its own K/V
