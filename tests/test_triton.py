@@ -398,6 +398,20 @@ def test_layout_cache_sees_in_place_changes(gen):
     check(q, k, v, mask, dense_documents(ids), gen=gen)
 
 
+def test_reused_launches_take_the_new_tensors(gen):
+    """Launch arguments are built once per layout and shapes; a second call with other tensors
+    of the same shapes (and a strided view) must compute with those tensors."""
+    mask = ak.sliding_window(9)
+    allowed = dense_band(48, 48, 9, 0)
+    first = make_qkv(1, 2, 1, 48, 48, 16, 16, torch.float32, gen)
+    check(*first, mask, allowed, gen=gen)
+    second = make_qkv(1, 2, 1, 48, 48, 16, 16, torch.float32, gen)
+    r2, _ = check(*second, mask, allowed, gen=gen)
+    wide = torch.randn(1, 2, 48, 32, generator=gen)[..., :16]  # same shape, other strides
+    r3, _ = check(wide, *second[1:], mask, allowed, gen=gen)
+    assert not torch.equal(r2.out, r3.out)
+
+
 # ---- block skipping (host block lists) -----------------------------------------------------------
 
 def _plan(mask, q_len, kv_len, tiles, heads=1, batch=1):

@@ -28,6 +28,7 @@ is first imported (``cpu_problem`` says so when it was not).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -378,6 +379,7 @@ class Layout:
     heads: int
     rows: BlockLists  # query rows → key blocks (forward, dQ)
     _cols: Optional[BlockLists] = field(default=None, repr=False)
+    calls: dict = field(default_factory=dict, repr=False)  # launch templates (see _reuse)
 
     @property
     def cols(self) -> BlockLists:
@@ -488,41 +490,70 @@ class Call:
             _tuned(self.name)[lambda meta: self.grid(meta["BLOCK_M"], meta["BLOCK_N"])](**self.args)
 
 
+CALLS_PER_LAYOUT = 16
+
+
+def _reuse(plan: Plan, name: str, tensors: dict, build: Callable[[], "Call"]) -> "Call":
+    """The launch ``name`` for these tensors: built once per (layout, scale, shapes, strides,
+    dtypes) and kept on the layout, then only the tensors are swapped in (the ~75 arguments
+    are otherwise rebuilt on every call: host time the GPU waits for on small problems)."""
+    key = (name, plan.scale, plan.interpret, plan.tiles,
+           *((t.shape, t.stride(), t.dtype) for t in tensors.values()))
+    calls = plan.layout.calls
+    template = calls.get(key)
+    if template is None:
+        template = build()
+        if len(calls) >= CALLS_PER_LAYOUT:
+            calls.pop(next(iter(calls)))
+        calls[key] = template
+    return dataclasses.replace(template, args={**template.args, **tensors})
+
+
 def forward_call(q, k, v, out, lse, plan: Plan) -> Call:
     """The forward launch filling ``out [B, H, Tq, Dv]`` and ``lse [B, H, Tq]`` (float32)."""
-    batch, heads, q_len, _ = q.shape
-    args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **_strides("q", q), **_strides("k", k),
-                **_strides("v", v), **_strides("o", out),
-                s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2),
-                heads=heads, group=heads // k.shape[1], **_common(q, k, v, plan), **plan.rows.args())
-    return Call("attn_fwd", args, lambda block_m, block_n: (cdiv(q_len, block_m), batch * heads),
-                plan.tiles.fwd, plan.tiles.walk)
+    def build() -> Call:
+        batch, heads, q_len, _ = q.shape
+        args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **_strides("q", q), **_strides("k", k),
+                    **_strides("v", v), **_strides("o", out),
+                    s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2),
+                    heads=heads, group=heads // k.shape[1], **_common(q, k, v, plan),
+                    **plan.rows.args())
+        return Call("attn_fwd", args, lambda block_m, block_n: (cdiv(q_len, block_m), batch * heads),
+                    plan.tiles.fwd, plan.tiles.walk)
+    return _reuse(plan, "attn_fwd", dict(Q=q, K=k, V=v, Out=out, Lse=lse), build)
 
 
 def dkdv_call(q, k, v, dout, lse, delta_, dk, dv, plan: Plan) -> Call:
     """The launch filling ``dk [B, Hkv, Tk, Dk]`` and ``dv [B, Hkv, Tk, Dv]``."""
-    batch, heads, _, _ = q.shape
-    heads_kv, kv_len = k.shape[1], k.shape[2]
-    args = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dK=dk, dV=dv,
-                **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", dout),
-                s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2),
-                **_strides("dk", dk), **_strides("dv", dv),
-                heads=heads, heads_kv=heads_kv, group=heads // heads_kv, sm_scale=plan.scale,
-                **_common(q, k, v, plan), **plan.cols.args())
-    return Call("attn_bwd_dkdv", args,
-                lambda block_m, block_n: (cdiv(kv_len, block_n), batch * heads_kv), plan.tiles.dkdv, plan.tiles.walk)
+    def build() -> Call:
+        batch, heads, _, _ = q.shape
+        heads_kv, kv_len = k.shape[1], k.shape[2]
+        args = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dK=dk, dV=dv,
+                    **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", dout),
+                    s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2),
+                    **_strides("dk", dk), **_strides("dv", dv),
+                    heads=heads, heads_kv=heads_kv, group=heads // heads_kv, sm_scale=plan.scale,
+                    **_common(q, k, v, plan), **plan.cols.args())
+        return Call("attn_bwd_dkdv", args,
+                    lambda block_m, block_n: (cdiv(kv_len, block_n), batch * heads_kv),
+                    plan.tiles.dkdv, plan.tiles.walk)
+    tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dK=dk, dV=dv)
+    return _reuse(plan, "attn_bwd_dkdv", tensors, build)
 
 
 def dq_call(q, k, v, dout, lse, delta_, dq, plan: Plan) -> Call:
     """The launch filling ``dq [B, H, Tq, Dk]``."""
-    batch, heads, q_len, _ = q.shape
-    args = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dQ=dq,
-                **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", dout),
-                s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2), **_strides("dq", dq),
-                heads=heads, group=heads // k.shape[1], sm_scale=plan.scale,
-                **_common(q, k, v, plan), **plan.rows.args())
-    return Call("attn_bwd_dq", args, lambda block_m, block_n: (cdiv(q_len, block_m), batch * heads),
-                plan.tiles.dq, plan.tiles.walk)
+    def build() -> Call:
+        batch, heads, q_len, _ = q.shape
+        args = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dQ=dq,
+                    **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", dout),
+                    s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2), **_strides("dq", dq),
+                    heads=heads, group=heads // k.shape[1], sm_scale=plan.scale,
+                    **_common(q, k, v, plan), **plan.rows.args())
+        return Call("attn_bwd_dq", args, lambda block_m, block_n: (cdiv(q_len, block_m), batch * heads),
+                    plan.tiles.dq, plan.tiles.walk)
+    tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dQ=dq)
+    return _reuse(plan, "attn_bwd_dq", tensors, build)
 
 
 def delta(out, dout, result, plan: Plan) -> None:
