@@ -6,6 +6,8 @@ call also autotunes and compiles every kernel)::
 
     python benchmarks/gpu.py                      # everything; JSON to $OUT (or results/)
     python benchmarks/gpu.py --dims 128 --lengths 4096,16384   # a shorter first look
+    python benchmarks/gpu.py --check-kinds ...    # first every mask kind (GQA, ragged, bf16/fp16)
+                                                  # at small sizes against float64
 
 Anywhere (no GPU)::
 
@@ -83,6 +85,9 @@ def parse_args(argv=None):
                    help="masks FlexAttention is timed on ('all' for every one; each costs a compile "
                         "of ~10-30 s for the forward and again for the backward)")
     p.add_argument("--skip-check", action="store_true", help="time without the correctness check")
+    p.add_argument("--check-kinds", action="store_true",
+                   help="first check every mask kind (GQA, ragged, bf16 and fp16) at small sizes "
+                        "against float64")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds: start no new workload after this (the JSON and table keep what ran)")
     p.add_argument("--no-warm", action="store_true",
@@ -331,6 +336,78 @@ def check(w: Workload, dtype, device) -> dict:
     return result
 
 
+# ---- every mask kind at small sizes ------------------------------------------------------------------
+def mask_kinds(tq: int, tk: int, batch: int, gen: torch.Generator) -> dict:
+    """Every kind of mask the kernels handle (CPU tensors, as a user builds them)."""
+    import attnkit as ak
+
+    ids_q = torch.randint(0, 4, (tq,), generator=gen).sort().values
+    ids_k = torch.randint(0, 4, (tk,), generator=gen).sort().values
+    return {
+        "causal": ak.causal(),
+        "causal_bottom_right": ak.causal("bottom_right"),
+        "window37": ak.sliding_window(37),
+        "padding_empty_rows": ak.padding(q_lengths=[tq, tq - 40][:batch], kv_lengths=[0, tk - 21][:batch]),
+        "documents": ak.documents(ids_q, ids_k),
+        "documents&causal": ak.documents(ids_q, ids_k) & ak.causal(),
+        "dense_bool": ak.dense(torch.rand(tq, tk, generator=gen) < 0.7),
+        "bias&causal": ak.bias(torch.randn(tq, tk, generator=gen)) & ak.causal(),
+        "from_function": ak.from_function(lambda b, h, q, kv: (q + kv) % 3 != 0, "mod3"),
+        "documents|window": ak.documents(ids_q, ids_k) | ak.sliding_window(5),
+        "~causal": ~ak.causal(),
+    }
+
+
+def check_kinds(dtype, device) -> list[dict]:
+    """Each mask kind, GQA 4/2, ragged Tq 300 × Tk 333, D 64, against float64 on the CPU:
+    out, LSE, dq, dk, dv, with the error of torch's own SDPA (dense mask) in ``dtype`` as the
+    yardstick (allowed: 2× it + 2e-3). An exception is a failed case, reported, not fatal."""
+    import attnkit as ak
+
+    gen = torch.Generator().manual_seed(1)
+    batch, heads, heads_kv, tq, tk, d = 2, 4, 2, 300, 333, 64
+    rows = []
+    for name, mask in mask_kinds(tq, tk, batch, gen).items():
+        row = {"case": name, "ok": False}
+        try:
+            q, k, v = (torch.randn(batch, h, t, d, generator=gen, dtype=torch.float64)
+                       for h, t in ((heads, tq), (heads_kv, tk), (heads_kv, tk)))
+            dout = torch.randn(batch, heads, tq, d, generator=gen, dtype=torch.float64)
+            low = [t.to(dtype) for t in (q, k, v)]  # the values every computation sees
+            truth_in = [t.double().requires_grad_() for t in low]
+            truth = ak.attention(*truth_in, mask, backend="reference", return_lse=True)
+            truth_grads = torch.autograd.grad(truth.out, truth_in, dout.to(dtype).double())
+            ours_in = [t.to(device).requires_grad_() for t in low]
+            poison_allocator(device, 64 * 2**20)
+            ours = ak.attention(*ours_in, mask, backend="triton", return_lse=True)
+            grads = torch.autograd.grad(ours.out, ours_in, dout.to(dtype).to(device))
+            yard_in = [t.to(device).requires_grad_() for t in low]
+            yard = ak.attention(*yard_in, mask, backend="torch")
+            yard_grads = torch.autograd.grad(yard, yard_in, dout.to(dtype).to(device))
+            pairs = {"out": (ours.out, yard, truth.out), "lse": (ours.lse, None, truth.lse)}
+            for key, mine, theirs, t in zip(("dq", "dk", "dv"), grads, yard_grads, truth_grads):
+                pairs[key] = (mine, theirs, t)
+            row["errors"], ok = {}, True
+            for key, (mine, theirs, t) in pairs.items():
+                t = t.to(device)
+                finite = torch.isfinite(t)
+                if key == "lse":  # −inf exactly on fully masked rows, close elsewhere
+                    ok &= bool(torch.equal(torch.isneginf(mine), torch.isneginf(t)))
+                    mine, t = mine[finite], t[finite]
+                err = relative_error(mine, t)
+                bound = (1e-4 if theirs is None else 2 * relative_error(theirs, t)) + 2e-3
+                row["errors"][key] = {"triton": err, "bound": bound}
+                ok &= err <= bound
+            row["ok"] = bool(ok)
+        except Exception as error:  # noqa: BLE001 - a failed case is a result
+            row["exception"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        rows.append(row)
+        errs = " ".join(f"{k} {v['triton']:.1e}" for k, v in row.get("errors", {}).items())
+        print(f"kind {name:20s} {str(dtype).replace('torch.', ''):9s} "
+              f"{'ok' if row['ok'] else 'FAILED'}  {errs or row.get('exception', '')}", flush=True)
+    return rows
+
+
 # ---- the two ceilings (METHOD.md: measure them once) ------------------------------------------------------------
 def ceilings(device, dtype, bench) -> dict:
     if device.type != "cuda":
@@ -495,6 +572,10 @@ def main(argv=None) -> int:
         print("host time per call (tiny problem, GPU idle: the floor a small workload sees), us: "
               + ", ".join(f"{k} {v:.0f}" for k, v in info["host_us_per_call"].items()), flush=True)
     checks = []
+    if args.check_kinds:
+        for low in (torch.bfloat16, torch.float16):
+            checks += [dict(row, workload=f"kind:{row['case']}", d=64, dtype=str(low))
+                       for row in check_kinds(low, device)]
     if not args.skip_check:
         seen = set()
         for w in todo:  # each mask kind and head dim once, at its longest N
