@@ -384,6 +384,9 @@ def test_layout_is_reused_for_the_same_mask_and_shapes():
     equal = ak.documents(ids.clone()) & ak.causal()  # another tensor: planned again
     assert _plan(equal, 96, 96, launch.INTERPRETER_TILES).layout is not first
     assert ak.masks.cache_key(ak.from_function(lambda b, h, q, kv: q >= kv), []) is None
+    big = torch.ones(96, 96, dtype=torch.bool)  # Tq×Tk tensors are never held by a cache
+    assert ak.masks.cache_key(ak.dense(big), []) is None
+    assert ak.masks.cache_key(ak.bias(big.float()) & ak.causal(), []) is None
 
 
 def test_layout_cache_sees_in_place_changes(gen):
@@ -410,6 +413,9 @@ def test_reused_launches_take_the_new_tensors(gen):
     wide = torch.randn(1, 2, 48, 32, generator=gen)[..., :16]  # same shape, other strides
     r3, _ = check(wide, *second[1:], mask, allowed, gen=gen)
     assert not torch.equal(r2.out, r3.out)
+    layout = _plan(mask, 48, 48, launch.INTERPRETER_TILES, heads=2).layout
+    assert layout.calls and not any(isinstance(value, torch.Tensor) and value.shape[-1] == 16
+                                    for call in layout.calls.values() for value in call.args.values())
 
 
 # ---- block skipping (host block lists) -----------------------------------------------------------

@@ -668,15 +668,15 @@ def _tensor_key(t: Optional[torch.Tensor]):
 
 def cache_key(mask: Optional[Mask], keep: list) -> Optional[tuple]:
     """A hashable description of ``mask`` (its kind, parameters and tensors), or ``None`` when
-    it cannot be cached (``from_function``: its function may read anything). Tensors the key
-    names by ``id`` are appended to ``keep``; a cache must hold them, so an id cannot be reused
-    while its entry lives."""
+    it is not cached: ``from_function`` (its function may read anything), and ``dense`` and
+    ``bias`` (their Tq×Tk tensors would be kept alive by the cache, and a loop that builds a
+    new one per step would pile them up). Tensors the key names by ``id`` are appended to
+    ``keep``; a cache must hold them, so an id cannot be reused while its entry lives."""
     if mask is None:
         return ()
     if isinstance(mask, _Band):
         return ("band", mask.left, mask.right, mask.align)
-    tensors = {_Padding: ("q_lengths", "kv_lengths"), _Documents: ("q_ids", "kv_ids"),
-               _Dense: ("allowed",), _Bias: ("values",)}.get(type(mask))
+    tensors = {_Padding: ("q_lengths", "kv_lengths"), _Documents: ("q_ids", "kv_ids")}.get(type(mask))
     if tensors is not None:
         values = [getattr(mask, name) for name in tensors]
         keep.extend(t for t in values if t is not None)

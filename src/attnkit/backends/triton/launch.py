@@ -502,10 +502,13 @@ def _reuse(plan: Plan, name: str, tensors: dict, build: Callable[[], "Call"]) ->
     calls = plan.layout.calls
     template = calls.get(key)
     if template is None:
-        template = build()
+        built = build()
         if len(calls) >= CALLS_PER_LAYOUT:
             calls.pop(next(iter(calls)))
-        calls[key] = template
+        # kept without this call's tensors: the cache must not hold activations alive
+        calls[key] = dataclasses.replace(
+            built, args={name: value for name, value in built.args.items() if name not in tensors})
+        return built
     return dataclasses.replace(template, args={**template.args, **tensors})
 
 
