@@ -7,7 +7,7 @@ Status
   causal; D 64 and 128; N up to 16384), with SDPA's own bf16 error. Speed at D 128, bf16:
   forward 1.26–1.33× SDPA-flash for N ≥ 4096 (dense), forward+backward 1.13–1.19× for
   N ≥ 2048; 0.62–0.78× of cuDNN; sliding window 1.03× and documents 0.93× of compiled
-  FlexAttention forward (0.87× / 0.67× forward+backward). Each call costs ~0.2–0.4 ms of host
+  FlexAttention forward (0.87× / 0.67× forward+backward). Each call cost 0.23–0.49 ms of host
   time (Python, ~75 kernel arguments); the mask's block lists are cached per mask and shape.
 - **Tested in CI** through the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) with
   triton 3.9 and torch 2.13 (CPU build): ``tests/test_triton.py`` checks the forward, LSE and
