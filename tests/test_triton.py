@@ -302,8 +302,8 @@ def test_kernel_blocks_inside_sparse_blocks(tiles, gen, monkeypatch):
 @pytest.mark.parametrize("walk", sorted(launch.WALKS))
 @pytest.mark.parametrize("case", ["docs&causal", "window&padding", "bias"])
 def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
-    """Each walk the autotuner may pick (PARTIAL loop first, FULL loop first, one merged loop
-    that masks every tile) gives the same attention, on rows mixing PARTIAL and FULL blocks."""
+    """Each walk the autotuner may pick (PARTIAL loop first, FULL loop first) gives the same
+    attention, on rows mixing PARTIAL and FULL blocks."""
     monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
         sparse_q=16, sparse_k=16, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), walk=walk))
     if case == "docs&causal":

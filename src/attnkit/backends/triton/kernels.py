@@ -13,12 +13,10 @@ Conventions shared by every kernel:
   sparse row) the PARTIAL sparse blocks first, then the FULL ones. Sparse blocks are
   ``SPARSE_Q × SPARSE_K``; a kernel block (``BLOCK_M``/``BLOCK_N``) divides them, so a kernel
   walks ``SPARSE/BLOCK`` sub-tiles of every listed sparse block. Each kernel writes that walk
-  once, as ``for part in tl.static_range(2 - MERGED)``, which unrolls into loops with
-  ``masked`` (the helpers' ``MASKED``) a compile-time constant in each. Three walks, picked
-  by two constexprs (autotuned with the block sizes, ``launch.WALKS``): PARTIAL loop then
-  FULL loop (the default); FULL loop first (``FULL_FIRST``); or one loop over both that
-  evaluates the mask on every tile (``MERGED``: one software-pipelined loop instead of two
-  short ones, for rows of few blocks).
+  once, as ``for part in tl.static_range(2)``, which unrolls into two loops with ``masked``
+  (the helpers' ``MASKED``) a compile-time constant in each: the PARTIAL loop then the FULL
+  one, or the FULL loop first (``FULL_FIRST``, autotuned with the block sizes,
+  ``launch.WALKS``).
 - PARTIAL tiles evaluate the mask program (``_allowed``/``_masked_scores``) and the
   sequence bounds; FULL tiles apply nothing (the host marks ragged tail blocks PARTIAL, so FULL
   tiles are always in bounds).
@@ -214,7 +212,7 @@ def attn_fwd(Q, K, V, Out, Lse,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_Q: tl.constexpr,
              SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
              EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
-             UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr, MERGED: tl.constexpr,
+             UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
              HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
              HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_DENSE: tl.constexpr,
              HAS_BIAS: tl.constexpr):
@@ -246,10 +244,9 @@ def attn_fwd(Q, K, V, Out, Lse,
     n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h,
                                            (pid_m * BLOCK_M) // SPARSE_Q,
                                            s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
-    for part in tl.static_range(2 - MERGED):  # the walk: see WALKS
+    for part in tl.static_range(2):  # the walk: see WALKS
         masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
-        for j in range(0 if masked else n_partial,
-                       n_partial + n_full * MERGED if masked else n_partial + n_full):
+        for j in range(0 if masked else n_partial, n_partial if masked else n_partial + n_full):
             block = tl.load(blocks + j)
             for sub in tl.static_range(SPARSE_K // BLOCK_N):
                 offs_n = block * SPARSE_K + sub * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -319,7 +316,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_Q: tl.constexpr,
                   SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                   EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
-                  UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr, MERGED: tl.constexpr,
+                  UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                   HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_DENSE: tl.constexpr,
                   HAS_BIAS: tl.constexpr):
@@ -348,10 +345,9 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
         do_base = dOut + b * s_do_b + h * s_do_h
         n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h, col,
                                                s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
-        for part in tl.static_range(2 - MERGED):  # the walk: see WALKS
+        for part in tl.static_range(2):  # the walk: see WALKS
             masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
-            for j in range(0 if masked else n_partial,
-                           n_partial + n_full * MERGED if masked else n_partial + n_full):
+            for j in range(0 if masked else n_partial, n_partial if masked else n_partial + n_full):
                 block = tl.load(blocks + j)
                 for sub in tl.static_range(SPARSE_Q // BLOCK_M):
                     # one query tile's contribution to dk [N, DK] and dv [N, DV] (transposed scores)
@@ -391,7 +387,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_Q: tl.constexpr,
                 SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                 EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
-                UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr, MERGED: tl.constexpr,
+                UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
                 HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                 HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_DENSE: tl.constexpr,
                 HAS_BIAS: tl.constexpr):
@@ -419,10 +415,9 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
     n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h,
                                            (pid_m * BLOCK_M) // SPARSE_Q,
                                            s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
-    for part in tl.static_range(2 - MERGED):  # the walk: see WALKS
+    for part in tl.static_range(2):  # the walk: see WALKS
         masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
-        for j in range(0 if masked else n_partial,
-                       n_partial + n_full * MERGED if masked else n_partial + n_full):
+        for j in range(0 if masked else n_partial, n_partial if masked else n_partial + n_full):
             block = tl.load(blocks + j)
             for sub in tl.static_range(SPARSE_K // BLOCK_N):
                 # one key tile's contribution to dq [M, DK]

@@ -124,11 +124,9 @@ dominates), so 32×32 tiles run the tests about twice as fast as 16×16 while se
 40–80 positions still span several blocks. Tests swap in other tiles (e.g. 32×32 sparse blocks
 walked by 16-wide kernel blocks) to cover the sub-tile loops the GPU configs use."""
 
-WALKS = {"partial_first": dict(FULL_FIRST=False, MERGED=0),
-         "full_first": dict(FULL_FIRST=True, MERGED=0),
-         "merged": dict(FULL_FIRST=False, MERGED=1)}
+WALKS = {"partial_first": dict(FULL_FIRST=False), "full_first": dict(FULL_FIRST=True)}
 """How a kernel walks a row's block list (``kernels.py``): the PARTIAL loop then the FULL one,
-the FULL loop first, or one loop that masks every tile. Autotuned with the block sizes."""
+or the FULL loop first. Autotuned with the block sizes."""
 
 P, F = "partial_first", "full_first"
 
@@ -137,9 +135,8 @@ P, F = "partial_first", "full_first"
 # Chosen from an offline sm90 build (``benchmarks/gpu.py --compile-only``: no spills at D ≤ 128
 # but small ones in dK/dV) and three H200 runs (docs/BENCHMARKS.md): at D = 128 the autotuner
 # picked 128×128 (forward), 32×128 (dK/dV) and 128×64 (dQ) for every mask. FULL-first ties
-# with PARTIAL-first (0.96–1.05× over 36 tunings) and stays a candidate there; the merged walk
-# lost 72 of 73 tunings (by up to 2.5×) and is listed nowhere (WALKS keeps it, tested, for
-# other GPUs). Also tried at D = 128 and dropped (a fourth run: never the fastest): forward
+# with PARTIAL-first (0.96–1.05× over 36 tunings) and stays a candidate there; a third walk,
+# one loop that masks every tile, lost 72 of 73 tunings (by up to 2.5×) and was removed. Also tried at D = 128 and dropped (a fourth run: never the fastest): forward
 # 128×64 with 2 stages and 64×128 with 4 warps, dQ 128×32.
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     "attn_fwd": {
