@@ -11,8 +11,12 @@ The score matrix is never built: queries are processed ``block_q`` rows at a tim
   sliding-window row: upper triangle, full keys, lower triangle) in strips of
   ``TRIANGLE_STRIP`` query rows that each see only their allowed keys.
 
+Query blocks that see the same keys relative to their rows and need no element mask (every
+block of a sliding window, every other block of equal documents) run as one kernel call over
+strided views of all of them (``Plan.runs``).
+
 An online softmax (running max ``m``, running sum ``l``, rescaled accumulator) in fp32 (fp64 for
-fp64 input) merges the segments. The backward pass recomputes every tile from
+fp64 input) merges the segments, in place in the output where its rows are a view of it. The backward pass recomputes every tile from
 ``(q, k, v, out, lse)``; nothing of size Tq×Tk is saved. Peak extra memory is a few tiles of
 ``TILE_ELEMENTS`` scores plus O(T·D) accumulators.
 
@@ -65,31 +69,83 @@ class Segment:
     structure: Optional[str] = None
 
 
+class Group(NamedTuple):
+    """A unit of execution: query block ``block`` (rows ``[rows[0], rows[1])``, keys
+    ``segments``), and, when ``count > 1``, the query blocks ``block + step·j`` (j < count) too,
+    which see the same keys relative to their rows (a *run*: one kernel call serves them all)."""
+
+    block: int
+    rows: tuple[int, int]
+    segments: tuple[Segment, ...]
+    step: int = 0
+    count: int = 1
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Which key segments each query block visits. ``rows[i]`` lists block i's segments."""
+    """Which key segments each query block visits. ``rows[i]`` lists block i's segments;
+    ``runs`` lists ``(first, step, count)``: query blocks ``first + step·j`` whose segments are
+    the same up to the shift ``step·j·block_q`` and need no element mask (full or staircase)."""
 
     block_q: int
     block_k: int
     rows: tuple[tuple[Segment, ...], ...]
     fused: bool = False
+    runs: tuple[tuple[int, int, int], ...] = ()
 
-    def groups(self, tq: int):
-        """Yield ``(i, (row_start, row_stop), segments)`` for execution. With the fused kernel,
-        consecutive query blocks whose segments are identical and all FULL run as one call
-        (a dense row range is a single kernel launch); otherwise one query block at a time."""
+    def groups(self, tq: int, *, runs: bool = False):
+        """Yield :class:`Group` s for execution. With ``runs``, each run is one group. With the
+        fused kernel, consecutive query blocks (outside runs) whose segments are identical and
+        all FULL run as one call (a dense row range is a single kernel launch); otherwise one
+        query block at a time."""
+        in_run = {}
+        if runs:
+            for first, step, count in self.runs:
+                in_run.update({first + step * j: (first, step, count) for j in range(count)})
         i = 0
         while i < len(self.rows):
+            if i in in_run:
+                first, step, count = in_run[i]
+                if i == first:
+                    yield Group(i, (i * self.block_q, (i + 1) * self.block_q), self.rows[i], step,
+                                count)
+                i += 1
+                continue
             end = i + 1
             if self.fused and not any(s.partial for s in self.rows[i]):
-                while end < len(self.rows) and self.rows[end] == self.rows[i]:
+                while (end < len(self.rows) and end not in in_run
+                       and self.rows[end] == self.rows[i]):
                     end += 1
-            yield i, (i * self.block_q, min(end * self.block_q, tq)), self.rows[i]
+            yield Group(i, (i * self.block_q, min(end * self.block_q, tq)), self.rows[i])
             i = end
 
     def tiles_computed(self) -> int:
         """Number of ``block_q × block_k`` tiles the plan computes (skipped ones excluded)."""
         return sum(math.ceil((s.stop - s.start) / self.block_k) for row in self.rows for s in row)
+
+
+def _find_runs(rows: list, block_q: int, q_count: int) -> tuple[tuple[int, int, int], ...]:
+    """Runs ``(first, step, count ≥ 2)`` of whole query blocks, evenly spaced, whose segments
+    are equal relative to the block's first row and are all full or staircases (their masks
+    move with the block, so one strided view of the blocks runs them in one call)."""
+    by_pattern: dict = {}
+    for i, row in enumerate(rows):
+        if not row or (i + 1) * block_q > q_count or any(
+                s.partial and s.structure is None for s in row):
+            continue
+        shift = i * block_q
+        pattern = tuple((s.start - shift, s.stop - shift, s.partial, s.structure) for s in row)
+        by_pattern.setdefault(pattern, []).append(i)
+    runs = []
+    for blocks in by_pattern.values():
+        j = 0
+        while j + 1 < len(blocks):
+            step, end = blocks[j + 1] - blocks[j], j + 1
+            while end + 1 < len(blocks) and blocks[end + 1] - blocks[end] == step:
+                end += 1
+            runs.append((blocks[j], step, end - j + 1))
+            j = end + 1
+    return tuple(sorted(runs))
 
 
 def choose_block_q(rows_of_work: int, kv_len: int) -> int:
@@ -109,7 +165,7 @@ def make_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
     """Per-query-block key segments for ``mask`` (see :func:`build_plan`), cached per mask
     (same tensors, unmodified) and arguments: a loop that reuses a mask plans it once."""
     extra = (space, batch, heads, q_offset, q_count, kv_offset, kv_count, block_q, block_k, fused,
-             TILE_ELEMENTS, FUSED_BLOCK_Q, STAIRCASE_MAX_KEYS, TRIANGLE_STRIP)  # the knobs too
+             TILE_ELEMENTS, FUSED_BLOCK_Q, STAIRCASE_MAX_KEYS, TRIANGLE_STRIP, BATCH_RUNS)
     return _PLANS.get(mask, extra, lambda: build_plan(
         mask, space, batch=batch, heads=heads, q_offset=q_offset, q_count=q_count,
         kv_offset=kv_offset, kv_count=kv_count, block_q=block_q, block_k=block_k, fused=fused))
@@ -156,7 +212,13 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int
             segments = _with_structure(mask, space, segments, q_offset + i * block_q,
                                        q_offset + min((i + 1) * block_q, q_count), kv_offset)
         rows.append(tuple(segments))
-    return Plan(block_q, block_k, tuple(rows), fused)
+    runs = _find_runs(rows, block_q, q_count) if fused and BATCH_RUNS else ()
+    return Plan(block_q, block_k, tuple(rows), fused, runs)
+
+
+BATCH_RUNS = True
+"""Run evenly spaced query blocks with equal relative structure (sliding windows, documents)
+as one kernel call over a strided view (see :func:`_find_runs`)."""
 
 
 STAIRCASE_MAX_KEYS = 1024
@@ -228,15 +290,73 @@ class Problem:
 
 
 def _grouped(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """``[B, Hq, n, D]`` → ``[B, Hkv, G·n, D]`` (query heads of one K/V head stacked as rows)."""
-    b, hq, n, d = x.shape
-    return x.reshape(b, heads_kv, (hq // heads_kv) * n, d)
+    """``[B, Hq, n, ...]`` → ``[B, Hkv, G·n, ...]`` (query heads of one K/V head stacked as rows)."""
+    b, hq, n = x.shape[:3]
+    return x.reshape(b, heads_kv, (hq // heads_kv) * n, *x.shape[3:])
 
 
 def _ungrouped(x: torch.Tensor, heads_q: int) -> torch.Tensor:
     """Inverse of :func:`_grouped` for ``[B, Hkv, G·n, ...]``."""
     b, hkv, gn = x.shape[:3]
     return x.reshape(b, heads_q, gn // (heads_q // hkv), *x.shape[3:])
+
+
+class _BlockWork:
+    """Where one query block (or dense row range) reads and writes: rows ``[start, stop)`` of a
+    ``[B, H, T, ...]`` tensor as ``[B, Hkv, G·n, ...]`` (see :func:`_grouped`)."""
+
+    def __init__(self, heads_kv: int):
+        self.heads_kv = heads_kv
+
+    def take(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return _grouped(x[:, :, start:stop], self.heads_kv)
+
+    def put(self, dest: torch.Tensor, start: int, stop: int, value: torch.Tensor) -> None:
+        dest[:, :, start:stop] = _ungrouped(value, dest.shape[1])
+
+    def add(self, dest: torch.Tensor, start: int, stop: int, value: torch.Tensor) -> None:
+        dest[:, :, start:stop].add_(value)  # in place: `+=` on a slice copies back
+
+
+def _run_view(x: torch.Tensor, start: int, step: int, count: int, width: int) -> torch.Tensor:
+    """``[B, H, T, ...]`` → the view ``[count, B·H, width, ...]`` whose j-th entry is rows
+    ``[start + step·j, start + step·j + width)`` (windows may overlap). Needs
+    :func:`_runs_fit`."""
+    b, h = x.shape[:2]
+    heads_stride = x.stride(1) if h > 1 else x.stride(0)
+    return x.as_strided((count, b * h, width, *x.shape[3:]),
+                        (step * x.stride(2), heads_stride, x.stride(2), *x.stride()[3:]),
+                        x.storage_offset() + start * x.stride(2))
+
+
+def _runs_fit(*tensors: torch.Tensor) -> bool:
+    """Whether every ``[B, H, T, ...]`` tensor has B and H mergeable into one dimension and
+    unit-stride rows, as :func:`_run_view` needs."""
+    return all((x.shape[0] == 1 or x.shape[1] == 1 or x.stride(0) == x.shape[1] * x.stride(1))
+               and (x.dim() == 3 or x.stride(-1) == 1) for x in tensors)
+
+
+class _RunWork:
+    """Where a run of ``count`` query blocks ``step`` rows apart reads and writes: the rows of
+    every block at once as ``[count, B·H, n, ...]`` views (see :func:`_run_view`); a segment's
+    keys too, shifted with their block."""
+
+    def __init__(self, step: int, count: int):
+        self.step, self.count = step, count
+
+    def take(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return _run_view(x, start, self.step, self.count, stop - start)
+
+    def put(self, dest: torch.Tensor, start: int, stop: int, value: torch.Tensor) -> None:
+        self.take(dest, start, stop).copy_(value)
+
+    def add(self, dest: torch.Tensor, start: int, stop: int, value: torch.Tensor) -> None:
+        """Add ``value [count, B·H, width, ...]`` into the blocks' windows of ``dest``. Windows
+        wider than the step overlap, so they are added in interleaved sets that do not."""
+        sets = min(self.count, math.ceil((stop - start) / self.step))
+        for first in range(sets):
+            _run_view(dest, start + first * self.step, self.step * sets,
+                      len(range(first, self.count, sets)), stop - start).add_(value[first::sets])
 
 
 @functools.lru_cache(maxsize=8)
@@ -363,17 +483,26 @@ FUSED_TILES = True
 """Switch for the fused CPU tile kernel (tests turn it off to exercise the matmul path on CPU)."""
 
 
+def _segment_pieces(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
+                    dropout_p=0.0):
+    """Attention of one query block over one key segment, as ``(rows, out, lse)`` pieces (the
+    strips of a staircase, else one piece with ``rows = slice(None)``), each normalised over the
+    segment alone. ``q_block [B, Hkv, G·n, Dk]``, ``k_seg/v_seg [B, Hkv, span, D]`` → ``out
+    [B, Hkv, rows, Dv]``, ``lse [B, Hkv, rows]``."""
+    if fused and tile is not None and tile.strips is not None:
+        for rows, keys, strip_mask in tile.strips:
+            yield (rows, *torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q_block[:, :, rows], k_seg[:, :, keys], v_seg[:, :, keys], 0.0, False,
+                attn_mask=strip_mask, scale=scale))
+        return
+    yield (slice(None), *_segment_forward(q_block, k_seg, v_seg, tile, scale, fused, keep,
+                                          dropout_p))
+
+
 def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
                      dropout_p=0.0):
-    """Attention of one query block over one key segment → ``(out, lse)``, each normalised over
-    the segment alone. ``q_block [B, Hkv, G·n, Dk]``, ``k_seg/v_seg [B, Hkv, span, D]``."""
+    """One piece of :func:`_segment_pieces` (not strips) → ``(out, lse)``."""
     additive = tile.additive if tile is not None else None
-    if fused and tile is not None and tile.strips is not None:
-        pieces = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_block[:, :, rows], k_seg[:, :, keys], v_seg[:, :, keys], 0.0, False,
-            attn_mask=strip_mask, scale=scale) for rows, keys, strip_mask in tile.strips]
-        return (torch.cat([out for out, _ in pieces], dim=2),  # [B, Hkv, n, Dv]
-                torch.cat([lse for _, lse in pieces], dim=2))  # [B, Hkv, n]
     if fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q_block, k_seg, v_seg, 0.0, tile is not None and tile.causal, attn_mask=additive,
@@ -409,26 +538,42 @@ def _bounded(segments, rows_of_work: int, block_k: int, fused: bool):
             yield Segment(start, min(start + max_span, seg.stop), seg.partial)
 
 
-def _segment_inputs(problem, q_grouped_block, keys, values, i, rows, seg, heads_q, fused):
+def _segment_inputs(problem, work, q_block, keys, values, block, rows, seg, heads_q, fused):
+    """A segment's keys and values (in ``work``'s layout), mask and dropout keep-mask."""
     heads_kv = keys.shape[1]
-    k_seg, v_seg = keys[:, :, seg.start:seg.stop], values[:, :, seg.start:seg.stop]
+    k_seg, v_seg = work.take(keys, seg.start, seg.stop), work.take(values, seg.start, seg.stop)
     tile = keep = None
     if seg.partial:
         tile = _segment_mask(problem, rows, seg, heads_q, heads_kv, keys.dtype, fused)
     if problem.dropout_p > 0:
-        shape = (*q_grouped_block.shape[:3], seg.stop - seg.start)
-        keep = _dropout_keep(problem, i, seg, shape, keys.device)
+        shape = (*q_block.shape[:3], seg.stop - seg.start)
+        keep = _dropout_keep(problem, block, seg, shape, keys.device)
     return k_seg, v_seg, tile, keep
 
 
 def _merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attnkit.numerics.merge` without autograd, overwriting ``out_a`` (a result this
-    engine owns): ``out_a [..., n, D]`` becomes ``lerp(out_a, out_b, σ(lse_b − lse_a))``, and
-    the union's ``lse [..., n]`` is returned. Rows empty on both sides (σ of NaN) get weight 0:
-    both outputs are 0 there and ``logaddexp(−inf, −inf) = −inf``."""
+                lse_b: torch.Tensor) -> None:
+    """:func:`attnkit.numerics.merge` without autograd, in place on ``(out_a, lse_a)`` (views
+    of results this engine owns): ``out_a [..., n, D]`` becomes ``lerp(out_a, out_b, σ(lse_b −
+    lse_a))`` and ``lse_a [..., n]`` the union's LSE. Rows empty on both sides (σ of NaN) get
+    weight 0: both outputs are 0 there and ``logaddexp(−inf, −inf) = −inf``."""
     weight_b = torch.sub(lse_b, lse_a).sigmoid_().nan_to_num_(0.0)  # [..., n]
-    return out_a.lerp_(out_b, weight_b.unsqueeze(-1)), torch.logaddexp(lse_a, lse_b)
+    out_a.lerp_(out_b, weight_b.unsqueeze(-1))
+    torch.logaddexp(lse_a, lse_b, out=lse_a)
+
+
+def _schedule(problem: Problem, tq: int, heads_q: int, heads_kv: int, fused: bool,
+              tensors: tuple):
+    """Yield ``(group, work)``: the plan's groups, each with where it reads and writes. Runs
+    execute as one group (:class:`_RunWork`) when the fused kernel serves them, without GQA, and
+    every tensor the pass views fits :func:`_run_view`; otherwise block by block."""
+    block_work = _BlockWork(heads_kv)
+    runs = fused and heads_q == heads_kv and _runs_fit(*tensors)
+    for group in problem.plan.groups(tq, runs=runs):
+        if group.count == 1:
+            yield group, block_work
+        else:
+            yield group, _RunWork(group.step * problem.plan.block_q, group.count)
 
 
 def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
@@ -442,25 +587,45 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)  # no copy when already acc
     out = torch.empty(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
     lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
-    for i, rows, segments in problem.plan.groups(tq):
-        q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)  # [B, Hkv, G·n, Dk]
-        block_out = block_lse = None
-        for seg in _bounded(segments, q_block.numel() // q_block.shape[-1], problem.plan.block_k, fused):
+    direct = out.dtype == acc and heads_q == heads_kv
+    for group, work in _schedule(problem, tq, heads_q, heads_kv, fused, (queries, keys, values)):
+        start, stop = group.rows
+        q_block = work.take(queries, start, stop)  # [B, Hkv, G·n, Dk] or [count, B·H, n, Dk]
+        # Results go straight into `out` and `lse` where the work's rows are views of them.
+        block_out = work.take(out, start, stop) if direct else None
+        block_lse = work.take(lse, start, stop) if direct else None
+        first = True
+        for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
+                            problem.plan.block_k, fused):
             k_seg, v_seg, tile, keep = _segment_inputs(
-                problem, q_block, keys, values, i, rows, seg, heads_q, fused)
-            seg_out, seg_lse = _segment_forward(q_block, k_seg, v_seg, tile, problem.scale, fused,
-                                                keep, problem.dropout_p)
-            if block_out is None:
-                block_out, block_lse = seg_out.to(acc), seg_lse.to(acc)
-            else:
-                block_out, block_lse = _merge_into(block_out, block_lse, seg_out.to(acc),
-                                                   seg_lse.to(acc))
-        if block_out is None:  # no key for any of these rows
-            out[:, :, rows[0]:rows[1]] = 0
-        else:
-            out[:, :, rows[0]:rows[1]] = _ungrouped(block_out, heads_q).to(q.dtype)
-            lse[:, :, rows[0]:rows[1]] = _ungrouped(block_lse, heads_q)
+                problem, work, q_block, keys, values, group.block, group.rows, seg, heads_q, fused)
+            for rows, seg_out, seg_lse in _segment_pieces(q_block, k_seg, v_seg, tile,
+                                                          problem.scale, fused, keep,
+                                                          problem.dropout_p):
+                if block_out is None:
+                    block_out = q_block.new_empty((*q_block.shape[:-1], dv), dtype=acc)
+                    block_lse = q_block.new_empty(q_block.shape[:-1], dtype=acc)
+                if first:
+                    block_out[:, :, rows] = seg_out
+                    block_lse[:, :, rows] = seg_lse
+                else:
+                    _merge_into(block_out[:, :, rows], block_lse[:, :, rows], seg_out.to(acc),
+                                seg_lse.to(acc))
+            first = False
+        if first:  # no key for any of these rows (a single block: runs have keys)
+            out[:, :, start:stop] = 0
+        elif not direct:
+            work.put(out, start, stop, block_out.to(q.dtype))
+            work.put(lse, start, stop, block_lse)
     return out, lse
+
+
+def _write_or_add(dest: torch.Tensor, value: torch.Tensor, write: bool) -> None:
+    """``dest = value`` (``write``) or ``dest += value``, in place."""
+    if write:
+        dest.copy_(value)
+    else:
+        dest.add_(value)
 
 
 def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
@@ -483,46 +648,52 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
     dq = torch.empty_like(queries)  # every query block writes its rows below
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    for i, rows, segments in problem.plan.groups(tq):
-        if not segments:
-            dq[:, :, rows[0]:rows[1]] = 0
+    viewed = (queries, keys, values, grad_out, out, lse_safe, dq, dk, dv)
+    for group, work in _schedule(problem, tq, heads_q, heads_kv, fused, viewed):
+        start, stop = group.rows
+        if not group.segments:
+            dq[:, :, start:stop] = 0
             continue
-        q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)  # [B, Hkv, G·n, Dk]
-        do_block = _grouped(grad_out[:, :, rows[0]:rows[1]], heads_kv)  # [B, Hkv, G·n, Dv]
-        lse_block = _grouped(lse_safe[:, :, rows[0]:rows[1], None], heads_kv)  # [B, Hkv, G·n, 1]
-        dq_block = None  # the first segment's dq (a fresh tensor), then the sum in place
+        q_block = work.take(queries, start, stop)  # [B, Hkv, G·n, Dk] or [count, B·H, n, Dk]
+        do_block = work.take(grad_out, start, stop)  # [..., n, Dv]
+        lse_block = work.take(lse_safe, start, stop)[..., None]  # [..., n, 1]
+        # dQ of the rows: straight into `dq` where the work's rows are a view of it; the first
+        # segment's pieces are written, the later ones added.
+        dq_block = work.take(dq, start, stop) if heads_q == heads_kv else torch.empty_like(q_block)
+        first = True
         if fused:
-            out_block = _grouped(out[:, :, rows[0]:rows[1]], heads_kv)
+            out_block = work.take(out, start, stop)
         else:
-            delta_block = _grouped(delta[:, :, rows[0]:rows[1], None], heads_kv)
+            delta_block = work.take(delta, start, stop)[..., None]
             q_block_scaled = q_block * problem.scale
-        for seg in _bounded(segments, q_block.numel() // q_block.shape[-1], problem.plan.block_k, fused):
+        for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
+                            problem.plan.block_k, fused):
             k_seg, v_seg, tile, keep = _segment_inputs(
-                problem, q_block, keys, values, i, rows, seg, heads_q, fused)
+                problem, work, q_block, keys, values, group.block, group.rows, seg, heads_q, fused)
             additive = tile.additive if tile is not None else None
             if fused and tile is not None and tile.strips is not None:
-                dq_pieces = []
                 for strip_rows, strip_keys, strip_mask in tile.strips:
-                    key_range = slice(seg.start + strip_keys.start, seg.start + strip_keys.stop)
+                    key_start, key_stop = seg.start + strip_keys.start, seg.start + strip_keys.stop
                     dq_strip, dk_strip, dv_strip = (
                         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                             do_block[:, :, strip_rows], q_block[:, :, strip_rows],
-                            keys[:, :, key_range], values[:, :, key_range],
+                            work.take(keys, key_start, key_stop),
+                            work.take(values, key_start, key_stop),
                             out_block[:, :, strip_rows], lse_block[:, :, strip_rows, 0], 0.0,
                             False, attn_mask=strip_mask, scale=problem.scale))
-                    dq_pieces.append(dq_strip)
-                    dk[:, :, key_range].add_(dk_strip)
-                    dv[:, :, key_range].add_(dv_strip)
-                dq_seg = torch.cat(dq_pieces, dim=2)  # [B, Hkv, n, Dk]
-                dq_block = dq_seg if dq_block is None else dq_block.add_(dq_seg)
+                    _write_or_add(dq_block[:, :, strip_rows], dq_strip, first)
+                    work.add(dk, key_start, key_stop, dk_strip)
+                    work.add(dv, key_start, key_stop, dv_strip)
+                first = False
                 continue
             if fused:
                 dq_seg, dk_seg, dv_seg = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     do_block, q_block, k_seg, v_seg, out_block, lse_block[..., 0], 0.0,
                     tile is not None and tile.causal, attn_mask=additive, scale=problem.scale)
-                dq_block = dq_seg if dq_block is None else dq_block.add_(dq_seg)
-                dk[:, :, seg.start:seg.stop].add_(dk_seg)  # in place: `+=` on a slice copies back
-                dv[:, :, seg.start:seg.stop].add_(dv_seg)
+                _write_or_add(dq_block, dq_seg, first)
+                work.add(dk, seg.start, seg.stop, dk_seg)
+                work.add(dv, seg.start, seg.stop, dv_seg)
+                first = False
                 continue
             scores = q_block_scaled @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
             if additive is not None:
@@ -533,12 +704,14 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
             if keep is not None:
                 kept = probs.masked_fill(~keep, 0.0).div_(1.0 - problem.dropout_p)
                 grad_probs.masked_fill_(~keep, 0.0).div_(1.0 - problem.dropout_p)
-            dv[:, :, seg.start:seg.stop].add_(kept.transpose(-1, -2) @ do_block)
+            work.add(dv, seg.start, seg.stop, kept.transpose(-1, -2) @ do_block)
             grad_scores = grad_probs.sub_(delta_block).mul_(probs)  # dS = P ∘ (dP − Δ)
             dq_seg = (grad_scores @ k_seg).mul_(problem.scale)  # [B, Hkv, G·n, Dk]
-            dq_block = dq_seg if dq_block is None else dq_block.add_(dq_seg)
-            dk[:, :, seg.start:seg.stop].add_(grad_scores.transpose(-1, -2) @ q_block_scaled)
-        dq[:, :, rows[0]:rows[1]] = _ungrouped(dq_block, heads_q)
+            _write_or_add(dq_block, dq_seg, first)
+            work.add(dk, seg.start, seg.stop, grad_scores.transpose(-1, -2) @ q_block_scaled)
+            first = False
+        if heads_q != heads_kv:
+            work.put(dq, start, stop, dq_block)
     if accumulate:
         return dq, dk, dv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -594,7 +767,7 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
     weights = torch.zeros(batch, heads_q, tq, tk, dtype=q.dtype, device=q.device)
     queries, keys = q.detach().to(acc) * problem.scale, k.detach().to(acc)
     lse_safe = torch.where(torch.isneginf(lse), float("inf"), lse.detach().to(acc))
-    for _, rows, segments in problem.plan.groups(tq):
+    for _, rows, segments, _, _ in problem.plan.groups(tq):
         q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)
         lse_block = _grouped(lse_safe[:, :, rows[0]:rows[1], None], heads_kv)
         for seg in _bounded(segments, q_block.numel() // q_block.shape[-1], problem.plan.block_k, False):
