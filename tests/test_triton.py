@@ -418,6 +418,43 @@ def test_reused_launches_take_the_new_tensors(gen):
                                     for call in layout.calls.values() for value in call.args.values())
 
 
+
+def test_compiled_launches_skip_the_autotuner_once_it_has_chosen(monkeypatch):
+    """On a GPU the first launch of a template goes through ``triton.autotune``; later launches
+    from the same template call the kernel directly with the config it chose (same grid, same
+    arguments, the config's kwargs). Checked with stand-ins for the tuner and the kernel (the
+    real path runs in ``benchmarks/gpu.py``, which checks every result on the GPU)."""
+    launches = []
+
+    class Config:
+        kwargs = {"BLOCK_M": 64, "BLOCK_N": 32, "FULL_FIRST": False}
+
+        def all_kwargs(self):
+            return {**self.kwargs, "num_warps": 4, "num_stages": 2}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda **kwargs: launches.append(("direct", grid, kwargs))
+
+    class Tuner:
+        fn, best_config = Kernel(), Config()
+
+        def __getitem__(self, grid):
+            return lambda **kwargs: launches.append(("tuner", grid({"BLOCK_M": 64, "BLOCK_N": 32}),
+                                                     kwargs))
+
+    monkeypatch.setattr(launch, "_tuned", lambda name: Tuner())
+    mask = ak.sliding_window(9)
+    q = torch.zeros(1, 2, 200, 16)
+    plan = launch.make_plan(validate(q, q, q, mask), launch.GPU_TILES)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 200)
+    for _ in range(3):
+        launch.forward_call(q, q, q, out, lse, plan).run(interpret=False)
+    assert [how for how, _, _ in launches] == ["tuner", "direct", "direct"]
+    assert launches[0][1] == launches[1][1] == (4, 2)  # cdiv(200, 64) blocks × batch·heads
+    assert launches[1][2] == {**launches[0][2], **Config().all_kwargs()}
+    assert all(value is not q for call in plan.layout.calls.values() for value in call.args.values())
+
 # ---- block skipping (host block lists) -----------------------------------------------------------
 
 def _plan(mask, q_len, kv_len, tiles, heads=1, batch=1):

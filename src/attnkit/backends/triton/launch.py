@@ -475,16 +475,28 @@ class Call:
     grid: Callable[[int, int], tuple[int, int]]
     fixed: Optional[tuple[int, int]]
     walk: str = "partial_first"  # under the interpreter
+    tuned: dict = field(default_factory=dict)
+    """``{"config": triton.Config}`` once the autotuner has chosen for these arguments; shared
+    by a template and the calls made from it (see :func:`_reuse`)."""
 
     def run(self, interpret: bool) -> None:
-        """A fixed config under the interpreter; ``triton.autotune`` over the configs when compiled."""
+        """A fixed config under the interpreter. Compiled: ``triton.autotune`` over the configs
+        the first time, then the chosen config launched directly (the autotuner's own lookup
+        costs ~120 µs of host time per launch with this many arguments)."""
         if interpret:
             block_m, block_n = self.fixed
             kernel = getattr(kernels(), self.name)
             kernel[self.grid(block_m, block_n)](BLOCK_M=block_m, BLOCK_N=block_n, **WALKS[self.walk],
                                                 **self.args)
+            return
+        tuner = _tuned(self.name)
+        config = self.tuned.get("config")
+        if config is None:
+            tuner[lambda meta: self.grid(meta["BLOCK_M"], meta["BLOCK_N"])](**self.args)
+            self.tuned["config"] = tuner.best_config  # the config this call ran with
         else:
-            _tuned(self.name)[lambda meta: self.grid(meta["BLOCK_M"], meta["BLOCK_N"])](**self.args)
+            tuner.fn[self.grid(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"])](
+                **self.args, **config.all_kwargs())
 
 
 CALLS_PER_LAYOUT = 16
