@@ -57,7 +57,7 @@ from attnkit import dispatch  # noqa: E402
 from attnkit.backends.triton import backend as triton_backend  # noqa: E402
 from attnkit.backends.triton import launch  # noqa: E402
 from attnkit.inputs import validate  # noqa: E402
-from attnkit.masks import EMPTY, FULL, PARTIAL  # noqa: E402
+from attnkit.masks import EMPTY, FULL, PARTIAL, MaskSpace  # noqa: E402
 
 from conftest import (assert_within_2x, dense_band, dense_causal, dense_documents,  # noqa: E402
                       dense_padding, sorted_ids)
@@ -209,6 +209,8 @@ MASK_CASES = {
     "documents": (1, 64, 64, lambda gen: _docs(gen, 64, 4)),
     "documents&causal": (1, 64, 64, lambda gen: _docs(gen, 64, 4, causal=True)),
     "documents_per_batch&causal": (2, 50, 50, lambda gen: _docs(gen, 50, 3, causal=True, batch=2)),
+    "documents_interleaved&causal": (1, 48, 48, lambda gen: _interleaved_docs()),
+    "documents_cross": (2, 40, 56, lambda gen: _cross_docs(gen)),
     "window&causal&padding": (2, 45, 45, lambda gen: (
         ak.sliding_window(12, 5) & ak.causal() & ak.padding(kv_lengths=[30, 45]),
         dense_band(45, 45, 12, 0) & dense_padding(45, 45, None, [30, 45], batch=2))),
@@ -227,6 +229,18 @@ def _docs(gen, length, n_docs, causal=False, batch=None):
     if causal:
         mask, allowed = mask & ak.causal(), allowed & dense_causal(length, length)
     return mask, allowed
+
+
+def _interleaved_docs():
+    """Every id in several runs: the kernels compare ids (no ranges)."""
+    ids = (torch.arange(48) // 4) % 3
+    return ak.documents(ids) & ak.causal(), dense_documents(ids) & dense_causal(48, 48)
+
+
+def _cross_docs(gen):
+    """Queries and keys of other lengths, per batch row, and ids only one side has."""
+    q_ids, kv_ids = sorted_ids(40, 3, gen, batch=2), sorted_ids(56, 4, gen, batch=2)
+    return ak.documents(q_ids, kv_ids), dense_documents(q_ids, kv_ids)
 
 
 def _bias_causal(gen):
@@ -454,6 +468,25 @@ def test_compiled_launches_skip_the_autotuner_once_it_has_chosen(monkeypatch):
     assert launches[0][1] == launches[1][1] == (4, 2)  # cdiv(200, 64) blocks × batch·heads
     assert launches[1][2] == {**launches[0][2], **Config().all_kwargs()}
     assert all(value is not q for call in plan.layout.calls.values() for value in call.args.values())
+
+
+def test_documents_as_ranges_when_contiguous():
+    """Documents that are contiguous runs reach the kernels as ranges (each query's key range,
+    each key's query range), others as int32 ids; ids beyond int32 keep their equalities."""
+    space = MaskSpace(2, 1, 6, 5)
+    q_ids, kv_ids = torch.tensor([7, 7, 2, 2, 2, 9]), torch.tensor([[2, 7, 7, 7, 5], [9, 9, 2, 2, 2]])
+    program = launch.compile_mask(ak.documents(q_ids, kv_ids), space)
+    assert program.doc_ranges and program.q_docs.dtype == torch.int32
+    assert program.q_docs.tolist() == [[[1, 4], [1, 4], [0, 1], [0, 1], [0, 1], [0, 0]],
+                                       [[0, 0], [0, 0], [2, 5], [2, 5], [2, 5], [0, 2]]]
+    assert program.kv_docs.tolist() == [[[2, 5], [0, 2], [0, 2], [0, 2], [0, 0]],
+                                        [[5, 6], [5, 6], [2, 5], [2, 5], [2, 5]]]
+    split = launch.compile_mask(ak.documents(torch.tensor([1, 2, 1, 3, 3, 3])), MaskSpace(1, 1, 6, 6))
+    assert not split.doc_ranges and split.q_docs.dtype == torch.int32
+    huge = torch.tensor([2**40, 2**40, 5, 2**40]).repeat_interleave(2)  # 2**40 in two runs
+    wide = launch.compile_mask(ak.documents(huge), MaskSpace(1, 1, 8, 8))
+    same = wide.q_docs[0][:, None] == wide.kv_docs[0][None, :]
+    assert not wide.doc_ranges and torch.equal(same, huge[:, None] == huge[None, :])
 
 # ---- block skipping (host block lists) -----------------------------------------------------------
 

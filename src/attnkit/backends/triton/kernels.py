@@ -51,11 +51,16 @@ MaskArgs = namedtuple("MaskArgs", [
     "q_docs", "s_qdoc_b", "s_qdoc_t", "kv_docs", "s_kvdoc_b", "s_kvdoc_t",
     "dense", "s_dense_b", "s_dense_h", "s_dense_q", "s_dense_k",
     "bias", "s_bias_b", "s_bias_h", "s_bias_q", "s_bias_k",
-    "HAS_LO", "HAS_HI", "HAS_QLEN", "HAS_KVLEN", "HAS_DOCS", "HAS_DENSE", "HAS_BIAS"])
+    "HAS_LO", "HAS_HI", "HAS_QLEN", "HAS_KVLEN", "HAS_DOCS", "DOC_RANGES", "HAS_DENSE",
+    "HAS_BIAS"])
 """The mask program as the helpers take it: band bounds ``lo ≤ kv − q ≤ hi``, per-batch
-lengths ``[B]``, document ids ``[B, T]``, the dense int8 and bias ``[B, H, Tq, Tk]`` views (each
-pointer with its strides; unused ones get a placeholder and stride 0), then the constexpr
-feature switches."""
+lengths ``[B]``, documents, the dense int8 and bias ``[B, H, Tq, Tk]`` views (each pointer with
+its strides; unused ones get a placeholder and stride 0), then the constexpr feature switches.
+Documents come as int32 ids ``[B, T]`` per side, or with ``DOC_RANGES`` (documents that are
+contiguous runs) as int32 ``[B, T, 2]`` per side: for each query the key range ``[lo, hi)`` of
+its document, for each key the query range. A tile then compares positions with the ranges of
+its *rows* only, instead of holding an id for every column (which took the D128 forward to
+the 255-register limit with a spill)."""
 
 
 SIZES_AND_MASK = ["TUNE_KEY", "heads", "q_len", "kv_len",
@@ -126,9 +131,10 @@ def _block_row(num_partial, num_full, index, b, h, row, s_n_b, s_n_h, s_n_r, s_i
 
 # ---- the mask program: element mask of a PARTIAL tile, from indices or loaded -------------
 @triton.jit
-def _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask):
+def _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, TRANSPOSED: tl.constexpr):
     """Bool "may attend" for query positions ``q_pos`` and key positions ``k_pos``, two
-    broadcastable 2-D index tensors (``[M, 1]`` × ``[1, N]``, or transposed) → ``[M, N]``."""
+    broadcastable 2-D index tensors (``[M, 1]`` × ``[1, N]``, or TRANSPOSED: ``[1, M]`` ×
+    ``[N, 1]``) → ``[M, N]`` (``[N, M]``)."""
     inside = (q_pos < q_len) & (k_pos < kv_len)
     ok = inside
     if mask.HAS_LO:  # band: kv - q >= band_lo
@@ -139,7 +145,18 @@ def _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask):
         ok = ok & (q_pos < tl.load(mask.q_lens + b * mask.s_qlen_b))
     if mask.HAS_KVLEN:
         ok = ok & (k_pos < tl.load(mask.kv_lens + b * mask.s_kvlen_b))
-    if mask.HAS_DOCS:
+    if mask.HAS_DOCS and mask.DOC_RANGES:  # the rows' ranges: one pair per row
+        if TRANSPOSED:  # key rows: the query range of each key's document
+            ranges = mask.kv_docs + b * mask.s_kvdoc_b + k_pos * mask.s_kvdoc_t
+            lo = tl.load(ranges, mask=k_pos < kv_len, other=0)
+            hi = tl.load(ranges + 1, mask=k_pos < kv_len, other=0)
+            ok = ok & (q_pos >= lo) & (q_pos < hi)
+        else:  # query rows: the key range of each query's document
+            ranges = mask.q_docs + b * mask.s_qdoc_b + q_pos * mask.s_qdoc_t
+            lo = tl.load(ranges, mask=q_pos < q_len, other=0)
+            hi = tl.load(ranges + 1, mask=q_pos < q_len, other=0)
+            ok = ok & (k_pos >= lo) & (k_pos < hi)
+    elif mask.HAS_DOCS:
         q_doc = tl.load(mask.q_docs + b * mask.s_qdoc_b + q_pos * mask.s_qdoc_t,
                         mask=q_pos < q_len, other=-1)
         kv_doc = tl.load(mask.kv_docs + b * mask.s_kvdoc_b + k_pos * mask.s_kvdoc_t,
@@ -153,10 +170,10 @@ def _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask):
 
 
 @triton.jit
-def _masked_scores(s2, q_pos, k_pos, b, h, q_len, kv_len, mask):
+def _masked_scores(s2, q_pos, k_pos, b, h, q_len, kv_len, mask, TRANSPOSED: tl.constexpr):
     """Base-2 scores ``s2`` of a PARTIAL tile with the bias added and forbidden entries set to -inf
     (``q_pos``, ``k_pos``: broadcastable index tensors, as for :func:`_allowed`)."""
-    ok = _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask)
+    ok = _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, TRANSPOSED)
     if mask.HAS_BIAS:  # loaded float32, -inf = masked
         inside = (q_pos < q_len) & (k_pos < kv_len)
         offs = b * mask.s_bias_b + h * mask.s_bias_h + q_pos * mask.s_bias_q + k_pos * mask.s_bias_k
@@ -175,9 +192,11 @@ def _scores(x, y, qk_scale, offs_q, offs_k, b, h, q_len, kv_len, mask, MASKED: t
     s2 = _dot(x, tl.trans(y), PRECISION, UPCAST) * qk_scale  # [M, N] or [N, M]
     if MASKED:
         if TRANSPOSED:
-            s2 = _masked_scores(s2, offs_q[None, :], offs_k[:, None], b, h, q_len, kv_len, mask)
+            s2 = _masked_scores(s2, offs_q[None, :], offs_k[:, None], b, h, q_len, kv_len, mask,
+                                True)
         else:
-            s2 = _masked_scores(s2, offs_q[:, None], offs_k[None, :], b, h, q_len, kv_len, mask)
+            s2 = _masked_scores(s2, offs_q[:, None], offs_k[None, :], b, h, q_len, kv_len, mask,
+                                False)
     return s2
 
 
@@ -214,8 +233,8 @@ def attn_fwd(Q, K, V, Out, Lse,
              EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
              UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
              HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
-             HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_DENSE: tl.constexpr,
-             HAS_BIAS: tl.constexpr):
+             HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
+             HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Forward: one program per (query block, batch × query head).
 
     Writes ``Out [B, H, Tq, Dv]`` (input dtype) and ``Lse [B, H, Tq]`` (float32, natural log).
@@ -225,7 +244,8 @@ def attn_fwd(Q, K, V, Out, Lse,
                     q_docs, s_qdoc_b, s_qdoc_t, kv_docs, s_kvdoc_b, s_kvdoc_t,
                     dense, s_dense_b, s_dense_h, s_dense_q, s_dense_k,
                     bias, s_bias_b, s_bias_h, s_bias_q, s_bias_k,
-                    HAS_LO, HAS_HI, HAS_QLEN, HAS_KVLEN, HAS_DOCS, HAS_DENSE, HAS_BIAS)
+                    HAS_LO, HAS_HI, HAS_QLEN, HAS_KVLEN, HAS_DOCS, DOC_RANGES, HAS_DENSE,
+                    HAS_BIAS)
     pid_m, b, h = _program_ids(heads)
     h_kv = h // group  # GQA: K/V are indexed, never repeated
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -318,8 +338,8 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                   EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                   UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
-                  HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_DENSE: tl.constexpr,
-                  HAS_BIAS: tl.constexpr):
+                  HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
+                  HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """dK, dV: one program per (key block, batch × kv head); loops over the group's query heads
     (GQA without atomics) and, per head, over the non-empty query blocks of this key block
     (the transposed block lists). Writes ``dK [B, Hkv, Tk, Dk]``, ``dV [B, Hkv, Tk, Dv]``."""
@@ -327,7 +347,8 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                     q_docs, s_qdoc_b, s_qdoc_t, kv_docs, s_kvdoc_b, s_kvdoc_t,
                     dense, s_dense_b, s_dense_h, s_dense_q, s_dense_k,
                     bias, s_bias_b, s_bias_h, s_bias_q, s_bias_k,
-                    HAS_LO, HAS_HI, HAS_QLEN, HAS_KVLEN, HAS_DOCS, HAS_DENSE, HAS_BIAS)
+                    HAS_LO, HAS_HI, HAS_QLEN, HAS_KVLEN, HAS_DOCS, DOC_RANGES, HAS_DENSE,
+                    HAS_BIAS)
     pid_n, b, h_kv = _program_ids(heads_kv)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, DK_PAD)
@@ -389,15 +410,16 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
                 HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
-                HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_DENSE: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
+                HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
+                HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """dQ: one program per (query block, batch × query head), over the forward block lists.
     Writes ``dQ [B, H, Tq, Dk]``."""
     mask = MaskArgs(band_lo, band_hi, q_lens, s_qlen_b, kv_lens, s_kvlen_b,
                     q_docs, s_qdoc_b, s_qdoc_t, kv_docs, s_kvdoc_b, s_kvdoc_t,
                     dense, s_dense_b, s_dense_h, s_dense_q, s_dense_k,
                     bias, s_bias_b, s_bias_h, s_bias_q, s_bias_k,
-                    HAS_LO, HAS_HI, HAS_QLEN, HAS_KVLEN, HAS_DOCS, HAS_DENSE, HAS_BIAS)
+                    HAS_LO, HAS_HI, HAS_QLEN, HAS_KVLEN, HAS_DOCS, DOC_RANGES, HAS_DENSE,
+                    HAS_BIAS)
     pid_m, b, h = _program_ids(heads)
     h_kv = h // group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

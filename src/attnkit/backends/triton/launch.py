@@ -214,7 +214,9 @@ class MaskProgram:
     """What a PARTIAL tile must evaluate, in the form the kernels take.
 
     ``band_lo``/``band_hi``: ``lo ≤ kv − q ≤ hi`` (``None`` = unbounded); ``q_lengths``/
-    ``kv_lengths`` int32 ``[B]``; ``q_docs`` ``[B, Tq]``/``kv_docs`` ``[B, Tk]`` integer ids;
+    ``kv_lengths`` int32 ``[B]``; ``q_docs`` ``[B, Tq]``/``kv_docs`` ``[B, Tk]`` int32 ids, or
+    with ``doc_ranges`` int32 ``[B, Tq, 2]``/``[B, Tk, 2]``: each query's key range and each
+    key's query range (see :func:`_doc_ranges`);
     ``allowed`` int8 ``[B, H, Tq, Tk]`` (a view: broadcast dims have stride 0); ``bias`` float
     ``[B, H, Tq, Tk]`` with ``-inf`` = masked. Unset features cost nothing in the kernels.
     """
@@ -225,6 +227,7 @@ class MaskProgram:
     kv_lengths: Optional[torch.Tensor] = None
     q_docs: Optional[torch.Tensor] = None
     kv_docs: Optional[torch.Tensor] = None
+    doc_ranges: bool = False
     allowed: Optional[torch.Tensor] = None
     bias: Optional[torch.Tensor] = None
 
@@ -238,7 +241,8 @@ class MaskProgram:
     def flags(self) -> dict[str, bool]:
         return dict(HAS_LO=self.band_lo is not None, HAS_HI=self.band_hi is not None,
                     HAS_QLEN=self.q_lengths is not None, HAS_KVLEN=self.kv_lengths is not None,
-                    HAS_DOCS=self.q_docs is not None, HAS_DENSE=self.allowed is not None,
+                    HAS_DOCS=self.q_docs is not None, DOC_RANGES=self.doc_ranges,
+                    HAS_DENSE=self.allowed is not None,
                     HAS_BIAS=self.bias is not None)
 
     def args(self, placeholder: torch.Tensor) -> dict:
@@ -246,8 +250,8 @@ class MaskProgram:
         def vec(t):
             return (placeholder, 0) if t is None else (t, t.stride(0))
 
-        def mat(t):
-            return (placeholder, 0, 0) if t is None else (t, *t.stride())
+        def mat(t):  # [B, T] ids or [B, T, 2] ranges: the batch and position strides
+            return (placeholder, 0, 0) if t is None else (t, *t.stride()[:2])
 
         def grid4(t):
             return (placeholder, 0, 0, 0, 0) if t is None else (t, *t.stride())
@@ -266,9 +270,49 @@ def _as_lengths(lengths: torch.Tensor, batch: int, device) -> torch.Tensor:
     return lengths.reshape(-1).to(device=device, dtype=torch.int32).expand(batch)
 
 
-def _as_ids(ids: torch.Tensor, batch: int, length: int, device) -> torch.Tensor:
-    ids = ids.to(device=device, dtype=torch.int64)
-    return (ids if ids.dim() == 2 else ids[None]).expand(batch, length)
+def _as_ids(q_ids: torch.Tensor, kv_ids: torch.Tensor, space: MaskSpace,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document ids as int32 ``[B, Tq]`` and ``[B, Tk]``: the kernels compare them in 32 bits.
+    Ids outside the int32 range are renumbered by rank, which keeps every equality."""
+    q_ids, kv_ids = q_ids.to(space.device), kv_ids.to(space.device)
+    limits = torch.iinfo(torch.int32)
+    if any(ids.dtype.itemsize > 4 and ids.numel() and (ids.min() < limits.min or ids.max() > limits.max)
+           for ids in (q_ids, kv_ids)):
+        _, ranks = torch.unique(torch.cat([q_ids.flatten(), kv_ids.flatten()]), return_inverse=True)
+        q_ids, kv_ids = ranks[:q_ids.numel()].view(q_ids.shape), ranks[q_ids.numel():].view(kv_ids.shape)
+
+    def fit(ids: torch.Tensor, length: int) -> torch.Tensor:
+        ids = ids.to(torch.int32)
+        return (ids if ids.dim() == 2 else ids[None]).expand(space.batch, length)
+    return fit(q_ids, space.q_len), fit(kv_ids, space.kv_len)
+
+
+def _doc_ranges(own: torch.Tensor, other: torch.Tensor, batch: int) -> Optional[torch.Tensor]:
+    """For each position of ``own`` (ids ``[T]`` or ``[B, T]``), the positions ``[lo, hi)`` of
+    ``other`` (ids ``[S]`` or ``[B, S]``) that hold the same id (``[0, 0)`` when none do) →
+    int32 ``[B, T, 2]``; ``None`` when an id's positions in ``other`` are not one contiguous
+    run (the kernels then compare ids)."""
+    rows = max(own.shape[0] if own.dim() == 2 else 1, other.shape[0] if other.dim() == 2 else 1)
+    own, other = (ids.to(torch.int64) if ids.dim() == 2 else ids.to(torch.int64)[None]
+                  for ids in (own, other))
+    result = []
+    for row in range(rows):
+        mine, theirs = own[min(row, own.shape[0] - 1)], other[min(row, other.shape[0] - 1)]
+        span = torch.zeros(mine.shape[0], 2, dtype=torch.int64, device=mine.device)
+        if theirs.numel():
+            change = torch.ones(theirs.shape[0], dtype=torch.bool, device=theirs.device)
+            change[1:] = theirs[1:] != theirs[:-1]
+            starts = change.nonzero().flatten()  # [R] first position of each run
+            stops = torch.cat([starts[1:], starts.new_tensor([theirs.shape[0]])])
+            run_ids, order = theirs[starts].sort()
+            if bool((run_ids[1:] == run_ids[:-1]).any()):  # an id in two runs
+                return None
+            at = torch.searchsorted(run_ids, mine).clamp_(max=run_ids.shape[0] - 1)  # [T]
+            found = run_ids[at] == mine
+            span[:, 0] = torch.where(found, starts[order][at], 0)
+            span[:, 1] = torch.where(found, stops[order][at], 0)
+        result.append(span)
+    return torch.stack(result).to(torch.int32).expand(batch, -1, 2)
 
 
 def compile_mask(mask: Optional[Mask], space: MaskSpace) -> MaskProgram:
@@ -293,8 +337,13 @@ def compile_mask(mask: Optional[Mask], space: MaskSpace) -> MaskProgram:
                 current = getattr(program, name)
                 setattr(program, name, lengths if current is None else torch.minimum(current, lengths))
         elif isinstance(leaf, _Documents) and program.q_docs is None:
-            program.q_docs = _as_ids(leaf.q_ids, space.batch, space.q_len, space.device)
-            program.kv_docs = _as_ids(leaf.kv_ids, space.batch, space.kv_len, space.device)
+            q_ids, kv_ids = leaf.q_ids.to(space.device), leaf.kv_ids.to(space.device)
+            q_ranges = _doc_ranges(q_ids, kv_ids, space.batch)
+            kv_ranges = _doc_ranges(kv_ids, q_ids, space.batch) if q_ranges is not None else None
+            if kv_ranges is not None:
+                program.q_docs, program.kv_docs, program.doc_ranges = q_ranges, kv_ranges, True
+            else:
+                program.q_docs, program.kv_docs = _as_ids(q_ids, kv_ids, space)
         elif isinstance(leaf, _Bias):
             biases.append(leaf.values.to(space.device))
         else:  # dense, from_function, |, ~, a second documents(): evaluated once, loaded per tile
