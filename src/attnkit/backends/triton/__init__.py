@@ -9,6 +9,13 @@ Status
   N ≥ 2048; 0.62–0.78× of cuDNN; sliding window 1.03× and documents 0.93× of compiled
   FlexAttention forward (0.87× / 0.67× forward+backward). Each call cost 0.23–0.49 ms of host
   time (Python, ~75 kernel arguments); the mask's block lists are cached per mask and shape.
+- **Since that run, not yet measured on a GPU**: (1) once the autotuner has chosen a config for
+  a launch template the kernel is launched directly with it (the autotuner's own lookup costs
+  ~120 µs per launch with 78 arguments, measured on CPU); (2) documents that are contiguous
+  runs are passed as ranges (each query's key range, each key's query range) instead of ids,
+  so a tile holds one pair per row rather than an id per column: offline, the D128 128×128
+  forward went from 255 registers with a 56-byte spill to 230 and none (causal: 231), the
+  suspected cause of the documents kernel's 15 % deficit to causal on equal work.
 - **Tested in CI** through the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) with
   triton 3.9 and torch 2.13 (CPU build): ``tests/test_triton.py`` checks the forward, LSE and
   backward (dq, dk, dv, and the LSE's own gradient) against float64 math for every mask kind
