@@ -436,3 +436,37 @@ def test_runs_of_blocks_match_block_by_block(kind, layout, gen, monkeypatch):
     assert_within_2x("out", out, t_out, p_out, torch.float32)
     for name, g, tg, pg in zip("qkv", grads, t_grads, p_grads):
         assert_within_2x(f"d{name}", g, tg, pg, torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["causal", "causal&padding", "bottom_right"])
+def test_shared_prefix_groups(path, kind, gen, monkeypatch):
+    """Consecutive query blocks that start with the same FULL keys run those as one call over
+    all their rows, then each block's remaining keys merge into it (``fresh=False``): forward
+    and backward within the 2x rule, with fully masked rows and ragged tails, and equal to
+    block-by-block execution up to rounding."""
+    tq, tk = 133, 150
+    mask, allowed = {
+        "causal": (ak.causal(), dense_band(tq, tk, None, 0)),
+        "causal&padding": (ak.causal() & ak.padding(q_lengths=[120, 120], kv_lengths=[140, 140]),
+                           dense_band(tq, tk, None, 0) & dense_padding(tq, tk, [120, 120], [140, 140], batch=2)),
+        "bottom_right": (ak.causal("bottom_right"), dense_band(tq, tk, None, 0, "bottom_right")),
+    }[kind]
+    plan = make_plan(mask, MaskSpace(2, 3, tq, tk), batch=2, heads=3, q_offset=0, q_count=tq,
+                     kv_offset=0, kv_count=tk, fused=path == "fused", **BLOCKS)
+    groups = list(plan.groups(tq, shared_prefix=True))
+    if path == "fused":
+        assert any(not g.fresh for g in groups) and any(g.rows[1] - g.rows[0] > 16 for g in groups)
+    q, k, v = _inputs(gen, torch.float32, batch=2, heads_q=3, heads_kv=3, tq=tq, tk=tk)
+    shared = _run(q, k, v, mask, 0.3)
+    monkeypatch.setattr(tiled, "PREFIX_BLOCKS", 0)
+    assert all(g.fresh for g in plan.groups(tq, shared_prefix=True))
+    (out, lse, grads), (out_b, _, grads_b) = shared, _run(q, k, v, mask, 0.3)
+    torch.testing.assert_close(out, out_b, atol=1e-6, rtol=1e-5)
+    for g, g_b in zip(grads, grads_b):
+        torch.testing.assert_close(g, g_b, atol=1e-5, rtol=1e-5)
+    (t_out, t_lse, t_grads), (p_out, p_lse, p_grads) = _truth(q, k, v, allowed, None, 0.3,
+                                                               torch.float32)
+    assert_within_2x("out", out, t_out, p_out, torch.float32)
+    assert_within_2x("lse", lse, t_lse, p_lse, torch.float32)
+    for name, g, tg, pg in zip("qkv", grads, t_grads, p_grads):
+        assert_within_2x(f"d{name}", g, tg, pg, torch.float32)
