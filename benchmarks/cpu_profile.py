@@ -8,6 +8,12 @@ the ratio to Flex, the kernel's share of tiled's time, and the ratio tiled would
 overhead at all (Flex time / kernel time)::
 
     python benchmarks/cpu_profile.py [--rounds 10]
+
+``--vs-sdpa`` instead bounds the ratio to SDPA with the dense mask: tiled and SDPA-dense timed
+interleaved with torch's fused kernel at its best time per score pair (no mask, one square call
+of the workload's B, H, D at N 4096; median of three such calls per round) — no engine built on
+that kernel can beat SDPA-dense by more than ``t_sdpa_dense / (allowed pairs × best time per
+pair)`` = (N² / allowed pairs) × (SDPA-dense's time per pair / the kernel's best).
 """
 
 from __future__ import annotations
@@ -31,7 +37,11 @@ KERNEL = "flash_attention_for_cpu"
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--vs-sdpa", action="store_true",
+                        help="bound the ratio to SDPA with a dense mask by the kernel's best speed")
     args = parser.parse_args(argv)
+    if args.vs_sdpa:
+        return vs_sdpa(args.rounds)
     from torch.nn.attention.flex_attention import flex_attention
 
     torch.set_num_threads(1)
@@ -64,6 +74,50 @@ def main(argv=None) -> int:
         print(f"{workload.name:15s} tiled {tiled_ms:7.1f} ms  flex {flex_ms:7.1f} ms  -> {flex_ms / tiled_ms:.2f}x;"
               f"  torch kernel {kernel_ms:6.1f} ms ({100 * kernel_ms / tiled_ms:3.0f}% of tiled)"
               f"  -> {flex_ms / kernel_ms:.2f}x with no overhead", flush=True)
+    return 0
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def vs_sdpa(rounds: int) -> int:
+    """Per structured workload: tiled vs SDPA with the dense mask (interleaved medians), and the
+    ratio an engine running every allowed pair at torch's best per-pair speed would reach."""
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    for workload in standard_workloads():
+        if workload.kind not in ("window", "documents", "causal_padding"):
+            continue
+        q, k, v = workload.inputs()
+        mask, dense = workload.attnkit_mask(), workload.dense_mask()
+        probe = min(workload.seq_len, 4096)
+        small = [t[:, :, :probe] for t in (q, k, v)]
+
+        def best():
+            return min(_timed(lambda: F.scaled_dot_product_attention(*small)) for _ in range(3))
+        fns = {"tiled": lambda: attention(q, k, v, mask, backend="tiled"),
+               "sdpa_dense": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+               "best": best}
+        times = {key: [] for key in fns}
+        for fn in fns.values():
+            fn()
+        for _ in range(max(3, rounds // 3)):
+            for key, fn in fns.items():
+                times[key].append(fn() if key == "best" else _timed(fn))
+        ms = {key: statistics.median(t) * 1e3 for key, t in times.items()}
+        batch, heads, n, _ = workload.shape
+        allowed = int(dense.sum()) * batch * heads
+        best_ns = ms["best"] * 1e6 / (batch * heads * probe * probe)
+        bound = ms["sdpa_dense"] / (allowed * best_ns * 1e-6)
+        print(f"{workload.name:15s} tiled {ms['tiled']:7.1f} ms  SDPA dense {ms['sdpa_dense']:7.1f} ms"
+              f"  -> {ms['sdpa_dense'] / ms['tiled']:.2f}x;  allowed pairs {allowed / 1e6:.1f} M;"
+              f" ns/pair: tiled {ms['tiled'] * 1e6 / allowed:.2f}, SDPA dense"
+              f" {ms['sdpa_dense'] * 1e6 / (batch * heads * n * n):.2f}, kernel at best {best_ns:.2f}"
+              f"  -> at most {bound:.2f}x", flush=True)
     return 0
 
 
