@@ -128,7 +128,7 @@ def test_unknown_backend_raises(name, gen):
 
 
 def test_backends_listing():
-    listing = ak.backends()
+    listing = ak.available_backends()
     assert {"reference", "torch"} <= set(listing)
     assert set(listing) == set(dispatch.BACKENDS)
     assert listing["reference"] == ""
@@ -289,3 +289,11 @@ def test_mask_object_reusable_across_layouts(gen):
     out3 = ak.attention(q3, k3, v3, mask=mask, backend="reference")
     expected3 = naive_attention(q3, k3, v3, allowed & dense_causal(4, 4))[0]
     assert torch.allclose(out3, expected3, atol=1e-12)
+
+
+def test_backend_modules_import_by_dotted_name():
+    """``attnkit.backends`` is the subpackage (the listing is ``available_backends()``), so
+    dotted imports of a backend module reach it."""
+    import attnkit.backends.tiled as tiled_module
+
+    assert tiled_module.TiledBackend.NAME == "tiled"

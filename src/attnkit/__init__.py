@@ -5,13 +5,13 @@
 """
 
 from . import masks
-from .api import AttentionResult, attention, backends
+from .api import AttentionResult, attention, available_backends
 from .masks import bias, causal, dense, documents, from_function, padding, sliding_window
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "AttentionResult", "backends", "masks", "nn", "causal", "sliding_window",
+    "attention", "AttentionResult", "available_backends", "masks", "nn", "causal", "sliding_window",
     "padding", "documents", "dense", "bias", "from_function", "__version__",
 ]
 

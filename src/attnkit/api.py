@@ -44,7 +44,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``scale=1/(τ·sqrt(Dk))``.
         dropout_p: dropout on the attention weights (rescaled by ``1/(1-p)``); reproducible
             with ``generator`` or the global seed.
-        backend: ``"auto"`` or a name from ``attnkit.backends()``; an explicit backend that
+        backend: ``"auto"`` or a name from ``attnkit.available_backends()``; an explicit backend that
             cannot run the input raises ``ValueError`` with its reasons.
 
     A query row whose keys are all masked gets output 0 and LSE −inf (never NaN), and zero
@@ -61,6 +61,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return AttentionResult(out, lse, weights)
 
 
-def backends() -> dict[str, str]:
-    """Every backend by name, with ``""`` when usable here or the reason it is not."""
+def available_backends() -> dict[str, str]:
+    """Every backend by name, with ``""`` when usable here or the reason it is not. (Not named
+    ``backends``: that is the subpackage ``attnkit.backends``, which ``import
+    attnkit.backends.triton`` must reach.)"""
     return {name: (b.unavailable_reason() or "") for name, b in dispatch.BACKENDS.items()}
