@@ -343,10 +343,13 @@ def _ungrouped(x: torch.Tensor, heads_q: int) -> torch.Tensor:
 
 class _BlockWork:
     """Where one query block (or dense row range) reads and writes: rows ``[start, stop)`` of a
-    ``[B, H, T, ...]`` tensor as ``[B, Hkv, G·n, ...]`` (see :func:`_grouped`)."""
+    ``[B, H, T, ...]`` tensor as ``[B, Hkv, G·n, ...]`` (see :func:`_grouped`). ``views``: the
+    query-side tensors it takes are views (no GQA), so results can be written in place;
+    ``mask_heads``: the query heads a segment mask is laid out for."""
 
-    def __init__(self, heads_kv: int):
-        self.heads_kv = heads_kv
+    def __init__(self, heads_q: int, heads_kv: int):
+        self.heads_kv, self.mask_heads = heads_kv, heads_q
+        self.views = heads_q == heads_kv
 
     def take(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         return _grouped(x[:, :, start:stop], self.heads_kv)
@@ -358,15 +361,16 @@ class _BlockWork:
         dest[:, :, start:stop].add_(value)  # in place: `+=` on a slice copies back
 
 
-def _run_view(x: torch.Tensor, start: int, step: int, count: int, width: int) -> torch.Tensor:
-    """``[B, H, T, ...]`` → the view ``[count, B·H, width, ...]`` whose j-th entry is rows
-    ``[start + step·j, start + step·j + width)`` (windows may overlap). Needs
-    :func:`_runs_fit`."""
-    b, h = x.shape[:2]
-    heads_stride = x.stride(1) if h > 1 else x.stride(0)
+def _run_view(x: torch.Tensor, start: int, step: int, count: int, width: int, head: int = 0,
+              every: int = 1) -> torch.Tensor:
+    """``[B, H, T, ...]`` → the view ``[count, B·H/every, width, ...]`` whose j-th entry is rows
+    ``[start + step·j, start + step·j + width)`` (windows may overlap) of the heads ``head,
+    head + every, …``. Needs :func:`_runs_fit`."""
+    b, h = x.shape[0], x.shape[1] // every
+    heads_stride = x.stride(1) * every if h > 1 else x.stride(0)
     return x.as_strided((count, b * h, width, *x.shape[3:]),
                         (step * x.stride(2), heads_stride, x.stride(2), *x.stride()[3:]),
-                        x.storage_offset() + start * x.stride(2))
+                        x.storage_offset() + start * x.stride(2) + head * x.stride(1))
 
 
 def _runs_fit(*tensors: torch.Tensor) -> bool:
@@ -378,13 +382,18 @@ def _runs_fit(*tensors: torch.Tensor) -> bool:
 
 class _RunWork:
     """Where a run of ``count`` query blocks ``step`` rows apart reads and writes: the rows of
-    every block at once as ``[count, B·H, n, ...]`` views (see :func:`_run_view`); a segment's
-    keys too, shifted with their block."""
+    every block at once as ``[count, B·Hkv, n, ...]`` views (see :func:`_run_view`); a
+    segment's keys too, shifted with their block. With GQA (``group`` G > 1) a run executes G
+    times, each with the query heads ``member, member + G, …`` (one per K/V head)."""
 
-    def __init__(self, step: int, count: int):
+    def __init__(self, step: int, count: int, heads_q: int, group: int = 1, member: int = 0):
         self.step, self.count = step, count
+        self.heads_q, self.group, self.member = heads_q, group, member
+        self.views, self.mask_heads = True, heads_q // group
 
     def take(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        if self.group > 1 and x.shape[1] == self.heads_q:  # a query-side tensor
+            return _run_view(x, start, self.step, self.count, stop - start, self.member, self.group)
         return _run_view(x, start, self.step, self.count, stop - start)
 
     def put(self, dest: torch.Tensor, start: int, stop: int, value: torch.Tensor) -> None:
@@ -578,13 +587,13 @@ def _bounded(segments, rows_of_work: int, block_k: int, fused: bool):
             yield Segment(start, min(start + max_span, seg.stop), seg.partial)
 
 
-def _segment_inputs(problem, work, q_block, keys, values, block, rows, seg, heads_q, fused):
+def _segment_inputs(problem, work, q_block, keys, values, block, rows, seg, fused):
     """A segment's keys and values (in ``work``'s layout), mask and dropout keep-mask."""
     heads_kv = keys.shape[1]
     k_seg, v_seg = work.take(keys, seg.start, seg.stop), work.take(values, seg.start, seg.stop)
     tile = keep = None
     if seg.partial:
-        tile = _segment_mask(problem, rows, seg, heads_q, heads_kv, keys.dtype, fused)
+        tile = _segment_mask(problem, rows, seg, work.mask_heads, heads_kv, keys.dtype, fused)
     if problem.dropout_p > 0:
         shape = (*q_block.shape[:3], seg.stop - seg.start)
         keep = _dropout_keep(problem, block, seg, shape, keys.device)
@@ -605,16 +614,19 @@ def _merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 def _schedule(problem: Problem, tq: int, heads_q: int, heads_kv: int, fused: bool,
               tensors: tuple):
     """Yield ``(group, work)``: the plan's groups, each with where it reads and writes. Runs
-    execute as one group (:class:`_RunWork`) when the fused kernel serves them, without GQA, and
-    every tensor the pass views fits :func:`_run_view`; otherwise block by block."""
-    block_work = _BlockWork(heads_kv)
-    runs = fused and heads_q == heads_kv and _runs_fit(*tensors)
+    execute as one group (:class:`_RunWork`; G times with GQA) when the fused kernel serves them
+    and every tensor the pass views fits :func:`_run_view`; otherwise block by block."""
+    block_work = _BlockWork(heads_q, heads_kv)
+    runs = fused and _runs_fit(*tensors)
     shared_prefix = fused and heads_q == heads_kv  # results are then written in place
+    group_size = heads_q // heads_kv
     for group in problem.plan.groups(tq, runs=runs, shared_prefix=shared_prefix):
         if group.count == 1:
             yield group, block_work
         else:
-            yield group, _RunWork(group.step * problem.plan.block_q, group.count)
+            for member in range(group_size):
+                yield group, _RunWork(group.step * problem.plan.block_q, group.count, heads_q,
+                                      group_size, member)
 
 
 def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
@@ -628,18 +640,18 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)  # no copy when already acc
     out = torch.empty(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
     lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
-    direct = out.dtype == acc and heads_q == heads_kv
     for group, work in _schedule(problem, tq, heads_q, heads_kv, fused, (queries, keys, values)):
         start, stop = group.rows
-        q_block = work.take(queries, start, stop)  # [B, Hkv, G·n, Dk] or [count, B·H, n, Dk]
+        q_block = work.take(queries, start, stop)  # [B, Hkv, G·n, Dk] or [count, B·Hkv, n, Dk]
+        direct = out.dtype == acc and work.views
         # Results go straight into `out` and `lse` where the work's rows are views of them.
         block_out = work.take(out, start, stop) if direct else None
         block_lse = work.take(lse, start, stop) if direct else None
         first = group.fresh
         for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
                             problem.plan.block_k, fused):
-            k_seg, v_seg, tile, keep = _segment_inputs(
-                problem, work, q_block, keys, values, group.block, group.rows, seg, heads_q, fused)
+            k_seg, v_seg, tile, keep = _segment_inputs(problem, work, q_block, keys, values,
+                                                       group.block, group.rows, seg, fused)
             for rows, seg_out, seg_lse in _segment_pieces(q_block, k_seg, v_seg, tile,
                                                           problem.scale, fused, keep,
                                                           problem.dropout_p):
@@ -695,12 +707,12 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
         if not group.segments:
             dq[:, :, start:stop] = 0
             continue
-        q_block = work.take(queries, start, stop)  # [B, Hkv, G·n, Dk] or [count, B·H, n, Dk]
+        q_block = work.take(queries, start, stop)  # [B, Hkv, G·n, Dk] or [count, B·Hkv, n, Dk]
         do_block = work.take(grad_out, start, stop)  # [..., n, Dv]
         lse_block = work.take(lse_safe, start, stop)[..., None]  # [..., n, 1]
         # dQ of the rows: straight into `dq` where the work's rows are a view of it; the first
         # segment's pieces are written, the later ones added.
-        dq_block = work.take(dq, start, stop) if heads_q == heads_kv else torch.empty_like(q_block)
+        dq_block = work.take(dq, start, stop) if work.views else torch.empty_like(q_block)
         first = group.fresh
         if fused:
             out_block = work.take(out, start, stop)
@@ -709,8 +721,8 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
             q_block_scaled = q_block * problem.scale
         for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
                             problem.plan.block_k, fused):
-            k_seg, v_seg, tile, keep = _segment_inputs(
-                problem, work, q_block, keys, values, group.block, group.rows, seg, heads_q, fused)
+            k_seg, v_seg, tile, keep = _segment_inputs(problem, work, q_block, keys, values,
+                                                       group.block, group.rows, seg, fused)
             additive = tile.additive if tile is not None else None
             if fused and tile is not None and tile.strips is not None:
                 for strip_rows, strip_keys, strip_mask in tile.strips:
@@ -751,7 +763,7 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
             _write_or_add(dq_block, dq_seg, first)
             work.add(dk, seg.start, seg.stop, grad_scores.transpose(-1, -2) @ q_block_scaled)
             first = False
-        if heads_q != heads_kv:
+        if not work.views:
             work.put(dq, start, stop, dq_block)
     if accumulate:
         return dq, dk, dv
