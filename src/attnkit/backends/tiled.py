@@ -21,7 +21,8 @@ fp64 input) merges the segments, in place in the output where its rows are a vie
 ``TILE_ELEMENTS`` scores plus O(T·D) accumulators.
 
 GQA keeps K/V un-repeated: a query block of all G heads sharing one K/V head is laid out as
-``[B, Hkv, G·n, D]`` so one batched matmul serves the whole group.
+``[B, Hkv, G·n, D]`` so one batched matmul serves the whole group; a run executes once per
+member of the group instead (query heads ``g, g+G, …`` against all K/V heads).
 
 Positions may be offset (``q_offset``, ``kv_offset``: global positions of the first local
 query/key) so one shard of a longer sequence is computed against another with the global mask,
