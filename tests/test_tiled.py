@@ -69,6 +69,17 @@ def _truth(q, k, v, allowed, bias, scale, dtype):
     return results
 
 
+def _assert_like_truth(result, q, k, v, allowed, bias, scale, dtype):
+    """``result = (out, lse, grads)`` of :func:`_run` within the 2x rule of the float64 truth
+    (same cotangent), for out, LSE and every gradient."""
+    out, lse, grads = result
+    (t_out, t_lse, t_grads), (p_out, p_lse, p_grads) = _truth(q, k, v, allowed, bias, scale, dtype)
+    assert_within_2x("out", out, t_out, p_out, dtype)
+    assert_within_2x("lse", lse, t_lse, p_lse, dtype)
+    for name, g, tg, pg in zip("qkv", grads, t_grads, p_grads):
+        assert_within_2x(f"d{name}", g, tg, pg, dtype)
+
+
 @pytest.mark.parametrize("kind", MASK_KINDS)
 def test_every_mask_forward_backward(path, kind, gen):
     dtype = torch.float32
@@ -76,11 +87,7 @@ def test_every_mask_forward_backward(path, kind, gen):
     mask, allowed, bias = _fit_mask(kind, gen, 2, 37, 53)
     scale = 0.3
     out, lse, grads = _run(q, k, v, mask, scale)
-    (t_out, t_lse, t_grads), (p_out, p_lse, p_grads) = _truth(q, k, v, allowed, bias, scale, dtype)
-    assert_within_2x("out", out, t_out, p_out, dtype)
-    assert_within_2x("lse", lse, t_lse, p_lse, dtype)
-    for name, g, tg, pg in zip("qkv", grads, t_grads, p_grads):
-        assert_within_2x(f"d{name}", g, tg, pg, dtype)
+    _assert_like_truth((out, lse, grads), q, k, v, allowed, bias, scale, dtype)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
@@ -377,11 +384,7 @@ def test_triangle_tiles_forward_backward(path, dtype, heads, strip, merge, kind,
     again = _run(q, k, v, mask, 0.3)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
     assert all(torch.equal(a, b) for a, b in zip(grads, again[2]))
-    (t_out, t_lse, t_grads), (p_out, p_lse, p_grads) = _truth(q, k, v, allowed, None, 0.3, dtype)
-    assert_within_2x("out", out, t_out, p_out, dtype)
-    assert_within_2x("lse", lse, t_lse, p_lse, dtype)
-    for name, g, tg, pg in zip("qkv", grads, t_grads, p_grads):
-        assert_within_2x(f"d{name}", g, tg, pg, dtype)
+    _assert_like_truth((out, lse, grads), q, k, v, allowed, None, 0.3, dtype)
 
 
 def test_backward_can_keep_the_accumulation_dtype(gen):
@@ -441,11 +444,7 @@ def test_runs_of_blocks_match_block_by_block(kind, layout, heads, gen, monkeypat
         torch.testing.assert_close(out, out_b, atol=1e-6, rtol=1e-5)
     monkeypatch.setattr(tiled, "BATCH_RUNS", True)
     assert all(torch.equal(a, b) for a, b in zip(grads, _run(q, k, v, mask, 0.3)[2]))  # reruns
-    (t_out, _, t_grads), (p_out, _, p_grads) = _truth(q, k, v, mask.to_dense(space), None, 0.3,
-                                                      torch.float32)
-    assert_within_2x("out", out, t_out, p_out, torch.float32)
-    for name, g, tg, pg in zip("qkv", grads, t_grads, p_grads):
-        assert_within_2x(f"d{name}", g, tg, pg, torch.float32)
+    _assert_like_truth((out, lse, grads), q, k, v, mask.to_dense(space), None, 0.3, torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["causal", "causal&padding", "bottom_right"])
@@ -474,12 +473,7 @@ def test_shared_prefix_groups(path, kind, gen, monkeypatch):
     torch.testing.assert_close(out, out_b, atol=1e-6, rtol=1e-5)
     for g, g_b in zip(grads, grads_b):
         torch.testing.assert_close(g, g_b, atol=1e-5, rtol=1e-5)
-    (t_out, t_lse, t_grads), (p_out, p_lse, p_grads) = _truth(q, k, v, allowed, None, 0.3,
-                                                               torch.float32)
-    assert_within_2x("out", out, t_out, p_out, torch.float32)
-    assert_within_2x("lse", lse, t_lse, p_lse, torch.float32)
-    for name, g, tg, pg in zip("qkv", grads, t_grads, p_grads):
-        assert_within_2x(f"d{name}", g, tg, pg, torch.float32)
+    _assert_like_truth((out, lse, grads), q, k, v, allowed, None, 0.3, torch.float32)
 
 
 @settings(max_examples=30, deadline=None)
@@ -513,12 +507,7 @@ def test_runs_and_prefixes_on_random_structures(seed, kind, seq, param, heads, b
         out, lse, grads = _run(q, k, v, mask, 0.3)
     finally:
         tiled.TRIANGLE_STRIP = old
-    (t_out, t_lse, t_grads), (p_out, p_lse, p_grads) = _truth(q, k, v, allowed, None, 0.3,
-                                                               torch.float32)
-    assert_within_2x("out", out, t_out, p_out, torch.float32)
-    assert_within_2x("lse", lse, t_lse, p_lse, torch.float32)
-    for name, g, tg, pg in zip("qkv", grads, t_grads, p_grads):
-        assert_within_2x(f"d{name}", g, tg, pg, torch.float32)
+    _assert_like_truth((out, lse, grads), q, k, v, allowed, None, 0.3, torch.float32)
 
 
 @pytest.mark.parametrize("count, step, width", [(7, 16, 40), (5, 16, 16), (3, 8, 5), (4, 10, 31)])
