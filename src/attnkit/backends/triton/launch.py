@@ -308,9 +308,9 @@ def _doc_ranges(own: torch.Tensor, other: torch.Tensor, batch: int) -> Optional[
             if bool((run_ids[1:] == run_ids[:-1]).any()):  # an id in two runs
                 return None
             at = torch.searchsorted(run_ids, mine).clamp_(max=run_ids.shape[0] - 1)  # [T]
-            found = run_ids[at] == mine
-            span[:, 0] = torch.where(found, starts[order][at], 0)
-            span[:, 1] = torch.where(found, stops[order][at], 0)
+            found = (run_ids[at] == mine)[:, None]  # [T, 1]
+            run_spans = torch.stack([starts, stops], dim=-1)[order]  # [R, 2] in id order
+            span = torch.where(found, run_spans[at], 0)
         result.append(span)
     return torch.stack(result).to(torch.int32).expand(batch, -1, 2)
 
