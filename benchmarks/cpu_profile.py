@@ -60,9 +60,7 @@ def main(argv=None) -> int:
         kernel = []
         for round_ in range(args.rounds):
             for key, fn in fns.items():
-                start = time.perf_counter()
-                fn()
-                times[key].append(time.perf_counter() - start)
+                times[key].append(_timed(fn))
             if round_ < 3:
                 with torch.profiler.profile() as prof:
                     fns["tiled"]()
