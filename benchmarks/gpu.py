@@ -503,7 +503,7 @@ def compile_only(dims: list[int], out: Optional[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "compile_sm90.json").write_text(json.dumps(
         {"triton": triton.__version__, "target": "sm90 (offline, no device)", "rows": rows}, indent=1))
-    print("\nkernel          D   BM  BN  w s W  smem KiB  regs  spill B  fits  wgmma")
+    print("\nkernel          D   BM  BN  w s W     smem KiB  regs  spill B  fits  wgmma")
     for row in rows:
         print(_compile_line(row))
     return 1 if failures else 0
@@ -517,9 +517,14 @@ def _ptxas_report(log: str) -> dict:
             "spill_bytes": int(spill.group(1)) if spill else None}
 
 
+def _walk_code(walk: str) -> str:
+    """``partial_first+flat+lpt`` → ``pfl``: the walk's first letters (its parts)."""
+    return "".join(part[0] for part in walk.split("+"))
+
+
 def _compile_line(row: dict) -> str:
     head = (f"{row['kernel']:15s} {row['d']:3d} {row['block_m']:4d}{row['block_n']:4d} {row['warps']:2d} "
-            f"{row['stages']} {row['walk'][0]}")
+            f"{row['stages']} {_walk_code(row['walk']):3s}")
     if "error" in row:
         return f"{head}  ERROR {row['error']}"
     return (f"{head} {row['shared_kib']:9.1f} {row['registers'] or '?':>5} {row['spill_bytes'] or 0:8d}"

@@ -316,10 +316,12 @@ def test_kernel_blocks_inside_sparse_blocks(tiles, gen, monkeypatch):
 @pytest.mark.parametrize("walk", sorted(launch.WALKS))
 @pytest.mark.parametrize("case", ["docs&causal", "window&padding", "bias"])
 def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
-    """Each walk the autotuner may pick (PARTIAL loop first, FULL loop first) gives the same
-    attention, on rows mixing PARTIAL and FULL blocks."""
+    """Each walk the autotuner may pick (PARTIAL or FULL loop first; sub-tiles unrolled or one
+    per iteration; rows in order or heaviest first) gives the same attention, on rows mixing
+    PARTIAL and FULL blocks, with two kernel blocks per sparse block. At 70 positions an
+    ordered launch has one program past the end (3 sparse rows × 2), which must write nothing."""
     monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
-        sparse_q=16, sparse_k=16, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), walk=walk))
+        sparse_q=32, sparse_k=32, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), walk=walk))
     if case == "docs&causal":
         mask, allowed = _docs(gen, 70, 2, causal=True)
         bias = None
@@ -433,7 +435,8 @@ def test_reused_launches_take_the_new_tensors(gen):
 
 
 
-def test_compiled_launches_skip_the_autotuner_once_it_has_chosen(monkeypatch):
+@pytest.mark.parametrize("walk", [launch.P, launch.F_LPT])
+def test_compiled_launches_skip_the_autotuner_once_it_has_chosen(walk, monkeypatch):
     """On a GPU the first launch of a template goes through ``triton.autotune``; later launches
     from the same template call the kernel directly with the config it chose (same grid, same
     arguments, the config's kwargs). Checked with stand-ins for the tuner and the kernel (the
@@ -441,7 +444,7 @@ def test_compiled_launches_skip_the_autotuner_once_it_has_chosen(monkeypatch):
     launches = []
 
     class Config:
-        kwargs = {"BLOCK_M": 64, "BLOCK_N": 32, "FULL_FIRST": False}
+        kwargs = {"BLOCK_M": 64, "BLOCK_N": 32, **launch.WALKS[walk]}
 
         def all_kwargs(self):
             return {**self.kwargs, "num_warps": 4, "num_stages": 2}
@@ -454,18 +457,20 @@ def test_compiled_launches_skip_the_autotuner_once_it_has_chosen(monkeypatch):
         fn, best_config = Kernel(), Config()
 
         def __getitem__(self, grid):
-            return lambda **kwargs: launches.append(("tuner", grid({"BLOCK_M": 64, "BLOCK_N": 32}),
-                                                     kwargs))
+            return lambda **kwargs: launches.append(("tuner", grid(Config.kwargs), kwargs))
 
     monkeypatch.setattr(launch, "_tuned", lambda name: Tuner())
+    monkeypatch.setattr(launch, "_LAYOUTS", launch.MaskCache(32))  # no template of another test
     mask = ak.sliding_window(9)
-    q = torch.zeros(1, 2, 200, 16)
+    q = torch.zeros(1, 2, 130, 16)
     plan = launch.make_plan(validate(q, q, q, mask), launch.GPU_TILES)
-    out, lse = torch.empty_like(q), torch.empty(1, 2, 200)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 130)
     for _ in range(3):
         launch.forward_call(q, q, q, out, lse, plan).run(interpret=False)
     assert [how for how, _, _ in launches] == ["tuner", "direct", "direct"]
-    assert launches[0][1] == launches[1][1] == (4, 2)  # cdiv(200, 64) blocks × batch·heads
+    # cdiv(130, 64) blocks, or ordered: whole 128-row sparse blocks, 2 programs each; × batch·heads
+    blocks = 4 if launch.WALKS[walk]["ORDERED"] else 3
+    assert launches[0][1] == launches[1][1] == (blocks, 2)
     assert launches[1][2] == {**launches[0][2], **Config().all_kwargs()}
     assert all(value is not q for call in plan.layout.calls.values() for value in call.args.values())
 
@@ -522,6 +527,11 @@ def test_block_lists_order_and_tails():
     lists = launch.block_lists(codes, batch=2, heads=3)
     assert lists.num_partial[1, 2].tolist() == [1, 0] and lists.num_full[0, 0].tolist() == [2, 0]
     assert lists.index[1, 1, 0, :3].tolist() == [2, 0, 3]
+    assert lists.order.tolist() == [0, 1]
+    # heaviest rows first (a PARTIAL block weighs 5/4 of a FULL one), ties in row order
+    codes = torch.tensor([[[[FULL, EMPTY], [FULL, FULL], [PARTIAL, EMPTY], [EMPTY, EMPTY], [FULL, EMPTY]]]],
+                         dtype=torch.int8)
+    assert launch.block_lists(codes, batch=1, heads=1).order.tolist() == [1, 2, 0, 4, 3]
     space = validate(torch.zeros(1, 1, 40, 16), torch.zeros(1, 1, 50, 16), torch.zeros(1, 1, 50, 16)).space
     tail = launch.block_codes(None, space, launch.Tiles(sparse_q=32, sparse_k=32))
     assert tail[0, 0].tolist() == [[FULL, PARTIAL], [PARTIAL, PARTIAL]]

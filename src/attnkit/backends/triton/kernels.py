@@ -15,8 +15,12 @@ Conventions shared by every kernel:
   walks ``SPARSE/BLOCK`` sub-tiles of every listed sparse block. Each kernel writes that walk
   once, as ``for part in tl.static_range(2)``, which unrolls into two loops with ``masked``
   (the helpers' ``MASKED``) a compile-time constant in each: the PARTIAL loop then the FULL
-  one, or the FULL loop first (``FULL_FIRST``, autotuned with the block sizes,
-  ``launch.WALKS``).
+  one, or the FULL loop first (``FULL_FIRST``). Each loop either takes a sparse block per
+  iteration with its sub-tiles unrolled, or one kernel block per iteration (``FLAT``: what
+  Triton's software pipeliner sees is then a single tile). ``ORDERED`` launches the programs
+  of a head heaviest row first (``_ordered_block``). All three switches are autotuned with the
+  block sizes (``launch.WALKS``); the tile work itself is written once (``_fwd_tile``,
+  ``_dkdv_tile``, ``_dq_tile``).
 - PARTIAL tiles evaluate the mask program (``_allowed``/``_masked_scores``) and the
   sequence bounds; FULL tiles apply nothing (the host marks ragged tail blocks PARTIAL, so FULL
   tiles are always in bounds).
@@ -129,6 +133,15 @@ def _block_row(num_partial, num_full, index, b, h, row, s_n_b, s_n_h, s_n_r, s_i
     return n_partial, n_full, index + b * s_i_b + h * s_i_h + row * s_i_r
 
 
+@triton.jit
+def _ordered_block(order, pid, SUBS: tl.constexpr):
+    """The kernel block program ``pid`` takes when programs follow ``order`` (int32 sparse
+    rows, the most tiles first; ``launch.BlockLists.order``): ``SUBS`` consecutive programs
+    share a sparse row, so the heaviest rows of a head start first and the light ones fill
+    the tail of the launch."""
+    return tl.load(order + pid // SUBS) * SUBS + pid % SUBS
+
+
 # ---- the mask program: element mask of a PARTIAL tile, from indices or loaded -------------
 @triton.jit
 def _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, TRANSPOSED: tl.constexpr):
@@ -216,13 +229,36 @@ def _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h, s_k_t, 
     return k, v, s2
 
 
+@triton.jit
+def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
+              s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
+              MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_DK: tl.constexpr,
+              EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key block (rows ``start_n …``) folded into the online softmax of the query rows
+    ``offs_m``: the running max ``m_i [M]``, sum ``l_i [M]`` and output ``acc [M, DV]``."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k, v, s2 = _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h,
+                         s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv,
+                         qk_scale, mask, MASKED, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+    m_new = tl.maximum(m_i, tl.max(s2, 1))  # [M]
+    if MASKED:  # a row with nothing allowed yet keeps m = -inf: subtract 0, not inf
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = tl.math.exp2(s2 - m_sub[:, None])  # [M, N]
+    alpha = tl.math.exp2(m_i - m_sub)  # [M]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
 # ---- forward ---------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=SIZES_AND_MASK)
 def attn_fwd(Q, K, V, Out, Lse,
              s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_t, s_k_d,
              s_v_b, s_v_h, s_v_t, s_v_d, s_o_b, s_o_h, s_o_t, s_o_d, s_l_b, s_l_h, s_l_t,
              heads, group, q_len, kv_len, head_dk, head_dv, qk_scale,
-             num_partial, num_full, index, s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r,
+             num_partial, num_full, index, order, s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r,
              band_lo, band_hi, q_lens, s_qlen_b, kv_lens, s_kvlen_b,
              q_docs, s_qdoc_b, s_qdoc_t, kv_docs, s_kvdoc_b, s_kvdoc_t,
              dense, s_dense_b, s_dense_h, s_dense_q, s_dense_k,
@@ -232,6 +268,7 @@ def attn_fwd(Q, K, V, Out, Lse,
              SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
              EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
              UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
+             FLAT: tl.constexpr, ORDERED: tl.constexpr,
              HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
              HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
              HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -247,6 +284,10 @@ def attn_fwd(Q, K, V, Out, Lse,
                     HAS_LO, HAS_HI, HAS_QLEN, HAS_KVLEN, HAS_DOCS, DOC_RANGES, HAS_DENSE,
                     HAS_BIAS)
     pid_m, b, h = _program_ids(heads)
+    if ORDERED:  # heaviest query blocks first (see _ordered_block)
+        pid_m = _ordered_block(order, pid_m, SPARSE_Q // BLOCK_M)
+        if pid_m * BLOCK_M >= q_len:  # the grid rounds up to whole sparse rows
+            return
     h_kv = h // group  # GQA: K/V are indexed, never repeated
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, DK_PAD)
@@ -264,26 +305,27 @@ def attn_fwd(Q, K, V, Out, Lse,
     n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h,
                                            (pid_m * BLOCK_M) // SPARSE_Q,
                                            s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
-    for part in tl.static_range(2):  # the walk: see WALKS
+    SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
+    for part in tl.static_range(2):  # the walk: see launch.WALKS
         masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
-        for j in range(0 if masked else n_partial, n_partial if masked else n_partial + n_full):
-            block = tl.load(blocks + j)
-            for sub in tl.static_range(SPARSE_K // BLOCK_N):
-                offs_n = block * SPARSE_K + sub * BLOCK_N + tl.arange(0, BLOCK_N)
-                k, v, s2 = _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h,
-                                     s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv,
-                                     qk_scale, mask, masked, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
-                # online softmax over this tile: s2 [M, N], v [N, DV]
-                m_new = tl.maximum(m_i, tl.max(s2, 1))  # [M]
-                if masked:  # a row with nothing allowed yet keeps m = -inf: subtract 0, not inf
-                    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-                else:
-                    m_sub = m_new
-                p = tl.math.exp2(s2 - m_sub[:, None])  # [M, N]
-                alpha = tl.math.exp2(m_i - m_sub)  # [M]
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
-                m_i = m_new
+        first = 0 if masked else n_partial
+        stop = n_partial if masked else n_partial + n_full
+        if FLAT:  # one kernel block per iteration
+            for t in range(first * SUBS, stop * SUBS):
+                start_n = tl.load(blocks + t // SUBS) * SPARSE_K + (t % SUBS) * BLOCK_N
+                m_i, l_i, acc = _fwd_tile(
+                    q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
+                    s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
+                    masked, BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+        else:  # one sparse block per iteration, its kernel blocks unrolled
+            for j in range(first, stop):
+                block = tl.load(blocks + j)
+                for sub in tl.static_range(SUBS):
+                    m_i, l_i, acc = _fwd_tile(
+                        q, m_i, l_i, acc, block * SPARSE_K + sub * BLOCK_N, k_base, v_base,
+                        offs_m, offs_dk, offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len,
+                        head_dk, head_dv, qk_scale, mask, masked, BLOCK_N, EVEN_DK, EVEN_DV,
+                        PRECISION, UPCAST)
 
     empty = l_i == 0.0  # no allowed key: output 0, LSE -inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -321,13 +363,55 @@ def _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len):
     return lse2, delta
 
 
+@triton.jit
+def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk, offs_dv,
+               b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len,
+               head_dk, head_dv, qk_scale, mask, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+               EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """One query block's (rows ``start_m …``) contribution to ``dk [N, DK]`` and ``dv [N, DV]``
+    of the key rows ``offs_n`` (transposed scores ``[N, M]``)."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q_ptrs = _tile_ptrs(q_base, offs_m, offs_dk, s_q_t, s_q_d)  # [M, DK]
+    do_ptrs = _tile_ptrs(do_base, offs_m, offs_dv, s_do_t, s_do_d)  # [M, DV]
+    q = _load_tile(q_ptrs, offs_m, offs_dk, q_len, head_dk, MASKED, EVEN_DK)
+    do = _load_tile(do_ptrs, offs_m, offs_dv, q_len, head_dv, MASKED, EVEN_DV)
+    lse2, delta = _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len)
+    s2_t = _scores(k, q, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask,
+                   MASKED, True, PRECISION, UPCAST)  # [N, M]
+    p_t = tl.math.exp2(s2_t - lse2[None, :])  # [N, M] softmax weights, transposed
+    dv += _dot(p_t.to(do.dtype), do, PRECISION, UPCAST)
+    dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST)  # [N, M]
+    ds_t = p_t * (dp_t - delta[None, :])  # gradient of the scaled scores
+    dk += _dot(ds_t.to(q.dtype), q, PRECISION, UPCAST)
+    return dk, dv
+
+
+@triton.jit
+def _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
+             s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
+             MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_DK: tl.constexpr,
+             EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key block's (rows ``start_n …``) contribution to ``dq [M, DK]`` of the query rows
+    ``offs_m``."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k, v, s2 = _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h,
+                         s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv,
+                         qk_scale, mask, MASKED, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+    p = tl.math.exp2(s2 - lse2[:, None])  # [M, N]
+    dp = _dot(do, tl.trans(v), PRECISION, UPCAST)  # [M, N]
+    ds = p * (dp - delta[:, None])
+    dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
+    return dq
+
+
 @triton.jit(do_not_specialize=SIZES_AND_MASK + ["heads_kv"])
 def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                   s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_t, s_k_d,
                   s_v_b, s_v_h, s_v_t, s_v_d, s_do_b, s_do_h, s_do_t, s_do_d,
                   s_l_b, s_l_h, s_l_t, s_dk_b, s_dk_h, s_dk_t, s_dk_d, s_dv_b, s_dv_h, s_dv_t, s_dv_d,
                   heads, heads_kv, group, q_len, kv_len, head_dk, head_dv, qk_scale, sm_scale,
-                  num_partial, num_full, index, s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r,
+                  num_partial, num_full, index, order, s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r,
                   band_lo, band_hi, q_lens, s_qlen_b, kv_lens, s_kvlen_b,
                   q_docs, s_qdoc_b, s_qdoc_t, kv_docs, s_kvdoc_b, s_kvdoc_t,
                   dense, s_dense_b, s_dense_h, s_dense_q, s_dense_k,
@@ -337,6 +421,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                   SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                   EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                   UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
+                  FLAT: tl.constexpr, ORDERED: tl.constexpr,
                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                   HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
                   HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -350,6 +435,10 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                     HAS_LO, HAS_HI, HAS_QLEN, HAS_KVLEN, HAS_DOCS, DOC_RANGES, HAS_DENSE,
                     HAS_BIAS)
     pid_n, b, h_kv = _program_ids(heads_kv)
+    if ORDERED:  # heaviest key blocks first (see _ordered_block)
+        pid_n = _ordered_block(order, pid_n, SPARSE_K // BLOCK_N)
+        if pid_n * BLOCK_N >= kv_len:  # the grid rounds up to whole sparse columns
+            return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, DK_PAD)
     offs_dv = tl.arange(0, DV_PAD)
@@ -360,32 +449,34 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
     dk = tl.zeros([BLOCK_N, DK_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
     col = (pid_n * BLOCK_N) // SPARSE_K  # this key block's row in the transposed block lists
+    SUBS: tl.constexpr = SPARSE_Q // BLOCK_M  # kernel blocks per sparse block
     for g in range(0, group):
         h = h_kv * group + g
         q_base = Q + b * s_q_b + h * s_q_h
         do_base = dOut + b * s_do_b + h * s_do_h
         n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h, col,
                                                s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
-        for part in tl.static_range(2):  # the walk: see WALKS
+        for part in tl.static_range(2):  # the walk: see launch.WALKS
             masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
-            for j in range(0 if masked else n_partial, n_partial if masked else n_partial + n_full):
-                block = tl.load(blocks + j)
-                for sub in tl.static_range(SPARSE_Q // BLOCK_M):
-                    # one query tile's contribution to dk [N, DK] and dv [N, DV] (transposed scores)
-                    offs_m = block * SPARSE_Q + sub * BLOCK_M + tl.arange(0, BLOCK_M)
-                    q_ptrs = _tile_ptrs(q_base, offs_m, offs_dk, s_q_t, s_q_d)  # [M, DK]
-                    do_ptrs = _tile_ptrs(do_base, offs_m, offs_dv, s_do_t, s_do_d)  # [M, DV]
-                    q = _load_tile(q_ptrs, offs_m, offs_dk, q_len, head_dk, masked, EVEN_DK)
-                    do = _load_tile(do_ptrs, offs_m, offs_dv, q_len, head_dv, masked, EVEN_DV)
-                    lse2, delta = _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t,
-                                             q_len)
-                    s2_t = _scores(k, q, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask,
-                                   masked, True, PRECISION, UPCAST)  # [N, M]
-                    p_t = tl.math.exp2(s2_t - lse2[None, :])  # [N, M] softmax weights, transposed
-                    dv += _dot(p_t.to(do.dtype), do, PRECISION, UPCAST)
-                    dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST)  # [N, M]
-                    ds_t = p_t * (dp_t - delta[None, :])  # gradient of the scaled scores
-                    dk += _dot(ds_t.to(q.dtype), q, PRECISION, UPCAST)
+            first = 0 if masked else n_partial
+            stop = n_partial if masked else n_partial + n_full
+            if FLAT:  # one kernel block per iteration
+                for t in range(first * SUBS, stop * SUBS):
+                    start_m = tl.load(blocks + t // SUBS) * SPARSE_Q + (t % SUBS) * BLOCK_M
+                    dk, dv = _dkdv_tile(
+                        k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk,
+                        offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t,
+                        q_len, kv_len, head_dk, head_dv, qk_scale, mask, masked, BLOCK_M,
+                        EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+            else:  # one sparse block per iteration, its kernel blocks unrolled
+                for j in range(first, stop):
+                    block = tl.load(blocks + j)
+                    for sub in tl.static_range(SUBS):
+                        dk, dv = _dkdv_tile(
+                            k, v, dk, dv, block * SPARSE_Q + sub * BLOCK_M, q_base, do_base, Lse,
+                            Delta, offs_n, offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t,
+                            s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len, head_dk, head_dv,
+                            qk_scale, mask, masked, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
     dk = dk * sm_scale
     tl.store(_tile_ptrs(dK + b * s_dk_b + h_kv * s_dk_h, offs_n, offs_dk, s_dk_t, s_dk_d),
              dk.to(dK.dtype.element_ty), mask=_in_bounds(offs_n, offs_dk, kv_len, head_dk))
@@ -399,7 +490,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 s_v_b, s_v_h, s_v_t, s_v_d, s_do_b, s_do_h, s_do_t, s_do_d,
                 s_l_b, s_l_h, s_l_t, s_dq_b, s_dq_h, s_dq_t, s_dq_d,
                 heads, group, q_len, kv_len, head_dk, head_dv, qk_scale, sm_scale,
-                num_partial, num_full, index, s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r,
+                num_partial, num_full, index, order, s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r,
                 band_lo, band_hi, q_lens, s_qlen_b, kv_lens, s_kvlen_b,
                 q_docs, s_qdoc_b, s_qdoc_t, kv_docs, s_kvdoc_b, s_kvdoc_t,
                 dense, s_dense_b, s_dense_h, s_dense_q, s_dense_k,
@@ -409,6 +500,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                 EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
+                FLAT: tl.constexpr, ORDERED: tl.constexpr,
                 HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                 HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
                 HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -421,6 +513,10 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                     HAS_LO, HAS_HI, HAS_QLEN, HAS_KVLEN, HAS_DOCS, DOC_RANGES, HAS_DENSE,
                     HAS_BIAS)
     pid_m, b, h = _program_ids(heads)
+    if ORDERED:  # heaviest query blocks first (see _ordered_block)
+        pid_m = _ordered_block(order, pid_m, SPARSE_Q // BLOCK_M)
+        if pid_m * BLOCK_M >= q_len:  # the grid rounds up to whole sparse rows
+            return
     h_kv = h // group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, DK_PAD)
@@ -437,20 +533,26 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
     n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h,
                                            (pid_m * BLOCK_M) // SPARSE_Q,
                                            s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
-    for part in tl.static_range(2):  # the walk: see WALKS
+    SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
+    for part in tl.static_range(2):  # the walk: see launch.WALKS
         masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
-        for j in range(0 if masked else n_partial, n_partial if masked else n_partial + n_full):
-            block = tl.load(blocks + j)
-            for sub in tl.static_range(SPARSE_K // BLOCK_N):
-                # one key tile's contribution to dq [M, DK]
-                offs_n = block * SPARSE_K + sub * BLOCK_N + tl.arange(0, BLOCK_N)
-                k, v, s2 = _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h,
-                                     s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv,
-                                     qk_scale, mask, masked, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
-                p = tl.math.exp2(s2 - lse2[:, None])  # [M, N]
-                dp = _dot(do, tl.trans(v), PRECISION, UPCAST)  # [M, N]
-                ds = p * (dp - delta[:, None])
-                dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
+        first = 0 if masked else n_partial
+        stop = n_partial if masked else n_partial + n_full
+        if FLAT:  # one kernel block per iteration
+            for t in range(first * SUBS, stop * SUBS):
+                start_n = tl.load(blocks + t // SUBS) * SPARSE_K + (t % SUBS) * BLOCK_N
+                dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
+                              offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
+                              head_dv, qk_scale, mask, masked, BLOCK_N, EVEN_DK, EVEN_DV,
+                              PRECISION, UPCAST)
+        else:  # one sparse block per iteration, its kernel blocks unrolled
+            for j in range(first, stop):
+                block = tl.load(blocks + j)
+                for sub in tl.static_range(SUBS):
+                    dq = _dq_tile(q, do, lse2, delta, dq, block * SPARSE_K + sub * BLOCK_N,
+                                  k_base, v_base, offs_m, offs_dk, offs_dv, b, h, s_k_t, s_k_d,
+                                  s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
+                                  masked, BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
     dq = dq * sm_scale
     tl.store(_tile_ptrs(dQ + b * s_dq_b + h * s_dq_h, offs_m, offs_dk, s_dq_t, s_dq_d),
              dq.to(dQ.dtype.element_ty), mask=_in_bounds(offs_m, offs_dk, q_len, head_dk))

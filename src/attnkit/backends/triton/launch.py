@@ -124,11 +124,24 @@ dominates), so 32×32 tiles run the tests about twice as fast as 16×16 while se
 40–80 positions still span several blocks. Tests swap in other tiles (e.g. 32×32 sparse blocks
 walked by 16-wide kernel blocks) to cover the sub-tile loops the GPU configs use."""
 
-WALKS = {"partial_first": dict(FULL_FIRST=False), "full_first": dict(FULL_FIRST=True)}
-"""How a kernel walks a row's block list (``kernels.py``): the PARTIAL loop then the FULL one,
-or the FULL loop first. Autotuned with the block sizes."""
+
+def _walk_flags(name: str) -> dict:
+    order, *extras = name.split("+")
+    return dict(FULL_FIRST=order == "full_first", FLAT="flat" in extras, ORDERED="lpt" in extras)
+
+
+WALKS = {name: _walk_flags(name) for name in (
+    order + flat + lpt for order in ("partial_first", "full_first") for flat in ("", "+flat")
+    for lpt in ("", "+lpt"))}
+"""How a kernel walks its block lists (``kernels.py``), each a ``tl.constexpr`` autotuned with
+the block sizes: ``partial_first``/``full_first``, which loop of a row comes first (PARTIAL
+blocks, or FULL ones); ``+flat``, one kernel block per loop iteration instead of one sparse
+block with its sub-tiles unrolled (FlexAttention's loop shape; the same when the kernel block
+is the sparse block); ``+lpt``, the programs of a head start heaviest row first
+(:attr:`BlockLists.order`: longest-processing-time-first, so the light rows fill the tail)."""
 
 P, F = "partial_first", "full_first"
+P_FLAT, F_FLAT, P_LPT, F_LPT = P + "+flat", F + "+flat", P + "+lpt", F + "+lpt"
 
 # Autotune candidates per kernel and head-dim bucket (the larger of the padded Dk, Dv):
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, walk); blocks divide the 128×128 sparse blocks.
@@ -136,25 +149,30 @@ P, F = "partial_first", "full_first"
 # but small ones in dK/dV) and three H200 runs (docs/BENCHMARKS.md): at D = 128 the autotuner
 # picked 128×128 (forward), 32×128 (dK/dV) and 128×64 (dQ) for every mask. FULL-first ties
 # with PARTIAL-first (0.96–1.05× over 36 tunings) and stays a candidate there; a third walk,
-# one loop that masks every tile, lost 72 of 73 tunings (by up to 2.5×) and was removed. Also tried at D = 128 and dropped (a fourth run: never the fastest): forward
-# 128×64 with 2 stages and 64×128 with 4 warps, dQ 128×32.
+# one loop that masks every tile, lost 72 of 73 tunings (by up to 2.5×) and was removed. Also
+# tried at D = 128 and dropped (never the fastest): forward 128×64 with 2 stages and 64×128
+# with 4 warps, dQ 128×32, dK/dV 32×64 and 64×64 (which spill 132–184 bytes). The ``+flat``
+# and ``+lpt`` walks join the winners' configs as candidates; they are not yet timed on a GPU.
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     "attn_fwd": {
         64: [(128, 128, 8, 2, P), (128, 64, 8, 3, P), (128, 32, 4, 3, P), (64, 64, 4, 3, P),
-             (64, 32, 4, 2, P)],
-        128: [(128, 128, 8, 2, P), (128, 128, 8, 2, F), (128, 64, 8, 3, P), (64, 64, 4, 3, P),
-              (64, 32, 4, 2, P)],
+             (64, 64, 4, 3, P_FLAT), (64, 64, 4, 3, P_LPT), (64, 32, 4, 2, P)],
+        128: [(128, 128, 8, 2, P), (128, 128, 8, 2, F), (128, 128, 8, 2, P_LPT), (128, 64, 8, 3, P),
+              (128, 64, 8, 3, P_FLAT), (64, 64, 4, 3, P), (64, 32, 4, 2, P)],
         256: [(64, 32, 4, 2, P), (64, 64, 8, 2, P), (64, 32, 8, 2, P)],
     },
     "attn_bwd_dkdv": {  # BLOCK_N key rows per program, BLOCK_M query rows per step
-        64: [(32, 128, 8, 2, P), (64, 128, 8, 2, P), (32, 64, 4, 3, P), (16, 64, 4, 2, P)],
-        128: [(32, 128, 8, 2, P), (32, 128, 8, 2, F), (16, 64, 4, 2, P), (32, 64, 8, 2, P),
-              (64, 64, 8, 2, P)],
+        64: [(32, 128, 8, 2, P), (64, 128, 8, 2, P), (64, 128, 8, 2, P_FLAT), (64, 128, 8, 3, P_FLAT),
+             (64, 128, 8, 2, P_LPT), (32, 64, 4, 3, P), (16, 64, 4, 2, P)],
+        128: [(32, 128, 8, 2, P), (32, 128, 8, 2, F), (32, 128, 8, 2, F_FLAT), (32, 128, 8, 3, F_FLAT),
+              (32, 128, 8, 2, F_LPT), (16, 64, 4, 2, P)],
         256: [(16, 64, 8, 2, P), (16, 64, 4, 1, P), (32, 64, 8, 1, P)],
     },
     "attn_bwd_dq": {
-        64: [(128, 64, 8, 2, P), (64, 64, 4, 3, P), (64, 32, 4, 2, P)],
-        128: [(128, 64, 8, 2, P), (128, 64, 8, 2, F), (64, 64, 8, 2, P), (64, 32, 4, 2, P)],
+        64: [(128, 64, 8, 2, P), (64, 64, 4, 3, P), (64, 64, 4, 3, P_FLAT), (64, 64, 4, 3, P_LPT),
+             (64, 32, 4, 2, P)],
+        128: [(128, 64, 8, 2, P), (128, 64, 8, 2, F), (128, 64, 8, 2, F_FLAT), (128, 64, 8, 3, F_FLAT),
+              (128, 64, 8, 2, F_LPT), (64, 64, 8, 2, P), (64, 32, 4, 2, P)],
         256: [(64, 32, 8, 2, P), (64, 16, 4, 2, P), (64, 32, 4, 1, P)],
     },
 }
@@ -368,16 +386,21 @@ class BlockLists:
 
     ``num_partial``/``num_full`` int32 ``[B, H, R]`` and ``index`` int32 ``[B, H, R, C]``
     (entries past ``num_partial + num_full`` are unused); broadcast dims have stride 0.
+    ``order`` int32 ``[R]``: the rows by decreasing work (summed over batch and heads; a
+    PARTIAL block weighs 5/4 of a FULL one), ties in row order; the ``+lpt`` walks launch them
+    in that order.
     """
 
     num_partial: torch.Tensor
     num_full: torch.Tensor
     index: torch.Tensor
+    order: torch.Tensor
 
     def args(self) -> dict:
         sn, si = self.num_partial.stride(), self.index.stride()
         return dict(num_partial=self.num_partial, num_full=self.num_full, index=self.index,
-                    s_n_b=sn[0], s_n_h=sn[1], s_n_r=sn[2], s_i_b=si[0], s_i_h=si[1], s_i_r=si[2])
+                    order=self.order, s_n_b=sn[0], s_n_h=sn[1], s_n_r=sn[2], s_i_b=si[0],
+                    s_i_h=si[1], s_i_r=si[2])
 
     def visited(self) -> int:
         """Number of (batch, head, block) tiles a kernel walking these lists visits."""
@@ -391,8 +414,10 @@ def block_lists(codes: torch.Tensor, batch: int, heads: int) -> BlockLists:
     num_partial = (codes == PARTIAL).sum(-1, dtype=torch.int32)
     num_full = (codes == FULL).sum(-1, dtype=torch.int32)
     rows, cols = codes.shape[-2:]
+    work = (5 * num_partial.long() + 4 * num_full.long()).sum((0, 1))  # [R]
+    order = torch.sort(work, descending=True, stable=True).indices.to(torch.int32)
     return BlockLists(num_partial.expand(batch, heads, rows), num_full.expand(batch, heads, rows),
-                      index.expand(batch, heads, rows, cols))
+                      index.expand(batch, heads, rows, cols), order)
 
 
 def block_codes(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> torch.Tensor:
@@ -516,12 +541,13 @@ def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> di
 @dataclass
 class Call:
     """One kernel launch as data: kernel ``name``, its arguments (without ``BLOCK_M``/``BLOCK_N``),
-    ``grid(BLOCK_M, BLOCK_N)``, and the fixed blocks used under the interpreter. Kept separate
-    from running it so ``benchmarks/gpu.py --compile-only`` can build each kernel offline."""
+    ``grid(BLOCK_M, BLOCK_N, ORDERED)``, and the fixed blocks used under the interpreter. Kept
+    separate from running it so ``benchmarks/gpu.py --compile-only`` can build each kernel
+    offline."""
 
     name: str
     args: dict
-    grid: Callable[[int, int], tuple[int, int]]
+    grid: Callable[[int, int, bool], tuple[int, int]]
     fixed: Optional[tuple[int, int]]
     walk: str = "partial_first"  # under the interpreter
     tuned: dict = field(default_factory=dict)
@@ -534,17 +560,19 @@ class Call:
         costs ~120 µs of host time per launch with this many arguments)."""
         if interpret:
             block_m, block_n = self.fixed
+            flags = WALKS[self.walk]
             kernel = getattr(kernels(), self.name)
-            kernel[self.grid(block_m, block_n)](BLOCK_M=block_m, BLOCK_N=block_n, **WALKS[self.walk],
-                                                **self.args)
+            kernel[self.grid(block_m, block_n, flags["ORDERED"])](
+                BLOCK_M=block_m, BLOCK_N=block_n, **flags, **self.args)
             return
         tuner = _tuned(self.name)
         config = self.tuned.get("config")
         if config is None:
-            tuner[lambda meta: self.grid(meta["BLOCK_M"], meta["BLOCK_N"])](**self.args)
+            tuner[lambda meta: self.grid(meta["BLOCK_M"], meta["BLOCK_N"], meta["ORDERED"])](**self.args)
             self.tuned["config"] = tuner.best_config  # the config this call ran with
         else:
-            tuner.fn[self.grid(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"])](
+            meta = config.kwargs
+            tuner.fn[self.grid(meta["BLOCK_M"], meta["BLOCK_N"], meta["ORDERED"])](
                 **self.args, **config.all_kwargs())
 
 
@@ -570,6 +598,17 @@ def _reuse(plan: Plan, name: str, tensors: dict, build: Callable[[], "Call"]) ->
     return dataclasses.replace(template, args={**template.args, **tensors})
 
 
+def _grid(length: int, sparse: int, axis: int, heads: int) -> Callable[[int, int, bool], tuple[int, int]]:
+    """``grid(BLOCK_M, BLOCK_N, ORDERED)`` of a kernel whose programs split ``length`` positions
+    into kernel blocks (``BLOCK_M`` for ``axis`` 0, ``BLOCK_N`` for 1), one row of programs per
+    (batch, head). Ordered launches cover whole sparse blocks (each program's block comes from
+    the order); programs past the end return at once."""
+    def grid(block_m: int, block_n: int, ordered: bool) -> tuple[int, int]:
+        block = (block_m, block_n)[axis]
+        return (cdiv(length, sparse) * (sparse // block) if ordered else cdiv(length, block), heads)
+    return grid
+
+
 def forward_call(q, k, v, out, lse, plan: Plan) -> Call:
     """The forward launch filling ``out [B, H, Tq, Dv]`` and ``lse [B, H, Tq]`` (float32)."""
     def build() -> Call:
@@ -579,7 +618,7 @@ def forward_call(q, k, v, out, lse, plan: Plan) -> Call:
                     s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2),
                     heads=heads, group=heads // k.shape[1], **_common(q, k, v, plan),
                     **plan.rows.args())
-        return Call("attn_fwd", args, lambda block_m, block_n: (cdiv(q_len, block_m), batch * heads),
+        return Call("attn_fwd", args, _grid(q_len, plan.tiles.sparse_q, 0, batch * heads),
                     plan.tiles.fwd, plan.tiles.walk)
     return _reuse(plan, "attn_fwd", dict(Q=q, K=k, V=v, Out=out, Lse=lse), build)
 
@@ -595,8 +634,7 @@ def dkdv_call(q, k, v, dout, lse, delta_, dk, dv, plan: Plan) -> Call:
                     **_strides("dk", dk), **_strides("dv", dv),
                     heads=heads, heads_kv=heads_kv, group=heads // heads_kv, sm_scale=plan.scale,
                     **_common(q, k, v, plan), **plan.cols.args())
-        return Call("attn_bwd_dkdv", args,
-                    lambda block_m, block_n: (cdiv(kv_len, block_n), batch * heads_kv),
+        return Call("attn_bwd_dkdv", args, _grid(kv_len, plan.tiles.sparse_k, 1, batch * heads_kv),
                     plan.tiles.dkdv, plan.tiles.walk)
     tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dK=dk, dV=dv)
     return _reuse(plan, "attn_bwd_dkdv", tensors, build)
@@ -611,7 +649,7 @@ def dq_call(q, k, v, dout, lse, delta_, dq, plan: Plan) -> Call:
                     s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2), **_strides("dq", dq),
                     heads=heads, group=heads // k.shape[1], sm_scale=plan.scale,
                     **_common(q, k, v, plan), **plan.rows.args())
-        return Call("attn_bwd_dq", args, lambda block_m, block_n: (cdiv(q_len, block_m), batch * heads),
+        return Call("attn_bwd_dq", args, _grid(q_len, plan.tiles.sparse_q, 0, batch * heads),
                     plan.tiles.dq, plan.tiles.walk)
     tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dQ=dq)
     return _reuse(plan, "attn_bwd_dq", tensors, build)
