@@ -144,10 +144,41 @@ def _ordered_block(order, pid, SUBS: tl.constexpr):
 
 # ---- the mask program: element mask of a PARTIAL tile, from indices or loaded -------------
 @triton.jit
-def _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, TRANSPOSED: tl.constexpr):
+def _own_rows(offs, b, length, mask, TRANSPOSED: tl.constexpr):
+    """What the mask of a PARTIAL tile needs from the program's own rows (query rows ``offs``,
+    or TRANSPOSED key rows), loaded once before the walk rather than in every tile, where
+    each load's latency would sit in the tile's critical path: the batch's query and key
+    lengths, and the rows' document ranges ``[lo, hi)`` (``DOC_RANGES``) or ids (in ``lo``).
+    Unused entries are 0. → ``(q_limit, kv_limit, lo [R], hi [R])``."""
+    q_limit = 0
+    kv_limit = 0
+    lo = tl.zeros_like(offs)  # each value keeps one type in every branch: the compiler
+    hi = tl.zeros_like(offs)  # may see the tuple's flags as values, not constants
+    if mask.HAS_QLEN:
+        q_limit = tl.load(mask.q_lens + b * mask.s_qlen_b)
+    if mask.HAS_KVLEN:
+        kv_limit = tl.load(mask.kv_lens + b * mask.s_kvlen_b)
+    if mask.HAS_DOCS:
+        if TRANSPOSED:  # key rows: the query range (or id) of each key's document
+            ptrs = mask.kv_docs + b * mask.s_kvdoc_b + offs * mask.s_kvdoc_t
+            missing = -2  # never equal to a query's id
+        else:  # query rows: the key range (or id) of each query's document
+            ptrs = mask.q_docs + b * mask.s_qdoc_b + offs * mask.s_qdoc_t
+            missing = -1
+        if mask.DOC_RANGES:
+            lo = tl.load(ptrs, mask=offs < length, other=0)
+            hi = tl.load(ptrs + 1, mask=offs < length, other=0)
+        else:
+            lo = tl.load(ptrs, mask=offs < length, other=missing)
+    return q_limit, kv_limit, lo, hi
+
+
+@triton.jit
+def _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, own, TRANSPOSED: tl.constexpr):
     """Bool "may attend" for query positions ``q_pos`` and key positions ``k_pos``, two
     broadcastable 2-D index tensors (``[M, 1]`` × ``[1, N]``, or TRANSPOSED: ``[1, M]`` ×
-    ``[N, 1]``) → ``[M, N]`` (``[N, M]``)."""
+    ``[N, 1]``) → ``[M, N]`` (``[N, M]``); ``own``: :func:`_own_rows` of the first axis."""
+    q_limit, kv_limit, lo, hi = own
     inside = (q_pos < q_len) & (k_pos < kv_len)
     ok = inside
     if mask.HAS_LO:  # band: kv - q >= band_lo
@@ -155,26 +186,23 @@ def _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, TRANSPOSED: tl.constexpr):
     if mask.HAS_HI:  # band: kv - q <= band_hi
         ok = ok & (k_pos - q_pos <= mask.band_hi)
     if mask.HAS_QLEN:
-        ok = ok & (q_pos < tl.load(mask.q_lens + b * mask.s_qlen_b))
+        ok = ok & (q_pos < q_limit)
     if mask.HAS_KVLEN:
-        ok = ok & (k_pos < tl.load(mask.kv_lens + b * mask.s_kvlen_b))
-    if mask.HAS_DOCS and mask.DOC_RANGES:  # the rows' ranges: one pair per row
-        if TRANSPOSED:  # key rows: the query range of each key's document
-            ranges = mask.kv_docs + b * mask.s_kvdoc_b + k_pos * mask.s_kvdoc_t
-            lo = tl.load(ranges, mask=k_pos < kv_len, other=0)
-            hi = tl.load(ranges + 1, mask=k_pos < kv_len, other=0)
-            ok = ok & (q_pos >= lo) & (q_pos < hi)
-        else:  # query rows: the key range of each query's document
-            ranges = mask.q_docs + b * mask.s_qdoc_b + q_pos * mask.s_qdoc_t
-            lo = tl.load(ranges, mask=q_pos < q_len, other=0)
-            hi = tl.load(ranges + 1, mask=q_pos < q_len, other=0)
-            ok = ok & (k_pos >= lo) & (k_pos < hi)
-    elif mask.HAS_DOCS:
-        q_doc = tl.load(mask.q_docs + b * mask.s_qdoc_b + q_pos * mask.s_qdoc_t,
-                        mask=q_pos < q_len, other=-1)
-        kv_doc = tl.load(mask.kv_docs + b * mask.s_kvdoc_b + k_pos * mask.s_kvdoc_t,
-                         mask=k_pos < kv_len, other=-2)
-        ok = ok & (q_doc == kv_doc)
+        ok = ok & (k_pos < kv_limit)
+    if mask.HAS_DOCS and mask.DOC_RANGES:  # the other side's positions against the rows' ranges
+        if TRANSPOSED:
+            ok = ok & (q_pos >= lo[:, None]) & (q_pos < hi[:, None])
+        else:
+            ok = ok & (k_pos >= lo[:, None]) & (k_pos < hi[:, None])
+    elif mask.HAS_DOCS:  # the rows' ids against the other side's, loaded per tile
+        if TRANSPOSED:
+            q_doc = tl.load(mask.q_docs + b * mask.s_qdoc_b + q_pos * mask.s_qdoc_t,
+                            mask=q_pos < q_len, other=-1)
+            ok = ok & (q_doc == lo[:, None])
+        else:
+            kv_doc = tl.load(mask.kv_docs + b * mask.s_kvdoc_b + k_pos * mask.s_kvdoc_t,
+                             mask=k_pos < kv_len, other=-2)
+            ok = ok & (lo[:, None] == kv_doc)
     if mask.HAS_DENSE:
         flag = tl.load(mask.dense + b * mask.s_dense_b + h * mask.s_dense_h
                        + q_pos * mask.s_dense_q + k_pos * mask.s_dense_k, mask=inside, other=0)
@@ -183,10 +211,10 @@ def _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def _masked_scores(s2, q_pos, k_pos, b, h, q_len, kv_len, mask, TRANSPOSED: tl.constexpr):
+def _masked_scores(s2, q_pos, k_pos, b, h, q_len, kv_len, mask, own, TRANSPOSED: tl.constexpr):
     """Base-2 scores ``s2`` of a PARTIAL tile with the bias added and forbidden entries set to -inf
     (``q_pos``, ``k_pos``: broadcastable index tensors, as for :func:`_allowed`)."""
-    ok = _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, TRANSPOSED)
+    ok = _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, own, TRANSPOSED)
     if mask.HAS_BIAS:  # loaded float32, -inf = masked
         inside = (q_pos < q_len) & (k_pos < kv_len)
         offs = b * mask.s_bias_b + h * mask.s_bias_h + q_pos * mask.s_bias_q + k_pos * mask.s_bias_k
@@ -197,7 +225,7 @@ def _masked_scores(s2, q_pos, k_pos, b, h, q_len, kv_len, mask, TRANSPOSED: tl.c
 
 
 @triton.jit
-def _scores(x, y, qk_scale, offs_q, offs_k, b, h, q_len, kv_len, mask, MASKED: tl.constexpr,
+def _scores(x, y, qk_scale, offs_q, offs_k, b, h, q_len, kv_len, mask, own, MASKED: tl.constexpr,
             TRANSPOSED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Base-2 scores ``x @ yᵀ · qk_scale`` of the query rows ``offs_q`` against the key rows
     ``offs_k``: ``x`` = q ``[M, D]``, ``y`` = k ``[N, D]`` → ``[M, N]``, or TRANSPOSED (``x`` = k,
@@ -206,16 +234,16 @@ def _scores(x, y, qk_scale, offs_q, offs_k, b, h, q_len, kv_len, mask, MASKED: t
     if MASKED:
         if TRANSPOSED:
             s2 = _masked_scores(s2, offs_q[None, :], offs_k[:, None], b, h, q_len, kv_len, mask,
-                                True)
+                                own, True)
         else:
             s2 = _masked_scores(s2, offs_q[:, None], offs_k[None, :], b, h, q_len, kv_len, mask,
-                                False)
+                                own, False)
     return s2
 
 
 @triton.jit
 def _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d,
-              q_len, kv_len, head_dk, head_dv, qk_scale, mask, MASKED: tl.constexpr,
+              q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, MASKED: tl.constexpr,
               EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
               UPCAST: tl.constexpr):
     """The key rows ``offs_n`` seen from the query rows ``offs_m`` (forward and dQ): ``k [N, DK]``,
@@ -224,14 +252,14 @@ def _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h, s_k_t, 
     v_ptrs = _tile_ptrs(v_base, offs_n, offs_dv, s_v_t, s_v_d)  # [N, DV]
     k = _load_tile(k_ptrs, offs_n, offs_dk, kv_len, head_dk, MASKED, EVEN_DK)
     v = _load_tile(v_ptrs, offs_n, offs_dv, kv_len, head_dv, MASKED, EVEN_DV)
-    s2 = _scores(q, k, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask,
+    s2 = _scores(q, k, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask, own,
                  MASKED, False, PRECISION, UPCAST)
     return k, v, s2
 
 
 @triton.jit
 def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
-              s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
+              s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own,
               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_DK: tl.constexpr,
               EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One key block (rows ``start_n …``) folded into the online softmax of the query rows
@@ -239,7 +267,7 @@ def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_d
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k, v, s2 = _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h,
                          s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv,
-                         qk_scale, mask, MASKED, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                         qk_scale, mask, own, MASKED, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
     m_new = tl.maximum(m_i, tl.max(s2, 1))  # [M]
     if MASKED:  # a row with nothing allowed yet keeps m = -inf: subtract 0, not inf
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -298,6 +326,7 @@ def attn_fwd(Q, K, V, Out, Lse,
     k_base = K + b * s_k_b + h_kv * s_k_h
     v_base = V + b * s_v_b + h_kv * s_v_h
 
+    own = _own_rows(offs_m, b, q_len, mask, False)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
@@ -315,7 +344,7 @@ def attn_fwd(Q, K, V, Out, Lse,
                 start_n = tl.load(blocks + t // SUBS) * SPARSE_K + (t % SUBS) * BLOCK_N
                 m_i, l_i, acc = _fwd_tile(
                     q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
-                    s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
+                    s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own,
                     masked, BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
         else:  # one sparse block per iteration, its kernel blocks unrolled
             for j in range(first, stop):
@@ -324,7 +353,7 @@ def attn_fwd(Q, K, V, Out, Lse,
                     m_i, l_i, acc = _fwd_tile(
                         q, m_i, l_i, acc, block * SPARSE_K + sub * BLOCK_N, k_base, v_base,
                         offs_m, offs_dk, offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len,
-                        head_dk, head_dv, qk_scale, mask, masked, BLOCK_N, EVEN_DK, EVEN_DV,
+                        head_dk, head_dv, qk_scale, mask, own, masked, BLOCK_N, EVEN_DK, EVEN_DV,
                         PRECISION, UPCAST)
 
     empty = l_i == 0.0  # no allowed key: output 0, LSE -inf
@@ -366,7 +395,7 @@ def _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len):
 @triton.jit
 def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk, offs_dv,
                b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len,
-               head_dk, head_dv, qk_scale, mask, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+               head_dk, head_dv, qk_scale, mask, own, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                UPCAST: tl.constexpr):
     """One query block's (rows ``start_m …``) contribution to ``dk [N, DK]`` and ``dv [N, DV]``
@@ -377,7 +406,7 @@ def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_
     q = _load_tile(q_ptrs, offs_m, offs_dk, q_len, head_dk, MASKED, EVEN_DK)
     do = _load_tile(do_ptrs, offs_m, offs_dv, q_len, head_dv, MASKED, EVEN_DV)
     lse2, delta = _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len)
-    s2_t = _scores(k, q, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask,
+    s2_t = _scores(k, q, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask, own,
                    MASKED, True, PRECISION, UPCAST)  # [N, M]
     p_t = tl.math.exp2(s2_t - lse2[None, :])  # [N, M] softmax weights, transposed
     dv += _dot(p_t.to(do.dtype), do, PRECISION, UPCAST)
@@ -389,7 +418,7 @@ def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_
 
 @triton.jit
 def _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
-             s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
+             s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own,
              MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_DK: tl.constexpr,
              EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One key block's (rows ``start_n …``) contribution to ``dq [M, DK]`` of the query rows
@@ -397,7 +426,7 @@ def _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk, o
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k, v, s2 = _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h,
                          s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv,
-                         qk_scale, mask, MASKED, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                         qk_scale, mask, own, MASKED, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
     p = tl.math.exp2(s2 - lse2[:, None])  # [M, N]
     dp = _dot(do, tl.trans(v), PRECISION, UPCAST)  # [M, N]
     ds = p * (dp - delta[:, None])
@@ -446,6 +475,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                 mask=_in_bounds(offs_n, offs_dk, kv_len, head_dk), other=0.0)  # [N, DK]
     v = tl.load(_tile_ptrs(V + b * s_v_b + h_kv * s_v_h, offs_n, offs_dv, s_v_t, s_v_d),
                 mask=_in_bounds(offs_n, offs_dv, kv_len, head_dv), other=0.0)  # [N, DV]
+    own = _own_rows(offs_n, b, kv_len, mask, True)
     dk = tl.zeros([BLOCK_N, DK_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
     col = (pid_n * BLOCK_N) // SPARSE_K  # this key block's row in the transposed block lists
@@ -466,7 +496,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                     dk, dv = _dkdv_tile(
                         k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk,
                         offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t,
-                        q_len, kv_len, head_dk, head_dv, qk_scale, mask, masked, BLOCK_M,
+                        q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, masked, BLOCK_M,
                         EVEN_DK, EVEN_DV, PRECISION, UPCAST)
             else:  # one sparse block per iteration, its kernel blocks unrolled
                 for j in range(first, stop):
@@ -476,7 +506,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                             k, v, dk, dv, block * SPARSE_Q + sub * BLOCK_M, q_base, do_base, Lse,
                             Delta, offs_n, offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t,
                             s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len, head_dk, head_dv,
-                            qk_scale, mask, masked, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                            qk_scale, mask, own, masked, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
     dk = dk * sm_scale
     tl.store(_tile_ptrs(dK + b * s_dk_b + h_kv * s_dk_h, offs_n, offs_dk, s_dk_t, s_dk_d),
              dk.to(dK.dtype.element_ty), mask=_in_bounds(offs_n, offs_dk, kv_len, head_dk))
@@ -528,6 +558,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
     lse2, delta = _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len)
     k_base = K + b * s_k_b + h_kv * s_k_h
     v_base = V + b * s_v_b + h_kv * s_v_h
+    own = _own_rows(offs_m, b, q_len, mask, False)
     dq = tl.zeros([BLOCK_M, DK_PAD], dtype=tl.float32)
 
     n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h,
@@ -543,7 +574,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 start_n = tl.load(blocks + t // SUBS) * SPARSE_K + (t % SUBS) * BLOCK_N
                 dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
                               offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
-                              head_dv, qk_scale, mask, masked, BLOCK_N, EVEN_DK, EVEN_DV,
+                              head_dv, qk_scale, mask, own, masked, BLOCK_N, EVEN_DK, EVEN_DV,
                               PRECISION, UPCAST)
         else:  # one sparse block per iteration, its kernel blocks unrolled
             for j in range(first, stop):
@@ -551,7 +582,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 for sub in tl.static_range(SUBS):
                     dq = _dq_tile(q, do, lse2, delta, dq, block * SPARSE_K + sub * BLOCK_N,
                                   k_base, v_base, offs_m, offs_dk, offs_dv, b, h, s_k_t, s_k_d,
-                                  s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
+                                  s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own,
                                   masked, BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
     dq = dq * sm_scale
     tl.store(_tile_ptrs(dQ + b * s_dq_b + h * s_dq_h, offs_m, offs_dk, s_dq_t, s_dq_d),
