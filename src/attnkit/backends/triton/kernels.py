@@ -263,17 +263,27 @@ def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_d
               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_DK: tl.constexpr,
               EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One key block (rows ``start_n …``) folded into the online softmax of the query rows
-    ``offs_m``: the running max ``m_i [M]``, sum ``l_i [M]`` and output ``acc [M, DV]``."""
+    ``offs_m``: the running max ``m_i [M]``, sum ``l_i [M]`` and output ``acc [M, DV]``.
+    A FULL tile scales after the row max (``max(s)·scale = max(s·scale)``, scale > 0) and
+    inside the exponent's FMA: one multiply per row instead of one per score."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k, v, s2 = _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h,
-                         s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv,
-                         qk_scale, mask, own, MASKED, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
-    m_new = tl.maximum(m_i, tl.max(s2, 1))  # [M]
-    if MASKED:  # a row with nothing allowed yet keeps m = -inf: subtract 0, not inf
+    if MASKED:
+        k, v, s2 = _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h,
+                             s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv,
+                             qk_scale, mask, own, MASKED, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+        m_new = tl.maximum(m_i, tl.max(s2, 1))  # [M]
+        # a row with nothing allowed yet keeps m = -inf: subtract 0, not inf
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s2 - m_sub[:, None])  # [M, N]
     else:
+        k = _load_tile(_tile_ptrs(k_base, offs_n, offs_dk, s_k_t, s_k_d), offs_n, offs_dk, kv_len,
+                       head_dk, False, EVEN_DK)  # [N, DK]
+        v = _load_tile(_tile_ptrs(v_base, offs_n, offs_dv, s_v_t, s_v_d), offs_n, offs_dv, kv_len,
+                       head_dv, False, EVEN_DV)  # [N, DV]
+        s = _dot(q, tl.trans(k), PRECISION, UPCAST)  # [M, N], unscaled
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_sub = m_new
-    p = tl.math.exp2(s2 - m_sub[:, None])  # [M, N]
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_sub)  # [M]
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
