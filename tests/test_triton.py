@@ -364,6 +364,37 @@ def test_nan_poisoned_memory(gen):
     check(q, k, v, mask, allowed, values, gen=gen, dout=dout)
 
 
+@pytest.mark.parametrize("kind", ["causal_br", "window", "docs_ranges", "docs_ids", "padding",
+                                  "dense_bias"])
+def test_lengths_on_block_edges_skip_bounds_checks(kind, gen):
+    """Lengths that are multiples of the sparse blocks (64 queries, 96 keys over 32×32 blocks)
+    compile PARTIAL tiles without sequence-end checks (``BOUNDS`` off). Every input lives in a
+    NaN-filled buffer, so a read past an end would show."""
+    q_len, kv_len = 64, 96
+    bias = None
+    if kind == "causal_br":
+        mask, allowed = ak.causal("bottom_right"), dense_causal(q_len, kv_len, "bottom_right")
+    elif kind == "window":
+        mask, allowed = ak.sliding_window(20, 5), dense_band(q_len, kv_len, 20, 5)
+    elif kind.startswith("docs"):
+        q_ids = sorted_ids(q_len, 3, gen, batch=2)
+        kv_ids = sorted_ids(kv_len, 4, gen, batch=2)
+        if kind == "docs_ids":  # ids in two runs each: compared per tile
+            q_ids, kv_ids = q_ids % 2, kv_ids % 2
+        mask, allowed = ak.documents(q_ids, kv_ids), dense_documents(q_ids, kv_ids)
+    elif kind == "padding":
+        mask = ak.padding([50, 0], [96, 17])
+        allowed = dense_padding(q_len, kv_len, [50, 0], [96, 17], batch=2)
+    else:
+        bias = torch.randn(2, 1, q_len, kv_len, generator=gen)
+        flags = torch.rand(q_len, kv_len, generator=gen) < 0.6
+        mask, allowed = ak.bias(poisoned(bias)) & ak.dense(flags), flags
+    q, k, v = (poisoned(t) for t in make_qkv(2, 2, 1, q_len, kv_len, 32, 16, torch.float32, gen))
+    assert launch._common(q, k, v, launch.make_plan(validate(q, k, v, mask)))["BOUNDS"] is False
+    dout = poisoned(torch.randn(2, 2, q_len, 16, generator=gen))
+    check(q, k, v, mask, allowed, bias, gen=gen, dout=dout)
+
+
 def test_skipped_blocks_are_never_read(gen):
     """Keys 32+ of a 30-key padding mask lie in EMPTY blocks: NaN there must not reach anything
     (a visited block would compute 0 · NaN = NaN in p @ v)."""

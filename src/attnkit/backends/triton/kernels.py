@@ -21,9 +21,10 @@ Conventions shared by every kernel:
   of a head heaviest row first (``_ordered_block``). All three switches are autotuned with the
   block sizes (``launch.WALKS``); the tile work itself is written once (``_fwd_tile``,
   ``_dkdv_tile``, ``_dq_tile``).
-- PARTIAL tiles evaluate the mask program (``_allowed``/``_masked_scores``) and the
-  sequence bounds; FULL tiles apply nothing (the host marks ragged tail blocks PARTIAL, so FULL
-  tiles are always in bounds).
+- PARTIAL tiles evaluate the mask program (``_allowed``/``_masked_scores``) and, when a
+  length is not a multiple of the sparse blocks (``BOUNDS``), the sequence bounds; FULL tiles
+  apply nothing (the host marks ragged tail blocks PARTIAL, so FULL tiles are always in
+  bounds). The mask inputs of a program's own rows load once, before the walk (``_own_rows``).
 - The kernels take the mask program flat (the names ``launch.MaskProgram.args()``/``flags()``
   pass) and pack it once into a :data:`MaskArgs` tuple for the helpers; its ``HAS_*`` fields
   stay ``tl.constexpr`` inside the tuple, so a feature that is off compiles to nothing.
@@ -174,17 +175,34 @@ def _own_rows(offs, b, length, mask, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, own, TRANSPOSED: tl.constexpr):
+def _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, own, TRANSPOSED: tl.constexpr,
+             BOUNDS: tl.constexpr):
     """Bool "may attend" for query positions ``q_pos`` and key positions ``k_pos``, two
     broadcastable 2-D index tensors (``[M, 1]`` × ``[1, N]``, or TRANSPOSED: ``[1, M]`` ×
-    ``[N, 1]``) → ``[M, N]`` (``[N, M]``); ``own``: :func:`_own_rows` of the first axis."""
+    ``[N, 1]``) → ``[M, N]`` (``[N, M]``); ``own``: :func:`_own_rows` of the first axis.
+    BOUNDS: the tile may cross the end of a sequence (else no position is checked against it)."""
     q_limit, kv_limit, lo, hi = own
-    inside = (q_pos < q_len) & (k_pos < kv_len)
-    ok = inside
-    if mask.HAS_LO:  # band: kv - q >= band_lo
-        ok = ok & (k_pos - q_pos >= mask.band_lo)
-    if mask.HAS_HI:  # band: kv - q <= band_hi
-        ok = ok & (k_pos - q_pos <= mask.band_hi)
+    if BOUNDS:
+        inside = (q_pos < q_len) & (k_pos < kv_len)
+        ok = inside
+    else:  # the flags below may compile as branches: ok starts with its final shape
+        if TRANSPOSED:
+            ok = tl.full([k_pos.shape[0], q_pos.shape[1]], 1, tl.int1)
+        else:
+            ok = tl.full([q_pos.shape[0], k_pos.shape[1]], 1, tl.int1)
+        inside = ok
+    # the band lo <= kv - q <= hi, shifted on the rows' side: one add per row, not per entry
+    # (the host clamps lo and hi to [-Tq, Tk], so the sums stay far inside int32)
+    if mask.HAS_LO:
+        if TRANSPOSED:
+            ok = ok & (q_pos <= k_pos - mask.band_lo)
+        else:
+            ok = ok & (k_pos >= q_pos + mask.band_lo)
+    if mask.HAS_HI:
+        if TRANSPOSED:
+            ok = ok & (q_pos >= k_pos - mask.band_hi)
+        else:
+            ok = ok & (k_pos <= q_pos + mask.band_hi)
     if mask.HAS_QLEN:
         ok = ok & (q_pos < q_limit)
     if mask.HAS_KVLEN:
@@ -211,14 +229,18 @@ def _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, own, TRANSPOSED: tl.conste
 
 
 @triton.jit
-def _masked_scores(s2, q_pos, k_pos, b, h, q_len, kv_len, mask, own, TRANSPOSED: tl.constexpr):
+def _masked_scores(s2, q_pos, k_pos, b, h, q_len, kv_len, mask, own, TRANSPOSED: tl.constexpr,
+                   BOUNDS: tl.constexpr):
     """Base-2 scores ``s2`` of a PARTIAL tile with the bias added and forbidden entries set to -inf
     (``q_pos``, ``k_pos``: broadcastable index tensors, as for :func:`_allowed`)."""
-    ok = _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, own, TRANSPOSED)
+    ok = _allowed(q_pos, k_pos, b, h, q_len, kv_len, mask, own, TRANSPOSED, BOUNDS)
     if mask.HAS_BIAS:  # loaded float32, -inf = masked
-        inside = (q_pos < q_len) & (k_pos < kv_len)
         offs = b * mask.s_bias_b + h * mask.s_bias_h + q_pos * mask.s_bias_q + k_pos * mask.s_bias_k
-        extra = tl.load(mask.bias + offs, mask=inside, other=0.0).to(tl.float32)
+        if BOUNDS:
+            extra = tl.load(mask.bias + offs, mask=(q_pos < q_len) & (k_pos < kv_len), other=0.0)
+        else:
+            extra = tl.load(mask.bias + offs)
+        extra = extra.to(tl.float32)
         ok = ok & (extra != float("-inf"))
         s2 = s2 + tl.where(ok, extra * LOG2E, 0.0)
     return tl.where(ok, s2, float("-inf"))
@@ -226,7 +248,8 @@ def _masked_scores(s2, q_pos, k_pos, b, h, q_len, kv_len, mask, own, TRANSPOSED:
 
 @triton.jit
 def _scores(x, y, qk_scale, offs_q, offs_k, b, h, q_len, kv_len, mask, own, MASKED: tl.constexpr,
-            TRANSPOSED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+            TRANSPOSED: tl.constexpr, BOUNDS: tl.constexpr, PRECISION: tl.constexpr,
+            UPCAST: tl.constexpr):
     """Base-2 scores ``x @ yᵀ · qk_scale`` of the query rows ``offs_q`` against the key rows
     ``offs_k``: ``x`` = q ``[M, D]``, ``y`` = k ``[N, D]`` → ``[M, N]``, or TRANSPOSED (``x`` = k,
     ``y`` = q) → ``[N, M]``. A MASKED (PARTIAL) tile goes through the mask program."""
@@ -234,34 +257,36 @@ def _scores(x, y, qk_scale, offs_q, offs_k, b, h, q_len, kv_len, mask, own, MASK
     if MASKED:
         if TRANSPOSED:
             s2 = _masked_scores(s2, offs_q[None, :], offs_k[:, None], b, h, q_len, kv_len, mask,
-                                own, True)
+                                own, True, BOUNDS)
         else:
             s2 = _masked_scores(s2, offs_q[:, None], offs_k[None, :], b, h, q_len, kv_len, mask,
-                                own, False)
+                                own, False, BOUNDS)
     return s2
 
 
 @triton.jit
 def _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d,
               q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, MASKED: tl.constexpr,
-              EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
-              UPCAST: tl.constexpr):
+              BOUNDS: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
+              PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """The key rows ``offs_n`` seen from the query rows ``offs_m`` (forward and dQ): ``k [N, DK]``,
-    ``v [N, DV]`` and the base-2 scores ``s2 [M, N]`` of ``q [M, DK]`` against them."""
+    ``v [N, DV]`` and the base-2 scores ``s2 [M, N]`` of ``q [M, DK]`` against them. MASKED:
+    a PARTIAL tile; BOUNDS: one that may also cross a sequence end."""
     k_ptrs = _tile_ptrs(k_base, offs_n, offs_dk, s_k_t, s_k_d)  # [N, DK]
     v_ptrs = _tile_ptrs(v_base, offs_n, offs_dv, s_v_t, s_v_d)  # [N, DV]
-    k = _load_tile(k_ptrs, offs_n, offs_dk, kv_len, head_dk, MASKED, EVEN_DK)
-    v = _load_tile(v_ptrs, offs_n, offs_dv, kv_len, head_dv, MASKED, EVEN_DV)
+    k = _load_tile(k_ptrs, offs_n, offs_dk, kv_len, head_dk, MASKED and BOUNDS, EVEN_DK)
+    v = _load_tile(v_ptrs, offs_n, offs_dv, kv_len, head_dv, MASKED and BOUNDS, EVEN_DV)
     s2 = _scores(q, k, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask, own,
-                 MASKED, False, PRECISION, UPCAST)
+                 MASKED, False, BOUNDS, PRECISION, UPCAST)
     return k, v, s2
 
 
 @triton.jit
 def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
               s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own,
-              MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_DK: tl.constexpr,
-              EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+              MASKED: tl.constexpr, BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
+              EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+              UPCAST: tl.constexpr):
     """One key block (rows ``start_n …``) folded into the online softmax of the query rows
     ``offs_m``: the running max ``m_i [M]``, sum ``l_i [M]`` and output ``acc [M, DV]``.
     A FULL tile scales after the row max (``max(s)·scale = max(s·scale)``, scale > 0) and
@@ -270,7 +295,8 @@ def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_d
     if MASKED:
         k, v, s2 = _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h,
                              s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv,
-                             qk_scale, mask, own, MASKED, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                             qk_scale, mask, own, MASKED, BOUNDS, EVEN_DK, EVEN_DV, PRECISION,
+                             UPCAST)
         m_new = tl.maximum(m_i, tl.max(s2, 1))  # [M]
         # a row with nothing allowed yet keeps m = -inf: subtract 0, not inf
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -306,7 +332,7 @@ def attn_fwd(Q, K, V, Out, Lse,
              SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
              EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
              UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
-             FLAT: tl.constexpr, ORDERED: tl.constexpr,
+             FLAT: tl.constexpr, ORDERED: tl.constexpr, BOUNDS: tl.constexpr,
              HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
              HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
              HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -354,8 +380,8 @@ def attn_fwd(Q, K, V, Out, Lse,
                 start_n = tl.load(blocks + t // SUBS) * SPARSE_K + (t % SUBS) * BLOCK_N
                 m_i, l_i, acc = _fwd_tile(
                     q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
-                    s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own,
-                    masked, BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                    s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
+                    own, masked, BOUNDS, BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
         else:  # one sparse block per iteration, its kernel blocks unrolled
             for j in range(first, stop):
                 block = tl.load(blocks + j)
@@ -363,8 +389,8 @@ def attn_fwd(Q, K, V, Out, Lse,
                     m_i, l_i, acc = _fwd_tile(
                         q, m_i, l_i, acc, block * SPARSE_K + sub * BLOCK_N, k_base, v_base,
                         offs_m, offs_dk, offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len,
-                        head_dk, head_dv, qk_scale, mask, own, masked, BLOCK_N, EVEN_DK, EVEN_DV,
-                        PRECISION, UPCAST)
+                        head_dk, head_dv, qk_scale, mask, own, masked, BOUNDS, BLOCK_N, EVEN_DK,
+                        EVEN_DV, PRECISION, UPCAST)
 
     empty = l_i == 0.0  # no allowed key: output 0, LSE -inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -405,19 +431,19 @@ def _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len):
 @triton.jit
 def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk, offs_dv,
                b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len,
-               head_dk, head_dv, qk_scale, mask, own, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
-               EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
-               UPCAST: tl.constexpr):
+               head_dk, head_dv, qk_scale, mask, own, MASKED: tl.constexpr, BOUNDS: tl.constexpr,
+               BLOCK_M: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
+               PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One query block's (rows ``start_m …``) contribution to ``dk [N, DK]`` and ``dv [N, DV]``
     of the key rows ``offs_n`` (transposed scores ``[N, M]``)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q_ptrs = _tile_ptrs(q_base, offs_m, offs_dk, s_q_t, s_q_d)  # [M, DK]
     do_ptrs = _tile_ptrs(do_base, offs_m, offs_dv, s_do_t, s_do_d)  # [M, DV]
-    q = _load_tile(q_ptrs, offs_m, offs_dk, q_len, head_dk, MASKED, EVEN_DK)
-    do = _load_tile(do_ptrs, offs_m, offs_dv, q_len, head_dv, MASKED, EVEN_DV)
+    q = _load_tile(q_ptrs, offs_m, offs_dk, q_len, head_dk, MASKED and BOUNDS, EVEN_DK)
+    do = _load_tile(do_ptrs, offs_m, offs_dv, q_len, head_dv, MASKED and BOUNDS, EVEN_DV)
     lse2, delta = _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len)
     s2_t = _scores(k, q, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask, own,
-                   MASKED, True, PRECISION, UPCAST)  # [N, M]
+                   MASKED, True, BOUNDS, PRECISION, UPCAST)  # [N, M]
     p_t = tl.math.exp2(s2_t - lse2[None, :])  # [N, M] softmax weights, transposed
     dv += _dot(p_t.to(do.dtype), do, PRECISION, UPCAST)
     dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST)  # [N, M]
@@ -429,14 +455,16 @@ def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_
 @triton.jit
 def _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
              s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own,
-             MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_DK: tl.constexpr,
-             EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+             MASKED: tl.constexpr, BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
+             EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+             UPCAST: tl.constexpr):
     """One key block's (rows ``start_n …``) contribution to ``dq [M, DK]`` of the query rows
     ``offs_m``."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k, v, s2 = _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h,
                          s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv,
-                         qk_scale, mask, own, MASKED, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                         qk_scale, mask, own, MASKED, BOUNDS, EVEN_DK, EVEN_DV, PRECISION,
+                         UPCAST)
     p = tl.math.exp2(s2 - lse2[:, None])  # [M, N]
     dp = _dot(do, tl.trans(v), PRECISION, UPCAST)  # [M, N]
     ds = p * (dp - delta[:, None])
@@ -460,7 +488,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                   SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                   EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                   UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
-                  FLAT: tl.constexpr, ORDERED: tl.constexpr,
+                  FLAT: tl.constexpr, ORDERED: tl.constexpr, BOUNDS: tl.constexpr,
                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                   HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
                   HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -506,8 +534,8 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                     dk, dv = _dkdv_tile(
                         k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk,
                         offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t,
-                        q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, masked, BLOCK_M,
-                        EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                        q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, masked, BOUNDS,
+                        BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
             else:  # one sparse block per iteration, its kernel blocks unrolled
                 for j in range(first, stop):
                     block = tl.load(blocks + j)
@@ -516,7 +544,8 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                             k, v, dk, dv, block * SPARSE_Q + sub * BLOCK_M, q_base, do_base, Lse,
                             Delta, offs_n, offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t,
                             s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len, head_dk, head_dv,
-                            qk_scale, mask, own, masked, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                            qk_scale, mask, own, masked, BOUNDS, BLOCK_M, EVEN_DK, EVEN_DV,
+                            PRECISION, UPCAST)
     dk = dk * sm_scale
     tl.store(_tile_ptrs(dK + b * s_dk_b + h_kv * s_dk_h, offs_n, offs_dk, s_dk_t, s_dk_d),
              dk.to(dK.dtype.element_ty), mask=_in_bounds(offs_n, offs_dk, kv_len, head_dk))
@@ -540,7 +569,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                 EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
-                FLAT: tl.constexpr, ORDERED: tl.constexpr,
+                FLAT: tl.constexpr, ORDERED: tl.constexpr, BOUNDS: tl.constexpr,
                 HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                 HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
                 HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -584,16 +613,17 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 start_n = tl.load(blocks + t // SUBS) * SPARSE_K + (t % SUBS) * BLOCK_N
                 dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
                               offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
-                              head_dv, qk_scale, mask, own, masked, BLOCK_N, EVEN_DK, EVEN_DV,
-                              PRECISION, UPCAST)
+                              head_dv, qk_scale, mask, own, masked, BOUNDS, BLOCK_N, EVEN_DK,
+                              EVEN_DV, PRECISION, UPCAST)
         else:  # one sparse block per iteration, its kernel blocks unrolled
             for j in range(first, stop):
                 block = tl.load(blocks + j)
                 for sub in tl.static_range(SUBS):
                     dq = _dq_tile(q, do, lse2, delta, dq, block * SPARSE_K + sub * BLOCK_N,
                                   k_base, v_base, offs_m, offs_dk, offs_dv, b, h, s_k_t, s_k_d,
-                                  s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own,
-                                  masked, BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                                  s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
+                                  own, masked, BOUNDS, BLOCK_N, EVEN_DK, EVEN_DV, PRECISION,
+                                  UPCAST)
     dq = dq * sm_scale
     tl.store(_tile_ptrs(dQ + b * s_dq_b + h * s_dq_h, offs_m, offs_dk, s_dq_t, s_dq_d),
              dq.to(dQ.dtype.element_ty), mask=_in_bounds(offs_m, offs_dk, q_len, head_dk))

@@ -366,6 +366,12 @@ def compile_mask(mask: Optional[Mask], space: MaskSpace) -> MaskProgram:
             biases.append(leaf.values.to(space.device))
         else:  # dense, from_function, |, ~, a second documents(): evaluated once, loaded per tile
             loaded.append(leaf.to_dense(space))
+    # beyond [-Tq, Tk] a band bound changes nothing (kv - q lies in [1 - Tq, Tk - 1]): clamped
+    # there, the kernels' position + bound sums cannot overflow
+    if program.band_lo is not None:
+        program.band_lo = min(max(program.band_lo, -space.q_len), space.kv_len)
+    if program.band_hi is not None:
+        program.band_hi = min(max(program.band_hi, -space.q_len), space.kv_len)
     if loaded:
         allowed = loaded[0]
         for more in loaded[1:]:
@@ -531,6 +537,7 @@ def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> di
                 SPARSE_Q=plan.tiles.sparse_q, SPARSE_K=plan.tiles.sparse_k,
                 DK_PAD=head_pad(dk), DV_PAD=head_pad(dv),
                 EVEN_DK=dk == head_pad(dk), EVEN_DV=dv == head_pad(dv),
+                BOUNDS=bool(q.shape[2] % plan.tiles.sparse_q or k.shape[2] % plan.tiles.sparse_k),
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 UPCAST=plan.interpret and q.dtype == torch.bfloat16)
     args.update(plan.program.args(plan.rows.num_partial))
