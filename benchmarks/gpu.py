@@ -736,7 +736,9 @@ def warm(todo: list[Workload], args) -> None:
     """Compile every kernel config each (mask, head dim) needs, in parallel processes, into
     Triton's on-disk cache: the timed process then loads binaries instead of compiling ~40
     configs one after another. (The kernels do not specialize on lengths or mask parameters,
-    so one small problem per mask and head dim builds the same binaries the workloads use.)"""
+    only on whether the lengths are multiples of the 128-wide sparse blocks, as 1024 and every
+    workload's are, so one small problem per mask and head dim builds the binaries the
+    workloads use.)"""
     jobs = sorted({(w.mask, w.d) for w in todo})
     start = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, __file__, "--warm-one", f"{mask}:{d}", "--dtype", args.dtype,
