@@ -15,7 +15,18 @@ Status
   runs are passed as ranges (each query's key range, each key's query range) instead of ids,
   so a tile holds one pair per row rather than an id per column: offline, the D128 128×128
   forward went from 255 registers with a 56-byte spill to 230 and none (causal: 231), the
-  suspected cause of the documents kernel's 15 % deficit to causal on equal work.
+  suspected cause of the documents kernel's 15 % deficit to causal on equal work;
+  (3) new walks as autotune candidates (``launch.WALKS``): ``+flat``, one kernel block per
+  loop iteration (offline: flat dK/dV 32×128 needs 96 KiB of shared memory and no spill,
+  against 193 KiB and a 4–12-byte spill unrolled), and ``+lpt``, a head's heaviest rows
+  launched first; (4) a program's own document ranges and padding lengths load once, before
+  the walk, not in every PARTIAL tile; (5) PARTIAL tiles skip sequence-end checks when the
+  lengths are multiples of 128 (``BOUNDS``) and compare the band as ``k ≤ q + hi``; (6) FULL
+  forward tiles take the row max before scaling (one multiply per row, the scale inside the
+  exponent's FMA). Offline sm90 PTX of the D128 forward, per thread and tile: FULL 599 → 537
+  operations, causal PARTIAL 1133 → 859. Whether each is faster is for the next GPU run to
+  say: ``python benchmarks/gpu.py --check-kinds --dims 128 --lengths 1024,4096,16384``
+  records every candidate's time per workload (``config_ms`` in the JSON).
 - **Tested in CI** through the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) with
   triton 3.9 and torch 2.13 (CPU build): ``tests/test_triton.py`` checks the forward, LSE and
   backward (dq, dk, dv, and the LSE's own gradient) against float64 math for every mask kind
