@@ -156,13 +156,16 @@ F_FLAT_LPT = F + "+flat+lpt"
 # and ``+lpt`` walks join the winners' configs as candidates; they are not yet timed on a GPU.
 # Offline, flat dK/dV 32×128 and dQ 128×64 need 96/128 KiB of shared memory instead of
 # 193/192 and no spills (the unrolled dK/dV spills 4–12 bytes), and flat dK/dV 64×128 fits
-# in 255 registers without spilling.
+# in 255 registers without spilling. 16 warps (FlexAttention's newer Hopper pick for its
+# backward) fit the flat forward 128×64 and dQ 128×64 in 128 registers without spilling,
+# not dK/dV (350–630 bytes of spill).
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     "attn_fwd": {
         64: [(128, 128, 8, 2, P), (128, 64, 8, 3, P), (128, 32, 4, 3, P), (64, 64, 4, 3, P),
              (64, 64, 4, 3, P_FLAT), (64, 64, 4, 3, P_LPT), (64, 32, 4, 2, P)],
         128: [(128, 128, 8, 2, P), (128, 128, 8, 2, F), (128, 128, 8, 2, P_LPT), (128, 64, 8, 3, P),
-              (128, 64, 8, 3, P_FLAT), (128, 64, 8, 4, P_FLAT), (64, 64, 4, 3, P), (64, 32, 4, 2, P)],
+              (128, 64, 8, 3, P_FLAT), (128, 64, 8, 4, P_FLAT), (128, 64, 16, 3, P_FLAT),
+              (64, 64, 4, 3, P), (64, 32, 4, 2, P)],
         256: [(64, 32, 4, 2, P), (64, 64, 8, 2, P), (64, 32, 8, 2, P)],
     },
     "attn_bwd_dkdv": {  # BLOCK_N key rows per program, BLOCK_M query rows per step
@@ -177,8 +180,8 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
         64: [(128, 64, 8, 2, P), (64, 64, 4, 3, P), (64, 64, 4, 3, P_FLAT), (64, 64, 4, 3, P_LPT),
              (64, 32, 4, 2, P)],
         128: [(128, 64, 8, 2, P), (128, 64, 8, 2, F), (128, 64, 8, 2, F_FLAT), (128, 64, 8, 3, F_FLAT),
-              (128, 64, 8, 2, F_LPT), (128, 64, 8, 2, F_FLAT_LPT), (64, 64, 8, 2, P),
-              (64, 32, 4, 2, P)],
+              (128, 64, 8, 2, F_LPT), (128, 64, 8, 2, F_FLAT_LPT), (128, 64, 16, 3, F_FLAT),
+              (64, 64, 8, 2, P), (64, 32, 4, 2, P)],
         256: [(64, 32, 8, 2, P), (64, 16, 4, 2, P), (64, 32, 4, 1, P)],
     },
 }
