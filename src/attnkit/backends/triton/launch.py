@@ -156,7 +156,8 @@ F_FLAT_LPT = F + "+flat+lpt"
 # and ``+lpt`` walks join the winners' configs as candidates; they are not yet timed on a GPU.
 # Offline, flat dK/dV 32×128 and dQ 128×64 need 96/128 KiB of shared memory instead of
 # 193/192 and no spills (the unrolled dK/dV spills 4–12 bytes), and flat dK/dV 64×128 fits
-# in 255 registers without spilling. 16 warps (FlexAttention's newer Hopper pick for its
+# in 255 registers without spilling (with 3 stages, FlexAttention's Hopper pick for its dK/dV
+# loop, it spills 16–116 bytes; a candidate all the same). 16 warps (FlexAttention's newer Hopper pick for its
 # backward) fit the flat forward 128×64 and dQ 128×64 in 128 registers without spilling,
 # not dK/dV (350–630 bytes of spill).
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
@@ -172,8 +173,8 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
         64: [(32, 128, 8, 2, P), (64, 128, 8, 2, P), (64, 128, 8, 2, P_FLAT), (64, 128, 8, 3, P_FLAT),
              (64, 128, 8, 2, P_LPT), (32, 64, 4, 3, P), (16, 64, 4, 2, P)],
         128: [(32, 128, 8, 2, P), (32, 128, 8, 2, F), (32, 128, 8, 2, F_FLAT), (32, 128, 8, 3, F_FLAT),
-              (64, 128, 8, 2, F_FLAT), (32, 128, 8, 2, F_LPT), (32, 128, 8, 2, F_FLAT_LPT),
-              (16, 64, 4, 2, P)],
+              (64, 128, 8, 2, F_FLAT), (64, 128, 8, 3, F_FLAT), (32, 128, 8, 2, F_LPT),
+              (32, 128, 8, 2, F_FLAT_LPT), (16, 64, 4, 2, P)],
         256: [(16, 64, 8, 2, P), (16, 64, 4, 1, P), (32, 64, 8, 1, P)],
     },
     "attn_bwd_dq": {
