@@ -319,7 +319,8 @@ def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
     """Each walk the autotuner may pick (PARTIAL or FULL loop first; sub-tiles unrolled or one
     per iteration; rows in order or heaviest first) gives the same attention, on rows mixing
     PARTIAL and FULL blocks, with two kernel blocks per sparse block. At 70 positions an
-    ordered launch has one program past the end (3 sparse rows × 2), which must write nothing."""
+    ordered launch has one program past the end (3 sparse rows × 2), which must write nothing;
+    GQA 2/1, so the dK/dV programs walk two heads' lists."""
     monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
         sparse_q=32, sparse_k=32, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), walk=walk))
     if case == "docs&causal":
@@ -331,7 +332,7 @@ def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
     else:
         bias = torch.randn(70, 70, generator=gen)
         mask, allowed = ak.bias(bias), None
-    q, k, v = make_qkv(1, 2, 2, 70, 70, 16, 16, torch.float32, gen)
+    q, k, v = make_qkv(1, 2, 1, 70, 70, 16, 16, torch.float32, gen)  # GQA 2/1
     check(q, k, v, mask, allowed, bias, gen=gen)
 
 
