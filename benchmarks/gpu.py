@@ -364,16 +364,27 @@ def mask_kinds(tq: int, tk: int, batch: int, gen: torch.Generator) -> dict:
     }
 
 
-def check_kinds(dtype, device) -> list[dict]:
-    """Each mask kind, GQA 4/2, ragged Tq 300 × Tk 333, D 64, against float64 on the CPU:
-    out, LSE, dq, dk, dv, with the error of torch's own SDPA (dense mask) in ``dtype`` as the
-    yardstick (allowed: 2× it + 2e-3). An exception is a failed case, reported, not fatal."""
+FP16_KINDS = ("causal", "documents&causal", "bias&causal")
+"""The kinds also checked in float16 (every kind runs in bfloat16): each (kind, dtype) compiles
+its own kernels, about 3 × 1–2 s."""
+
+
+def check_kinds(dtype, device, only=None) -> list[dict]:
+    """Each mask kind (or those in ``only``), GQA 4/2, ragged Tq 300 × Tk 333, D 64, against
+    float64 on the CPU: out, LSE, dq, dk, dv, with the error of torch's own SDPA (dense mask)
+    in ``dtype`` as the yardstick (allowed: 2× it + 2e-3). An exception is a failed case,
+    reported, not fatal. The kernels run one config each (``launch.untuned``): autotuning
+    would compile every candidate for every kind; the autotuned configs are checked at full
+    size with the workloads."""
     import attnkit as ak
+    from attnkit.backends.triton import launch
 
     gen = torch.Generator().manual_seed(1)
     batch, heads, heads_kv, tq, tk, d = 2, 4, 2, 300, 333, 64
     rows = []
     for name, mask in mask_kinds(tq, tk, batch, gen).items():
+        if only is not None and name not in only:
+            continue
         row = {"case": name, "ok": False}
         try:
             q, k, v = (torch.randn(batch, h, t, d, generator=gen, dtype=torch.float64)
@@ -385,8 +396,9 @@ def check_kinds(dtype, device) -> list[dict]:
             truth_grads = torch.autograd.grad(truth.out, truth_in, dout.to(dtype).double())
             ours_in = [t.to(device).requires_grad_() for t in low]
             poison_allocator(device, 64 * 2**20)
-            ours = ak.attention(*ours_in, mask, backend="triton", return_lse=True)
-            grads = torch.autograd.grad(ours.out, ours_in, dout.to(dtype).to(device))
+            with launch.untuned():
+                ours = ak.attention(*ours_in, mask, backend="triton", return_lse=True)
+                grads = torch.autograd.grad(ours.out, ours_in, dout.to(dtype).to(device))
             yard_in = [t.to(device).requires_grad_() for t in low]
             yard = ak.attention(*yard_in, mask, backend="torch")
             yard_grads = torch.autograd.grad(yard, yard_in, dout.to(dtype).to(device))
@@ -584,9 +596,9 @@ def main(argv=None) -> int:
               + ", ".join(f"{k} {v:.0f}" for k, v in info["host_us_per_call"].items()), flush=True)
     checks = []
     if args.check_kinds:
-        for low in (torch.bfloat16, torch.float16):
+        for low, only in ((torch.bfloat16, None), (torch.float16, FP16_KINDS)):
             checks += [dict(row, workload=f"kind:{row['case']}", d=64, dtype=str(low))
-                       for row in check_kinds(low, device)]
+                       for row in check_kinds(low, device, only)]
     if not args.skip_check:
         seen = set()
         for w in todo:  # each mask kind and head dim once, at its longest N

@@ -507,6 +507,38 @@ def test_compiled_launches_skip_the_autotuner_once_it_has_chosen(walk, monkeypat
     assert all(value is not q for call in plan.layout.calls.values() for value in call.args.values())
 
 
+def test_untuned_launches_run_the_first_candidate(monkeypatch):
+    """``launch.untuned()`` (gpu.py's mask-kind checks): compiled launches run the first
+    candidate of the head-dim bucket directly, never the autotuner, and record no choice."""
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda **kwargs: launches.append((grid, kwargs))
+
+    class Kernels:
+        attn_fwd = Kernel()
+
+    def no_tuner(name):
+        raise AssertionError("the autotuner must not run")
+
+    monkeypatch.setattr(launch, "_tuned", no_tuner)
+    monkeypatch.setattr(launch, "kernels", lambda: Kernels())
+    monkeypatch.setattr(launch, "_LAYOUTS", launch.MaskCache(32))
+    q = torch.zeros(1, 2, 300, 128)
+    plan = launch.make_plan(validate(q, q, q, ak.causal()), launch.GPU_TILES)
+    call = launch.forward_call(q, q, q, torch.empty_like(q), torch.empty(1, 2, 300), plan)
+    with launch.untuned():
+        call.run(interpret=False)
+    block_m, block_n, warps, stages, walk = launch.CONFIGS["attn_fwd"][128][0]
+    grid, kwargs = launches[0]
+    assert grid == (launch.cdiv(300, block_m), 2)
+    assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]) == (
+        block_m, block_n, warps, stages)
+    assert all(kwargs[flag] == value for flag, value in launch.WALKS[walk].items())
+    assert call.tuned == {} and not launch._UNTUNED
+
+
 def test_documents_as_ranges_when_contiguous():
     """Documents that are contiguous runs reach the kernels as ranges (each query's key range,
     each key's query range), others as int32 ids; ids beyond int32 keep their equalities."""

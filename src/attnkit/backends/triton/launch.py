@@ -28,6 +28,7 @@ is first imported (``cpu_problem`` says so when it was not).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -186,6 +187,22 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
         256: [(64, 32, 8, 2, P), (64, 16, 4, 2, P), (64, 32, 4, 1, P)],
     },
 }
+
+
+_UNTUNED: list[bool] = []
+
+
+@contextlib.contextmanager
+def untuned():
+    """Inside this block, compiled launches run each kernel's first candidate of its head-dim
+    bucket, without autotuning and without recording a choice. For correctness checks over
+    many mask kinds (``benchmarks/gpu.py --check-kinds``): each kind is its own set of
+    ``tl.constexpr`` flags, so autotuning would compile every candidate of every kind."""
+    _UNTUNED.append(True)
+    try:
+        yield
+    finally:
+        _UNTUNED.pop()
 
 
 def head_bucket(head: int) -> int:
@@ -581,6 +598,14 @@ class Call:
             kernel = getattr(kernels(), self.name)
             kernel[self.grid(block_m, block_n, flags["ORDERED"])](
                 BLOCK_M=block_m, BLOCK_N=block_n, **flags, **self.args)
+            return
+        if _UNTUNED:
+            bucket = head_bucket(max(self.args["DK_PAD"], self.args["DV_PAD"]))
+            block_m, block_n, warps, stages, walk = CONFIGS[self.name][bucket][0]
+            flags = WALKS[walk]
+            getattr(kernels(), self.name)[self.grid(block_m, block_n, flags["ORDERED"])](
+                BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=warps, num_stages=stages,
+                **self.args)
             return
         tuner = _tuned(self.name)
         config = self.tuned.get("config")
