@@ -247,14 +247,15 @@ def _masked_scores(s2, q_pos, k_pos, b, h, q_len, kv_len, mask, own, TRANSPOSED:
 
 
 @triton.jit
-def _scores(x, y, qk_scale, offs_q, offs_k, b, h, q_len, kv_len, mask, own, MASKED: tl.constexpr,
+def _scores(x, y, qk_scale, offs_q, offs_k, b, h, q_len, kv_len, mask, own, partial,
             TRANSPOSED: tl.constexpr, BOUNDS: tl.constexpr, PRECISION: tl.constexpr,
             UPCAST: tl.constexpr):
     """Base-2 scores ``x @ yᵀ · qk_scale`` of the query rows ``offs_q`` against the key rows
     ``offs_k``: ``x`` = q ``[M, D]``, ``y`` = k ``[N, D]`` → ``[M, N]``, or TRANSPOSED (``x`` = k,
-    ``y`` = q) → ``[N, M]``. A MASKED (PARTIAL) tile goes through the mask program."""
+    ``y`` = q) → ``[N, M]``. A ``partial`` tile goes through the mask program (a constant in
+    the split walks, a runtime test in the merged one)."""
     s2 = _dot(x, tl.trans(y), PRECISION, UPCAST) * qk_scale  # [M, N] or [N, M]
-    if MASKED:
+    if partial:
         if TRANSPOSED:
             s2 = _masked_scores(s2, offs_q[None, :], offs_k[:, None], b, h, q_len, kv_len, mask,
                                 own, True, BOUNDS)
@@ -265,48 +266,41 @@ def _scores(x, y, qk_scale, offs_q, offs_k, b, h, q_len, kv_len, mask, own, MASK
 
 
 @triton.jit
-def _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d,
-              q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, MASKED: tl.constexpr,
-              BOUNDS: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
-              PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """The key rows ``offs_n`` seen from the query rows ``offs_m`` (forward and dQ): ``k [N, DK]``,
-    ``v [N, DV]`` and the base-2 scores ``s2 [M, N]`` of ``q [M, DK]`` against them. MASKED:
-    a PARTIAL tile; BOUNDS: one that may also cross a sequence end."""
-    k_ptrs = _tile_ptrs(k_base, offs_n, offs_dk, s_k_t, s_k_d)  # [N, DK]
-    v_ptrs = _tile_ptrs(v_base, offs_n, offs_dv, s_v_t, s_v_d)  # [N, DV]
-    k = _load_tile(k_ptrs, offs_n, offs_dk, kv_len, head_dk, MASKED and BOUNDS, EVEN_DK)
-    v = _load_tile(v_ptrs, offs_n, offs_dv, kv_len, head_dv, MASKED and BOUNDS, EVEN_DV)
-    s2 = _scores(q, k, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask, own,
-                 MASKED, False, BOUNDS, PRECISION, UPCAST)
-    return k, v, s2
-
-
-@triton.jit
 def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
               s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own,
-              MASKED: tl.constexpr, BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
+              partial, LOAD_BOUNDS: tl.constexpr, BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
               EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
-              UPCAST: tl.constexpr):
+              UPCAST: tl.constexpr, MERGED: tl.constexpr):
     """One key block (rows ``start_n …``) folded into the online softmax of the query rows
     ``offs_m``: the running max ``m_i [M]``, sum ``l_i [M]`` and output ``acc [M, DV]``.
-    A FULL tile scales after the row max (``max(s)·scale = max(s·scale)``, scale > 0) and
-    inside the exponent's FMA: one multiply per row instead of one per score."""
+    ``partial``: the block goes through the mask program; LOAD_BOUNDS: its loads check the
+    sequence end. In the split walks (``partial`` a constant) a FULL block scales after the
+    row max (``max(s)·scale = max(s·scale)``, scale > 0) and inside the exponent's FMA: one
+    multiply per row instead of one per score. In the MERGED walk (``partial`` a runtime test)
+    only the masking is conditional: Triton 3.6's software pipeliner fails on a loop whose
+    branch yields the softmax itself."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if MASKED:
-        k, v, s2 = _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h,
-                             s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv,
-                             qk_scale, mask, own, MASKED, BOUNDS, EVEN_DK, EVEN_DV, PRECISION,
-                             UPCAST)
+    k = _load_tile(_tile_ptrs(k_base, offs_n, offs_dk, s_k_t, s_k_d), offs_n, offs_dk, kv_len,
+                   head_dk, LOAD_BOUNDS, EVEN_DK)  # [N, DK]
+    v = _load_tile(_tile_ptrs(v_base, offs_n, offs_dv, s_v_t, s_v_d), offs_n, offs_dv, kv_len,
+                   head_dv, LOAD_BOUNDS, EVEN_DV)  # [N, DV]
+    s = _dot(q, tl.trans(k), PRECISION, UPCAST)  # [M, N], unscaled
+    if MERGED:
+        s2 = s * qk_scale
+        if partial:
+            s2 = _masked_scores(s2, offs_m[:, None], offs_n[None, :], b, h, q_len, kv_len,
+                                mask, own, False, BOUNDS)
+        m_new = tl.maximum(m_i, tl.max(s2, 1))  # [M]
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s2 - m_sub[:, None])  # [M, N]
+    elif partial:
+        s2 = _masked_scores(s * qk_scale, offs_m[:, None], offs_n[None, :], b, h, q_len, kv_len,
+                            mask, own, False, BOUNDS)
         m_new = tl.maximum(m_i, tl.max(s2, 1))  # [M]
         # a row with nothing allowed yet keeps m = -inf: subtract 0, not inf
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s2 - m_sub[:, None])  # [M, N]
     else:
-        k = _load_tile(_tile_ptrs(k_base, offs_n, offs_dk, s_k_t, s_k_d), offs_n, offs_dk, kv_len,
-                       head_dk, False, EVEN_DK)  # [N, DK]
-        v = _load_tile(_tile_ptrs(v_base, offs_n, offs_dv, s_v_t, s_v_d), offs_n, offs_dv, kv_len,
-                       head_dv, False, EVEN_DV)  # [N, DV]
-        s = _dot(q, tl.trans(k), PRECISION, UPCAST)  # [M, N], unscaled
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_sub = m_new
         p = tl.math.exp2(s * qk_scale - m_new[:, None])
@@ -332,7 +326,8 @@ def attn_fwd(Q, K, V, Out, Lse,
              SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
              EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
              UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
-             FLAT: tl.constexpr, ORDERED: tl.constexpr, BOUNDS: tl.constexpr,
+             FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
+             BOUNDS: tl.constexpr,
              HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
              HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
              HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -371,7 +366,15 @@ def attn_fwd(Q, K, V, Out, Lse,
                                            (pid_m * BLOCK_M) // SPARSE_Q,
                                            s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
     SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
-    for part in tl.static_range(2):  # the walk: see launch.WALKS
+    if MERGED:  # one loop over the whole list, PARTIAL blocks first: one pipeline per row
+        for t in range(0, (n_partial + n_full) * SUBS):
+            start_n = tl.load(blocks + t // SUBS) * SPARSE_K + (t % SUBS) * BLOCK_N
+            m_i, l_i, acc = _fwd_tile(
+                q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
+                s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
+                own, t < n_partial * SUBS, BOUNDS, BOUNDS, BLOCK_N, EVEN_DK, EVEN_DV,
+                PRECISION, UPCAST, MERGED)
+    for part in tl.static_range(0 if MERGED else 2):  # or a loop per kind (launch.WALKS)
         masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
         first = 0 if masked else n_partial
         stop = n_partial if masked else n_partial + n_full
@@ -381,7 +384,8 @@ def attn_fwd(Q, K, V, Out, Lse,
                 m_i, l_i, acc = _fwd_tile(
                     q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
                     s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
-                    own, masked, BOUNDS, BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                    own, masked, masked and BOUNDS, BOUNDS, BLOCK_N, EVEN_DK, EVEN_DV,
+                    PRECISION, UPCAST, MERGED)
         else:  # one sparse block per iteration, its kernel blocks unrolled
             for j in range(first, stop):
                 block = tl.load(blocks + j)
@@ -389,8 +393,8 @@ def attn_fwd(Q, K, V, Out, Lse,
                     m_i, l_i, acc = _fwd_tile(
                         q, m_i, l_i, acc, block * SPARSE_K + sub * BLOCK_N, k_base, v_base,
                         offs_m, offs_dk, offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len,
-                        head_dk, head_dv, qk_scale, mask, own, masked, BOUNDS, BLOCK_N, EVEN_DK,
-                        EVEN_DV, PRECISION, UPCAST)
+                        head_dk, head_dv, qk_scale, mask, own, masked, masked and BOUNDS,
+                        BOUNDS, BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST, MERGED)
 
     empty = l_i == 0.0  # no allowed key: output 0, LSE -inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -431,19 +435,20 @@ def _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len):
 @triton.jit
 def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk, offs_dv,
                b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len,
-               head_dk, head_dv, qk_scale, mask, own, MASKED: tl.constexpr, BOUNDS: tl.constexpr,
-               BLOCK_M: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
-               PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+               head_dk, head_dv, qk_scale, mask, own, partial, LOAD_BOUNDS: tl.constexpr,
+               BOUNDS: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_DK: tl.constexpr,
+               EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One query block's (rows ``start_m …``) contribution to ``dk [N, DK]`` and ``dv [N, DV]``
-    of the key rows ``offs_n`` (transposed scores ``[N, M]``)."""
+    of the key rows ``offs_n`` (transposed scores ``[N, M]``); ``partial``, LOAD_BOUNDS: as
+    for :func:`_fwd_tile`."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q_ptrs = _tile_ptrs(q_base, offs_m, offs_dk, s_q_t, s_q_d)  # [M, DK]
     do_ptrs = _tile_ptrs(do_base, offs_m, offs_dv, s_do_t, s_do_d)  # [M, DV]
-    q = _load_tile(q_ptrs, offs_m, offs_dk, q_len, head_dk, MASKED and BOUNDS, EVEN_DK)
-    do = _load_tile(do_ptrs, offs_m, offs_dv, q_len, head_dv, MASKED and BOUNDS, EVEN_DV)
+    q = _load_tile(q_ptrs, offs_m, offs_dk, q_len, head_dk, LOAD_BOUNDS, EVEN_DK)
+    do = _load_tile(do_ptrs, offs_m, offs_dv, q_len, head_dv, LOAD_BOUNDS, EVEN_DV)
     lse2, delta = _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len)
     s2_t = _scores(k, q, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask, own,
-                   MASKED, True, BOUNDS, PRECISION, UPCAST)  # [N, M]
+                   partial, True, BOUNDS, PRECISION, UPCAST)  # [N, M]
     p_t = tl.math.exp2(s2_t - lse2[None, :])  # [N, M] softmax weights, transposed
     dv += _dot(p_t.to(do.dtype), do, PRECISION, UPCAST)
     dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST)  # [N, M]
@@ -455,16 +460,18 @@ def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_
 @triton.jit
 def _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
              s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own,
-             MASKED: tl.constexpr, BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
+             partial, LOAD_BOUNDS: tl.constexpr, BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
              EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
              UPCAST: tl.constexpr):
     """One key block's (rows ``start_n …``) contribution to ``dq [M, DK]`` of the query rows
-    ``offs_m``."""
+    ``offs_m``; ``partial``, LOAD_BOUNDS: as for :func:`_fwd_tile`."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k, v, s2 = _key_tile(q, k_base, v_base, offs_m, offs_n, offs_dk, offs_dv, b, h,
-                         s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv,
-                         qk_scale, mask, own, MASKED, BOUNDS, EVEN_DK, EVEN_DV, PRECISION,
-                         UPCAST)
+    k = _load_tile(_tile_ptrs(k_base, offs_n, offs_dk, s_k_t, s_k_d), offs_n, offs_dk, kv_len,
+                   head_dk, LOAD_BOUNDS, EVEN_DK)  # [N, DK]
+    v = _load_tile(_tile_ptrs(v_base, offs_n, offs_dv, s_v_t, s_v_d), offs_n, offs_dv, kv_len,
+                   head_dv, LOAD_BOUNDS, EVEN_DV)  # [N, DV]
+    s2 = _scores(q, k, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask, own,
+                 partial, False, BOUNDS, PRECISION, UPCAST)  # [M, N]
     p = tl.math.exp2(s2 - lse2[:, None])  # [M, N]
     dp = _dot(do, tl.trans(v), PRECISION, UPCAST)  # [M, N]
     ds = p * (dp - delta[:, None])
@@ -488,7 +495,8 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                   SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                   EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                   UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
-                  FLAT: tl.constexpr, ORDERED: tl.constexpr, BOUNDS: tl.constexpr,
+                  FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
+                  BOUNDS: tl.constexpr,
                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                   HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
                   HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -524,7 +532,15 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
         do_base = dOut + b * s_do_b + h * s_do_h
         n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h, col,
                                                s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
-        for part in tl.static_range(2):  # the walk: see launch.WALKS
+        if MERGED:  # one loop over the whole list, PARTIAL blocks first
+            for t in range(0, (n_partial + n_full) * SUBS):
+                start_m = tl.load(blocks + t // SUBS) * SPARSE_Q + (t % SUBS) * BLOCK_M
+                dk, dv = _dkdv_tile(
+                    k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk, offs_dv,
+                    b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len,
+                    head_dk, head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS, BOUNDS,
+                    BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+        for part in tl.static_range(0 if MERGED else 2):  # or a loop per kind (launch.WALKS)
             masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
             first = 0 if masked else n_partial
             stop = n_partial if masked else n_partial + n_full
@@ -534,8 +550,8 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                     dk, dv = _dkdv_tile(
                         k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk,
                         offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t,
-                        q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, masked, BOUNDS,
-                        BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                        q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, masked,
+                        masked and BOUNDS, BOUNDS, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
             else:  # one sparse block per iteration, its kernel blocks unrolled
                 for j in range(first, stop):
                     block = tl.load(blocks + j)
@@ -544,8 +560,8 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                             k, v, dk, dv, block * SPARSE_Q + sub * BLOCK_M, q_base, do_base, Lse,
                             Delta, offs_n, offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t,
                             s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len, head_dk, head_dv,
-                            qk_scale, mask, own, masked, BOUNDS, BLOCK_M, EVEN_DK, EVEN_DV,
-                            PRECISION, UPCAST)
+                            qk_scale, mask, own, masked, masked and BOUNDS, BOUNDS, BLOCK_M,
+                            EVEN_DK, EVEN_DV, PRECISION, UPCAST)
     dk = dk * sm_scale
     tl.store(_tile_ptrs(dK + b * s_dk_b + h_kv * s_dk_h, offs_n, offs_dk, s_dk_t, s_dk_d),
              dk.to(dK.dtype.element_ty), mask=_in_bounds(offs_n, offs_dk, kv_len, head_dk))
@@ -569,7 +585,8 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                 EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
-                FLAT: tl.constexpr, ORDERED: tl.constexpr, BOUNDS: tl.constexpr,
+                FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
+                BOUNDS: tl.constexpr,
                 HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                 HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
                 HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -604,7 +621,14 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                                            (pid_m * BLOCK_M) // SPARSE_Q,
                                            s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
     SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
-    for part in tl.static_range(2):  # the walk: see launch.WALKS
+    if MERGED:  # one loop over the whole list, PARTIAL blocks first
+        for t in range(0, (n_partial + n_full) * SUBS):
+            start_n = tl.load(blocks + t // SUBS) * SPARSE_K + (t % SUBS) * BLOCK_N
+            dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
+                          offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
+                          head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS, BOUNDS,
+                          BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+    for part in tl.static_range(0 if MERGED else 2):  # or a loop per kind (launch.WALKS)
         masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
         first = 0 if masked else n_partial
         stop = n_partial if masked else n_partial + n_full
@@ -613,8 +637,8 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 start_n = tl.load(blocks + t // SUBS) * SPARSE_K + (t % SUBS) * BLOCK_N
                 dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
                               offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
-                              head_dv, qk_scale, mask, own, masked, BOUNDS, BLOCK_N, EVEN_DK,
-                              EVEN_DV, PRECISION, UPCAST)
+                              head_dv, qk_scale, mask, own, masked, masked and BOUNDS, BOUNDS,
+                              BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
         else:  # one sparse block per iteration, its kernel blocks unrolled
             for j in range(first, stop):
                 block = tl.load(blocks + j)
@@ -622,8 +646,8 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                     dq = _dq_tile(q, do, lse2, delta, dq, block * SPARSE_K + sub * BLOCK_N,
                                   k_base, v_base, offs_m, offs_dk, offs_dv, b, h, s_k_t, s_k_d,
                                   s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
-                                  own, masked, BOUNDS, BLOCK_N, EVEN_DK, EVEN_DV, PRECISION,
-                                  UPCAST)
+                                  own, masked, masked and BOUNDS, BOUNDS, BLOCK_N, EVEN_DK,
+                                  EVEN_DV, PRECISION, UPCAST)
     dq = dq * sm_scale
     tl.store(_tile_ptrs(dQ + b * s_dq_b + h * s_dq_h, offs_m, offs_dk, s_dq_t, s_dq_d),
              dq.to(dQ.dtype.element_ty), mask=_in_bounds(offs_m, offs_dk, q_len, head_dk))

@@ -128,62 +128,73 @@ walked by 16-wide kernel blocks) to cover the sub-tile loops the GPU configs use
 
 def _walk_flags(name: str) -> dict:
     order, *extras = name.split("+")
-    return dict(FULL_FIRST=order == "full_first", FLAT="flat" in extras, ORDERED="lpt" in extras)
+    return dict(FULL_FIRST=order == "full_first", FLAT="flat" in extras, MERGED=order == "merged",
+                ORDERED="lpt" in extras)
 
 
 WALKS = {name: _walk_flags(name) for name in (
-    order + flat + lpt for order in ("partial_first", "full_first") for flat in ("", "+flat")
-    for lpt in ("", "+lpt"))}
+    [order + flat + lpt for order in ("partial_first", "full_first") for flat in ("", "+flat")
+     for lpt in ("", "+lpt")] + ["merged", "merged+lpt"])}
 """How a kernel walks its block lists (``kernels.py``), each a ``tl.constexpr`` autotuned with
-the block sizes: ``partial_first``/``full_first``, which loop of a row comes first (PARTIAL
-blocks, or FULL ones); ``+flat``, one kernel block per loop iteration instead of one sparse
-block with its sub-tiles unrolled (FlexAttention's loop shape; the same when the kernel block
-is the sparse block); ``+lpt``, the programs of a head start heaviest row first
+the block sizes: ``partial_first``/``full_first``, a loop over the row's PARTIAL blocks and
+one over its FULL blocks, in that order or the other; ``merged``, one loop over both, which
+tests per block whether to mask (one software pipeline to fill per row instead of two: for
+short rows such as 1024-token documents, where each fill is a sizeable share of the row);
+``+flat``, one kernel block per loop iteration instead of one sparse block with its sub-tiles
+unrolled (FlexAttention's loop shape; the same when the kernel block is the sparse block;
+``merged`` is always flat); ``+lpt``, the programs of a head start heaviest row first
 (:attr:`BlockLists.order`: longest-processing-time-first, so the light rows fill the tail)."""
 
 P, F = "partial_first", "full_first"
 P_FLAT, F_FLAT, P_LPT, F_LPT = P + "+flat", F + "+flat", P + "+lpt", F + "+lpt"
-F_FLAT_LPT = F + "+flat+lpt"
+F_FLAT_LPT, M = F + "+flat+lpt", "merged"
 
 # Autotune candidates per kernel and head-dim bucket (the larger of the padded Dk, Dv):
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, walk); blocks divide the 128×128 sparse blocks.
-# Chosen from an offline sm90 build (``benchmarks/gpu.py --compile-only``: no spills at D ≤ 128
-# but small ones in dK/dV) and three H200 runs (docs/BENCHMARKS.md): at D = 128 the autotuner
-# picked 128×128 (forward), 32×128 (dK/dV) and 128×64 (dQ) for every mask. FULL-first ties
-# with PARTIAL-first (0.96–1.05× over 36 tunings) and stays a candidate there; a third walk,
-# one loop that masks every tile, lost 72 of 73 tunings (by up to 2.5×) and was removed. Also
-# tried at D = 128 and dropped (never the fastest): forward 128×64 with 2 stages and 64×128
-# with 4 warps, dQ 128×32, dK/dV 32×64 and 64×64 (which spill 132–184 bytes). The ``+flat``
-# and ``+lpt`` walks join the winners' configs as candidates; they are not yet timed on a GPU.
-# Offline, flat dK/dV 32×128 and dQ 128×64 need 96/128 KiB of shared memory instead of
-# 193/192 and no spills (the unrolled dK/dV spills 4–12 bytes), and flat dK/dV 64×128 fits
-# in 255 registers without spilling (with 3 stages, FlexAttention's Hopper pick for its dK/dV
-# loop, it spills 16–116 bytes; a candidate all the same). 16 warps (FlexAttention's newer Hopper pick for its
-# backward) fit the flat forward 128×64 and dQ 128×64 in 128 registers without spilling,
-# not dK/dV (350–630 bytes of spill).
+#
+# Measured (three H200 runs, docs/BENCHMARKS.md): at D = 128 the autotuner picked 128×128
+# (forward), 32×128 (dK/dV) and 128×64 (dQ) for every mask. FULL-first ties with
+# PARTIAL-first (0.96–1.05× over 36 tunings); one loop that masks every tile lost 72 of 73
+# tunings (by up to 2.5×) and was removed. Dropped at D = 128, never the fastest: forward
+# 128×64 with 2 stages, 64×128 with 4 warps and 64×64; dQ 128×32 and 64×64; dK/dV 32×64 and
+# 64×64 (which spill 132–184 bytes) and 16×64 (1.7× the winner's time). The smallest forward
+# and dQ configs stay for small problems.
+#
+# Not yet timed on a GPU, built offline for sm90 (``benchmarks/gpu.py --compile-only``):
+# - ``+flat``: dK/dV 32×128 and dQ 128×64 need 96/128 KiB of shared memory instead of
+#   193/192 and do not spill (unrolled dK/dV: 4–12 bytes); dK/dV 64×128 fits only flat
+#   (255 registers; with 3 stages, FlexAttention's Hopper shape for its dK/dV loop, it spills
+#   16–116 bytes, a candidate all the same);
+# - 16 warps (FlexAttention's newer Hopper pick for its backward): the flat forward 128×64
+#   and dQ 128×64 fit in 128 registers without spilling; dK/dV would spill 350–630 bytes;
+# - ``merged``: the forward 128×128 fits in 203 registers (split walks: 222) at 12 % more
+#   operations per FULL tile;
+# - ``+lpt`` on the winners' shapes (the ordered forward spills 4 bytes).
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     "attn_fwd": {
         64: [(128, 128, 8, 2, P), (128, 64, 8, 3, P), (128, 32, 4, 3, P), (64, 64, 4, 3, P),
-             (64, 64, 4, 3, P_FLAT), (64, 64, 4, 3, P_LPT), (64, 32, 4, 2, P)],
-        128: [(128, 128, 8, 2, P), (128, 128, 8, 2, F), (128, 128, 8, 2, P_LPT), (128, 64, 8, 3, P),
-              (128, 64, 8, 3, P_FLAT), (128, 64, 8, 4, P_FLAT), (128, 64, 16, 3, P_FLAT),
-              (64, 64, 4, 3, P), (64, 32, 4, 2, P)],
+             (64, 64, 4, 3, P_FLAT), (64, 64, 4, 3, P_LPT), (64, 64, 4, 3, M), (64, 32, 4, 2, P)],
+        128: [(128, 128, 8, 2, P), (128, 128, 8, 2, F), (128, 128, 8, 2, P_LPT),
+              (128, 128, 8, 2, M), (128, 64, 8, 3, P), (128, 64, 8, 3, P_FLAT),
+              (128, 64, 8, 4, P_FLAT), (128, 64, 16, 3, P_FLAT), (64, 32, 4, 2, P)],
         256: [(64, 32, 4, 2, P), (64, 64, 8, 2, P), (64, 32, 8, 2, P)],
     },
     "attn_bwd_dkdv": {  # BLOCK_N key rows per program, BLOCK_M query rows per step
-        64: [(32, 128, 8, 2, P), (64, 128, 8, 2, P), (64, 128, 8, 2, P_FLAT), (64, 128, 8, 3, P_FLAT),
-             (64, 128, 8, 2, P_LPT), (32, 64, 4, 3, P), (16, 64, 4, 2, P)],
-        128: [(32, 128, 8, 2, P), (32, 128, 8, 2, F), (32, 128, 8, 2, F_FLAT), (32, 128, 8, 3, F_FLAT),
-              (64, 128, 8, 2, F_FLAT), (64, 128, 8, 3, F_FLAT), (32, 128, 8, 2, F_LPT),
-              (32, 128, 8, 2, F_FLAT_LPT), (16, 64, 4, 2, P)],
+        64: [(32, 128, 8, 2, P), (64, 128, 8, 2, P), (64, 128, 8, 2, P_FLAT),
+             (64, 128, 8, 3, P_FLAT), (64, 128, 8, 2, P_LPT), (64, 128, 8, 2, M), (32, 64, 4, 3, P),
+             (16, 64, 4, 2, P)],
+        128: [(32, 128, 8, 2, P), (32, 128, 8, 2, F), (32, 128, 8, 2, F_FLAT),
+              (32, 128, 8, 3, F_FLAT), (64, 128, 8, 2, F_FLAT), (64, 128, 8, 3, F_FLAT),
+              (32, 128, 8, 2, F_LPT), (32, 128, 8, 2, F_FLAT_LPT), (32, 128, 8, 2, M),
+              (64, 128, 8, 2, M)],
         256: [(16, 64, 8, 2, P), (16, 64, 4, 1, P), (32, 64, 8, 1, P)],
     },
     "attn_bwd_dq": {
         64: [(128, 64, 8, 2, P), (64, 64, 4, 3, P), (64, 64, 4, 3, P_FLAT), (64, 64, 4, 3, P_LPT),
-             (64, 32, 4, 2, P)],
-        128: [(128, 64, 8, 2, P), (128, 64, 8, 2, F), (128, 64, 8, 2, F_FLAT), (128, 64, 8, 3, F_FLAT),
-              (128, 64, 8, 2, F_LPT), (128, 64, 8, 2, F_FLAT_LPT), (128, 64, 16, 3, F_FLAT),
-              (64, 64, 8, 2, P), (64, 32, 4, 2, P)],
+             (64, 64, 4, 3, M), (64, 32, 4, 2, P)],
+        128: [(128, 64, 8, 2, P), (128, 64, 8, 2, F), (128, 64, 8, 2, F_FLAT),
+              (128, 64, 8, 3, F_FLAT), (128, 64, 8, 2, F_LPT), (128, 64, 8, 2, F_FLAT_LPT),
+              (128, 64, 16, 3, F_FLAT), (128, 64, 8, 2, M), (64, 32, 4, 2, P)],
         256: [(64, 32, 8, 2, P), (64, 16, 4, 2, P), (64, 32, 4, 1, P)],
     },
 }
