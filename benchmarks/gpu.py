@@ -670,11 +670,7 @@ def main(argv=None) -> int:
         print("  " + line)
     if skipped:
         print(f"over the --budget, not timed: {', '.join(skipped)}")
-    for label, kernels_ in info.get("config_ms", {}).items():
-        if "window" in label or "docs" in label:
-            for name, tuned in kernels_.items():
-                ranked = sorted(tuned["ms"].items(), key=lambda kv: kv[1])[:4]
-                print(f"  {label:26s} {name:14s} " + "  ".join(f"{c} {ms:.3f}" for c, ms in ranked))
+    print_walks(info.get("config_ms", {}))
     print_table(results, competitors, info)
     print(f"JSON: {path}")
     failed = [c for c in checks if not c["ok"]]
@@ -727,6 +723,40 @@ def autotuned() -> list[str]:
         for key, config in getattr(tuner, "cache", {}).items():
             lines.append(f"{name}: {key[:3]} -> " + ", ".join(map(str, launch._config_key(config))))
     return lines
+
+
+WALK_FAMILIES = {"split": lambda w: w in ("partial_first", "full_first"),
+                 "flat": lambda w: w.endswith("+flat"), "one_loop": lambda w: w == "one_loop",
+                 "lpt": lambda w: w.endswith("+lpt")}
+
+
+def walk_families(ms: dict) -> dict:
+    """Config label → ms (``config_timings``) to the best ms of each walk family: ``split``
+    (the PARTIAL and FULL loops, sub-tiles unrolled: the walks of the first H200 runs),
+    ``flat``, ``one_loop`` and ``lpt`` (any walk with ``+lpt``)."""
+    best = {}
+    for label, t in ms.items():
+        walk = label.rsplit(" ", 1)[1]
+        for family, member in WALK_FAMILIES.items():
+            if member(walk) and t is not None:
+                best[family] = min(best.get(family, float("inf")), t)
+    return best
+
+
+def print_walks(config_ms: dict) -> None:
+    """Per workload and kernel: each walk family's best autotuning time against ``split``, and
+    the winning config: which of the walks added since the first runs pay, and where."""
+    print("\nwalks (the autotuner's own timings, ms; ratio to split; winner)")
+    for label, kernels_ in config_ms.items():
+        for name, tuned in kernels_.items():
+            ms = {c: t for c, t in tuned["ms"].items() if t is not None}
+            if not ms:
+                continue
+            best = walk_families(ms)
+            base = best.get("split")
+            cells = "  ".join(f"{f} {t:.3f}" + (f" ({t / base:.2f}×)" if base and f != "split" else "")
+                              for f, t in best.items())
+            print(f"  {label:26s} {name:14s} {cells}  | {min(ms, key=ms.get)}")
 
 
 def config_timings() -> dict:

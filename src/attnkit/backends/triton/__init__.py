@@ -18,7 +18,7 @@ Status
   suspected cause of the documents kernel's 15 % deficit to causal on equal work;
   (3) new walks as autotune candidates (``launch.WALKS``): ``+flat``, one kernel block per
   loop iteration (offline: flat dK/dV 32×128 needs 96 KiB of shared memory and no spill,
-  against 193 KiB and a 4–12-byte spill unrolled), ``merged``, one loop over a row's PARTIAL
+  against 193 KiB and a 4–12-byte spill unrolled), ``one_loop``, one loop over a row's PARTIAL
   and FULL blocks (one software pipeline to fill per row instead of two, for short rows such
   as 1024-token documents), and ``+lpt``, a head's heaviest rows launched first; (4) a program's own document ranges and padding lengths load once, before
   the walk, not in every PARTIAL tile; (5) PARTIAL tiles skip sequence-end checks when the

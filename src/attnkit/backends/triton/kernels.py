@@ -253,7 +253,7 @@ def _scores(x, y, qk_scale, offs_q, offs_k, b, h, q_len, kv_len, mask, own, part
     """Base-2 scores ``x @ yᵀ · qk_scale`` of the query rows ``offs_q`` against the key rows
     ``offs_k``: ``x`` = q ``[M, D]``, ``y`` = k ``[N, D]`` → ``[M, N]``, or TRANSPOSED (``x`` = k,
     ``y`` = q) → ``[N, M]``. A ``partial`` tile goes through the mask program (a constant in
-    the split walks, a runtime test in the merged one)."""
+    the split walks, a runtime test in the one-loop walk)."""
     s2 = _dot(x, tl.trans(y), PRECISION, UPCAST) * qk_scale  # [M, N] or [N, M]
     if partial:
         if TRANSPOSED:

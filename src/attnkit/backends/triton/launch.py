@@ -128,26 +128,26 @@ walked by 16-wide kernel blocks) to cover the sub-tile loops the GPU configs use
 
 def _walk_flags(name: str) -> dict:
     order, *extras = name.split("+")
-    return dict(FULL_FIRST=order == "full_first", FLAT="flat" in extras, MERGED=order == "merged",
+    return dict(FULL_FIRST=order == "full_first", FLAT="flat" in extras, MERGED=order == "one_loop",
                 ORDERED="lpt" in extras)
 
 
 WALKS = {name: _walk_flags(name) for name in (
     [order + flat + lpt for order in ("partial_first", "full_first") for flat in ("", "+flat")
-     for lpt in ("", "+lpt")] + ["merged", "merged+lpt"])}
+     for lpt in ("", "+lpt")] + ["one_loop", "one_loop+lpt"])}
 """How a kernel walks its block lists (``kernels.py``), each a ``tl.constexpr`` autotuned with
 the block sizes: ``partial_first``/``full_first``, a loop over the row's PARTIAL blocks and
-one over its FULL blocks, in that order or the other; ``merged``, one loop over both, which
+one over its FULL blocks, in that order or the other; ``one_loop``, one loop over both, which
 tests per block whether to mask (one software pipeline to fill per row instead of two: for
 short rows such as 1024-token documents, where each fill is a sizeable share of the row);
 ``+flat``, one kernel block per loop iteration instead of one sparse block with its sub-tiles
 unrolled (FlexAttention's loop shape; the same when the kernel block is the sparse block;
-``merged`` is always flat); ``+lpt``, the programs of a head start heaviest row first
+``one_loop`` is always flat); ``+lpt``, the programs of a head start heaviest row first
 (:attr:`BlockLists.order`: longest-processing-time-first, so the light rows fill the tail)."""
 
 P, F = "partial_first", "full_first"
 P_FLAT, F_FLAT, P_LPT, F_LPT = P + "+flat", F + "+flat", P + "+lpt", F + "+lpt"
-F_FLAT_LPT, M = F + "+flat+lpt", "merged"
+F_FLAT_LPT, M = F + "+flat+lpt", "one_loop"
 
 # Autotune candidates per kernel and head-dim bucket (the larger of the padded Dk, Dv):
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, walk); blocks divide the 128×128 sparse blocks.
@@ -167,7 +167,7 @@ F_FLAT_LPT, M = F + "+flat+lpt", "merged"
 #   16–116 bytes, a candidate all the same);
 # - 16 warps (FlexAttention's newer Hopper pick for its backward): the flat forward 128×64
 #   and dQ 128×64 fit in 128 registers without spilling; dK/dV would spill 350–630 bytes;
-# - ``merged``: the forward 128×128 fits in 203 registers (split walks: 222) at 12 % more
+# - ``one_loop``: the forward 128×128 fits in 203 registers (split walks: 222) at 12 % more
 #   operations per FULL tile;
 # - ``+lpt`` on the winners' shapes (the ordered forward spills 4 bytes).
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
