@@ -698,3 +698,10 @@ def test_benchmark_dry_run(tmp_path, capsys, monkeypatch):
     assert ours and all(r["tflops"] and r["tflops"] > 0 for r in ours)
     assert "TFLOP/s" in printed and "docs16&causal" in printed
     assert time.perf_counter() - start < 60
+    # each walk family's best autotuning time (the GPU run's answer to which walks pay)
+    ms = {"128x128 w8 s2 partial_first": 0.30, "128x128 w8 s2 full_first": 0.29,
+          "128x64 w8 s3 partial_first+flat": 0.31, "128x128 w8 s2 one_loop": 0.27,
+          "128x128 w8 s2 partial_first+lpt": 0.28, "32x128 w8 s2 full_first+flat+lpt": 0.26}
+    assert bench.walk_families(ms) == {"split": 0.29, "flat": 0.31, "one_loop": 0.27, "lpt": 0.26}
+    assert set(bench.WALK_FAMILIES) <= {"split", "flat", "one_loop", "lpt"}
+    assert all(any(member(walk) for member in bench.WALK_FAMILIES.values()) for walk in launch.WALKS)
