@@ -314,13 +314,14 @@ def test_kernel_blocks_inside_sparse_blocks(tiles, gen, monkeypatch):
 
 
 @pytest.mark.parametrize("walk", sorted(launch.WALKS))
-@pytest.mark.parametrize("case", ["docs&causal", "window&padding", "bias"])
+@pytest.mark.parametrize("case", ["docs&causal", "window&padding", "bias", "causal"])
 def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
     """Each walk the autotuner may pick (PARTIAL or FULL loop first; sub-tiles unrolled or one
     per iteration; rows in order or heaviest first) gives the same attention, on rows mixing
     PARTIAL and FULL blocks, with two kernel blocks per sparse block. At 70 positions an
     ordered launch has one program past the end (3 sparse rows × 2), which must write nothing;
-    GQA 2/1, so the dK/dV programs walk two heads' lists."""
+    GQA 2/1, so the dK/dV programs walk two heads' lists. The cases' orders cover the three
+    kinds (loaded, reversed for causal rows, the rows' own for causal columns and the bias)."""
     monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
         sparse_q=32, sparse_k=32, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), walk=walk))
     if case == "docs&causal":
@@ -329,6 +330,8 @@ def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
     elif case == "window&padding":
         mask = ak.sliding_window(20) & ak.padding(kv_lengths=[61])
         allowed, bias = dense_band(70, 70, 20, 0) & dense_padding(70, 70, None, [61]), None
+    elif case == "causal":
+        mask, allowed, bias = ak.causal(), dense_causal(70, 70), None
     else:
         bias = torch.randn(70, 70, generator=gen)
         mask, allowed = ak.bias(bias), None
@@ -591,11 +594,16 @@ def test_block_lists_order_and_tails():
     lists = launch.block_lists(codes, batch=2, heads=3)
     assert lists.num_partial[1, 2].tolist() == [1, 0] and lists.num_full[0, 0].tolist() == [2, 0]
     assert lists.index[1, 1, 0, :3].tolist() == [2, 0, 3]
-    assert lists.order.tolist() == [0, 1]
+    assert lists.order.tolist() == [0, 1] and lists.order_kind == 0  # the rows' own order
     # heaviest rows first (a PARTIAL block weighs 5/4 of a FULL one), ties in row order
     codes = torch.tensor([[[[FULL, EMPTY], [FULL, FULL], [PARTIAL, EMPTY], [EMPTY, EMPTY], [FULL, EMPTY]]]],
                          dtype=torch.int8)
-    assert launch.block_lists(codes, batch=1, heads=1).order.tolist() == [1, 2, 0, 4, 3]
+    lists = launch.block_lists(codes, batch=1, heads=1)
+    assert lists.order.tolist() == [1, 2, 0, 4, 3] and lists.order_kind == 2  # loaded
+    causal = launch.block_codes(ak.causal(), MaskSpace(1, 1, 96, 96), launch.Tiles(32, 32))
+    rows, cols = launch.block_lists(causal, 1, 1), launch.block_lists(causal.transpose(-1, -2), 1, 1)
+    assert (rows.order.tolist(), rows.order_kind) == ([2, 1, 0], 1)  # reversed: computed
+    assert (cols.order.tolist(), cols.order_kind) == ([0, 1, 2], 0)
     space = validate(torch.zeros(1, 1, 40, 16), torch.zeros(1, 1, 50, 16), torch.zeros(1, 1, 50, 16)).space
     tail = launch.block_codes(None, space, launch.Tiles(sparse_q=32, sparse_k=32))
     assert tail[0, 0].tolist() == [[FULL, PARTIAL], [PARTIAL, PARTIAL]]

@@ -164,8 +164,11 @@ def _fit_mask(mask: Mask, inputs: Inputs) -> Mask:
     from .masks import _Bias, _Combined, _Dense  # local: private classes of the masks module
 
     if isinstance(mask, _Combined):
+        parts = [_fit_mask(p, inputs) for p in mask.parts]
+        if all(fitted is part for fitted, part in zip(parts, mask.parts)):
+            return mask  # no tensor part to map: the caller's node, unchanged
         # A new node, never the caller's: a mask object may be reused in later calls.
-        return type(mask)(*(_fit_mask(p, inputs) for p in mask.parts))
+        return type(mask)(*parts)
     if isinstance(mask, (_Dense, _Bias)):
         t = mask.allowed if isinstance(mask, _Dense) else mask.values
         if t.device != inputs.q.device:

@@ -135,12 +135,20 @@ def _block_row(num_partial, num_full, index, b, h, row, s_n_b, s_n_h, s_n_r, s_i
 
 
 @triton.jit
-def _ordered_block(order, pid, SUBS: tl.constexpr):
-    """The kernel block program ``pid`` takes when programs follow ``order`` (int32 sparse
-    rows, the most tiles first; ``launch.BlockLists.order``): ``SUBS`` consecutive programs
-    share a sparse row, so the heaviest rows of a head start first and the light ones fill
-    the tail of the launch."""
-    return tl.load(order + pid // SUBS) * SUBS + pid % SUBS
+def _ordered_block(order, pid, SUBS: tl.constexpr, ORDER_KIND: tl.constexpr):
+    """The kernel block program ``pid`` takes when programs follow ``order`` (the sparse rows,
+    the most tiles first; ``launch.BlockLists.order``): the grid has ``SUBS`` consecutive
+    programs per sparse row (``launch._grid``), so the heaviest rows of a head start first and
+    the light ones fill the tail of the launch. ORDER_KIND (known to the host): 0 the rows'
+    own order, 1 its reverse (causal rows; computed, where a loaded row index costs the D128
+    forward 31 registers), 2 any other (loaded from ``order``)."""
+    if ORDER_KIND == 0:
+        block = pid
+    elif ORDER_KIND == 1:
+        block = (tl.num_programs(0) // SUBS - 1 - pid // SUBS) * SUBS + pid % SUBS
+    else:
+        block = tl.load(order + pid // SUBS) * SUBS + pid % SUBS
+    return block
 
 
 # ---- the mask program: element mask of a PARTIAL tile, from indices or loaded -------------
@@ -327,6 +335,7 @@ def attn_fwd(Q, K, V, Out, Lse,
              EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
              UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
              FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
+             ORDER_KIND: tl.constexpr,
              BOUNDS: tl.constexpr,
              HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
              HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
@@ -344,7 +353,7 @@ def attn_fwd(Q, K, V, Out, Lse,
                     HAS_BIAS)
     pid_m, b, h = _program_ids(heads)
     if ORDERED:  # heaviest query blocks first (see _ordered_block)
-        pid_m = _ordered_block(order, pid_m, SPARSE_Q // BLOCK_M)
+        pid_m = _ordered_block(order, pid_m, SPARSE_Q // BLOCK_M, ORDER_KIND)
         if pid_m * BLOCK_M >= q_len:  # the grid rounds up to whole sparse rows
             return
     h_kv = h // group  # GQA: K/V are indexed, never repeated
@@ -496,6 +505,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                   EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                   UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
                   FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
+                  ORDER_KIND: tl.constexpr,
                   BOUNDS: tl.constexpr,
                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                   HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
@@ -511,7 +521,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                     HAS_BIAS)
     pid_n, b, h_kv = _program_ids(heads_kv)
     if ORDERED:  # heaviest key blocks first (see _ordered_block)
-        pid_n = _ordered_block(order, pid_n, SPARSE_K // BLOCK_N)
+        pid_n = _ordered_block(order, pid_n, SPARSE_K // BLOCK_N, ORDER_KIND)
         if pid_n * BLOCK_N >= kv_len:  # the grid rounds up to whole sparse columns
             return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -586,6 +596,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
                 FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
+                ORDER_KIND: tl.constexpr,
                 BOUNDS: tl.constexpr,
                 HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                 HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
@@ -600,7 +611,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                     HAS_BIAS)
     pid_m, b, h = _program_ids(heads)
     if ORDERED:  # heaviest query blocks first (see _ordered_block)
-        pid_m = _ordered_block(order, pid_m, SPARSE_Q // BLOCK_M)
+        pid_m = _ordered_block(order, pid_m, SPARSE_Q // BLOCK_M, ORDER_KIND)
         if pid_m * BLOCK_M >= q_len:  # the grid rounds up to whole sparse rows
             return
     h_kv = h // group

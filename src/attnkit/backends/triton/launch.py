@@ -432,19 +432,21 @@ class BlockLists:
     (entries past ``num_partial + num_full`` are unused); broadcast dims have stride 0.
     ``order`` int32 ``[R]``: the rows by decreasing work (summed over batch and heads; a
     PARTIAL block weighs 5/4 of a FULL one), ties in row order; the ``+lpt`` walks launch them
-    in that order.
+    in that order. ``order_kind``: 0 when that is the rows' own order, 1 when it is the
+    reverse (causal rows), 2 otherwise: the kernels compute the first two and load the third.
     """
 
     num_partial: torch.Tensor
     num_full: torch.Tensor
     index: torch.Tensor
     order: torch.Tensor
+    order_kind: int = 2
 
     def args(self) -> dict:
         sn, si = self.num_partial.stride(), self.index.stride()
         return dict(num_partial=self.num_partial, num_full=self.num_full, index=self.index,
-                    order=self.order, s_n_b=sn[0], s_n_h=sn[1], s_n_r=sn[2], s_i_b=si[0],
-                    s_i_h=si[1], s_i_r=si[2])
+                    order=self.order, ORDER_KIND=self.order_kind, s_n_b=sn[0], s_n_h=sn[1],
+                    s_n_r=sn[2], s_i_b=si[0], s_i_h=si[1], s_i_r=si[2])
 
     def visited(self) -> int:
         """Number of (batch, head, block) tiles a kernel walking these lists visits."""
@@ -460,8 +462,10 @@ def block_lists(codes: torch.Tensor, batch: int, heads: int) -> BlockLists:
     rows, cols = codes.shape[-2:]
     work = (5 * num_partial.long() + 4 * num_full.long()).sum((0, 1))  # [R]
     order = torch.sort(work, descending=True, stable=True).indices.to(torch.int32)
+    own = torch.arange(rows, dtype=torch.int32, device=order.device)
+    kind = 0 if torch.equal(order, own) else 1 if torch.equal(order, own.flip(0)) else 2
     return BlockLists(num_partial.expand(batch, heads, rows), num_full.expand(batch, heads, rows),
-                      index.expand(batch, heads, rows, cols), order)
+                      index.expand(batch, heads, rows, cols), order, kind)
 
 
 def block_codes(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> torch.Tensor:
@@ -648,7 +652,8 @@ def _reuse(plan: Plan, name: str, tensors: dict, build: Callable[[], "Call"]) ->
         calls[key] = dataclasses.replace(
             built, args={name: value for name, value in built.args.items() if name not in tensors})
         return built
-    return dataclasses.replace(template, args={**template.args, **tensors})
+    return Call(template.name, {**template.args, **tensors}, template.grid, template.fixed,
+                template.walk, template.tuned)
 
 
 def _grid(length: int, sparse: int, axis: int, heads: int) -> Callable[[int, int, bool], tuple[int, int]]:
