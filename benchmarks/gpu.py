@@ -93,6 +93,7 @@ def parse_args(argv=None):
     p.add_argument("--no-warm", action="store_true",
                    help="skip compiling every kernel config in parallel processes first")
     p.add_argument("--warm-one", default=None, help=argparse.SUPPRESS)  # "mask:d" (a warm worker)
+    p.add_argument("--warm-kind", default=None, help=argparse.SUPPRESS)  # "kind:dtype" (a warm worker)
     p.add_argument("--out", default=None, help="folder for the JSON (default: $OUT, else results/)")
     args = p.parse_args(argv)
     args.dims_given = any(a.startswith("--dims") for a in (argv if argv is not None else sys.argv[1:]))
@@ -364,6 +365,7 @@ def mask_kinds(tq: int, tk: int, batch: int, gen: torch.Generator) -> dict:
     }
 
 
+KIND_SHAPE = (2, 4, 2, 300, 333, 64)  # batch, query heads, K/V heads, Tq, Tk, D
 FP16_KINDS = ("causal", "documents&causal", "bias&causal")
 """The kinds also checked in float16 (every kind runs in bfloat16): each (kind, dtype) compiles
 its own kernels, about 3 × 1–2 s."""
@@ -380,7 +382,7 @@ def check_kinds(dtype, device, only=None) -> list[dict]:
     from attnkit.backends.triton import launch
 
     gen = torch.Generator().manual_seed(1)
-    batch, heads, heads_kv, tq, tk, d = 2, 4, 2, 300, 333, 64
+    batch, heads, heads_kv, tq, tk, d = KIND_SHAPE
     rows = []
     for name, mask in mask_kinds(tq, tk, batch, gen).items():
         if only is not None and name not in only:
@@ -565,6 +567,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.warm_one:
         return warm_one(args.warm_one, args.dtype, args.span)
+    if args.warm_kind:
+        return warm_kind(args.warm_kind)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the interpreter
     if args.compile_only:
@@ -781,17 +785,21 @@ def warm(todo: list[Workload], args) -> None:
     only on whether the lengths are multiples of the 128-wide sparse blocks, as 1024 and every
     workload's are, so one small problem per mask and head dim builds the binaries the
     workloads use.)"""
-    jobs = sorted({(w.mask, w.d) for w in todo})
+    jobs = {f"{mask} D{d}": ["--warm-one", f"{mask}:{d}", "--dtype", args.dtype, "--span", "128"]
+            for mask, d in sorted({(w.mask, w.d) for w in todo})}
+    if args.check_kinds:  # the mask-kind checks' one config per kernel, each kind in its dtypes
+        for low, only in (("bf16", None), ("fp16", FP16_KINDS)):
+            for name in (only or mask_kinds(*KIND_SHAPE[3:5], KIND_SHAPE[0], torch.Generator())):
+                jobs[f"kind {name} {low}"] = ["--warm-kind", f"{name}:{low}"]
     start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, __file__, "--warm-one", f"{mask}:{d}", "--dtype", args.dtype,
-                               "--span", "128"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for mask, d in jobs]
-    for (mask, d), proc in zip(jobs, procs):
+    procs = {label: subprocess.Popen([sys.executable, __file__, *argv], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+             for label, argv in jobs.items()}
+    for label, proc in procs.items():
         output, _ = proc.communicate()
         state = "ok" if proc.returncode == 0 else f"FAILED ({proc.returncode}):\n{output[-2000:]}"
-        print(f"warm {mask} D{d}: {state}", flush=True)
-    print(f"warm: {len(jobs)} (mask, D) compiled in parallel in {time.perf_counter() - start:.0f} s",
+        print(f"warm {label}: {state}", flush=True)
+    print(f"warm: {len(jobs)} jobs compiled in parallel in {time.perf_counter() - start:.0f} s",
           flush=True)
 
 
@@ -808,6 +816,27 @@ def warm_one(spec: str, dtype_name: str, span: int) -> int:
                for _ in range(3))
     out = ak.attention(q, k, v, Masks(w, device).attnkit, backend="triton")
     out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    return 0
+
+
+def warm_kind(spec: str) -> int:
+    """One warm worker: the forward and backward ``check_kinds`` runs for mask kind ``name`` in
+    ``dtype`` (``"name:bf16"``), with the same shapes, mask and single configs: the same
+    binaries, so the check in the timed process loads instead of compiling."""
+    import attnkit as ak
+    from attnkit.backends.triton import launch
+
+    name, dtype_name = spec.rsplit(":", 1)
+    device = torch.device("cuda")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    batch, heads, heads_kv, tq, tk, d = KIND_SHAPE
+    mask = mask_kinds(tq, tk, batch, torch.Generator().manual_seed(1))[name]
+    q, k, v = (torch.randn(batch, h, t, d, device=device, dtype=dtype).requires_grad_()
+               for h, t in ((heads, tq), (heads_kv, tk), (heads_kv, tk)))
+    with launch.untuned():
+        out = ak.attention(q, k, v, mask, backend="triton")
+        out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
     return 0
 
