@@ -8,6 +8,7 @@ call also autotunes and compiles every kernel)::
     python benchmarks/gpu.py --dims 128 --lengths 4096,16384   # a shorter first look
     python benchmarks/gpu.py --check-kinds ...    # first every mask kind (GQA, ragged, bf16/fp16)
                                                   # at small sizes against float64
+    python benchmarks/gpu.py --check-configs ...  # and every autotune candidate on each mask
 
 Anywhere (no GPU)::
 
@@ -85,6 +86,10 @@ def parse_args(argv=None):
                    help="masks FlexAttention is timed on ('all' for every one; each costs a compile "
                         "of ~10-30 s for the forward and again for the backward)")
     p.add_argument("--skip-check", action="store_true", help="time without the correctness check")
+    p.add_argument("--check-configs", action="store_true",
+                   help="first check every autotune candidate (each walk and block shape) on each "
+                        "workload mask at N 1024 against float32 math: the autotuner only ever "
+                        "checks the config it picks")
     p.add_argument("--check-kinds", action="store_true",
                    help="first check every mask kind (GQA, ragged, bf16 and fp16) at small sizes "
                         "against float64")
@@ -343,6 +348,35 @@ def check(w: Workload, dtype, device) -> dict:
     return result
 
 
+def check_configs(todo: list["Workload"], dtype, device) -> list[dict]:
+    """Every autotune candidate (``launch.CONFIGS``: block shape, warps, stages, walk) of the
+    three kernels on each workload mask at N 1024 (window and documents of 128) against
+    float32 math, as :func:`check`; candidate i of each kernel runs together
+    (``launch.pinned``). The binaries are those the warm step built."""
+    from attnkit.backends.triton import launch
+
+    rows = []
+    for mask, d in sorted({(w.mask, w.d) for w in todo}):
+        pad = launch.head_pad(d)
+        count = max(len(launch.CONFIGS[name][launch.head_bucket(pad)]) for name in launch.CONFIGS)
+        for index in range(count):
+            picked = {name: launch.pinned_config(name, pad, index) for name in launch.CONFIGS}
+            label = "; ".join("{} {}x{} w{} s{} {}".format(name.replace("attn_", ""), *config)
+                              for name, config in picked.items())
+            try:
+                with launch.pinned(index):
+                    result = check(Workload(mask, 1024, d, 1, 2, 128), dtype, device)
+            except Exception as error:  # noqa: BLE001 - a failed check is a result
+                result = {"workload": mask, "n": 1024, "d": d, "ok": False, "errors": {},
+                          "exception": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+            result.update(workload=f"config {index}: {mask}", configs=label)
+            rows.append(result)
+            errs = " ".join(f"{k} {v['triton']:.1e}" for k, v in result["errors"].items())
+            print(f"config {index:2d} {mask:18s} D{d:<4d} {'ok' if result['ok'] else 'FAILED'}  "
+                  f"{errs or result.get('exception', '')}  [{label}]", flush=True)
+    return rows
+
+
 # ---- every mask kind at small sizes ------------------------------------------------------------------
 def mask_kinds(tq: int, tk: int, batch: int, gen: torch.Generator) -> dict:
     """Every kind of mask the kernels handle (CPU tensors, as a user builds them)."""
@@ -375,7 +409,7 @@ def check_kinds(dtype, device, only=None) -> list[dict]:
     """Each mask kind (or those in ``only``), GQA 4/2, ragged Tq 300 × Tk 333, D 64, against
     float64 on the CPU: out, LSE, dq, dk, dv, with the error of torch's own SDPA (dense mask)
     in ``dtype`` as the yardstick (allowed: 2× it + 2e-3). An exception is a failed case,
-    reported, not fatal. The kernels run one config each (``launch.untuned``): autotuning
+    reported, not fatal. The kernels run one config each (``launch.pinned(0)``): autotuning
     would compile every candidate for every kind; the autotuned configs are checked at full
     size with the workloads."""
     import attnkit as ak
@@ -398,7 +432,7 @@ def check_kinds(dtype, device, only=None) -> list[dict]:
             truth_grads = torch.autograd.grad(truth.out, truth_in, dout.to(dtype).double())
             ours_in = [t.to(device).requires_grad_() for t in low]
             poison_allocator(device, 64 * 2**20)
-            with launch.untuned():
+            with launch.pinned(0):
                 ours = ak.attention(*ours_in, mask, backend="triton", return_lse=True)
                 grads = torch.autograd.grad(ours.out, ours_in, dout.to(dtype).to(device))
             yard_in = [t.to(device).requires_grad_() for t in low]
@@ -599,6 +633,11 @@ def main(argv=None) -> int:
         print("host time per call (tiny problem, GPU idle: the floor a small workload sees), us: "
               + ", ".join(f"{k} {v:.0f}" for k, v in info["host_us_per_call"].items()), flush=True)
     checks = []
+    if args.check_configs:
+        if device.type == "cuda":
+            checks += check_configs(todo, dtype, device)
+        else:
+            print("--check-configs: the interpreter runs one fixed config; skipped")
     if args.check_kinds:
         for low, only in ((torch.bfloat16, None), (torch.float16, FP16_KINDS)):
             checks += [dict(row, workload=f"kind:{row['case']}", d=64, dtype=str(low))
@@ -834,7 +873,7 @@ def warm_kind(spec: str) -> int:
     mask = mask_kinds(tq, tk, batch, torch.Generator().manual_seed(1))[name]
     q, k, v = (torch.randn(batch, h, t, d, device=device, dtype=dtype).requires_grad_()
                for h, t in ((heads, tq), (heads_kv, tk), (heads_kv, tk)))
-    with launch.untuned():
+    with launch.pinned(0):
         out = ak.attention(q, k, v, mask, backend="triton")
         out.backward(torch.randn_like(out))
     torch.cuda.synchronize()

@@ -510,9 +510,11 @@ def test_compiled_launches_skip_the_autotuner_once_it_has_chosen(walk, monkeypat
     assert all(value is not q for call in plan.layout.calls.values() for value in call.args.values())
 
 
-def test_untuned_launches_run_the_first_candidate(monkeypatch):
-    """``launch.untuned()`` (gpu.py's mask-kind checks): compiled launches run the first
-    candidate of the head-dim bucket directly, never the autotuner, and record no choice."""
+@pytest.mark.parametrize("index", [0, 3, 99])
+def test_pinned_launches_skip_the_autotuner(index, monkeypatch):
+    """``launch.pinned(i)`` (gpu.py's checks of mask kinds and of every candidate): compiled
+    launches run candidate i of the head-dim bucket (the last when there are fewer) directly,
+    never the autotuner, and record no choice."""
     launches = []
 
     class Kernel:
@@ -531,15 +533,17 @@ def test_untuned_launches_run_the_first_candidate(monkeypatch):
     q = torch.zeros(1, 2, 300, 128)
     plan = launch.make_plan(validate(q, q, q, ak.causal()), launch.GPU_TILES)
     call = launch.forward_call(q, q, q, torch.empty_like(q), torch.empty(1, 2, 300), plan)
-    with launch.untuned():
+    with launch.pinned(index):
         call.run(interpret=False)
-    block_m, block_n, warps, stages, walk = launch.CONFIGS["attn_fwd"][128][0]
+    candidates = launch.CONFIGS["attn_fwd"][128]
+    block_m, block_n, warps, stages, walk = candidates[min(index, len(candidates) - 1)]
     grid, kwargs = launches[0]
-    assert grid == (launch.cdiv(300, block_m), 2)
+    rows = launch.cdiv(300, 128) * (128 // block_m) if launch.WALKS[walk]["ORDERED"] else launch.cdiv(300, block_m)
+    assert grid == (rows, 2)
     assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]) == (
         block_m, block_n, warps, stages)
     assert all(kwargs[flag] == value for flag, value in launch.WALKS[walk].items())
-    assert call.tuned == {} and not launch._UNTUNED
+    assert call.tuned == {} and not launch._PINNED
 
 
 def test_documents_as_ranges_when_contiguous():

@@ -26,8 +26,8 @@ Status
   forward tiles take the row max before scaling (one multiply per row, the scale inside the
   exponent's FMA). Offline sm90 PTX of the D128 forward, per thread and tile: FULL 599 → 537
   operations, causal PARTIAL 1133 → 859. Whether each is faster is for the next GPU run to
-  say: ``python benchmarks/gpu.py --check-kinds --dims 128 --lengths 1024,4096,16384``
-  records every candidate's time per workload (``config_ms`` in the JSON).
+  say (docs/BENCHMARKS.md has the command): it checks every autotune candidate on the GPU,
+  then records every candidate's time per workload (``config_ms`` in the JSON).
 - **Tested in CI** through the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) with
   triton 3.9 and torch 2.13 (CPU build): ``tests/test_triton.py`` checks the forward, LSE and
   backward (dq, dk, dv, and the LSE's own gradient) against float64 math for every mask kind

@@ -200,20 +200,27 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
 }
 
 
-_UNTUNED: list[bool] = []
+_PINNED: list[int] = []
 
 
 @contextlib.contextmanager
-def untuned():
-    """Inside this block, compiled launches run each kernel's first candidate of its head-dim
-    bucket, without autotuning and without recording a choice. For correctness checks over
-    many mask kinds (``benchmarks/gpu.py --check-kinds``): each kind is its own set of
-    ``tl.constexpr`` flags, so autotuning would compile every candidate of every kind."""
-    _UNTUNED.append(True)
+def pinned(index: int = 0):
+    """Inside this block, compiled launches run candidate ``index`` of their kernel's head-dim
+    bucket in ``CONFIGS`` (the last one where the bucket has fewer), without autotuning and
+    without recording a choice. ``benchmarks/gpu.py`` checks many mask kinds at candidate 0
+    (each kind is its own set of ``tl.constexpr`` flags: autotuning would compile every
+    candidate for every kind) and every candidate in turn on the workloads' masks."""
+    _PINNED.append(index)
     try:
         yield
     finally:
-        _UNTUNED.pop()
+        _PINNED.pop()
+
+
+def pinned_config(name: str, head: int, index: int) -> tuple[int, int, int, int, str]:
+    """The candidate :func:`pinned` runs for kernel ``name`` at padded head dim ``head``."""
+    candidates = CONFIGS[name][head_bucket(head)]
+    return candidates[min(index, len(candidates) - 1)]
 
 
 def head_bucket(head: int) -> int:
@@ -614,9 +621,9 @@ class Call:
             kernel[self.grid(block_m, block_n, flags["ORDERED"])](
                 BLOCK_M=block_m, BLOCK_N=block_n, **flags, **self.args)
             return
-        if _UNTUNED:
-            bucket = head_bucket(max(self.args["DK_PAD"], self.args["DV_PAD"]))
-            block_m, block_n, warps, stages, walk = CONFIGS[self.name][bucket][0]
+        if _PINNED:
+            block_m, block_n, warps, stages, walk = pinned_config(
+                self.name, max(self.args["DK_PAD"], self.args["DV_PAD"]), _PINNED[-1])
             flags = WALKS[walk]
             getattr(kernels(), self.name)[self.grid(block_m, block_n, flags["ORDERED"])](
                 BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=warps, num_stages=stages,
