@@ -12,22 +12,25 @@ Conventions shared by every kernel:
 - Tiles are visited through host-built block lists (``launch.BlockLists``): per (batch, head,
   sparse row) the PARTIAL sparse blocks first, then the FULL ones. Sparse blocks are
   ``SPARSE_Q × SPARSE_K``; a kernel block (``BLOCK_M``/``BLOCK_N``) divides them, so a kernel
-  walks ``SPARSE/BLOCK`` sub-tiles of every listed sparse block. Each kernel writes that walk
+  walks ``SPARSE/BLOCK`` sub-tiles of every listed sparse block. The split walks are written
   once, as ``for part in tl.static_range(2)``, which unrolls into two loops with ``masked``
-  (the helpers' ``MASKED``) a compile-time constant in each: the PARTIAL loop then the FULL
+  (the helpers' ``partial``) a compile-time constant in each: the PARTIAL loop then the FULL
   one, or the FULL loop first (``FULL_FIRST``). Each loop either takes a sparse block per
   iteration with its sub-tiles unrolled, or one kernel block per iteration (``FLAT``: what
-  Triton's software pipeliner sees is then a single tile). ``ORDERED`` launches the programs
-  of a head heaviest row first (``_ordered_block``). All three switches are autotuned with the
-  block sizes (``launch.WALKS``); the tile work itself is written once (``_fwd_tile``,
-  ``_dkdv_tile``, ``_dq_tile``).
+  Triton's software pipeliner sees is then a single tile). ``MERGED`` (the ``one_loop`` walk)
+  runs one loop over the whole list instead, ``partial`` a runtime test per block. ``ORDERED``
+  launches the programs of a head heaviest row first (``_ordered_block``). These switches are
+  autotuned with the block sizes (``launch.WALKS``); the tile work itself is written once
+  (``_fwd_tile``, ``_dkdv_tile``, ``_dq_tile``).
 - PARTIAL tiles evaluate the mask program (``_allowed``/``_masked_scores``) and, when a
   length is not a multiple of the sparse blocks (``BOUNDS``), the sequence bounds; FULL tiles
   apply nothing (the host marks ragged tail blocks PARTIAL, so FULL tiles are always in
   bounds). The mask inputs of a program's own rows load once, before the walk (``_own_rows``).
 - The kernels take the mask program flat (the names ``launch.MaskProgram.args()``/``flags()``
-  pass) and pack it once into a :data:`MaskArgs` tuple for the helpers; its ``HAS_*`` fields
-  stay ``tl.constexpr`` inside the tuple, so a feature that is off compiles to nothing.
+  pass) and pack it once into a :data:`MaskArgs` tuple for the helpers. Triton 3.6 compiles
+  an ``if`` on the tuple's ``HAS_*`` fields as a branch on a constant (folded away later, so
+  a feature that is off costs nothing), which type-checks both sides: a value assigned under
+  such an ``if`` must keep its type and shape (``_own_rows``, ``_allowed``).
 - A fully masked row keeps ``m = -inf`` and ``l = 0``: its output is exactly 0 and its LSE
   ``-inf``; the backward turns that LSE into ``+inf`` so ``exp2(s - lse) = 0`` (zero gradients).
 - Head dims are padded to powers of two (``DK_PAD``/``DV_PAD``) with load masks; ``EVEN_DK``
