@@ -770,13 +770,13 @@ def autotuned() -> list[str]:
 
 WALK_FAMILIES = {"split": lambda w: w in ("partial_first", "full_first"),
                  "flat": lambda w: w.endswith("+flat"), "one_loop": lambda w: w == "one_loop",
-                 "lpt": lambda w: w.endswith("+lpt")}
+                 "lpt": lambda w: w.endswith("+lpt"), "tma": lambda w: w.endswith("+tma")}
 
 
 def walk_families(ms: dict) -> dict:
     """Config label → ms (``config_timings``) to the best ms of each walk family: ``split``
     (the PARTIAL and FULL loops, sub-tiles unrolled: the walks of the first H200 runs),
-    ``flat``, ``one_loop`` and ``lpt`` (any walk with ``+lpt``)."""
+    ``flat``, ``one_loop``, ``lpt`` and ``tma`` (any walk with ``+lpt``, ``+tma``)."""
     best = {}
     for label, t in ms.items():
         walk = label.rsplit(" ", 1)[1]

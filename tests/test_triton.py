@@ -399,6 +399,20 @@ def test_lengths_on_block_edges_skip_bounds_checks(kind, gen):
     check(q, k, v, mask, allowed, bias, gen=gen, dout=dout)
 
 
+@pytest.mark.parametrize("walk", [launch.P_TMA, launch.M_TMA])
+def test_tma_reads_nothing_past_the_ends(walk, gen, monkeypatch):
+    """``+tma`` forward walks describe K/V per (batch, head) as ``[Tk, Dk]``: the copies must
+    zero-fill rows past a ragged end (70 keys in 32-row blocks) and columns past a padded head
+    dim (24 → 32), here NaN in memory, while the strides still let TMA describe the views."""
+    monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
+        sparse_q=32, sparse_k=32, fwd=(32, 32), dkdv=(32, 32), dq=(32, 32), walk=walk))
+    q, k, v = (poisoned(t, extra=(0, 0, 26, 8)) for t in make_qkv(1, 2, 1, 70, 70, 24, 24,
+                                                                   torch.float32, gen))
+    assert launch._tma_ok(k, v) and not launch._tma_ok(poisoned(k), v)
+    mask, allowed = _docs(gen, 70, 3, causal=True)
+    check(q, k, v, mask, allowed, gen=gen)
+
+
 def test_skipped_blocks_are_never_read(gen):
     """Keys 32+ of a 30-key padding mask lie in EMPTY blocks: NaN there must not reach anything
     (a visited block would compute 0 · NaN = NaN in p @ v)."""
@@ -713,7 +727,8 @@ def test_benchmark_dry_run(tmp_path, capsys, monkeypatch):
     # each walk family's best autotuning time (the GPU run's answer to which walks pay)
     ms = {"128x128 w8 s2 partial_first": 0.30, "128x128 w8 s2 full_first": 0.29,
           "128x64 w8 s3 partial_first+flat": 0.31, "128x128 w8 s2 one_loop": 0.27,
-          "128x128 w8 s2 partial_first+lpt": 0.28, "32x128 w8 s2 full_first+flat+lpt": 0.26}
-    assert bench.walk_families(ms) == {"split": 0.29, "flat": 0.31, "one_loop": 0.27, "lpt": 0.26}
-    assert set(bench.WALK_FAMILIES) <= {"split", "flat", "one_loop", "lpt"}
+          "128x128 w8 s2 partial_first+lpt": 0.28, "32x128 w8 s2 full_first+flat+lpt": 0.26,
+          "128x128 w8 s2 one_loop+tma": 0.25}
+    assert bench.walk_families(ms) == {"split": 0.29, "flat": 0.31, "one_loop": 0.27, "lpt": 0.26,
+                                       "tma": 0.25}
     assert all(any(member(walk) for member in bench.WALK_FAMILIES.values()) for walk in launch.WALKS)

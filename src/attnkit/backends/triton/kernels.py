@@ -281,7 +281,7 @@ def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_d
               s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own,
               partial, LOAD_BOUNDS: tl.constexpr, BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
               EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
-              UPCAST: tl.constexpr, MERGED: tl.constexpr):
+              UPCAST: tl.constexpr, MERGED: tl.constexpr, USE_TMA: tl.constexpr):
     """One key block (rows ``start_n …``) folded into the online softmax of the query rows
     ``offs_m``: the running max ``m_i [M]``, sum ``l_i [M]`` and output ``acc [M, DV]``.
     ``partial``: the block goes through the mask program; LOAD_BOUNDS: its loads check the
@@ -289,12 +289,17 @@ def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_d
     row max (``max(s)·scale = max(s·scale)``, scale > 0) and inside the exponent's FMA: one
     multiply per row instead of one per score. In the MERGED walk (``partial`` a runtime test)
     only the masking is conditional: Triton 3.6's software pipeliner fails on a loop whose
-    branch yields the softmax itself."""
+    branch yields the softmax itself. USE_TMA: ``k_base``/``v_base`` are tensor descriptors
+    (TMA copies, which zero-fill past the sequence end and the head dim)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _load_tile(_tile_ptrs(k_base, offs_n, offs_dk, s_k_t, s_k_d), offs_n, offs_dk, kv_len,
-                   head_dk, LOAD_BOUNDS, EVEN_DK)  # [N, DK]
-    v = _load_tile(_tile_ptrs(v_base, offs_n, offs_dv, s_v_t, s_v_d), offs_n, offs_dv, kv_len,
-                   head_dv, LOAD_BOUNDS, EVEN_DV)  # [N, DV]
+    if USE_TMA:
+        k = k_base.load([start_n, 0])  # [N, DK]
+        v = v_base.load([start_n, 0])  # [N, DV]
+    else:
+        k = _load_tile(_tile_ptrs(k_base, offs_n, offs_dk, s_k_t, s_k_d), offs_n, offs_dk,
+                       kv_len, head_dk, LOAD_BOUNDS, EVEN_DK)  # [N, DK]
+        v = _load_tile(_tile_ptrs(v_base, offs_n, offs_dv, s_v_t, s_v_d), offs_n, offs_dv,
+                       kv_len, head_dv, LOAD_BOUNDS, EVEN_DV)  # [N, DV]
     s = _dot(q, tl.trans(k), PRECISION, UPCAST)  # [M, N], unscaled
     if MERGED:
         s2 = s * qk_scale
@@ -338,6 +343,7 @@ def attn_fwd(Q, K, V, Out, Lse,
              EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
              UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
              FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
+             TMA: tl.constexpr, TMA_OK: tl.constexpr,
              ORDER_KIND: tl.constexpr,
              BOUNDS: tl.constexpr,
              HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
@@ -368,6 +374,12 @@ def attn_fwd(Q, K, V, Out, Lse,
     q = tl.load(q_ptrs, mask=_in_bounds(offs_m, offs_dk, q_len, head_dk), other=0.0)
     k_base = K + b * s_k_b + h_kv * s_k_h
     v_base = V + b * s_v_b + h_kv * s_v_h
+    USE_TMA: tl.constexpr = TMA and TMA_OK  # the config asks for TMA, the host allows it
+    if USE_TMA:  # K/V tiles by TMA copies: no per-tile address arithmetic or bounds masks
+        k_base = tl.make_tensor_descriptor(k_base, shape=[kv_len, head_dk], strides=[s_k_t, 1],
+                                           block_shape=[BLOCK_N, DK_PAD])
+        v_base = tl.make_tensor_descriptor(v_base, shape=[kv_len, head_dv], strides=[s_v_t, 1],
+                                           block_shape=[BLOCK_N, DV_PAD])
 
     own = _own_rows(offs_m, b, q_len, mask, False)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -385,7 +397,7 @@ def attn_fwd(Q, K, V, Out, Lse,
                 q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
                 s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
                 own, t < n_partial * SUBS, BOUNDS, BOUNDS, BLOCK_N, EVEN_DK, EVEN_DV,
-                PRECISION, UPCAST, MERGED)
+                PRECISION, UPCAST, MERGED, USE_TMA)
     for part in tl.static_range(0 if MERGED else 2):  # or a loop per kind (launch.WALKS)
         masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
         first = 0 if masked else n_partial
@@ -397,7 +409,7 @@ def attn_fwd(Q, K, V, Out, Lse,
                     q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
                     s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
                     own, masked, masked and BOUNDS, BOUNDS, BLOCK_N, EVEN_DK, EVEN_DV,
-                    PRECISION, UPCAST, MERGED)
+                    PRECISION, UPCAST, MERGED, USE_TMA)
         else:  # one sparse block per iteration, its kernel blocks unrolled
             for j in range(first, stop):
                 block = tl.load(blocks + j)
@@ -406,7 +418,7 @@ def attn_fwd(Q, K, V, Out, Lse,
                         q, m_i, l_i, acc, block * SPARSE_K + sub * BLOCK_N, k_base, v_base,
                         offs_m, offs_dk, offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len,
                         head_dk, head_dv, qk_scale, mask, own, masked, masked and BOUNDS,
-                        BOUNDS, BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST, MERGED)
+                        BOUNDS, BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST, MERGED, USE_TMA)
 
     empty = l_i == 0.0  # no allowed key: output 0, LSE -inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -508,6 +520,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                   EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                   UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
                   FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
+                  TMA: tl.constexpr, TMA_OK: tl.constexpr,
                   ORDER_KIND: tl.constexpr,
                   BOUNDS: tl.constexpr,
                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
@@ -599,6 +612,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
                 FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
+                TMA: tl.constexpr, TMA_OK: tl.constexpr,
                 ORDER_KIND: tl.constexpr,
                 BOUNDS: tl.constexpr,
                 HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
