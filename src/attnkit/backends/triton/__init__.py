@@ -20,8 +20,8 @@ Status
   loop iteration (offline: flat dK/dV 32×128 needs 96 KiB of shared memory and no spill,
   against 193 KiB and a 4–12-byte spill unrolled), ``one_loop``, one loop over a row's PARTIAL
   and FULL blocks (one software pipeline to fill per row instead of two, for short rows such
-  as 1024-token documents), ``+lpt``, a head's heaviest rows launched first, and ``+tma``
-  (forward), K/V tiles by TMA copies through descriptors made in the kernel; (4) a program's own document ranges and padding lengths load once, before
+  as 1024-token documents), ``+lpt``, a head's heaviest rows launched first, and ``+tma``,
+  the walked tiles by TMA copies through descriptors made in the kernel; (4) a program's own document ranges and padding lengths load once, before
   the walk, not in every PARTIAL tile; (5) PARTIAL tiles skip sequence-end checks when the
   lengths are multiples of 128 (``BOUNDS``) and compare the band as ``k ≤ q + hi``; (6) FULL
   forward tiles take the row max before scaling (one multiply per row, the scale inside the

@@ -128,6 +128,33 @@ def _load_tile(ptrs, offs_r, offs_d, rows, dim, MASKED: tl.constexpr, EVEN_D: tl
 
 
 @triton.jit
+def _walk_tile(src, start, offs_r, offs_d, s_r, s_d, rows, dim, BOUNDED: tl.constexpr,
+               EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """A tile of the walk: rows ``start …`` (``offs_r``) of ``src``, a tensor descriptor with
+    USE_TMA (:func:`_describe`: the TMA copy zero-fills past the ends), else a base pointer
+    (loaded as :func:`_load_tile`, BOUNDED: rows checked against ``rows``)."""
+    if USE_TMA:
+        tile = src.load([start, 0])
+    else:
+        tile = _load_tile(_tile_ptrs(src, offs_r, offs_d, s_r, s_d), offs_r, offs_d, rows, dim,
+                          BOUNDED, EVEN_D)
+    return tile
+
+
+@triton.jit
+def _describe(base, rows, dim, s_r, BLOCK: tl.constexpr, D_PAD: tl.constexpr,
+              USE_TMA: tl.constexpr):
+    """``base`` (one head's ``[rows, dim]`` rows, unit stride along dim) as a tensor descriptor
+    of ``[BLOCK, D_PAD]`` tiles for :func:`_walk_tile`, or ``base`` itself without USE_TMA."""
+    if USE_TMA:
+        src = tl.make_tensor_descriptor(base, shape=[rows, dim], strides=[s_r, 1],
+                                        block_shape=[BLOCK, D_PAD])
+    else:
+        src = base
+    return src
+
+
+@triton.jit
 def _block_row(num_partial, num_full, index, b, h, row, s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r):
     """Row ``row`` of the (batch ``b``, head ``h``) block lists: its PARTIAL and FULL counts and
     a pointer to its entries (PARTIAL blocks first)."""
@@ -292,14 +319,10 @@ def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_d
     branch yields the softmax itself. USE_TMA: ``k_base``/``v_base`` are tensor descriptors
     (TMA copies, which zero-fill past the sequence end and the head dim)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    if USE_TMA:
-        k = k_base.load([start_n, 0])  # [N, DK]
-        v = v_base.load([start_n, 0])  # [N, DV]
-    else:
-        k = _load_tile(_tile_ptrs(k_base, offs_n, offs_dk, s_k_t, s_k_d), offs_n, offs_dk,
-                       kv_len, head_dk, LOAD_BOUNDS, EVEN_DK)  # [N, DK]
-        v = _load_tile(_tile_ptrs(v_base, offs_n, offs_dv, s_v_t, s_v_d), offs_n, offs_dv,
-                       kv_len, head_dv, LOAD_BOUNDS, EVEN_DV)  # [N, DV]
+    k = _walk_tile(k_base, start_n, offs_n, offs_dk, s_k_t, s_k_d, kv_len, head_dk, LOAD_BOUNDS,
+                   EVEN_DK, USE_TMA)  # [N, DK]
+    v = _walk_tile(v_base, start_n, offs_n, offs_dv, s_v_t, s_v_d, kv_len, head_dv, LOAD_BOUNDS,
+                   EVEN_DV, USE_TMA)  # [N, DV]
     s = _dot(q, tl.trans(k), PRECISION, UPCAST)  # [M, N], unscaled
     if MERGED:
         s2 = s * qk_scale
@@ -375,11 +398,8 @@ def attn_fwd(Q, K, V, Out, Lse,
     k_base = K + b * s_k_b + h_kv * s_k_h
     v_base = V + b * s_v_b + h_kv * s_v_h
     USE_TMA: tl.constexpr = TMA and TMA_OK  # the config asks for TMA, the host allows it
-    if USE_TMA:  # K/V tiles by TMA copies: no per-tile address arithmetic or bounds masks
-        k_base = tl.make_tensor_descriptor(k_base, shape=[kv_len, head_dk], strides=[s_k_t, 1],
-                                           block_shape=[BLOCK_N, DK_PAD])
-        v_base = tl.make_tensor_descriptor(v_base, shape=[kv_len, head_dv], strides=[s_v_t, 1],
-                                           block_shape=[BLOCK_N, DV_PAD])
+    k_base = _describe(k_base, kv_len, head_dk, s_k_t, BLOCK_N, DK_PAD, USE_TMA)
+    v_base = _describe(v_base, kv_len, head_dv, s_v_t, BLOCK_N, DV_PAD, USE_TMA)
 
     own = _own_rows(offs_m, b, q_len, mask, False)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -461,15 +481,16 @@ def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_
                b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len,
                head_dk, head_dv, qk_scale, mask, own, partial, LOAD_BOUNDS: tl.constexpr,
                BOUNDS: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_DK: tl.constexpr,
-               EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+               EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+               USE_TMA: tl.constexpr):
     """One query block's (rows ``start_m …``) contribution to ``dk [N, DK]`` and ``dv [N, DV]``
-    of the key rows ``offs_n`` (transposed scores ``[N, M]``); ``partial``, LOAD_BOUNDS: as
-    for :func:`_fwd_tile`."""
+    of the key rows ``offs_n`` (transposed scores ``[N, M]``); ``partial``, LOAD_BOUNDS,
+    USE_TMA: as for :func:`_fwd_tile`."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q_ptrs = _tile_ptrs(q_base, offs_m, offs_dk, s_q_t, s_q_d)  # [M, DK]
-    do_ptrs = _tile_ptrs(do_base, offs_m, offs_dv, s_do_t, s_do_d)  # [M, DV]
-    q = _load_tile(q_ptrs, offs_m, offs_dk, q_len, head_dk, LOAD_BOUNDS, EVEN_DK)
-    do = _load_tile(do_ptrs, offs_m, offs_dv, q_len, head_dv, LOAD_BOUNDS, EVEN_DV)
+    q = _walk_tile(q_base, start_m, offs_m, offs_dk, s_q_t, s_q_d, q_len, head_dk, LOAD_BOUNDS,
+                   EVEN_DK, USE_TMA)  # [M, DK]
+    do = _walk_tile(do_base, start_m, offs_m, offs_dv, s_do_t, s_do_d, q_len, head_dv,
+                    LOAD_BOUNDS, EVEN_DV, USE_TMA)  # [M, DV]
     lse2, delta = _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len)
     s2_t = _scores(k, q, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask, own,
                    partial, True, BOUNDS, PRECISION, UPCAST)  # [N, M]
@@ -486,14 +507,14 @@ def _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk, o
              s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own,
              partial, LOAD_BOUNDS: tl.constexpr, BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
              EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
-             UPCAST: tl.constexpr):
+             UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
     """One key block's (rows ``start_n …``) contribution to ``dq [M, DK]`` of the query rows
-    ``offs_m``; ``partial``, LOAD_BOUNDS: as for :func:`_fwd_tile`."""
+    ``offs_m``; ``partial``, LOAD_BOUNDS, USE_TMA: as for :func:`_fwd_tile`."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k = _load_tile(_tile_ptrs(k_base, offs_n, offs_dk, s_k_t, s_k_d), offs_n, offs_dk, kv_len,
-                   head_dk, LOAD_BOUNDS, EVEN_DK)  # [N, DK]
-    v = _load_tile(_tile_ptrs(v_base, offs_n, offs_dv, s_v_t, s_v_d), offs_n, offs_dv, kv_len,
-                   head_dv, LOAD_BOUNDS, EVEN_DV)  # [N, DV]
+    k = _walk_tile(k_base, start_n, offs_n, offs_dk, s_k_t, s_k_d, kv_len, head_dk, LOAD_BOUNDS,
+                   EVEN_DK, USE_TMA)  # [N, DK]
+    v = _walk_tile(v_base, start_n, offs_n, offs_dv, s_v_t, s_v_d, kv_len, head_dv, LOAD_BOUNDS,
+                   EVEN_DV, USE_TMA)  # [N, DV]
     s2 = _scores(q, k, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask, own,
                  partial, False, BOUNDS, PRECISION, UPCAST)  # [M, N]
     p = tl.math.exp2(s2 - lse2[:, None])  # [M, N]
@@ -552,10 +573,13 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
     dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
     col = (pid_n * BLOCK_N) // SPARSE_K  # this key block's row in the transposed block lists
     SUBS: tl.constexpr = SPARSE_Q // BLOCK_M  # kernel blocks per sparse block
+    USE_TMA: tl.constexpr = TMA and TMA_OK  # the config asks for TMA, the host allows it
     for g in range(0, group):
         h = h_kv * group + g
-        q_base = Q + b * s_q_b + h * s_q_h
-        do_base = dOut + b * s_do_b + h * s_do_h
+        q_base = _describe(Q + b * s_q_b + h * s_q_h, q_len, head_dk, s_q_t, BLOCK_M, DK_PAD,
+                           USE_TMA)
+        do_base = _describe(dOut + b * s_do_b + h * s_do_h, q_len, head_dv, s_do_t, BLOCK_M,
+                            DV_PAD, USE_TMA)
         n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h, col,
                                                s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
         if MERGED:  # one loop over the whole list, PARTIAL blocks first
@@ -565,7 +589,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                     k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk, offs_dv,
                     b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len,
                     head_dk, head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS, BOUNDS,
-                    BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                    BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
         for part in tl.static_range(0 if MERGED else 2):  # or a loop per kind (launch.WALKS)
             masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
             first = 0 if masked else n_partial
@@ -577,7 +601,8 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                         k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk,
                         offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t,
                         q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, masked,
-                        masked and BOUNDS, BOUNDS, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                        masked and BOUNDS, BOUNDS, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST,
+                        USE_TMA)
             else:  # one sparse block per iteration, its kernel blocks unrolled
                 for j in range(first, stop):
                     block = tl.load(blocks + j)
@@ -587,7 +612,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                             Delta, offs_n, offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t,
                             s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len, head_dk, head_dv,
                             qk_scale, mask, own, masked, masked and BOUNDS, BOUNDS, BLOCK_M,
-                            EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                            EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
     dk = dk * sm_scale
     tl.store(_tile_ptrs(dK + b * s_dk_b + h_kv * s_dk_h, offs_n, offs_dk, s_dk_t, s_dk_d),
              dk.to(dK.dtype.element_ty), mask=_in_bounds(offs_n, offs_dk, kv_len, head_dk))
@@ -640,8 +665,11 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
     do = tl.load(_tile_ptrs(dOut + b * s_do_b + h * s_do_h, offs_m, offs_dv, s_do_t, s_do_d),
                  mask=_in_bounds(offs_m, offs_dv, q_len, head_dv), other=0.0)  # [M, DV]
     lse2, delta = _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len)
-    k_base = K + b * s_k_b + h_kv * s_k_h
-    v_base = V + b * s_v_b + h_kv * s_v_h
+    USE_TMA: tl.constexpr = TMA and TMA_OK  # the config asks for TMA, the host allows it
+    k_base = _describe(K + b * s_k_b + h_kv * s_k_h, kv_len, head_dk, s_k_t, BLOCK_N, DK_PAD,
+                       USE_TMA)
+    v_base = _describe(V + b * s_v_b + h_kv * s_v_h, kv_len, head_dv, s_v_t, BLOCK_N, DV_PAD,
+                       USE_TMA)
     own = _own_rows(offs_m, b, q_len, mask, False)
     dq = tl.zeros([BLOCK_M, DK_PAD], dtype=tl.float32)
 
@@ -655,7 +683,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
             dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
                           offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
                           head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS, BOUNDS,
-                          BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                          BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
     for part in tl.static_range(0 if MERGED else 2):  # or a loop per kind (launch.WALKS)
         masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
         first = 0 if masked else n_partial
@@ -666,7 +694,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
                               offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
                               head_dv, qk_scale, mask, own, masked, masked and BOUNDS, BOUNDS,
-                              BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST)
+                              BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
         else:  # one sparse block per iteration, its kernel blocks unrolled
             for j in range(first, stop):
                 block = tl.load(blocks + j)
@@ -675,7 +703,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                                   k_base, v_base, offs_m, offs_dk, offs_dv, b, h, s_k_t, s_k_d,
                                   s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
                                   own, masked, masked and BOUNDS, BOUNDS, BLOCK_N, EVEN_DK,
-                                  EVEN_DV, PRECISION, UPCAST)
+                                  EVEN_DV, PRECISION, UPCAST, USE_TMA)
     dq = dq * sm_scale
     tl.store(_tile_ptrs(dQ + b * s_dq_b + h * s_dq_h, offs_m, offs_dk, s_dq_t, s_dq_d),
              dq.to(dQ.dtype.element_ty), mask=_in_bounds(offs_m, offs_dk, q_len, head_dk))

@@ -135,7 +135,7 @@ def _walk_flags(name: str) -> dict:
 WALKS = {name: _walk_flags(name) for name in (
     [order + flat + lpt for order in ("partial_first", "full_first") for flat in ("", "+flat")
      for lpt in ("", "+lpt")] + ["one_loop", "one_loop+lpt"]
-    + ["partial_first+tma", "partial_first+flat+tma", "one_loop+tma"])}
+    + ["partial_first+tma", "partial_first+flat+tma", "full_first+flat+tma", "one_loop+tma"])}
 """How a kernel walks its block lists (``kernels.py``), each a ``tl.constexpr`` autotuned with
 the block sizes: ``partial_first``/``full_first``, a loop over the row's PARTIAL blocks and
 one over its FULL blocks, in that order or the other; ``one_loop``, one loop over both, which
@@ -145,14 +145,14 @@ short rows such as 1024-token documents, where each fill is a sizeable share of 
 unrolled (FlexAttention's loop shape; the same when the kernel block is the sparse block;
 ``one_loop`` is always flat); ``+lpt``, the programs of a head start heaviest row first
 (:attr:`BlockLists.order`: longest-processing-time-first, so the light rows fill the tail);
-``+tma`` (forward only), K/V tiles by TMA copies through tensor descriptors made in the
-kernel, where the host allows it (:func:`_tma_ok`; otherwise the same kernel loads by
-pointers)."""
+``+tma``, the walked tiles (K/V in the forward and dQ, Q/dO in dK/dV) by TMA copies
+through tensor descriptors made in the kernel, where the host allows it (:func:`_tma_ok`;
+otherwise the same kernel loads by pointers)."""
 
 P, F = "partial_first", "full_first"
 P_FLAT, F_FLAT, P_LPT, F_LPT = P + "+flat", F + "+flat", P + "+lpt", F + "+lpt"
 F_FLAT_LPT, M = F + "+flat+lpt", "one_loop"
-P_TMA, P_FLAT_TMA, M_TMA = P + "+tma", P + "+flat+tma", M + "+tma"
+P_TMA, P_FLAT_TMA, F_FLAT_TMA, M_TMA = P + "+tma", P + "+flat+tma", F + "+flat+tma", M + "+tma"
 
 # Autotune candidates per kernel and head-dim bucket (the larger of the padded Dk, Dv):
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, walk); blocks divide the 128×128 sparse blocks.
@@ -175,8 +175,10 @@ P_TMA, P_FLAT_TMA, M_TMA = P + "+tma", P + "+flat+tma", M + "+tma"
 # - ``one_loop``: the forward 128×128 fits in 203 registers (split walks: 222) at 12 % more
 #   operations per FULL tile;
 # - ``+lpt`` on the winners' shapes;
-# - ``+tma`` (forward): the FULL loop of 128×128 drops from 537 to 470 operations per thread
-#   and tile (no address arithmetic; 237 registers, ``one_loop+tma`` 199).
+# - ``+tma``: the forward's FULL loop (128×128) drops from 537 to 470 operations per thread
+#   and tile (no address arithmetic; 237 registers, ``one_loop+tma`` 199), dQ's (128×64,
+#   flat) from 305 to 264, dK/dV's (32×128, flat) from 345 to 322 (the LSE and Δ rows still
+#   load by pointers); dK/dV 64×128 with TMA spills 36 bytes and is left out.
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     "attn_fwd": {
         64: [(128, 128, 8, 2, P), (128, 64, 8, 3, P), (128, 32, 4, 3, P), (64, 64, 4, 3, P),
@@ -194,7 +196,7 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
         128: [(32, 128, 8, 2, P), (32, 128, 8, 2, F), (32, 128, 8, 2, F_FLAT),
               (32, 128, 8, 3, F_FLAT), (64, 128, 8, 2, F_FLAT), (64, 128, 8, 3, F_FLAT),
               (32, 128, 8, 2, F_LPT), (32, 128, 8, 2, F_FLAT_LPT), (32, 128, 8, 2, M),
-              (64, 128, 8, 2, M)],
+              (64, 128, 8, 2, M), (32, 128, 8, 2, F_FLAT_TMA)],
         256: [(16, 64, 8, 2, P), (16, 64, 4, 1, P), (32, 64, 8, 1, P)],
     },
     "attn_bwd_dq": {
@@ -202,7 +204,8 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
              (64, 64, 4, 3, M), (64, 32, 4, 2, P)],
         128: [(128, 64, 8, 2, P), (128, 64, 8, 2, F), (128, 64, 8, 2, F_FLAT),
               (128, 64, 8, 3, F_FLAT), (128, 64, 8, 2, F_LPT), (128, 64, 8, 2, F_FLAT_LPT),
-              (128, 64, 16, 3, F_FLAT), (128, 64, 8, 2, M), (64, 32, 4, 2, P)],
+              (128, 64, 16, 3, F_FLAT), (128, 64, 8, 2, M), (128, 64, 8, 2, F_FLAT_TMA),
+              (128, 64, 8, 2, M_TMA), (64, 32, 4, 2, P)],
         256: [(64, 32, 8, 2, P), (64, 16, 4, 2, P), (64, 32, 4, 1, P)],
     },
 }
@@ -744,7 +747,9 @@ def dkdv_call(q, k, v, dout, lse, delta_, dk, dv, plan: Plan) -> Call:
         return Call("attn_bwd_dkdv", args, _grid(kv_len, plan.tiles.sparse_k, 1, batch * heads_kv),
                     plan.tiles.dkdv, plan.tiles.walk)
     tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dK=dk, dV=dv)
-    return _reuse(plan, "attn_bwd_dkdv", tensors, build)
+    call = _reuse(plan, "attn_bwd_dkdv", tensors, build)
+    call.args["TMA_OK"] = _tma_ok(q, dout)  # the walked tiles: query rows
+    return call
 
 
 def dq_call(q, k, v, dout, lse, delta_, dq, plan: Plan) -> Call:
@@ -759,7 +764,9 @@ def dq_call(q, k, v, dout, lse, delta_, dq, plan: Plan) -> Call:
         return Call("attn_bwd_dq", args, _grid(q_len, plan.tiles.sparse_q, 0, batch * heads),
                     plan.tiles.dq, plan.tiles.walk)
     tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dQ=dq)
-    return _reuse(plan, "attn_bwd_dq", tensors, build)
+    call = _reuse(plan, "attn_bwd_dq", tensors, build)
+    call.args["TMA_OK"] = _tma_ok(k, v)
+    return call
 
 
 def delta(out, dout, result, plan: Plan) -> None:
