@@ -477,9 +477,26 @@ def _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len):
 
 
 @triton.jit
-def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk, offs_dv,
-               b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len,
-               head_dk, head_dv, qk_scale, mask, own, partial, LOAD_BOUNDS: tl.constexpr,
+def _walk_row_stats(lse_src, delta_src, start_m, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t,
+                    q_len, USE_TMA: tl.constexpr):
+    """:func:`_row_stats` of a walked query block (rows ``start_m …``). With USE_TMA,
+    ``lse_src``/``delta_src`` are 1-D descriptors of one head's rows, and rows past the end
+    read 0 instead of ``+inf``: harmless there, because their q and dO tiles (TMA copies too)
+    read 0, so they add nothing to dK or dV."""
+    if USE_TMA:
+        lse = lse_src.load([start_m])
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        delta = delta_src.load([start_m])
+    else:
+        lse2, delta = _row_stats(lse_src, delta_src, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t,
+                                 q_len)
+    return lse2, delta
+
+
+@triton.jit
+def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_n, offs_dk,
+               offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len,
+               kv_len, head_dk, head_dv, qk_scale, mask, own, partial, LOAD_BOUNDS: tl.constexpr,
                BOUNDS: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_DK: tl.constexpr,
                EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                USE_TMA: tl.constexpr):
@@ -491,7 +508,8 @@ def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_
                    EVEN_DK, USE_TMA)  # [M, DK]
     do = _walk_tile(do_base, start_m, offs_m, offs_dv, s_do_t, s_do_d, q_len, head_dv,
                     LOAD_BOUNDS, EVEN_DV, USE_TMA)  # [M, DV]
-    lse2, delta = _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len)
+    lse2, delta = _walk_row_stats(lse_src, delta_src, start_m, b, h, heads, offs_m, s_l_b, s_l_h,
+                                  s_l_t, q_len, USE_TMA)
     s2_t = _scores(k, q, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask, own,
                    partial, True, BOUNDS, PRECISION, UPCAST)  # [N, M]
     p_t = tl.math.exp2(s2_t - lse2[None, :])  # [N, M] softmax weights, transposed
@@ -580,14 +598,22 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                            USE_TMA)
         do_base = _describe(dOut + b * s_do_b + h * s_do_h, q_len, head_dv, s_do_t, BLOCK_M,
                             DV_PAD, USE_TMA)
+        lse_src = Lse
+        delta_src = Delta
+        if USE_TMA:  # the query rows' LSE and Δ as 1-D descriptors too
+            lse_src = tl.make_tensor_descriptor(Lse + b * s_l_b + h * s_l_h, shape=[q_len],
+                                                strides=[1], block_shape=[BLOCK_M])
+            delta_src = tl.make_tensor_descriptor(Delta + (b * heads + h) * q_len, shape=[q_len],
+                                                  strides=[1], block_shape=[BLOCK_M])
         n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h, col,
                                                s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
         if MERGED:  # one loop over the whole list, PARTIAL blocks first
             for t in range(0, (n_partial + n_full) * SUBS):
                 start_m = tl.load(blocks + t // SUBS) * SPARSE_Q + (t % SUBS) * BLOCK_M
                 dk, dv = _dkdv_tile(
-                    k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk, offs_dv,
-                    b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len,
+                    k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_n, offs_dk,
+                    offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len,
+                    kv_len,
                     head_dk, head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS, BOUNDS,
                     BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
         for part in tl.static_range(0 if MERGED else 2):  # or a loop per kind (launch.WALKS)
@@ -598,9 +624,9 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                 for t in range(first * SUBS, stop * SUBS):
                     start_m = tl.load(blocks + t // SUBS) * SPARSE_Q + (t % SUBS) * BLOCK_M
                     dk, dv = _dkdv_tile(
-                        k, v, dk, dv, start_m, q_base, do_base, Lse, Delta, offs_n, offs_dk,
-                        offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t,
-                        q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, masked,
+                        k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_n,
+                        offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h,
+                        s_l_t, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, masked,
                         masked and BOUNDS, BOUNDS, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST,
                         USE_TMA)
             else:  # one sparse block per iteration, its kernel blocks unrolled
@@ -608,11 +634,11 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                     block = tl.load(blocks + j)
                     for sub in tl.static_range(SUBS):
                         dk, dv = _dkdv_tile(
-                            k, v, dk, dv, block * SPARSE_Q + sub * BLOCK_M, q_base, do_base, Lse,
-                            Delta, offs_n, offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t,
-                            s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len, head_dk, head_dv,
-                            qk_scale, mask, own, masked, masked and BOUNDS, BOUNDS, BLOCK_M,
-                            EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
+                            k, v, dk, dv, block * SPARSE_Q + sub * BLOCK_M, q_base, do_base,
+                            lse_src, delta_src, offs_n, offs_dk, offs_dv, b, h, heads, s_q_t,
+                            s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len, head_dk,
+                            head_dv, qk_scale, mask, own, masked, masked and BOUNDS, BOUNDS,
+                            BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
     dk = dk * sm_scale
     tl.store(_tile_ptrs(dK + b * s_dk_b + h_kv * s_dk_h, offs_n, offs_dk, s_dk_t, s_dk_d),
              dk.to(dK.dtype.element_ty), mask=_in_bounds(offs_n, offs_dk, kv_len, head_dk))

@@ -177,8 +177,8 @@ P_TMA, P_FLAT_TMA, F_FLAT_TMA, M_TMA = P + "+tma", P + "+flat+tma", F + "+flat+t
 # - ``+lpt`` on the winners' shapes;
 # - ``+tma``: the forward's FULL loop (128×128) drops from 537 to 470 operations per thread
 #   and tile (no address arithmetic; 237 registers, ``one_loop+tma`` 199), dQ's (128×64,
-#   flat) from 305 to 264, dK/dV's (32×128, flat) from 345 to 322 (the LSE and Δ rows still
-#   load by pointers); dK/dV 64×128 with TMA spills 36 bytes and is left out.
+#   flat) from 305 to 264, dK/dV's (32×128, flat; its LSE and Δ rows by 1-D descriptors)
+#   from 345 to 269; dK/dV 64×128 with TMA spills and is left out.
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     "attn_fwd": {
         64: [(128, 128, 8, 2, P), (128, 64, 8, 3, P), (128, 32, 4, 3, P), (64, 64, 4, 3, P),
@@ -723,12 +723,12 @@ def forward_call(q, k, v, out, lse, plan: Plan) -> Call:
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether the ``+tma`` walks may describe these ``[B, H, T, D]`` tensors to the TMA unit
-    (made per (batch, head) in the kernel as a 2-D ``[T, D]`` descriptor): unit stride along D,
-    16-byte aligned base pointers and batch/head/row strides."""
+    """Whether the ``+tma`` walks may describe these ``[B, H, T, D]`` (or ``[B, H, T]``) tensors
+    to the TMA unit (made per (batch, head) in the kernel, a ``[T, D]`` or ``[T]`` descriptor):
+    unit stride along the last dim, 16-byte aligned base pointers and other strides."""
     for t in tensors:
         size = t.element_size()
-        if t.stride(3) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:3]):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
             return False
     return True
 
@@ -748,7 +748,7 @@ def dkdv_call(q, k, v, dout, lse, delta_, dk, dv, plan: Plan) -> Call:
                     plan.tiles.dkdv, plan.tiles.walk)
     tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dK=dk, dV=dv)
     call = _reuse(plan, "attn_bwd_dkdv", tensors, build)
-    call.args["TMA_OK"] = _tma_ok(q, dout)  # the walked tiles: query rows
+    call.args["TMA_OK"] = _tma_ok(q, dout, lse, delta_)  # the walked query rows and their stats
     return call
 
 
