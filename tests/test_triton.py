@@ -318,24 +318,25 @@ def test_kernel_blocks_inside_sparse_blocks(tiles, gen, monkeypatch):
 def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
     """Each walk the autotuner may pick (PARTIAL or FULL loop first; sub-tiles unrolled or one
     per iteration; rows in order or heaviest first) gives the same attention, on rows mixing
-    PARTIAL and FULL blocks, with two kernel blocks per sparse block. At 70 positions an
-    ordered launch has one program past the end (3 sparse rows × 2), which must write nothing;
+    PARTIAL and FULL blocks, with two kernel blocks per sparse block. At 76 positions an
+    ordered launch has one program past the end (3 sparse rows × 2), which must write nothing,
+    and every tensor, the LSE too (76 a multiple of 4), is TMA-eligible for the ``+tma`` walks.
     GQA 2/1, so the dK/dV programs walk two heads' lists. The cases' orders cover the three
     kinds (loaded, reversed for causal rows, the rows' own for causal columns and the bias)."""
     monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
         sparse_q=32, sparse_k=32, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), walk=walk))
     if case == "docs&causal":
-        mask, allowed = _docs(gen, 70, 2, causal=True)
+        mask, allowed = _docs(gen, 76, 2, causal=True)
         bias = None
     elif case == "window&padding":
         mask = ak.sliding_window(20) & ak.padding(kv_lengths=[61])
-        allowed, bias = dense_band(70, 70, 20, 0) & dense_padding(70, 70, None, [61]), None
+        allowed, bias = dense_band(76, 76, 20, 0) & dense_padding(76, 76, None, [61]), None
     elif case == "causal":
-        mask, allowed, bias = ak.causal(), dense_causal(70, 70), None
+        mask, allowed, bias = ak.causal(), dense_causal(76, 76), None
     else:
-        bias = torch.randn(70, 70, generator=gen)
+        bias = torch.randn(76, 76, generator=gen)
         mask, allowed = ak.bias(bias), None
-    q, k, v = make_qkv(1, 2, 1, 70, 70, 16, 16, torch.float32, gen)  # GQA 2/1
+    q, k, v = make_qkv(1, 2, 1, 76, 76, 16, 16, torch.float32, gen)  # GQA 2/1
     check(q, k, v, mask, allowed, bias, gen=gen)
 
 
@@ -401,15 +402,17 @@ def test_lengths_on_block_edges_skip_bounds_checks(kind, gen):
 
 @pytest.mark.parametrize("walk", [launch.P_TMA, launch.M_TMA])
 def test_tma_reads_nothing_past_the_ends(walk, gen, monkeypatch):
-    """``+tma`` forward walks describe K/V per (batch, head) as ``[Tk, Dk]``: the copies must
-    zero-fill rows past a ragged end (70 keys in 32-row blocks) and columns past a padded head
-    dim (24 → 32), here NaN in memory, while the strides still let TMA describe the views."""
+    """``+tma`` walks describe K/V (forward, dQ) and Q/dO (dK/dV) per (batch, head) as
+    ``[T, D]``: the copies must zero-fill rows past a ragged end (72 positions in 32-row blocks)
+    and columns past a padded head dim (24 → 32), here NaN in memory, while the strides still
+    let TMA describe the views."""
     monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
         sparse_q=32, sparse_k=32, fwd=(32, 32), dkdv=(32, 32), dq=(32, 32), walk=walk))
-    q, k, v = (poisoned(t, extra=(0, 0, 26, 8)) for t in make_qkv(1, 2, 1, 70, 70, 24, 24,
+    q, k, v = (poisoned(t, extra=(0, 0, 24, 8)) for t in make_qkv(1, 2, 1, 72, 72, 24, 24,
                                                                    torch.float32, gen))
-    assert launch._tma_ok(k, v) and not launch._tma_ok(poisoned(k), v)
-    mask, allowed = _docs(gen, 70, 3, causal=True)
+    lse = torch.empty(1, 2, 72)  # as the forward makes it; 72 rows keep each head 16-byte aligned
+    assert launch._tma_ok(k, v) and launch._tma_ok(q, q, lse) and not launch._tma_ok(poisoned(k))
+    mask, allowed = _docs(gen, 72, 3, causal=True)
     check(q, k, v, mask, allowed, gen=gen)
 
 
