@@ -97,6 +97,10 @@ def parse_args(argv=None):
                    help="seconds: start no new workload after this (the JSON and table keep what ran)")
     p.add_argument("--no-warm", action="store_true",
                    help="skip compiling every kernel config in parallel processes first")
+    p.add_argument("--exclude-walks", default="",
+                   help="comma-separated walk parts (e.g. 'tma,one_loop') whose autotune candidates "
+                        "are dropped for this run, warm workers included: if a walk fails on this "
+                        "machine, the rest can still be measured")
     p.add_argument("--warm-one", default=None, help=argparse.SUPPRESS)  # "mask:d" (a warm worker)
     p.add_argument("--warm-kind", default=None, help=argparse.SUPPRESS)  # "kind:dtype" (a warm worker)
     p.add_argument("--out", default=None, help="folder for the JSON (default: $OUT, else results/)")
@@ -597,8 +601,28 @@ class Result:
 STARTED = time.perf_counter()
 
 
+def exclude_walks(parts: str) -> list[str]:
+    """Drop the autotune candidates whose walk has one of the comma-separated ``parts``
+    (``launch.CONFIGS`` of this process); a bucket keeps at least its first candidate. Returns
+    the dropped ones, as ``kernel D-bucket config``."""
+    from attnkit.backends.triton import launch
+
+    unwanted = {part.strip() for part in parts.split(",") if part.strip()}
+    dropped = []
+    for name, buckets in launch.CONFIGS.items():
+        for bucket, candidates in buckets.items():
+            kept = [c for c in candidates if not unwanted & set(c[4].split("+"))] or candidates[:1]
+            dropped += [f"{name} D{bucket} {c}" for c in candidates if c not in kept]
+            buckets[bucket] = kept
+    return dropped
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.exclude_walks:
+        dropped = exclude_walks(args.exclude_walks)
+        if not (args.warm_one or args.warm_kind):
+            print(f"--exclude-walks {args.exclude_walks}: {len(dropped)} candidates dropped", flush=True)
     if args.warm_one:
         return warm_one(args.warm_one, args.dtype, args.span)
     if args.warm_kind:
@@ -824,7 +848,8 @@ def warm(todo: list[Workload], args) -> None:
     only on whether the lengths are multiples of the 128-wide sparse blocks, as 1024 and every
     workload's are, so one small problem per mask and head dim builds the binaries the
     workloads use.)"""
-    jobs = {f"{mask} D{d}": ["--warm-one", f"{mask}:{d}", "--dtype", args.dtype, "--span", "128"]
+    jobs = {f"{mask} D{d}": ["--warm-one", f"{mask}:{d}", "--dtype", args.dtype, "--span", "128",
+                             "--exclude-walks", args.exclude_walks]
             for mask, d in sorted({(w.mask, w.d) for w in todo})}
     if args.check_kinds:  # the mask-kind checks' one config per kernel, each kind in its dtypes
         for low, only in (("bf16", None), ("fp16", FP16_KINDS)):
@@ -838,6 +863,9 @@ def warm(todo: list[Workload], args) -> None:
         output, _ = proc.communicate()
         state = "ok" if proc.returncode == 0 else f"FAILED ({proc.returncode}):\n{output[-2000:]}"
         print(f"warm {label}: {state}", flush=True)
+        if proc.returncode:
+            print("  (a candidate that fails here fails the timed run too: find its walk in the "
+                  "output above and rerun with --exclude-walks PART)", flush=True)
     print(f"warm: {len(jobs)} jobs compiled in parallel in {time.perf_counter() - start:.0f} s",
           flush=True)
 

@@ -735,3 +735,10 @@ def test_benchmark_dry_run(tmp_path, capsys, monkeypatch):
     assert bench.walk_families(ms) == {"split": 0.29, "flat": 0.31, "one_loop": 0.27, "lpt": 0.26,
                                        "tma": 0.25}
     assert all(any(member(walk) for member in bench.WALK_FAMILIES.values()) for walk in launch.WALKS)
+    # --exclude-walks: a walk that fails on some machine can be left out of a run
+    monkeypatch.setattr(launch, "CONFIGS", {name: {bucket: list(candidates) for bucket, candidates
+                                                   in buckets.items()}
+                                            for name, buckets in launch.CONFIGS.items()})
+    assert bench.exclude_walks("tma, one_loop")
+    walks = {c[4] for buckets in launch.CONFIGS.values() for cs in buckets.values() for c in cs}
+    assert walks and not any("tma" in w or w.startswith("one_loop") for w in walks)
