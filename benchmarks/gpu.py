@@ -352,15 +352,24 @@ def check(w: Workload, dtype, device) -> dict:
     return result
 
 
+CONFIG_CHECKS_ALSO = (("causal", 256), ("documents&causal", 256))
+"""(mask, head dim) pairs ``--check-configs`` checks besides the workloads': the D256
+candidates, which no timed workload runs."""
+
+
+def config_checks(todo: list["Workload"]) -> list[tuple[str, int]]:
+    return sorted({(w.mask, w.d) for w in todo} | set(CONFIG_CHECKS_ALSO))
+
+
 def check_configs(todo: list["Workload"], dtype, device) -> list[dict]:
     """Every autotune candidate (``launch.CONFIGS``: block shape, warps, stages, walk) of the
-    three kernels on each workload mask at N 1024 (window and documents of 128) against
-    float32 math, as :func:`check`; candidate i of each kernel runs together
-    (``launch.pinned``). The binaries are those the warm step built."""
+    three kernels on each workload mask (and :data:`CONFIG_CHECKS_ALSO`) at N 1024 (window and
+    documents of 128) against float32 math, as :func:`check`; candidate i of each kernel runs
+    together (``launch.pinned``). The binaries are those the warm step built."""
     from attnkit.backends.triton import launch
 
     rows = []
-    for mask, d in sorted({(w.mask, w.d) for w in todo}):
+    for mask, d in config_checks(todo):
         pad = launch.head_pad(d)
         count = max(len(launch.CONFIGS[name][launch.head_bucket(pad)]) for name in launch.CONFIGS)
         for index in range(count):
@@ -848,9 +857,10 @@ def warm(todo: list[Workload], args) -> None:
     only on whether the lengths are multiples of the 128-wide sparse blocks, as 1024 and every
     workload's are, so one small problem per mask and head dim builds the binaries the
     workloads use.)"""
+    pairs = config_checks(todo) if args.check_configs else sorted({(w.mask, w.d) for w in todo})
     jobs = {f"{mask} D{d}": ["--warm-one", f"{mask}:{d}", "--dtype", args.dtype, "--span", "128",
                              "--exclude-walks", args.exclude_walks]
-            for mask, d in sorted({(w.mask, w.d) for w in todo})}
+            for mask, d in pairs}
     if args.check_kinds:  # the mask-kind checks' one config per kernel, each kind in its dtypes
         for low, only in (("bf16", None), ("fp16", FP16_KINDS)):
             for name in (only or mask_kinds(*KIND_SHAPE[3:5], KIND_SHAPE[0], torch.Generator())):

@@ -42,8 +42,12 @@ Status
   scalar ``tl.load`` there returns a 1-element array, which ``range`` refuses.)
 - **Built for sm90, offline**: ``benchmarks/gpu.py --compile-only`` compiles every autotune
   config (head dims 64/128/256) as the JIT would (same specialization, Triton's own ptxas run
-  and flags) and reports shared memory, registers and spills: all use wgmma; no spills at
-  D ≤ 128 except dK/dV at D = 128 (0–184 bytes); D = 256 is untested on a GPU.
+  and flags) and reports shared memory, registers and spills: all use wgmma; at D ≤ 128
+  only a few dK/dV candidates spill (4–24 bytes). D = 256 (untested on a GPU; the next
+  run's ``--check-configs`` covers it): every forward candidate used to need more shared
+  memory than a block may have (288–292 KiB: none could launch); its candidates are now
+  flat walks, which fit (96–192 KiB; spills only in two dK/dV shapes, 52 and 104 bytes,
+  and dQ 32×32, 4 bytes).
 - **Interpreter quirks**: (1) its ``tl.dot`` multiplies bfloat16 bit patterns
   (triton-lang/triton#11584, "not supported yet" upstream), so under the interpreter bf16 dot
   operands are cast to float32 first (``UPCAST``; products of bf16 values are exact in fp32, as

@@ -175,6 +175,11 @@ P_TMA, P_FLAT_TMA, F_FLAT_TMA, M_TMA = P + "+tma", P + "+flat+tma", F + "+flat+t
 # - ``one_loop``: the forward 128×128 fits in 203 registers (split walks: 222) at 12 % more
 #   operations per FULL tile;
 # - ``+lpt`` on the winners' shapes;
+# - D = 256 (129–256), flat walks only: unrolled, every forward candidate needed 288–292 KiB
+#   of shared memory (over the 227 KiB an H100/H200 block may have: they could not launch)
+#   and the backward spilled 0.2–21 KiB; flat, the forward takes 96–192 KiB without spills,
+#   dK/dV 16×32 49 KiB without spills (16×64 and 32×64: 52 and 104 bytes), dQ 64×32 none
+#   (32×32: 4 bytes).
 # - ``+tma``: the forward's FULL loop (128×128) drops from 537 to 470 operations per thread
 #   and tile (no address arithmetic; 237 registers, ``one_loop+tma`` 199), dQ's (128×64,
 #   flat) from 305 to 264, dK/dV's (32×128, flat; its LSE and Δ rows by 1-D descriptors)
@@ -187,7 +192,8 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
               (128, 128, 8, 2, M), (128, 128, 8, 2, P_TMA), (128, 128, 8, 2, M_TMA),
               (128, 64, 8, 3, P), (128, 64, 8, 3, P_FLAT), (128, 64, 8, 3, P_FLAT_TMA),
               (128, 64, 8, 4, P_FLAT), (128, 64, 16, 3, P_FLAT), (64, 32, 4, 2, P)],
-        256: [(64, 32, 4, 2, P), (64, 64, 8, 2, P), (64, 32, 8, 2, P)],
+        256: [(64, 64, 8, 2, P_FLAT), (64, 32, 4, 2, P_FLAT), (64, 32, 4, 3, P_FLAT),
+              (128, 64, 8, 2, P_FLAT)],
     },
     "attn_bwd_dkdv": {  # BLOCK_N key rows per program, BLOCK_M query rows per step
         64: [(32, 128, 8, 2, P), (64, 128, 8, 2, P), (64, 128, 8, 2, P_FLAT),
@@ -197,7 +203,7 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
               (32, 128, 8, 3, F_FLAT), (64, 128, 8, 2, F_FLAT), (64, 128, 8, 3, F_FLAT),
               (32, 128, 8, 2, F_LPT), (32, 128, 8, 2, F_FLAT_LPT), (32, 128, 8, 2, M),
               (64, 128, 8, 2, M), (32, 128, 8, 2, F_FLAT_TMA)],
-        256: [(16, 64, 8, 2, P), (16, 64, 4, 1, P), (32, 64, 8, 1, P)],
+        256: [(16, 32, 4, 2, P_FLAT), (16, 64, 8, 2, P_FLAT), (32, 64, 8, 2, P_FLAT)],
     },
     "attn_bwd_dq": {
         64: [(128, 64, 8, 2, P), (64, 64, 4, 3, P), (64, 64, 4, 3, P_FLAT), (64, 64, 4, 3, P_LPT),
@@ -206,7 +212,7 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
               (128, 64, 8, 3, F_FLAT), (128, 64, 8, 2, F_LPT), (128, 64, 8, 2, F_FLAT_LPT),
               (128, 64, 16, 3, F_FLAT), (128, 64, 8, 2, M), (128, 64, 8, 2, F_FLAT_TMA),
               (128, 64, 8, 2, M_TMA), (64, 32, 4, 2, P)],
-        256: [(64, 32, 8, 2, P), (64, 16, 4, 2, P), (64, 32, 4, 1, P)],
+        256: [(64, 32, 8, 2, P_FLAT), (32, 32, 4, 2, P_FLAT)],
     },
 }
 
