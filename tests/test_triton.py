@@ -400,15 +400,16 @@ def test_lengths_on_block_edges_skip_bounds_checks(kind, gen):
     check(q, k, v, mask, allowed, bias, gen=gen, dout=dout)
 
 
-@pytest.mark.parametrize("walk", [launch.P_TMA, launch.M_TMA])
-def test_tma_reads_nothing_past_the_ends(walk, gen, monkeypatch):
+@pytest.mark.parametrize("heads_kv", [2, 1], ids=["mha", "gqa"])
+@pytest.mark.parametrize("walk", [launch.P_TMA, launch.P_FLAT_TMA, launch.F_FLAT_TMA, launch.M_TMA])
+def test_tma_reads_nothing_past_the_ends(walk, heads_kv, gen, monkeypatch):
     """``+tma`` walks describe K/V (forward, dQ) and Q/dO (dK/dV) per (batch, head) as
     ``[T, D]``: the copies must zero-fill rows past a ragged end (72 positions in 32-row blocks)
     and columns past a padded head dim (24 → 32), here NaN in memory, while the strides still
-    let TMA describe the views."""
+    let TMA describe the views. (With GQA, dK/dV loads by pointers: see ``launch.dkdv_call``.)"""
     monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
         sparse_q=32, sparse_k=32, fwd=(32, 32), dkdv=(32, 32), dq=(32, 32), walk=walk))
-    q, k, v = (poisoned(t, extra=(0, 0, 24, 8)) for t in make_qkv(1, 2, 1, 72, 72, 24, 24,
+    q, k, v = (poisoned(t, extra=(0, 0, 24, 8)) for t in make_qkv(1, 2, heads_kv, 72, 72, 24, 24,
                                                                    torch.float32, gen))
     lse = torch.empty(1, 2, 72)  # as the forward makes it; 72 rows keep each head 16-byte aligned
     assert launch._tma_ok(k, v) and launch._tma_ok(q, q, lse) and not launch._tma_ok(poisoned(k))

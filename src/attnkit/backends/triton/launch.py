@@ -754,7 +754,9 @@ def dkdv_call(q, k, v, dout, lse, delta_, dk, dv, plan: Plan) -> Call:
                     plan.tiles.dkdv, plan.tiles.walk)
     tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dK=dk, dV=dv)
     call = _reuse(plan, "attn_bwd_dkdv", tensors, build)
-    call.args["TMA_OK"] = _tma_ok(q, dout, lse, delta_)  # the walked query rows and their stats
+    # the walked query rows and their stats; with GQA the kernel would remake the descriptors
+    # per query head inside its loop over them, a path no GPU has run yet: pointers there
+    call.args["TMA_OK"] = q.shape[1] == k.shape[1] and _tma_ok(q, dout, lse, delta_)
     return call
 
 
