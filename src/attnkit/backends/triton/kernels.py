@@ -165,6 +165,13 @@ def _block_row(num_partial, num_full, index, b, h, row, s_n_b, s_n_h, s_n_r, s_i
 
 
 @triton.jit
+def _block_start(blocks, t, SUBS: tl.constexpr, SPARSE: tl.constexpr, BLOCK: tl.constexpr):
+    """First position of kernel block ``t`` of a row's list in the one-block-per-iteration
+    loops: sub-block ``t % SUBS`` of listed sparse block ``t // SUBS``."""
+    return tl.load(blocks + t // SUBS) * SPARSE + (t % SUBS) * BLOCK
+
+
+@triton.jit
 def _ordered_block(order, pid, SUBS: tl.constexpr, ORDER_KIND: tl.constexpr):
     """The kernel block program ``pid`` takes when programs follow ``order`` (the sparse rows,
     the most tiles first; ``launch.BlockLists.order``): the grid has ``SUBS`` consecutive
@@ -412,7 +419,7 @@ def attn_fwd(Q, K, V, Out, Lse,
     SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
     if MERGED:  # one loop over the whole list, PARTIAL blocks first: one pipeline per row
         for t in range(0, (n_partial + n_full) * SUBS):
-            start_n = tl.load(blocks + t // SUBS) * SPARSE_K + (t % SUBS) * BLOCK_N
+            start_n = _block_start(blocks, t, SUBS, SPARSE_K, BLOCK_N)
             m_i, l_i, acc = _fwd_tile(
                 q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
                 s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
@@ -424,7 +431,7 @@ def attn_fwd(Q, K, V, Out, Lse,
         stop = n_partial if masked else n_partial + n_full
         if FLAT:  # one kernel block per iteration
             for t in range(first * SUBS, stop * SUBS):
-                start_n = tl.load(blocks + t // SUBS) * SPARSE_K + (t % SUBS) * BLOCK_N
+                start_n = _block_start(blocks, t, SUBS, SPARSE_K, BLOCK_N)
                 m_i, l_i, acc = _fwd_tile(
                     q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
                     s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
@@ -609,20 +616,19 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                                                s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
         if MERGED:  # one loop over the whole list, PARTIAL blocks first
             for t in range(0, (n_partial + n_full) * SUBS):
-                start_m = tl.load(blocks + t // SUBS) * SPARSE_Q + (t % SUBS) * BLOCK_M
+                start_m = _block_start(blocks, t, SUBS, SPARSE_Q, BLOCK_M)
                 dk, dv = _dkdv_tile(
                     k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_n, offs_dk,
                     offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len,
-                    kv_len,
-                    head_dk, head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS, BOUNDS,
-                    BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
+                    kv_len, head_dk, head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS,
+                    BOUNDS, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
         for part in tl.static_range(0 if MERGED else 2):  # or a loop per kind (launch.WALKS)
             masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
             first = 0 if masked else n_partial
             stop = n_partial if masked else n_partial + n_full
             if FLAT:  # one kernel block per iteration
                 for t in range(first * SUBS, stop * SUBS):
-                    start_m = tl.load(blocks + t // SUBS) * SPARSE_Q + (t % SUBS) * BLOCK_M
+                    start_m = _block_start(blocks, t, SUBS, SPARSE_Q, BLOCK_M)
                     dk, dv = _dkdv_tile(
                         k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_n,
                         offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h,
@@ -705,7 +711,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
     SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
     if MERGED:  # one loop over the whole list, PARTIAL blocks first
         for t in range(0, (n_partial + n_full) * SUBS):
-            start_n = tl.load(blocks + t // SUBS) * SPARSE_K + (t % SUBS) * BLOCK_N
+            start_n = _block_start(blocks, t, SUBS, SPARSE_K, BLOCK_N)
             dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
                           offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
                           head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS, BOUNDS,
@@ -716,7 +722,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
         stop = n_partial if masked else n_partial + n_full
         if FLAT:  # one kernel block per iteration
             for t in range(first * SUBS, stop * SUBS):
-                start_n = tl.load(blocks + t // SUBS) * SPARSE_K + (t % SUBS) * BLOCK_N
+                start_n = _block_start(blocks, t, SUBS, SPARSE_K, BLOCK_N)
                 dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
                               offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
                               head_dv, qk_scale, mask, own, masked, masked and BOUNDS, BOUNDS,

@@ -633,21 +633,14 @@ class Call:
         the first time, then the chosen config launched directly (the autotuner's own lookup
         costs ~120 µs of host time per launch with this many arguments)."""
         if interpret:
-            block_m, block_n = self.fixed
-            flags = WALKS[self.walk]
-            kernel = getattr(kernels(), self.name)
-            kernel[self.grid(block_m, block_n, flags["ORDERED"])](
-                BLOCK_M=block_m, BLOCK_N=block_n, **flags, **self.args)
+            self._launch(*self.fixed, self.walk)
             return
         if self.args.get("TMA_OK"):
             _scratch_allocator()
         if _PINNED:
             block_m, block_n, warps, stages, walk = pinned_config(
                 self.name, max(self.args["DK_PAD"], self.args["DV_PAD"]), _PINNED[-1])
-            flags = WALKS[walk]
-            getattr(kernels(), self.name)[self.grid(block_m, block_n, flags["ORDERED"])](
-                BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=warps, num_stages=stages,
-                **self.args)
+            self._launch(block_m, block_n, walk, num_warps=warps, num_stages=stages)
             return
         tuner = _tuned(self.name)
         config = self.tuned.get("config")
@@ -658,6 +651,13 @@ class Call:
             meta = config.kwargs
             tuner.fn[self.grid(meta["BLOCK_M"], meta["BLOCK_N"], meta["ORDERED"])](
                 **self.args, **config.all_kwargs())
+
+
+    def _launch(self, block_m: int, block_n: int, walk: str, **options) -> None:
+        """This kernel with one config, no autotuner (``options``: ``num_warps`` etc.)."""
+        flags = WALKS[walk]
+        getattr(kernels(), self.name)[self.grid(block_m, block_n, flags["ORDERED"])](
+            BLOCK_M=block_m, BLOCK_N=block_n, **flags, **options, **self.args)
 
 
 def _scratch_allocator() -> None:
