@@ -58,6 +58,7 @@ from typing import Callable, Optional
 import torch  # does not import triton: --dry-run can still pick the interpreter below
 
 REPO = Path(__file__).resolve().parents[1]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 sys.path.insert(0, str(REPO / "src"))
 
 COMPETITORS = ("attnkit-triton", "sdpa-flash", "sdpa-cudnn", "flex-compiled", "sdpa-dense-mask")
@@ -72,7 +73,7 @@ def parse_args(argv=None):
                         "skips the CUDA-only competitors")
     p.add_argument("--compile-only", action="store_true",
                    help="compile every kernel config for sm90 offline and report resources (no GPU)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     p.add_argument("--dims", default="64,128", help="head dims, comma separated")
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="sequence lengths N")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per batch: B = tokens / N")
@@ -308,6 +309,17 @@ def relative_error(x, ref) -> float:
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def exception_text(error: Exception) -> str:
+    """A failed case's exception, one line."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+
+
+def check_text(row: dict) -> str:
+    """``ok``/``FAILED`` and each quantity's relative error (or the exception) of a check row."""
+    errs = " ".join(f"{k} {v['triton']:.1e}" for k, v in row.get("errors", {}).items())
+    return f"{'ok' if row['ok'] else 'FAILED'}  {errs or row.get('exception', '')}"
+
+
 def allowed_error(yardstick: Optional[float]) -> float:
     """The error allowed: twice SDPA's own in the same dtype (``yardstick``), or 1e-4 where
     there is none (the LSE), plus 2e-3."""
@@ -381,12 +393,11 @@ def check_configs(todo: list["Workload"], dtype, device) -> list[dict]:
                     result = check(Workload(mask, 1024, d, 1, 2, 128), dtype, device)
             except Exception as error:  # noqa: BLE001 - a failed check is a result
                 result = {"workload": mask, "n": 1024, "d": d, "ok": False, "errors": {},
-                          "exception": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+                          "exception": exception_text(error)}
             result.update(workload=f"config {index}: {mask}", configs=label)
             rows.append(result)
-            errs = " ".join(f"{k} {v['triton']:.1e}" for k, v in result["errors"].items())
-            print(f"config {index:2d} {mask:18s} D{d:<4d} {'ok' if result['ok'] else 'FAILED'}  "
-                  f"{errs or result.get('exception', '')}  [{label}]", flush=True)
+            print(f"config {index:2d} {mask:18s} D{d:<4d} {check_text(result)}  [{label}]",
+                  flush=True)
     return rows
 
 
@@ -413,9 +424,9 @@ def mask_kinds(tq: int, tk: int, batch: int, gen: torch.Generator) -> dict:
 
 
 KIND_SHAPE = (2, 4, 2, 300, 333, 64)  # batch, query heads, K/V heads, Tq, Tk, D
-FP16_KINDS = ("causal", "documents&causal", "bias&causal")
-"""The kinds also checked in float16 (every kind runs in bfloat16): each (kind, dtype) compiles
-its own kernels, about 3 × 1–2 s."""
+KIND_DTYPES = (("bf16", None), ("fp16", ("causal", "documents&causal", "bias&causal")))
+"""The dtypes mask kinds are checked in, each with the kinds (``None``: all) checked in it:
+each (kind, dtype) compiles its own kernels, about 3 × 1–2 s."""
 
 
 def check_kinds(dtype, device, only=None) -> list[dict]:
@@ -467,11 +478,9 @@ def check_kinds(dtype, device, only=None) -> list[dict]:
                 ok &= err <= bound
             row["ok"] = bool(ok)
         except Exception as error:  # noqa: BLE001 - a failed case is a result
-            row["exception"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            row["exception"] = exception_text(error)
         rows.append(row)
-        errs = " ".join(f"{k} {v['triton']:.1e}" for k, v in row.get("errors", {}).items())
-        print(f"kind {name:20s} {str(dtype).replace('torch.', ''):9s} "
-              f"{'ok' if row['ok'] else 'FAILED'}  {errs or row.get('exception', '')}", flush=True)
+        print(f"kind {name:20s} {str(dtype).replace('torch.', ''):9s} {check_text(row)}", flush=True)
     return rows
 
 
@@ -644,7 +653,7 @@ def main(argv=None) -> int:
     if device.type == "cpu" and not args.dry_run:
         print("no CUDA device: use --dry-run (CPU interpreter) or --compile-only")
         return 2
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     bench = timer(device)
     import triton
 
@@ -672,9 +681,9 @@ def main(argv=None) -> int:
         else:
             print("--check-configs: the interpreter runs one fixed config; skipped")
     if args.check_kinds:
-        for low, only in ((torch.bfloat16, None), (torch.float16, FP16_KINDS)):
-            checks += [dict(row, workload=f"kind:{row['case']}", d=64, dtype=str(low))
-                       for row in check_kinds(low, device, only)]
+        for low, only in KIND_DTYPES:
+            checks += [dict(row, workload=f"kind:{row['case']}", d=64, dtype=str(DTYPES[low]))
+                       for row in check_kinds(DTYPES[low], device, only)]
     if not args.skip_check:
         seen = set()
         for w in todo:  # each mask kind and head dim once, at its longest N
@@ -862,7 +871,7 @@ def warm(todo: list[Workload], args) -> None:
                              "--exclude-walks", args.exclude_walks]
             for mask, d in pairs}
     if args.check_kinds:  # the mask-kind checks' one config per kernel, each kind in its dtypes
-        for low, only in (("bf16", None), ("fp16", FP16_KINDS)):
+        for low, only in KIND_DTYPES:
             for name in (only or mask_kinds(*KIND_SHAPE[3:5], KIND_SHAPE[0], torch.Generator())):
                 jobs[f"kind {name} {low}"] = ["--warm-kind", f"{name}:{low}"]
     start = time.perf_counter()
@@ -887,7 +896,7 @@ def warm_one(spec: str, dtype_name: str, span: int) -> int:
 
     mask, d = spec.rsplit(":", 1)
     device = torch.device("cuda")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    dtype = DTYPES[dtype_name]
     w = Workload(mask, 1024, int(d), 2, 2, span)
     q, k, v = (torch.randn(w.batch, w.heads, w.n, w.d, device=device, dtype=dtype).requires_grad_()
                for _ in range(3))
@@ -906,7 +915,7 @@ def warm_kind(spec: str) -> int:
 
     name, dtype_name = spec.rsplit(":", 1)
     device = torch.device("cuda")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    dtype = DTYPES[dtype_name]
     batch, heads, heads_kv, tq, tk, d = KIND_SHAPE
     mask = mask_kinds(tq, tk, batch, torch.Generator().manual_seed(1))[name]
     q, k, v = (torch.randn(batch, h, t, d, device=device, dtype=dtype).requires_grad_()
