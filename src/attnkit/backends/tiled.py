@@ -821,15 +821,19 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
     weights = torch.zeros(batch, heads_q, tq, tk, dtype=q.dtype, device=q.device)
     queries, keys = q.detach().to(acc) * problem.scale, k.detach().to(acc)
     lse_safe = torch.where(torch.isneginf(lse), float("inf"), lse.detach().to(acc))
-    for _, rows, segments, *_ in problem.plan.groups(tq):
-        q_block = _grouped(queries[:, :, rows[0]:rows[1]], heads_kv)
-        lse_block = _grouped(lse_safe[:, :, rows[0]:rows[1], None], heads_kv)
-        for seg in _bounded(segments, q_block.numel() // q_block.shape[-1], problem.plan.block_k, False):
+    work = _BlockWork(heads_q, heads_kv)
+    for group in problem.plan.groups(tq):
+        start, stop = group.rows
+        q_block = work.take(queries, start, stop)  # [B, Hkv, G·n, Dk]
+        lse_block = work.take(lse_safe, start, stop)[..., None]  # [B, Hkv, G·n, 1]
+        for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
+                            problem.plan.block_k, False):
             scores = q_block @ keys[:, :, seg.start:seg.stop].transpose(-1, -2)
             if seg.partial:
-                scores.add_(_segment_mask(problem, rows, seg, heads_q, heads_kv, acc, False).additive)
-            weights[:, :, rows[0]:rows[1], seg.start:seg.stop] = _ungrouped(
-                scores.sub_(lse_block).exp_(), heads_q).to(q.dtype)
+                scores.add_(_segment_mask(problem, group.rows, seg, heads_q, heads_kv, acc,
+                                          False).additive)
+            work.put(weights[..., seg.start:seg.stop], start, stop,
+                     scores.sub_(lse_block).exp_().to(q.dtype))
     return weights
 
 
