@@ -10,6 +10,9 @@ call also autotunes and compiles every kernel)::
                                                   # at small sizes against float64
     python benchmarks/gpu.py --check-configs ...  # and every autotune candidate on each mask
 
+Before anything is timed, worker processes compile and run every candidate (``warm``): one
+that fails there is dropped for the run, so a bad candidate cannot end the timed process.
+
 Anywhere (no GPU)::
 
     python benchmarks/gpu.py --dry-run            # whole pipeline at toy sizes, CPU interpreter
@@ -51,7 +54,7 @@ import sys
 import time
 import traceback
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -104,6 +107,7 @@ def parse_args(argv=None):
                         "machine, the rest can still be measured")
     p.add_argument("--warm-one", default=None, help=argparse.SUPPRESS)  # "mask:d" (a warm worker)
     p.add_argument("--warm-kind", default=None, help=argparse.SUPPRESS)  # "kind:dtype" (a warm worker)
+    p.add_argument("--drop-configs", default="[]", help=argparse.SUPPRESS)  # JSON (see drop_configs)
     p.add_argument("--out", default=None, help="folder for the JSON (default: $OUT, else results/)")
     args = p.parse_args(argv)
     args.dims_given = any(a.startswith("--dims") for a in (argv if argv is not None else sys.argv[1:]))
@@ -364,6 +368,8 @@ def check(w: Workload, dtype, device) -> dict:
     return result
 
 
+WARM_FAILED = "its warm worker failed: see the warm lines above"
+
 CONFIG_CHECKS_ALSO = (("causal", 256), ("documents&causal", 256))
 """(mask, head dim) pairs ``--check-configs`` checks besides the workloads': the D256
 candidates, which no timed workload runs."""
@@ -373,15 +379,21 @@ def config_checks(todo: list["Workload"]) -> list[tuple[str, int]]:
     return sorted({(w.mask, w.d) for w in todo} | set(CONFIG_CHECKS_ALSO))
 
 
-def check_configs(todo: list["Workload"], dtype, device) -> list[dict]:
+def check_configs(todo: list["Workload"], dtype, device, warmed: "Warmed") -> list[dict]:
     """Every autotune candidate (``launch.CONFIGS``: block shape, warps, stages, walk) of the
     three kernels on each workload mask (and :data:`CONFIG_CHECKS_ALSO`) at N 1024 (window and
     documents of 128) against float32 math, as :func:`check`; candidate i of each kernel runs
-    together (``launch.pinned``). The binaries are those the warm step built."""
+    together (``launch.pinned``). The binaries are those the warm step built; a (mask, head
+    dim) whose warm job failed is a failed row here, not run."""
     from attnkit.backends.triton import launch
 
     rows = []
     for mask, d in config_checks(todo):
+        if warmed.skips(warm_label(mask, d)):
+            rows.append({"workload": f"configs: {mask}", "n": 1024, "d": d, "ok": False,
+                         "errors": {}, "exception": WARM_FAILED})
+            print(f"configs {mask:18s} D{d:<4d} FAILED ({WARM_FAILED})", flush=True)
+            continue
         pad = launch.head_pad(d)
         count = max(len(launch.CONFIGS[name][launch.head_bucket(pad)]) for name in launch.CONFIGS)
         for index in range(count):
@@ -429,13 +441,14 @@ KIND_DTYPES = (("bf16", None), ("fp16", ("causal", "documents&causal", "bias&cau
 each (kind, dtype) compiles its own kernels, about 3 × 1–2 s."""
 
 
-def check_kinds(dtype, device, only=None) -> list[dict]:
+def check_kinds(dtype, device, only=None, warmed: Optional["Warmed"] = None) -> list[dict]:
     """Each mask kind (or those in ``only``), GQA 4/2, ragged Tq 300 × Tk 333, D 64, against
     float64 on the CPU: out, LSE, dq, dk, dv, with the error of torch's own SDPA (dense mask)
     in ``dtype`` as the yardstick (allowed: 2× it + 2e-3). An exception is a failed case,
-    reported, not fatal. The kernels run one config each (``launch.pinned(0)``): autotuning
-    would compile every candidate for every kind; the autotuned configs are checked at full
-    size with the workloads."""
+    reported, not fatal; a kind whose warm worker failed is not run here (a crash would end
+    this process's CUDA context). The kernels run one config each (``launch.pinned(0)``):
+    autotuning would compile every candidate for every kind; the autotuned configs are checked
+    at full size with the workloads."""
     import attnkit as ak
     from attnkit.backends.triton import launch
 
@@ -447,6 +460,9 @@ def check_kinds(dtype, device, only=None) -> list[dict]:
             continue
         row = {"case": name, "ok": False}
         try:
+            low_name = next(key for key, value in DTYPES.items() if value == dtype)
+            if warmed is not None and warmed.skips(f"kind {name} {low_name}"):
+                raise RuntimeError(WARM_FAILED)
             q, k, v = (torch.randn(batch, h, t, d, generator=gen, dtype=torch.float64)
                        for h, t in ((heads, tq), (heads_kv, tk), (heads_kv, tk)))
             dout = torch.randn(batch, heads, tq, d, generator=gen, dtype=torch.float64)
@@ -641,6 +657,7 @@ def main(argv=None) -> int:
         dropped = exclude_walks(args.exclude_walks)
         if not (args.warm_one or args.warm_kind):
             print(f"--exclude-walks {args.exclude_walks}: {len(dropped)} candidates dropped", flush=True)
+    drop_configs(json.loads(args.drop_configs))
     if args.warm_one:
         return warm_one(args.warm_one, args.dtype, args.span)
     if args.warm_kind:
@@ -668,8 +685,8 @@ def main(argv=None) -> int:
               f"copy {info['copy_gbps']:.0f} GB/s")
 
     todo = workloads(args)
-    if device.type == "cuda" and not args.no_warm:
-        warm(todo, args)
+    warmed = warm(todo, args) if device.type == "cuda" and not args.no_warm else Warmed()
+    info["dropped_configs"], info["warm_failed"] = warmed.dropped, sorted(warmed.broken)
     if device.type == "cuda":
         info["host_us_per_call"] = host_overhead(device, dtype)
         print("host time per call (tiny problem, GPU idle: the floor a small workload sees), us: "
@@ -677,13 +694,13 @@ def main(argv=None) -> int:
     checks = []
     if args.check_configs:
         if device.type == "cuda":
-            checks += check_configs(todo, dtype, device)
+            checks += check_configs(todo, dtype, device, warmed)
         else:
             print("--check-configs: the interpreter runs one fixed config; skipped")
     if args.check_kinds:
         for low, only in KIND_DTYPES:
             checks += [dict(row, workload=f"kind:{row['case']}", d=64, dtype=str(DTYPES[low]))
-                       for row in check_kinds(DTYPES[low], device, only)]
+                       for row in check_kinds(DTYPES[low], device, only, warmed)]
     if not args.skip_check:
         seen = set()
         for w in todo:  # each mask kind and head dim once, at its longest N
@@ -692,6 +709,8 @@ def main(argv=None) -> int:
                 continue
             seen.add((w.mask, w.d))
             try:
+                if warmed.skips(warm_label(w.mask, w.d)):
+                    raise RuntimeError(WARM_FAILED)
                 result = check(w, dtype, device)
             except Exception as error:  # noqa: BLE001 - a failed check is a result
                 traceback.print_exc()
@@ -712,6 +731,9 @@ def main(argv=None) -> int:
     for w in todo:
         if args.budget is not None and time.perf_counter() - STARTED > args.budget:
             skipped.append(f"{w.label} D{w.d} N{w.n}")
+            continue
+        if warmed.skips(warm_label(w.mask, w.d)):
+            skipped.append(f"{w.label} D{w.d} N{w.n} ({WARM_FAILED})")
             continue
         masks = Masks(w, device)
         gen = torch.Generator(device=device).manual_seed(0)
@@ -859,40 +881,148 @@ def config_timings() -> dict:
     return table
 
 
-def warm(todo: list[Workload], args) -> None:
-    """Compile every kernel config each (mask, head dim) needs, in parallel processes, into
-    Triton's on-disk cache: the timed process then loads binaries instead of compiling ~40
-    configs one after another. (The kernels do not specialize on lengths or mask parameters,
-    only on whether the lengths are multiples of the 128-wide sparse blocks, as 1024 and every
-    workload's are, so one small problem per mask and head dim builds the binaries the
-    workloads use.)"""
+@dataclass
+class Warmed:
+    """What the warm step found: candidates dropped (``[kernel, bucket, config]``), and the
+    jobs still failing once those are gone (``label → output tail``): a ``"mask Dd"`` or a
+    ``"kind name dtype"``, kept out of this process, whose CUDA context one crash would end."""
+
+    dropped: list = field(default_factory=list)
+    broken: dict = field(default_factory=dict)
+
+    def skips(self, label: str) -> bool:
+        return label in self.broken
+
+
+def warm(todo: list[Workload], args, run=None) -> Warmed:
+    """Compile and run every kernel config each (mask, head dim) needs, in parallel processes:
+    the binaries land in Triton's on-disk cache, so the timed process loads instead of
+    compiling ~40 configs one after another. (The kernels do not specialize on lengths or mask
+    parameters, only on whether the lengths are multiples of the 128-wide sparse blocks, as
+    1024 and every workload's are, so one small problem per mask and head dim builds the
+    binaries the workloads use.)
+
+    A candidate that fails in a (mask, head dim) worker (an exception, or a crash that leaves
+    the CUDA context unusable) is named by the worker's trace (:func:`culprit`), dropped from
+    ``launch.CONFIGS`` here, and the job is rerun without it: one bad candidate costs a rerun,
+    not the timed run. A mask-kind worker's failure is that kind's (no config is dropped).
+    ``run(jobs) -> {label: (returncode, output)}`` runs the workers (tests pass a fake)."""
     pairs = config_checks(todo) if args.check_configs else sorted({(w.mask, w.d) for w in todo})
-    jobs = {f"{mask} D{d}": ["--warm-one", f"{mask}:{d}", "--dtype", args.dtype, "--span", "128",
-                             "--exclude-walks", args.exclude_walks]
+    jobs = {warm_label(mask, d): ["--warm-one", f"{mask}:{d}", "--dtype", args.dtype, "--span", "128",
+                                  "--exclude-walks", args.exclude_walks]
             for mask, d in pairs}
     if args.check_kinds:  # the mask-kind checks' one config per kernel, each kind in its dtypes
         for low, only in KIND_DTYPES:
             for name in (only or mask_kinds(*KIND_SHAPE[3:5], KIND_SHAPE[0], torch.Generator())):
-                jobs[f"kind {name} {low}"] = ["--warm-kind", f"{name}:{low}"]
+                jobs[f"kind {name} {low}"] = ["--warm-kind", f"{name}:{low}",
+                                              "--exclude-walks", args.exclude_walks]
     start = time.perf_counter()
+    found = Warmed()
+    pending = dict(jobs)
+    for attempt in range(WARM_ATTEMPTS):
+        outcomes = (run or _run_workers)({label: [*argv, "--drop-configs", json.dumps(found.dropped)]
+                                          for label, argv in pending.items()})
+        pending = {}
+        for label, (code, output) in outcomes.items():
+            bad = culprit(output) if code and not label.startswith("kind ") else None
+            if code == 0:
+                print(f"warm {label}: ok", flush=True)
+            elif bad is None or attempt == WARM_ATTEMPTS - 1:
+                found.broken[label] = output[-2000:]
+                print(f"warm {label}: FAILED ({code}); left out of this run:\n{output[-2000:]}",
+                      flush=True)
+            else:
+                print(f"warm {label}: FAILED ({code}) in {bad[0]} D{bad[1]} {tuple(bad[2])}: "
+                      f"candidate dropped, job rerun\n{output[-800:]}", flush=True)
+                if bad not in found.dropped:
+                    found.dropped.append(bad)
+                pending[label] = jobs[label]
+        if not pending:
+            break
+    drop_configs(found.dropped)
+    print(f"warm: {len(jobs)} jobs in parallel, {len(found.dropped)} candidates dropped, "
+          f"{len(found.broken)} jobs failing, {time.perf_counter() - start:.0f} s", flush=True)
+    return found
+
+
+def warm_label(mask: str, d: int) -> str:
+    return f"{mask} D{d}"
+
+
+WARM_ATTEMPTS = 4
+WARM_TIMEOUT_S = 300
+TRACE = "warm launch "
+
+
+def _run_workers(jobs: dict[str, list[str]]) -> dict[str, tuple[int, str]]:
+    """Run this script once per job (``label → argv``), all at once; ``label → (returncode,
+    output)``. A worker past :data:`WARM_TIMEOUT_S` (a hung kernel) is killed: code −9."""
     procs = {label: subprocess.Popen([sys.executable, __file__, *argv], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
              for label, argv in jobs.items()}
+    deadline = time.perf_counter() + WARM_TIMEOUT_S
+    outcomes = {}
     for label, proc in procs.items():
-        output, _ = proc.communicate()
-        state = "ok" if proc.returncode == 0 else f"FAILED ({proc.returncode}):\n{output[-2000:]}"
-        print(f"warm {label}: {state}", flush=True)
-        if proc.returncode:
-            print("  (a candidate that fails here fails the timed run too: find its walk in the "
-                  "output above and rerun with --exclude-walks PART)", flush=True)
-    print(f"warm: {len(jobs)} jobs compiled in parallel in {time.perf_counter() - start:.0f} s",
-          flush=True)
+        try:
+            output, _ = proc.communicate(timeout=max(deadline - time.perf_counter(), 1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+        outcomes[label] = (proc.returncode, output)
+    return outcomes
+
+
+def culprit(output: str) -> Optional[list]:
+    """The candidate a failed worker was running: its last traced launch without an ``ok``
+    after it (see :func:`traced_launches`), as ``[kernel, bucket, config]``; ``None`` when
+    the worker failed outside a launch."""
+    last = None
+    for line in output.splitlines():
+        if line.startswith(TRACE):
+            last = None if line == TRACE + "ok" else json.loads(line[len(TRACE):])
+    return last
+
+
+@contextlib.contextmanager
+def traced_launches():
+    """In a warm worker: each fixed-config launch prints ``kernel, bucket, config`` before it
+    runs and ``ok`` once the GPU has finished it, so the launch that fails (or kills the
+    process) is the last one printed without an ``ok``."""
+    from attnkit.backends.triton import launch
+
+    original = launch.Call._launch
+
+    def traced(self, block_m, block_n, walk, **options):
+        bucket = launch.head_bucket(max(self.args["DK_PAD"], self.args["DV_PAD"]))
+        config = [block_m, block_n, options.get("num_warps"), options.get("num_stages"), walk]
+        print(TRACE + json.dumps([self.name, bucket, config]), flush=True)
+        original(self, block_m, block_n, walk, **options)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        print(TRACE + "ok", flush=True)
+
+    launch.Call._launch = traced
+    try:
+        yield
+    finally:
+        launch.Call._launch = original
+
+
+def drop_configs(dropped: list[list]) -> None:
+    """Remove ``[kernel, bucket, config]`` candidates from ``launch.CONFIGS`` (this process)."""
+    from attnkit.backends.triton import launch
+
+    for name, bucket, config in dropped:
+        candidates = launch.CONFIGS[name][int(bucket)]
+        if tuple(config) in candidates:
+            candidates.remove(tuple(config))
 
 
 def warm_one(spec: str, dtype_name: str, span: int) -> int:
-    """One warm worker: forward and backward of ``mask:d`` at a small size (autotuning compiles
-    every config of the head-dim bucket)."""
+    """One warm worker: forward and backward of ``mask:d`` at a small size with each candidate
+    in turn (``launch.pinned(i)``: candidate i of every kernel), each launch traced."""
     import attnkit as ak
+    from attnkit.backends.triton import launch
 
     mask, d = spec.rsplit(":", 1)
     device = torch.device("cuda")
@@ -900,8 +1030,13 @@ def warm_one(spec: str, dtype_name: str, span: int) -> int:
     w = Workload(mask, 1024, int(d), 2, 2, span)
     q, k, v = (torch.randn(w.batch, w.heads, w.n, w.d, device=device, dtype=dtype).requires_grad_()
                for _ in range(3))
-    out = ak.attention(q, k, v, Masks(w, device).attnkit, backend="triton")
-    out.backward(torch.randn_like(out))
+    attn_mask = Masks(w, device).attnkit
+    bucket = launch.head_bucket(launch.head_pad(w.d))
+    with traced_launches():
+        for index in range(max(len(launch.CONFIGS[name][bucket]) for name in launch.CONFIGS)):
+            with launch.pinned(index):
+                out = ak.attention(q, k, v, attn_mask, backend="triton")
+                out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
     return 0
 
@@ -920,7 +1055,7 @@ def warm_kind(spec: str) -> int:
     mask = mask_kinds(tq, tk, batch, torch.Generator().manual_seed(1))[name]
     q, k, v = (torch.randn(batch, h, t, d, device=device, dtype=dtype).requires_grad_()
                for h, t in ((heads, tq), (heads_kv, tk), (heads_kv, tk)))
-    with launch.pinned(0):
+    with launch.pinned(0), traced_launches():
         out = ak.attention(q, k, v, mask, backend="triton")
         out.backward(torch.randn_like(out))
     torch.cuda.synchronize()

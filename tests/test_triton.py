@@ -710,15 +710,24 @@ def test_no_keys_at_all(gen):
 
 # ---- the GPU benchmark's pipeline, end to end at toy sizes ---------------------------------------------
 
-def test_benchmark_dry_run(tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def bench(monkeypatch):
+    """``benchmarks/gpu.py`` as a module, with ``launch.CONFIGS`` restored afterwards."""
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", REPO / "benchmarks" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script prepends src/ to it
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(launch, "CONFIGS", {name: {bucket: list(candidates) for bucket, candidates
+                                                   in buckets.items()}
+                                            for name, buckets in launch.CONFIGS.items()})
+    return module
+
+
+def test_benchmark_dry_run(tmp_path, capsys, bench):
     """``benchmarks/gpu.py --dry-run``: the whole pipeline (checks, every competitor that runs on
     CPU, table, JSON) at toy sizes through the interpreter, in this process (its triton is
     already in interpreter mode, and the imports are paid)."""
-    spec = importlib.util.spec_from_file_location("gpu_benchmark", REPO / "benchmarks" / "gpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script prepends src/ to it
-    spec.loader.exec_module(bench)
     start = time.perf_counter()
     assert bench.main(["--dry-run", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
@@ -737,9 +746,67 @@ def test_benchmark_dry_run(tmp_path, capsys, monkeypatch):
                                        "tma": 0.25}
     assert all(any(member(walk) for member in bench.WALK_FAMILIES.values()) for walk in launch.WALKS)
     # --exclude-walks: a walk that fails on some machine can be left out of a run
-    monkeypatch.setattr(launch, "CONFIGS", {name: {bucket: list(candidates) for bucket, candidates
-                                                   in buckets.items()}
-                                            for name, buckets in launch.CONFIGS.items()})
     assert bench.exclude_walks("tma, one_loop")
     walks = {c[4] for buckets in launch.CONFIGS.values() for cs in buckets.values() for c in cs}
     assert walks and not any("tma" in w or w.startswith("one_loop") for w in walks)
+
+
+def test_benchmark_warm_isolates_failures(bench, capsys, monkeypatch):
+    """The warm step finds a candidate that fails in a worker from the worker's launch trace,
+    drops it (here and in the rerun's workers) and reruns the job; a job failing outside a
+    launch, or a mask kind's, is kept out of the timed process (one crash there would end its
+    CUDA context) and reported as a failed check instead."""
+    # the trace: the launch running when the worker died is the last one without an "ok"
+    real_launch = launch.Call._launch
+
+    def sabotaged(self, *args, **options):
+        if self.name == "attn_bwd_dq":
+            raise RuntimeError("illegal memory access (sabotaged)")
+        real_launch(self, *args, **options)
+
+    monkeypatch.setattr(launch.Call, "_launch", sabotaged)
+    q = torch.randn(1, 2, 40, 16, requires_grad=True)
+    with bench.traced_launches(), pytest.raises(RuntimeError, match="sabotaged"):
+        ak.attention(q, q, q, mask=ak.causal(), backend="triton").sum().backward()
+    assert launch.Call._launch is sabotaged  # the tracer is undone
+    trace = capsys.readouterr().out
+    assert trace.count(bench.TRACE + "ok") == 2  # forward and dK/dV ran (Δ is not traced)
+    assert bench.culprit(trace) == ["attn_bwd_dq", 64, [32, 32, None, None, "partial_first"]]
+    assert bench.culprit(trace + bench.TRACE + "ok\nTraceback ...") is None
+    assert bench.culprit("ImportError: no triton") is None
+
+    # the warm loop, with fake workers
+    bad = list(launch.CONFIGS["attn_fwd"][128][4])
+    assert bad[4] == "partial_first+tma"
+    calls = []
+
+    def run(jobs):
+        calls.append(jobs)
+        crashed = f"{bench.TRACE}{json.dumps(['attn_fwd', 128, bad])}\nCUDA error: illegal address"
+        out = {}
+        for label, argv in jobs.items():
+            dropped = json.loads(argv[argv.index("--drop-configs") + 1])
+            if label == "causal D128":
+                out[label] = (0, "") if [["attn_fwd", 128, bad]] == dropped else (1, crashed)
+            elif label in ("window D128", "kind causal bf16"):
+                out[label] = (1, crashed if label.startswith("kind") else "ImportError: boom")
+            else:
+                out[label] = (0, "")
+        return out
+
+    todo = [bench.Workload("causal", 1024, 128, 2, 16, 1024), bench.Workload("window", 8192, 128, 2, 16, 1024)]
+    warmed = bench.warm(todo, bench.parse_args(["--check-kinds"]), run=run)
+    assert warmed.dropped == [["attn_fwd", 128, bad]] and tuple(bad) not in launch.CONFIGS["attn_fwd"][128]
+    assert sorted(warmed.broken) == ["kind causal bf16", "window D128"]
+    assert len(calls) == 2 and list(calls[1]) == ["causal D128"]
+    assert "kind documents bf16" in calls[0] and len(calls[0]) == 2 + 11 + 3
+    printed = capsys.readouterr().out
+    assert "candidate dropped, job rerun" in printed and "left out of this run" in printed
+
+    # what failed in a worker is a failed check in the timed process, not run there
+    rows = bench.check_kinds(torch.bfloat16, torch.device("cpu"), ("causal",), warmed)
+    assert rows == [{"case": "causal", "ok": False, "exception": rows[0]["exception"]}]
+    assert "warm worker failed" in rows[0]["exception"]
+    every = bench.Warmed(broken={bench.warm_label(mask, d): "" for mask, d in bench.config_checks(todo)})
+    rows = bench.check_configs(todo, torch.bfloat16, torch.device("cpu"), every)
+    assert len(rows) == len(bench.config_checks(todo)) and not any(row["ok"] for row in rows)
