@@ -300,6 +300,30 @@ def test_lse_gradient(gen):
     check(q, k, v, mask, allowed, gen=gen, lse_grad=True)
 
 
+def test_gradient_of_lse_alone(gen):
+    """A loss on the LSE only (the output unused: its gradient arrives as None, not zeros)
+    gives the float64 math's gradients; v gets exactly zero."""
+    q, k, v = make_qkv(1, 2, 1, 40, 40, 32, 32, torch.float32, gen)
+    mask, allowed = ak.causal() & ak.padding(q_lengths=[30]), dense_causal(40, 40) & dense_padding(40, 40, [30])
+    weight = torch.randn(1, 2, 40, generator=gen, dtype=torch.float64)
+
+    def loss(lse):
+        return (torch.where(torch.isinf(lse), 0.0, lse.double()) * weight).sum()
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = torch.autograd.grad(loss(ak.attention(*leaves, mask=mask, backend="triton", return_lse=True).lse),
+                              leaves)
+    truth_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    plain_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    truth = torch.autograd.grad(loss(attention_math(*truth_leaves, allowed, None, 1 / math.sqrt(32),
+                                                    torch.float64)[1]), truth_leaves, allow_unused=True)
+    plain = torch.autograd.grad(loss(attention_math(*plain_leaves, allowed, None, 1 / math.sqrt(32),
+                                                    torch.float32)[1]), plain_leaves, allow_unused=True)
+    for name, mine, true, ref in zip(("dq", "dk"), got, truth, plain):
+        assert_within_2x(name, mine, true, ref, torch.float32)
+    assert (got[2] == 0).all()
+
+
 @pytest.mark.parametrize("tiles", [
     launch.Tiles(sparse_q=32, sparse_k=32, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16)),
     launch.Tiles(sparse_q=32, sparse_k=32, fwd=(32, 16), dkdv=(16, 32), dq=(32, 16)),

@@ -59,6 +59,8 @@ class _TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan):
+        # an unused lse gives dlse None, not a zero tensor to fill and subtract on every backward
+        ctx.set_materialize_grads(False)
         out, lse = _forward(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
@@ -67,6 +69,8 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:  # only the lse was used
+            dout = torch.zeros_like(out)
         dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, ctx.plan)
         return dq, dk, dv, None
 
