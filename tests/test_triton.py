@@ -814,6 +814,8 @@ def test_benchmark_warm_isolates_failures(bench, capsys, monkeypatch):
                 out[label] = (0, "") if [["attn_fwd", 128, bad]] == dropped else (1, crashed)
             elif label in ("window D128", "kind causal bf16"):
                 out[label] = (1, crashed if label.startswith("kind") else "ImportError: boom")
+            elif label == "kind window37 bf16":  # slow compiles, killed: neither dropped nor failed
+                out[label] = (bench.TIMED_OUT, crashed)
             else:
                 out[label] = (0, "")
         return out
@@ -826,6 +828,7 @@ def test_benchmark_warm_isolates_failures(bench, capsys, monkeypatch):
     assert "kind documents bf16" in calls[0] and len(calls[0]) == 2 + 11 + 3
     printed = capsys.readouterr().out
     assert "candidate dropped, job rerun" in printed and "left out of this run" in printed
+    assert "kind window37 bf16: still running" in printed
 
     # what failed in a worker is a failed check in the timed process, not run there
     rows = bench.check_kinds(torch.bfloat16, torch.device("cpu"), ("causal",), warmed)
