@@ -778,6 +778,13 @@ def main(argv=None) -> int:
     if skipped:
         print(f"over the --budget, not timed: {', '.join(skipped)}")
     print_walks(info.get("config_ms", {}))
+    losing = info["losing_candidates"] = losing_candidates(info.get("config_ms", {}))
+    print(f"\nnever within {PRUNE_SLACK:.2f}x of the fastest on any timed workload (to drop, "
+          f"unless kept for shapes not timed here, e.g. small problems):")
+    for kernel, configs in losing.items():
+        print(f"  {kernel}: " + ", ".join(configs))
+    path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
+                                "results": [asdict(r) for r in results]}, indent=1))
     print_table(results, competitors, info)
     print(f"JSON: {path}")
     failed = [c for c in checks if not c["ok"]]
@@ -864,6 +871,28 @@ def print_walks(config_ms: dict) -> None:
             cells = "  ".join(f"{f} {t:.3f}" + (f" ({t / base:.2f}×)" if base and f != "split" else "")
                               for f, t in best.items())
             print(f"  {label:26s} {name:14s} {cells}  | {min(ms, key=ms.get)}")
+
+
+PRUNE_SLACK = 1.05
+
+
+def losing_candidates(config_ms: dict, slack: float = PRUNE_SLACK) -> dict:
+    """``config_ms`` (workload label → kernel → ``{"ms": {config label: ms}}``) to the
+    candidates never within ``slack`` × the fastest of their tuning on any workload, as
+    ``"kernel Dd" → [config label]``: what to drop from ``launch.CONFIGS`` after a run."""
+    best: dict[tuple, dict] = {}  # (kernel, "Dd") → config → its best ratio to the winner
+    for label, kernels_ in config_ms.items():
+        head = next(part for part in label.split() if part[0] == "D" and part[1:].isdigit())
+        for name, tuned in kernels_.items():
+            ms = {c: t for c, t in tuned["ms"].items() if t is not None and math.isfinite(t)}
+            if not ms:
+                continue
+            fastest = min(ms.values())
+            ratios = best.setdefault((name, head), {})
+            for config, t in ms.items():
+                ratios[config] = min(ratios.get(config, math.inf), t / fastest)
+    return {f"{name} {head}": sorted(c for c, r in ratios.items() if r > slack)
+            for (name, head), ratios in best.items() if any(r > slack for r in ratios.values())}
 
 
 def config_timings() -> dict:

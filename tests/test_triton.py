@@ -769,6 +769,13 @@ def test_benchmark_dry_run(tmp_path, capsys, bench):
     assert bench.walk_families(ms) == {"split": 0.29, "flat": 0.31, "one_loop": 0.27, "lpt": 0.26,
                                        "tma": 0.25}
     assert all(any(member(walk) for member in bench.WALK_FAMILIES.values()) for walk in launch.WALKS)
+    # candidates never within 5 % of a tuning's fastest, per kernel and head dim
+    tuned = {"window D128 N8192": {"attn_fwd": {"ms": {"a": 1.0, "b": 1.04, "c": 1.2, "d": None}},
+                                   "attn_bwd_dq": {"ms": {"a": 2.0, "b": 2.0}}},
+             "causal D128 N1024": {"attn_fwd": {"ms": {"a": 0.5, "c": 0.6, "e": 0.49}}},
+             "causal D64 N1024": {"attn_fwd": {"ms": {"a": 0.3, "c": 0.3}}}}
+    assert bench.losing_candidates(tuned) == {"attn_fwd D128": ["c"]}
+    assert bench.losing_candidates(tuned, slack=1.01) == {"attn_fwd D128": ["b", "c"]}
     # --exclude-walks: a walk that fails on some machine can be left out of a run
     assert bench.exclude_walks("tma, one_loop")
     walks = {c[4] for buckets in launch.CONFIGS.values() for cs in buckets.values() for c in cs}
