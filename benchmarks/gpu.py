@@ -352,14 +352,18 @@ def check(w: Workload, dtype, device) -> dict:
     scale = 1 / math.sqrt(w.d)
     ref = reference(q, k, v, dout, masks, scale)
 
-    poison_allocator(device, 8 * q.numel() * q.element_size())
-    r = ak.attention(q, k, v, masks.attnkit, backend="triton", return_lse=True)
-    ours = (r.out, r.lse, *torch.autograd.grad(r.out, (q, k, v), dout))
+    def ours_now():
+        poison_allocator(device, 8 * q.numel() * q.element_size())
+        r = ak.attention(q, k, v, masks.attnkit, backend="triton", return_lse=True)
+        return (r.out, r.lse, *torch.autograd.grad(r.out, (q, k, v), dout))
+
+    ours = ours_now()  # the first call autotunes (or finds its config)
+    direct = check_direct_launch(ours_now, device)
     allowed = None if w.mask == "dense" else masks.dense_full()
     yard_out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
-    yard_lse = r.lse.detach().float()  # SDPA returns no LSE: LSE is judged against fp32 alone
+    yard_lse = ours[1].detach().float()  # SDPA returns no LSE: LSE is judged against fp32 alone
     yard = (yard_out, yard_lse, *torch.autograd.grad(yard_out, (q, k, v), dout))
-    result = {"workload": w.label, "n": w.n, "d": w.d, "ok": True, "errors": {}}
+    result = {"workload": w.label, "n": w.n, "d": w.d, "ok": True, "errors": {}, "direct_launch": direct}
     for name, mine, theirs, truth in zip(("out", "lse", "dq", "dk", "dv"), ours, yard, ref):
         err, yard_err = relative_error(mine, truth), relative_error(theirs, truth)
         bound = allowed_error(None if name == "lse" else yard_err)
@@ -369,6 +373,29 @@ def check(w: Workload, dtype, device) -> dict:
 
 
 WARM_FAILED = "its warm worker failed: see the warm lines above"
+
+def direct_launch_state() -> bool:
+    from attnkit.backends.triton import launch
+
+    return launch.DIRECT_LAUNCH
+
+
+def check_direct_launch(run: Callable[[], tuple], device) -> str:
+    """``run()`` twice more: once through ``JITFunction`` (which keeps the compiled kernels) and
+    once launching them directly (``launch.DIRECT_LAUNCH``). The kernels are deterministic, so
+    the two must agree bit for bit; if not, direct launches are turned off for the rest of the
+    run (the timings then pay Triton's argument binding per launch) and the answer says so."""
+    from attnkit.backends.triton import launch
+
+    if device.type != "cuda" or not launch.DIRECT_LAUNCH:
+        return "not used"
+    through_jit, direct = run(), run()
+    if all(torch.equal(a, b) for a, b in zip(through_jit, direct)):
+        return "same as JITFunction"
+    launch.DIRECT_LAUNCH = False
+    print("direct launches differ from JITFunction launches: turned off for this run", flush=True)
+    return "DIFFERED from JITFunction: turned off"
+
 
 CONFIG_CHECKS_ALSO = (("causal", 256), ("documents&causal", 256))
 """(mask, head dim) pairs ``--check-configs`` checks besides the workloads': the D256
@@ -687,6 +714,9 @@ def main(argv=None) -> int:
     todo = workloads(args)
     warmed = warm(todo, args) if device.type == "cuda" and not args.no_warm else Warmed()
     info["dropped_configs"], info["warm_failed"] = warmed.dropped, sorted(warmed.broken)
+    if warmed.direct_failed:
+        from attnkit.backends.triton import launch
+        launch.DIRECT_LAUNCH = False
     if device.type == "cuda":
         info["host_us_per_call"] = host_overhead(device, dtype)
         print("host time per call (tiny problem, GPU idle: the floor a small workload sees), us: "
@@ -769,6 +799,7 @@ def main(argv=None) -> int:
         path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
                                     "results": [asdict(r) for r in results]}, indent=1))
     info["autotuned"] = autotuned()
+    info["direct_launch"] = direct_launch_state()
     info["elapsed_s"] = time.perf_counter() - STARTED
     path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
                                 "results": [asdict(r) for r in results]}, indent=1))
@@ -815,7 +846,16 @@ def host_overhead(device, dtype, calls: int = 200) -> dict:
            "validate+plan": lambda: launch.make_plan(validate(q, k, v, mask)),
            "forward_call": lambda: launch.forward_call(q, k, v, out, lse, plan),
            "triton-launch": lambda: launch.forward_call(q, k, v, out, lse, plan).run(plan.interpret),
+           "triton-launch (JITFunction)": lambda: jit_launch(),
            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+
+    def jit_launch():  # without launch.DIRECT_LAUNCH: Triton binds the arguments every time
+        direct, launch.DIRECT_LAUNCH = launch.DIRECT_LAUNCH, False
+        try:
+            launch.forward_call(q, k, v, out, lse, plan).run(plan.interpret)
+        finally:
+            launch.DIRECT_LAUNCH = direct
+
     result = {}
     for name, fn in fns.items():
         fn()
@@ -918,6 +958,7 @@ class Warmed:
 
     dropped: list = field(default_factory=list)
     broken: dict = field(default_factory=dict)
+    direct_failed: bool = False  # a worker failed in its direct launches (launch.DIRECT_LAUNCH)
 
     def skips(self, label: str) -> bool:
         return label in self.broken
@@ -954,7 +995,11 @@ def warm(todo: list[Workload], args, run=None) -> Warmed:
         pending = {}
         for label, (code, output) in outcomes.items():
             bad = culprit(output) if code and not label.startswith("kind ") else None
-            if code == 0:
+            if code and TRACE + "direct" in output.splitlines():  # its candidates all passed
+                found.direct_failed = True
+                print(f"warm {label}: direct launches FAILED, turned off for this run:\n"
+                      f"{output[-800:]}", flush=True)
+            elif code == 0:
                 print(f"warm {label}: ok", flush=True)
             elif code == TIMED_OUT:  # most likely slow compiles: the timed process finishes them
                 print(f"warm {label}: still running after {WARM_TIMEOUT_S} s, stopped; not judged",
@@ -1013,7 +1058,8 @@ def culprit(output: str) -> Optional[list]:
     last = None
     for line in output.splitlines():
         if line.startswith(TRACE):
-            last = None if line == TRACE + "ok" else json.loads(line[len(TRACE):])
+            traced = line[len(TRACE):]
+            last = json.loads(traced) if traced.startswith("[") else None  # or "ok", "direct"
     return last
 
 
@@ -1054,7 +1100,8 @@ def drop_configs(dropped: list[list]) -> None:
 
 def warm_one(spec: str, dtype_name: str, span: int) -> int:
     """One warm worker: forward and backward of ``mask:d`` at a small size with each candidate
-    in turn (``launch.pinned(i)``: candidate i of every kernel), each launch traced."""
+    in turn (``launch.pinned(i)``: candidate i of every kernel), each launch traced; then three
+    unpinned calls (autotuning, ``JITFunction``, direct launches: ``launch.DIRECT_LAUNCH``)."""
     import attnkit as ak
     from attnkit.backends.triton import launch
 
@@ -1071,7 +1118,13 @@ def warm_one(spec: str, dtype_name: str, span: int) -> int:
             with launch.pinned(index):
                 out = ak.attention(q, k, v, attn_mask, backend="triton")
                 out.backward(torch.randn_like(out))
-    torch.cuda.synchronize()
+    # then as the timed process launches: autotuned, through JITFunction, then directly
+    print(TRACE + "direct", flush=True)
+    for _ in range(3):
+        out = ak.attention(q, k, v, attn_mask, backend="triton")
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+    print(TRACE + "direct ok", flush=True)
     return 0
 
 

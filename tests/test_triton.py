@@ -22,12 +22,14 @@ Sizes are small (T ≤ 80): the interpreter costs tens of ms per block operation
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -552,6 +554,85 @@ def test_compiled_launches_skip_the_autotuner_once_it_has_chosen(walk, monkeypat
     assert all(value is not q for call in plan.layout.calls.values() for value in call.args.values())
 
 
+
+def test_direct_launch_after_the_first_compiled_launches(monkeypatch):
+    """Compiled launches of one template: the autotuner first, then ``JITFunction`` with the
+    chosen config (whose compiled kernel is kept), then that kernel directly with every
+    parameter in the kernel's order: the same values ``JITFunction`` bound by name, plus the
+    config's blocks and walk flags. A tensor's 16-byte alignment or the TMA switch changing,
+    or ``DIRECT_LAUNCH`` off, sends the launch back through ``JITFunction``."""
+    launches = []
+    config = SimpleNamespace(kwargs=dict(BLOCK_M=64, BLOCK_N=128, **launch.WALKS["partial_first+tma"]),
+                             all_kwargs=lambda: dict(config.kwargs, num_warps=8, num_stages=2))
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: launches.append(("direct", grid, args))
+
+    class Jit:
+        fn = staticmethod(launch.kernels().attn_fwd.fn)  # the kernel's Python function
+
+        def __getitem__(self, grid):
+            def run(**kwargs):
+                launches.append(("jit", grid, kwargs))
+                return Compiled()
+            return run
+
+    class Tuner:
+        fn, best_config = Jit(), config
+
+        def __getitem__(self, grid):
+            return lambda **kwargs: launches.append(("autotune", grid(config.kwargs), kwargs))
+
+    monkeypatch.setattr(launch, "_tuned", lambda name: Tuner())
+    monkeypatch.setattr(launch, "_scratch_allocator", lambda: None)
+    monkeypatch.setattr(launch, "_LAYOUTS", launch.MaskCache(32))
+    q = torch.zeros(1, 2, 300, 128)
+    plan = launch.make_plan(validate(q, q, q, ak.causal()), launch.GPU_TILES)
+    plan.interpret = False
+
+    def launch_once(q):
+        launch.forward_call(q, q, q, torch.empty_like(q), torch.empty(1, 2, 300), plan).run(False)
+        return launches[-1]
+
+    assert launch_once(q)[0] == "autotune"
+    kind, grid, bound = launch_once(q)
+    assert kind == "jit" and grid == (5, 2) and bound["num_warps"] == 8  # 300 rows / 64
+    kind, grid, positional = launch_once(q)
+    assert kind == "direct" and grid == (5, 2)
+    names = list(inspect.signature(Jit.fn).parameters)
+    assert len(positional) == len(names)
+    by_name = dict(zip(names, positional))
+    for name, value in bound.items():
+        if name not in ("num_warps", "num_stages", "Out", "Lse"):  # options; fresh outputs
+            assert by_name[name] is value or by_name[name] == value, name
+    assert by_name["Q"] is q and by_name["BLOCK_M"] == 64 and by_name["TMA"] is True
+    misaligned = torch.zeros(1 * 2 * 300 * 128 + 1)[1:].view(1, 2, 300, 128)  # 4 bytes off
+    assert launch_once(misaligned)[0] == "jit"
+    assert launch_once(q)[0] == "direct"
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
+    assert launch_once(q)[0] == "jit"
+
+
+def test_direct_launch_arguments_run_the_kernel(gen):
+    """The direct launch's positional arguments (``launch._slots``), given to the interpreted
+    forward kernel, compute what the keyword launch computes, bit for bit."""
+    q, k, v = make_qkv(1, 4, 2, 70, 50, 32, 32, torch.float32, gen)
+    plan = launch.make_plan(validate(q, k, v, ak.documents(torch.arange(70) // 30, torch.arange(50) // 20)
+                                     & ak.causal("bottom_right")))
+    outs = [(torch.empty(1, 4, 70, 32), torch.empty(1, 4, 70)) for _ in range(2)]
+    call = launch.forward_call(q, k, v, *outs[0], plan)
+    call.run(interpret=True)
+    call = launch.forward_call(q, k, v, *outs[1], plan)
+    block_m, block_n = call.fixed
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, **launch.WALKS[call.walk])
+    kernel = launch.kernels().attn_fwd
+    slots = launch._slots(kernel.fn, call.args, meta)
+    kernel[call.grid(block_m, block_n, meta["ORDERED"])](*[call.args.get(n, x) for n, x in slots])
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert launch._slots(kernel.fn, {}, meta) is None  # a parameter without value or default
+
+
 @pytest.mark.parametrize("index", [0, 3, 99])
 def test_pinned_launches_skip_the_autotuner(index, monkeypatch):
     """``launch.pinned(i)`` (gpu.py's checks of mask kinds and of every candidate): compiled
@@ -804,6 +885,7 @@ def test_benchmark_warm_isolates_failures(bench, capsys, monkeypatch):
     assert trace.count(bench.TRACE + "ok") == 2  # forward and dK/dV ran (Δ is not traced)
     assert bench.culprit(trace) == ["attn_bwd_dq", 64, [32, 32, None, None, "partial_first"]]
     assert bench.culprit(trace + bench.TRACE + "ok\nTraceback ...") is None
+    assert bench.culprit(trace + bench.TRACE + "ok\n" + bench.TRACE + "direct\nCUDA error") is None
     assert bench.culprit("ImportError: no triton") is None
 
     # the warm loop, with fake workers
@@ -823,16 +905,20 @@ def test_benchmark_warm_isolates_failures(bench, capsys, monkeypatch):
                 out[label] = (1, crashed if label.startswith("kind") else "ImportError: boom")
             elif label == "kind window37 bf16":  # slow compiles, killed: neither dropped nor failed
                 out[label] = (bench.TIMED_OUT, crashed)
+            elif label == "documents&causal D128":  # every candidate passed, then direct launches failed
+                out[label] = (1, f"{bench.TRACE}ok\n{bench.TRACE}direct\nCUDA error")
             else:
                 out[label] = (0, "")
         return out
 
-    todo = [bench.Workload("causal", 1024, 128, 2, 16, 1024), bench.Workload("window", 8192, 128, 2, 16, 1024)]
+    todo = [bench.Workload("causal", 1024, 128, 2, 16, 1024), bench.Workload("window", 8192, 128, 2, 16, 1024),
+            bench.Workload("documents&causal", 8192, 128, 2, 16, 1024)]
     warmed = bench.warm(todo, bench.parse_args(["--check-kinds"]), run=run)
     assert warmed.dropped == [["attn_fwd", 128, bad]] and tuple(bad) not in launch.CONFIGS["attn_fwd"][128]
     assert sorted(warmed.broken) == ["kind causal bf16", "window D128"]
     assert len(calls) == 2 and list(calls[1]) == ["causal D128"]
-    assert "kind documents bf16" in calls[0] and len(calls[0]) == 2 + 11 + 3
+    assert "kind documents bf16" in calls[0] and len(calls[0]) == 3 + 11 + 3
+    assert warmed.direct_failed and "documents&causal D128" not in warmed.broken
     printed = capsys.readouterr().out
     assert "candidate dropped, job rerun" in printed and "left out of this run" in printed
     assert "kind window37 bf16: still running" in printed

@@ -625,13 +625,15 @@ class Call:
     fixed: Optional[tuple[int, int]]
     walk: str = "partial_first"  # under the interpreter
     tuned: dict = field(default_factory=dict)
-    """``{"config": triton.Config}`` once the autotuner has chosen for these arguments; shared
-    by a template and the calls made from it (see :func:`_reuse`)."""
+    """``{"config": triton.Config}`` once the autotuner has chosen for these arguments, and
+    ``"direct"``: the compiled kernels kept for direct launches (see :data:`DIRECT_LAUNCH`);
+    shared by a template and the calls made from it (see :func:`_reuse`)."""
 
     def run(self, interpret: bool) -> None:
         """A fixed config under the interpreter. Compiled: ``triton.autotune`` over the configs
-        the first time, then the chosen config launched directly (the autotuner's own lookup
-        costs ~120 µs of host time per launch with this many arguments)."""
+        the first time, then the chosen config through ``JITFunction`` (the autotuner's own
+        lookup costs ~120 µs of host time per launch with this many arguments), whose compiled
+        kernel is kept and launched directly from then on (:data:`DIRECT_LAUNCH`)."""
         if interpret:
             self._launch(*self.fixed, self.walk)
             return
@@ -649,8 +651,18 @@ class Call:
             self.tuned["config"] = tuner.best_config  # the config this call ran with
         else:
             meta = config.kwargs
-            tuner.fn[self.grid(meta["BLOCK_M"], meta["BLOCK_N"], meta["ORDERED"])](
-                **self.args, **config.all_kwargs())
+            grid = self.grid(meta["BLOCK_M"], meta["BLOCK_N"], meta["ORDERED"])
+            key = _direct_key(self.args)
+            direct = self.tuned.setdefault("direct", {})  # key → (compiled kernel, slots)
+            if DIRECT_LAUNCH and key in direct:
+                kernel, slots = direct[key]
+                kernel[grid](*[self.args.get(name, value) for name, value in slots])
+                return
+            kernel = tuner.fn[grid](**self.args, **config.all_kwargs())
+            python_fn = getattr(tuner.fn, "fn", None)  # the kernel's Python function
+            slots = _slots(python_fn, self.args, meta) if python_fn is not None else None
+            if slots is not None and hasattr(kernel, "__getitem__"):
+                direct[key] = (kernel, slots)
 
 
     def _launch(self, block_m: int, block_n: int, walk: str, **options) -> None:
@@ -658,6 +670,39 @@ class Call:
         flags = WALKS[walk]
         getattr(kernels(), self.name)[self.grid(block_m, block_n, flags["ORDERED"])](
             BLOCK_M=block_m, BLOCK_N=block_n, **flags, **options, **self.args)
+
+
+DIRECT_LAUNCH = True
+"""Launch a template's compiled kernel directly once ``JITFunction`` has launched it
+(``CompiledKernel[grid](*args)``, every parameter in order): this skips Triton's per-launch
+argument binding and specialization, 50–65 µs for the ~90 parameters here (triton 3.6,
+measured offline), which the GPU waits for when the kernels are short. ``benchmarks/gpu.py``
+checks the direct launches against the ``JITFunction`` ones and turns this off if they differ."""
+
+
+def _direct_key(args: dict) -> tuple:
+    """What a compiled kernel was specialized on that can change between calls of one template
+    (:func:`_reuse` fixes shapes, strides and dtypes): the TMA switch and each tensor's
+    16-byte alignment, the property Triton specializes pointers on."""
+    return args.get("TMA_OK"), tuple(t.data_ptr() % 16 == 0 for t in args.values()
+                                     if isinstance(t, torch.Tensor))
+
+
+def _slots(fn: Callable, args: dict, meta: dict) -> Optional[list[tuple[str, object]]]:
+    """The kernel function ``fn``'s parameters in order, each with its value when not in the
+    call's ``args``: the config's (``meta``: blocks and walk flags) or the default. ``None``
+    when a parameter has neither (no direct launch then)."""
+    import inspect
+
+    slots = []
+    for name, param in inspect.signature(fn).parameters.items():
+        if name in meta:
+            slots.append((name, meta[name]))
+        elif name in args or param.default is not inspect.Parameter.empty:
+            slots.append((name, None if name in args else param.default))
+        else:
+            return None
+    return slots
 
 
 def _scratch_allocator() -> None:
