@@ -184,12 +184,20 @@ P_TMA, P_FLAT_TMA, F_FLAT_TMA, M_TMA = P + "+tma", P + "+flat+tma", F + "+flat+t
 #   and tile (no address arithmetic; 237 registers, ``one_loop+tma`` 199), dQ's (128×64,
 #   flat) from 305 to 264, dK/dV's (32×128, flat; its LSE and Δ rows by 1-D descriptors)
 #   from 345 to 269; dK/dV 64×128 with TMA spills and is left out.
+# - 3 and 4 stages on the winners' shapes: until the FULL loops computed their positions
+#   (``FULL_RUNS``), every loop's K/V (or Q/dO) address came from a load made in the loop,
+#   and Triton 3.6 then waited for every outstanding copy at the loop head whatever
+#   ``num_stages`` said (PTX: ``cp.async.wait_group 0``): a 3-stage candidate prefetched no
+#   further than a 2-stage one. Now 3 stages wait with 2 tiles in flight (forward
+#   128×128: 224 KiB of shared memory, 252 registers, no spill; dK/dV 32×128 flat with 4
+#   stages: 128 KiB; dQ 128×64 flat with 4 stages: 192 KiB).
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     "attn_fwd": {
         64: [(128, 128, 8, 2, P), (128, 64, 8, 3, P), (128, 32, 4, 3, P), (64, 64, 4, 3, P),
              (64, 64, 4, 3, P_FLAT), (64, 64, 4, 3, P_LPT), (64, 64, 4, 3, M), (64, 32, 4, 2, P)],
         128: [(128, 128, 8, 2, P), (128, 128, 8, 2, F), (128, 128, 8, 2, P_LPT),
               (128, 128, 8, 2, M), (128, 128, 8, 2, P_TMA), (128, 128, 8, 2, M_TMA),
+              (128, 128, 8, 3, P), (128, 128, 8, 3, P_TMA),
               (128, 64, 8, 3, P), (128, 64, 8, 3, P_FLAT), (128, 64, 8, 3, P_FLAT_TMA),
               (128, 64, 8, 4, P_FLAT), (128, 64, 16, 3, P_FLAT), (64, 32, 4, 2, P)],
         256: [(64, 64, 8, 2, P_FLAT), (64, 32, 4, 2, P_FLAT), (64, 32, 4, 3, P_FLAT),
@@ -202,7 +210,8 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
         128: [(32, 128, 8, 2, P), (32, 128, 8, 2, F), (32, 128, 8, 2, F_FLAT),
               (32, 128, 8, 3, F_FLAT), (64, 128, 8, 2, F_FLAT), (64, 128, 8, 3, F_FLAT),
               (32, 128, 8, 2, F_LPT), (32, 128, 8, 2, F_FLAT_LPT), (32, 128, 8, 2, M),
-              (64, 128, 8, 2, M), (32, 128, 8, 2, F_FLAT_TMA)],
+              (64, 128, 8, 2, M), (32, 128, 8, 2, F_FLAT_TMA), (32, 128, 8, 4, F_FLAT),
+              (32, 128, 8, 3, F_FLAT_TMA)],
         256: [(16, 32, 4, 2, P_FLAT), (16, 64, 8, 2, P_FLAT), (32, 64, 8, 2, P_FLAT)],
     },
     "attn_bwd_dq": {
@@ -211,7 +220,8 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
         128: [(128, 64, 8, 2, P), (128, 64, 8, 2, F), (128, 64, 8, 2, F_FLAT),
               (128, 64, 8, 3, F_FLAT), (128, 64, 8, 2, F_LPT), (128, 64, 8, 2, F_FLAT_LPT),
               (128, 64, 16, 3, F_FLAT), (128, 64, 8, 2, M), (128, 64, 8, 2, F_FLAT_TMA),
-              (128, 64, 8, 2, M_TMA), (64, 32, 4, 2, P)],
+              (128, 64, 8, 2, M_TMA), (128, 64, 8, 4, F_FLAT), (128, 64, 8, 3, F_FLAT_TMA),
+              (64, 32, 4, 2, P)],
         256: [(64, 32, 8, 2, P_FLAT), (32, 32, 4, 2, P_FLAT)],
     },
 }
@@ -458,6 +468,8 @@ class BlockLists:
     PARTIAL block weighs 5/4 of a FULL one), ties in row order; the ``+lpt`` walks launch them
     in that order. ``order_kind``: 0 when that is the rows' own order, 1 when it is the
     reverse (causal rows), 2 otherwise: the kernels compute the first two and load the third.
+    ``full_runs``: every row's FULL blocks are consecutive (one run), so the kernels compute
+    their positions instead of loading each (``FULL_RUNS`` in ``kernels.py``).
     """
 
     num_partial: torch.Tensor
@@ -465,12 +477,13 @@ class BlockLists:
     index: torch.Tensor
     order: torch.Tensor
     order_kind: int = 2
+    full_runs: bool = False
 
     def args(self) -> dict:
         sn, si = self.num_partial.stride(), self.index.stride()
         return dict(num_partial=self.num_partial, num_full=self.num_full, index=self.index,
-                    order=self.order, ORDER_KIND=self.order_kind, s_n_b=sn[0], s_n_h=sn[1],
-                    s_n_r=sn[2], s_i_b=si[0], s_i_h=si[1], s_i_r=si[2])
+                    order=self.order, ORDER_KIND=self.order_kind, FULL_RUNS=self.full_runs,
+                    s_n_b=sn[0], s_n_h=sn[1], s_n_r=sn[2], s_i_b=si[0], s_i_h=si[1], s_i_r=si[2])
 
     def visited(self) -> int:
         """Number of (batch, head, block) tiles a kernel walking these lists visits."""
@@ -489,7 +502,21 @@ def block_lists(codes: torch.Tensor, batch: int, heads: int) -> BlockLists:
     own = torch.arange(rows, dtype=torch.int32, device=order.device)
     kind = 0 if torch.equal(order, own) else 1 if torch.equal(order, own.flip(0)) else 2
     return BlockLists(num_partial.expand(batch, heads, rows), num_full.expand(batch, heads, rows),
-                      index.expand(batch, heads, rows, cols), order, kind)
+                      index.expand(batch, heads, rows, cols), order, kind,
+                      _full_runs(index, num_partial, num_full))
+
+
+def _full_runs(index: torch.Tensor, num_partial: torch.Tensor, num_full: torch.Tensor) -> bool:
+    """Whether in every row of ``index [..., R, C]`` the FULL entries (positions ``num_partial``
+    to ``num_partial + num_full``, ascending) are consecutive blocks."""
+    cols = index.shape[-1]
+    if cols == 0:
+        return True
+    start = num_partial.long().unsqueeze(-1)  # [..., R, 1]
+    offset = torch.arange(cols, device=index.device) - start  # place within the FULL entries
+    in_full = (offset >= 0) & (offset < num_full.long().unsqueeze(-1))
+    first = index.long().gather(-1, start.clamp(max=cols - 1))
+    return bool(((index.long() == first + offset) | ~in_full).all())
 
 
 def block_codes(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> torch.Tensor:
@@ -560,13 +587,15 @@ class Plan:
 
     @property
     def tune_key(self) -> int:
-        """Batch × heads and lengths (as powers of two: the grid's size) and the mask features,
-        packed into one int for the autotuner."""
-        bh_bits = max(self.layout.batch * self.layout.heads, 1).bit_length()
-        q_bits = max(self.codes.shape[-2], 1).bit_length()
-        kv_bits = max(self.codes.shape[-1], 1).bit_length()
-        flags = sum(int(on) << i for i, on in enumerate(self.program.flags().values()))
-        return (bh_bits << 24) | (q_bits << 16) | (kv_bits << 8) | flags
+        """Batch × heads and lengths (as powers of two: the grid's size), the mask features and
+        whether the FULL blocks form runs, packed into one int for the autotuner (6 bits per
+        size, the 9 flags below them: 27 bits)."""
+        flags = [*self.program.flags().values(), self.rows.full_runs]
+        key = sum(int(on) << i for i, on in enumerate(flags))
+        sizes = (self.codes.shape[-1], self.codes.shape[-2], self.layout.batch * self.layout.heads)
+        for i, size in enumerate(sizes):
+            key |= max(size, 1).bit_length() << (len(flags) + 6 * i)
+        return key
 
 
 _LAYOUTS = MaskCache(32)
