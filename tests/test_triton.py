@@ -367,11 +367,12 @@ def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
 
 
 @pytest.mark.parametrize("walk", sorted(launch.WALKS))
-def test_full_blocks_with_gaps(walk, gen, monkeypatch):
-    """FULL blocks that do not form one run per row (key blocks 0 and 2 of every query row,
-    query blocks 0 and 2 of every key column, PARTIAL between): the kernels load each
-    position (``FULL_RUNS`` off) in every walk. Causal rows, window and documents form runs
-    (the positions are computed), which the other walk tests cover."""
+def test_blocks_with_gaps(walk, gen, monkeypatch):
+    """FULL and PARTIAL blocks that do not form one run per row (FULL: key blocks 0 and 2 of
+    every query row, query blocks 0 and 2 of every key column; PARTIAL between and after):
+    the kernels load each position (``PARTIAL_RUNS``, ``FULL_RUNS`` off) in every walk.
+    Causal rows, windows and documents form runs (the positions are computed), which the
+    other walk tests cover."""
     monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
         sparse_q=32, sparse_k=32, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), walk=walk))
     allowed = torch.rand(108, 108, generator=gen) < 0.5
@@ -380,26 +381,33 @@ def test_full_blocks_with_gaps(walk, gen, monkeypatch):
         allowed[blocks, :] = True
     q, k, v = make_qkv(1, 2, 1, 108, 108, 16, 16, torch.float32, gen)
     plan = launch.make_plan(validate(q, k, v, ak.dense(allowed)))
-    assert not plan.rows.full_runs and not plan.cols.full_runs
+    assert not (plan.rows.full_runs or plan.cols.full_runs or plan.rows.partial_runs
+                or plan.cols.partial_runs)
     check(q, k, v, ak.dense(allowed), allowed, gen=gen)
 
 
-def test_full_runs_of_the_block_lists():
-    """``BlockLists.full_runs``: the FULL entries of every row are consecutive blocks."""
+def test_runs_of_the_block_lists():
+    """``BlockLists.partial_runs``/``full_runs``: the PARTIAL (FULL) entries of every row are
+    consecutive blocks."""
     P, F, E = PARTIAL, FULL, EMPTY
+
     def runs(*rows):
-        return launch.block_lists(torch.tensor([[rows]], dtype=torch.int8), 1, 1).full_runs
-    assert runs([F, F, P, E], [P, F, F, E])  # FULL 0-1; FULL 1-2 after a PARTIAL
-    assert not runs([F, F, P, E], [F, P, F, E])  # second row: 0 and 2
-    assert not runs([F, F, P, F])
-    assert runs([P, P, E, E], [E, E, E, E])  # no FULL block at all
-    assert runs([E, F, F, F], [F, E, E, E])
-    assert not runs([F, E, E, F])
-    space = MaskSpace(batch=1, heads=1, q_len=300, kv_len=300, device=torch.device("cpu"))
+        lists = launch.block_lists(torch.tensor([[rows]], dtype=torch.int8), 1, 1)
+        return lists.partial_runs, lists.full_runs
+    assert runs([F, F, P, E], [P, F, F, E]) == (True, True)  # FULL 0-1; FULL 1-2 after a PARTIAL
+    assert runs([F, F, P, E], [F, P, F, E]) == (True, False)  # second row: FULL 0 and 2
+    assert runs([F, F, P, F]) == (True, False)
+    assert runs([P, P, E, E], [E, E, E, E]) == (True, True)  # no FULL block at all
+    assert runs([E, F, F, F], [F, E, E, E]) == (True, True)
+    assert runs([P, F, F, P]) == (False, True)
+    assert runs([P, E, P, F], [P, P, F, F]) == (False, True)
+    # lengths a multiple of the sparse blocks (a ragged tail block is PARTIAL in every row)
+    space = MaskSpace(batch=1, heads=1, q_len=384, kv_len=384, device=torch.device("cpu"))
     for mask in (ak.causal(), ak.sliding_window(100), ak.padding(kv_lengths=[200]),
-                 ak.documents(torch.arange(300) // 70) & ak.causal(), None):
+                 ak.documents(torch.arange(384) // 70) & ak.causal(), None):
         plan = launch.layout(mask, space, launch.GPU_TILES)
         assert plan.rows.full_runs and plan.cols.full_runs, mask
+        assert plan.rows.partial_runs and plan.cols.partial_runs, mask
 
 
 # ---- memory safety and determinism ----------------------------------------------------------------

@@ -20,8 +20,9 @@ Conventions shared by every kernel:
   Triton's software pipeliner sees is then a single tile). ``MERGED`` (the ``one_loop`` walk)
   runs one loop over the whole list instead, ``partial`` a runtime test per block. When every
   row's FULL blocks are consecutive (``FULL_RUNS``: causal, windows, documents, padding, no
-  mask), the FULL loops compute each tile's position from the run's first block instead of
-  loading it per iteration: an address that depends on a load made in the loop keeps
+  mask), and likewise its PARTIAL ones (``PARTIAL_RUNS``), the split loops compute each
+  tile's position from the run's first block instead of loading it per iteration: an
+  address that depends on a load made in the loop keeps
   Triton's software pipeliner to one tile of prefetch issued after the compute (checked on
   sm90 PTX: ``cp.async.wait_group 0`` at the loop head whatever ``num_stages``), while an
   affine one lets ``num_stages`` tiles be in flight (``wait_group 2`` with 3 stages). ``ORDERED``
@@ -171,20 +172,20 @@ def _block_row(num_partial, num_full, index, b, h, row, s_n_b, s_n_h, s_n_r, s_i
 
 
 @triton.jit
-def _run_base(blocks, n_partial, n_full, SPARSE: tl.constexpr, FULL_RUNS: tl.constexpr):
-    """With ``FULL_RUNS``: the position a row's FULL entries count from, so that entry ``j``
-    (``n_partial ≤ j``) starts at ``base + j·SPARSE`` (its first FULL block loaded once);
-    otherwise 0, unused."""
+def _run_base(blocks, first, count, SPARSE: tl.constexpr, RUN: tl.constexpr):
+    """When entries ``first … first + count`` of a row's list are consecutive blocks (``RUN``):
+    the position they count from, so that entry ``j`` starts at ``base + j·SPARSE`` (the
+    first block loaded once, before the loop); otherwise 0, unused."""
     base = 0
-    if FULL_RUNS:
-        base = (tl.load(blocks + n_partial, mask=n_full > 0, other=0) - n_partial) * SPARSE
+    if RUN:
+        base = (tl.load(blocks + first, mask=count > 0, other=0) - first) * SPARSE
     return base
 
 
 @triton.jit
 def _sparse_start(blocks, j, run_base, SPARSE: tl.constexpr, RUN: tl.constexpr):
-    """First position of entry ``j`` of a row's list: computed in a FULL run (``RUN``,
-    see :func:`_run_base`), else loaded."""
+    """First position of entry ``j`` of a row's list: computed in a run (``RUN``, see
+    :func:`_run_base`), else loaded."""
     if RUN:
         start = run_base + j * SPARSE
     else:
@@ -196,7 +197,7 @@ def _sparse_start(blocks, j, run_base, SPARSE: tl.constexpr, RUN: tl.constexpr):
 def _block_start(blocks, t, run_base, SUBS: tl.constexpr, SPARSE: tl.constexpr,
                  BLOCK: tl.constexpr, RUN: tl.constexpr):
     """First position of kernel block ``t`` of a row's list in the one-block-per-iteration
-    loops: sub-block ``t % SUBS`` of entry ``t // SUBS``; in a FULL run (``RUN``) simply
+    loops: sub-block ``t % SUBS`` of entry ``t // SUBS``; in a run (``RUN``) simply
     ``run_base + t·BLOCK``, affine in ``t``."""
     if RUN:
         start = run_base + t * BLOCK
@@ -408,7 +409,7 @@ def attn_fwd(Q, K, V, Out, Lse,
              UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
              FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
              TMA: tl.constexpr, TMA_OK: tl.constexpr,
-             ORDER_KIND: tl.constexpr, FULL_RUNS: tl.constexpr,
+             ORDER_KIND: tl.constexpr, PARTIAL_RUNS: tl.constexpr, FULL_RUNS: tl.constexpr,
              BOUNDS: tl.constexpr,
              HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
              HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
@@ -450,7 +451,6 @@ def attn_fwd(Q, K, V, Out, Lse,
     n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h,
                                            (pid_m * BLOCK_M) // SPARSE_Q,
                                            s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
-    run_base = _run_base(blocks, n_partial, n_full, SPARSE_K, FULL_RUNS)
     SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
     if MERGED:  # one loop over the whole list, PARTIAL blocks first: one pipeline per row
         for t in range(0, (n_partial + n_full) * SUBS):
@@ -464,10 +464,11 @@ def attn_fwd(Q, K, V, Out, Lse,
         masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
         first = 0 if masked else n_partial
         stop = n_partial if masked else n_partial + n_full
+        RUN = (PARTIAL_RUNS and masked) or (FULL_RUNS and not masked)  # constexpr
+        run_base = _run_base(blocks, first, stop - first, SPARSE_K, RUN)
         if FLAT:  # one kernel block per iteration
             for t in range(first * SUBS, stop * SUBS):
-                start_n = _block_start(blocks, t, run_base, SUBS, SPARSE_K, BLOCK_N,
-                                       FULL_RUNS and not masked)
+                start_n = _block_start(blocks, t, run_base, SUBS, SPARSE_K, BLOCK_N, RUN)
                 m_i, l_i, acc = _fwd_tile(
                     q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
                     s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
@@ -475,8 +476,7 @@ def attn_fwd(Q, K, V, Out, Lse,
                     PRECISION, UPCAST, MERGED, USE_TMA)
         else:  # one sparse block per iteration, its kernel blocks unrolled
             for j in range(first, stop):
-                block_start = _sparse_start(blocks, j, run_base, SPARSE_K,
-                                             FULL_RUNS and not masked)
+                block_start = _sparse_start(blocks, j, run_base, SPARSE_K, RUN)
                 for sub in tl.static_range(SUBS):
                     m_i, l_i, acc = _fwd_tile(
                         q, m_i, l_i, acc, block_start + sub * BLOCK_N, k_base, v_base,
@@ -604,7 +604,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                   UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
                   FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
                   TMA: tl.constexpr, TMA_OK: tl.constexpr,
-                  ORDER_KIND: tl.constexpr, FULL_RUNS: tl.constexpr,
+                  ORDER_KIND: tl.constexpr, PARTIAL_RUNS: tl.constexpr, FULL_RUNS: tl.constexpr,
                   BOUNDS: tl.constexpr,
                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                   HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
@@ -651,7 +651,6 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                                                   strides=[1], block_shape=[BLOCK_M])
         n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h, col,
                                                s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
-        run_base = _run_base(blocks, n_partial, n_full, SPARSE_Q, FULL_RUNS)
         if MERGED:  # one loop over the whole list, PARTIAL blocks first
             for t in range(0, (n_partial + n_full) * SUBS):
                 start_m = _block_start(blocks, t, 0, SUBS, SPARSE_Q, BLOCK_M, False)
@@ -664,10 +663,11 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
             masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
             first = 0 if masked else n_partial
             stop = n_partial if masked else n_partial + n_full
+            RUN = (PARTIAL_RUNS and masked) or (FULL_RUNS and not masked)  # constexpr
+            run_base = _run_base(blocks, first, stop - first, SPARSE_Q, RUN)
             if FLAT:  # one kernel block per iteration
                 for t in range(first * SUBS, stop * SUBS):
-                    start_m = _block_start(blocks, t, run_base, SUBS, SPARSE_Q, BLOCK_M,
-                                           FULL_RUNS and not masked)
+                    start_m = _block_start(blocks, t, run_base, SUBS, SPARSE_Q, BLOCK_M, RUN)
                     dk, dv = _dkdv_tile(
                         k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_n,
                         offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h,
@@ -676,8 +676,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                         USE_TMA)
             else:  # one sparse block per iteration, its kernel blocks unrolled
                 for j in range(first, stop):
-                    block_start = _sparse_start(blocks, j, run_base, SPARSE_Q,
-                                                 FULL_RUNS and not masked)
+                    block_start = _sparse_start(blocks, j, run_base, SPARSE_Q, RUN)
                     for sub in tl.static_range(SUBS):
                         dk, dv = _dkdv_tile(
                             k, v, dk, dv, block_start + sub * BLOCK_M, q_base, do_base,
@@ -710,7 +709,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
                 FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
                 TMA: tl.constexpr, TMA_OK: tl.constexpr,
-                ORDER_KIND: tl.constexpr, FULL_RUNS: tl.constexpr,
+                ORDER_KIND: tl.constexpr, PARTIAL_RUNS: tl.constexpr, FULL_RUNS: tl.constexpr,
                 BOUNDS: tl.constexpr,
                 HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                 HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
@@ -748,7 +747,6 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
     n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h,
                                            (pid_m * BLOCK_M) // SPARSE_Q,
                                            s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
-    run_base = _run_base(blocks, n_partial, n_full, SPARSE_K, FULL_RUNS)
     SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
     if MERGED:  # one loop over the whole list, PARTIAL blocks first
         for t in range(0, (n_partial + n_full) * SUBS):
@@ -761,18 +759,18 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
         masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
         first = 0 if masked else n_partial
         stop = n_partial if masked else n_partial + n_full
+        RUN = (PARTIAL_RUNS and masked) or (FULL_RUNS and not masked)  # constexpr
+        run_base = _run_base(blocks, first, stop - first, SPARSE_K, RUN)
         if FLAT:  # one kernel block per iteration
             for t in range(first * SUBS, stop * SUBS):
-                start_n = _block_start(blocks, t, run_base, SUBS, SPARSE_K, BLOCK_N,
-                                       FULL_RUNS and not masked)
+                start_n = _block_start(blocks, t, run_base, SUBS, SPARSE_K, BLOCK_N, RUN)
                 dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
                               offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
                               head_dv, qk_scale, mask, own, masked, masked and BOUNDS, BOUNDS,
                               BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
         else:  # one sparse block per iteration, its kernel blocks unrolled
             for j in range(first, stop):
-                block_start = _sparse_start(blocks, j, run_base, SPARSE_K,
-                                             FULL_RUNS and not masked)
+                block_start = _sparse_start(blocks, j, run_base, SPARSE_K, RUN)
                 for sub in tl.static_range(SUBS):
                     dq = _dq_tile(q, do, lse2, delta, dq, block_start + sub * BLOCK_N,
                                   k_base, v_base, offs_m, offs_dk, offs_dv, b, h, s_k_t, s_k_d,

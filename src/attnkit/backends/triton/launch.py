@@ -468,8 +468,9 @@ class BlockLists:
     PARTIAL block weighs 5/4 of a FULL one), ties in row order; the ``+lpt`` walks launch them
     in that order. ``order_kind``: 0 when that is the rows' own order, 1 when it is the
     reverse (causal rows), 2 otherwise: the kernels compute the first two and load the third.
-    ``full_runs``: every row's FULL blocks are consecutive (one run), so the kernels compute
-    their positions instead of loading each (``FULL_RUNS`` in ``kernels.py``).
+    ``partial_runs``/``full_runs``: every row's PARTIAL (FULL) blocks are consecutive (one
+    run), so the kernels compute their positions instead of loading each (``PARTIAL_RUNS``,
+    ``FULL_RUNS`` in ``kernels.py``).
     """
 
     num_partial: torch.Tensor
@@ -477,12 +478,14 @@ class BlockLists:
     index: torch.Tensor
     order: torch.Tensor
     order_kind: int = 2
+    partial_runs: bool = False
     full_runs: bool = False
 
     def args(self) -> dict:
         sn, si = self.num_partial.stride(), self.index.stride()
         return dict(num_partial=self.num_partial, num_full=self.num_full, index=self.index,
-                    order=self.order, ORDER_KIND=self.order_kind, FULL_RUNS=self.full_runs,
+                    order=self.order, ORDER_KIND=self.order_kind,
+                    PARTIAL_RUNS=self.partial_runs, FULL_RUNS=self.full_runs,
                     s_n_b=sn[0], s_n_h=sn[1], s_n_r=sn[2], s_i_b=si[0], s_i_h=si[1], s_i_r=si[2])
 
     def visited(self) -> int:
@@ -503,20 +506,21 @@ def block_lists(codes: torch.Tensor, batch: int, heads: int) -> BlockLists:
     kind = 0 if torch.equal(order, own) else 1 if torch.equal(order, own.flip(0)) else 2
     return BlockLists(num_partial.expand(batch, heads, rows), num_full.expand(batch, heads, rows),
                       index.expand(batch, heads, rows, cols), order, kind,
-                      _full_runs(index, num_partial, num_full))
+                      _runs(index, torch.zeros_like(num_partial), num_partial),
+                      _runs(index, num_partial, num_full))
 
 
-def _full_runs(index: torch.Tensor, num_partial: torch.Tensor, num_full: torch.Tensor) -> bool:
-    """Whether in every row of ``index [..., R, C]`` the FULL entries (positions ``num_partial``
-    to ``num_partial + num_full``, ascending) are consecutive blocks."""
+def _runs(index: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> bool:
+    """Whether in every row of ``index [..., R, C]`` the ``count [..., R]`` entries from
+    position ``first [..., R]`` on (ascending) are consecutive blocks."""
     cols = index.shape[-1]
     if cols == 0:
         return True
-    start = num_partial.long().unsqueeze(-1)  # [..., R, 1]
-    offset = torch.arange(cols, device=index.device) - start  # place within the FULL entries
-    in_full = (offset >= 0) & (offset < num_full.long().unsqueeze(-1))
-    first = index.long().gather(-1, start.clamp(max=cols - 1))
-    return bool(((index.long() == first + offset) | ~in_full).all())
+    start = first.long().unsqueeze(-1)  # [..., R, 1]
+    offset = torch.arange(cols, device=index.device) - start  # place within the entries
+    inside = (offset >= 0) & (offset < count.long().unsqueeze(-1))
+    base = index.long().gather(-1, start.clamp(max=cols - 1))
+    return bool(((index.long() == base + offset) | ~inside).all())
 
 
 def block_codes(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> torch.Tensor:
@@ -588,9 +592,9 @@ class Plan:
     @property
     def tune_key(self) -> int:
         """Batch × heads and lengths (as powers of two: the grid's size), the mask features and
-        whether the FULL blocks form runs, packed into one int for the autotuner (6 bits per
-        size, the 9 flags below them: 27 bits)."""
-        flags = [*self.program.flags().values(), self.rows.full_runs]
+        whether the PARTIAL and FULL blocks form runs, packed into one int for the autotuner (6
+        bits per size, the 10 flags below them: 28 bits)."""
+        flags = [*self.program.flags().values(), self.rows.partial_runs, self.rows.full_runs]
         key = sum(int(on) << i for i, on in enumerate(flags))
         sizes = (self.codes.shape[-1], self.codes.shape[-2], self.layout.batch * self.layout.heads)
         for i, size in enumerate(sizes):
