@@ -21,11 +21,11 @@ Conventions shared by every kernel:
   runs one loop over the whole list instead, ``partial`` a runtime test per block. When every
   row's FULL blocks are consecutive (``FULL_RUNS``: causal, windows, documents, padding, no
   mask), and likewise its PARTIAL ones (``PARTIAL_RUNS``), the split loops compute each
-  tile's position from the run's first block instead of loading it per iteration: an
-  address that depends on a load made in the loop keeps
-  Triton's software pipeliner to one tile of prefetch issued after the compute (checked on
-  sm90 PTX: ``cp.async.wait_group 0`` at the loop head whatever ``num_stages``), while an
-  affine one lets ``num_stages`` tiles be in flight (``wait_group 2`` with 3 stages). ``ORDERED``
+  tile's position from the run's first block instead of loading it per iteration. With an
+  address that depends on a load made in the loop, Triton's software pipeliner keeps one
+  tile of prefetch, issued after the compute (sm90 PTX: ``cp.async.wait_group 0`` at the
+  loop head whatever ``num_stages``); with an affine one, ``num_stages − 1`` tiles stay in
+  flight during the compute (``wait_group 2`` with 3 stages). ``ORDERED``
   launches the programs of a head heaviest row first (``_ordered_block``). These switches are
   autotuned with the block sizes (``launch.WALKS``); the tile work itself is written once
   (``_fwd_tile``, ``_dkdv_tile``, ``_dq_tile``).
