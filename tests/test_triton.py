@@ -635,14 +635,16 @@ def test_direct_launch_after_the_first_compiled_launches(monkeypatch):
     plan = launch.make_plan(validate(q, q, q, ak.causal()), launch.GPU_TILES)
     plan.interpret = False
 
-    def launch_once(q):
-        launch.forward_call(q, q, q, torch.empty_like(q), torch.empty(1, 2, 300), plan).run(False)
+    def launch_once(q, out=None):
+        out = torch.empty_like(q) if out is None else out
+        launch.forward_call(q, q, q, out, torch.empty(1, 2, 300), plan).run(False)
         return launches[-1]
 
     assert launch_once(q)[0] == "autotune"
     kind, grid, bound = launch_once(q)
     assert kind == "jit" and grid == (5, 2) and bound["num_warps"] == 8  # 300 rows / 64
-    kind, grid, positional = launch_once(q)
+    out = torch.empty_like(q)
+    kind, grid, positional = launch_once(q, out)
     assert kind == "direct" and grid == (5, 2)
     names = list(inspect.signature(Jit.fn).parameters)
     assert len(positional) == len(names)
@@ -650,7 +652,8 @@ def test_direct_launch_after_the_first_compiled_launches(monkeypatch):
     for name, value in bound.items():
         if name not in ("num_warps", "num_stages", "Out", "Lse"):  # options; fresh outputs
             assert by_name[name] is value or by_name[name] == value, name
-    assert by_name["Q"] is q and by_name["BLOCK_M"] == 64 and by_name["TMA"] is True
+    assert by_name["Q"] is q and by_name["Out"] is out  # this call's tensors, swapped in
+    assert by_name["BLOCK_M"] == 64 and by_name["TMA"] is True
     misaligned = torch.zeros(1 * 2 * 300 * 128 + 1)[1:].view(1, 2, 300, 128)  # 4 bytes off
     assert launch_once(misaligned)[0] == "jit"
     assert launch_once(q)[0] == "direct"

@@ -661,6 +661,9 @@ class Call:
     """``{"config": triton.Config}`` once the autotuner has chosen for these arguments, and
     ``"direct"``: the compiled kernels kept for direct launches (see :data:`DIRECT_LAUNCH`);
     shared by a template and the calls made from it (see :func:`_reuse`)."""
+    swapped: tuple = ()
+    """The tensor arguments this call swapped into its template (:func:`_reuse`): all that may
+    differ between the template's calls besides ``TMA_OK`` (empty: any tensor may)."""
 
     def run(self, interpret: bool) -> None:
         """A fixed config under the interpreter. Compiled: ``triton.autotune`` over the configs
@@ -685,17 +688,22 @@ class Call:
         else:
             meta = config.kwargs
             grid = self.grid(meta["BLOCK_M"], meta["BLOCK_N"], meta["ORDERED"])
-            key = _direct_key(self.args)
-            direct = self.tuned.setdefault("direct", {})  # key → (compiled kernel, slots)
+            key = _direct_key(self.args, self.swapped)
+            direct = self.tuned.setdefault("direct", {})  # key → (kernel, values, swaps)
             if DIRECT_LAUNCH and key in direct:
-                kernel, slots = direct[key]
-                kernel[grid](*[self.args.get(name, value) for name, value in slots])
+                kernel, values, swaps = direct[key]
+                values = list(values)
+                for i, name in swaps:
+                    values[i] = self.args[name]
+                kernel[grid](*values)
                 return
             kernel = tuner.fn[grid](**self.args, **config.all_kwargs())
             python_fn = getattr(tuner.fn, "fn", None)  # the kernel's Python function
             slots = _slots(python_fn, self.args, meta) if python_fn is not None else None
-            if slots is not None and hasattr(kernel, "__getitem__"):
-                direct[key] = (kernel, slots)
+            if slots is not None and self.swapped and hasattr(kernel, "__getitem__"):
+                values = [self.args.get(name, value) for name, value in slots]
+                swaps = [(i, name) for i, (name, _) in enumerate(slots) if name in self.swapped]
+                direct[key] = (kernel, values, swaps)
 
 
     def _launch(self, block_m: int, block_n: int, walk: str, **options) -> None:
@@ -713,12 +721,14 @@ measured offline), which the GPU waits for when the kernels are short. ``benchma
 checks the direct launches against the ``JITFunction`` ones and turns this off if they differ."""
 
 
-def _direct_key(args: dict) -> tuple:
+def _direct_key(args: dict, swapped: tuple = ()) -> tuple:
     """What a compiled kernel was specialized on that can change between calls of one template
-    (:func:`_reuse` fixes shapes, strides and dtypes): the TMA switch and each tensor's
-    16-byte alignment, the property Triton specializes pointers on."""
-    return args.get("TMA_OK"), tuple(t.data_ptr() % 16 == 0 for t in args.values()
-                                     if isinstance(t, torch.Tensor))
+    (:func:`_reuse` fixes shapes, strides and dtypes, and every argument but the ``swapped``
+    tensors): the TMA switch and each swapped tensor's 16-byte alignment, the property Triton
+    specializes pointers on (every tensor's when ``swapped`` is empty)."""
+    tensors = [args[name] for name in swapped] if swapped else [
+        t for t in args.values() if isinstance(t, torch.Tensor)]
+    return args.get("TMA_OK"), tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _slots(fn: Callable, args: dict, meta: dict) -> Optional[list[tuple[str, object]]]:
@@ -776,7 +786,7 @@ def _reuse(plan: Plan, name: str, tensors: dict, build: Callable[[], "Call"]) ->
             built, args={name: value for name, value in built.args.items() if name not in tensors})
         return built
     return Call(template.name, {**template.args, **tensors}, template.grid, template.fixed,
-                template.walk, template.tuned)
+                template.walk, template.tuned, tuple(tensors))
 
 
 def _grid(length: int, sparse: int, axis: int, heads: int) -> Callable[[int, int, bool], tuple[int, int]]:
