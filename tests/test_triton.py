@@ -366,7 +366,32 @@ def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
     check(q, k, v, mask, allowed, bias, gen=gen)
 
 
-@pytest.mark.parametrize("walk", sorted(launch.WALKS))
+@pytest.mark.parametrize("walk", sorted(w for w in launch.WALKS if "lpt" not in w))  # the loops
+@pytest.mark.parametrize("case", ["docs&causal", "window"])
+def test_runs_of_blocks(walk, case, gen, monkeypatch):
+    """Rows whose FULL blocks form one run, several blocks long, on lengths that are whole
+    sparse blocks (a ragged tail block joins every row's PARTIAL blocks): every walk computes
+    those positions. Block-aligned documents under causal have one PARTIAL block per row
+    (the diagonal), a run too, which the one-loop walk needs (it switches between the two
+    runs' bases); a window's rows have the diagonal and the window's far edge, FULL blocks
+    between: the PARTIAL positions stay loaded. (Kernel blocks inside sparse ones walk runs
+    in the other walk tests, whose causal rows form runs.)"""
+    monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
+        sparse_q=32, sparse_k=32, fwd=(32, 32), dkdv=(32, 32), dq=(32, 32), walk=walk))
+    if case == "window":
+        mask, allowed = ak.sliding_window(100), dense_band(128, 128, 100, 0)
+    else:
+        ids = torch.tensor([0] * 96 + [1] * 32)
+        mask, allowed = ak.documents(ids) & ak.causal(), dense_documents(ids) & dense_causal(128, 128)
+    q, k, v = make_qkv(1, 1, 1, 128, 128, 16, 16, torch.float32, gen)
+    plan = launch.make_plan(validate(q, k, v, mask))
+    for lists in (plan.rows, plan.cols):
+        assert lists.full_runs and lists.partial_runs == (case != "window")
+    assert int(plan.rows.num_full.max()) >= 2
+    check(q, k, v, mask, allowed, gen=gen)
+
+
+@pytest.mark.parametrize("walk", sorted(w for w in launch.WALKS if "lpt" not in w))  # the loops
 def test_blocks_with_gaps(walk, gen, monkeypatch):
     """FULL and PARTIAL blocks that do not form one run per row (FULL: key blocks 0 and 2 of
     every query row, query blocks 0 and 2 of every key column; PARTIAL between and after):

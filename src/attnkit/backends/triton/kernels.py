@@ -207,6 +207,20 @@ def _block_start(blocks, t, run_base, SUBS: tl.constexpr, SPARSE: tl.constexpr,
 
 
 @triton.jit
+def _merged_start(blocks, t, split, partial_base, full_base, SUBS: tl.constexpr,
+                  SPARSE: tl.constexpr, BLOCK: tl.constexpr, RUNS: tl.constexpr):
+    """First position of kernel block ``t`` of a row's whole list (the one-loop walk, the
+    PARTIAL blocks' kernel blocks before ``split``): with ``RUNS`` (the PARTIAL and the FULL
+    blocks each one run, their bases from :func:`_run_base` before the loop) an address that
+    depends on ``t`` alone, so the loop pipelines; else loaded."""
+    if RUNS:
+        start = tl.where(t < split, partial_base, full_base) + t * BLOCK
+    else:
+        start = _block_start(blocks, t, 0, SUBS, SPARSE, BLOCK, False)
+    return start
+
+
+@triton.jit
 def _ordered_block(order, pid, SUBS: tl.constexpr, ORDER_KIND: tl.constexpr):
     """The kernel block program ``pid`` takes when programs follow ``order`` (the sparse rows,
     the most tiles first; ``launch.BlockLists.order``): the grid has ``SUBS`` consecutive
@@ -453,8 +467,11 @@ def attn_fwd(Q, K, V, Out, Lse,
                                            s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
     SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
     if MERGED:  # one loop over the whole list, PARTIAL blocks first: one pipeline per row
+        partial_base = _run_base(blocks, 0, n_partial, SPARSE_K, PARTIAL_RUNS and FULL_RUNS)
+        full_base = _run_base(blocks, n_partial, n_full, SPARSE_K, PARTIAL_RUNS and FULL_RUNS)
         for t in range(0, (n_partial + n_full) * SUBS):
-            start_n = _block_start(blocks, t, 0, SUBS, SPARSE_K, BLOCK_N, False)
+            start_n = _merged_start(blocks, t, n_partial * SUBS, partial_base, full_base, SUBS,
+                                    SPARSE_K, BLOCK_N, PARTIAL_RUNS and FULL_RUNS)
             m_i, l_i, acc = _fwd_tile(
                 q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
                 s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
@@ -652,8 +669,11 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
         n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h, col,
                                                s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
         if MERGED:  # one loop over the whole list, PARTIAL blocks first
+            partial_base = _run_base(blocks, 0, n_partial, SPARSE_Q, PARTIAL_RUNS and FULL_RUNS)
+            full_base = _run_base(blocks, n_partial, n_full, SPARSE_Q, PARTIAL_RUNS and FULL_RUNS)
             for t in range(0, (n_partial + n_full) * SUBS):
-                start_m = _block_start(blocks, t, 0, SUBS, SPARSE_Q, BLOCK_M, False)
+                start_m = _merged_start(blocks, t, n_partial * SUBS, partial_base, full_base, SUBS,
+                                        SPARSE_Q, BLOCK_M, PARTIAL_RUNS and FULL_RUNS)
                 dk, dv = _dkdv_tile(
                     k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_n, offs_dk,
                     offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len,
@@ -749,8 +769,11 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                                            s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
     SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
     if MERGED:  # one loop over the whole list, PARTIAL blocks first
+        partial_base = _run_base(blocks, 0, n_partial, SPARSE_K, PARTIAL_RUNS and FULL_RUNS)
+        full_base = _run_base(blocks, n_partial, n_full, SPARSE_K, PARTIAL_RUNS and FULL_RUNS)
         for t in range(0, (n_partial + n_full) * SUBS):
-            start_n = _block_start(blocks, t, 0, SUBS, SPARSE_K, BLOCK_N, False)
+            start_n = _merged_start(blocks, t, n_partial * SUBS, partial_base, full_base, SUBS,
+                                    SPARSE_K, BLOCK_N, PARTIAL_RUNS and FULL_RUNS)
             dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
                           offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
                           head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS, BOUNDS,

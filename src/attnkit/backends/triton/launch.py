@@ -190,14 +190,16 @@ P_TMA, P_FLAT_TMA, F_FLAT_TMA, M_TMA = P + "+tma", P + "+flat+tma", F + "+flat+t
 #   ``num_stages`` said (PTX: ``cp.async.wait_group 0``): a 3-stage candidate prefetched no
 #   further than a 2-stage one. Now 3 stages wait with 2 tiles in flight (forward
 #   128×128: 224 KiB of shared memory, 252 registers, no spill; dK/dV 32×128 flat with 4
-#   stages: 128 KiB; dQ 128×64 flat with 4 stages: 192 KiB).
+#   stages: 128 KiB; dQ 128×64 flat with 4 stages: 192 KiB). The one-loop walk pipelines
+#   too when both kinds form runs (its position is a select between the two runs' bases):
+#   3-stage ``one_loop`` candidates, for short rows such as 1024-token documents.
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     "attn_fwd": {
         64: [(128, 128, 8, 2, P), (128, 64, 8, 3, P), (128, 32, 4, 3, P), (64, 64, 4, 3, P),
              (64, 64, 4, 3, P_FLAT), (64, 64, 4, 3, P_LPT), (64, 64, 4, 3, M), (64, 32, 4, 2, P)],
         128: [(128, 128, 8, 2, P), (128, 128, 8, 2, F), (128, 128, 8, 2, P_LPT),
               (128, 128, 8, 2, M), (128, 128, 8, 2, P_TMA), (128, 128, 8, 2, M_TMA),
-              (128, 128, 8, 3, P), (128, 128, 8, 3, P_TMA),
+              (128, 128, 8, 3, P), (128, 128, 8, 3, P_TMA), (128, 64, 8, 3, M),
               (128, 64, 8, 3, P), (128, 64, 8, 3, P_FLAT), (128, 64, 8, 3, P_FLAT_TMA),
               (128, 64, 8, 4, P_FLAT), (128, 64, 16, 3, P_FLAT), (64, 32, 4, 2, P)],
         256: [(64, 64, 8, 2, P_FLAT), (64, 32, 4, 2, P_FLAT), (64, 32, 4, 3, P_FLAT),
@@ -211,7 +213,7 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
               (32, 128, 8, 3, F_FLAT), (64, 128, 8, 2, F_FLAT), (64, 128, 8, 3, F_FLAT),
               (32, 128, 8, 2, F_LPT), (32, 128, 8, 2, F_FLAT_LPT), (32, 128, 8, 2, M),
               (64, 128, 8, 2, M), (32, 128, 8, 2, F_FLAT_TMA), (32, 128, 8, 4, F_FLAT),
-              (32, 128, 8, 3, F_FLAT_TMA)],
+              (32, 128, 8, 3, F_FLAT_TMA), (32, 128, 8, 3, M)],
         256: [(16, 32, 4, 2, P_FLAT), (16, 64, 8, 2, P_FLAT), (32, 64, 8, 2, P_FLAT)],
     },
     "attn_bwd_dq": {
@@ -221,7 +223,7 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
               (128, 64, 8, 3, F_FLAT), (128, 64, 8, 2, F_LPT), (128, 64, 8, 2, F_FLAT_LPT),
               (128, 64, 16, 3, F_FLAT), (128, 64, 8, 2, M), (128, 64, 8, 2, F_FLAT_TMA),
               (128, 64, 8, 2, M_TMA), (128, 64, 8, 4, F_FLAT), (128, 64, 8, 3, F_FLAT_TMA),
-              (64, 32, 4, 2, P)],
+              (128, 64, 8, 3, M), (64, 32, 4, 2, P)],
         256: [(64, 32, 8, 2, P_FLAT), (32, 32, 4, 2, P_FLAT)],
     },
 }
