@@ -150,16 +150,18 @@ class Workload:
 
 
 def workloads(args) -> list[Workload]:
+    """Per head dim: the masked workloads first (furthest from their targets, so a ``--budget``
+    cuts the dense rows rather than these), then causal and dense at each length."""
     dims = [int(x) for x in args.dims.split(",")]
     out = []
     for d in dims:
         heads = max(1, args.hidden // d)
-        for mask in ("causal", "dense"):
-            for n in (int(x) for x in args.lengths.split(",")):
-                out.append(Workload(mask, n, d, max(1, args.tokens // n), heads, args.span))
         for mask in ("window", "documents&causal"):
             n = args.masked_length
             out.append(Workload(mask, n, d, max(1, args.tokens // n), heads, args.span))
+        for mask in ("causal", "dense"):
+            for n in (int(x) for x in args.lengths.split(",")):
+                out.append(Workload(mask, n, d, max(1, args.tokens // n), heads, args.span))
     return out
 
 
