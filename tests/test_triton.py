@@ -366,73 +366,73 @@ def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
     check(q, k, v, mask, allowed, bias, gen=gen)
 
 
-@pytest.mark.parametrize("walk", sorted(w for w in launch.WALKS if "lpt" not in w))  # the loops
+LOOPS = sorted(w for w in launch.WALKS if "lpt" not in w)  # the walks' distinct loops
+
+
+@pytest.mark.parametrize("walk", LOOPS)
 @pytest.mark.parametrize("case", ["docs&causal", "window"])
-def test_runs_of_blocks(walk, case, gen, monkeypatch):
-    """Rows whose FULL blocks form one run, several blocks long, on lengths that are whole
-    sparse blocks (a ragged tail block joins every row's PARTIAL blocks): every walk computes
-    those positions. Block-aligned documents under causal have one PARTIAL block per row
-    (the diagonal), a run too, which the one-loop walk needs (it switches between the two
-    runs' bases); a window's rows have the diagonal and the window's far edge, FULL blocks
-    between: the PARTIAL positions stay loaded. (Kernel blocks inside sparse ones walk runs
-    in the other walk tests, whose causal rows form runs.)"""
+def test_evenly_spaced_blocks(walk, case, gen, monkeypatch):
+    """Rows whose FULL blocks are consecutive, several per row, and whose PARTIAL blocks are
+    evenly spaced (documents under causal: a document's first block and the diagonal; a
+    window: its far edge and the diagonal, FULL blocks between), on lengths that are whole
+    sparse blocks: every walk computes the positions (``PARTIAL_STRIDED``,
+    ``FULL_STRIDED``; the one-loop walk switches between the two progressions). Kernel
+    blocks inside sparse ones walk them in the other walk tests (causal rows)."""
     monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
         sparse_q=32, sparse_k=32, fwd=(32, 32), dkdv=(32, 32), dq=(32, 32), walk=walk))
     if case == "window":
         mask, allowed = ak.sliding_window(100), dense_band(128, 128, 100, 0)
     else:
-        ids = torch.tensor([0] * 96 + [1] * 32)
+        ids = torch.tensor([0] * 20 + [1] * 108)
         mask, allowed = ak.documents(ids) & ak.causal(), dense_documents(ids) & dense_causal(128, 128)
     q, k, v = make_qkv(1, 1, 1, 128, 128, 16, 16, torch.float32, gen)
     plan = launch.make_plan(validate(q, k, v, mask))
     for lists in (plan.rows, plan.cols):
-        assert lists.full_runs and lists.partial_runs == (case != "window")
-    assert int(plan.rows.num_full.max()) >= 2
+        assert lists.full_strided and lists.partial_strided
+    assert int(plan.rows.num_full.max()) >= 2 and int(plan.rows.num_partial.max()) == 2
     check(q, k, v, mask, allowed, gen=gen)
 
 
-@pytest.mark.parametrize("walk", sorted(w for w in launch.WALKS if "lpt" not in w))  # the loops
-def test_blocks_with_gaps(walk, gen, monkeypatch):
-    """FULL and PARTIAL blocks that do not form one run per row (FULL: key blocks 0 and 2 of
-    every query row, query blocks 0 and 2 of every key column; PARTIAL between and after):
-    the kernels load each position (``PARTIAL_RUNS``, ``FULL_RUNS`` off) in every walk.
-    Causal rows, windows and documents form runs (the positions are computed), which the
-    other walk tests cover."""
+@pytest.mark.parametrize("walk", LOOPS)
+def test_unevenly_spaced_blocks(walk, gen, monkeypatch):
+    """FULL and PARTIAL blocks not evenly spaced (FULL: blocks 0, 1 and 3 of most rows and
+    columns; PARTIAL: 2, 4, 5 and the ragged tail): the kernels load each position
+    (``PARTIAL_STRIDED``, ``FULL_STRIDED`` off) in every walk."""
     monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
-        sparse_q=32, sparse_k=32, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), walk=walk))
+        sparse_q=16, sparse_k=16, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), walk=walk))
     allowed = torch.rand(108, 108, generator=gen) < 0.5
-    for blocks in (slice(0, 32), slice(64, 96)):
+    for blocks in (slice(0, 32), slice(48, 64)):
         allowed[:, blocks] = True
         allowed[blocks, :] = True
     q, k, v = make_qkv(1, 2, 1, 108, 108, 16, 16, torch.float32, gen)
     plan = launch.make_plan(validate(q, k, v, ak.dense(allowed)))
-    assert not (plan.rows.full_runs or plan.cols.full_runs or plan.rows.partial_runs
-                or plan.cols.partial_runs)
+    assert not (plan.rows.full_strided or plan.cols.full_strided or plan.rows.partial_strided
+                or plan.cols.partial_strided)
     check(q, k, v, ak.dense(allowed), allowed, gen=gen)
 
 
-def test_runs_of_the_block_lists():
-    """``BlockLists.partial_runs``/``full_runs``: the PARTIAL (FULL) entries of every row are
-    consecutive blocks."""
+def test_spacing_of_the_block_lists():
+    """``BlockLists.partial_strided``/``full_strided``: the PARTIAL (FULL) entries of every
+    row are evenly spaced blocks (any one or two are)."""
     P, F, E = PARTIAL, FULL, EMPTY
 
-    def runs(*rows):
+    def strided(*rows):
         lists = launch.block_lists(torch.tensor([[rows]], dtype=torch.int8), 1, 1)
-        return lists.partial_runs, lists.full_runs
-    assert runs([F, F, P, E], [P, F, F, E]) == (True, True)  # FULL 0-1; FULL 1-2 after a PARTIAL
-    assert runs([F, F, P, E], [F, P, F, E]) == (True, False)  # second row: FULL 0 and 2
-    assert runs([F, F, P, F]) == (True, False)
-    assert runs([P, P, E, E], [E, E, E, E]) == (True, True)  # no FULL block at all
-    assert runs([E, F, F, F], [F, E, E, E]) == (True, True)
-    assert runs([P, F, F, P]) == (False, True)
-    assert runs([P, E, P, F], [P, P, F, F]) == (False, True)
+        return lists.partial_strided, lists.full_strided
+    assert strided([F, F, P, E], [P, F, F, E]) == (True, True)
+    assert strided([F, F, P, E], [F, P, F, E]) == (True, True)  # FULL 0, 2: step 2
+    assert strided([F, F, P, F]) == (True, False)  # FULL 0, 1, 3
+    assert strided([P, P, E, E], [E, E, E, E]) == (True, True)  # no FULL block at all
+    assert strided([P, F, F, P, F, P]) == (False, False)  # PARTIAL 0, 3, 5; FULL 1, 2, 4
+    assert strided([P, F, P, F, P, E]) == (True, True)  # PARTIAL 0, 2, 4; FULL 1, 3
+    assert strided([P, P, F, P], [P, E, E, E]) == (False, True)
     # lengths a multiple of the sparse blocks (a ragged tail block is PARTIAL in every row)
     space = MaskSpace(batch=1, heads=1, q_len=384, kv_len=384, device=torch.device("cpu"))
-    for mask in (ak.causal(), ak.sliding_window(100), ak.padding(kv_lengths=[200]),
+    for mask in (ak.causal(), ak.sliding_window(200), ak.padding(kv_lengths=[200]),
                  ak.documents(torch.arange(384) // 70) & ak.causal(), None):
         plan = launch.layout(mask, space, launch.GPU_TILES)
-        assert plan.rows.full_runs and plan.cols.full_runs, mask
-        assert plan.rows.partial_runs and plan.cols.partial_runs, mask
+        assert plan.rows.full_strided and plan.cols.full_strided, mask
+        assert plan.rows.partial_strided and plan.cols.partial_strided, mask
 
 
 # ---- memory safety and determinism ----------------------------------------------------------------

@@ -19,9 +19,10 @@ Conventions shared by every kernel:
   iteration with its sub-tiles unrolled, or one kernel block per iteration (``FLAT``: what
   Triton's software pipeliner sees is then a single tile). ``MERGED`` (the ``one_loop`` walk)
   runs one loop over the whole list instead, ``partial`` a runtime test per block. When every
-  row's FULL blocks are consecutive (``FULL_RUNS``: causal, windows, documents, padding, no
-  mask), and likewise its PARTIAL ones (``PARTIAL_RUNS``), the split loops compute each
-  tile's position from the run's first block instead of loading it per iteration. With an
+  row's FULL blocks are evenly spaced (``FULL_STRIDED``: consecutive for causal, windows,
+  documents, padding, no mask), and likewise its PARTIAL ones (``PARTIAL_STRIDED``: one or
+  two per row for causal, windows, documents), the loops compute each tile's position from
+  the row's first two blocks instead of loading it per iteration. With an
   address that depends on a load made in the loop, Triton's software pipeliner keeps one
   tile of prefetch, issued after the compute (sm90 PTX: ``cp.async.wait_group 0`` at the
   loop head whatever ``num_stages``); with an affine one, ``num_stages − 1`` tiles stay in
@@ -172,51 +173,52 @@ def _block_row(num_partial, num_full, index, b, h, row, s_n_b, s_n_h, s_n_r, s_i
 
 
 @triton.jit
-def _run_base(blocks, first, count, SPARSE: tl.constexpr, RUN: tl.constexpr):
-    """When entries ``first … first + count`` of a row's list are consecutive blocks (``RUN``):
-    the position they count from, so that entry ``j`` starts at ``base + j·SPARSE`` (the
-    first block loaded once, before the loop); otherwise 0, unused."""
+def _spacing(blocks, first, count, SPARSE: tl.constexpr, STRIDED: tl.constexpr):
+    """When entries ``first … first + count`` of a row's list are evenly spaced blocks
+    (``STRIDED``): ``(base, step)`` such that entry ``j`` starts at position ``base + j·step``
+    (the first two blocks loaded once, before the loop); otherwise ``(0, 0)``, unused."""
     base = 0
-    if RUN:
-        base = (tl.load(blocks + first, mask=count > 0, other=0) - first) * SPARSE
-    return base
+    step = 0
+    if STRIDED:
+        b0 = tl.load(blocks + first, mask=count > 0, other=0)
+        b1 = tl.load(blocks + first + 1, mask=count > 1, other=0)
+        step = tl.where(count > 1, b1 - b0, 1) * SPARSE
+        base = b0 * SPARSE - first * step
+    return base, step
 
 
 @triton.jit
-def _sparse_start(blocks, j, run_base, SPARSE: tl.constexpr, RUN: tl.constexpr):
-    """First position of entry ``j`` of a row's list: computed in a run (``RUN``, see
-    :func:`_run_base`), else loaded."""
-    if RUN:
-        start = run_base + j * SPARSE
+def _sparse_start(blocks, j, base, step, SPARSE: tl.constexpr, STRIDED: tl.constexpr):
+    """First position of entry ``j`` of a row's list: computed when evenly spaced
+    (``STRIDED``, see :func:`_spacing`), else loaded."""
+    if STRIDED:
+        start = base + j * step
     else:
         start = tl.load(blocks + j) * SPARSE
     return start
 
 
 @triton.jit
-def _block_start(blocks, t, run_base, SUBS: tl.constexpr, SPARSE: tl.constexpr,
-                 BLOCK: tl.constexpr, RUN: tl.constexpr):
+def _block_start(blocks, t, base, step, SUBS: tl.constexpr, SPARSE: tl.constexpr,
+                 BLOCK: tl.constexpr, STRIDED: tl.constexpr):
     """First position of kernel block ``t`` of a row's list in the one-block-per-iteration
-    loops: sub-block ``t % SUBS`` of entry ``t // SUBS``; in a run (``RUN``) simply
-    ``run_base + t·BLOCK``, affine in ``t``."""
-    if RUN:
-        start = run_base + t * BLOCK
-    else:
-        start = tl.load(blocks + t // SUBS) * SPARSE + (t % SUBS) * BLOCK
-    return start
+    loops: sub-block ``t % SUBS`` of entry ``t // SUBS``, computed when the entries are evenly
+    spaced (``STRIDED``: from ``t`` alone), else loaded."""
+    return _sparse_start(blocks, t // SUBS, base, step, SPARSE, STRIDED) + (t % SUBS) * BLOCK
 
 
 @triton.jit
-def _merged_start(blocks, t, split, partial_base, full_base, SUBS: tl.constexpr,
-                  SPARSE: tl.constexpr, BLOCK: tl.constexpr, RUNS: tl.constexpr):
+def _merged_start(blocks, t, split, p_base, p_step, f_base, f_step, SUBS: tl.constexpr,
+                  SPARSE: tl.constexpr, BLOCK: tl.constexpr, STRIDED: tl.constexpr):
     """First position of kernel block ``t`` of a row's whole list (the one-loop walk, the
-    PARTIAL blocks' kernel blocks before ``split``): with ``RUNS`` (the PARTIAL and the FULL
-    blocks each one run, their bases from :func:`_run_base` before the loop) an address that
-    depends on ``t`` alone, so the loop pipelines; else loaded."""
-    if RUNS:
-        start = tl.where(t < split, partial_base, full_base) + t * BLOCK
+    PARTIAL blocks' kernel blocks before ``split``): with ``STRIDED`` (the PARTIAL and the
+    FULL entries each evenly spaced, their spacings from :func:`_spacing` before the loop)
+    an address that depends on ``t`` alone, so the loop pipelines; else loaded."""
+    if STRIDED:
+        j = t // SUBS
+        start = tl.where(t < split, p_base + j * p_step, f_base + j * f_step) + (t % SUBS) * BLOCK
     else:
-        start = _block_start(blocks, t, 0, SUBS, SPARSE, BLOCK, False)
+        start = _block_start(blocks, t, 0, 0, SUBS, SPARSE, BLOCK, False)
     return start
 
 
@@ -423,7 +425,8 @@ def attn_fwd(Q, K, V, Out, Lse,
              UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
              FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
              TMA: tl.constexpr, TMA_OK: tl.constexpr,
-             ORDER_KIND: tl.constexpr, PARTIAL_RUNS: tl.constexpr, FULL_RUNS: tl.constexpr,
+             ORDER_KIND: tl.constexpr, PARTIAL_STRIDED: tl.constexpr,
+             FULL_STRIDED: tl.constexpr,
              BOUNDS: tl.constexpr,
              HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
              HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
@@ -467,11 +470,12 @@ def attn_fwd(Q, K, V, Out, Lse,
                                            s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
     SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
     if MERGED:  # one loop over the whole list, PARTIAL blocks first: one pipeline per row
-        partial_base = _run_base(blocks, 0, n_partial, SPARSE_K, PARTIAL_RUNS and FULL_RUNS)
-        full_base = _run_base(blocks, n_partial, n_full, SPARSE_K, PARTIAL_RUNS and FULL_RUNS)
+        STRIDED = PARTIAL_STRIDED and FULL_STRIDED  # constexpr
+        p_base, p_step = _spacing(blocks, 0, n_partial, SPARSE_K, STRIDED)
+        f_base, f_step = _spacing(blocks, n_partial, n_full, SPARSE_K, STRIDED)
         for t in range(0, (n_partial + n_full) * SUBS):
-            start_n = _merged_start(blocks, t, n_partial * SUBS, partial_base, full_base, SUBS,
-                                    SPARSE_K, BLOCK_N, PARTIAL_RUNS and FULL_RUNS)
+            start_n = _merged_start(blocks, t, n_partial * SUBS, p_base, p_step, f_base, f_step,
+                                    SUBS, SPARSE_K, BLOCK_N, STRIDED)
             m_i, l_i, acc = _fwd_tile(
                 q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
                 s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
@@ -481,11 +485,11 @@ def attn_fwd(Q, K, V, Out, Lse,
         masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
         first = 0 if masked else n_partial
         stop = n_partial if masked else n_partial + n_full
-        RUN = (PARTIAL_RUNS and masked) or (FULL_RUNS and not masked)  # constexpr
-        run_base = _run_base(blocks, first, stop - first, SPARSE_K, RUN)
+        STRIDED = (PARTIAL_STRIDED and masked) or (FULL_STRIDED and not masked)  # constexpr
+        base, step = _spacing(blocks, first, stop - first, SPARSE_K, STRIDED)
         if FLAT:  # one kernel block per iteration
             for t in range(first * SUBS, stop * SUBS):
-                start_n = _block_start(blocks, t, run_base, SUBS, SPARSE_K, BLOCK_N, RUN)
+                start_n = _block_start(blocks, t, base, step, SUBS, SPARSE_K, BLOCK_N, STRIDED)
                 m_i, l_i, acc = _fwd_tile(
                     q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
                     s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
@@ -493,7 +497,7 @@ def attn_fwd(Q, K, V, Out, Lse,
                     PRECISION, UPCAST, MERGED, USE_TMA)
         else:  # one sparse block per iteration, its kernel blocks unrolled
             for j in range(first, stop):
-                block_start = _sparse_start(blocks, j, run_base, SPARSE_K, RUN)
+                block_start = _sparse_start(blocks, j, base, step, SPARSE_K, STRIDED)
                 for sub in tl.static_range(SUBS):
                     m_i, l_i, acc = _fwd_tile(
                         q, m_i, l_i, acc, block_start + sub * BLOCK_N, k_base, v_base,
@@ -621,7 +625,8 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                   UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
                   FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
                   TMA: tl.constexpr, TMA_OK: tl.constexpr,
-                  ORDER_KIND: tl.constexpr, PARTIAL_RUNS: tl.constexpr, FULL_RUNS: tl.constexpr,
+                  ORDER_KIND: tl.constexpr, PARTIAL_STRIDED: tl.constexpr,
+                  FULL_STRIDED: tl.constexpr,
                   BOUNDS: tl.constexpr,
                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                   HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
@@ -669,11 +674,12 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
         n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h, col,
                                                s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
         if MERGED:  # one loop over the whole list, PARTIAL blocks first
-            partial_base = _run_base(blocks, 0, n_partial, SPARSE_Q, PARTIAL_RUNS and FULL_RUNS)
-            full_base = _run_base(blocks, n_partial, n_full, SPARSE_Q, PARTIAL_RUNS and FULL_RUNS)
+            STRIDED = PARTIAL_STRIDED and FULL_STRIDED  # constexpr
+            p_base, p_step = _spacing(blocks, 0, n_partial, SPARSE_Q, STRIDED)
+            f_base, f_step = _spacing(blocks, n_partial, n_full, SPARSE_Q, STRIDED)
             for t in range(0, (n_partial + n_full) * SUBS):
-                start_m = _merged_start(blocks, t, n_partial * SUBS, partial_base, full_base, SUBS,
-                                        SPARSE_Q, BLOCK_M, PARTIAL_RUNS and FULL_RUNS)
+                start_m = _merged_start(blocks, t, n_partial * SUBS, p_base, p_step, f_base, f_step,
+                                        SUBS, SPARSE_Q, BLOCK_M, STRIDED)
                 dk, dv = _dkdv_tile(
                     k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_n, offs_dk,
                     offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len,
@@ -683,11 +689,11 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
             masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
             first = 0 if masked else n_partial
             stop = n_partial if masked else n_partial + n_full
-            RUN = (PARTIAL_RUNS and masked) or (FULL_RUNS and not masked)  # constexpr
-            run_base = _run_base(blocks, first, stop - first, SPARSE_Q, RUN)
+            STRIDED = (PARTIAL_STRIDED and masked) or (FULL_STRIDED and not masked)  # constexpr
+            base, step = _spacing(blocks, first, stop - first, SPARSE_Q, STRIDED)
             if FLAT:  # one kernel block per iteration
                 for t in range(first * SUBS, stop * SUBS):
-                    start_m = _block_start(blocks, t, run_base, SUBS, SPARSE_Q, BLOCK_M, RUN)
+                    start_m = _block_start(blocks, t, base, step, SUBS, SPARSE_Q, BLOCK_M, STRIDED)
                     dk, dv = _dkdv_tile(
                         k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_n,
                         offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h,
@@ -696,7 +702,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                         USE_TMA)
             else:  # one sparse block per iteration, its kernel blocks unrolled
                 for j in range(first, stop):
-                    block_start = _sparse_start(blocks, j, run_base, SPARSE_Q, RUN)
+                    block_start = _sparse_start(blocks, j, base, step, SPARSE_Q, STRIDED)
                     for sub in tl.static_range(SUBS):
                         dk, dv = _dkdv_tile(
                             k, v, dk, dv, block_start + sub * BLOCK_M, q_base, do_base,
@@ -729,7 +735,8 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
                 FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
                 TMA: tl.constexpr, TMA_OK: tl.constexpr,
-                ORDER_KIND: tl.constexpr, PARTIAL_RUNS: tl.constexpr, FULL_RUNS: tl.constexpr,
+                ORDER_KIND: tl.constexpr, PARTIAL_STRIDED: tl.constexpr,
+                FULL_STRIDED: tl.constexpr,
                 BOUNDS: tl.constexpr,
                 HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                 HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
@@ -769,11 +776,12 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                                            s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
     SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
     if MERGED:  # one loop over the whole list, PARTIAL blocks first
-        partial_base = _run_base(blocks, 0, n_partial, SPARSE_K, PARTIAL_RUNS and FULL_RUNS)
-        full_base = _run_base(blocks, n_partial, n_full, SPARSE_K, PARTIAL_RUNS and FULL_RUNS)
+        STRIDED = PARTIAL_STRIDED and FULL_STRIDED  # constexpr
+        p_base, p_step = _spacing(blocks, 0, n_partial, SPARSE_K, STRIDED)
+        f_base, f_step = _spacing(blocks, n_partial, n_full, SPARSE_K, STRIDED)
         for t in range(0, (n_partial + n_full) * SUBS):
-            start_n = _merged_start(blocks, t, n_partial * SUBS, partial_base, full_base, SUBS,
-                                    SPARSE_K, BLOCK_N, PARTIAL_RUNS and FULL_RUNS)
+            start_n = _merged_start(blocks, t, n_partial * SUBS, p_base, p_step, f_base, f_step,
+                                    SUBS, SPARSE_K, BLOCK_N, STRIDED)
             dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
                           offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
                           head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS, BOUNDS,
@@ -782,18 +790,18 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
         masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
         first = 0 if masked else n_partial
         stop = n_partial if masked else n_partial + n_full
-        RUN = (PARTIAL_RUNS and masked) or (FULL_RUNS and not masked)  # constexpr
-        run_base = _run_base(blocks, first, stop - first, SPARSE_K, RUN)
+        STRIDED = (PARTIAL_STRIDED and masked) or (FULL_STRIDED and not masked)  # constexpr
+        base, step = _spacing(blocks, first, stop - first, SPARSE_K, STRIDED)
         if FLAT:  # one kernel block per iteration
             for t in range(first * SUBS, stop * SUBS):
-                start_n = _block_start(blocks, t, run_base, SUBS, SPARSE_K, BLOCK_N, RUN)
+                start_n = _block_start(blocks, t, base, step, SUBS, SPARSE_K, BLOCK_N, STRIDED)
                 dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
                               offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
                               head_dv, qk_scale, mask, own, masked, masked and BOUNDS, BOUNDS,
                               BLOCK_N, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
         else:  # one sparse block per iteration, its kernel blocks unrolled
             for j in range(first, stop):
-                block_start = _sparse_start(blocks, j, run_base, SPARSE_K, RUN)
+                block_start = _sparse_start(blocks, j, base, step, SPARSE_K, STRIDED)
                 for sub in tl.static_range(SUBS):
                     dq = _dq_tile(q, do, lse2, delta, dq, block_start + sub * BLOCK_N,
                                   k_base, v_base, offs_m, offs_dk, offs_dv, b, h, s_k_t, s_k_d,

@@ -185,14 +185,15 @@ P_TMA, P_FLAT_TMA, F_FLAT_TMA, M_TMA = P + "+tma", P + "+flat+tma", F + "+flat+t
 #   flat) from 305 to 264, dK/dV's (32×128, flat; its LSE and Δ rows by 1-D descriptors)
 #   from 345 to 269; dK/dV 64×128 with TMA spills and is left out.
 # - 3 and 4 stages on the winners' shapes: until the FULL loops computed their positions
-#   (``FULL_RUNS``), every loop's K/V (or Q/dO) address came from a load made in the loop,
-#   and Triton 3.6 then waited for every outstanding copy at the loop head whatever
+#   (``FULL_STRIDED``), every loop's K/V (or Q/dO) address came from a load made in the
+#   loop, and Triton 3.6 then waited for every outstanding copy at the loop head whatever
 #   ``num_stages`` said (PTX: ``cp.async.wait_group 0``): a 3-stage candidate prefetched no
 #   further than a 2-stage one. Now 3 stages wait with 2 tiles in flight (forward
 #   128×128: 224 KiB of shared memory, 252 registers, no spill; dK/dV 32×128 flat with 4
 #   stages: 128 KiB; dQ 128×64 flat with 4 stages: 192 KiB). The one-loop walk pipelines
-#   too when both kinds form runs (its position is a select between the two runs' bases):
-#   3-stage ``one_loop`` candidates, for short rows such as 1024-token documents.
+#   too when both kinds are evenly spaced (its position is a select between two
+#   progressions): 3-stage ``one_loop`` candidates, for short rows such as 1024-token
+#   documents.
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     "attn_fwd": {
         64: [(128, 128, 8, 2, P), (128, 64, 8, 3, P), (128, 32, 4, 3, P), (64, 64, 4, 3, P),
@@ -470,9 +471,9 @@ class BlockLists:
     PARTIAL block weighs 5/4 of a FULL one), ties in row order; the ``+lpt`` walks launch them
     in that order. ``order_kind``: 0 when that is the rows' own order, 1 when it is the
     reverse (causal rows), 2 otherwise: the kernels compute the first two and load the third.
-    ``partial_runs``/``full_runs``: every row's PARTIAL (FULL) blocks are consecutive (one
-    run), so the kernels compute their positions instead of loading each (``PARTIAL_RUNS``,
-    ``FULL_RUNS`` in ``kernels.py``).
+    ``partial_strided``/``full_strided``: every row's PARTIAL (FULL) blocks are evenly spaced
+    (consecutive, or any one or two blocks), so the kernels compute their positions instead
+    of loading each (``PARTIAL_STRIDED``, ``FULL_STRIDED`` in ``kernels.py``).
     """
 
     num_partial: torch.Tensor
@@ -480,14 +481,14 @@ class BlockLists:
     index: torch.Tensor
     order: torch.Tensor
     order_kind: int = 2
-    partial_runs: bool = False
-    full_runs: bool = False
+    partial_strided: bool = False
+    full_strided: bool = False
 
     def args(self) -> dict:
         sn, si = self.num_partial.stride(), self.index.stride()
         return dict(num_partial=self.num_partial, num_full=self.num_full, index=self.index,
                     order=self.order, ORDER_KIND=self.order_kind,
-                    PARTIAL_RUNS=self.partial_runs, FULL_RUNS=self.full_runs,
+                    PARTIAL_STRIDED=self.partial_strided, FULL_STRIDED=self.full_strided,
                     s_n_b=sn[0], s_n_h=sn[1], s_n_r=sn[2], s_i_b=si[0], s_i_h=si[1], s_i_r=si[2])
 
     def visited(self) -> int:
@@ -508,21 +509,25 @@ def block_lists(codes: torch.Tensor, batch: int, heads: int) -> BlockLists:
     kind = 0 if torch.equal(order, own) else 1 if torch.equal(order, own.flip(0)) else 2
     return BlockLists(num_partial.expand(batch, heads, rows), num_full.expand(batch, heads, rows),
                       index.expand(batch, heads, rows, cols), order, kind,
-                      _runs(index, torch.zeros_like(num_partial), num_partial),
-                      _runs(index, num_partial, num_full))
+                      _strided(index, torch.zeros_like(num_partial), num_partial),
+                      _strided(index, num_partial, num_full))
 
 
-def _runs(index: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> bool:
+def _strided(index: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> bool:
     """Whether in every row of ``index [..., R, C]`` the ``count [..., R]`` entries from
-    position ``first [..., R]`` on (ascending) are consecutive blocks."""
+    position ``first [..., R]`` on (ascending) are evenly spaced blocks: the kernels' step
+    is the first two entries' difference."""
     cols = index.shape[-1]
     if cols == 0:
         return True
     start = first.long().unsqueeze(-1)  # [..., R, 1]
     offset = torch.arange(cols, device=index.device) - start  # place within the entries
     inside = (offset >= 0) & (offset < count.long().unsqueeze(-1))
-    base = index.long().gather(-1, start.clamp(max=cols - 1))
-    return bool(((index.long() == base + offset) | ~inside).all())
+    entries = index.long()
+    base = entries.gather(-1, start.clamp(max=cols - 1))
+    step = entries.gather(-1, (start + 1).clamp(max=cols - 1)) - base
+    step = torch.where(count.long().unsqueeze(-1) > 1, step, 1)
+    return bool(((entries == base + offset * step) | ~inside).all())
 
 
 def block_codes(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> torch.Tensor:
@@ -594,9 +599,9 @@ class Plan:
     @property
     def tune_key(self) -> int:
         """Batch × heads and lengths (as powers of two: the grid's size), the mask features and
-        whether the PARTIAL and FULL blocks form runs, packed into one int for the autotuner (6
-        bits per size, the 10 flags below them: 28 bits)."""
-        flags = [*self.program.flags().values(), self.rows.partial_runs, self.rows.full_runs]
+        whether the PARTIAL and FULL blocks are evenly spaced, packed into one int for the
+        autotuner (6 bits per size, the 10 flags below them: 28 bits)."""
+        flags = [*self.program.flags().values(), self.rows.partial_strided, self.rows.full_strided]
         key = sum(int(on) << i for i, on in enumerate(flags))
         sizes = (self.codes.shape[-1], self.codes.shape[-2], self.layout.batch * self.layout.heads)
         for i, size in enumerate(sizes):
