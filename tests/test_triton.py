@@ -678,6 +678,10 @@ def test_direct_launch_after_the_first_compiled_launches(monkeypatch):
         if name not in ("num_warps", "num_stages", "Out", "Lse"):  # options; fresh outputs
             assert by_name[name] is value or by_name[name] == value, name
     assert by_name["Q"] is q and by_name["Out"] is out  # this call's tensors, swapped in
+    kept = [entry for entry in plan.layout.calls.values() if entry.tuned.get("direct")]
+    _, values, _ = next(iter(kept[0].tuned["direct"].values()))
+    assert not any(isinstance(x, torch.Tensor) and x.shape == q.shape for x in values), \
+        "the cache keeps no call's tensors alive"
     assert by_name["BLOCK_M"] == 64 and by_name["TMA"] is True
     misaligned = torch.zeros(1 * 2 * 300 * 128 + 1)[1:].view(1, 2, 300, 128)  # 4 bytes off
     assert launch_once(misaligned)[0] == "jit"

@@ -708,7 +708,9 @@ class Call:
             python_fn = getattr(tuner.fn, "fn", None)  # the kernel's Python function
             slots = _slots(python_fn, self.args, meta) if python_fn is not None else None
             if slots is not None and self.swapped and hasattr(kernel, "__getitem__"):
-                values = [self.args.get(name, value) for name, value in slots]
+                # this call's tensors left out: the layout's cache must not keep them alive
+                values = [None if name in self.swapped else self.args.get(name, value)
+                          for name, value in slots]
                 swaps = [(i, name) for i, (name, _) in enumerate(slots) if name in self.swapped]
                 direct[key] = (kernel, values, swaps)
 
