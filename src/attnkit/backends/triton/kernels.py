@@ -208,13 +208,23 @@ def _block_start(blocks, t, base, step, SUBS: tl.constexpr, SPARSE: tl.constexpr
 
 
 @triton.jit
-def _merged_start(blocks, t, split, p_base, p_step, f_base, f_step, SUBS: tl.constexpr,
-                  SPARSE: tl.constexpr, BLOCK: tl.constexpr, STRIDED: tl.constexpr):
+def _list_spacing(blocks, n_partial, n_full, SPARSE: tl.constexpr, STRIDED: tl.constexpr):
+    """For the one-loop walk, before its loop: the PARTIAL and the FULL entries' spacings
+    (:func:`_spacing`), ``(p_base, p_step, f_base, f_step)``."""
+    p_base, p_step = _spacing(blocks, 0, n_partial, SPARSE, STRIDED)
+    f_base, f_step = _spacing(blocks, n_partial, n_full, SPARSE, STRIDED)
+    return p_base, p_step, f_base, f_step
+
+
+@triton.jit
+def _merged_start(blocks, t, split, spacing, SUBS: tl.constexpr, SPARSE: tl.constexpr,
+                  BLOCK: tl.constexpr, STRIDED: tl.constexpr):
     """First position of kernel block ``t`` of a row's whole list (the one-loop walk, the
     PARTIAL blocks' kernel blocks before ``split``): with ``STRIDED`` (the PARTIAL and the
-    FULL entries each evenly spaced, their spacings from :func:`_spacing` before the loop)
-    an address that depends on ``t`` alone, so the loop pipelines; else loaded."""
+    FULL entries each evenly spaced, ``spacing`` from :func:`_list_spacing`) an address that
+    depends on ``t`` alone, so the loop pipelines; else loaded."""
     if STRIDED:
+        p_base, p_step, f_base, f_step = spacing
         j = t // SUBS
         start = tl.where(t < split, p_base + j * p_step, f_base + j * f_step) + (t % SUBS) * BLOCK
     else:
@@ -471,11 +481,10 @@ def attn_fwd(Q, K, V, Out, Lse,
     SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
     if MERGED:  # one loop over the whole list, PARTIAL blocks first: one pipeline per row
         STRIDED = PARTIAL_STRIDED and FULL_STRIDED  # constexpr
-        p_base, p_step = _spacing(blocks, 0, n_partial, SPARSE_K, STRIDED)
-        f_base, f_step = _spacing(blocks, n_partial, n_full, SPARSE_K, STRIDED)
+        spacing = _list_spacing(blocks, n_partial, n_full, SPARSE_K, STRIDED)
         for t in range(0, (n_partial + n_full) * SUBS):
-            start_n = _merged_start(blocks, t, n_partial * SUBS, p_base, p_step, f_base, f_step,
-                                    SUBS, SPARSE_K, BLOCK_N, STRIDED)
+            start_n = _merged_start(blocks, t, n_partial * SUBS, spacing, SUBS,
+                                    SPARSE_K, BLOCK_N, STRIDED)
             m_i, l_i, acc = _fwd_tile(
                 q, m_i, l_i, acc, start_n, k_base, v_base, offs_m, offs_dk, offs_dv, b, h,
                 s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
@@ -675,11 +684,10 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                                                s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
         if MERGED:  # one loop over the whole list, PARTIAL blocks first
             STRIDED = PARTIAL_STRIDED and FULL_STRIDED  # constexpr
-            p_base, p_step = _spacing(blocks, 0, n_partial, SPARSE_Q, STRIDED)
-            f_base, f_step = _spacing(blocks, n_partial, n_full, SPARSE_Q, STRIDED)
+            spacing = _list_spacing(blocks, n_partial, n_full, SPARSE_Q, STRIDED)
             for t in range(0, (n_partial + n_full) * SUBS):
-                start_m = _merged_start(blocks, t, n_partial * SUBS, p_base, p_step, f_base, f_step,
-                                        SUBS, SPARSE_Q, BLOCK_M, STRIDED)
+                start_m = _merged_start(blocks, t, n_partial * SUBS, spacing, SUBS,
+                                        SPARSE_Q, BLOCK_M, STRIDED)
                 dk, dv = _dkdv_tile(
                     k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_n, offs_dk,
                     offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len,
@@ -777,11 +785,10 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
     SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
     if MERGED:  # one loop over the whole list, PARTIAL blocks first
         STRIDED = PARTIAL_STRIDED and FULL_STRIDED  # constexpr
-        p_base, p_step = _spacing(blocks, 0, n_partial, SPARSE_K, STRIDED)
-        f_base, f_step = _spacing(blocks, n_partial, n_full, SPARSE_K, STRIDED)
+        spacing = _list_spacing(blocks, n_partial, n_full, SPARSE_K, STRIDED)
         for t in range(0, (n_partial + n_full) * SUBS):
-            start_n = _merged_start(blocks, t, n_partial * SUBS, p_base, p_step, f_base, f_step,
-                                    SUBS, SPARSE_K, BLOCK_N, STRIDED)
+            start_n = _merged_start(blocks, t, n_partial * SUBS, spacing, SUBS,
+                                    SPARSE_K, BLOCK_N, STRIDED)
             dq = _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk,
                           offs_dv, b, h, s_k_t, s_k_d, s_v_t, s_v_d, q_len, kv_len, head_dk,
                           head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS, BOUNDS,
