@@ -376,12 +376,6 @@ def check(w: Workload, dtype, device) -> dict:
 
 WARM_FAILED = "its warm worker failed: see the warm lines above"
 
-def direct_launch_state() -> bool:
-    from attnkit.backends.triton import launch
-
-    return launch.DIRECT_LAUNCH
-
-
 def check_direct_launch(run: Callable[[], tuple], device) -> str:
     """``run()`` twice more: once through ``JITFunction`` (which keeps the compiled kernels) and
     once launching them directly (``launch.DIRECT_LAUNCH``). The kernels are deterministic, so
@@ -713,11 +707,12 @@ def main(argv=None) -> int:
         print(f"ceilings: bf16/fp16 matmul {info['matmul_tflops']:.0f} TFLOP/s, "
               f"copy {info['copy_gbps']:.0f} GB/s")
 
+    from attnkit.backends.triton import launch
+
     todo = workloads(args)
     warmed = warm(todo, args) if device.type == "cuda" and not args.no_warm else Warmed()
     info["dropped_configs"], info["warm_failed"] = warmed.dropped, sorted(warmed.broken)
     if warmed.direct_failed:
-        from attnkit.backends.triton import launch
         launch.DIRECT_LAUNCH = False
     if device.type == "cuda":
         info["host_us_per_call"] = host_overhead(device, dtype)
@@ -801,7 +796,7 @@ def main(argv=None) -> int:
         path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
                                     "results": [asdict(r) for r in results]}, indent=1))
     info["autotuned"] = autotuned()
-    info["direct_launch"] = direct_launch_state()
+    info["direct_launch"] = launch.DIRECT_LAUNCH
     info["elapsed_s"] = time.perf_counter() - STARTED
     path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
                                 "results": [asdict(r) for r in results]}, indent=1))
@@ -842,14 +837,6 @@ def host_overhead(device, dtype, calls: int = 200) -> dict:
     mask = ak.causal()
     plan = launch.make_plan(validate(q, k, v, mask))
     out, lse = torch.empty_like(q), torch.empty(1, 1, 128, device=device)
-    fns = {"attnkit-triton": lambda: ak.attention(q, k, v, mask, backend="triton"),
-           "attnkit-auto": lambda: ak.attention(q, k, v, mask),
-           # the split: our Python before the launch, and Triton's launch (autotuner included)
-           "validate+plan": lambda: launch.make_plan(validate(q, k, v, mask)),
-           "forward_call": lambda: launch.forward_call(q, k, v, out, lse, plan),
-           "triton-launch": lambda: launch.forward_call(q, k, v, out, lse, plan).run(plan.interpret),
-           "triton-launch (JITFunction)": lambda: jit_launch(),
-           "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
 
     def jit_launch():  # without launch.DIRECT_LAUNCH: Triton binds the arguments every time
         direct, launch.DIRECT_LAUNCH = launch.DIRECT_LAUNCH, False
@@ -857,6 +844,15 @@ def host_overhead(device, dtype, calls: int = 200) -> dict:
             launch.forward_call(q, k, v, out, lse, plan).run(plan.interpret)
         finally:
             launch.DIRECT_LAUNCH = direct
+
+    fns = {"attnkit-triton": lambda: ak.attention(q, k, v, mask, backend="triton"),
+           "attnkit-auto": lambda: ak.attention(q, k, v, mask),
+           # the split: our Python before the launch, and Triton's launch (autotuner included)
+           "validate+plan": lambda: launch.make_plan(validate(q, k, v, mask)),
+           "forward_call": lambda: launch.forward_call(q, k, v, out, lse, plan),
+           "triton-launch": lambda: launch.forward_call(q, k, v, out, lse, plan).run(plan.interpret),
+           "triton-launch (JITFunction)": jit_launch,
+           "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
 
     result = {}
     for name, fn in fns.items():

@@ -670,7 +670,8 @@ class Call:
     shared by a template and the calls made from it (see :func:`_reuse`)."""
     swapped: tuple = ()
     """The tensor arguments this call swapped into its template (:func:`_reuse`): all that may
-    differ between the template's calls besides ``TMA_OK`` (empty: any tensor may)."""
+    differ between the template's calls besides ``TMA_OK`` (empty: not made from a template,
+    no direct launch)."""
 
     def run(self, interpret: bool) -> None:
         """A fixed config under the interpreter. Compiled: ``triton.autotune`` over the configs
@@ -695,7 +696,8 @@ class Call:
         else:
             meta = config.kwargs
             grid = self.grid(meta["BLOCK_M"], meta["BLOCK_N"], meta["ORDERED"])
-            key = _direct_key(self.args, self.swapped)
+            # only a template's calls (their swapped tensors known) launch directly
+            key = _direct_key(self.args, self.swapped) if self.swapped else None
             direct = self.tuned.setdefault("direct", {})  # key → (kernel, values, swaps)
             if DIRECT_LAUNCH and key in direct:
                 kernel, values, swaps = direct[key]
@@ -707,7 +709,7 @@ class Call:
             kernel = tuner.fn[grid](**self.args, **config.all_kwargs())
             python_fn = getattr(tuner.fn, "fn", None)  # the kernel's Python function
             slots = _slots(python_fn, self.args, meta) if python_fn is not None else None
-            if slots is not None and self.swapped and hasattr(kernel, "__getitem__"):
+            if key is not None and slots is not None and hasattr(kernel, "__getitem__"):
                 # this call's tensors left out: the layout's cache must not keep them alive
                 values = [None if name in self.swapped else self.args.get(name, value)
                           for name, value in slots]
@@ -730,14 +732,12 @@ measured offline), which the GPU waits for when the kernels are short. ``benchma
 checks the direct launches against the ``JITFunction`` ones and turns this off if they differ."""
 
 
-def _direct_key(args: dict, swapped: tuple = ()) -> tuple:
+def _direct_key(args: dict, swapped: tuple) -> tuple:
     """What a compiled kernel was specialized on that can change between calls of one template
     (:func:`_reuse` fixes shapes, strides and dtypes, and every argument but the ``swapped``
     tensors): the TMA switch and each swapped tensor's 16-byte alignment, the property Triton
-    specializes pointers on (every tensor's when ``swapped`` is empty)."""
-    tensors = [args[name] for name in swapped] if swapped else [
-        t for t in args.values() if isinstance(t, torch.Tensor)]
-    return args.get("TMA_OK"), tuple(t.data_ptr() % 16 == 0 for t in tensors)
+    specializes pointers on."""
+    return args.get("TMA_OK"), tuple(args[name].data_ptr() % 16 == 0 for name in swapped)
 
 
 def _slots(fn: Callable, args: dict, meta: dict) -> Optional[list[tuple[str, object]]]:
