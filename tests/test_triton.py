@@ -326,6 +326,13 @@ def test_gradient_of_lse_alone(gen):
     assert (got[2] == 0).all()
 
 
+def use_walk(monkeypatch, walk: str, sparse: int, block: int) -> None:
+    """The interpreter's launches walk with ``walk``, square kernel blocks in square sparse ones."""
+    monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
+        sparse_q=sparse, sparse_k=sparse, fwd=(block, block), dkdv=(block, block),
+        dq=(block, block), walk=walk))
+
+
 @pytest.mark.parametrize("tiles", [
     launch.Tiles(sparse_q=32, sparse_k=32, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16)),
     launch.Tiles(sparse_q=32, sparse_k=32, fwd=(32, 16), dkdv=(16, 32), dq=(32, 16)),
@@ -349,8 +356,7 @@ def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
     and every tensor, the LSE too (76 a multiple of 4), is TMA-eligible for the ``+tma`` walks.
     GQA 2/1, so the dK/dV programs walk two heads' lists. The cases' orders cover the three
     kinds (loaded, reversed for causal rows, the rows' own for causal columns and the bias)."""
-    monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
-        sparse_q=32, sparse_k=32, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), walk=walk))
+    use_walk(monkeypatch, walk, sparse=32, block=16)
     if case == "docs&causal":
         mask, allowed = _docs(gen, 76, 2, causal=True)
         bias = None
@@ -378,8 +384,7 @@ def test_evenly_spaced_blocks(walk, case, gen, monkeypatch):
     sparse blocks: every walk computes the positions (``PARTIAL_STRIDED``,
     ``FULL_STRIDED``; the one-loop walk switches between the two progressions). Kernel
     blocks inside sparse ones walk them in the other walk tests (causal rows)."""
-    monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
-        sparse_q=32, sparse_k=32, fwd=(32, 32), dkdv=(32, 32), dq=(32, 32), walk=walk))
+    use_walk(monkeypatch, walk, sparse=32, block=32)
     if case == "window":
         mask, allowed = ak.sliding_window(100), dense_band(128, 128, 100, 0)
     else:
@@ -398,8 +403,7 @@ def test_unevenly_spaced_blocks(walk, gen, monkeypatch):
     """FULL and PARTIAL blocks not evenly spaced (FULL: blocks 0, 1 and 3 of most rows and
     columns; PARTIAL: 2, 4, 5 and the ragged tail): the kernels load each position
     (``PARTIAL_STRIDED``, ``FULL_STRIDED`` off) in every walk."""
-    monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
-        sparse_q=16, sparse_k=16, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), walk=walk))
+    use_walk(monkeypatch, walk, sparse=16, block=16)
     allowed = torch.rand(108, 108, generator=gen) < 0.5
     for blocks in (slice(0, 32), slice(48, 64)):
         allowed[:, blocks] = True
@@ -502,8 +506,7 @@ def test_tma_reads_nothing_past_the_ends(walk, heads_kv, gen, monkeypatch):
     ``[T, D]``: the copies must zero-fill rows past a ragged end (72 positions in 32-row blocks)
     and columns past a padded head dim (24 → 32), here NaN in memory, while the strides still
     let TMA describe the views. (With GQA, dK/dV loads by pointers: see ``launch.dkdv_call``.)"""
-    monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
-        sparse_q=32, sparse_k=32, fwd=(32, 32), dkdv=(32, 32), dq=(32, 32), walk=walk))
+    use_walk(monkeypatch, walk, sparse=32, block=32)
     q, k, v = (poisoned(t, extra=(0, 0, 24, 8)) for t in make_qkv(1, 2, heads_kv, 72, 72, 24, 24,
                                                                    torch.float32, gen))
     lse = torch.empty(1, 2, 72)  # as the forward makes it; 72 rows keep each head 16-byte aligned
