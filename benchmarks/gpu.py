@@ -33,6 +33,9 @@ Method (``/work/.library/device/METHOD.md``):
   attended pairs: forward 4·B·H·D·pairs (pairs = N² dense, N²/2 causal, exact counts for the
   window and documents), forward+backward 3.5× that (backward 2.5× forward). 16k tokens per
   batch: B = 16384 / N, H = hidden / D.
+- Host time: ``attnkit-kernels`` times our kernels alone (launched from a plan made once) next
+  to the whole ``attnkit-triton`` call; the rows where the whole call is slower, the GPU
+  having waited on our Python, are listed after the table.
 
 The table is printed last; the JSON holds every number, the device, versions and the checks.
 """
@@ -64,7 +67,8 @@ REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 sys.path.insert(0, str(REPO / "src"))
 
-COMPETITORS = ("attnkit-triton", "sdpa-flash", "sdpa-cudnn", "flex-compiled", "sdpa-dense-mask")
+COMPETITORS = ("attnkit-triton", "attnkit-kernels", "sdpa-flash", "sdpa-cudnn", "flex-compiled",
+               "sdpa-dense-mask")
 OPTIONAL = ("attnkit-auto", "sdpa-default")  # ask with --competitors: what auto picks, torch's own pick
 
 
@@ -223,6 +227,8 @@ def make_fn(name: str, masks: Masks, device, flex_masks: str = "all") -> tuple[O
     if name == "attnkit-auto":
         mask = masks.attnkit
         return (lambda q, k, v: ak.attention(q, k, v, mask)), ""
+    if name == "attnkit-kernels":
+        return KernelsOnly(masks.attnkit), ""
     if name == "sdpa-default":
         if kind not in ("dense", "causal"):
             return None, "sdpa-default is timed without a mask but causal"
@@ -278,9 +284,42 @@ def timer(device) -> Callable[[Callable], float]:
     return host
 
 
+class KernelsOnly:
+    """``backend="triton"``'s kernels alone, launched back to back from a plan made once: no
+    validation, dispatch or autograd. Next to ``attnkit-triton`` it shows how much of a row's
+    time the GPU spent waiting on our Python (a small problem's kernels can finish before the
+    host has launched the next ones)."""
+
+    def __init__(self, mask):
+        self.mask, self.plan = mask, None
+
+    def _plan(self, q, k, v):
+        from attnkit.backends.triton import launch
+        from attnkit.inputs import validate
+
+        if self.plan is None:
+            self.plan = launch.make_plan(validate(q, k, v, self.mask))
+        return self.plan
+
+    def __call__(self, q, k, v):
+        from attnkit.backends.triton.backend import _forward
+
+        return _forward(q.detach(), k.detach(), v.detach(), self._plan(q, k, v))[0]
+
+    def forward_backward(self, q, k, v, dout):
+        from attnkit.backends.triton.backend import _backward, _forward
+
+        q, k, v = q.detach(), k.detach(), v.detach()
+        plan = self._plan(q, k, v)
+        out, lse = _forward(q, k, v, plan)
+        _backward(dout, None, q, k, v, out, lse, plan)
+
+
 def step(fn, mode, q, k, v, dout) -> Callable[[], None]:
     if mode == "fwd":
         return lambda: fn(q, k, v)
+    if isinstance(fn, KernelsOnly):
+        return lambda: fn.forward_backward(q, k, v, dout)
 
     def forward_backward():
         for t in (q, k, v):
@@ -825,7 +864,8 @@ def main(argv=None) -> int:
 
 def host_overhead(device, dtype, calls: int = 200) -> dict:
     """Wall-clock µs per call of a tiny forward (B1 H1 N128 D128, causal), the GPU waiting on
-    the host: what each backend's Python and launch path costs before any kernel time."""
+    the host: what each backend's Python and launch path costs before any kernel time; and of
+    a tiny forward+backward (``... fwd+bwd``): a row whose kernels take less than that waits."""
     import torch.nn.functional as F
 
     import attnkit as ak
@@ -853,6 +893,12 @@ def host_overhead(device, dtype, calls: int = 200) -> dict:
            "triton-launch": lambda: launch.forward_call(q, k, v, out, lse, plan).run(plan.interpret),
            "triton-launch (JITFunction)": jit_launch,
            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn_like(q)
+    fns["attnkit-triton fwd+bwd"] = step(lambda *t: ak.attention(*t, mask, backend="triton"),
+                                         "fwd+bwd", *leaves, dout)
+    fns["sdpa fwd+bwd"] = step(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True),
+                               "fwd+bwd", *leaves, dout)
 
     result = {}
     for name, fn in fns.items():
@@ -1152,7 +1198,8 @@ def print_table(results: list[Result], competitors: list[str], info: dict) -> No
     keyed = {}
     for r in results:
         keyed.setdefault((r.workload, r.d, r.n, r.mode), {})[r.backend] = r
-    short = {"attnkit-triton": "triton", "sdpa-flash": "flash", "sdpa-cudnn": "cudnn",
+    short = {"attnkit-triton": "triton", "attnkit-kernels": "kernels", "sdpa-flash": "flash",
+             "sdpa-cudnn": "cudnn",
              "flex-compiled": "flex", "sdpa-dense-mask": "sdpa+mask", "attnkit-auto": "auto",
              "sdpa-default": "sdpa"}
     header = f"{'workload':16s} {'D':>4s} {'N':>6s} {'mode':8s}" + "".join(
@@ -1175,6 +1222,24 @@ def print_table(results: list[Result], competitors: list[str], info: dict) -> No
         peak = info.get("matmul_tflops")
         share = f"{100 * ours.tflops / peak:5.0f}%" if ours and ours.tflops and peak else f"{'':>6s}"
         print(f"{workload:16s} {d:4d} {n:6d} {mode:8s}" + "".join(cells) + ratio + share)
+    waited = host_bound(keyed) if not info.get("dry_run") else []  # the interpreter: noise
+    if waited:
+        print(f"\nthe GPU waited on our Python (attnkit-triton over {HOST_SLACK:.2f}x the time of its "
+              f"kernels launched alone, attnkit-kernels): " + ", ".join(waited))
+
+
+HOST_SLACK = 1.05
+
+
+def host_bound(keyed: dict) -> list[str]:
+    """The rows of ``keyed`` (``(workload, d, n, mode) → backend → Result``) whose
+    ``attnkit-triton`` time exceeds ``HOST_SLACK`` × ``attnkit-kernels``', with the excess."""
+    rows = []
+    for (workload, d, n, mode), row in keyed.items():
+        ours, alone = row.get("attnkit-triton"), row.get("attnkit-kernels")
+        if ours and alone and ours.ms and alone.ms and ours.ms > HOST_SLACK * alone.ms:
+            rows.append(f"{workload} D{d} N{n} {mode} +{ours.ms - alone.ms:.3f} ms")
+    return rows
 
 
 if __name__ == "__main__":

@@ -917,8 +917,9 @@ def test_benchmark_dry_run(tmp_path, capsys, bench):
     printed = capsys.readouterr().out
     saved = json.loads((tmp_path / "gpu_bench_dry_run.json").read_text())
     assert all(check["ok"] for check in saved["checks"]) and len(saved["checks"]) == 4
-    ours = [r for r in saved["results"] if r["backend"] == "attnkit-triton"]
-    assert ours and all(r["tflops"] and r["tflops"] > 0 for r in ours)
+    for backend in ("attnkit-triton", "attnkit-kernels"):  # the kernels alone: both modes too
+        ours = [r for r in saved["results"] if r["backend"] == backend]
+        assert len(ours) == 8 and all(r["tflops"] and r["tflops"] > 0 for r in ours)
     assert "TFLOP/s" in printed and "docs16&causal" in printed
     assert time.perf_counter() - start < 60
     # each walk family's best autotuning time (the GPU run's answer to which walks pay)
@@ -936,6 +937,15 @@ def test_benchmark_dry_run(tmp_path, capsys, bench):
              "causal D64 N1024": {"attn_fwd": {"ms": {"a": 0.3, "c": 0.3}}}}
     assert bench.losing_candidates(tuned) == {"attn_fwd D128": ["c"]}
     assert bench.losing_candidates(tuned, slack=1.01) == {"attn_fwd D128": ["b", "c"]}
+    # rows where the GPU waited on the Python: the whole call over 1.05x its kernels alone
+    def row(backend, ms):
+        return bench.Result("causal", 128, 1024, 16, 16, "fwd+bwd", backend, ms=ms)
+    keyed = {("causal", 128, 1024, "fwd+bwd"): {"attnkit-triton": row("attnkit-triton", 1.34),
+                                                "attnkit-kernels": row("attnkit-kernels", 1.06)},
+             ("causal", 128, 4096, "fwd+bwd"): {"attnkit-triton": row("attnkit-triton", 3.07),
+                                                "attnkit-kernels": row("attnkit-kernels", 3.01)},
+             ("dense", 128, 1024, "fwd"): {"attnkit-triton": row("attnkit-triton", 0.4)}}
+    assert bench.host_bound(keyed) == ["causal D128 N1024 fwd+bwd +0.280 ms"]
     # --exclude-walks: a walk that fails on some machine can be left out of a run
     assert bench.exclude_walks("tma, one_loop")
     walks = {c[4] for buckets in launch.CONFIGS.values() for cs in buckets.values() for c in cs}
