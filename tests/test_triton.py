@@ -33,6 +33,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -437,6 +439,51 @@ def test_spacing_of_the_block_lists():
         plan = launch.layout(mask, space, launch.GPU_TILES)
         assert plan.rows.full_strided and plan.cols.full_strided, mask
         assert plan.rows.partial_strided and plan.cols.partial_strided, mask
+
+
+RANDOM_KINDS = ["window", "band", "causal", "bottom_right", "documents", "documents&causal",
+                "equal_documents&causal", "causal&padding", "window&padding"]
+
+
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # its env var: the same
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(RANDOM_KINDS), seq=st.integers(20, 100),
+       param=st.one_of(st.sampled_from([16, 32, 48]), st.integers(2, 60)),
+       walk=st.sampled_from(sorted(launch.WALKS)), tiles=st.sampled_from([(16, 16), (32, 16), (32, 32)]),
+       heads=st.sampled_from([(1, 1), (2, 1), (2, 2)]), batch=st.integers(1, 2),
+       dims=st.sampled_from([(16, 16), (32, 16), (24, 32)]))
+def test_random_structures(seed, kind, seq, param, walk, tiles, heads, batch, dims):
+    """Random windows, bands, causal masks (both alignments, other key lengths), documents of
+    equal and unequal lengths with and without causal, and padding, at any length (ragged
+    tails), under every walk, with kernel blocks equal to or half the sparse blocks, GQA,
+    batches and head dims that need padding: forward and backward within the 2x rule of the
+    float64 truth. Their rows' blocks are evenly spaced or not, as they fall."""
+    gen = torch.Generator().manual_seed(seed)
+    tq = tk = seq
+    if kind == "window":
+        mask, allowed = ak.sliding_window(param), dense_band(tq, tk, param, 0)
+    elif kind == "band":
+        mask, allowed = ak.sliding_window(param, param // 3), dense_band(tq, tk, param, param // 3)
+    elif kind in ("causal", "bottom_right"):
+        tk = seq + (param % 23 if kind == "bottom_right" else 0)
+        align = "top_left" if kind == "causal" else "bottom_right"
+        mask, allowed = ak.causal(align), dense_causal(tq, tk, align)
+    elif kind.endswith("documents") or kind.endswith("documents&causal"):
+        ids = (torch.arange(seq) // param if kind.startswith("equal")
+               else torch.randint(0, max(2, seq // param), (seq,), generator=gen).sort().values)
+        mask, allowed = ak.documents(ids), dense_documents(ids)
+        if kind.endswith("causal"):
+            mask, allowed = mask & ak.causal(), allowed & dense_causal(tq, tk)
+    else:  # padding under causal or a window: a different length per batch row
+        lengths = torch.randint(1, seq + 1, (batch,), generator=gen).tolist()
+        band = ak.causal() if kind.startswith("causal") else ak.sliding_window(param)
+        mask = band & ak.padding(kv_lengths=lengths)
+        allowed = (dense_band(tq, tk, None if kind.startswith("causal") else param, 0)
+                   & dense_padding(tq, tk, None, lengths, batch=batch))
+    with pytest.MonkeyPatch.context() as patch:
+        use_walk(patch, walk, sparse=tiles[0], block=tiles[1])
+        q, k, v = make_qkv(batch, heads[0], heads[1], tq, tk, *dims, torch.float32, gen)
+        check(q, k, v, mask, allowed, gen=gen)
 
 
 # ---- memory safety and determinism ----------------------------------------------------------------
