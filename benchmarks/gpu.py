@@ -748,6 +748,7 @@ def main(argv=None) -> int:
 
     from attnkit.backends.triton import launch
 
+    launch.AUTOTUNE_CACHE = False  # this run's own autotuning, not timings an earlier run saved
     todo = workloads(args)
     warmed = warm(todo, args) if device.type == "cuda" and not args.no_warm else Warmed()
     info["dropped_configs"], info["warm_failed"] = warmed.dropped, sorted(warmed.broken)

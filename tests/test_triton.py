@@ -674,6 +674,29 @@ def test_compiled_launches_skip_the_autotuner_once_it_has_chosen(walk, monkeypat
 
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_autotune_timings_kept_on_disk(keep, monkeypatch):
+    """The tuners are made with ``cache_results=AUTOTUNE_CACHE`` (a new process with the same
+    shapes and mask kinds reads the timings back instead of timing every candidate again;
+    ``benchmarks/gpu.py`` turns it off), over every candidate of the kernel."""
+    import triton
+
+    made = {}
+    real = triton.autotune
+
+    def autotune(**kwargs):
+        made.update(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(triton, "autotune", autotune)
+    monkeypatch.setattr(launch, "_TUNED", {})
+    monkeypatch.setattr(launch, "AUTOTUNE_CACHE", keep)
+    tuner = launch._tuned("attn_bwd_dq")
+    assert made["cache_results"] is keep and tuner is launch._tuned("attn_bwd_dq")
+    every = {c for bucket in launch.CONFIGS["attn_bwd_dq"].values() for c in bucket}
+    assert {launch._config_key(c) for c in made["configs"]} == every
+
+
 def test_direct_launch_after_the_first_compiled_launches(monkeypatch):
     """Compiled launches of one template: the autotuner first, then ``JITFunction`` with the
     chosen config (whose compiled kernel is kept), then that kernel directly with every

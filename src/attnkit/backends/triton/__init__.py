@@ -9,6 +9,8 @@ Status
   N ≥ 2048; 0.62–0.78× of cuDNN; sliding window 1.03× and documents 0.93× of compiled
   FlexAttention forward (0.87× / 0.67× forward+backward). Each call cost 0.23–0.49 ms of host
   time (Python, ~75 kernel arguments); the mask's block lists are cached per mask and shape.
+  The two smallest forward+backward rows (causal N 1024, documents) waited on that host time:
+  by the autotuner's per-kernel times, their kernels alone were 1.22× flash and 0.82× Flex.
 - **Since that run, not yet measured on a GPU**: (1) once the autotuner has chosen a config for
   a launch template the kernel is launched directly with it (the autotuner's own lookup costs
   ~120 µs per launch with 78 arguments, measured on CPU); (2) documents that are contiguous
@@ -26,7 +28,13 @@ Status
   lengths are multiples of 128 (``BOUNDS``) and compare the band as ``k ≤ q + hi``; (6) FULL
   forward tiles take the row max before scaling (one multiply per row, the scale inside the
   exponent's FMA). Offline sm90 PTX of the D128 forward, per thread and tile: FULL 599 → 537
-  operations, causal PARTIAL 1133 → 859. Whether each is faster is for the next GPU run to
+  operations, causal PARTIAL 1133 → 859; (7) where a row's FULL (PARTIAL) blocks are evenly
+  spaced, the loops compute tile positions instead of loading them in the loop, which made
+  Triton 3.6 wait for every outstanding copy at the loop head (``cp.async.wait_group 0``):
+  3 stages now keep 2 tiles in flight, with new 3- and 4-stage candidates; (8) from a
+  template's third call the compiled kernel is launched directly, skipping Triton's
+  argument binding (50–65 µs per launch offline); (9) the autotuner's timings are kept on
+  disk (``launch.AUTOTUNE_CACHE``). Whether each is faster is for the next GPU run to
   say (docs/BENCHMARKS.md has the command): it checks every autotune candidate on the GPU,
   then records every candidate's time per workload (``config_ms`` in the JSON).
 - **Tested in CI** through the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) with

@@ -273,6 +273,14 @@ def _pruner(name: str):
     return prune
 
 
+AUTOTUNE_CACHE = True
+"""Keep the autotuner's timings on disk (``triton.autotune(cache_results=True)``: Triton's cache
+directory, keyed by Triton's version, the GPU target, the kernel source, the candidates and the
+tune key), so a new process meeting the same shapes and mask kinds skips timing every candidate
+again (~15 per kernel). Read when the tuners are made; ``benchmarks/gpu.py`` turns it off, as it
+reports the timings of its own run."""
+
+
 def _tuned(name: str):
     """The compiled kernel ``name`` wrapped in ``triton.autotune`` (created once)."""
     if name not in _TUNED:
@@ -283,6 +291,7 @@ def _tuned(name: str):
                                  num_stages=s) for m, n, w, s, walk in every]
         _TUNED[name] = triton.autotune(configs=configs, key=["DK_PAD", "DV_PAD", "TUNE_KEY"],
                                        prune_configs_by={"early_config_prune": _pruner(name)},
+                                       cache_results=AUTOTUNE_CACHE,
                                        )(getattr(kernels(), name))
     return _TUNED[name]
 
