@@ -34,7 +34,10 @@ Status
   3 stages now keep 2 tiles in flight, with new 3- and 4-stage candidates; (8) from a
   template's third call the compiled kernel is launched directly, skipping Triton's
   argument binding (50–65 µs per launch offline); (9) the autotuner's timings are kept on
-  disk (``launch.AUTOTUNE_CACHE``). Whether each is faster is for the next GPU run to
+  disk (``launch.AUTOTUNE_CACHE``); (10) dK/dV's loop loads each query block's base-2 LSE
+  (written by the Δ preprocess) and Δ without a predicate where the block cannot cross the
+  sequence end: sm90 SASS of the D128 32×128 flat loop, FULL tiles 395 → 278 instructions.
+  Whether each is faster is for the next GPU run to
   say (docs/BENCHMARKS.md has the command): it checks every autotune candidate on the GPU,
   then records every candidate's time per workload (``config_ms`` in the JSON).
 - **Tested in CI** through the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) with

@@ -524,9 +524,12 @@ def attn_fwd(Q, K, V, Out, Lse,
 
 # ---- backward --------------------------------------------------------------------------------
 @triton.jit
-def attn_bwd_delta(Out, dOut, Delta, s_o_b, s_o_h, s_o_t, s_o_d, s_do_b, s_do_h, s_do_t, s_do_d,
-                   heads, q_len, head_dv, BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr):
-    """Δ = rowsum(dO ∘ O) in float32: ``Delta [B, H, Tq]`` (contiguous)."""
+def attn_bwd_delta(Out, dOut, Lse, Delta, Lse2, s_o_b, s_o_h, s_o_t, s_o_d, s_do_b, s_do_h, s_do_t,
+                   s_do_d, s_l_b, s_l_h, s_l_t, heads, q_len, head_dv, BLOCK_M: tl.constexpr,
+                   DV_PAD: tl.constexpr):
+    """The backward's per-row statistics, ``[B, H, Tq]`` float32 (contiguous): Δ = rowsum(dO ∘ O)
+    into ``Delta``, and the LSE in base 2 into ``Lse2``, ``+inf`` on fully masked rows (so
+    ``exp2(s − lse2) = 0`` there): the dK/dV loops then load each row's two numbers as they are."""
     pid_m, b, h = _program_ids(heads)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, DV_PAD)
@@ -535,42 +538,46 @@ def attn_bwd_delta(Out, dOut, Delta, s_o_b, s_o_h, s_o_t, s_o_d, s_do_b, s_do_h,
                 mask=inside, other=0.0).to(tl.float32)
     do = tl.load(_tile_ptrs(dOut + b * s_do_b + h * s_do_h, offs_m, offs_dv, s_do_t, s_do_d),
                  mask=inside, other=0.0).to(tl.float32)
-    tl.store(Delta + tl.program_id(1).to(tl.int64) * q_len + offs_m, tl.sum(o * do, 1),
+    rows = tl.program_id(1).to(tl.int64) * q_len + offs_m
+    tl.store(Delta + rows, tl.sum(o * do, 1), mask=offs_m < q_len)
+    lse = tl.load(Lse + b * s_l_b + h * s_l_h + offs_m * s_l_t, mask=offs_m < q_len, other=0.0)
+    tl.store(Lse2 + rows, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E),
              mask=offs_m < q_len)
 
 
 @triton.jit
-def _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len):
-    """Base-2 LSE (``+inf`` on fully masked rows and rows past the end, so ``exp2(s - lse) = 0``)
-    and Δ for the query rows ``offs_m``."""
-    lse = tl.load(Lse + b * s_l_b + h * s_l_h + offs_m * s_l_t, mask=offs_m < q_len,
-                  other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    delta = tl.load(Delta + (b * heads + h) * q_len + offs_m, mask=offs_m < q_len, other=0.0)
+def _row_stats(Lse2, Delta, b, h, heads, offs_m, q_len, BOUNDED: tl.constexpr):
+    """Base-2 LSE (``+inf`` on fully masked rows and, when BOUNDED, rows past the end, so
+    ``exp2(s − lse2) = 0``) and Δ of the query rows ``offs_m``, from :func:`attn_bwd_delta`'s
+    buffers. Not BOUNDED: every row is inside (no predicate per element)."""
+    rows = (b * heads + h) * q_len + offs_m
+    if BOUNDED:
+        lse2 = tl.load(Lse2 + rows, mask=offs_m < q_len, other=float("inf"))
+        delta = tl.load(Delta + rows, mask=offs_m < q_len, other=0.0)
+    else:
+        lse2 = tl.load(Lse2 + rows)
+        delta = tl.load(Delta + rows)
     return lse2, delta
 
 
 @triton.jit
-def _walk_row_stats(lse_src, delta_src, start_m, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t,
-                    q_len, USE_TMA: tl.constexpr):
+def _walk_row_stats(lse_src, delta_src, start_m, b, h, heads, offs_m, q_len,
+                    BOUNDED: tl.constexpr, USE_TMA: tl.constexpr):
     """:func:`_row_stats` of a walked query block (rows ``start_m …``). With USE_TMA,
     ``lse_src``/``delta_src`` are 1-D descriptors of one head's rows, and rows past the end
     read 0 instead of ``+inf``: harmless there, because their q and dO tiles (TMA copies too)
     read 0, so they add nothing to dK or dV."""
     if USE_TMA:
-        lse = lse_src.load([start_m])
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        lse2 = lse_src.load([start_m])
         delta = delta_src.load([start_m])
     else:
-        lse2, delta = _row_stats(lse_src, delta_src, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t,
-                                 q_len)
+        lse2, delta = _row_stats(lse_src, delta_src, b, h, heads, offs_m, q_len, BOUNDED)
     return lse2, delta
 
 
 @triton.jit
 def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_n, offs_dk,
-               offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len,
-               kv_len, head_dk, head_dv, qk_scale, mask, own, partial, LOAD_BOUNDS: tl.constexpr,
+               offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, partial, LOAD_BOUNDS: tl.constexpr,
                BOUNDS: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_DK: tl.constexpr,
                EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                USE_TMA: tl.constexpr):
@@ -582,8 +589,8 @@ def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_
                    EVEN_DK, USE_TMA)  # [M, DK]
     do = _walk_tile(do_base, start_m, offs_m, offs_dv, s_do_t, s_do_d, q_len, head_dv,
                     LOAD_BOUNDS, EVEN_DV, USE_TMA)  # [M, DV]
-    lse2, delta = _walk_row_stats(lse_src, delta_src, start_m, b, h, heads, offs_m, s_l_b, s_l_h,
-                                  s_l_t, q_len, USE_TMA)
+    lse2, delta = _walk_row_stats(lse_src, delta_src, start_m, b, h, heads, offs_m, q_len,
+                                  LOAD_BOUNDS, USE_TMA)
     s2_t = _scores(k, q, qk_scale, offs_m, offs_n, b, h, q_len, kv_len, mask, own,
                    partial, True, BOUNDS, PRECISION, UPCAST)  # [N, M]
     p_t = tl.math.exp2(s2_t - lse2[None, :])  # [N, M] softmax weights, transposed
@@ -617,10 +624,10 @@ def _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, offs_m, offs_dk, o
 
 
 @triton.jit(do_not_specialize=SIZES_AND_MASK + ["heads_kv"])
-def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
+def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV,
                   s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_t, s_k_d,
                   s_v_b, s_v_h, s_v_t, s_v_d, s_do_b, s_do_h, s_do_t, s_do_d,
-                  s_l_b, s_l_h, s_l_t, s_dk_b, s_dk_h, s_dk_t, s_dk_d, s_dv_b, s_dv_h, s_dv_t, s_dv_d,
+                  s_dk_b, s_dk_h, s_dk_t, s_dk_d, s_dv_b, s_dv_h, s_dv_t, s_dv_d,
                   heads, heads_kv, group, q_len, kv_len, head_dk, head_dv, qk_scale, sm_scale,
                   num_partial, num_full, index, order, s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r,
                   band_lo, band_hi, q_lens, s_qlen_b, kv_lens, s_kvlen_b,
@@ -673,10 +680,10 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                            USE_TMA)
         do_base = _describe(dOut + b * s_do_b + h * s_do_h, q_len, head_dv, s_do_t, BLOCK_M,
                             DV_PAD, USE_TMA)
-        lse_src = Lse
+        lse_src = Lse2
         delta_src = Delta
         if USE_TMA:  # the query rows' LSE and Δ as 1-D descriptors too
-            lse_src = tl.make_tensor_descriptor(Lse + b * s_l_b + h * s_l_h, shape=[q_len],
+            lse_src = tl.make_tensor_descriptor(Lse2 + (b * heads + h) * q_len, shape=[q_len],
                                                 strides=[1], block_shape=[BLOCK_M])
             delta_src = tl.make_tensor_descriptor(Delta + (b * heads + h) * q_len, shape=[q_len],
                                                   strides=[1], block_shape=[BLOCK_M])
@@ -690,9 +697,9 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                                         SPARSE_Q, BLOCK_M, STRIDED)
                 dk, dv = _dkdv_tile(
                     k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_n, offs_dk,
-                    offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len,
-                    kv_len, head_dk, head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS,
-                    BOUNDS, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
+                    offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, q_len, kv_len, head_dk,
+                    head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS, BOUNDS, BLOCK_M,
+                    EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
         for part in tl.static_range(0 if MERGED else 2):  # or a loop per kind (launch.WALKS)
             masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
             first = 0 if masked else n_partial
@@ -704,8 +711,8 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                     start_m = _block_start(blocks, t, base, step, SUBS, SPARSE_Q, BLOCK_M, STRIDED)
                     dk, dv = _dkdv_tile(
                         k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, offs_n,
-                        offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, s_l_b, s_l_h,
-                        s_l_t, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, masked,
+                        offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, q_len,
+                        kv_len, head_dk, head_dv, qk_scale, mask, own, masked,
                         masked and BOUNDS, BOUNDS, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST,
                         USE_TMA)
             else:  # one sparse block per iteration, its kernel blocks unrolled
@@ -715,9 +722,9 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
                         dk, dv = _dkdv_tile(
                             k, v, dk, dv, block_start + sub * BLOCK_M, q_base, do_base,
                             lse_src, delta_src, offs_n, offs_dk, offs_dv, b, h, heads, s_q_t,
-                            s_q_d, s_do_t, s_do_d, s_l_b, s_l_h, s_l_t, q_len, kv_len, head_dk,
-                            head_dv, qk_scale, mask, own, masked, masked and BOUNDS, BOUNDS,
-                            BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
+                            s_q_d, s_do_t, s_do_d, q_len, kv_len, head_dk, head_dv, qk_scale,
+                            mask, own, masked, masked and BOUNDS, BOUNDS, BLOCK_M, EVEN_DK,
+                            EVEN_DV, PRECISION, UPCAST, USE_TMA)
     dk = dk * sm_scale
     tl.store(_tile_ptrs(dK + b * s_dk_b + h_kv * s_dk_h, offs_n, offs_dk, s_dk_t, s_dk_d),
              dk.to(dK.dtype.element_ty), mask=_in_bounds(offs_n, offs_dk, kv_len, head_dk))
@@ -726,10 +733,10 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV,
 
 
 @triton.jit(do_not_specialize=SIZES_AND_MASK)
-def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
+def attn_bwd_dq(Q, K, V, dOut, Lse2, Delta, dQ,
                 s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_t, s_k_d,
                 s_v_b, s_v_h, s_v_t, s_v_d, s_do_b, s_do_h, s_do_t, s_do_d,
-                s_l_b, s_l_h, s_l_t, s_dq_b, s_dq_h, s_dq_t, s_dq_d,
+                s_dq_b, s_dq_h, s_dq_t, s_dq_d,
                 heads, group, q_len, kv_len, head_dk, head_dv, qk_scale, sm_scale,
                 num_partial, num_full, index, order, s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r,
                 band_lo, band_hi, q_lens, s_qlen_b, kv_lens, s_kvlen_b,
@@ -770,7 +777,7 @@ def attn_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ,
                 mask=_in_bounds(offs_m, offs_dk, q_len, head_dk), other=0.0)  # [M, DK]
     do = tl.load(_tile_ptrs(dOut + b * s_do_b + h * s_do_h, offs_m, offs_dv, s_do_t, s_do_d),
                  mask=_in_bounds(offs_m, offs_dv, q_len, head_dv), other=0.0)  # [M, DV]
-    lse2, delta = _row_stats(Lse, Delta, b, h, heads, offs_m, s_l_b, s_l_h, s_l_t, q_len)
+    lse2, delta = _row_stats(Lse2, Delta, b, h, heads, offs_m, q_len, BOUNDS)
     USE_TMA: tl.constexpr = TMA and TMA_OK  # the config asks for TMA, the host allows it
     k_base = _describe(K + b * s_k_b + h_kv * s_k_h, kv_len, head_dk, s_k_t, BLOCK_N, DK_PAD,
                        USE_TMA)

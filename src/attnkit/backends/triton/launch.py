@@ -845,51 +845,52 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def dkdv_call(q, k, v, dout, lse, delta_, dk, dv, plan: Plan) -> Call:
-    """The launch filling ``dk [B, Hkv, Tk, Dk]`` and ``dv [B, Hkv, Tk, Dv]``."""
+def dkdv_call(q, k, v, dout, lse2, delta_, dk, dv, plan: Plan) -> Call:
+    """The launch filling ``dk [B, Hkv, Tk, Dk]`` and ``dv [B, Hkv, Tk, Dv]`` (``lse2``, ``delta_``:
+    :func:`delta`'s ``[B, H, Tq]`` buffers)."""
     def build() -> Call:
         batch, heads, _, _ = q.shape
         heads_kv, kv_len = k.shape[1], k.shape[2]
-        args = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dK=dk, dV=dv,
+        args = dict(Q=q, K=k, V=v, dOut=dout, Lse2=lse2, Delta=delta_, dK=dk, dV=dv,
                     **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", dout),
-                    s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2),
                     **_strides("dk", dk), **_strides("dv", dv),
                     heads=heads, heads_kv=heads_kv, group=heads // heads_kv, sm_scale=plan.scale,
                     **_common(q, k, v, plan), **plan.cols.args())
         return Call("attn_bwd_dkdv", args, _grid(kv_len, plan.tiles.sparse_k, 1, batch * heads_kv),
                     plan.tiles.dkdv, plan.tiles.walk)
-    tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dK=dk, dV=dv)
+    tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse2=lse2, Delta=delta_, dK=dk, dV=dv)
     call = _reuse(plan, "attn_bwd_dkdv", tensors, build)
     # the walked query rows and their stats; with GQA the kernel would remake the descriptors
     # per query head inside its loop over them, a path no GPU has run yet: pointers there
-    call.args["TMA_OK"] = q.shape[1] == k.shape[1] and _tma_ok(q, dout, lse, delta_)
+    call.args["TMA_OK"] = q.shape[1] == k.shape[1] and _tma_ok(q, dout, lse2, delta_)
     return call
 
 
-def dq_call(q, k, v, dout, lse, delta_, dq, plan: Plan) -> Call:
-    """The launch filling ``dq [B, H, Tq, Dk]``."""
+def dq_call(q, k, v, dout, lse2, delta_, dq, plan: Plan) -> Call:
+    """The launch filling ``dq [B, H, Tq, Dk]`` (``lse2``, ``delta_``: as for :func:`dkdv_call`)."""
     def build() -> Call:
         batch, heads, q_len, _ = q.shape
-        args = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dQ=dq,
+        args = dict(Q=q, K=k, V=v, dOut=dout, Lse2=lse2, Delta=delta_, dQ=dq,
                     **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", dout),
-                    s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2), **_strides("dq", dq),
+                    **_strides("dq", dq),
                     heads=heads, group=heads // k.shape[1], sm_scale=plan.scale,
                     **_common(q, k, v, plan), **plan.rows.args())
         return Call("attn_bwd_dq", args, _grid(q_len, plan.tiles.sparse_q, 0, batch * heads),
                     plan.tiles.dq, plan.tiles.walk)
-    tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta_, dQ=dq)
+    tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse2=lse2, Delta=delta_, dQ=dq)
     call = _reuse(plan, "attn_bwd_dq", tensors, build)
     call.args["TMA_OK"] = _tma_ok(k, v)
     return call
 
 
-def delta(out, dout, result, plan: Plan) -> None:
-    """``result [B, H, Tq]`` (float32, contiguous) = rowsum(dout ∘ out)."""
+def delta(out, dout, lse, result, lse2, plan: Plan) -> None:
+    """The backward's row statistics: ``result [B, H, Tq]`` = rowsum(dout ∘ out), and ``lse2``
+    = ``lse`` in base 2 (``+inf`` where ``lse`` is ``-inf``); both float32, contiguous."""
     batch, heads, q_len, dv = out.shape
     block_m = 16 if plan.interpret else 64
     kernels().attn_bwd_delta[(cdiv(q_len, block_m), batch * heads)](
-        out, dout, result, *out.stride(), *dout.stride(), heads, q_len, dv,
-        BLOCK_M=block_m, DV_PAD=head_pad(dv))
+        out, dout, lse, result, lse2, *out.stride(), *dout.stride(), *lse.stride(), heads, q_len,
+        dv, BLOCK_M=block_m, DV_PAD=head_pad(dv))
 
 
 def cdiv(a: int, b: int) -> int:
