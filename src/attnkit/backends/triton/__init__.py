@@ -36,7 +36,9 @@ Status
   argument binding (50–65 µs per launch offline); (9) the autotuner's timings are kept on
   disk (``launch.AUTOTUNE_CACHE``); (10) dK/dV's loop loads each query block's base-2 LSE
   (written by the Δ preprocess) and Δ without a predicate where the block cannot cross the
-  sequence end: sm90 SASS of the D128 32×128 flat loop, FULL tiles 395 → 278 instructions.
+  sequence end: sm90 SASS of the D128 32×128 flat loop, FULL tiles 395 → 278 instructions;
+  (11) PARTIAL tiles compare the band on tile offsets (``_allowed``): causal forward PARTIAL
+  tile 956 → 797 instructions.
   Whether each is faster is for the next GPU run to
   say (docs/BENCHMARKS.md has the command): it checks every autotune candidate on the GPU,
   then records every candidate's time per workload (``config_ms`` in the JSON).
