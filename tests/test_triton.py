@@ -838,6 +838,23 @@ def test_documents_as_ranges_when_contiguous():
 
 # ---- block skipping (host block lists) -----------------------------------------------------------
 
+@pytest.mark.parametrize("length", [96, 90])
+def test_parts_that_forbid_nothing_in_partial_tiles_are_left_out(length, gen, monkeypatch):
+    """``launch.needed_leaves``: documents aligned to the sparse blocks under causal leave the
+    PARTIAL tiles (the diagonal ones, and a ragged tail) to causal alone, with the same
+    results; misaligned documents, and a bias, stay in the program."""
+    use_walk(monkeypatch, launch.P, sparse=32, block=16)
+    ids = torch.arange(length) // 32
+    aligned = ak.documents(ids) & ak.causal()
+    assert _plan(aligned, length, length, launch.INTERPRETER_TILES).program.features() == ["band_hi"]
+    q, k, v = make_qkv(1, 2, 1, length, length, 16, 16, torch.float32, gen)
+    check(q, k, v, aligned, dense_documents(ids) & dense_causal(length, length), gen=gen)
+    misaligned = ak.documents(torch.arange(length) // 40) & ak.causal()
+    assert "documents" in _plan(misaligned, length, length, launch.INTERPRETER_TILES).program.features()
+    biased = ak.causal() & ak.bias(torch.zeros(length, length)) & ak.padding(kv_lengths=[length])
+    assert _plan(biased, length, length, launch.INTERPRETER_TILES).program.features() == ["band_hi", "bias"]
+
+
 def _plan(mask, q_len, kv_len, tiles, heads=1, batch=1):
     q = torch.zeros(batch, heads, q_len, 16)
     k = torch.zeros(batch, heads, kv_len, 16)

@@ -38,7 +38,9 @@ Status
   (written by the Δ preprocess) and Δ without a predicate where the block cannot cross the
   sequence end: sm90 SASS of the D128 32×128 flat loop, FULL tiles 395 → 278 instructions;
   (11) PARTIAL tiles compare the band on tile offsets (``_allowed``): causal forward PARTIAL
-  tile 956 → 797 instructions.
+  tile 956 → 797 instructions; (12) PARTIAL tiles evaluate only the parts of an ``&`` mask
+  that can forbid something in a PARTIAL block (``launch.needed_leaves``): aligned documents
+  under causal evaluate causal alone.
   Whether each is faster is for the next GPU run to
   say (docs/BENCHMARKS.md has the command): it checks every autotune candidate on the GPU,
   then records every candidate's time per workload (``config_ms`` in the JSON).

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import math
+import operator
 import os
 import sys
 from dataclasses import dataclass, field
@@ -417,6 +419,25 @@ def _doc_ranges(own: torch.Tensor, other: torch.Tensor, batch: int) -> Optional[
     return torch.stack(result).to(torch.int32).expand(batch, -1, 2)
 
 
+def needed_leaves(mask: Optional[Mask], codes: torch.Tensor, space: MaskSpace,
+                  tiles: Tiles) -> Optional[Mask]:
+    """``mask`` without the parts of its ``&`` chain that allow everything in every PARTIAL
+    block of ``codes`` (``[Bm, Hm, R, C]``, :func:`block_codes`): a part whose own block map is
+    FULL wherever ``codes`` is PARTIAL forbids nothing a PARTIAL tile must check, so those
+    tiles evaluate the rest alone (EMPTY and FULL blocks already carry it). Documents aligned
+    to the sparse blocks under causal: every PARTIAL block is a diagonal one inside one
+    document, and the tiles evaluate causal alone. Parts with a bias are always kept (their
+    values are added, not only tested)."""
+    leaves = and_leaves(mask)
+    if len(leaves) < 2:
+        return mask
+    partial = codes == PARTIAL
+    kept = [leaf for leaf in leaves
+            if leaf.has_bias or bool((partial & (leaf.block_map(tiles.sparse_q, tiles.sparse_k, space)
+                                                 != FULL)).any())]
+    return functools.reduce(operator.and_, kept) if kept else None
+
+
 def compile_mask(mask: Optional[Mask], space: MaskSpace) -> MaskProgram:
     """Turn ``mask`` into a :class:`MaskProgram` for ``space`` (the inputs' ``[B, H, Tq, Tk]``)."""
     program = MaskProgram()
@@ -626,8 +647,9 @@ def layout(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> Layout:
     tensors, unmodified) was planned for the same shapes before."""
     def build() -> Layout:
         codes = block_codes(mask, space, tiles)
-        return Layout(program=compile_mask(mask, space), codes=codes, batch=space.batch,
-                      heads=space.heads, rows=block_lists(codes, space.batch, space.heads))
+        program = compile_mask(needed_leaves(mask, codes, space, tiles), space)
+        return Layout(program=program, codes=codes, batch=space.batch, heads=space.heads,
+                      rows=block_lists(codes, space.batch, space.heads))
     return _LAYOUTS.get(mask, (space, tiles), build)
 
 
