@@ -17,7 +17,9 @@ Anywhere (no GPU)::
 
     python benchmarks/gpu.py --dry-run            # whole pipeline at toy sizes, CPU interpreter
     python benchmarks/gpu.py --compile-only       # build every kernel config for sm90 offline:
-                                                  # shared memory, registers, spills per config
+                                                  # shared memory, registers, spills per config,
+                                                  # SASS instructions per tile of each loop
+                                                  # (--compile-mask window|documents: other masks)
 
 Method (``/work/.library/device/METHOD.md``):
 
@@ -54,6 +56,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import zlib
@@ -79,7 +82,10 @@ def parse_args(argv=None):
                    help="toy sizes on CPU through the Triton interpreter (sets TRITON_INTERPRET=1); "
                         "skips the CUDA-only competitors")
     p.add_argument("--compile-only", action="store_true",
-                   help="compile every kernel config for sm90 offline and report resources (no GPU)")
+                   help="compile every kernel config for sm90 offline and report resources and each "
+                        "loop's SASS instructions per tile (no GPU)")
+    p.add_argument("--compile-mask", default="causal", choices=tuple(COMPILE_MASKS),
+                   help="the mask --compile-only specializes the kernels for (N 512)")
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     p.add_argument("--dims", default="64,128", help="head dims, comma separated")
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="sequence lengths N")
@@ -576,8 +582,14 @@ def ceilings(device, dtype, bench) -> dict:
 
 
 # ---- offline compile check --------------------------------------------------------------------------------------
-def compile_only(dims: list[int], out: Optional[str]) -> int:
-    """Build fwd / dK-dV / dQ for sm90 at ``dims`` in every autotune config of their bucket."""
+COMPILE_MASKS = ("causal", "window", "documents")
+"""``--compile-mask`` choices (documents: not aligned to the blocks, as aligned ones compile
+as causal, ``launch.needed_leaves``)."""
+
+
+def compile_only(dims: list[int], out: Optional[str], mask_name: str = "causal") -> int:
+    """Build fwd / dK-dV / dQ for sm90 at ``dims`` in every autotune config of their bucket, for
+    the mask ``mask_name`` (one of :data:`COMPILE_MASKS`, at N 512)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -594,7 +606,9 @@ def compile_only(dims: list[int], out: Optional[str]) -> int:
     rows, failures = [], 0
     for d in dims:
         q = torch.zeros(1, 2, 512, d, dtype=torch.bfloat16)
-        inputs = validate(q, q, q, ak.causal())
+        mask = {"causal": ak.causal(), "window": ak.sliding_window(170),
+                "documents": ak.documents(torch.arange(512) // 170) & ak.causal()}[mask_name]
+        inputs = validate(q, q, q, mask)
         plan = launch.make_plan(inputs)
         lse, delta = torch.zeros(1, 2, 512), torch.zeros(1, 2, 512)
         calls = [launch.forward_call(q, q, q, q, lse, plan),
@@ -641,6 +655,7 @@ def compile_only(dims: list[int], out: Optional[str]) -> int:
                     row.update(_ptxas_report(log.getvalue()))
                     row["fits"] = compiled.metadata.shared <= 227 * 1024
                     row["wgmma"] = "wgmma" in compiled.asm["ptx"]
+                    row["loops"] = _sass_loops(compiled)
                 except Exception as error:  # noqa: BLE001 - reported, counted
                     row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
                     failures += 1
@@ -651,7 +666,7 @@ def compile_only(dims: list[int], out: Optional[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "compile_sm90.json").write_text(json.dumps(
         {"triton": triton.__version__, "target": "sm90 (offline, no device)", "rows": rows}, indent=1))
-    print("\nkernel          D   BM  BN  w s W     smem KiB  regs  spill B  fits  wgmma")
+    print("\nkernel          D   BM  BN  w s W     smem KiB  regs  spill B  fits  wgmma  loops")
     for row in rows:
         print(_compile_line(row))
     return 1 if failures else 0
@@ -675,8 +690,47 @@ def _compile_line(row: dict) -> str:
             f"{row['stages']} {_walk_code(row['walk']):3s}")
     if "error" in row:
         return f"{head}  ERROR {row['error']}"
+    loops = "/".join(map(str, row.get("loops") or [])) or "?"
     return (f"{head} {row['shared_kib']:9.1f} {row['registers'] or '?':>5} {row['spill_bytes'] or 0:8d}"
-            f"  {'yes' if row['fits'] else 'NO':4s}  {'yes' if row['wgmma'] else 'no'}")
+            f"  {'yes' if row['fits'] else 'NO':4s}  {'yes' if row['wgmma'] else 'no':5s}  {loops}")
+
+
+SASS_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/")  # nvdisasm's address column
+
+
+def loop_sizes(sass: str, smallest: int = 20) -> list[int]:
+    """Instructions in each loop of ``nvdisasm -c`` output (from a label to the branch back to
+    it), in order, leaving out loops under ``smallest`` instructions (spin-waits)."""
+    lines = sass.splitlines()
+    labels = {}
+    for i, line in enumerate(lines):
+        found = re.match(r"^\s*\.(L_x_\d+):", line)
+        if found:
+            labels[found.group(1)] = i
+    sizes = []
+    for i, line in enumerate(lines):
+        back = re.search(r"\bBRA\b.*?\.(L_x_\d+)", line)
+        if back and labels.get(back.group(1), i) < i:
+            size = sum(1 for x in lines[labels[back.group(1)]:i + 1] if SASS_INSTRUCTION.search(x))
+            if size >= smallest:
+                sizes.append(size)
+    return sizes
+
+
+def _sass_loops(compiled) -> Optional[list[int]]:
+    """:func:`loop_sizes` of a compiled kernel (its walk's loops: each tile's instruction count,
+    the per-thread work the loop issues besides its wgmma), by the ``nvdisasm`` shipped with
+    Triton; ``None`` without it."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not tool.exists():
+        return None
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        listing = subprocess.run([str(tool), "-c", str(cubin)], capture_output=True, text=True)
+    return loop_sizes(listing.stdout) if listing.returncode == 0 else None
 
 
 # ---- main ------------------------------------------------------------------------------------------------------
@@ -727,7 +781,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the interpreter
     if args.compile_only:
-        return compile_only([int(x) for x in (args.dims if args.dims_given else "64,128,256").split(",")], args.out)
+        return compile_only([int(x) for x in (args.dims if args.dims_given else "64,128,256").split(",")],
+                            args.out, args.compile_mask)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     if device.type == "cpu" and not args.dry_run:
         print("no CUDA device: use --dry-run (CPU interpreter) or --compile-only")

@@ -1024,6 +1024,13 @@ def test_benchmark_dry_run(tmp_path, capsys, bench):
              "causal D64 N1024": {"attn_fwd": {"ms": {"a": 0.3, "c": 0.3}}}}
     assert bench.losing_candidates(tuned) == {"attn_fwd D128": ["c"]}
     assert bench.losing_candidates(tuned, slack=1.01) == {"attn_fwd D128": ["b", "c"]}
+    # --compile-only's loop sizes: instructions from a label to the branch back to it
+    sass = "\n".join(["        /*0000*/   MOV R1, c[0x0][0x28] ;", ".L_x_1:",
+                      *[f"        /*{16 * i:04x}*/   FFMA R2, R3, R4, R2 ;" for i in range(24)],
+                      "        /*0190*/   @P0 BRA `(.L_x_1) ;", ".L_x_2:",
+                      "        /*01a0*/   NOP ;", "        /*01b0*/   @!P1 BRA `(.L_x_2) ;",
+                      "        /*01c0*/   BRA `(.L_x_3) ;", ".L_x_3:", "        /*01d0*/   EXIT ;"])
+    assert bench.loop_sizes(sass) == [25] and bench.loop_sizes(sass, smallest=1) == [25, 2]
     # rows where the GPU waited on the Python: the whole call over 1.05x its kernels alone
     def row(backend, ms):
         return bench.Result("causal", 128, 1024, 16, 16, "fwd+bwd", backend, ms=ms)
