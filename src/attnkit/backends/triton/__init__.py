@@ -40,7 +40,8 @@ Status
   (11) PARTIAL tiles compare the band on tile offsets (``_allowed``): causal forward PARTIAL
   tile 956 → 797 instructions; (12) PARTIAL tiles evaluate only the parts of an ``&`` mask
   that can forbid something in a PARTIAL block (``launch.needed_leaves``): aligned documents
-  under causal evaluate causal alone.
+  under causal evaluate causal alone; (13) without a bias, PARTIAL tiles mask the raw scores
+  and scale after, as FULL tiles do (causal forward PARTIAL tile 797 → 736 instructions).
   Whether each is faster is for the next GPU run to
   say (docs/BENCHMARKS.md has the command): it checks every autotune candidate on the GPU,
   then records every candidate's time per workload (``config_ms`` in the JSON).

@@ -386,15 +386,20 @@ def _scores(x, y, qk_scale, q_start, k_start, b, h, q_len, kv_len, mask, own, pa
     """Base-2 scores ``x @ yᵀ · qk_scale`` of the query rows from ``q_start`` against the key rows
     from ``k_start``: ``x`` = q ``[M, D]``, ``y`` = k ``[N, D]`` → ``[M, N]``, or TRANSPOSED (``x`` = k,
     ``y`` = q) → ``[N, M]``. A ``partial`` tile goes through the mask program (a constant in
-    the split walks, a runtime test in the one-loop walk)."""
-    s2 = _dot(x, tl.trans(y), PRECISION, UPCAST) * qk_scale  # [M, N] or [N, M]
-    if partial:
-        if TRANSPOSED:
-            s2 = _masked_scores(s2, q_start, k_start, b, h, q_len, kv_len, mask,
-                                own, True, BOUNDS)
-        else:
-            s2 = _masked_scores(s2, q_start, k_start, b, h, q_len, kv_len, mask,
-                                own, False, BOUNDS)
+    the split walks, a runtime test in the one-loop walk). Without a bias the mask only selects,
+    so it applies to the raw scores and the scale comes last: the caller's ``exp2(s2 − lse)``
+    then compiles to one FMA per score, as in FULL tiles."""
+    s = _dot(x, tl.trans(y), PRECISION, UPCAST)  # [M, N] or [N, M]
+    if mask.HAS_BIAS:  # added in base 2: scaled scores first
+        s2 = s * qk_scale
+        if partial:
+            s2 = _masked_scores(s2, q_start, k_start, b, h, q_len, kv_len, mask, own, TRANSPOSED,
+                                BOUNDS)
+    else:
+        if partial:
+            s = _masked_scores(s, q_start, k_start, b, h, q_len, kv_len, mask, own, TRANSPOSED,
+                               BOUNDS)
+        s2 = s * qk_scale
     return s2
 
 
@@ -407,9 +412,10 @@ def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, q_start, offs_dk, offs_
     """One key block (rows ``start_n …``) folded into the online softmax of the query rows
     ``q_start …``: the running max ``m_i [M]``, sum ``l_i [M]`` and output ``acc [M, DV]``.
     ``partial``: the block goes through the mask program; LOAD_BOUNDS: its loads check the
-    sequence end. In the split walks (``partial`` a constant) a FULL block scales after the
-    row max (``max(s)·scale = max(s·scale)``, scale > 0) and inside the exponent's FMA: one
-    multiply per row instead of one per score. In the MERGED walk (``partial`` a runtime test)
+    sequence end. In the split walks (``partial`` a constant) a FULL block, and a PARTIAL one
+    without a bias (masked on the raw scores), scales after the row max (``max(s)·scale =
+    max(s·scale)``, scale > 0) and inside the exponent's FMA: one multiply per row instead of
+    one per score. In the MERGED walk (``partial`` a runtime test)
     only the masking is conditional: Triton 3.6's software pipeliner fails on a loop whose
     branch yields the softmax itself. USE_TMA: ``k_base``/``v_base`` are tensor descriptors
     (TMA copies, which zero-fill past the sequence end and the head dim)."""
@@ -427,17 +433,21 @@ def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, q_start, offs_dk, offs_
         m_new = tl.maximum(m_i, tl.max(s2, 1))  # [M]
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s2 - m_sub[:, None])  # [M, N]
-    elif partial:
+    elif partial and mask.HAS_BIAS:  # the bias is added in base 2: scaled scores first
         s2 = _masked_scores(s * qk_scale, q_start, start_n, b, h, q_len, kv_len, mask, own,
                             False, BOUNDS)
         m_new = tl.maximum(m_i, tl.max(s2, 1))  # [M]
         # a row with nothing allowed yet keeps m = -inf: subtract 0, not inf
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s2 - m_sub[:, None])  # [M, N]
-    else:
+    else:  # FULL, or PARTIAL without a bias: the mask only selects, on the raw scores
+        if partial:
+            s = _masked_scores(s, q_start, start_n, b, h, q_len, kv_len, mask, own, False, BOUNDS)
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_sub = m_new
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        if partial:  # a row with nothing allowed yet keeps m = -inf: subtract 0, not inf
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * qk_scale - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)  # [M]
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
