@@ -842,7 +842,8 @@ def test_documents_as_ranges_when_contiguous():
 def test_parts_that_forbid_nothing_in_partial_tiles_are_left_out(length, gen, monkeypatch):
     """``launch.needed_leaves``: documents aligned to the sparse blocks under causal leave the
     PARTIAL tiles (the diagonal ones, and a ragged tail) to causal alone, with the same
-    results; misaligned documents, and a bias, stay in the program."""
+    results; misaligned documents, a bias and a dense part stay in the program; padding that
+    covers everything goes."""
     use_walk(monkeypatch, launch.P, sparse=32, block=16)
     ids = torch.arange(length) // 32
     aligned = ak.documents(ids) & ak.causal()
@@ -853,6 +854,9 @@ def test_parts_that_forbid_nothing_in_partial_tiles_are_left_out(length, gen, mo
     assert "documents" in _plan(misaligned, length, length, launch.INTERPRETER_TILES).program.features()
     biased = ak.causal() & ak.bias(torch.zeros(length, length)) & ak.padding(kv_lengths=[length])
     assert _plan(biased, length, length, launch.INTERPRETER_TILES).program.features() == ["band_hi", "bias"]
+    # only structured parts are weighed (a dense one's block map would evaluate every element)
+    dense = ak.causal() & ak.dense(torch.ones(length, length, dtype=torch.bool))
+    assert _plan(dense, length, length, launch.INTERPRETER_TILES).program.features() == ["band_hi", "dense"]
 
 
 def _plan(mask, q_len, kv_len, tiles, heads=1, batch=1):

@@ -426,15 +426,20 @@ def needed_leaves(mask: Optional[Mask], codes: torch.Tensor, space: MaskSpace,
     FULL wherever ``codes`` is PARTIAL forbids nothing a PARTIAL tile must check, so those
     tiles evaluate the rest alone (EMPTY and FULL blocks already carry it). Documents aligned
     to the sparse blocks under causal: every PARTIAL block is a diagonal one inside one
-    document, and the tiles evaluate causal alone. Parts with a bias are always kept (their
-    values are added, not only tested)."""
+    document, and the tiles evaluate causal alone. Only structured parts (bands, padding,
+    documents: block maps in O(blocks)) are considered; the others are kept (a dense part's map
+    would evaluate every element again, and a bias is added, not only tested)."""
     leaves = and_leaves(mask)
     if len(leaves) < 2:
         return mask
     partial = codes == PARTIAL
-    kept = [leaf for leaf in leaves
-            if leaf.has_bias or bool((partial & (leaf.block_map(tiles.sparse_q, tiles.sparse_k, space)
-                                                 != FULL)).any())]
+
+    def needed(leaf: Mask) -> bool:
+        if not isinstance(leaf, (_Band, _Padding, _Documents)):
+            return True
+        own = leaf.block_map(tiles.sparse_q, tiles.sparse_k, space)
+        return bool((partial & (own != FULL)).any())
+    kept = [leaf for leaf in leaves if needed(leaf)]
     return functools.reduce(operator.and_, kept) if kept else None
 
 
