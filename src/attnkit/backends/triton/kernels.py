@@ -425,7 +425,13 @@ def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, q_start, offs_dk, offs_
     v = _walk_tile(v_base, start_n, offs_n, offs_dv, s_v_t, s_v_d, kv_len, head_dv, LOAD_BOUNDS,
                    EVEN_DV, USE_TMA)  # [N, DV]
     s = _dot(q, tl.trans(k), PRECISION, UPCAST)  # [M, N], unscaled
-    if MERGED:
+    if MERGED and not mask.HAS_BIAS:  # the mask selects on the raw scores, as below
+        if partial:
+            s = _masked_scores(s, q_start, start_n, b, h, q_len, kv_len, mask, own, False, BOUNDS)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * qk_scale - m_sub[:, None])
+    elif MERGED:
         s2 = s * qk_scale
         if partial:
             s2 = _masked_scores(s2, q_start, start_n, b, h, q_len, kv_len, mask, own, False,
