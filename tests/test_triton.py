@@ -475,7 +475,7 @@ RANDOM_KINDS = ["window", "band", "causal", "bottom_right", "documents", "docume
                 "equal_documents&causal", "causal&padding", "window&padding"]
 
 
-@settings(max_examples=20, deadline=None,
+@settings(max_examples=20, deadline=None, derandomize=True,  # the same 20 in every CI run
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # its env var: the same
 @given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(RANDOM_KINDS), seq=st.integers(20, 100),
        param=st.one_of(st.sampled_from([16, 32, 48]), st.integers(2, 60)),
@@ -487,7 +487,8 @@ def test_random_structures(seed, kind, seq, param, walk, tiles, heads, batch, di
     equal and unequal lengths with and without causal, and padding, at any length (ragged
     tails), under every walk, with kernel blocks equal to or half the sparse blocks, GQA,
     batches and head dims that need padding: forward and backward within the 2x rule of the
-    float64 truth. Their rows' blocks are evenly spaced or not, as they fall."""
+    float64 truth. Their rows' blocks are evenly spaced or not, as they fall. (More examples,
+    each run new: raise ``max_examples`` and drop ``derandomize`` locally.)"""
     gen = torch.Generator().manual_seed(seed)
     tq = tk = seq
     if kind == "window":
