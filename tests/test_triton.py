@@ -481,13 +481,14 @@ RANDOM_KINDS = ["window", "band", "causal", "bottom_right", "documents", "docume
        param=st.one_of(st.sampled_from([16, 32, 48]), st.integers(2, 60)),
        walk=st.sampled_from(sorted(launch.WALKS)), tiles=st.sampled_from([(16, 16), (32, 16), (32, 32)]),
        heads=st.sampled_from([(1, 1), (2, 1), (2, 2)]), batch=st.integers(1, 2),
-       dims=st.sampled_from([(16, 16), (32, 16), (24, 32)]))
-def test_random_structures(seed, kind, seq, param, walk, tiles, heads, batch, dims):
+       dims=st.sampled_from([(16, 16), (32, 16), (24, 32)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_random_structures(seed, kind, seq, param, walk, tiles, heads, batch, dims, dtype):
     """Random windows, bands, causal masks (both alignments, other key lengths), documents of
     equal and unequal lengths with and without causal, and padding, at any length (ragged
     tails), under every walk, with kernel blocks equal to or half the sparse blocks, GQA,
-    batches and head dims that need padding: forward and backward within the 2x rule of the
-    float64 truth. Their rows' blocks are evenly spaced or not, as they fall. (More examples,
+    batches, head dims that need padding and each input dtype: forward and backward within
+    the 2x rule of the float64 truth. Their rows' blocks are evenly spaced or not, as they fall. (More examples,
     each run new: raise ``max_examples`` and drop ``derandomize`` locally.)"""
     gen = torch.Generator().manual_seed(seed)
     tq = tk = seq
@@ -513,7 +514,7 @@ def test_random_structures(seed, kind, seq, param, walk, tiles, heads, batch, di
                    & dense_padding(tq, tk, None, lengths, batch=batch))
     with pytest.MonkeyPatch.context() as patch:
         use_walk(patch, walk, sparse=tiles[0], block=tiles[1])
-        q, k, v = make_qkv(batch, heads[0], heads[1], tq, tk, *dims, torch.float32, gen)
+        q, k, v = make_qkv(batch, heads[0], heads[1], tq, tk, *dims, dtype, gen)
         check(q, k, v, mask, allowed, gen=gen)
 
 
