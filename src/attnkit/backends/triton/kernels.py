@@ -425,13 +425,9 @@ def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, q_start, offs_dk, offs_
     v = _walk_tile(v_base, start_n, offs_n, offs_dv, s_v_t, s_v_d, kv_len, head_dv, LOAD_BOUNDS,
                    EVEN_DV, USE_TMA)  # [N, DV]
     s = _dot(q, tl.trans(k), PRECISION, UPCAST)  # [M, N], unscaled
-    if MERGED and not mask.HAS_BIAS:  # the mask selects on the raw scores, as below
-        if partial:
-            s = _masked_scores(s, q_start, start_n, b, h, q_len, kv_len, mask, own, False, BOUNDS)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s * qk_scale - m_sub[:, None])
-    elif MERGED:
+    # a row with nothing allowed yet keeps m = -inf: subtract 0, not inf (only PARTIAL tiles,
+    # so not in the split walks' FULL loops; in the MERGED walk ``partial`` is a runtime test)
+    if mask.HAS_BIAS:  # the bias is added in base 2: scaled scores first
         s2 = s * qk_scale
         if partial:
             s2 = _masked_scores(s2, q_start, start_n, b, h, q_len, kv_len, mask, own, False,
@@ -439,19 +435,14 @@ def _fwd_tile(q, m_i, l_i, acc, start_n, k_base, v_base, q_start, offs_dk, offs_
         m_new = tl.maximum(m_i, tl.max(s2, 1))  # [M]
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s2 - m_sub[:, None])  # [M, N]
-    elif partial and mask.HAS_BIAS:  # the bias is added in base 2: scaled scores first
-        s2 = _masked_scores(s * qk_scale, q_start, start_n, b, h, q_len, kv_len, mask, own,
-                            False, BOUNDS)
-        m_new = tl.maximum(m_i, tl.max(s2, 1))  # [M]
-        # a row with nothing allowed yet keeps m = -inf: subtract 0, not inf
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s2 - m_sub[:, None])  # [M, N]
-    else:  # FULL, or PARTIAL without a bias: the mask only selects, on the raw scores
+    else:  # the mask only selects: on the raw scores
         if partial:
             s = _masked_scores(s, q_start, start_n, b, h, q_len, kv_len, mask, own, False, BOUNDS)
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_sub = m_new
-        if partial:  # a row with nothing allowed yet keeps m = -inf: subtract 0, not inf
+        if MERGED:
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        elif partial:
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s * qk_scale - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)  # [M]
