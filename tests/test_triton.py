@@ -98,9 +98,15 @@ def attention_math(q, k, v, allowed, bias, scale, dtype):
     scores are replaced by 0 before the softmax, then their weights by 0) zero gradients.
     Returns ``out [B, Hq, Tq, Dv]`` and ``lse [B, Hq, Tq]``.
     """
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, Hq, Tk, D]
+    weights, lse = attention_weights(q, k, allowed, bias, scale, dtype)
+    v = v.to(dtype).repeat_interleave(q.shape[1] // v.shape[1], 1)  # [B, Hq, Tk, Dv]
+    return weights @ v, lse
+
+
+def attention_weights(q, k, allowed, bias, scale, dtype):
+    """The weights ``[B, Hq, Tq, Tk]`` and LSE ``[B, Hq, Tq]`` of :func:`attention_math`."""
+    q, k = q.to(dtype), k.to(dtype)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)  # [B, Hq, Tk, Dk]
     scores = (q @ k.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tk]
     if bias is not None:
         scores = scores + bias.to(dtype)
@@ -111,7 +117,7 @@ def attention_math(q, k, v, allowed, bias, scale, dtype):
     scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(row_empty, 0.0)
     weights = torch.softmax(scores, -1).masked_fill(row_empty, 0.0)
     lse = torch.logsumexp(scores, -1).masked_fill(row_empty[..., 0], float("-inf"))
-    return weights @ v, lse
+    return weights, lse
 
 
 def delta_form_floors(q, k, v, dout, allowed, bias, scale) -> dict:
@@ -124,15 +130,9 @@ def delta_form_floors(q, k, v, dout, allowed, bias, scale) -> dict:
     dq and ``|q|`` into dk (over a GQA group too) and added in quadrature (independent
     roundings: a typical scale, not a worst case). In float64."""
     q, k, v, dout = (t.detach().double() for t in (q, k, v, dout))
+    weights, _ = attention_weights(q, k, allowed, bias, scale, torch.float64)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias.double()
-    if allowed is None:
-        allowed = torch.ones(scores.shape, dtype=torch.bool)
-    allowed = allowed.expand(scores.shape)
-    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
     dp = dout @ v.transpose(-1, -2)  # [B, H, Tq, Tk]
     delta = (dout * (weights @ v)).sum(-1, keepdim=True)  # [B, H, Tq, 1]
     term = (weights * (dp.abs() + delta.abs()) * scale) ** 2
