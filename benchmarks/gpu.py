@@ -850,6 +850,10 @@ def main(argv=None) -> int:
     competitors = [c for c in args.competitors.split(",") if c]
     results: list[Result] = []
     skipped = []
+
+    def save() -> None:  # after every workload, so a cut-off run keeps what it timed
+        path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
+                                    "results": [asdict(r) for r in results]}, indent=1))
     for w in todo:
         if args.budget is not None and time.perf_counter() - STARTED > args.budget:
             skipped.append(f"{w.label} D{w.d} N{w.n}")
@@ -888,26 +892,22 @@ def main(argv=None) -> int:
               + f" TFLOP/s  [{time.perf_counter() - STARTED:.0f} s]", flush=True)
         info["autotuned"] = autotuned()
         info.setdefault("config_ms", {})[f"{w.label} D{w.d} N{w.n}"] = config_timings()
-        path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
-                                    "results": [asdict(r) for r in results]}, indent=1))
+        save()
     info["autotuned"] = autotuned()
     info["direct_launch"] = launch.DIRECT_LAUNCH
     info["elapsed_s"] = time.perf_counter() - STARTED
-    path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
-                                "results": [asdict(r) for r in results]}, indent=1))
+    losing = info["losing_candidates"] = losing_candidates(info.get("config_ms", {}))
+    save()
     print("\nautotuned configs (kernel: tune key -> BLOCK_M, BLOCK_N, warps, stages, walk)")
     for line in info["autotuned"]:
         print("  " + line)
     if skipped:
         print(f"over the --budget, not timed: {', '.join(skipped)}")
     print_walks(info.get("config_ms", {}))
-    losing = info["losing_candidates"] = losing_candidates(info.get("config_ms", {}))
     print(f"\nnever within {PRUNE_SLACK:.2f}x of the fastest on any timed workload (to drop, "
           f"unless kept for shapes not timed here, e.g. small problems):")
     for kernel, configs in losing.items():
         print(f"  {kernel}: " + ", ".join(configs))
-    path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
-                                "results": [asdict(r) for r in results]}, indent=1))
     print_table(results, competitors, info)
     print(f"JSON: {path}")
     failed = [c for c in checks if not c["ok"]]
