@@ -38,6 +38,10 @@ Method (``/work/.library/device/METHOD.md``):
 - Host time: ``attnkit-kernels`` times our kernels alone (launched from a plan made once) next
   to the whole ``attnkit-triton`` call; the rows where the whole call is slower, the GPU
   having waited on our Python, are listed after the table.
+- Where the time goes: one forward+backward of each of the real competitors under
+  ``torch.profiler``, each kernel's device time (``--profile``: the window and documents rows
+  and the shortest dense and causal ones by default), printed after the table: which of our
+  kernels (forward, Δ, dK/dV, dQ) loses to which of theirs.
 
 The table is printed last; the JSON holds every number, the device, versions and the checks.
 """
@@ -99,6 +103,9 @@ def parse_args(argv=None):
     p.add_argument("--flex-masks", default="window,documents&causal",
                    help="masks FlexAttention is timed on ('all' for every one; each costs a compile "
                         "of ~10-30 s for the forward and again for the backward)")
+    p.add_argument("--profile", default="short", choices=("none", "short", "all"),
+                   help="kernel device times of one forward+backward per competitor (torch.profiler): "
+                        "'short' = the window and documents rows and the shortest dense and causal")
     p.add_argument("--skip-check", action="store_true", help="time without the correctness check")
     p.add_argument("--check-configs", action="store_true",
                    help="first check every autotune candidate (each walk and block shape) on each "
@@ -288,6 +295,47 @@ def timer(device) -> Callable[[Callable], float]:
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
     return host
+
+
+PROFILED = ("attnkit-triton", "sdpa-flash", "sdpa-cudnn", "flex-compiled")
+
+
+def kernel_times(events, on_device: bool) -> dict[str, float]:
+    """``torch.profiler`` averages (``key_averages()``) → µs per name, largest first: device events (kernels, copies) by device time, or, without a device (the
+    dry run), host operators by their own CPU time."""
+    totals: dict[str, float] = {}
+    for event in events:
+        if on_device:
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            spent = event.device_time_total
+        else:
+            spent = event.self_cpu_time_total
+        if spent > 0:
+            totals[event.key] = totals.get(event.key, 0.0) + float(spent)
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def kernel_profile(fn: Callable[[], None], device) -> dict[str, float]:
+    """:func:`kernel_times` of one call of ``fn`` (after one unprofiled call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_device = device.type == "cuda"
+    fn()
+    if on_device:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if on_device else ProfilerActivity.CPU]) as prof:
+        fn()
+        if on_device:
+            torch.cuda.synchronize()
+    return kernel_times(prof.key_averages(), on_device)
+
+
+def profiled(w: "Workload", args) -> bool:
+    """Whether ``--profile`` asks for workload ``w``'s kernel profile."""
+    shortest = min(int(n) for n in args.lengths.split(","))
+    return args.profile == "all" or (args.profile == "short" and (
+        w.mask in ("window", "documents&causal") or w.n == shortest))
 
 
 class KernelsOnly:
@@ -884,6 +932,13 @@ def main(argv=None) -> int:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 results.append(row)
+            if fn is not None and name in PROFILED and profiled(w, args):
+                try:
+                    times = kernel_profile(step(fn, "fwd+bwd", q, k, v, dout), device)
+                except Exception as error:  # noqa: BLE001 - e.g. no backward for this mask
+                    times = {"error": str(error).splitlines()[0][:100]}
+                info.setdefault("kernel_profile", {}).setdefault(
+                    f"{w.label} D{w.d} N{w.n}", {})[name] = times
         del q, k, v, dout, masks
         ours = [r for r in results[-len(competitors) * 2:] if r.backend == "attnkit-triton"]
         print(f"timed {w.label} D{w.d} N{w.n}: triton "
@@ -909,6 +964,7 @@ def main(argv=None) -> int:
     for kernel, configs in losing.items():
         print(f"  {kernel}: " + ", ".join(configs))
     print_table(results, competitors, info)
+    print_profile(info.get("kernel_profile", {}), on_device=device.type == "cuda")
     print(f"JSON: {path}")
     failed = [c for c in checks if not c["ok"]]
     if failed:
@@ -1282,6 +1338,23 @@ def print_table(results: list[Result], competitors: list[str], info: dict) -> No
     if waited:
         print(f"\nthe GPU waited on our Python (attnkit-triton over {HOST_SLACK:.2f}x the time of its "
               f"kernels launched alone, attnkit-kernels): " + ", ".join(waited))
+
+
+def print_profile(profiles: dict, on_device: bool = True) -> None:
+    """``kernel_profile`` (workload → competitor → name → µs) as one line per competitor:
+    the total and the six largest entries (names cut to 48 characters)."""
+    if not profiles:
+        return
+    what = "device µs per kernel" if on_device else "host µs per operator (dry run: no kernels)"
+    print(f"\none forward+backward under torch.profiler, {what}:")
+    for label, by_backend in profiles.items():
+        print(f"  {label}")
+        for backend, times in by_backend.items():
+            if "error" in times:
+                print(f"    {backend:15s} {times['error']}")
+                continue
+            parts = ", ".join(f"{name[:48]} {t:.0f}" for name, t in list(times.items())[:6])
+            print(f"    {backend:15s} {sum(times.values()):8.0f}  {parts}")
 
 
 HOST_SLACK = 1.05

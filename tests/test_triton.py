@@ -1045,6 +1045,20 @@ def test_benchmark_dry_run(tmp_path, capsys, bench):
         assert len(ours) == 8 and all(r["tflops"] and r["tflops"] > 0 for r in ours)
     assert "TFLOP/s" in printed and "docs16&causal" in printed
     assert time.perf_counter() - start < 60
+    # one forward+backward under torch.profiler per workload (host operators on CPU)
+    assert set(saved["info"]["kernel_profile"]) == {"window16 D32 N64", "docs16&causal D32 N64",
+                                                    "causal D32 N64", "dense D32 N64"}
+    ours = saved["info"]["kernel_profile"]["causal D32 N64"]["attnkit-triton"]
+    assert ours and all(t > 0 for t in ours.values()) and "torch.profiler" in printed
+    events = [SimpleNamespace(key=name, device_type=kind, device_time_total=device,
+                              self_cpu_time_total=host)
+              for name, kind, device, host in [
+                  ("attn_bwd_dkdv", torch.autograd.DeviceType.CUDA, 810.0, 0.0),
+                  ("attn_fwd", torch.autograd.DeviceType.CUDA, 400.0, 0.0),
+                  ("aten::empty", torch.autograd.DeviceType.CPU, 0.0, 12.0),
+                  ("Memset (Device)", torch.autograd.DeviceType.CUDA, 0.0, 0.0)]]
+    assert bench.kernel_times(events, on_device=True) == {"attn_bwd_dkdv": 810.0, "attn_fwd": 400.0}
+    assert bench.kernel_times(events, on_device=False) == {"aten::empty": 12.0}
     # each walk family's best autotuning time (the GPU run's answer to which walks pay)
     ms = {"128x128 w8 s2 partial_first": 0.30, "128x128 w8 s2 full_first": 0.29,
           "128x64 w8 s3 partial_first+flat": 0.31, "128x128 w8 s2 one_loop": 0.27,
