@@ -300,23 +300,32 @@ def timer(device) -> Callable[[Callable], float]:
 PROFILED = ("attnkit-triton", "sdpa-flash", "sdpa-cudnn", "flex-compiled")
 
 
-def kernel_times(events, on_device: bool) -> dict[str, float]:
-    """``torch.profiler`` averages (``key_averages()``) → µs per name, largest first: device events (kernels, copies) by device time, or, without a device (the
-    dry run), host operators by their own CPU time."""
-    totals: dict[str, float] = {}
-    for event in events:
-        if on_device:
-            if event.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            spent = event.device_time_total
-        else:
-            spent = event.self_cpu_time_total
-        if spent > 0:
-            totals[event.key] = totals.get(event.key, 0.0) + float(spent)
-    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+LAUNCH_FACTS = {"grid": "grid", "block": "block", "registers per thread": "regs",
+                "shared memory": "smem", "blocks per SM": "blocks_per_sm",
+                "est. achieved occupancy %": "occupancy_pct"}
+"""What the profiler's trace records of a kernel launch (CUPTI), kept under shorter names."""
 
 
-def kernel_profile(fn: Callable[[], None], device) -> dict[str, float]:
+def kernel_times(trace: dict, on_device: bool) -> dict[str, dict]:
+    """A ``torch.profiler`` Chrome trace → per name, largest total first: ``us`` (summed
+    duration), ``calls`` and, for kernels, the first launch's :data:`LAUNCH_FACTS` (two blocks
+    per SM hide one's loads behind the other's math; one cannot). Device events (kernels,
+    copies, memsets), or, without a device (the dry run), host operators (inclusive times)."""
+    kinds = ("kernel", "gpu_memcpy", "gpu_memset") if on_device else ("cpu_op",)
+    totals: dict[str, dict] = {}
+    for event in trace.get("traceEvents", []):
+        if event.get("cat") not in kinds or "dur" not in event:
+            continue
+        row = totals.setdefault(event["name"], {"us": 0.0, "calls": 0})
+        row["us"] += float(event["dur"])
+        row["calls"] += 1
+        if row["calls"] == 1:
+            facts = event.get("args", {})
+            row.update({short: facts[key] for key, short in LAUNCH_FACTS.items() if key in facts})
+    return dict(sorted(totals.items(), key=lambda item: -item[1]["us"]))
+
+
+def kernel_profile(fn: Callable[[], None], device) -> dict[str, dict]:
     """:func:`kernel_times` of one call of ``fn`` (after one unprofiled call)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -328,7 +337,11 @@ def kernel_profile(fn: Callable[[], None], device) -> dict[str, float]:
         fn()
         if on_device:
             torch.cuda.synchronize()
-    return kernel_times(prof.key_averages(), on_device)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    return kernel_times(trace, on_device)
 
 
 def profiled(w: "Workload", args) -> bool:
@@ -1341,11 +1354,13 @@ def print_table(results: list[Result], competitors: list[str], info: dict) -> No
 
 
 def print_profile(profiles: dict, on_device: bool = True) -> None:
-    """``kernel_profile`` (workload → competitor → name → µs) as one line per competitor:
-    the total and the six largest entries (names cut to 48 characters)."""
+    """``kernel_profile`` (workload → competitor → name → :func:`kernel_times` row) as one line
+    per competitor: the total µs and the six largest entries (names cut to 48 characters; for
+    kernels, registers per thread and blocks per SM)."""
     if not profiles:
         return
-    what = "device µs per kernel" if on_device else "host µs per operator (dry run: no kernels)"
+    what = ("device µs per kernel" if on_device
+            else "host µs per operator, inclusive (dry run: no kernels)")
     print(f"\none forward+backward under torch.profiler, {what}:")
     for label, by_backend in profiles.items():
         print(f"  {label}")
@@ -1353,8 +1368,15 @@ def print_profile(profiles: dict, on_device: bool = True) -> None:
             if "error" in times:
                 print(f"    {backend:15s} {times['error']}")
                 continue
-            parts = ", ".join(f"{name[:48]} {t:.0f}" for name, t in list(times.items())[:6])
-            print(f"    {backend:15s} {sum(times.values()):8.0f}  {parts}")
+            parts = []
+            for name, row in list(times.items())[:6]:
+                facts = [f"{row['regs']} regs"] if "regs" in row else []
+                facts += [f"{row['smem'] / 1024:.0f} KiB"] if "smem" in row else []
+                facts += [f"{row['blocks_per_sm']:.3g}/SM"] if "blocks_per_sm" in row else []
+                parts.append(f"{name[:48]} {row['us']:.0f}"
+                             + (f" ({', '.join(facts)})" if facts else ""))
+            total = sum(row["us"] for row in times.values())
+            print(f"    {backend:15s} {total:8.0f}  " + ", ".join(parts))
 
 
 HOST_SLACK = 1.05

@@ -1049,16 +1049,21 @@ def test_benchmark_dry_run(tmp_path, capsys, bench):
     assert set(saved["info"]["kernel_profile"]) == {"window16 D32 N64", "docs16&causal D32 N64",
                                                     "causal D32 N64", "dense D32 N64"}
     ours = saved["info"]["kernel_profile"]["causal D32 N64"]["attnkit-triton"]
-    assert ours and all(t > 0 for t in ours.values()) and "torch.profiler" in printed
-    events = [SimpleNamespace(key=name, device_type=kind, device_time_total=device,
-                              self_cpu_time_total=host)
-              for name, kind, device, host in [
-                  ("attn_bwd_dkdv", torch.autograd.DeviceType.CUDA, 810.0, 0.0),
-                  ("attn_fwd", torch.autograd.DeviceType.CUDA, 400.0, 0.0),
-                  ("aten::empty", torch.autograd.DeviceType.CPU, 0.0, 12.0),
-                  ("Memset (Device)", torch.autograd.DeviceType.CUDA, 0.0, 0.0)]]
-    assert bench.kernel_times(events, on_device=True) == {"attn_bwd_dkdv": 810.0, "attn_fwd": 400.0}
-    assert bench.kernel_times(events, on_device=False) == {"aten::empty": 12.0}
+    assert ours and all(row["us"] > 0 and row["calls"] >= 1 for row in ours.values())
+    assert "torch.profiler" in printed
+    facts = {"grid": [8, 32, 1], "block": [256, 1, 1], "registers per thread": 255,
+             "shared memory": 98304, "blocks per SM": 1, "est. achieved occupancy %": 12}
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "attn_bwd_dkdv", "dur": 800.0, "args": facts},
+        {"cat": "kernel", "name": "attn_bwd_dkdv", "dur": 10.0, "args": {}},
+        {"cat": "kernel", "name": "attn_fwd", "dur": 400.0, "args": {}},
+        {"cat": "gpu_memset", "name": "Memset (Device)", "dur": 2.0},
+        {"cat": "cpu_op", "name": "aten::empty", "dur": 12.0}, {"name": "no category"}]}
+    assert bench.kernel_times(trace, on_device=True) == {
+        "attn_bwd_dkdv": {"us": 810.0, "calls": 2, "grid": [8, 32, 1], "block": [256, 1, 1],
+                          "regs": 255, "smem": 98304, "blocks_per_sm": 1, "occupancy_pct": 12},
+        "attn_fwd": {"us": 400.0, "calls": 1}, "Memset (Device)": {"us": 2.0, "calls": 1}}
+    assert bench.kernel_times(trace, on_device=False) == {"aten::empty": {"us": 12.0, "calls": 1}}
     # each walk family's best autotuning time (the GPU run's answer to which walks pay)
     ms = {"128x128 w8 s2 partial_first": 0.30, "128x128 w8 s2 full_first": 0.29,
           "128x64 w8 s3 partial_first+flat": 0.31, "128x128 w8 s2 one_loop": 0.27,
