@@ -196,6 +196,19 @@ P_TMA, P_FLAT_TMA, F_FLAT_TMA, M_TMA = P + "+tma", P + "+flat+tma", F + "+flat+t
 #   too when both kinds are evenly spaced (its position is a select between two
 #   progressions): 3-stage ``one_loop`` candidates, for short rows such as 1024-token
 #   documents.
+#
+# Tried offline for sm90 (Triton 3.6) and left out:
+# - automatic warp specialization (``tl.range(warp_specialize=True)``: a producer warp group
+#   feeding two consumer ones, FlashAttention-3's layout). It specializes a plain forward
+#   loop at 4 warps (12 with the producer), but on these kernels Triton's Hopper pass fails
+#   (an MLIR assertion) whenever a kernel has two loops (the split walks) and on the one-loop
+#   forward without a mask, and leaves the causal one-loop forward unspecialized;
+# - a persistent forward (each program looping over query blocks, ``tl.range(flatten=True)``
+#   to overlap one block's epilogue with the next one's loads): Triton fuses the two loops
+#   only when the inner trip count is the same for every block, which no mask's is;
+# - dK/dV issuing dP = V·dOᵀ before its exponentials, so that the tensor cores run during
+#   them (the dQ loop's schedule already does this): up to 8 more registers, and spills
+#   grew by up to 28 bytes in most 32×128 candidates.
 CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
     "attn_fwd": {
         64: [(128, 128, 8, 2, P), (128, 64, 8, 3, P), (128, 32, 4, 3, P), (64, 64, 4, 3, P),
