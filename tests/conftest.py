@@ -17,11 +17,21 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
 
 import attnkit as ak
 from attnkit import dispatch
+
+# Hypothesis draws the same examples in every run ("ci", derived from each test), so a CI run
+# on a fresh machine tests what the last local run tested; ATTNKIT_HYPOTHESIS=explore draws new
+# ones each run, to look for failures (pin one that turns up with @example).
+settings.register_profile("ci", derandomize=True, deadline=None)
+settings.register_profile("explore", derandomize=False, deadline=None)
+settings.load_profile(os.environ.get("ATTNKIT_HYPOTHESIS", "ci"))
 
 # Test tensors are tiny: intra-op threads only add synchronisation cost, which is large on the
 # shared 2-core machines we test on (3x slower per test measured). Results do not depend on it.
@@ -113,6 +123,48 @@ def assert_within_2x(name: str, actual: torch.Tensor, truth: torch.Tensor, plain
     bound = 2 * plain_err + floor
     assert err <= bound, (f"{name} ({dtype}): error {err:.3g} > 2 × plain-math error "
                           f"{plain_err:.3g} + floor {floor:.3g}")
+
+
+def attention_weights(q, k, allowed, bias, scale, dtype):
+    """The weights ``[B, Hq, Tq, Tk]`` and LSE ``[B, Hq, Tq]`` of :func:`attention_math`."""
+    q, k = q.to(dtype), k.to(dtype)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)  # [B, Hq, Tk, Dk]
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tk]
+    if bias is not None:
+        scores = scores + bias.to(dtype)
+    if allowed is None:
+        allowed = torch.ones(scores.shape, dtype=torch.bool)
+    allowed = allowed.expand(scores.shape)
+    row_empty = ~allowed.any(-1, keepdim=True)  # [B, Hq, Tq, 1]
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(row_empty, 0.0)
+    weights = torch.softmax(scores, -1).masked_fill(row_empty, 0.0)
+    lse = torch.logsumexp(scores, -1).masked_fill(row_empty[..., 0], float("-inf"))
+    return weights, lse
+
+
+def delta_form_floors(q, k, v, dout, allowed, bias, scale,
+                      eps: float = torch.finfo(torch.float32).eps) -> dict:
+    """Error floors for dq and dk from the backward's own form, ``ds = p ∘ (dp − Δ)`` with
+    ``Δ = rowsum(dO ∘ O)`` and ``p`` recomputed from the LSE, evaluated in the backward's
+    accumulation dtype (machine epsilon ``eps``; float32 for the kernels, whatever the input
+    dtype): each score's ``dp − Δ`` carries rounding of the size of ``|dp| + |Δ|``,
+    which autograd's softmax backward may cancel exactly (a row that sees a single key has
+    ``p = 1`` and no gradient through the scores; plain math then gets exactly 0, and the 2x rule
+    would demand bit-exact zeros). Four ulps of that per score, carried by ``|k|`` into
+    dq and ``|q|`` into dk (over a GQA group too) and added in quadrature (independent
+    roundings: a typical scale, not a worst case). In float64."""
+    q, k, v, dout = (t.detach().double() for t in (q, k, v, dout))
+    weights, _ = attention_weights(q, k, allowed, bias, scale, torch.float64)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    dp = dout @ v.transpose(-1, -2)  # [B, H, Tq, Tk]
+    delta = (dout * (weights @ v)).sum(-1, keepdim=True)  # [B, H, Tq, 1]
+    term = (weights * (dp.abs() + delta.abs()) * scale) ** 2
+    dq = (term @ k ** 2).sqrt()  # [B, H, Tq, Dk]
+    dk = (term.transpose(-1, -2) @ q ** 2).unflatten(1, (-1, group)).sum(2).sqrt()  # [B, Hkv, Tk, Dk]
+    ulps = 4 * eps
+    return {"dq": ulps * float(dq.max()) if dq.numel() else 0.0,
+            "dk": ulps * float(dk.max()) if dk.numel() else 0.0}
 
 
 # ---- hand-written dense masks (loops, on purpose) ----------------------------------------------

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attnkit as ak
@@ -17,8 +17,8 @@ from attnkit.backends import tiled
 from attnkit.backends.tiled import make_plan, tiled_attention
 from attnkit.masks import MaskSpace
 
-from conftest import (ALL_DTYPES, MASK_KINDS, assert_within_2x, dense_band, dense_documents,
-                      dense_padding, mask_case, naive_attention, plain_attention)
+from conftest import (ALL_DTYPES, MASK_KINDS, assert_within_2x, delta_form_floors, dense_band,
+                      dense_documents, dense_padding, mask_case, naive_attention, plain_attention)
 
 # Small blocks so that every case has many tiles, ragged tails and all three tile kinds.
 BLOCKS = dict(block_q=16, block_k=8)
@@ -48,12 +48,16 @@ def _fit_mask(kind, gen, batch, tq, tk):
     return mask, allowed, bias
 
 
+def _cotangent(shape) -> torch.Tensor:
+    """The fixed random output gradient (float64) of :func:`_run` and :func:`_truth`."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+
+
 def _run(q, k, v, mask, scale, grad_seed=None, **kw):
     """Forward (and backward with a fixed random cotangent) → (out, lse, grads)."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out, lse = tiled_attention(q, k, v, mask, scale=scale, **{**BLOCKS, **kw})
-    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    (out * cot.to(out.dtype)).sum().backward()
+    (out * _cotangent(out.shape).to(out.dtype)).sum().backward()
     return out, lse, [t.grad for t in (q, k, v)]
 
 
@@ -63,21 +67,24 @@ def _truth(q, k, v, allowed, bias, scale, dtype):
     for compute in (torch.float64, dtype):
         qq, kk, vv = (t.detach().to(compute).requires_grad_() for t in (q, k, v))
         out, lse, _ = plain_attention(qq, kk, vv, allowed, bias, scale, dtype=compute)
-        cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-        (out * cot.to(compute)).sum().backward()
+        (out * _cotangent(out.shape).to(compute)).sum().backward()
         results.append((out, lse, [t.grad for t in (qq, kk, vv)]))
     return results
 
 
 def _assert_like_truth(result, q, k, v, allowed, bias, scale, dtype):
     """``result = (out, lse, grads)`` of :func:`_run` within the 2x rule of the float64 truth
-    (same cotangent), for out, LSE and every gradient."""
+    (same cotangent), for out, LSE and every gradient; dq and dk with the floor of the
+    backward's ``dS = P ∘ (dP − Δ)`` form in its accumulation dtype (float32 below float64)."""
     out, lse, grads = result
     (t_out, t_lse, t_grads), (p_out, p_lse, p_grads) = _truth(q, k, v, allowed, bias, scale, dtype)
     assert_within_2x("out", out, t_out, p_out, dtype)
     assert_within_2x("lse", lse, t_lse, p_lse, dtype)
+    accumulation = torch.float64 if dtype == torch.float64 else torch.float32
+    floors = delta_form_floors(q, k, v, _cotangent(out.shape), allowed, bias, scale,
+                               torch.finfo(accumulation).eps)
     for name, g, tg, pg in zip("qkv", grads, t_grads, p_grads):
-        assert_within_2x(f"d{name}", g, tg, pg, dtype)
+        assert_within_2x(f"d{name}", g, tg, pg, dtype, floors.get(f"d{name}", 0.0))
 
 
 @pytest.mark.parametrize("kind", MASK_KINDS)
@@ -477,6 +484,7 @@ def test_shared_prefix_groups(path, kind, gen, monkeypatch):
 
 
 @settings(max_examples=30, deadline=None)
+@example(seed=2917, kind="documents", seq=124, param=32, heads=(3, 1), batch=1, strip=4)  # dq: Δ form
 @given(seed=st.integers(0, 2**31 - 1),
        kind=st.sampled_from(["window", "band", "documents", "equal_documents", "causal"]),
        seq=st.integers(33, 140), param=st.one_of(st.sampled_from([8, 16, 24, 32, 48]),
