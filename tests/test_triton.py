@@ -1005,7 +1005,8 @@ def test_benchmark_dry_run(tmp_path, capsys, bench):
         ours = [r for r in saved["results"] if r["backend"] == backend]
         assert len(ours) == 8 and all(r["tflops"] and r["tflops"] > 0 for r in ours)
     assert "TFLOP/s" in printed and "docs16&causal" in printed
-    assert time.perf_counter() - start < 60
+    assert time.perf_counter() - start < 180  # 25-40 s here: catches a run that compiles or
+    # times far more than toy sizes, not a slow machine
     # one forward+backward under torch.profiler per workload (host operators on CPU)
     assert set(saved["info"]["kernel_profile"]) == {"window16 D32 N64", "docs16&causal D32 N64",
                                                     "causal D32 N64", "dense D32 N64"}
