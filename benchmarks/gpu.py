@@ -333,7 +333,8 @@ def kernel_profile(fn: Callable[[], None], device) -> dict[str, dict]:
     fn()
     if on_device:
         torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA if on_device else ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    with profile(activities=activities) as prof:
         fn()
         if on_device:
             torch.cuda.synchronize()
