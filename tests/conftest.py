@@ -15,9 +15,8 @@ tests compare attnkit against an *independent* definition:
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -125,23 +124,6 @@ def assert_within_2x(name: str, actual: torch.Tensor, truth: torch.Tensor, plain
                           f"{plain_err:.3g} + floor {floor:.3g}")
 
 
-def attention_weights(q, k, allowed, bias, scale, dtype):
-    """The weights ``[B, Hq, Tq, Tk]`` and LSE ``[B, Hq, Tq]`` of :func:`attention_math`."""
-    q, k = q.to(dtype), k.to(dtype)
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)  # [B, Hq, Tk, Dk]
-    scores = (q @ k.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tk]
-    if bias is not None:
-        scores = scores + bias.to(dtype)
-    if allowed is None:
-        allowed = torch.ones(scores.shape, dtype=torch.bool)
-    allowed = allowed.expand(scores.shape)
-    row_empty = ~allowed.any(-1, keepdim=True)  # [B, Hq, Tq, 1]
-    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(row_empty, 0.0)
-    weights = torch.softmax(scores, -1).masked_fill(row_empty, 0.0)
-    lse = torch.logsumexp(scores, -1).masked_fill(row_empty[..., 0], float("-inf"))
-    return weights, lse
-
-
 def delta_form_floors(q, k, v, dout, allowed, bias, scale,
                       eps: float = torch.finfo(torch.float32).eps) -> dict:
     """Error floors for dq and dk from the backward's own form, ``ds = p ∘ (dp − Δ)`` with
@@ -154,11 +136,11 @@ def delta_form_floors(q, k, v, dout, allowed, bias, scale,
     dq and ``|q|`` into dk (over a GQA group too) and added in quadrature (independent
     roundings: a typical scale, not a worst case). In float64."""
     q, k, v, dout = (t.detach().double() for t in (q, k, v, dout))
-    weights, _ = attention_weights(q, k, allowed, bias, scale, torch.float64)
+    out, _, weights = naive_attention(q, k, v, allowed, bias, scale)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     dp = dout @ v.transpose(-1, -2)  # [B, H, Tq, Tk]
-    delta = (dout * (weights @ v)).sum(-1, keepdim=True)  # [B, H, Tq, 1]
+    delta = (dout * out).sum(-1, keepdim=True)  # [B, H, Tq, 1]
     term = (weights * (dp.abs() + delta.abs()) * scale) ** 2
     dq = (term @ k ** 2).sqrt()  # [B, H, Tq, Dk]
     dk = (term.transpose(-1, -2) @ q ** 2).unflatten(1, (-1, group)).sum(2).sqrt()  # [B, Hkv, Tk, Dk]

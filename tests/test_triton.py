@@ -63,8 +63,8 @@ from attnkit.backends.triton import launch  # noqa: E402
 from attnkit.inputs import validate  # noqa: E402
 from attnkit.masks import EMPTY, FULL, PARTIAL, MaskSpace  # noqa: E402
 
-from conftest import (assert_within_2x, attention_weights, delta_form_floors,  # noqa: E402
-                      dense_band, dense_causal, dense_documents, dense_padding, sorted_ids)
+from conftest import (assert_within_2x, delta_form_floors, dense_band, dense_causal,  # noqa: E402
+                      dense_documents, dense_padding, sorted_ids)
 
 if not launch.interpreting():
     pytest.skip("triton runs compiled in this process (a CUDA machine, or imported before this "
@@ -98,8 +98,19 @@ def attention_math(q, k, v, allowed, bias, scale, dtype):
     scores are replaced by 0 before the softmax, then their weights by 0) zero gradients.
     Returns ``out [B, Hq, Tq, Dv]`` and ``lse [B, Hq, Tq]``.
     """
-    weights, lse = attention_weights(q, k, allowed, bias, scale, dtype)
-    v = v.to(dtype).repeat_interleave(q.shape[1] // v.shape[1], 1)  # [B, Hq, Tk, Dv]
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, Hq, Tk, D]
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tk]
+    if bias is not None:
+        scores = scores + bias.to(dtype)
+    if allowed is None:
+        allowed = torch.ones(scores.shape, dtype=torch.bool)
+    allowed = allowed.expand(scores.shape)
+    row_empty = ~allowed.any(-1, keepdim=True)  # [B, Hq, Tq, 1]
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(row_empty, 0.0)
+    weights = torch.softmax(scores, -1).masked_fill(row_empty, 0.0)
+    lse = torch.logsumexp(scores, -1).masked_fill(row_empty[..., 0], float("-inf"))
     return weights @ v, lse
 
 
