@@ -612,10 +612,10 @@ def _walk_row_stats(lse_src, delta_src, start_m, b, h, heads, offs_m, q_len,
 
 @triton.jit
 def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, k_start, offs_dk,
-               offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, partial, LOAD_BOUNDS: tl.constexpr,
-               BOUNDS: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_DK: tl.constexpr,
-               EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-               USE_TMA: tl.constexpr):
+               offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, q_len, kv_len, head_dk, head_dv,
+               qk_scale, mask, own, partial, LOAD_BOUNDS: tl.constexpr, BOUNDS: tl.constexpr,
+               BLOCK_M: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
+               PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
     """One query block's (rows ``start_m …``) contribution to ``dk [N, DK]`` and ``dv [N, DV]``
     of the key rows ``k_start …`` (transposed scores ``[N, M]``); ``partial``, LOAD_BOUNDS,
     USE_TMA: as for :func:`_fwd_tile`."""
