@@ -544,8 +544,9 @@ def check_configs(todo: list["Workload"], dtype, device, warmed: "Warmed") -> li
 
 
 # ---- every mask kind at small sizes ------------------------------------------------------------------
-def mask_kinds(tq: int, tk: int, batch: int, gen: torch.Generator) -> dict:
-    """Every kind of mask the kernels handle (CPU tensors, as a user builds them)."""
+def mask_kinds(tq: int, tk: int, batch: int, gen: torch.Generator, device=None) -> dict:
+    """Every kind of mask the kernels handle, drawn from ``gen`` on the CPU; the dense and bias
+    tensors then moved to ``device`` (the library takes them only on q's device)."""
     import attnkit as ak
 
     ids_q = torch.randint(0, 4, (tq,), generator=gen).sort().values
@@ -557,8 +558,8 @@ def mask_kinds(tq: int, tk: int, batch: int, gen: torch.Generator) -> dict:
         "padding_empty_rows": ak.padding(q_lengths=[tq, tq - 40][:batch], kv_lengths=[0, tk - 21][:batch]),
         "documents": ak.documents(ids_q, ids_k),
         "documents&causal": ak.documents(ids_q, ids_k) & ak.causal(),
-        "dense_bool": ak.dense(torch.rand(tq, tk, generator=gen) < 0.7),
-        "bias&causal": ak.bias(torch.randn(tq, tk, generator=gen)) & ak.causal(),
+        "dense_bool": ak.dense(torch.rand(tq, tk, generator=gen).to(device) < 0.7),
+        "bias&causal": ak.bias(torch.randn(tq, tk, generator=gen).to(device)) & ak.causal(),
         "from_function": ak.from_function(lambda b, h, q, kv: (q + kv) % 3 != 0, "mod3"),
         "documents|window": ak.documents(ids_q, ids_k) | ak.sliding_window(5),
         "~causal": ~ak.causal(),
@@ -584,8 +585,9 @@ def check_kinds(dtype, device, only=None, warmed: Optional["Warmed"] = None) -> 
 
     gen = torch.Generator().manual_seed(1)
     batch, heads, heads_kv, tq, tk, d = KIND_SHAPE
+    on_device = mask_kinds(tq, tk, batch, torch.Generator().manual_seed(1), device)  # same draws
     rows = []
-    for name, mask in mask_kinds(tq, tk, batch, gen).items():
+    for name, mask in mask_kinds(tq, tk, batch, gen).items():  # the float64 truth's, on the CPU
         if only is not None and name not in only:
             continue
         row = {"case": name, "ok": False}
@@ -603,10 +605,10 @@ def check_kinds(dtype, device, only=None, warmed: Optional["Warmed"] = None) -> 
             ours_in = [t.to(device).requires_grad_() for t in low]
             poison_allocator(device, 64 * 2**20)
             with launch.pinned(0):
-                ours = ak.attention(*ours_in, mask, backend="triton", return_lse=True)
+                ours = ak.attention(*ours_in, on_device[name], backend="triton", return_lse=True)
                 grads = torch.autograd.grad(ours.out, ours_in, dout.to(dtype).to(device))
             yard_in = [t.to(device).requires_grad_() for t in low]
-            yard = ak.attention(*yard_in, mask, backend="torch")
+            yard = ak.attention(*yard_in, on_device[name], backend="torch")
             yard_grads = torch.autograd.grad(yard, yard_in, dout.to(dtype).to(device))
             pairs = {"out": (ours.out, yard, truth.out), "lse": (ours.lse, None, truth.lse)}
             for key, mine, theirs, t in zip(("dq", "dk", "dv"), grads, yard_grads, truth_grads):
@@ -872,9 +874,12 @@ def main(argv=None) -> int:
     if warmed.direct_failed:
         launch.DIRECT_LAUNCH = False
     if device.type == "cuda":
-        info["host_us_per_call"] = host_overhead(device, dtype)
+        info["host_us_per_call"], info["host_profile"] = host_overhead(device, dtype)
         print("host time per call (tiny problem, GPU idle: the floor a small workload sees), us: "
               + ", ".join(f"{k} {v:.0f}" for k, v in info["host_us_per_call"].items()), flush=True)
+        print("attnkit-triton fwd+bwd there, cProfile, per call (self µs, total µs, calls):\n"
+              + "\n".join(f"  {r['self_us']:7.1f} {r['total_us']:8.1f} {r['calls']:5.1f}  {r['function']}"
+                          for r in info["host_profile"]), flush=True)
     checks = []
     if args.check_configs:
         if device.type == "cuda":
@@ -988,10 +993,30 @@ def main(argv=None) -> int:
     return 0
 
 
-def host_overhead(device, dtype, calls: int = 200) -> dict:
+def host_profile(fn: Callable[[], object], calls: int = 50, top: int = 12) -> list[dict]:
+    """Where ``fn``'s host time goes: ``cProfile`` over ``calls`` calls (one untimed first),
+    the ``top`` functions by their own time, each with µs and calls per ``fn()`` call."""
+    import cProfile
+    import pstats
+
+    fn()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) → (cc, nc, tottime, cumtime, callers)
+    rows = [{"function": f"{Path(file).name}:{line} {name}", "self_us": own / calls * 1e6,
+             "total_us": total / calls * 1e6, "calls": nc / calls}
+            for (file, line, name), (_, nc, own, total, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r["self_us"])[:top]
+
+
+def host_overhead(device, dtype, calls: int = 200) -> tuple[dict, list[dict]]:
     """Wall-clock µs per call of a tiny forward (B1 H1 N128 D128, causal), the GPU waiting on
     the host: what each backend's Python and launch path costs before any kernel time; and of
-    a tiny forward+backward (``... fwd+bwd``): a row whose kernels take less than that waits."""
+    a tiny forward+backward (``... fwd+bwd``): a row whose kernels take less than that waits.
+    Second, :func:`host_profile` of our forward+backward there."""
     import torch.nn.functional as F
 
     import attnkit as ak
@@ -1035,7 +1060,7 @@ def host_overhead(device, dtype, calls: int = 200) -> dict:
             fn()
         torch.cuda.synchronize()
         result[name] = (time.perf_counter() - start) / calls * 1e6
-    return result
+    return result, host_profile(fns["attnkit-triton fwd+bwd"])
 
 
 def autotuned() -> list[str]:
@@ -1309,7 +1334,7 @@ def warm_kind(spec: str) -> int:
     device = torch.device("cuda")
     dtype = DTYPES[dtype_name]
     batch, heads, heads_kv, tq, tk, d = KIND_SHAPE
-    mask = mask_kinds(tq, tk, batch, torch.Generator().manual_seed(1))[name]
+    mask = mask_kinds(tq, tk, batch, torch.Generator().manual_seed(1), device)[name]
     q, k, v = (torch.randn(batch, h, t, d, device=device, dtype=dtype).requires_grad_()
                for h, t in ((heads, tq), (heads_kv, tk), (heads_kv, tk)))
     with launch.pinned(0), traced_launches():

@@ -711,9 +711,9 @@ def test_direct_launch_after_the_first_compiled_launches(monkeypatch):
     config = SimpleNamespace(kwargs=dict(BLOCK_M=64, BLOCK_N=128, **launch.WALKS["partial_first+tma"]),
                              all_kwargs=lambda: dict(config.kwargs, num_warps=8, num_stages=2))
 
-    class Compiled:
+    class Compiled:  # as triton's CompiledKernel: its launcher reads all three grid axes
         def __getitem__(self, grid):
-            return lambda *args: launches.append(("direct", grid, args))
+            return lambda *args: launches.append(("direct", (grid[0], grid[1], grid[2]), args))
 
     class Jit:
         fn = staticmethod(launch.kernels().attn_fwd.fn)  # the kernel's Python function
@@ -747,7 +747,7 @@ def test_direct_launch_after_the_first_compiled_launches(monkeypatch):
     assert kind == "jit" and grid == (5, 2) and bound["num_warps"] == 8  # 300 rows / 64
     out = torch.empty_like(q)
     kind, grid, positional = launch_once(q, out)
-    assert kind == "direct" and grid == (5, 2)
+    assert kind == "direct" and grid == (5, 2, 1)
     names = list(inspect.signature(Jit.fn).parameters)
     assert len(positional) == len(names)
     by_name = dict(zip(names, positional))

@@ -753,7 +753,7 @@ class Call:
                 values = list(values)
                 for i, name in swaps:
                     values[i] = self.args[name]
-                kernel[grid](*values)
+                kernel[(*grid, 1)](*values)  # a compiled kernel's launcher takes all three axes
                 return
             kernel = tuner.fn[grid](**self.args, **config.all_kwargs())
             python_fn = getattr(tuner.fn, "fn", None)  # the kernel's Python function
