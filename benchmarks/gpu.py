@@ -76,6 +76,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 COMPETITORS = ("attnkit-triton", "attnkit-kernels", "sdpa-flash", "sdpa-cudnn", "flex-compiled",
                "sdpa-dense-mask")
+MASKS = ("window", "documents&causal", "causal", "dense")  # the workloads' masks, in run order
 OPTIONAL = ("attnkit-auto", "sdpa-default")  # ask with --competitors: what auto picks, torch's own pick
 
 
@@ -95,6 +96,8 @@ def parse_args(argv=None):
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="sequence lengths N")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per batch: B = tokens / N")
     p.add_argument("--hidden", type=int, default=2048, help="model width: H = hidden / D")
+    p.add_argument("--masks", default=",".join(MASKS),
+                   help="the workloads' masks, comma separated (of %(default)s)")
     p.add_argument("--masked-length", type=int, default=8192,
                    help="N for the sliding-window and documents workloads")
     p.add_argument("--span", type=int, default=1024, help="window size and document length")
@@ -170,13 +173,17 @@ def workloads(args) -> list[Workload]:
     """Per head dim: the masked workloads first (furthest from their targets, so a ``--budget``
     cuts the dense rows rather than these), then causal and dense at each length."""
     dims = [int(x) for x in args.dims.split(",")]
+    masks = args.masks.split(",")
+    unknown = sorted(set(masks) - set(MASKS))
+    if unknown:
+        raise SystemExit(f"--masks: unknown {unknown}; choose from {','.join(MASKS)}")
     out = []
     for d in dims:
         heads = max(1, args.hidden // d)
-        for mask in ("window", "documents&causal"):
+        for mask in (m for m in MASKS[:2] if m in masks):
             n = args.masked_length
             out.append(Workload(mask, n, d, max(1, args.tokens // n), heads, args.span))
-        for mask in ("causal", "dense"):
+        for mask in (m for m in MASKS[2:] if m in masks):
             for n in (int(x) for x in args.lengths.split(",")):
                 out.append(Workload(mask, n, d, max(1, args.tokens // n), heads, args.span))
     return out
@@ -1001,10 +1008,13 @@ def host_profile(fn: Callable[[], object], calls: int = 50, top: int = 12) -> li
 
     fn()
     profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-    profiler.disable()
+    # a CUDA backward runs on autograd's device thread, which cProfile does not see: run it
+    # on this thread instead
+    with torch.autograd.set_multithreading_enabled(False):
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+        profiler.disable()
     stats = pstats.Stats(profiler).stats  # (file, line, name) → (cc, nc, tottime, cumtime, callers)
     rows = [{"function": f"{Path(file).name}:{line} {name}", "self_us": own / calls * 1e6,
              "total_us": total / calls * 1e6, "calls": nc / calls}

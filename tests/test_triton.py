@@ -1003,6 +1003,17 @@ def bench(monkeypatch):
     return module
 
 
+def test_benchmark_masks_pick_the_workloads(bench):
+    """``--masks`` keeps the workloads of the masks named, in the script's order; an unknown
+    name stops the run before anything is timed."""
+    args = bench.parse_args(["--masks", "dense,window", "--dims", "64,128", "--lengths", "1024,4096"])
+    assert [(w.mask, w.d, w.n) for w in bench.workloads(args)] == [
+        ("window", 64, 8192), ("dense", 64, 1024), ("dense", 64, 4096),
+        ("window", 128, 8192), ("dense", 128, 1024), ("dense", 128, 4096)]
+    with pytest.raises(SystemExit, match="unknown"):
+        bench.workloads(bench.parse_args(["--masks", "docs"]))
+
+
 def test_benchmark_dry_run(tmp_path, capsys, bench):
     """``benchmarks/gpu.py --dry-run``: the whole pipeline (checks, every competitor that runs on
     CPU, table, JSON) at toy sizes through the interpreter, in this process (its triton is
