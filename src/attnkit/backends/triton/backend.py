@@ -79,8 +79,9 @@ class _TritonAttention(torch.autograd.Function):
 
 def torch_is_faster(inputs: Inputs) -> bool:
     """True when the torch backend can run ``inputs`` with its own fused kernel (no mask, or
-    top-left causal): on an H200 torch's default SDPA pick (cuDNN) ran 1.4–2.9× faster than
-    the triton kernels there, so ``auto`` leaves those inputs to it."""
+    top-left causal): on an H200 torch's default SDPA pick (cuDNN) ran 1.1–1.4× faster than
+    the triton kernels there (forward; forward+backward 1.3–1.5×), so ``auto`` leaves those
+    inputs to it."""
     from ..torch_sdpa import TorchBackend, _is_plain_causal
 
     plain = inputs.mask is None or _is_plain_causal(inputs.mask)
@@ -130,7 +131,7 @@ class TritonBackend(Backend):
                     f"runs through the slow Triton interpreter; ask for backend='triton')"]
         if torch_is_faster(inputs):
             return ["no mask or top-left causal: torch's own SDPA kernel (cuDNN on an H200) "
-                    "measured 1.4-2.9x faster than these kernels (docs/BENCHMARKS.md)"]
+                    "measured 1.1-1.4x faster than these kernels (docs/BENCHMARKS.md)"]
         return []
 
     def forward(self, inputs: Inputs) -> BackendOutput:

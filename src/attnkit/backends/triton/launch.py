@@ -776,9 +776,10 @@ class Call:
 DIRECT_LAUNCH = True
 """Launch a template's compiled kernel directly once ``JITFunction`` has launched it
 (``CompiledKernel[grid](*args)``, every parameter in order): this skips Triton's per-launch
-argument binding and specialization, 50–65 µs for the ~90 parameters here (triton 3.6,
-measured offline), which the GPU waits for when the kernels are short. ``benchmarks/gpu.py``
-checks the direct launches against the ``JITFunction`` ones and turns this off if they differ."""
+argument binding and specialization of the ~90 parameters here, which the GPU waits for when
+the kernels are short: on an H200's host (triton 3.6) a forward launch took 213–260 µs
+through ``JITFunction`` and 25–37 µs directly. ``benchmarks/gpu.py`` checks the direct
+launches against the ``JITFunction`` ones and turns this off if they differ."""
 
 
 def _direct_key(args: dict, swapped: tuple) -> tuple:
