@@ -474,7 +474,7 @@ def check(w: Workload, dtype, device) -> dict:
         return (r.out, r.lse, *torch.autograd.grad(r.out, (q, k, v), dout))
 
     ours = ours_now()  # the first call autotunes (or finds its config)
-    direct = check_direct_launch(ours_now, device)
+    direct = check_direct_launch(ours_now, device, ours)
     allowed = None if w.mask == "dense" else masks.dense_full()
     yard_out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
     yard_lse = ours[1].detach().float()  # SDPA returns no LSE: LSE is judged against fp32 alone
@@ -490,17 +490,19 @@ def check(w: Workload, dtype, device) -> dict:
 
 WARM_FAILED = "its warm worker failed: see the warm lines above"
 
-def check_direct_launch(run: Callable[[], tuple], device) -> str:
-    """``run()`` twice more: once through ``JITFunction`` (which keeps the compiled kernels) and
-    once launching them directly (``launch.DIRECT_LAUNCH``). The kernels are deterministic, so
-    the two must agree bit for bit; if not, direct launches are turned off for the rest of the
-    run (the timings then pay Triton's argument binding per launch) and the answer says so."""
+def check_direct_launch(run: Callable[[], tuple], device, first: tuple) -> str:
+    """``run()`` twice more after its ``first`` result (every kernel launched by the autotuner
+    or ``JITFunction``): the attention kernels once through ``JITFunction`` (which keeps their
+    compiled kernels; the Δ kernel, kept since the first call, already launches directly),
+    then every kernel directly (``launch.DIRECT_LAUNCH``). The kernels are deterministic, so
+    the three must agree bit for bit; if not, direct launches are turned off for the rest of
+    the run (the timings then pay Triton's argument binding per launch) and the answer says so."""
     from attnkit.backends.triton import launch
 
     if device.type != "cuda" or not launch.DIRECT_LAUNCH:
         return "not used"
     through_jit, direct = run(), run()
-    if all(torch.equal(a, b) for a, b in zip(through_jit, direct)):
+    if all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, through_jit, direct)):
         return "same as JITFunction"
     launch.DIRECT_LAUNCH = False
     print("direct launches differ from JITFunction launches: turned off for this run", flush=True)

@@ -767,6 +767,71 @@ def test_direct_launch_after_the_first_compiled_launches(monkeypatch):
     assert launch_once(q)[0] == "jit"
 
 
+def test_delta_launches_directly_from_its_second_call(monkeypatch):
+    """The Δ kernel: ``JITFunction`` first, its compiled kernel kept, then launched directly
+    with the same positional values (every parameter, constexprs last) on a 3-axis grid, for
+    any tensors of the same dtypes, shapes and 16-byte alignment; another alignment, or
+    ``DIRECT_LAUNCH`` off, goes back through ``JITFunction``."""
+    launches = []
+
+    class Compiled:  # as triton's CompiledKernel: its launcher reads all three grid axes
+        def __getitem__(self, grid):
+            return lambda *values: launches.append(("direct", (grid[0], grid[1], grid[2]), values))
+
+    class Jit:
+        def __getitem__(self, grid):
+            def run(*values, **kwargs):
+                assert not kwargs, "every value positional, as the direct launch passes them"
+                launches.append(("jit", grid, values))
+                return Compiled()
+            return run
+
+    monkeypatch.setattr(launch, "kernels", lambda: SimpleNamespace(attn_bwd_delta=Jit()))
+    monkeypatch.setattr(launch, "_DELTA_KERNELS", {})
+    q = torch.zeros(2, 3, 300, 64)
+    plan = launch.make_plan(validate(q, q, q, ak.causal()), launch.GPU_TILES)
+    plan.interpret = False
+
+    def once(out):
+        result, lse2 = torch.empty(2, 3, 300), torch.empty(2, 3, 300)
+        launch.delta(out, torch.zeros_like(out), torch.zeros(2, 3, 300), result, lse2, plan)
+        return launches[-1]
+
+    kind, grid, values = once(q)
+    assert kind == "jit" and grid == (5, 6)  # 300 rows / 64, B·H
+    assert values[-2:] == (64, 64) and values[0] is q  # BLOCK_M, DV_PAD; Out first
+    other = torch.zeros_like(q)
+    kind, grid, again = once(other)
+    assert kind == "direct" and grid == (5, 6, 1) and again[0] is other
+    assert all(a is b or a == b for a, b in zip(values[5:], again[5:]))  # strides, sizes, constexprs
+    misaligned = torch.zeros(q.numel() + 1)[1:].view_as(q)  # 4 bytes off
+    assert once(misaligned)[0] == "jit"
+    assert once(q)[0] == "direct"
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
+    assert once(q)[0] == "jit"
+
+
+def test_delta_positional_values_match_the_kernel():
+    """The Δ launch's positional values follow the kernel's parameters one for one."""
+    q = torch.zeros(1, 2, 40, 32)
+    plan = launch.make_plan(validate(q, q, q, ak.causal()))
+    seen = {}
+
+    class Jit:
+        def __getitem__(self, grid):
+            return lambda *values: seen.setdefault("values", values)
+
+    real = launch.kernels().attn_bwd_delta
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "kernels", lambda: SimpleNamespace(attn_bwd_delta=Jit()))
+        launch.delta(q, q, torch.zeros(1, 2, 40), torch.empty(1, 2, 40), torch.empty(1, 2, 40), plan)
+    names = list(inspect.signature(real.fn).parameters)
+    assert len(seen["values"]) == len(names)
+    by_name = dict(zip(names, seen["values"]))
+    assert by_name["Out"] is q and by_name["q_len"] == 40 and by_name["head_dv"] == 32
+    assert by_name["BLOCK_M"] == 16 and by_name["DV_PAD"] == 32  # the interpreter's block
+
+
 def test_direct_launch_arguments_run_the_kernel(gen):
     """The direct launch's positional arguments (``launch._slots``), given to the interpreted
     forward kernel, compute what the keyword launch computes, bit for bit."""
