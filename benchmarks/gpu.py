@@ -118,14 +118,19 @@ def parse_args(argv=None):
                    help="first check every mask kind (GQA, ragged, bf16 and fp16) at small sizes "
                         "against float64")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds: start no new workload after this (the JSON and table keep what ran)")
+                   help="seconds since the start (warm step and checks included): start no new "
+                        "workload after this but the first (the JSON and table keep what ran)")
     p.add_argument("--no-warm", action="store_true",
                    help="skip compiling every kernel config in parallel processes first")
     p.add_argument("--exclude-walks", default="",
                    help="comma-separated walk parts (e.g. 'tma,one_loop') whose autotune candidates "
                         "are dropped for this run, warm workers included: if a walk fails on this "
                         "machine, the rest can still be measured")
+    p.add_argument("--warm-parts", type=int, default=0,
+                   help="warm workers per (mask, head dim), each compiling every n-th candidate "
+                        "(0: as many as the CPUs allow, at most %d)" % WARM_MAX_PARTS)
     p.add_argument("--warm-one", default=None, help=argparse.SUPPRESS)  # "mask:d" (a warm worker)
+    p.add_argument("--warm-part", default="0/1", help=argparse.SUPPRESS)  # "p/n": its candidates
     p.add_argument("--warm-kind", default=None, help=argparse.SUPPRESS)  # "kind:dtype" (a warm worker)
     p.add_argument("--drop-configs", default="[]", help=argparse.SUPPRESS)  # JSON (see drop_configs)
     p.add_argument("--out", default=None, help="folder for the JSON (default: $OUT, else results/)")
@@ -848,7 +853,7 @@ def main(argv=None) -> int:
             print(f"--exclude-walks {args.exclude_walks}: {len(dropped)} candidates dropped", flush=True)
     drop_configs(json.loads(args.drop_configs))
     if args.warm_one:
-        return warm_one(args.warm_one, args.dtype, args.span)
+        return warm_one(args.warm_one, args.dtype, args.span, args.warm_part)
     if args.warm_kind:
         return warm_kind(args.warm_kind)
     if args.dry_run:
@@ -931,7 +936,8 @@ def main(argv=None) -> int:
         path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
                                     "results": [asdict(r) for r in results]}, indent=1))
     for w in todo:
-        if args.budget is not None and time.perf_counter() - STARTED > args.budget:
+        if args.budget is not None and time.perf_counter() - STARTED > args.budget and results:
+            # (the first workload is timed whatever the checks before it took)
             skipped.append(f"{w.label} D{w.d} N{w.n}")
             continue
         if warmed.skips(warm_label(w.mask, w.d)):
@@ -1177,7 +1183,9 @@ def warm(todo: list[Workload], args, run=None) -> Warmed:
     compiling ~40 configs one after another. (The kernels do not specialize on lengths or mask
     parameters, only on whether the lengths are multiples of the 128-wide sparse blocks, as
     1024 and every workload's are, so one small problem per mask and head dim builds the
-    binaries the workloads use.)
+    binaries the workloads use.) Each (mask, head dim) job is split into ``--warm-parts``
+    workers, each compiling every n-th candidate (one worker compiles ~45 at ~2 s each, one
+    after another: 85–90 s on the H200's host).
 
     A candidate that fails in a (mask, head dim) worker (an exception, or a crash that leaves
     the CUDA context unusable) is named by the worker's trace (:func:`culprit`), dropped from
@@ -1185,9 +1193,11 @@ def warm(todo: list[Workload], args, run=None) -> Warmed:
     not the timed run. A mask-kind worker's failure is that kind's (no config is dropped).
     ``run(jobs) -> {label: (returncode, output)}`` runs the workers (tests pass a fake)."""
     pairs = config_checks(todo) if args.check_configs else sorted({(w.mask, w.d) for w in todo})
-    jobs = {warm_label(mask, d): ["--warm-one", f"{mask}:{d}", "--dtype", args.dtype, "--span", "128",
-                                  "--exclude-walks", args.exclude_walks]
-            for mask, d in pairs}
+    parts = args.warm_parts or max(1, min(WARM_MAX_PARTS, (os.cpu_count() or 1) // max(1, len(pairs))))
+    jobs = {warm_label(mask, d, part, parts): ["--warm-one", f"{mask}:{d}", "--warm-part", f"{part}/{parts}",
+                                               "--dtype", args.dtype, "--span", "128",
+                                               "--exclude-walks", args.exclude_walks]
+            for mask, d in pairs for part in range(parts)}
     if args.check_kinds:  # the mask-kind checks' one config per kernel, each kind in its dtypes
         for low, only in KIND_DTYPES:
             for name in (only or mask_kinds(*KIND_SHAPE[3:5], KIND_SHAPE[0], torch.Generator())):
@@ -1212,7 +1222,7 @@ def warm(todo: list[Workload], args, run=None) -> Warmed:
                 print(f"warm {label}: still running after {WARM_TIMEOUT_S} s, stopped; not judged",
                       flush=True)
             elif bad is None or attempt == WARM_ATTEMPTS - 1:
-                found.broken[label] = output[-2000:]
+                found.broken[label.split(PART)[0]] = output[-2000:]  # a part's failure is its job's
                 print(f"warm {label}: FAILED ({code}); left out of this run:\n{output[-2000:]}",
                       flush=True)
             else:
@@ -1220,7 +1230,9 @@ def warm(todo: list[Workload], args, run=None) -> Warmed:
                       f"candidate dropped, job rerun\n{output[-800:]}", flush=True)
                 if bad not in found.dropped:
                     found.dropped.append(bad)
-                pending[label] = jobs[label]
+                # every part of the job: the drop shifts the candidates' indices between parts
+                base = label.split(PART)[0]
+                pending.update({other: argv for other, argv in jobs.items() if other.split(PART)[0] == base})
         if not pending:
             break
     drop_configs(found.dropped)
@@ -1229,12 +1241,17 @@ def warm(todo: list[Workload], args, run=None) -> Warmed:
     return found
 
 
-def warm_label(mask: str, d: int) -> str:
-    return f"{mask} D{d}"
+def warm_label(mask: str, d: int, part: int = 0, parts: int = 1) -> str:
+    """``"mask Dd"``: what the timed process skips if its warm job fails; with ``parts``
+    workers per job, each worker's label adds its part."""
+    return f"{mask} D{d}" + (f"{PART}{part + 1}/{parts}" if parts > 1 else "")
 
+
+PART = " part "
+WARM_MAX_PARTS = 4
 
 WARM_ATTEMPTS = 4
-WARM_TIMEOUT_S = 300  # all workers together; each compiles ~35 configs at ~2 s (sm90, triton 3.6)
+WARM_TIMEOUT_S = 300  # all workers together; a job has ~45 configs at ~2 s each (sm90, triton 3.6)
 TIMED_OUT = "timed out"
 TRACE = "warm launch "
 
@@ -1305,10 +1322,12 @@ def drop_configs(dropped: list[list]) -> None:
             candidates.remove(tuple(config))
 
 
-def warm_one(spec: str, dtype_name: str, span: int) -> int:
+def warm_one(spec: str, dtype_name: str, span: int, part: str = "0/1") -> int:
     """One warm worker: forward and backward of ``mask:d`` at a small size with each candidate
-    in turn (``launch.pinned(i)``: candidate i of every kernel), each launch traced; then three
-    unpinned calls (autotuning, ``JITFunction``, direct launches: ``launch.DIRECT_LAUNCH``)."""
+    of its ``part`` (``"p/n"``: the candidates i with i mod n = p) in turn (``launch.pinned(i)``:
+    candidate i of every kernel), each launch traced; then, in part 0 alone, three unpinned
+    calls (autotuning, ``JITFunction``, direct launches: ``launch.DIRECT_LAUNCH``), by when
+    the other parts' binaries are mostly on disk (those that are not, it compiles)."""
     import attnkit as ak
     from attnkit.backends.triton import launch
 
@@ -1320,11 +1339,16 @@ def warm_one(spec: str, dtype_name: str, span: int) -> int:
                for _ in range(3))
     attn_mask = Masks(w, device).attnkit
     bucket = launch.head_bucket(launch.head_pad(w.d))
+    mine, parts = (int(x) for x in part.split("/"))
     with traced_launches():
         for index in range(max(len(launch.CONFIGS[name][bucket]) for name in launch.CONFIGS)):
+            if index % parts != mine:
+                continue
             with launch.pinned(index):
                 out = ak.attention(q, k, v, attn_mask, backend="triton")
                 out.backward(torch.randn_like(out))
+    if mine:
+        return 0
     # then as the timed process launches: autotuned, through JITFunction, then directly
     print(TRACE + "direct", flush=True)
     for _ in range(3):

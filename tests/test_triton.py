@@ -1079,6 +1079,53 @@ def test_benchmark_masks_pick_the_workloads(bench):
         bench.workloads(bench.parse_args(["--masks", "docs"]))
 
 
+def test_benchmark_warm_parts(bench, monkeypatch):
+    """``--warm-parts n``: n workers per (mask, head dim), each told its part; a candidate
+    failing in one part drops it and reruns every part of that job (the drop shifts the
+    candidates' indices between parts); a part failing for good keeps its whole job out."""
+    bad = ["attn_fwd", 128, list(launch.CONFIGS["attn_fwd"][128][4])]
+    crashed = f"{bench.TRACE}{json.dumps(bad)}\nCUDA error: illegal address"
+    calls = []
+
+    def run(jobs):
+        calls.append(jobs)
+        out = {}
+        for label, argv in jobs.items():
+            dropped = json.loads(argv[argv.index("--drop-configs") + 1])
+            if label == "causal D128 part 2/3":
+                out[label] = (0, "") if dropped == [bad] else (1, crashed)
+            elif label == "window D128 part 3/3":
+                out[label] = (1, "ImportError: boom")
+            else:
+                out[label] = (0, "")
+        return out
+
+    todo = [bench.Workload("causal", 1024, 128, 2, 16, 1024), bench.Workload("window", 8192, 128, 2, 16, 1024)]
+    warmed = bench.warm(todo, bench.parse_args(["--warm-parts", "3"]), run=run)
+    assert sorted(calls[0]) == sorted(f"{mask} D128 part {p}/3" for mask in ("causal", "window") for p in (1, 2, 3))
+    assert [argv[argv.index("--warm-part") + 1] for argv in calls[0].values()] == ["0/3", "1/3", "2/3"] * 2
+    assert warmed.dropped == [bad] and sorted(calls[1]) == [f"causal D128 part {p}/3" for p in (1, 2, 3)]
+    assert list(warmed.broken) == ["window D128"] and warmed.skips("window D128")
+    assert not warmed.skips("causal D128")
+    # by default as many parts as the CPUs allow, at least 1, at most WARM_MAX_PARTS
+    for cpus, parts in ((16, 4), (6, 3), (1, 1), (None, 1)):
+        monkeypatch.setattr(bench.os, "cpu_count", lambda: cpus)
+        calls.clear()
+        bench.warm(todo, bench.parse_args([]), run=lambda jobs: calls.append(jobs) or
+                   {label: (0, "") for label in jobs})
+        assert len(calls[0]) == 2 * parts, cpus
+
+
+def test_benchmark_budget_times_the_first_workload(tmp_path, capsys, bench):
+    """``--budget`` counts from the start, warm step and checks included; a budget spent
+    before any timing still times the first workload, and only that one."""
+    assert bench.main(["--dry-run", "--budget", "0", "--masks", "causal,dense", "--competitors",
+                       "attnkit-triton", "--profile", "none", "--out", str(tmp_path)]) == 0
+    assert "over the --budget, not timed: dense" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "gpu_bench_dry_run.json").read_text())
+    assert {(r["workload"], r["mode"]) for r in saved["results"]} == {("causal", "fwd"), ("causal", "fwd+bwd")}
+
+
 def test_benchmark_dry_run(tmp_path, capsys, bench):
     """``benchmarks/gpu.py --dry-run``: the whole pipeline (checks, every competitor that runs on
     CPU, table, JSON) at toy sizes through the interpreter, in this process (its triton is
@@ -1200,7 +1247,7 @@ def test_benchmark_warm_isolates_failures(bench, capsys, monkeypatch):
 
     todo = [bench.Workload("causal", 1024, 128, 2, 16, 1024), bench.Workload("window", 8192, 128, 2, 16, 1024),
             bench.Workload("documents&causal", 8192, 128, 2, 16, 1024)]
-    warmed = bench.warm(todo, bench.parse_args(["--check-kinds"]), run=run)
+    warmed = bench.warm(todo, bench.parse_args(["--check-kinds", "--warm-parts", "1"]), run=run)
     assert warmed.dropped == [["attn_fwd", 128, bad]] and tuple(bad) not in launch.CONFIGS["attn_fwd"][128]
     assert sorted(warmed.broken) == ["kind causal bf16", "window D128"]
     assert len(calls) == 2 and list(calls[1]) == ["causal D128"]
