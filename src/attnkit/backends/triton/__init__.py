@@ -14,7 +14,8 @@ Status
   Host time per call: ~100–130 µs per forward, ~0.6–0.75 ms per forward+backward (SDPA:
   19 / ~180 µs): from a launch template's third call the compiled kernels are launched
   directly (25–37 µs per launch there, against 213–260 µs for Triton's ``JITFunction``
-  argument binding of ~90 arguments); the mask's block lists and the launch arguments are
+  argument binding of ~90 arguments; the Δ kernel too since, from its second call, not yet
+  measured); the mask's block lists and the launch arguments are
   cached per mask and shapes, the autotuner's timings on disk (``launch.AUTOTUNE_CACHE``).
   D 64 was last timed in the second session, before the walks and launch changes; D 256's
   candidates were checked there (causal, documents & causal at N 1024), not timed.
