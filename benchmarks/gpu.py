@@ -41,7 +41,7 @@ Method (``/work/.library/device/METHOD.md``):
 - Where the time goes: one forward+backward of each of the real competitors under
   ``torch.profiler``, each kernel's device time (``--profile``: the window and documents rows
   and the shortest dense and causal ones by default), printed after the table: which of our
-  kernels (forward, Δ, dK/dV, dQ) loses to which of theirs.
+  kernels (forward, dQ, dK/dV) loses to which of theirs.
 
 The table is printed last; the JSON holds every number, the device, versions and the checks.
 """
@@ -496,12 +496,11 @@ def check(w: Workload, dtype, device) -> dict:
 WARM_FAILED = "its warm worker failed: see the warm lines above"
 
 def check_direct_launch(run: Callable[[], tuple], device, first: tuple) -> str:
-    """``run()`` twice more after its ``first`` result (every kernel launched by the autotuner
-    or ``JITFunction``): the attention kernels once through ``JITFunction`` (which keeps their
-    compiled kernels; the Δ kernel, kept since the first call, already launches directly),
-    then every kernel directly (``launch.DIRECT_LAUNCH``). The kernels are deterministic, so
-    the three must agree bit for bit; if not, direct launches are turned off for the rest of
-    the run (the timings then pay Triton's argument binding per launch) and the answer says so."""
+    """``run()`` twice more after its ``first`` result (the autotuner's launches): once through
+    ``JITFunction`` (which keeps the compiled kernels) and once launching them directly
+    (``launch.DIRECT_LAUNCH``). The kernels are deterministic, so the three must agree bit for
+    bit; if not, direct launches are turned off for the rest of the run (the timings then pay
+    Triton's argument binding per launch) and the answer says so."""
     from attnkit.backends.triton import launch
 
     if device.type != "cuda" or not launch.DIRECT_LAUNCH:
@@ -691,7 +690,7 @@ def compile_only(dims: list[int], out: Optional[str], mask_name: str = "causal")
         lse, delta = torch.zeros(1, 2, 512), torch.zeros(1, 2, 512)
         calls = [launch.forward_call(q, q, q, q, lse, plan),
                  launch.dkdv_call(q, q, q, q, lse, delta, q, q, plan),
-                 launch.dq_call(q, q, q, q, lse, delta, q, plan)]
+                 launch.dq_call(q, q, q, q, q, lse, None, lse, delta, q, plan)]
         for call in calls:
             kernel = getattr(launch.kernels(), call.name)
             for m, n, warps, stages, walk in launch.CONFIGS[call.name][launch.head_bucket(d)]:

@@ -767,69 +767,29 @@ def test_direct_launch_after_the_first_compiled_launches(monkeypatch):
     assert launch_once(q)[0] == "jit"
 
 
-def test_delta_launches_directly_from_its_second_call(monkeypatch):
-    """The Δ kernel: ``JITFunction`` first, its compiled kernel kept, then launched directly
-    with the same positional values (every parameter, constexprs last) on a 3-axis grid, for
-    any tensors of the same dtypes, shapes and 16-byte alignment; another alignment, or
-    ``DIRECT_LAUNCH`` off, goes back through ``JITFunction``."""
-    launches = []
-
-    class Compiled:  # as triton's CompiledKernel: its launcher reads all three grid axes
-        def __getitem__(self, grid):
-            return lambda *values: launches.append(("direct", (grid[0], grid[1], grid[2]), values))
-
-    class Jit:
-        def __getitem__(self, grid):
-            def run(*values, **kwargs):
-                assert not kwargs, "every value positional, as the direct launch passes them"
-                launches.append(("jit", grid, values))
-                return Compiled()
-            return run
-
-    monkeypatch.setattr(launch, "kernels", lambda: SimpleNamespace(attn_bwd_delta=Jit()))
-    monkeypatch.setattr(launch, "_DELTA_KERNELS", {})
-    q = torch.zeros(2, 3, 300, 64)
-    plan = launch.make_plan(validate(q, q, q, ak.causal()), launch.GPU_TILES)
-    plan.interpret = False
-
-    def once(out):
-        result, lse2 = torch.empty(2, 3, 300), torch.empty(2, 3, 300)
-        launch.delta(out, torch.zeros_like(out), torch.zeros(2, 3, 300), result, lse2, plan)
-        return launches[-1]
-
-    kind, grid, values = once(q)
-    assert kind == "jit" and grid == (5, 6)  # 300 rows / 64, B·H
-    assert values[-2:] == (64, 64) and values[0] is q  # BLOCK_M, DV_PAD; Out first
-    other = torch.zeros_like(q)
-    kind, grid, again = once(other)
-    assert kind == "direct" and grid == (5, 6, 1) and again[0] is other
-    assert all(a is b or a == b for a, b in zip(values[5:], again[5:]))  # strides, sizes, constexprs
-    misaligned = torch.zeros(q.numel() + 1)[1:].view_as(q)  # 4 bytes off
-    assert once(misaligned)[0] == "jit"
-    assert once(q)[0] == "direct"
-    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
-    assert once(q)[0] == "jit"
-
-
-def test_delta_positional_values_match_the_kernel():
-    """The Δ launch's positional values follow the kernel's parameters one for one."""
-    q = torch.zeros(1, 2, 40, 32)
-    plan = launch.make_plan(validate(q, q, q, ak.causal()))
-    seen = {}
-
-    class Jit:
-        def __getitem__(self, grid):
-            return lambda *values: seen.setdefault("values", values)
-
-    real = launch.kernels().attn_bwd_delta
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(launch, "kernels", lambda: SimpleNamespace(attn_bwd_delta=Jit()))
-        launch.delta(q, q, torch.zeros(1, 2, 40), torch.empty(1, 2, 40), torch.empty(1, 2, 40), plan)
-    names = list(inspect.signature(real.fn).parameters)
-    assert len(seen["values"]) == len(names)
-    by_name = dict(zip(names, seen["values"]))
-    assert by_name["Out"] is q and by_name["q_len"] == 40 and by_name["head_dv"] == 32
-    assert by_name["BLOCK_M"] == 16 and by_name["DV_PAD"] == 32  # the interpreter's block
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_dq_writes_the_row_statistics_for_dkdv(with_dlse, gen):
+    """The dQ kernel, which runs first in the backward, writes each of its rows' Δ =
+    rowsum(dO ∘ O) − dLSE and base-2 LSE (``+inf`` on fully masked rows) for dK/dV; a call
+    with the LSE's gradient and one without are different launch templates."""
+    q, k, v = make_qkv(1, 2, 2, 70, 50, 32, 32, torch.float32, gen)
+    plan = launch.make_plan(validate(q, k, v, ak.padding(q_lengths=[70], kv_lengths=[50])
+                                     & ak.causal("bottom_right")))
+    out, dout = torch.randn(1, 2, 70, 32, generator=gen), torch.randn(1, 2, 70, 32, generator=gen)
+    lse = torch.randn(1, 2, 70, generator=gen)
+    lse[:, :, :5] = float("-inf")  # fully masked rows
+    dlse = torch.randn(1, 2, 70, generator=gen) if with_dlse else None
+    delta, lse2 = torch.full_like(lse, float("nan")), torch.full_like(lse, float("nan"))
+    call = launch.dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, torch.empty_like(q), plan)
+    assert call.args["HAS_DLSE"] is with_dlse
+    call.run(interpret=True)
+    expected = (dout * out).sum(-1) - (dlse if with_dlse else 0)
+    torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
+    assert torch.isposinf(lse2[:, :, :5]).all()
+    torch.testing.assert_close(lse2[:, :, 5:], lse[:, :, 5:] * math.log2(math.e), rtol=1e-6, atol=0)
+    other = launch.dq_call(q, k, v, dout, out, lse, None if with_dlse else lse, lse2, delta,
+                           torch.empty_like(q), plan)
+    assert other.args["HAS_DLSE"] is not with_dlse
 
 
 def test_direct_launch_arguments_run_the_kernel(gen):
@@ -1216,7 +1176,7 @@ def test_benchmark_warm_isolates_failures(bench, capsys, monkeypatch):
         ak.attention(q, q, q, mask=ak.causal(), backend="triton").sum().backward()
     assert launch.Call._launch is sabotaged  # the tracer is undone
     trace = capsys.readouterr().out
-    assert trace.count(bench.TRACE + "ok") == 2  # forward and dK/dV ran (Δ is not traced)
+    assert trace.count(bench.TRACE + "ok") == 1  # the forward ran; dQ runs before dK/dV
     assert bench.culprit(trace) == ["attn_bwd_dq", 64, [32, 32, None, None, "partial_first"]]
     assert bench.culprit(trace + bench.TRACE + "ok\nTraceback ...") is None
     assert bench.culprit(trace + bench.TRACE + "ok\n" + bench.TRACE + "direct\nCUDA error") is None

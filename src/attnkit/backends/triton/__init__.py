@@ -10,12 +10,12 @@ Status
   4096; 1.20–1.34× at N 1024 by the kernels); 0.72–0.90× of cuDNN; against compiled
   FlexAttention, documents forward 1.25× and sliding window 1.17–1.19×, forward+backward
   0.98–1.01× (window) and 0.89× (documents; 1.00× by the kernels): our forward kernel beats
-  Flex's by 1.20–1.24×, our backward (Δ, dK/dV, dQ) is 1.02–1.08× slower than its one.
+  Flex's by 1.20–1.24×, our backward (Δ, dK/dV, dQ) was 1.02–1.08× slower than its one (the
+  Δ preprocess has since been folded into dQ, not yet measured).
   Host time per call: ~100–130 µs per forward, ~0.6–0.75 ms per forward+backward (SDPA:
   19 / ~180 µs): from a launch template's third call the compiled kernels are launched
   directly (25–37 µs per launch there, against 213–260 µs for Triton's ``JITFunction``
-  argument binding of ~90 arguments; the Δ kernel too since, from its second call, not yet
-  measured); the mask's block lists and the launch arguments are
+  argument binding of ~90 arguments); the mask's block lists and the launch arguments are
   cached per mask and shapes, the autotuner's timings on disk (``launch.AUTOTUNE_CACHE``).
   D 64 was last timed in the second session, before the walks and launch changes; D 256's
   candidates were checked there (causal, documents & causal at N 1024), not timed.

@@ -1,4 +1,5 @@
-"""The ``@triton.jit`` kernels of the triton backend: forward, Δ preprocess, dK/dV, dQ.
+"""The ``@triton.jit`` kernels of the triton backend: forward, dQ (which also writes the
+backward's row statistics), dK/dV.
 
 This module is never imported by name: ``launch.kernels(interpret)`` loads it once per
 flavour (compiled for CUDA, interpreted for CPU tensors), because Triton decides at
@@ -559,32 +560,33 @@ def attn_fwd(Q, K, V, Out, Lse,
 
 # ---- backward --------------------------------------------------------------------------------
 @triton.jit
-def attn_bwd_delta(Out, dOut, Lse, Delta, Lse2, s_o_b, s_o_h, s_o_t, s_o_d, s_do_b, s_do_h, s_do_t,
-                   s_do_d, s_l_b, s_l_h, s_l_t, heads, q_len, head_dv, BLOCK_M: tl.constexpr,
-                   DV_PAD: tl.constexpr):
-    """The backward's per-row statistics, ``[B, H, Tq]`` float32 (contiguous): Δ = rowsum(dO ∘ O)
-    into ``Delta``, and the LSE in base 2 into ``Lse2``, ``+inf`` on fully masked rows (so
-    ``exp2(s − lse2) = 0`` there): the dK/dV loops then load each row's two numbers as they are."""
-    pid_m, b, h = _program_ids(heads)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, DV_PAD)
-    inside = _in_bounds(offs_m, offs_dv, q_len, head_dv)  # [M, DV]
-    o = tl.load(_tile_ptrs(Out + b * s_o_b + h * s_o_h, offs_m, offs_dv, s_o_t, s_o_d),
-                mask=inside, other=0.0).to(tl.float32)
-    do = tl.load(_tile_ptrs(dOut + b * s_do_b + h * s_do_h, offs_m, offs_dv, s_do_t, s_do_d),
-                 mask=inside, other=0.0).to(tl.float32)
-    rows = tl.program_id(1).to(tl.int64) * q_len + offs_m
-    tl.store(Delta + rows, tl.sum(o * do, 1), mask=offs_m < q_len)
-    lse = tl.load(Lse + b * s_l_b + h * s_l_h + offs_m * s_l_t, mask=offs_m < q_len, other=0.0)
-    tl.store(Lse2 + rows, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E),
-             mask=offs_m < q_len)
+def _own_row_stats(o_base, do, Lse, dLse, Lse2, Delta, b, h, heads, offs_m, offs_dv, s_o_t, s_o_d,
+                   q_len, head_dv, HAS_DLSE: tl.constexpr):
+    """The backward's statistics of a dQ program's own query rows ``offs_m``, computed there and
+    stored for dK/dV, which runs after dQ: Δ = rowsum(dO ∘ O) (minus the LSE's own gradient
+    ``dLse`` when HAS_DLSE) into ``Delta``, and the LSE in base 2 into ``Lse2``, ``+inf`` on
+    fully masked rows and rows past the end (so ``exp2(s − lse2) = 0`` there). ``Lse``,
+    ``dLse``, ``Lse2``, ``Delta``: ``[B, H, Tq]`` float32, contiguous; ``do``: the program's
+    ``[M, DV]`` dO tile; ``o_base``: this (batch, head)'s output."""
+    rows = (b * heads + h) * q_len + offs_m
+    inside = offs_m < q_len
+    o = tl.load(_tile_ptrs(o_base, offs_m, offs_dv, s_o_t, s_o_d),
+                mask=_in_bounds(offs_m, offs_dv, q_len, head_dv), other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dLse + rows, mask=inside, other=0.0)
+    lse = tl.load(Lse + rows, mask=inside, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    tl.store(Delta + rows, delta, mask=inside)
+    tl.store(Lse2 + rows, lse2, mask=inside)
+    return lse2, delta
 
 
 @triton.jit
 def _row_stats(Lse2, Delta, b, h, heads, offs_m, q_len, BOUNDED: tl.constexpr):
     """Base-2 LSE (``+inf`` on fully masked rows and, when BOUNDED, rows past the end, so
-    ``exp2(s − lse2) = 0``) and Δ of the query rows ``offs_m``, from :func:`attn_bwd_delta`'s
-    buffers. Not BOUNDED: every row is inside (no predicate per element)."""
+    ``exp2(s − lse2) = 0``) and Δ of the query rows ``offs_m``, from the buffers the dQ kernel
+    wrote (:func:`_own_row_stats`). Not BOUNDED: every row is inside (no predicate per element)."""
     rows = (b * heads + h) * q_len + offs_m
     if BOUNDED:
         lse2 = tl.load(Lse2 + rows, mask=offs_m < q_len, other=float("inf"))
@@ -769,10 +771,10 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV,
 
 
 @triton.jit(do_not_specialize=SIZES_AND_MASK)
-def attn_bwd_dq(Q, K, V, dOut, Lse2, Delta, dQ,
+def attn_bwd_dq(Q, K, V, dOut, Out, Lse, dLse, Lse2, Delta, dQ,
                 s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_t, s_k_d,
                 s_v_b, s_v_h, s_v_t, s_v_d, s_do_b, s_do_h, s_do_t, s_do_d,
-                s_dq_b, s_dq_h, s_dq_t, s_dq_d,
+                s_o_b, s_o_h, s_o_t, s_o_d, s_dq_b, s_dq_h, s_dq_t, s_dq_d,
                 heads, group, q_len, kv_len, head_dk, head_dv, qk_scale, sm_scale,
                 num_partial, num_full, index, order, s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r,
                 band_lo, band_hi, q_lens, s_qlen_b, kv_lens, s_kvlen_b,
@@ -791,9 +793,11 @@ def attn_bwd_dq(Q, K, V, dOut, Lse2, Delta, dQ,
                 BOUNDS: tl.constexpr,
                 HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                 HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
-                HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DLSE: tl.constexpr):
     """dQ: one program per (query block, batch × query head), over the forward block lists.
-    Writes ``dQ [B, H, Tq, Dk]``."""
+    Writes ``dQ [B, H, Tq, Dk]``, and first its rows' Δ and base-2 LSE into ``Delta`` and
+    ``Lse2`` for dK/dV (:func:`_own_row_stats`; ``Out``, ``Lse``, ``dLse``: the forward's output
+    and LSE, the LSE's gradient)."""
     mask = MaskArgs(band_lo, band_hi, q_lens, s_qlen_b, kv_lens, s_kvlen_b,
                     q_docs, s_qdoc_b, s_qdoc_t, kv_docs, s_kvdoc_b, s_kvdoc_t,
                     dense, s_dense_b, s_dense_h, s_dense_q, s_dense_k,
@@ -814,7 +818,8 @@ def attn_bwd_dq(Q, K, V, dOut, Lse2, Delta, dQ,
                 mask=_in_bounds(offs_m, offs_dk, q_len, head_dk), other=0.0)  # [M, DK]
     do = tl.load(_tile_ptrs(dOut + b * s_do_b + h * s_do_h, offs_m, offs_dv, s_do_t, s_do_d),
                  mask=_in_bounds(offs_m, offs_dv, q_len, head_dv), other=0.0)  # [M, DV]
-    lse2, delta = _row_stats(Lse2, Delta, b, h, heads, offs_m, q_len, BOUNDS)
+    lse2, delta = _own_row_stats(Out + b * s_o_b + h * s_o_h, do, Lse, dLse, Lse2, Delta, b, h,
+                                 heads, offs_m, offs_dv, s_o_t, s_o_d, q_len, head_dv, HAS_DLSE)
     USE_TMA: tl.constexpr = TMA and TMA_OK  # the config asks for TMA, the host allows it
     k_base = _describe(K + b * s_k_b + h_kv * s_k_h, kv_len, head_dk, s_k_t, BLOCK_N, DK_PAD,
                        USE_TMA)

@@ -828,11 +828,13 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 CALLS_PER_LAYOUT = 16
 
 
-def _reuse(plan: Plan, name: str, tensors: dict, build: Callable[[], "Call"]) -> "Call":
+def _reuse(plan: Plan, name: str, tensors: dict, build: Callable[[], "Call"],
+           extra: tuple = ()) -> "Call":
     """The launch ``name`` for these tensors: built once per (layout, scale, shapes, strides,
-    dtypes) and kept on the layout, then only the tensors are swapped in (the ~75 arguments
-    are otherwise rebuilt on every call: host time the GPU waits for on small problems)."""
-    key = (name, plan.scale, plan.interpret, plan.tiles,
+    dtypes, and the ``extra`` switches ``build`` reads) and kept on the layout, then only the
+    tensors are swapped in (the ~75 arguments are otherwise rebuilt on every call: host time
+    the GPU waits for on small problems)."""
+    key = (name, plan.scale, plan.interpret, plan.tiles, *extra,
            *((t.shape, t.stride(), t.dtype) for t in tensors.values()))
     calls = plan.layout.calls
     template = calls.get(key)
@@ -888,7 +890,7 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 def dkdv_call(q, k, v, dout, lse2, delta_, dk, dv, plan: Plan) -> Call:
     """The launch filling ``dk [B, Hkv, Tk, Dk]`` and ``dv [B, Hkv, Tk, Dv]`` (``lse2``, ``delta_``:
-    :func:`delta`'s ``[B, H, Tq]`` buffers)."""
+    the ``[B, H, Tq]`` row statistics :func:`dq_call`'s kernel wrote)."""
     def build() -> Call:
         batch, heads, _, _ = q.shape
         heads_kv, kv_len = k.shape[1], k.shape[2]
@@ -907,60 +909,27 @@ def dkdv_call(q, k, v, dout, lse2, delta_, dk, dv, plan: Plan) -> Call:
     return call
 
 
-def dq_call(q, k, v, dout, lse2, delta_, dq, plan: Plan) -> Call:
-    """The launch filling ``dq [B, H, Tq, Dk]`` (``lse2``, ``delta_``: as for :func:`dkdv_call`)."""
+def dq_call(q, k, v, dout, out, lse, dlse, lse2, delta_, dq, plan: Plan) -> Call:
+    """The launch filling ``dq [B, H, Tq, Dk]``, and first the backward's row statistics for
+    :func:`dkdv_call`, which runs after it: ``delta_ [B, H, Tq]`` = rowsum(dout ∘ out) − ``dlse``
+    (the LSE's gradient, ``None`` for none), and ``lse2`` = ``lse`` in base 2 (``+inf`` where
+    ``lse`` is ``-inf``). ``out``: the forward's; ``lse``, ``dlse``, ``lse2``, ``delta_``:
+    float32, contiguous."""
     def build() -> Call:
         batch, heads, q_len, _ = q.shape
-        args = dict(Q=q, K=k, V=v, dOut=dout, Lse2=lse2, Delta=delta_, dQ=dq,
+        args = dict(Q=q, K=k, V=v, dOut=dout, Out=out, Lse=lse, dLse=lse if dlse is None else dlse,
+                    Lse2=lse2, Delta=delta_, dQ=dq,
                     **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", dout),
-                    **_strides("dq", dq),
+                    **_strides("o", out), **_strides("dq", dq),
                     heads=heads, group=heads // k.shape[1], sm_scale=plan.scale,
-                    **_common(q, k, v, plan), **plan.rows.args())
+                    **_common(q, k, v, plan), **plan.rows.args(), HAS_DLSE=dlse is not None)
         return Call("attn_bwd_dq", args, _grid(q_len, plan.tiles.sparse_q, 0, batch * heads),
                     plan.tiles.dq, plan.tiles.walk)
-    tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse2=lse2, Delta=delta_, dQ=dq)
-    call = _reuse(plan, "attn_bwd_dq", tensors, build)
+    tensors = dict(Q=q, K=k, V=v, dOut=dout, Out=out, Lse=lse, dLse=lse if dlse is None else dlse,
+                   Lse2=lse2, Delta=delta_, dQ=dq)
+    call = _reuse(plan, "attn_bwd_dq", tensors, build, extra=(dlse is not None,))
     call.args["TMA_OK"] = _tma_ok(k, v)
     return call
-
-
-def delta(out, dout, lse, result, lse2, plan: Plan) -> None:
-    """The backward's row statistics: ``result [B, H, Tq]`` = rowsum(dout ∘ out), and ``lse2``
-    = ``lse`` in base 2 (``+inf`` where ``lse`` is ``-inf``); both float32, contiguous.
-    Compiled, the kernel ``JITFunction`` built for these arguments' specialization is kept and
-    launched directly from the next call on (:data:`DIRECT_LAUNCH`: 60–90 µs of host time per
-    backward through ``JITFunction`` on an H200's host)."""
-    batch, heads, q_len, dv = out.shape
-    block_m = 16 if plan.interpret else 64
-    grid = (cdiv(q_len, block_m), batch * heads)
-    values = (out, dout, lse, result, lse2, *out.stride(), *dout.stride(), *lse.stride(), heads,
-              q_len, dv, block_m, head_pad(dv))  # every parameter, in the kernel's order
-    fn = kernels().attn_bwd_delta
-    if plan.interpret or not DIRECT_LAUNCH:
-        fn[grid](*values)
-        return
-    key = (out.device, _specialization(values))
-    kernel = _DELTA_KERNELS.get(key)
-    if kernel is not None:
-        kernel[(*grid, 1)](*values)
-        return
-    kernel = fn[grid](*values)
-    if hasattr(kernel, "__getitem__"):
-        if len(_DELTA_KERNELS) >= CALLS_PER_LAYOUT:
-            _DELTA_KERNELS.pop(next(iter(_DELTA_KERNELS)))
-        _DELTA_KERNELS[key] = kernel
-
-
-_DELTA_KERNELS: dict = {}
-"""(device, :func:`_specialization`) → the compiled Δ kernel, oldest first (at most
-``CALLS_PER_LAYOUT``)."""
-
-
-def _specialization(values: tuple) -> tuple:
-    """What Triton may specialize a compiled kernel on, for these launch values: each tensor's
-    dtype and 16-byte alignment (not its address), every other value as it is."""
-    return tuple((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else v
-                 for v in values)
 
 
 def cdiv(a: int, b: int) -> int:
