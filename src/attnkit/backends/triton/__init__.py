@@ -37,7 +37,7 @@ Status
   H200, not timed): every forward candidate used to need more shared
   memory than a block may have (288–292 KiB: none could launch); its candidates are now
   flat walks, which fit (96–192 KiB; spills only in two dK/dV shapes, 52 and 104 bytes,
-  and dQ 32×32, 4 bytes).
+  and dQ 32×32, 8 bytes).
 - **Interpreter quirks**: (1) its ``tl.dot`` multiplies bfloat16 bit patterns
   (triton-lang/triton#11584, "not supported yet" upstream), so under the interpreter bf16 dot
   operands are cast to float32 first (``UPCAST``; products of bf16 values are exact in fp32, as
