@@ -77,6 +77,7 @@ sys.path.insert(0, str(REPO / "src"))
 COMPETITORS = ("attnkit-triton", "attnkit-kernels", "sdpa-flash", "sdpa-cudnn", "flex-compiled",
                "sdpa-dense-mask")
 MASKS = ("window", "documents&causal", "causal", "dense")  # the workloads' masks, in run order
+MASKED = MASKS[:2]  # timed at --masked-length; the rest at each of --lengths
 OPTIONAL = ("attnkit-auto", "sdpa-default")  # ask with --competitors: what auto picks, torch's own pick
 
 
@@ -185,10 +186,10 @@ def workloads(args) -> list[Workload]:
     out = []
     for d in dims:
         heads = max(1, args.hidden // d)
-        for mask in (m for m in MASKS[:2] if m in masks):
+        for mask in (m for m in MASKED if m in masks):
             n = args.masked_length
             out.append(Workload(mask, n, d, max(1, args.tokens // n), heads, args.span))
-        for mask in (m for m in MASKS[2:] if m in masks):
+        for mask in (m for m in MASKS if m in masks and m not in MASKED):
             for n in (int(x) for x in args.lengths.split(",")):
                 out.append(Workload(mask, n, d, max(1, args.tokens // n), heads, args.span))
     return out
@@ -361,7 +362,7 @@ def profiled(w: "Workload", args) -> bool:
     """Whether ``--profile`` asks for workload ``w``'s kernel profile."""
     shortest = min(int(n) for n in args.lengths.split(","))
     return args.profile == "all" or (args.profile == "short" and (
-        w.mask in ("window", "documents&causal") or w.n == shortest))
+        w.mask in MASKED or w.n == shortest))
 
 
 class KernelsOnly:
@@ -1221,7 +1222,7 @@ def warm(todo: list[Workload], args, run=None) -> Warmed:
                 print(f"warm {label}: still running after {WARM_TIMEOUT_S} s, stopped; not judged",
                       flush=True)
             elif bad is None or attempt == WARM_ATTEMPTS - 1:
-                found.broken[label.split(PART)[0]] = output[-2000:]  # a part's failure is its job's
+                found.broken[warm_job(label)] = output[-2000:]  # a part's failure is its job's
                 print(f"warm {label}: FAILED ({code}); left out of this run:\n{output[-2000:]}",
                       flush=True)
             else:
@@ -1230,8 +1231,8 @@ def warm(todo: list[Workload], args, run=None) -> Warmed:
                 if bad not in found.dropped:
                     found.dropped.append(bad)
                 # every part of the job: the drop shifts the candidates' indices between parts
-                base = label.split(PART)[0]
-                pending.update({other: argv for other, argv in jobs.items() if other.split(PART)[0] == base})
+                pending.update({other: argv for other, argv in jobs.items()
+                                if warm_job(other) == warm_job(label)})
         if not pending:
             break
     drop_configs(found.dropped)
@@ -1244,6 +1245,11 @@ def warm_label(mask: str, d: int, part: int = 0, parts: int = 1) -> str:
     """``"mask Dd"``: what the timed process skips if its warm job fails; with ``parts``
     workers per job, each worker's label adds its part."""
     return f"{mask} D{d}" + (f"{PART}{part + 1}/{parts}" if parts > 1 else "")
+
+
+def warm_job(label: str) -> str:
+    """The ``"mask Dd"`` (or mask kind) job a worker's :func:`warm_label` belongs to."""
+    return label.split(PART)[0]
 
 
 PART = " part "

@@ -863,16 +863,18 @@ def _grid(length: int, sparse: int, axis: int, heads: int) -> Callable[[int, int
 
 def forward_call(q, k, v, out, lse, plan: Plan) -> Call:
     """The forward launch filling ``out [B, H, Tq, Dv]`` and ``lse [B, H, Tq]`` (float32)."""
+    tensors = dict(Q=q, K=k, V=v, Out=out, Lse=lse)
+
     def build() -> Call:
         batch, heads, q_len, _ = q.shape
-        args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **_strides("q", q), **_strides("k", k),
-                    **_strides("v", v), **_strides("o", out),
+        args = dict(tensors, **_strides("q", q), **_strides("k", k), **_strides("v", v),
+                    **_strides("o", out),
                     s_l_b=lse.stride(0), s_l_h=lse.stride(1), s_l_t=lse.stride(2),
                     heads=heads, group=heads // k.shape[1], **_common(q, k, v, plan),
                     **plan.rows.args())
         return Call("attn_fwd", args, _grid(q_len, plan.tiles.sparse_q, 0, batch * heads),
                     plan.tiles.fwd, plan.tiles.walk)
-    call = _reuse(plan, "attn_fwd", dict(Q=q, K=k, V=v, Out=out, Lse=lse), build)
+    call = _reuse(plan, "attn_fwd", tensors, build)
     call.args["TMA_OK"] = _tma_ok(k, v)  # per call: the strides are the template's, not the pointers
     return call
 
@@ -891,17 +893,17 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 def dkdv_call(q, k, v, dout, lse2, delta_, dk, dv, plan: Plan) -> Call:
     """The launch filling ``dk [B, Hkv, Tk, Dk]`` and ``dv [B, Hkv, Tk, Dv]`` (``lse2``, ``delta_``:
     the ``[B, H, Tq]`` row statistics :func:`dq_call`'s kernel wrote)."""
+    tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse2=lse2, Delta=delta_, dK=dk, dV=dv)
+
     def build() -> Call:
         batch, heads, _, _ = q.shape
         heads_kv, kv_len = k.shape[1], k.shape[2]
-        args = dict(Q=q, K=k, V=v, dOut=dout, Lse2=lse2, Delta=delta_, dK=dk, dV=dv,
-                    **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", dout),
-                    **_strides("dk", dk), **_strides("dv", dv),
+        args = dict(tensors, **_strides("q", q), **_strides("k", k), **_strides("v", v),
+                    **_strides("do", dout), **_strides("dk", dk), **_strides("dv", dv),
                     heads=heads, heads_kv=heads_kv, group=heads // heads_kv, sm_scale=plan.scale,
                     **_common(q, k, v, plan), **plan.cols.args())
         return Call("attn_bwd_dkdv", args, _grid(kv_len, plan.tiles.sparse_k, 1, batch * heads_kv),
                     plan.tiles.dkdv, plan.tiles.walk)
-    tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse2=lse2, Delta=delta_, dK=dk, dV=dv)
     call = _reuse(plan, "attn_bwd_dkdv", tensors, build)
     # the walked query rows and their stats; with GQA the kernel would remake the descriptors
     # per query head inside its loop over them, a path no GPU has run yet: pointers there
@@ -915,18 +917,18 @@ def dq_call(q, k, v, dout, out, lse, dlse, lse2, delta_, dq, plan: Plan) -> Call
     (the LSE's gradient, ``None`` for none), and ``lse2`` = ``lse`` in base 2 (``+inf`` where
     ``lse`` is ``-inf``). ``out``: the forward's; ``lse``, ``dlse``, ``lse2``, ``delta_``:
     float32, contiguous."""
+    # without an LSE gradient, dLse is a placeholder the kernel never reads (HAS_DLSE off)
+    tensors = dict(Q=q, K=k, V=v, dOut=dout, Out=out, Lse=lse, dLse=lse if dlse is None else dlse,
+                   Lse2=lse2, Delta=delta_, dQ=dq)
+
     def build() -> Call:
         batch, heads, q_len, _ = q.shape
-        args = dict(Q=q, K=k, V=v, dOut=dout, Out=out, Lse=lse, dLse=lse if dlse is None else dlse,
-                    Lse2=lse2, Delta=delta_, dQ=dq,
-                    **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", dout),
-                    **_strides("o", out), **_strides("dq", dq),
+        args = dict(tensors, **_strides("q", q), **_strides("k", k), **_strides("v", v),
+                    **_strides("do", dout), **_strides("o", out), **_strides("dq", dq),
                     heads=heads, group=heads // k.shape[1], sm_scale=plan.scale,
                     **_common(q, k, v, plan), **plan.rows.args(), HAS_DLSE=dlse is not None)
         return Call("attn_bwd_dq", args, _grid(q_len, plan.tiles.sparse_q, 0, batch * heads),
                     plan.tiles.dq, plan.tiles.walk)
-    tensors = dict(Q=q, K=k, V=v, dOut=dout, Out=out, Lse=lse, dLse=lse if dlse is None else dlse,
-                   Lse2=lse2, Delta=delta_, dQ=dq)
     call = _reuse(plan, "attn_bwd_dq", tensors, build, extra=(dlse is not None,))
     call.args["TMA_OK"] = _tma_ok(k, v)
     return call
