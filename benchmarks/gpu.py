@@ -689,10 +689,14 @@ def compile_only(dims: list[int], out: Optional[str], mask_name: str = "causal")
         inputs = validate(q, q, q, mask)
         plan = launch.make_plan(inputs)
         lse, delta = torch.zeros(1, 2, 512), torch.zeros(1, 2, 512)
-        calls = [launch.forward_call(q, q, q, q, lse, plan),
-                 launch.dkdv_call(q, q, q, q, lse, delta, q, q, plan),
-                 launch.dq_call(q, q, q, q, q, lse, None, lse, delta, q, plan)]
-        for call in calls:
+        ds = launch.ds_buffer(q, plan)  # the stored-dS backward's kernels (launch.BACKWARD)
+        calls = {"attn_fwd": launch.forward_call(q, q, q, q, lse, plan),
+                 "attn_bwd_dkdv": launch.dkdv_call(q, q, q, q, lse, delta, q, q, plan),
+                 "attn_bwd_dq": launch.dq_call(q, q, q, q, q, lse, None, lse, delta, q, plan),
+                 "attn_bwd_dkdv+ds": launch.dkdv_call(q, q, q, q, lse, delta, q, q, plan, ds),
+                 "attn_bwd_dq_stored": launch.dq_stored_call(q, q, q, ds, q, plan),
+                 "attn_bwd_stats": launch.stats_call(q, q, lse, None, lse, delta, plan)}
+        for label, call in calls.items():
             kernel = getattr(launch.kernels(), call.name)
             for m, n, warps, stages, walk in launch.CONFIGS[call.name][launch.head_bucket(d)]:
                 values = dict(call.args, BLOCK_M=m, BLOCK_N=n, **launch.WALKS[walk])
@@ -718,7 +722,7 @@ def compile_only(dims: list[int], out: Optional[str], mask_name: str = "causal")
                         if hinted and int(value) % 16 == 0:
                             attrs[(i,)] = [["tt.divisibility", 16]]
                 start = time.perf_counter()
-                row = {"kernel": call.name, "d": d, "block_m": m, "block_n": n, "warps": warps,
+                row = {"kernel": label, "d": d, "block_m": m, "block_n": n, "warps": warps,
                        "stages": stages, "walk": walk}
                 try:
                     log = io.StringIO()
@@ -744,7 +748,7 @@ def compile_only(dims: list[int], out: Optional[str], mask_name: str = "causal")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "compile_sm90.json").write_text(json.dumps(
         {"triton": triton.__version__, "target": "sm90 (offline, no device)", "rows": rows}, indent=1))
-    print("\nkernel          D   BM  BN  w s W     smem KiB  regs  spill B  fits  wgmma  loops")
+    print("\nkernel             D   BM  BN  w s W     smem KiB  regs  spill B  fits  wgmma  loops")
     for row in rows:
         print(_compile_line(row))
     return 1 if failures else 0
@@ -764,7 +768,7 @@ def _walk_code(walk: str) -> str:
 
 
 def _compile_line(row: dict) -> str:
-    head = (f"{row['kernel']:15s} {row['d']:3d} {row['block_m']:4d}{row['block_n']:4d} {row['warps']:2d} "
+    head = (f"{row['kernel']:18s} {row['d']:3d} {row['block_m']:4d}{row['block_n']:4d} {row['warps']:2d} "
             f"{row['stages']} {_walk_code(row['walk']):3s}")
     if "error" in row:
         return f"{head}  ERROR {row['error']}"

@@ -453,13 +453,15 @@ RANDOM_KINDS = ["window", "band", "causal", "bottom_right", "documents", "docume
        walk=st.sampled_from(sorted(launch.WALKS)), tiles=st.sampled_from([(16, 16), (32, 16), (32, 32)]),
        heads=st.sampled_from([(1, 1), (2, 1), (2, 2)]), batch=st.integers(1, 2),
        dims=st.sampled_from([(16, 16), (32, 16), (24, 32)]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-def test_random_structures(seed, kind, seq, param, walk, tiles, heads, batch, dims, dtype):
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       backward=st.sampled_from(launch.BACKWARDS))
+def test_random_structures(seed, kind, seq, param, walk, tiles, heads, batch, dims, dtype,
+                           backward):
     """Random windows, bands, causal masks (both alignments, other key lengths), documents of
     equal and unequal lengths with and without causal, and padding, at any length (ragged
     tails), under every walk, with kernel blocks equal to or half the sparse blocks, GQA,
-    batches, head dims that need padding and each input dtype: forward and backward within
-    the 2x rule of the float64 truth. Their rows' blocks are evenly spaced or not, as they
+    batches, head dims that need padding, each input dtype and each backward path
+    (``launch.BACKWARD``): forward and backward within the 2x rule of the float64 truth. Their rows' blocks are evenly spaced or not, as they
     fall. (More examples, new in each run: raise ``max_examples`` and set
     ``ATTNKIT_HYPOTHESIS=explore`` locally.)"""
     gen = torch.Generator().manual_seed(seed)
@@ -486,8 +488,117 @@ def test_random_structures(seed, kind, seq, param, walk, tiles, heads, batch, di
                    & dense_padding(tq, tk, None, lengths, batch=batch))
     with pytest.MonkeyPatch.context() as patch:
         use_walk(patch, walk, sparse=tiles[0], block=tiles[1])
+        patch.setattr(launch, "BACKWARD", backward)
         q, k, v = make_qkv(batch, heads[0], heads[1], tq, tk, *dims, dtype, gen)
         check(q, k, v, mask, allowed, gen=gen)
+
+
+# ---- the stored-dS backward (launch.BACKWARD) ------------------------------------------------------
+
+@pytest.fixture
+def stored_ds(monkeypatch):
+    """Calls plan the stored-dS backward; its buffer starts NaN-filled, so a slot dQ reads that
+    dK/dV never wrote shows up as NaN in dq."""
+    monkeypatch.setattr(launch, "BACKWARD", "stored_ds")
+    calls, allocate = [], launch.ds_buffer
+
+    def poisoned_buffer(q, plan):
+        calls.append(plan)
+        return allocate(q, plan).fill_(NAN)
+    monkeypatch.setattr(launch, "ds_buffer", poisoned_buffer)
+    return calls
+
+
+@pytest.mark.parametrize("name", list(MASK_CASES))
+def test_stored_ds_every_mask(name, gen, stored_ds):
+    """Every mask kind through the stored-dS backward (statistics; dK/dV storing dS; dQ = dS·K),
+    GQA 2/1 as in :func:`test_masks_forward_backward`."""
+    batch, q_len, kv_len, build = MASK_CASES[name]
+    mask, allowed, *bias = build(gen)
+    q, k, v = make_qkv(batch, 2, 1, q_len, kv_len, 32, 32, torch.float32, gen)
+    check(q, k, v, mask, allowed, bias[0] if bias else None, gen=gen)
+    assert stored_ds, "the stored-dS path did not run"
+
+
+@pytest.mark.parametrize("walk", sorted(launch.WALKS))
+def test_stored_ds_every_walk(walk, gen, monkeypatch, stored_ds):
+    """dK/dV finds each tile's slot in every walk (unrolled sub-tiles, one per iteration, one
+    loop; rows heaviest first), with two kernel blocks per sparse block and a ragged tail."""
+    use_walk(monkeypatch, walk, sparse=32, block=16)
+    mask, allowed = _docs(gen, 70, 2, causal=True)
+    q, k, v = make_qkv(1, 2, 1, 70, 70, 16, 16, torch.float32, gen)
+    check(q, k, v, mask, allowed, gen=gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_stored_ds_rectangular_subtiles_low_precision(dtype, gen, monkeypatch, stored_ds):
+    """dK/dV and dQ with different kernel blocks inside the sparse ones (each reads the slots
+    in its own sub-tiles), dS stored in the input dtype, the LSE's gradient through the
+    statistics kernel."""
+    monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
+        sparse_q=32, sparse_k=32, fwd=(32, 16), dkdv=(16, 32), dq=(32, 16)))
+    mask = ak.sliding_window(20) & ak.padding(kv_lengths=[61])
+    allowed = dense_band(76, 76, 20, 0) & dense_padding(76, 76, None, [61])
+    q, k, v = make_qkv(1, 4, 2, 76, 76, 32, 32, dtype, gen)
+    check(q, k, v, mask, allowed, gen=gen, lse_grad=True)
+
+
+def test_stored_ds_matches_recompute(gen, monkeypatch):
+    """Both backwards give the same gradients: dk and dv bit for bit (the same dK/dV kernel,
+    storing or not), dq to float32 rounding (a sum of the same products in another order)."""
+    mask = ak.documents(sorted_ids(64, 3, gen)) & ak.causal()
+    q, k, v = make_qkv(2, 2, 2, 64, 64, 32, 32, torch.float32, gen)
+    dout = torch.randn(2, 2, 64, 32, generator=gen)
+    grads = {}
+    for mode in ("recompute", "stored_ds"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with launch.backward_path(mode):
+            out = ak.attention(*leaves, mask=mask, backend="triton")
+        grads[mode] = torch.autograd.grad(out, leaves, dout)
+    (dq, dk, dv), (dq_s, dk_s, dv_s) = grads["recompute"], grads["stored_ds"]
+    assert torch.equal(dk, dk_s) and torch.equal(dv, dv_s)
+    torch.testing.assert_close(dq_s, dq, rtol=1e-5, atol=1e-6)
+
+
+def test_slots_index_the_forward_lists():
+    """``Layout.slots``: entry j of key column c (query row r) names the place of c in row r's
+    forward list, for masks that differ per batch and head."""
+    allowed = torch.rand(2, 3, 90, 90, generator=torch.Generator().manual_seed(1)) < 0.02
+    allowed[0, 1] = dense_causal(90, 90)
+    space = MaskSpace(batch=2, heads=3, q_len=90, kv_len=90, device=torch.device("cpu"))
+    lay = launch.layout(ak.dense(allowed), space, launch.Tiles(sparse_q=16, sparse_k=16))
+    slots, entries = lay.slots
+    rows, cols = lay.rows, lay.cols
+    assert entries == int((rows.num_partial + rows.num_full).max())
+    checked = 0
+    for b in range(2):
+        for h in range(3):
+            for c in range(cols.index.shape[2]):
+                for j in range(int(cols.num_partial[b, h, c] + cols.num_full[b, h, c])):
+                    r = int(cols.index[b, h, c, j])
+                    e = int(slots[b, h, c, j])
+                    assert int(rows.index[b, h, r, e]) == c and e < entries
+                    checked += 1
+    assert checked == rows.visited()
+
+
+def test_auto_stores_ds_for_sparse_masks_within_the_budget(monkeypatch):
+    """``"auto"`` stores dS where no row lists more than half the key blocks and the buffer fits
+    ``STORED_DS_MAX_BYTES``; a plan keeps the choice it was made with."""
+    q = torch.zeros(1, 2, 256, 16)
+
+    def planned(mask, mode):
+        with launch.backward_path(mode):
+            return launch.make_plan(validate(q, q, q, mask))
+    window, causal = planned(ak.sliding_window(40), "auto"), planned(ak.causal(), "auto")
+    assert launch.stores_ds(q, window) and not launch.stores_ds(q, causal)
+    assert launch.ds_bytes(q, window) == 2 * (256 // 32) * 3 * 32 * 32 * 4  # 3 blocks a row
+    monkeypatch.setattr(launch, "STORED_DS_MAX_BYTES", launch.ds_bytes(q, window) - 1)
+    assert not launch.stores_ds(q, window)
+    assert launch.stores_ds(q, planned(ak.causal(), "stored_ds"))
+    assert not launch.stores_ds(q, planned(ak.sliding_window(40), "recompute"))
+    with pytest.raises(ValueError, match="launch.BACKWARD"):
+        planned(None, "atomic")
 
 
 # ---- memory safety and determinism ----------------------------------------------------------------

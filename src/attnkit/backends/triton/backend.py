@@ -45,14 +45,20 @@ def _backward(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor,
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     batch, heads, q_len, _ = q.shape
-    # [B, H, Tq] each, written by the dQ kernel for dK/dV: Δ (− dlse), and the LSE in base 2
-    # (+inf on fully masked rows)
+    # [B, H, Tq] each, written for dK/dV by the dQ kernel (or the stats kernel): Δ (− dlse),
+    # and the LSE in base 2 (+inf on fully masked rows)
     delta = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    launch.dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, dq, plan).run(plan.interpret)
-    launch.dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan).run(plan.interpret)
+    if launch.stores_ds(q, plan):  # statistics, dK/dV storing dS, dQ = dS·K (launch.BACKWARD)
+        ds = launch.ds_buffer(q, plan)
+        launch.stats_call(out, dout, lse, dlse, lse2, delta, plan).run(plan.interpret)
+        launch.dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan, ds).run(plan.interpret)
+        launch.dq_stored_call(q, k, v, ds, dq, plan).run(plan.interpret)
+    else:
+        launch.dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, dq, plan).run(plan.interpret)
+        launch.dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan).run(plan.interpret)
     return dq, dk, dv
 
 

@@ -91,6 +91,10 @@ nothing from the hints, so leaving them out lets one binary serve every sequence
 (Q/K/V/output strides keep their hints: they decide whether tile loads are vectorized.)"""
 
 
+DS_STRIDES = ["s_ds_b", "s_ds_h", "s_ds_r", "s_ds_e"]
+"""The stored-dS buffer's strides (``launch.ds_buffer``): sizes, as :data:`SIZES_AND_MASK`."""
+
+
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """``a [M, K] @ b [K, N]`` accumulated in float32."""
@@ -562,8 +566,8 @@ def attn_fwd(Q, K, V, Out, Lse,
 @triton.jit
 def _own_row_stats(o_base, do, Lse, dLse, Lse2, Delta, b, h, heads, offs_m, offs_dv, s_o_t, s_o_d,
                    q_len, head_dv, HAS_DLSE: tl.constexpr):
-    """The backward's statistics of a dQ program's own query rows ``offs_m``, computed there and
-    stored for dK/dV, which runs after dQ: Δ = rowsum(dO ∘ O) (minus the LSE's own gradient
+    """The backward's statistics of a program's own query rows ``offs_m`` (in the dQ kernel, or
+    the stats kernel before the stored-dS backward), computed there and stored for dK/dV: Δ = rowsum(dO ∘ O) (minus the LSE's own gradient
     ``dLse`` when HAS_DLSE) into ``Delta``, and the LSE in base 2 into ``Lse2``, ``+inf`` on
     fully masked rows and rows past the end (so ``exp2(s − lse2) = 0`` there). ``Lse``,
     ``dLse``, ``Lse2``, ``Delta``: ``[B, H, Tq]`` float32, contiguous; ``do``: the program's
@@ -613,14 +617,34 @@ def _walk_row_stats(lse_src, delta_src, start_m, b, h, heads, offs_m, q_len,
 
 
 @triton.jit
+def _ds_tile(DS, slot_row, j, start_m, k_start, b, h, s_ds_b, s_ds_h, s_ds_r, s_ds_e,
+             SPARSE_Q: tl.constexpr, SPARSE_K: tl.constexpr, STORE_DS: tl.constexpr):
+    """Where dK/dV stores the dS tile of its key rows ``k_start …`` and the query block
+    ``start_m …``, entry ``j`` of its column's list (STORE_DS; else ``DS`` itself, unused).
+    ``DS [B, H, R, E, SPARSE_K, SPARSE_Q]`` keeps one slot per listed sparse block, indexed as
+    the *forward* lists index it (query row ``r``, entry ``e`` of that row), so the dQ kernel
+    (:func:`attn_bwd_dq_stored`) reads its slots at addresses affine in its loop counter;
+    ``slot_row``: this column's ``e`` for each of its entries (``launch.Layout.slots``)."""
+    tile = DS
+    if STORE_DS:
+        e = tl.load(slot_row + j)
+        tile = (DS + b * s_ds_b + h * s_ds_h + (start_m // SPARSE_Q) * s_ds_r + e * s_ds_e
+                + (k_start % SPARSE_K) * SPARSE_Q + start_m % SPARSE_Q)
+    return tile
+
+
+@triton.jit
 def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, k_start, offs_dk,
                offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, q_len, kv_len, head_dk, head_dv,
-               qk_scale, mask, own, partial, LOAD_BOUNDS: tl.constexpr, BOUNDS: tl.constexpr,
-               BLOCK_M: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
-               PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+               qk_scale, mask, own, partial, ds_tile, LOAD_BOUNDS: tl.constexpr,
+               BOUNDS: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_DK: tl.constexpr,
+               EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+               USE_TMA: tl.constexpr, SPARSE_Q: tl.constexpr, STORE_DS: tl.constexpr):
     """One query block's (rows ``start_m …``) contribution to ``dk [N, DK]`` and ``dv [N, DV]``
     of the key rows ``k_start …`` (transposed scores ``[N, M]``); ``partial``, LOAD_BOUNDS,
-    USE_TMA: as for :func:`_fwd_tile`."""
+    USE_TMA: as for :func:`_fwd_tile`. STORE_DS: the tile's ``dsᵀ [N, M]`` (q's dtype, the
+    operand of dK's product) is also stored at ``ds_tile`` (:func:`_ds_tile`), rows
+    ``SPARSE_Q`` apart."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _walk_tile(q_base, start_m, offs_m, offs_dk, s_q_t, s_q_d, q_len, head_dk, LOAD_BOUNDS,
                    EVEN_DK, USE_TMA)  # [M, DK]
@@ -633,8 +657,12 @@ def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, k_sta
     p_t = tl.math.exp2(s2_t - lse2[None, :])  # [N, M] softmax weights, transposed
     dv += _dot(p_t.to(do.dtype), do, PRECISION, UPCAST)
     dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST)  # [N, M]
-    ds_t = p_t * (dp_t - delta[None, :])  # gradient of the scaled scores
-    dk += _dot(ds_t.to(q.dtype), q, PRECISION, UPCAST)
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)  # gradient of the scaled scores
+    if STORE_DS:
+        rows = tl.arange(0, ds_t.shape[0])
+        cols = tl.arange(0, ds_t.shape[1])
+        tl.store(ds_tile + rows[:, None] * SPARSE_Q + cols[None, :], ds_t)
+    dk += _dot(ds_t, q, PRECISION, UPCAST)
     return dk, dv
 
 
@@ -660,11 +688,12 @@ def _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, q_start, offs_dk, 
     return dq
 
 
-@triton.jit(do_not_specialize=SIZES_AND_MASK + ["heads_kv"])
-def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV,
+@triton.jit(do_not_specialize=SIZES_AND_MASK + ["heads_kv"] + DS_STRIDES)
+def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV, DS, slots,
                   s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_t, s_k_d,
                   s_v_b, s_v_h, s_v_t, s_v_d, s_do_b, s_do_h, s_do_t, s_do_d,
                   s_dk_b, s_dk_h, s_dk_t, s_dk_d, s_dv_b, s_dv_h, s_dv_t, s_dv_d,
+                  s_ds_b, s_ds_h, s_ds_r, s_ds_e,
                   heads, heads_kv, group, q_len, kv_len, head_dk, head_dv, qk_scale, sm_scale,
                   num_partial, num_full, index, order, s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r,
                   band_lo, band_hi, q_lens, s_qlen_b, kv_lens, s_kvlen_b,
@@ -683,10 +712,12 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV,
                   BOUNDS: tl.constexpr,
                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                   HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
-                  HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                  HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DS: tl.constexpr):
     """dK, dV: one program per (key block, batch × kv head); loops over the group's query heads
     (GQA without atomics) and, per head, over the non-empty query blocks of this key block
-    (the transposed block lists). Writes ``dK [B, Hkv, Tk, Dk]``, ``dV [B, Hkv, Tk, Dv]``."""
+    (the transposed block lists). Writes ``dK [B, Hkv, Tk, Dk]``, ``dV [B, Hkv, Tk, Dv]``, and
+    with STORE_DS every tile's dS into its slot of ``DS`` for :func:`attn_bwd_dq_stored`
+    (:func:`_ds_tile`; ``slots``: ``[B, H, C, R]`` int32, strided as ``index``)."""
     mask = MaskArgs(band_lo, band_hi, q_lens, s_qlen_b, kv_lens, s_kvlen_b,
                     q_docs, s_qdoc_b, s_qdoc_t, kv_docs, s_kvdoc_b, s_kvdoc_t,
                     dense, s_dense_b, s_dense_h, s_dense_q, s_dense_k,
@@ -727,17 +758,20 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV,
                                                   strides=[1], block_shape=[BLOCK_M])
         n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h, col,
                                                s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
+        slot_row = slots + b * s_i_b + h * s_i_h + col * s_i_r  # its entries' slots
         if MERGED:  # one loop over the whole list, PARTIAL blocks first
             STRIDED = PARTIAL_STRIDED and FULL_STRIDED  # constexpr
             spacing = _list_spacing(blocks, n_partial, n_full, SPARSE_Q, STRIDED)
             for t in range(0, (n_partial + n_full) * SUBS):
                 start_m = _merged_start(blocks, t, n_partial * SUBS, spacing, SUBS,
                                         SPARSE_Q, BLOCK_M, STRIDED)
+                ds_tile = _ds_tile(DS, slot_row, t // SUBS, start_m, k_start, b, h, s_ds_b,
+                                   s_ds_h, s_ds_r, s_ds_e, SPARSE_Q, SPARSE_K, STORE_DS)
                 dk, dv = _dkdv_tile(
                     k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, k_start, offs_dk,
                     offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, q_len, kv_len, head_dk,
-                    head_dv, qk_scale, mask, own, t < n_partial * SUBS, BOUNDS, BOUNDS, BLOCK_M,
-                    EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA)
+                    head_dv, qk_scale, mask, own, t < n_partial * SUBS, ds_tile, BOUNDS, BOUNDS,
+                    BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA, SPARSE_Q, STORE_DS)
         for part in tl.static_range(0 if MERGED else 2):  # or a loop per kind (launch.WALKS)
             masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
             first = 0 if masked else n_partial
@@ -747,22 +781,27 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV,
             if FLAT:  # one kernel block per iteration
                 for t in range(first * SUBS, stop * SUBS):
                     start_m = _block_start(blocks, t, base, step, SUBS, SPARSE_Q, BLOCK_M, STRIDED)
+                    ds_tile = _ds_tile(DS, slot_row, t // SUBS, start_m, k_start, b, h, s_ds_b,
+                                       s_ds_h, s_ds_r, s_ds_e, SPARSE_Q, SPARSE_K, STORE_DS)
                     dk, dv = _dkdv_tile(
                         k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, k_start,
                         offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, q_len,
-                        kv_len, head_dk, head_dv, qk_scale, mask, own, masked,
+                        kv_len, head_dk, head_dv, qk_scale, mask, own, masked, ds_tile,
                         masked and BOUNDS, BOUNDS, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST,
-                        USE_TMA)
+                        USE_TMA, SPARSE_Q, STORE_DS)
             else:  # one sparse block per iteration, its kernel blocks unrolled
                 for j in range(first, stop):
                     block_start = _sparse_start(blocks, j, base, step, SPARSE_Q, STRIDED)
                     for sub in tl.static_range(SUBS):
+                        ds_tile = _ds_tile(DS, slot_row, j, block_start + sub * BLOCK_M, k_start,
+                                           b, h, s_ds_b, s_ds_h, s_ds_r, s_ds_e, SPARSE_Q,
+                                           SPARSE_K, STORE_DS)
                         dk, dv = _dkdv_tile(
                             k, v, dk, dv, block_start + sub * BLOCK_M, q_base, do_base,
                             lse_src, delta_src, k_start, offs_dk, offs_dv, b, h, heads, s_q_t,
                             s_q_d, s_do_t, s_do_d, q_len, kv_len, head_dk, head_dv, qk_scale,
-                            mask, own, masked, masked and BOUNDS, BOUNDS, BLOCK_M, EVEN_DK,
-                            EVEN_DV, PRECISION, UPCAST, USE_TMA)
+                            mask, own, masked, ds_tile, masked and BOUNDS, BOUNDS, BLOCK_M,
+                            EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA, SPARSE_Q, STORE_DS)
     dk = dk * sm_scale
     tl.store(_tile_ptrs(dK + b * s_dk_b + h_kv * s_dk_h, offs_n, offs_dk, s_dk_t, s_dk_d),
              dk.to(dK.dtype.element_ty), mask=_in_bounds(offs_n, offs_dk, kv_len, head_dk))
@@ -864,6 +903,90 @@ def attn_bwd_dq(Q, K, V, dOut, Out, Lse, dLse, Lse2, Delta, dQ,
                                   s_v_t, s_v_d, q_len, kv_len, head_dk, head_dv, qk_scale, mask,
                                   own, masked, masked and BOUNDS, BOUNDS, BLOCK_N, EVEN_DK,
                                   EVEN_DV, PRECISION, UPCAST, USE_TMA)
+    dq = dq * sm_scale
+    tl.store(_tile_ptrs(dQ + b * s_dq_b + h * s_dq_h, offs_m, offs_dk, s_dq_t, s_dq_d),
+             dq.to(dQ.dtype.element_ty), mask=_in_bounds(offs_m, offs_dk, q_len, head_dk))
+
+
+# ---- the stored-dS backward: statistics, then dK/dV storing dS, then dQ = dS·K -------------------
+@triton.jit(do_not_specialize=["TUNE_KEY", "heads", "q_len"])
+def attn_bwd_stats(dOut, Out, Lse, dLse, Lse2, Delta,
+                   s_do_b, s_do_h, s_do_t, s_do_d, s_o_b, s_o_h, s_o_t, s_o_d,
+                   heads, q_len, head_dv, TUNE_KEY,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DK_PAD: tl.constexpr,
+                   DV_PAD: tl.constexpr, FULL_FIRST: tl.constexpr, FLAT: tl.constexpr,
+                   MERGED: tl.constexpr, ORDERED: tl.constexpr, TMA: tl.constexpr,
+                   HAS_DLSE: tl.constexpr):
+    """The row statistics dK/dV needs before it runs, when dQ runs after it (the stored-dS
+    backward): one program per (query block, batch × head) writes its rows' ``Delta`` and
+    ``Lse2`` (:func:`_own_row_stats`). BLOCK_N, DK_PAD and the walk switches are the launch
+    machinery's (``launch.Call``), unused here."""
+    pid_m, b, h = _program_ids(heads)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, DV_PAD)
+    do = tl.load(_tile_ptrs(dOut + b * s_do_b + h * s_do_h, offs_m, offs_dv, s_do_t, s_do_d),
+                 mask=_in_bounds(offs_m, offs_dv, q_len, head_dv), other=0.0)  # [M, DV]
+    _own_row_stats(Out + b * s_o_b + h * s_o_h, do, Lse, dLse, Lse2, Delta, b, h, heads, offs_m,
+                   offs_dv, s_o_t, s_o_d, q_len, head_dv, HAS_DLSE)
+
+
+@triton.jit(do_not_specialize=SIZES_AND_MASK + DS_STRIDES)
+def attn_bwd_dq_stored(K, DS, dQ,
+                       s_k_b, s_k_h, s_k_t, s_k_d, s_dq_b, s_dq_h, s_dq_t, s_dq_d,
+                       s_ds_b, s_ds_h, s_ds_r, s_ds_e,
+                       heads, group, q_len, kv_len, head_dk, head_dv, qk_scale, sm_scale,
+                       num_partial, num_full, index, order,
+                       s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r,
+                       TUNE_KEY,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_Q: tl.constexpr,
+                       SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+                       EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+                       UPCAST: tl.constexpr, FULL_FIRST: tl.constexpr,
+                       FLAT: tl.constexpr, MERGED: tl.constexpr, ORDERED: tl.constexpr,
+                       TMA: tl.constexpr, TMA_OK: tl.constexpr,
+                       ORDER_KIND: tl.constexpr, PARTIAL_STRIDED: tl.constexpr,
+                       FULL_STRIDED: tl.constexpr, BOUNDS: tl.constexpr):
+    """dQ from the dS tiles dK/dV stored (STORE_DS): one program per (query block, batch ×
+    query head), ``dq = scale · Σ dS·K`` over its row's listed blocks, one matmul per tile
+    where the recomputing kernel (:func:`attn_bwd_dq`) does three; no mask, statistics, V
+    or dO. The dS tiles already hold the mask (zero where masked), so PARTIAL and FULL
+    blocks are one loop (the one-loop walk's positions, :func:`_merged_start`); the slot of
+    entry ``e`` is at an address affine in the loop counter. Past the end of the keys a
+    slot may never have been written: with BOUNDS those rows are not read. Writes
+    ``dQ [B, H, Tq, Dk]``. FULL_FIRST, FLAT, MERGED, TMA, TMA_OK: the launch machinery's,
+    unused (head_dv, DV_PAD, EVEN_DV, qk_scale too)."""
+    pid_m, b, h = _program_ids(heads)
+    if ORDERED:  # heaviest query blocks first (see _ordered_block)
+        pid_m = _ordered_block(order, pid_m, SPARSE_Q // BLOCK_M, ORDER_KIND)
+        if pid_m * BLOCK_M >= q_len:  # the grid rounds up to whole sparse rows
+            return
+    h_kv = h // group
+    q_start = pid_m * BLOCK_M
+    row = q_start // SPARSE_Q
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, DK_PAD)
+    k_base = K + b * s_k_b + h_kv * s_k_h
+    # this block's columns of each slot: [N, M] tiles, SPARSE_Q apart
+    ds_row = (DS + b * s_ds_b + h * s_ds_h + row * s_ds_r + q_start % SPARSE_Q
+              + tl.arange(0, BLOCK_N)[:, None] * SPARSE_Q + tl.arange(0, BLOCK_M)[None, :])
+    n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h, row,
+                                           s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
+    SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
+    STRIDED: tl.constexpr = PARTIAL_STRIDED and FULL_STRIDED
+    spacing = _list_spacing(blocks, n_partial, n_full, SPARSE_K, STRIDED)
+    dq = tl.zeros([BLOCK_M, DK_PAD], dtype=tl.float32)
+    for t in range(0, (n_partial + n_full) * SUBS):
+        start_n = _merged_start(blocks, t, n_partial * SUBS, spacing, SUBS, SPARSE_K, BLOCK_N,
+                                STRIDED)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(_tile_ptrs(k_base, offs_n, offs_dk, s_k_t, s_k_d), offs_n, offs_dk,
+                       kv_len, head_dk, BOUNDS, EVEN_DK)  # [N, DK]
+        ds_ptrs = ds_row + (t // SUBS) * s_ds_e + (t % SUBS) * (BLOCK_N * SPARSE_Q)
+        if BOUNDS:
+            ds_t = tl.load(ds_ptrs, mask=offs_n[:, None] < kv_len, other=0.0)  # [N, M]
+        else:
+            ds_t = tl.load(ds_ptrs)
+        dq += _dot(tl.trans(ds_t), k, PRECISION, UPCAST)
     dq = dq * sm_scale
     tl.store(_tile_ptrs(dQ + b * s_dq_b + h * s_dq_h, offs_m, offs_dk, s_dq_t, s_dq_d),
              dq.to(dQ.dtype.element_ty), mask=_in_bounds(offs_m, offs_dk, q_len, head_dk))

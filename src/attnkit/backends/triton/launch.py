@@ -242,6 +242,18 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
               (128, 64, 8, 3, M), (64, 32, 4, 2, P)],
         256: [(64, 32, 8, 2, P_FLAT), (32, 32, 4, 2, P_FLAT)],
     },
+    # the stored-dS backward (:data:`BACKWARD`), not yet timed on a GPU: dQ = dS·K (one
+    # matmul a tile, its dS tiles read from memory; always one loop, of the walk switches
+    # only ``+lpt`` applies) and the statistics before dK/dV (one config in all: Triton's
+    # autotuner then times nothing)
+    "attn_bwd_dq_stored": {
+        64: [(128, 64, 4, 3, P), (128, 128, 8, 3, P), (64, 64, 4, 3, P), (64, 32, 4, 2, P)],
+        128: [(128, 64, 8, 3, P), (128, 64, 8, 4, P), (128, 64, 8, 3, P_LPT),
+              (128, 128, 8, 2, P), (128, 128, 8, 3, P), (64, 128, 4, 3, P), (64, 64, 4, 3, P),
+              (128, 32, 4, 3, P)],
+        256: [(64, 64, 8, 2, P), (64, 32, 4, 2, P), (32, 32, 4, 2, P)],
+    },
+    "attn_bwd_stats": {bucket: [(32, 32, 4, 1, P)] for bucket in (64, 128, 256)},
 }
 
 
@@ -610,12 +622,37 @@ class Layout:
     _cols: Optional[BlockLists] = field(default=None, repr=False)
     calls: dict = field(default_factory=dict, repr=False)  # launch templates (see _reuse)
 
+    _slots: Optional[tuple[torch.Tensor, int]] = field(default=None, repr=False)
+
     @property
     def cols(self) -> BlockLists:
         """Key columns → query blocks (dK/dV), built on first use (the backward)."""
         if self._cols is None:
             self._cols = block_lists(self.codes.transpose(-1, -2), self.batch, self.heads)
         return self._cols
+
+    @property
+    def slots(self) -> tuple[torch.Tensor, int]:
+        """For the stored-dS backward (:data:`BACKWARD`), built on first use: ``(slots,
+        entries)``. ``slots`` int32, shaped and strided as ``cols.index`` ``[B, H, C, R]``: for
+        entry ``j`` of key column ``c`` (query row ``r``), the place ``e`` of ``c`` in row ``r``'s
+        forward list, the slot dK/dV stores that tile's dS in and dQ reads it from.
+        ``entries``: the most blocks any row lists (the buffer's ``E``)."""
+        if self._slots is None:
+            rows, cols = _unexpanded(self.rows.index).long(), _unexpanded(self.cols.index).long()
+            place = torch.empty_like(rows)  # [Bm, Hm, R, C]: column c's place in row r's list
+            place.scatter_(-1, rows, torch.arange(rows.shape[-1], device=rows.device).expand_as(rows))
+            slots = place.transpose(-1, -2).gather(-1, cols).to(torch.int32)  # [Bm, Hm, C, R]
+            slots = slots.expand(self.cols.index.shape)
+            assert slots.stride() == self.cols.index.stride()  # the kernel reuses index's strides
+            entries = int((self.rows.num_partial + self.rows.num_full).max()) if rows.numel() else 0
+            self._slots = (slots, entries)
+        return self._slots
+
+
+def _unexpanded(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, H, ...]`` without the batch and head broadcast an ``expand`` gave it."""
+    return t[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride()[:2])]
 
 
 @dataclass
@@ -627,6 +664,7 @@ class Plan:
     interpret: bool
     tiles: Tiles
     layout: Layout
+    backward: str = "recompute"  # :data:`BACKWARD` when the call was planned
 
     @property
     def program(self) -> MaskProgram:
@@ -643,6 +681,10 @@ class Plan:
     @property
     def cols(self) -> BlockLists:
         return self.layout.cols
+
+    @property
+    def slots(self) -> tuple[torch.Tensor, int]:
+        return self.layout.slots
 
     @property
     def tune_key(self) -> int:
@@ -673,10 +715,12 @@ def layout(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> Layout:
 
 def make_plan(inputs: Inputs, tiles: Optional[Tiles] = None) -> Plan:
     """The plan of one call: its scale and mode, and the mask's (cached) layout."""
+    if BACKWARD not in BACKWARDS:
+        raise ValueError(f"launch.BACKWARD={BACKWARD!r}: use one of {', '.join(BACKWARDS)}")
     interpret = interpreting()
     tiles = tiles or (INTERPRETER_TILES if interpret else GPU_TILES)
     return Plan(scale=inputs.scale, interpret=interpret, tiles=tiles,
-                layout=layout(inputs.mask, inputs.space, tiles))
+                layout=layout(inputs.mask, inputs.space, tiles), backward=BACKWARD)
 
 
 # ---- launches ------------------------------------------------------------------------------------
@@ -685,9 +729,17 @@ def _strides(prefix: str, t: torch.Tensor) -> dict:
 
 
 def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> dict:
-    """Arguments every attention kernel takes: shapes, scale, tiles, dtype switches, mask."""
+    """Arguments every attention kernel takes: :func:`_shapes` and the mask program."""
+    args = _shapes(q, k, v, plan)
+    args.update(plan.program.args(plan.rows.num_partial))
+    args.update(plan.program.flags())
+    return args
+
+
+def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> dict:
+    """Shapes, scale, tiles and dtype switches (what :func:`_common` passes besides the mask)."""
     dk, dv = q.shape[-1], v.shape[-1]
-    args = dict(q_len=q.shape[2], kv_len=k.shape[2], head_dk=dk, head_dv=dv,
+    return dict(q_len=q.shape[2], kv_len=k.shape[2], head_dk=dk, head_dv=dv,
                 qk_scale=plan.scale * LOG2E, TUNE_KEY=plan.tune_key,
                 SPARSE_Q=plan.tiles.sparse_q, SPARSE_K=plan.tiles.sparse_k,
                 DK_PAD=head_pad(dk), DV_PAD=head_pad(dv),
@@ -696,9 +748,6 @@ def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> di
                 TMA_OK=False,
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 UPCAST=plan.interpret and q.dtype == torch.bfloat16)
-    args.update(plan.program.args(plan.rows.num_partial))
-    args.update(plan.program.flags())
-    return args
 
 
 @dataclass
@@ -890,10 +939,15 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def dkdv_call(q, k, v, dout, lse2, delta_, dk, dv, plan: Plan) -> Call:
+def dkdv_call(q, k, v, dout, lse2, delta_, dk, dv, plan: Plan,
+              ds: Optional[torch.Tensor] = None) -> Call:
     """The launch filling ``dk [B, Hkv, Tk, Dk]`` and ``dv [B, Hkv, Tk, Dv]`` (``lse2``, ``delta_``:
-    the ``[B, H, Tq]`` row statistics :func:`dq_call`'s kernel wrote)."""
-    tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse2=lse2, Delta=delta_, dK=dk, dV=dv)
+    the ``[B, H, Tq]`` row statistics, written before it by :func:`dq_call`'s kernel or
+    :func:`stats_call`'s), and, given ``ds`` (:func:`ds_buffer`), every tile's dS there for
+    :func:`dq_stored_call`."""
+    # without ds, DS is a placeholder the kernel never touches (STORE_DS off)
+    tensors = dict(Q=q, K=k, V=v, dOut=dout, Lse2=lse2, Delta=delta_, dK=dk, dV=dv,
+                   DS=dk if ds is None else ds)
 
     def build() -> Call:
         batch, heads, _, _ = q.shape
@@ -902,13 +956,23 @@ def dkdv_call(q, k, v, dout, lse2, delta_, dk, dv, plan: Plan) -> Call:
                     **_strides("do", dout), **_strides("dk", dk), **_strides("dv", dv),
                     heads=heads, heads_kv=heads_kv, group=heads // heads_kv, sm_scale=plan.scale,
                     **_common(q, k, v, plan), **plan.cols.args())
+        args.update(_ds_args(ds, plan), slots=plan.slots[0] if ds is not None else plan.cols.index)
         return Call("attn_bwd_dkdv", args, _grid(kv_len, plan.tiles.sparse_k, 1, batch * heads_kv),
                     plan.tiles.dkdv, plan.tiles.walk)
-    call = _reuse(plan, "attn_bwd_dkdv", tensors, build)
+    call = _reuse(plan, "attn_bwd_dkdv", tensors, build, extra=(ds is not None,))
     # the walked query rows and their stats; with GQA the kernel would remake the descriptors
     # per query head inside its loop over them, a path no GPU has run yet: pointers there
     call.args["TMA_OK"] = q.shape[1] == k.shape[1] and _tma_ok(q, dout, lse2, delta_)
     return call
+
+
+def _ds_args(ds: Optional[torch.Tensor], plan: Plan) -> dict:
+    """The stored-dS switch and buffer strides of dK/dV and dQ (0 without a buffer); the
+    switch is part of the autotuner's key (bit 30 of ``TUNE_KEY``): storing dS changes which
+    dK/dV config is fastest."""
+    strides = ds.stride()[:4] if ds is not None else (0, 0, 0, 0)
+    return dict(STORE_DS=ds is not None, TUNE_KEY=plan.tune_key | (ds is not None) << 30,
+                **dict(zip(("s_ds_b", "s_ds_h", "s_ds_r", "s_ds_e"), strides)))
 
 
 def dq_call(q, k, v, dout, out, lse, dlse, lse2, delta_, dq, plan: Plan) -> Call:
@@ -932,6 +996,96 @@ def dq_call(q, k, v, dout, out, lse, dlse, lse2, delta_, dq, plan: Plan) -> Call
     call = _reuse(plan, "attn_bwd_dq", tensors, build, extra=(dlse is not None,))
     call.args["TMA_OK"] = _tma_ok(k, v)
     return call
+
+
+BACKWARD = "recompute"
+"""How the backward computes dQ:
+
+- ``"recompute"``: dQ's programs recompute each tile's scores and dP (three matmuls a tile, as
+  FlexAttention's backward; seven a tile with dK/dV's four), no atomics and no buffer; dQ
+  runs first and writes the row statistics dK/dV reads.
+- ``"stored_ds"``: a small kernel writes the row statistics, dK/dV also stores each tile's dS
+  (q's dtype) in a buffer of one slot per listed sparse block (:func:`ds_buffer`), and dQ is
+  ``dS·K`` from there (one matmul a tile: five in all, as FlashAttention-2/3's atomic dQ, yet
+  deterministic). Costs the buffer (``B·H·R·E`` slots of 128×128) and its write and read.
+- ``"auto"``: ``"stored_ds"`` for sparse masks (no query row lists more than half the key
+  blocks) whose buffer fits :data:`STORED_DS_MAX_BYTES`, else ``"recompute"``.
+
+``"recompute"`` stays the default until the stored path is timed on a GPU
+(``benchmarks/gpu.py`` times both). A call's backward follows the value when its forward
+was planned (:attr:`Plan.backward`; :func:`backward_path` sets it for a block)."""
+BACKWARDS = ("recompute", "stored_ds", "auto")
+
+STORED_DS_MAX_BYTES = 2 << 30
+
+
+@contextlib.contextmanager
+def backward_path(mode: str):
+    """Inside this block, calls plan their backward as ``mode`` (:data:`BACKWARD`)."""
+    global BACKWARD
+    before, BACKWARD = BACKWARD, mode
+    try:
+        yield
+    finally:
+        BACKWARD = before
+
+
+def stores_ds(q: torch.Tensor, plan: Plan) -> bool:
+    """Whether this backward takes the stored-dS path (:attr:`Plan.backward`)."""
+    if plan.backward != "auto":
+        return plan.backward == "stored_ds"
+    _, entries = plan.slots
+    sparse = 2 * entries <= plan.codes.shape[-1]
+    return sparse and ds_bytes(q, plan) <= STORED_DS_MAX_BYTES
+
+
+def ds_bytes(q: torch.Tensor, plan: Plan) -> int:
+    """Size of :func:`ds_buffer` for ``q [B, H, Tq, D]``."""
+    batch, heads = q.shape[:2]
+    return (batch * heads * plan.codes.shape[-2] * plan.slots[1] * plan.tiles.sparse_q
+            * plan.tiles.sparse_k * q.element_size())
+
+
+def ds_buffer(q: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """The stored-dS buffer ``[B, H, R, E, SPARSE_K, SPARSE_Q]`` in q's dtype (R query block
+    rows, E the most blocks a row lists: :attr:`Layout.slots`); uninitialised, as dK/dV writes
+    every slot dQ reads."""
+    batch, heads = q.shape[:2]
+    return torch.empty(batch, heads, plan.codes.shape[-2], plan.slots[1], plan.tiles.sparse_k,
+                       plan.tiles.sparse_q, dtype=q.dtype, device=q.device)
+
+
+def stats_call(out, dout, lse, dlse, lse2, delta_, plan: Plan) -> Call:
+    """The stored-dS backward's first launch: the row statistics ``delta_`` and ``lse2`` (as
+    :func:`dq_call` writes them) for dK/dV."""
+    tensors = dict(dOut=dout, Out=out, Lse=lse, dLse=lse if dlse is None else dlse, Lse2=lse2,
+                   Delta=delta_)
+
+    def build() -> Call:
+        batch, heads, q_len, dv = out.shape
+        args = dict(tensors, **_strides("do", dout), **_strides("o", out), heads=heads,
+                    q_len=q_len, head_dv=dv, TUNE_KEY=0, DK_PAD=head_pad(dv),
+                    DV_PAD=head_pad(dv), HAS_DLSE=dlse is not None)
+        return Call("attn_bwd_stats", args, _grid(q_len, plan.tiles.sparse_q, 0, batch * heads),
+                    plan.tiles.dq, "partial_first")
+    return _reuse(plan, "attn_bwd_stats", tensors, build, extra=(dlse is not None,))
+
+
+def dq_stored_call(q, k, v, ds, dq, plan: Plan) -> Call:
+    """The stored-dS backward's last launch: ``dq [B, H, Tq, Dk]`` = scale · dS·K from the
+    buffer :func:`dkdv_call` filled."""
+    tensors = dict(K=k, DS=ds, dQ=dq)
+
+    def build() -> Call:
+        batch, heads, q_len, _ = q.shape
+        args = dict(tensors, **_strides("k", k), **_strides("dq", dq), heads=heads,
+                    group=heads // k.shape[1], sm_scale=plan.scale, **_shapes(q, k, v, plan),
+                    **plan.rows.args())
+        args.update(_ds_args(ds, plan))
+        del args["STORE_DS"]  # always on here
+        return Call("attn_bwd_dq_stored", args, _grid(q_len, plan.tiles.sparse_q, 0, batch * heads),
+                    plan.tiles.dq, plan.tiles.walk)
+    return _reuse(plan, "attn_bwd_dq_stored", tensors, build)
 
 
 def cdiv(a: int, b: int) -> int:
