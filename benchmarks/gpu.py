@@ -74,10 +74,15 @@ REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 sys.path.insert(0, str(REPO / "src"))
 
-COMPETITORS = ("attnkit-triton", "attnkit-kernels", "sdpa-flash", "sdpa-cudnn", "flex-compiled",
-               "sdpa-dense-mask")
+COMPETITORS = ("attnkit-triton", "attnkit-kernels", "attnkit-stored", "sdpa-flash", "sdpa-cudnn",
+               "flex-compiled", "sdpa-dense-mask")
 MASKS = ("window", "documents&causal", "causal", "dense")  # the workloads' masks, in run order
 MASKED = MASKS[:2]  # timed at --masked-length; the rest at each of --lengths
+STORED = "stored_ds"
+"""``attnkit-stored``: ``backend="triton"`` with the stored-dS backward (``launch.BACKWARD``),
+timed, profiled and checked (every candidate with ``--check-configs``, every kind with
+``--check-kinds``) beside the default recomputing one on the masked workloads, the sparse
+masks it is for."""
 OPTIONAL = ("attnkit-auto", "sdpa-default")  # ask with --competitors: what auto picks, torch's own pick
 
 
@@ -132,7 +137,7 @@ def parse_args(argv=None):
                         "(0: as many as the CPUs allow, at most %d)" % WARM_MAX_PARTS)
     p.add_argument("--warm-one", default=None, help=argparse.SUPPRESS)  # "mask:d" (a warm worker)
     p.add_argument("--warm-part", default="0/1", help=argparse.SUPPRESS)  # "p/n": its candidates
-    p.add_argument("--warm-kind", default=None, help=argparse.SUPPRESS)  # "kind:dtype" (a warm worker)
+    p.add_argument("--warm-kind", default=None, help=argparse.SUPPRESS)  # "kind:dtype:backward" (a warm worker)
     p.add_argument("--drop-configs", default="[]", help=argparse.SUPPRESS)  # JSON (see drop_configs)
     p.add_argument("--out", default=None, help="folder for the JSON (default: $OUT, else results/)")
     args = p.parse_args(argv)
@@ -255,6 +260,17 @@ def make_fn(name: str, masks: Masks, device, flex_masks: str = "all") -> tuple[O
         return (lambda q, k, v: ak.attention(q, k, v, mask)), ""
     if name == "attnkit-kernels":
         return KernelsOnly(masks.attnkit), ""
+    if name == "attnkit-stored":
+        if kind not in MASKED:
+            return None, "the stored-dS backward is timed on the sparse (masked) workloads"
+        from attnkit.backends.triton import launch
+
+        mask = masks.attnkit
+
+        def stored(q, k, v):
+            with launch.backward_path(STORED):  # the plan, made here, keeps it for the backward
+                return ak.attention(q, k, v, mask, backend="triton")
+        return stored, ""
     if name == "sdpa-default":
         if kind not in ("dense", "causal"):
             return None, "sdpa-default is timed without a mask but causal"
@@ -310,7 +326,7 @@ def timer(device) -> Callable[[Callable], float]:
     return host
 
 
-PROFILED = ("attnkit-triton", "sdpa-flash", "sdpa-cudnn", "flex-compiled")
+PROFILED = ("attnkit-triton", "attnkit-stored", "sdpa-flash", "sdpa-cudnn", "flex-compiled")
 
 
 LAUNCH_FACTS = {"grid": "grid", "block": "block", "registers per thread": "regs",
@@ -514,6 +530,17 @@ def check_direct_launch(run: Callable[[], tuple], device, first: tuple) -> str:
     return "DIFFERED from JITFunction: turned off"
 
 
+def backwards(mask: str) -> tuple[str, ...]:
+    """The backward paths checked (and warmed) on workload mask ``mask``: the stored-dS one
+    too on the masked workloads (:data:`STORED`)."""
+    return ("recompute", STORED) if mask in MASKED else ("recompute",)
+
+
+KERNELS = {"recompute": ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"),
+           STORED: ("attn_fwd", "attn_bwd_stats", "attn_bwd_dkdv", "attn_bwd_dq_stored")}
+"""The kernels each backward path launches (forward first)."""
+
+
 CONFIG_CHECKS_ALSO = (("causal", 256), ("documents&causal", 256))
 """(mask, head dim) pairs ``--check-configs`` checks besides the workloads': the D256
 candidates, which no timed workload runs."""
@@ -541,19 +568,20 @@ def check_configs(todo: list["Workload"], dtype, device, warmed: "Warmed") -> li
         pad = launch.head_pad(d)
         count = max(len(launch.CONFIGS[name][launch.head_bucket(pad)]) for name in launch.CONFIGS)
         for index in range(count):
-            picked = {name: launch.pinned_config(name, pad, index) for name in launch.CONFIGS}
-            label = "; ".join("{} {}x{} w{} s{} {}".format(name.replace("attn_", ""), *config)
-                              for name, config in picked.items())
-            try:
-                with launch.pinned(index):
-                    result = check(Workload(mask, 1024, d, 1, 2, 128), dtype, device)
-            except Exception as error:  # noqa: BLE001 - a failed check is a result
-                result = {"workload": mask, "n": 1024, "d": d, "ok": False, "errors": {},
-                          "exception": exception_text(error)}
-            result.update(workload=f"config {index}: {mask}", configs=label)
-            rows.append(result)
-            print(f"config {index:2d} {mask:18s} D{d:<4d} {check_text(result)}  [{label}]",
-                  flush=True)
+            for backward in backwards(mask):
+                picked = {name: launch.pinned_config(name, pad, index) for name in KERNELS[backward]}
+                label = "; ".join("{} {}x{} w{} s{} {}".format(name.replace("attn_", ""), *config)
+                                  for name, config in picked.items())
+                try:
+                    with launch.pinned(index), launch.backward_path(backward):
+                        result = check(Workload(mask, 1024, d, 1, 2, 128), dtype, device)
+                except Exception as error:  # noqa: BLE001 - a failed check is a result
+                    result = {"workload": mask, "n": 1024, "d": d, "ok": False, "errors": {},
+                              "exception": exception_text(error)}
+                result.update(workload=f"config {index}: {mask}", configs=label, backward=backward)
+                rows.append(result)
+                print(f"config {index:2d} {mask:18s} D{d:<4d} {check_text(result)}  [{label}]",
+                      flush=True)
     return rows
 
 
@@ -581,19 +609,26 @@ def mask_kinds(tq: int, tk: int, batch: int, gen: torch.Generator, device=None) 
 
 
 KIND_SHAPE = (2, 4, 2, 300, 333, 64)  # batch, query heads, K/V heads, Tq, Tk, D
-KIND_DTYPES = (("bf16", None), ("fp16", ("causal", "documents&causal", "bias&causal")))
-"""The dtypes mask kinds are checked in, each with the kinds (``None``: all) checked in it:
-each (kind, dtype) compiles its own kernels, about 3 × 1–2 s."""
+KIND_PASSES = (("bf16", None, "recompute"), ("fp16", ("causal", "documents&causal", "bias&causal"),
+                                              "recompute"), ("bf16", None, STORED))
+"""The dtypes and backward paths mask kinds are checked in, each with the kinds (``None``: all)
+checked in it: each (kind, dtype, backward) compiles its own kernels, about 3 × 1–2 s."""
 
 
-def check_kinds(dtype, device, only=None, warmed: Optional["Warmed"] = None) -> list[dict]:
+def kind_label(name: str, low: str, backward: str) -> str:
+    """A mask-kind check's warm job: ``"kind name dtype"`` (+ the backward when stored)."""
+    return f"kind {name} {low}" + ("" if backward == "recompute" else f" {backward}")
+
+
+def check_kinds(dtype, device, only=None, warmed: Optional["Warmed"] = None,
+                backward: str = "recompute") -> list[dict]:
     """Each mask kind (or those in ``only``), GQA 4/2, ragged Tq 300 × Tk 333, D 64, against
     float64 on the CPU: out, LSE, dq, dk, dv, with the error of torch's own SDPA (dense mask)
     in ``dtype`` as the yardstick (allowed: 2× it + 2e-3). An exception is a failed case,
     reported, not fatal; a kind whose warm worker failed is not run here (a crash would end
     this process's CUDA context). The kernels run one config each (``launch.pinned(0)``):
     autotuning would compile every candidate for every kind; the autotuned configs are checked
-    at full size with the workloads."""
+    at full size with the workloads. ``backward``: the backward path (``launch.BACKWARD``)."""
     import attnkit as ak
     from attnkit.backends.triton import launch
 
@@ -607,7 +642,7 @@ def check_kinds(dtype, device, only=None, warmed: Optional["Warmed"] = None) -> 
         row = {"case": name, "ok": False}
         try:
             low_name = next(key for key, value in DTYPES.items() if value == dtype)
-            if warmed is not None and warmed.skips(f"kind {name} {low_name}"):
+            if warmed is not None and warmed.skips(kind_label(name, low_name, backward)):
                 raise RuntimeError(WARM_FAILED)
             q, k, v = (torch.randn(batch, h, t, d, generator=gen, dtype=torch.float64)
                        for h, t in ((heads, tq), (heads_kv, tk), (heads_kv, tk)))
@@ -618,7 +653,7 @@ def check_kinds(dtype, device, only=None, warmed: Optional["Warmed"] = None) -> 
             truth_grads = torch.autograd.grad(truth.out, truth_in, dout.to(dtype).double())
             ours_in = [t.to(device).requires_grad_() for t in low]
             poison_allocator(device, 64 * 2**20)
-            with launch.pinned(0):
+            with launch.pinned(0), launch.backward_path(backward):
                 ours = ak.attention(*ours_in, on_device[name], backend="triton", return_lse=True)
                 grads = torch.autograd.grad(ours.out, ours_in, dout.to(dtype).to(device))
             yard_in = [t.to(device).requires_grad_() for t in low]
@@ -642,7 +677,8 @@ def check_kinds(dtype, device, only=None, warmed: Optional["Warmed"] = None) -> 
         except Exception as error:  # noqa: BLE001 - a failed case is a result
             row["exception"] = exception_text(error)
         rows.append(row)
-        print(f"kind {name:20s} {str(dtype).replace('torch.', ''):9s} {check_text(row)}", flush=True)
+        print(f"kind {name:20s} {str(dtype).replace('torch.', ''):9s} "
+              f"{'' if backward == 'recompute' else 'stored dS '}{check_text(row)}", flush=True)
     return rows
 
 
@@ -696,6 +732,7 @@ def compile_only(dims: list[int], out: Optional[str], mask_name: str = "causal")
                  "attn_bwd_dkdv+ds": launch.dkdv_call(q, q, q, q, lse, delta, q, q, plan, ds),
                  "attn_bwd_dq_stored": launch.dq_stored_call(q, q, q, ds, q, plan),
                  "attn_bwd_stats": launch.stats_call(q, q, lse, None, lse, delta, plan)}
+        calls["attn_bwd_dkdv+ds"].args["DS_TMA"] = launch.DS_BY_TMA  # as on sm90 (CPU tensors here)
         for label, call in calls.items():
             kernel = getattr(launch.kernels(), call.name)
             for m, n, warps, stages, walk in launch.CONFIGS[call.name][launch.head_bucket(d)]:
@@ -905,9 +942,10 @@ def main(argv=None) -> int:
         else:
             print("--check-configs: the interpreter runs one fixed config; skipped")
     if args.check_kinds:
-        for low, only in KIND_DTYPES:
-            checks += [dict(row, workload=f"kind:{row['case']}", d=64, dtype=str(DTYPES[low]))
-                       for row in check_kinds(DTYPES[low], device, only, warmed)]
+        for low, only, backward in KIND_PASSES:
+            checks += [dict(row, workload=f"kind:{row['case']}", d=64, dtype=str(DTYPES[low]),
+                            backward=backward)
+                       for row in check_kinds(DTYPES[low], device, only, warmed, backward)]
     if not args.skip_check:
         seen = set()
         for w in todo:  # each mask kind and head dim once, at its longest N
@@ -915,18 +953,24 @@ def main(argv=None) -> int:
             if (w.mask, w.d) in seen or w.n != longest:
                 continue
             seen.add((w.mask, w.d))
-            try:
-                if warmed.skips(warm_label(w.mask, w.d)):
-                    raise RuntimeError(WARM_FAILED)
-                result = check(w, dtype, device)
-            except Exception as error:  # noqa: BLE001 - a failed check is a result
-                traceback.print_exc()
-                result = {"workload": w.label, "n": w.n, "d": w.d, "ok": False, "errors": {},
-                          "exception": repr(error)}
-            checks.append(result)
-            errs = " ".join(f"{k} {v['triton']:.1e}/{v['sdpa']:.1e}" for k, v in result["errors"].items())
-            print(f"check {w.label:18s} D{w.d:<4d} N{w.n:<6d} {'ok' if result['ok'] else 'FAILED'}  "
-                  f"(triton/sdpa rel. error) {errs}", flush=True)
+            for backward in backwards(w.mask):
+                try:
+                    if warmed.skips(warm_label(w.mask, w.d)):
+                        raise RuntimeError(WARM_FAILED)
+                    with launch.backward_path(backward):
+                        result = check(w, dtype, device)
+                except Exception as error:  # noqa: BLE001 - a failed check is a result
+                    traceback.print_exc()
+                    result = {"workload": w.label, "n": w.n, "d": w.d, "ok": False, "errors": {},
+                              "exception": repr(error)}
+                label = w.label + ("" if backward == "recompute" else " (stored dS)")
+                result["workload"] = label
+                checks.append(result)
+                errs = " ".join(f"{k} {v['triton']:.1e}/{v['sdpa']:.1e}"
+                                for k, v in result["errors"].items())
+                print(f"check {label:18s} D{w.d:<4d} N{w.n:<6d} "
+                      f"{'ok' if result['ok'] else 'FAILED'}  (triton/sdpa rel. error) {errs}",
+                      flush=True)
 
     out_dir = Path(args.out or os.environ.get("OUT") or REPO / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -1203,10 +1247,10 @@ def warm(todo: list[Workload], args, run=None) -> Warmed:
                                                "--exclude-walks", args.exclude_walks]
             for mask, d in pairs for part in range(parts)}
     if args.check_kinds:  # the mask-kind checks' one config per kernel, each kind in its dtypes
-        for low, only in KIND_DTYPES:
+        for low, only, backward in KIND_PASSES:
             for name in (only or mask_kinds(*KIND_SHAPE[3:5], KIND_SHAPE[0], torch.Generator())):
-                jobs[f"kind {name} {low}"] = ["--warm-kind", f"{name}:{low}",
-                                              "--exclude-walks", args.exclude_walks]
+                jobs[kind_label(name, low, backward)] = ["--warm-kind", f"{name}:{low}:{backward}",
+                                                         "--exclude-walks", args.exclude_walks]
     start = time.perf_counter()
     found = Warmed()
     pending = dict(jobs)
@@ -1332,8 +1376,8 @@ def drop_configs(dropped: list[list]) -> None:
 
 
 def warm_one(spec: str, dtype_name: str, span: int, part: str = "0/1") -> int:
-    """One warm worker: forward and backward of ``mask:d`` at a small size with each candidate
-    of its ``part`` (``"p/n"``: the candidates i with i mod n = p) in turn (``launch.pinned(i)``:
+    """One warm worker: forward and backward of ``mask:d`` at a small size, through each of its
+    backward paths (:func:`backwards`), with each candidate of its ``part`` (``"p/n"``: the candidates i with i mod n = p) in turn (``launch.pinned(i)``:
     candidate i of every kernel), each launch traced; then, in part 0 alone, three unpinned
     calls (autotuning, ``JITFunction``, direct launches: ``launch.DIRECT_LAUNCH``), by when
     the other parts' binaries are mostly on disk (those that are not, it compiles)."""
@@ -1354,35 +1398,40 @@ def warm_one(spec: str, dtype_name: str, span: int, part: str = "0/1") -> int:
             if index % parts != mine:
                 continue
             with launch.pinned(index):
-                out = ak.attention(q, k, v, attn_mask, backend="triton")
-                out.backward(torch.randn_like(out))
+                for backward in backwards(mask):
+                    with launch.backward_path(backward):
+                        out = ak.attention(q, k, v, attn_mask, backend="triton")
+                    out.backward(torch.randn_like(out))
     if mine:
         return 0
     # then as the timed process launches: autotuned, through JITFunction, then directly
     print(TRACE + "direct", flush=True)
-    for _ in range(3):
-        out = ak.attention(q, k, v, attn_mask, backend="triton")
-        out.backward(torch.randn_like(out))
-        torch.cuda.synchronize()
+    for backward in backwards(mask):
+        for _ in range(3):
+            with launch.backward_path(backward):
+                out = ak.attention(q, k, v, attn_mask, backend="triton")
+            out.backward(torch.randn_like(out))
+            torch.cuda.synchronize()
     print(TRACE + "direct ok", flush=True)
     return 0
 
 
 def warm_kind(spec: str) -> int:
     """One warm worker: the forward and backward ``check_kinds`` runs for mask kind ``name`` in
-    ``dtype`` (``"name:bf16"``), with the same shapes, mask and single configs: the same
-    binaries, so the check in the timed process loads instead of compiling."""
+    ``dtype`` through ``backward`` (``"name:bf16:recompute"``), with the same shapes, mask and
+    single configs: the same binaries, so the check in the timed process loads instead of
+    compiling."""
     import attnkit as ak
     from attnkit.backends.triton import launch
 
-    name, dtype_name = spec.rsplit(":", 1)
+    name, dtype_name, backward = spec.rsplit(":", 2)
     device = torch.device("cuda")
     dtype = DTYPES[dtype_name]
     batch, heads, heads_kv, tq, tk, d = KIND_SHAPE
     mask = mask_kinds(tq, tk, batch, torch.Generator().manual_seed(1), device)[name]
     q, k, v = (torch.randn(batch, h, t, d, device=device, dtype=dtype).requires_grad_()
                for h, t in ((heads, tq), (heads_kv, tk), (heads_kv, tk)))
-    with launch.pinned(0), traced_launches():
+    with launch.pinned(0), traced_launches(), launch.backward_path(backward):
         out = ak.attention(q, k, v, mask, backend="triton")
         out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
@@ -1390,16 +1439,19 @@ def warm_kind(spec: str) -> int:
 
 
 def print_table(results: list[Result], competitors: list[str], info: dict) -> None:
-    """TFLOP/s per competitor, side by side, and our ratio to the best competitor on the row."""
+    """TFLOP/s per competitor, side by side, and our ratio to the best competitor on the row
+    (``attnkit-triton``'s, and ``attnkit-stored``'s where it ran)."""
     keyed = {}
     for r in results:
         keyed.setdefault((r.workload, r.d, r.n, r.mode), {})[r.backend] = r
     short = {"attnkit-triton": "triton", "attnkit-kernels": "kernels", "sdpa-flash": "flash",
              "sdpa-cudnn": "cudnn",
              "flex-compiled": "flex", "sdpa-dense-mask": "sdpa+mask", "attnkit-auto": "auto",
-             "sdpa-default": "sdpa"}
+             "sdpa-default": "sdpa", "attnkit-stored": "stored"}
+    with_stored = "attnkit-stored" in competitors
     header = f"{'workload':16s} {'D':>4s} {'N':>6s} {'mode':8s}" + "".join(
-        f"{short.get(c, c):>10s}" for c in competitors) + f"{'vs best':>9s}{'% mm':>6s}"
+        f"{short.get(c, c):>10s}" for c in competitors) + f"{'vs best':>9s}{'% mm':>6s}" + (
+        f"{'stored vs best':>15s}" if with_stored else "")
     print("\nTFLOP/s (median of do_bench; n/a = cannot run this mask)")
     print(header)
     for (workload, d, n, mode), row in keyed.items():
@@ -1417,7 +1469,10 @@ def print_table(results: list[Result], competitors: list[str], info: dict) -> No
                  else f"{'':>9s}")
         peak = info.get("matmul_tflops")
         share = f"{100 * ours.tflops / peak:5.0f}%" if ours and ours.tflops and peak else f"{'':>6s}"
-        print(f"{workload:16s} {d:4d} {n:6d} {mode:8s}" + "".join(cells) + ratio + share)
+        stored = row.get("attnkit-stored")
+        other = (f"{stored.tflops / best_other:14.2f}x" if with_stored and stored and stored.tflops
+                 and best_other else "")
+        print(f"{workload:16s} {d:4d} {n:6d} {mode:8s}" + "".join(cells) + ratio + share + other)
     waited = host_bound(keyed) if not info.get("dry_run") else []  # the interpreter: noise
     if waited:
         print(f"\nthe GPU waited on our Python (attnkit-triton over {HOST_SLACK:.2f}x the time of its "

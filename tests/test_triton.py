@@ -523,7 +523,28 @@ def test_stored_ds_every_mask(name, gen, stored_ds):
 @pytest.mark.parametrize("walk", sorted(launch.WALKS))
 def test_stored_ds_every_walk(walk, gen, monkeypatch, stored_ds):
     """dK/dV finds each tile's slot in every walk (unrolled sub-tiles, one per iteration, one
-    loop; rows heaviest first), with two kernel blocks per sparse block and a ragged tail."""
+    loop; rows heaviest first; TMA loads too), dS by TMA stores, with two kernel blocks per
+    sparse block and a ragged tail whose last sub-block no dK/dV program writes (76
+    positions: every tensor TMA-eligible; no GQA, which turns the TMA loads off in dK/dV)."""
+    use_walk(monkeypatch, walk, sparse=32, block=16)
+    mask, allowed = _docs(gen, 76, 2, causal=True)
+    q, k, v = make_qkv(1, 2, 2, 76, 76, 16, 16, torch.float32, gen)
+    tma = []
+    build = launch.dkdv_call
+
+    def dkdv_call(*args, **kwargs):
+        call = build(*args, **kwargs)
+        tma.append(call.args["TMA_OK"])
+        return call
+    monkeypatch.setattr(launch, "dkdv_call", dkdv_call)
+    check(q, k, v, mask, allowed, gen=gen)
+    assert tma == [True]
+
+
+@pytest.mark.parametrize("walk", [launch.P, launch.F_FLAT, launch.M])
+def test_stored_ds_by_pointer_stores(walk, gen, monkeypatch, stored_ds):
+    """Without TMA (``DS_BY_TMA`` off, as on a GPU before sm90) dS goes by pointer stores."""
+    monkeypatch.setattr(launch, "DS_BY_TMA", False)
     use_walk(monkeypatch, walk, sparse=32, block=16)
     mask, allowed = _docs(gen, 70, 2, causal=True)
     q, k, v = make_qkv(1, 2, 1, 70, 70, 16, 16, torch.float32, gen)
@@ -1205,10 +1226,16 @@ def test_benchmark_dry_run(tmp_path, capsys, bench):
     assert bench.main(["--dry-run", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     saved = json.loads((tmp_path / "gpu_bench_dry_run.json").read_text())
-    assert all(check["ok"] for check in saved["checks"]) and len(saved["checks"]) == 4
+    # each mask once, the two masked workloads' stored-dS backward too
+    assert all(check["ok"] for check in saved["checks"]) and len(saved["checks"]) == 6
+    assert sum("(stored dS)" in check["workload"] for check in saved["checks"]) == 2
     for backend in ("attnkit-triton", "attnkit-kernels"):  # the kernels alone: both modes too
         ours = [r for r in saved["results"] if r["backend"] == backend]
         assert len(ours) == 8 and all(r["tflops"] and r["tflops"] > 0 for r in ours)
+    stored = [r for r in saved["results"] if r["backend"] == "attnkit-stored" and r["tflops"]]
+    assert {(r["workload"], r["mode"]) for r in stored} == {
+        (w, m) for w in ("window16", "docs16&causal") for m in ("fwd", "fwd+bwd")}
+    assert "stored vs best" in printed
     assert "TFLOP/s" in printed and "docs16&causal" in printed
     assert time.perf_counter() - start < 180  # 25-40 s here: catches a run that compiles or
     # times far more than toy sizes, not a slow machine
@@ -1217,6 +1244,7 @@ def test_benchmark_dry_run(tmp_path, capsys, bench):
                                                     "causal D32 N64", "dense D32 N64"}
     ours = saved["info"]["kernel_profile"]["causal D32 N64"]["attnkit-triton"]
     assert ours and all(row["us"] > 0 and row["calls"] >= 1 for row in ours.values())
+    assert saved["info"]["kernel_profile"]["window16 D32 N64"]["attnkit-stored"]
     assert "torch.profiler" in printed
     facts = {"grid": [8, 32, 1], "block": [256, 1, 1], "registers per thread": 255,
              "shared memory": 98304, "blocks per SM": 1, "est. achieved occupancy %": 12}
@@ -1322,7 +1350,8 @@ def test_benchmark_warm_isolates_failures(bench, capsys, monkeypatch):
     assert warmed.dropped == [["attn_fwd", 128, bad]] and tuple(bad) not in launch.CONFIGS["attn_fwd"][128]
     assert sorted(warmed.broken) == ["kind causal bf16", "window D128"]
     assert len(calls) == 2 and list(calls[1]) == ["causal D128"]
-    assert "kind documents bf16" in calls[0] and len(calls[0]) == 3 + 11 + 3
+    # 3 workload jobs; 11 kinds in bf16, 3 in fp16, 11 in bf16 through the stored-dS backward
+    assert "kind documents bf16 stored_ds" in calls[0] and len(calls[0]) == 3 + 11 + 3 + 11
     assert warmed.direct_failed and "documents&causal D128" not in warmed.broken
     printed = capsys.readouterr().out
     assert "candidate dropped, job rerun" in printed and "left out of this run" in printed

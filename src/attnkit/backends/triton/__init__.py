@@ -11,7 +11,10 @@ Status
   FlexAttention, documents forward 1.25× and sliding window 1.17–1.19×, forward+backward
   0.98–1.01× (window) and 0.89× (documents; 1.00× by the kernels): our forward kernel beats
   Flex's by 1.20–1.24×, our backward (Δ, dK/dV, dQ) was 1.02–1.08× slower than its one (the
-  Δ preprocess has since been folded into dQ, not yet measured).
+  Δ preprocess has since been folded into dQ, not yet measured). A second backward for
+  sparse masks, dQ from dS tiles that dK/dV stores (``launch.BACKWARD``: 5 matmuls a tile
+  pair instead of 7, no atomics), is built and tested here, not yet timed: the default
+  stays the recomputing one.
   Host time per call: ~100–130 µs per forward, ~0.6–0.75 ms per forward+backward (SDPA:
   19 / ~180 µs): from a launch template's third call the compiled kernels are launched
   directly (25–37 µs per launch there, against 213–260 µs for Triton's ``JITFunction``
@@ -24,6 +27,7 @@ Status
   backward (dq, dk, dv, and the LSE's own gradient) against float64 math for every mask kind
   (causal both alignments, sliding window, padding with fully masked rows, documents, documents
   & causal, dense bool, bias, bias & causal, from_function, ``|``, ``~``, band & padding),
+  through both backwards (recomputing, and stored dS with its buffer NaN-poisoned),
   ragged lengths (37×53), Tq ≠ Tk, GQA 2/1 and 4/2 with per-head masks, Dk ≠ Dv, head dims
   16–80 (non-powers of two padded), fp32/fp16/bf16, NaN-poisoned memory around every input,
   bit-identical re-runs, skipped blocks never read, every walk of the block lists, the layout

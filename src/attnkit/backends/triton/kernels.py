@@ -1,5 +1,6 @@
 """The ``@triton.jit`` kernels of the triton backend: forward, dQ (which also writes the
-backward's row statistics), dK/dV.
+backward's row statistics), dK/dV; and for the stored-dS backward (``launch.BACKWARD``) the
+row statistics alone, dK/dV storing dS (``STORE_DS``), and dQ from the stored dS.
 
 This module is never imported by name: ``launch.kernels(interpret)`` loads it once per
 flavour (compiled for CUDA, interpreted for CPU tensors), because Triton decides at
@@ -617,34 +618,40 @@ def _walk_row_stats(lse_src, delta_src, start_m, b, h, heads, offs_m, q_len,
 
 
 @triton.jit
-def _ds_tile(DS, slot_row, j, start_m, k_start, b, h, s_ds_b, s_ds_h, s_ds_r, s_ds_e,
-             SPARSE_Q: tl.constexpr, SPARSE_K: tl.constexpr, STORE_DS: tl.constexpr):
-    """Where dK/dV stores the dS tile of its key rows ``k_start …`` and the query block
-    ``start_m …``, entry ``j`` of its column's list (STORE_DS; else ``DS`` itself, unused).
-    ``DS [B, H, R, E, SPARSE_K, SPARSE_Q]`` keeps one slot per listed sparse block, indexed as
-    the *forward* lists index it (query row ``r``, entry ``e`` of that row), so the dQ kernel
-    (:func:`attn_bwd_dq_stored`) reads its slots at addresses affine in its loop counter;
-    ``slot_row``: this column's ``e`` for each of its entries (``launch.Layout.slots``)."""
-    tile = DS
+def _ds_at(slot_row, j, start_m, k_start, b, h, s_ds_b, s_ds_h, s_ds_r, s_ds_e,
+           SPARSE_Q: tl.constexpr, SPARSE_K: tl.constexpr, STORE_DS: tl.constexpr):
+    """Where (an element offset into ``DS``) dK/dV stores the dS tile of its key rows
+    ``k_start …`` and the query block ``start_m …``, entry ``j`` of its column's list
+    (STORE_DS; else 0, unused). ``DS [B, H, R, E, SPARSE_K, SPARSE_Q]`` keeps one slot per listed
+    sparse block, indexed as the *forward* lists index it (query row ``r``, entry ``e`` of that
+    row), so the dQ kernel (:func:`attn_bwd_dq_stored`) reads its slots at addresses affine in
+    its loop counter; ``slot_row``: this column's ``e`` for each of its entries
+    (``launch.Layout.slots``)."""
+    at = 0
     if STORE_DS:
         e = tl.load(slot_row + j)
-        tile = (DS + b * s_ds_b + h * s_ds_h + (start_m // SPARSE_Q) * s_ds_r + e * s_ds_e
-                + (k_start % SPARSE_K) * SPARSE_Q + start_m % SPARSE_Q)
-    return tile
+        at = (b * s_ds_b + h * s_ds_h + (start_m // SPARSE_Q) * s_ds_r + e * s_ds_e
+              + (k_start % SPARSE_K) * SPARSE_Q + start_m % SPARSE_Q)
+    return at
 
 
 @triton.jit
 def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, k_start, offs_dk,
                offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, q_len, kv_len, head_dk, head_dv,
-               qk_scale, mask, own, partial, ds_tile, LOAD_BOUNDS: tl.constexpr,
+               qk_scale, mask, own, partial, ds_dst, ds_at, LOAD_BOUNDS: tl.constexpr,
                BOUNDS: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_DK: tl.constexpr,
                EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-               USE_TMA: tl.constexpr, SPARSE_Q: tl.constexpr, STORE_DS: tl.constexpr):
+               USE_TMA: tl.constexpr, SPARSE_Q: tl.constexpr, STORE_DS: tl.constexpr,
+               DS_TMA: tl.constexpr):
     """One query block's (rows ``start_m …``) contribution to ``dk [N, DK]`` and ``dv [N, DV]``
     of the key rows ``k_start …`` (transposed scores ``[N, M]``); ``partial``, LOAD_BOUNDS,
     USE_TMA: as for :func:`_fwd_tile`. STORE_DS: the tile's ``dsᵀ [N, M]`` (q's dtype, the
-    operand of dK's product) is also stored at ``ds_tile`` (:func:`_ds_tile`), rows
-    ``SPARSE_Q`` apart."""
+    operand of dK's product) is also stored at offset ``ds_at`` (:func:`_ds_at`) of ``ds_dst``,
+    rows ``SPARSE_Q`` apart: with DS_TMA ``ds_dst`` describes ``DS`` as ``[rows, SPARSE_Q]``
+    and the tile goes by one TMA store (registers to shared memory, then an asynchronous
+    copy), else ``ds_dst`` is ``DS`` (stored through a blocked layout: a shuffle through
+    shared memory and back, ~110 more SASS instructions a tile than without the store in
+    offline sm90 builds of the flat 32×128 loops, against ~25 by TMA)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _walk_tile(q_base, start_m, offs_m, offs_dk, s_q_t, s_q_d, q_len, head_dk, LOAD_BOUNDS,
                    EVEN_DK, USE_TMA)  # [M, DK]
@@ -659,9 +666,12 @@ def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, k_sta
     dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST)  # [N, M]
     ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)  # gradient of the scaled scores
     if STORE_DS:
-        rows = tl.arange(0, ds_t.shape[0])
-        cols = tl.arange(0, ds_t.shape[1])
-        tl.store(ds_tile + rows[:, None] * SPARSE_Q + cols[None, :], ds_t)
+        if DS_TMA:
+            ds_dst.store([(ds_at // SPARSE_Q).to(tl.int32), (ds_at % SPARSE_Q).to(tl.int32)], ds_t)
+        else:
+            rows = tl.arange(0, ds_t.shape[0])
+            cols = tl.arange(0, ds_t.shape[1])
+            tl.store(ds_dst + ds_at + rows[:, None] * SPARSE_Q + cols[None, :], ds_t)
     dk += _dot(ds_t, q, PRECISION, UPCAST)
     return dk, dv
 
@@ -688,12 +698,12 @@ def _dq_tile(q, do, lse2, delta, dq, start_n, k_base, v_base, q_start, offs_dk, 
     return dq
 
 
-@triton.jit(do_not_specialize=SIZES_AND_MASK + ["heads_kv"] + DS_STRIDES)
+@triton.jit(do_not_specialize=SIZES_AND_MASK + ["heads_kv", "ds_rows"] + DS_STRIDES)
 def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV, DS, slots,
                   s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_t, s_k_d,
                   s_v_b, s_v_h, s_v_t, s_v_d, s_do_b, s_do_h, s_do_t, s_do_d,
                   s_dk_b, s_dk_h, s_dk_t, s_dk_d, s_dv_b, s_dv_h, s_dv_t, s_dv_d,
-                  s_ds_b, s_ds_h, s_ds_r, s_ds_e,
+                  s_ds_b, s_ds_h, s_ds_r, s_ds_e, ds_rows,
                   heads, heads_kv, group, q_len, kv_len, head_dk, head_dv, qk_scale, sm_scale,
                   num_partial, num_full, index, order, s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r,
                   band_lo, band_hi, q_lens, s_qlen_b, kv_lens, s_kvlen_b,
@@ -712,12 +722,14 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV, DS, slots,
                   BOUNDS: tl.constexpr,
                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_QLEN: tl.constexpr,
                   HAS_KVLEN: tl.constexpr, HAS_DOCS: tl.constexpr, DOC_RANGES: tl.constexpr,
-                  HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DS: tl.constexpr):
+                  HAS_DENSE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DS: tl.constexpr,
+                  DS_TMA: tl.constexpr):
     """dK, dV: one program per (key block, batch × kv head); loops over the group's query heads
     (GQA without atomics) and, per head, over the non-empty query blocks of this key block
     (the transposed block lists). Writes ``dK [B, Hkv, Tk, Dk]``, ``dV [B, Hkv, Tk, Dv]``, and
     with STORE_DS every tile's dS into its slot of ``DS`` for :func:`attn_bwd_dq_stored`
-    (:func:`_ds_tile`; ``slots``: ``[B, H, C, R]`` int32, strided as ``index``)."""
+    (:func:`_ds_at`; ``slots``: ``[B, H, C, R]`` int32, strided as ``index``; ``ds_rows``:
+    ``DS``'s size over ``SPARSE_Q``)."""
     mask = MaskArgs(band_lo, band_hi, q_lens, s_qlen_b, kv_lens, s_kvlen_b,
                     q_docs, s_qdoc_b, s_qdoc_t, kv_docs, s_kvdoc_b, s_kvdoc_t,
                     dense, s_dense_b, s_dense_h, s_dense_q, s_dense_k,
@@ -743,6 +755,10 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV, DS, slots,
     col = (pid_n * BLOCK_N) // SPARSE_K  # this key block's row in the transposed block lists
     SUBS: tl.constexpr = SPARSE_Q // BLOCK_M  # kernel blocks per sparse block
     USE_TMA: tl.constexpr = TMA and TMA_OK  # the config asks for TMA, the host allows it
+    ds_dst = DS
+    if STORE_DS and DS_TMA:  # dS tiles by TMA stores, whatever the walk loads by
+        ds_dst = tl.make_tensor_descriptor(DS, shape=[ds_rows, SPARSE_Q], strides=[SPARSE_Q, 1],
+                                           block_shape=[BLOCK_N, BLOCK_M])
     for g in range(0, group):
         h = h_kv * group + g
         q_base = _describe(Q + b * s_q_b + h * s_q_h, q_len, head_dk, s_q_t, BLOCK_M, DK_PAD,
@@ -765,13 +781,14 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV, DS, slots,
             for t in range(0, (n_partial + n_full) * SUBS):
                 start_m = _merged_start(blocks, t, n_partial * SUBS, spacing, SUBS,
                                         SPARSE_Q, BLOCK_M, STRIDED)
-                ds_tile = _ds_tile(DS, slot_row, t // SUBS, start_m, k_start, b, h, s_ds_b,
+                ds_at = _ds_at(slot_row, t // SUBS, start_m, k_start, b, h, s_ds_b,
                                    s_ds_h, s_ds_r, s_ds_e, SPARSE_Q, SPARSE_K, STORE_DS)
                 dk, dv = _dkdv_tile(
                     k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, k_start, offs_dk,
                     offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, q_len, kv_len, head_dk,
-                    head_dv, qk_scale, mask, own, t < n_partial * SUBS, ds_tile, BOUNDS, BOUNDS,
-                    BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA, SPARSE_Q, STORE_DS)
+                    head_dv, qk_scale, mask, own, t < n_partial * SUBS, ds_dst, ds_at, BOUNDS,
+                    BOUNDS, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA, SPARSE_Q,
+                    STORE_DS, DS_TMA)
         for part in tl.static_range(0 if MERGED else 2):  # or a loop per kind (launch.WALKS)
             masked = (part == 0) != FULL_FIRST  # constexpr: the loop is unrolled
             first = 0 if masked else n_partial
@@ -781,27 +798,27 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV, DS, slots,
             if FLAT:  # one kernel block per iteration
                 for t in range(first * SUBS, stop * SUBS):
                     start_m = _block_start(blocks, t, base, step, SUBS, SPARSE_Q, BLOCK_M, STRIDED)
-                    ds_tile = _ds_tile(DS, slot_row, t // SUBS, start_m, k_start, b, h, s_ds_b,
+                    ds_at = _ds_at(slot_row, t // SUBS, start_m, k_start, b, h, s_ds_b,
                                        s_ds_h, s_ds_r, s_ds_e, SPARSE_Q, SPARSE_K, STORE_DS)
                     dk, dv = _dkdv_tile(
                         k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, k_start,
                         offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, q_len,
-                        kv_len, head_dk, head_dv, qk_scale, mask, own, masked, ds_tile,
+                        kv_len, head_dk, head_dv, qk_scale, mask, own, masked, ds_dst, ds_at,
                         masked and BOUNDS, BOUNDS, BLOCK_M, EVEN_DK, EVEN_DV, PRECISION, UPCAST,
-                        USE_TMA, SPARSE_Q, STORE_DS)
+                        USE_TMA, SPARSE_Q, STORE_DS, DS_TMA)
             else:  # one sparse block per iteration, its kernel blocks unrolled
                 for j in range(first, stop):
                     block_start = _sparse_start(blocks, j, base, step, SPARSE_Q, STRIDED)
                     for sub in tl.static_range(SUBS):
-                        ds_tile = _ds_tile(DS, slot_row, j, block_start + sub * BLOCK_M, k_start,
+                        ds_at = _ds_at(slot_row, j, block_start + sub * BLOCK_M, k_start,
                                            b, h, s_ds_b, s_ds_h, s_ds_r, s_ds_e, SPARSE_Q,
                                            SPARSE_K, STORE_DS)
                         dk, dv = _dkdv_tile(
                             k, v, dk, dv, block_start + sub * BLOCK_M, q_base, do_base,
                             lse_src, delta_src, k_start, offs_dk, offs_dv, b, h, heads, s_q_t,
                             s_q_d, s_do_t, s_do_d, q_len, kv_len, head_dk, head_dv, qk_scale,
-                            mask, own, masked, ds_tile, masked and BOUNDS, BOUNDS, BLOCK_M,
-                            EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA, SPARSE_Q, STORE_DS)
+                            mask, own, masked, ds_dst, ds_at, masked and BOUNDS, BOUNDS, BLOCK_M,
+                            EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA, SPARSE_Q, STORE_DS, DS_TMA)
     dk = dk * sm_scale
     tl.store(_tile_ptrs(dK + b * s_dk_b + h_kv * s_dk_h, offs_n, offs_dk, s_dk_t, s_dk_d),
              dk.to(dK.dtype.element_ty), mask=_in_bounds(offs_n, offs_dk, kv_len, head_dk))

@@ -779,7 +779,7 @@ class Call:
         if interpret:
             self._launch(*self.fixed, self.walk)
             return
-        if self.args.get("TMA_OK"):
+        if self.args.get("TMA_OK") or self.args.get("DS_TMA"):  # descriptors made in-kernel
             _scratch_allocator()
         if _PINNED:
             block_m, block_n, warps, stages, walk = pinned_config(
@@ -956,7 +956,9 @@ def dkdv_call(q, k, v, dout, lse2, delta_, dk, dv, plan: Plan,
                     **_strides("do", dout), **_strides("dk", dk), **_strides("dv", dv),
                     heads=heads, heads_kv=heads_kv, group=heads // heads_kv, sm_scale=plan.scale,
                     **_common(q, k, v, plan), **plan.cols.args())
-        args.update(_ds_args(ds, plan), slots=plan.slots[0] if ds is not None else plan.cols.index)
+        args.update(_ds_args(ds, plan), slots=plan.slots[0] if ds is not None else plan.cols.index,
+                    ds_rows=0 if ds is None else ds.numel() // plan.tiles.sparse_q,
+                    DS_TMA=ds is not None and DS_BY_TMA and _has_tma(ds.device, plan.interpret))
         return Call("attn_bwd_dkdv", args, _grid(kv_len, plan.tiles.sparse_k, 1, batch * heads_kv),
                     plan.tiles.dkdv, plan.tiles.walk)
     call = _reuse(plan, "attn_bwd_dkdv", tensors, build, extra=(ds is not None,))
@@ -964,6 +966,16 @@ def dkdv_call(q, k, v, dout, lse2, delta_, dk, dv, plan: Plan,
     # per query head inside its loop over them, a path no GPU has run yet: pointers there
     call.args["TMA_OK"] = q.shape[1] == k.shape[1] and _tma_ok(q, dout, lse2, delta_)
     return call
+
+
+DS_BY_TMA = True
+"""dK/dV stores its dS tiles by TMA where the device has it (sm90 on, and the interpreter), in
+every walk: in offline sm90 builds of the flat 32×128 loops that adds ~25 SASS instructions a
+tile, where a pointer store (through a blocked layout) adds ~110. Off: pointer stores."""
+
+
+def _has_tma(device: torch.device, interpret: bool) -> bool:
+    return interpret or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def _ds_args(ds: Optional[torch.Tensor], plan: Plan) -> dict:
