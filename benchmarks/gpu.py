@@ -97,6 +97,8 @@ def parse_args(argv=None):
                         "loop's SASS instructions per tile (no GPU)")
     p.add_argument("--compile-mask", default="causal", choices=tuple(COMPILE_MASKS),
                    help="the mask --compile-only specializes the kernels for (N 512)")
+    p.add_argument("--compile-kernels", default="",
+                   help="--compile-only builds just these, comma separated (e.g. attn_bwd_dkdv+ds)")
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     p.add_argument("--dims", default="64,128", help="head dims, comma separated")
     p.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="sequence lengths N")
@@ -701,9 +703,12 @@ COMPILE_MASKS = ("causal", "window", "documents")
 as causal, ``launch.needed_leaves``)."""
 
 
-def compile_only(dims: list[int], out: Optional[str], mask_name: str = "causal") -> int:
-    """Build fwd / dK-dV / dQ for sm90 at ``dims`` in every autotune config of their bucket, for
-    the mask ``mask_name`` (one of :data:`COMPILE_MASKS`, at N 512)."""
+def compile_only(dims: list[int], out: Optional[str], mask_name: str = "causal",
+                 only: tuple = ()) -> int:
+    """Build every kernel (the forward; dK/dV and dQ; the stored-dS backward's statistics,
+    dK/dV storing dS and dQ) for sm90 at ``dims`` in every autotune config of their bucket,
+    for the mask ``mask_name`` (one of :data:`COMPILE_MASKS`, at N 512); ``only``: just
+    these labels (``attn_fwd``, ``attn_bwd_dkdv+ds``, ...)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -732,7 +737,10 @@ def compile_only(dims: list[int], out: Optional[str], mask_name: str = "causal")
                  "attn_bwd_dkdv+ds": launch.dkdv_call(q, q, q, q, lse, delta, q, q, plan, ds),
                  "attn_bwd_dq_stored": launch.dq_stored_call(q, q, q, ds, q, plan),
                  "attn_bwd_stats": launch.stats_call(q, q, lse, None, lse, delta, plan)}
-        calls["attn_bwd_dkdv+ds"].args["DS_TMA"] = launch.DS_BY_TMA  # as on sm90 (CPU tensors here)
+        # as on sm90 (CPU tensors here): dS stored by TMA, dQ-stored's +tma candidates by TMA
+        calls["attn_bwd_dkdv+ds"].args["DS_TMA"] = launch.DS_BY_TMA
+        calls["attn_bwd_dq_stored"].args["TMA_OK"] = True
+        calls = {label: call for label, call in calls.items() if not only or label in only}
         for label, call in calls.items():
             kernel = getattr(launch.kernels(), call.name)
             for m, n, warps, stages, walk in launch.CONFIGS[call.name][launch.head_bucket(d)]:
@@ -901,7 +909,8 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the interpreter
     if args.compile_only:
         return compile_only([int(x) for x in (args.dims if args.dims_given else "64,128,256").split(",")],
-                            args.out, args.compile_mask)
+                            args.out, args.compile_mask,
+                            tuple(x for x in args.compile_kernels.split(",") if x))
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     if device.type == "cpu" and not args.dry_run:
         print("no CUDA device: use --dry-run (CPU interpreter) or --compile-only")

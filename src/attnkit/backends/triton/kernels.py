@@ -947,10 +947,10 @@ def attn_bwd_stats(dOut, Out, Lse, dLse, Lse2, Delta,
                    offs_dv, s_o_t, s_o_d, q_len, head_dv, HAS_DLSE)
 
 
-@triton.jit(do_not_specialize=SIZES_AND_MASK + DS_STRIDES)
+@triton.jit(do_not_specialize=SIZES_AND_MASK + DS_STRIDES + ["ds_rows"])
 def attn_bwd_dq_stored(K, DS, dQ,
                        s_k_b, s_k_h, s_k_t, s_k_d, s_dq_b, s_dq_h, s_dq_t, s_dq_d,
-                       s_ds_b, s_ds_h, s_ds_r, s_ds_e,
+                       s_ds_b, s_ds_h, s_ds_r, s_ds_e, ds_rows,
                        heads, group, q_len, kv_len, head_dk, head_dv, qk_scale, sm_scale,
                        num_partial, num_full, index, order,
                        s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r,
@@ -969,9 +969,10 @@ def attn_bwd_dq_stored(K, DS, dQ,
     or dO. The dS tiles already hold the mask (zero where masked), so PARTIAL and FULL
     blocks are one loop (the one-loop walk's positions, :func:`_merged_start`); the slot of
     entry ``e`` is at an address affine in the loop counter. Past the end of the keys a
-    slot may never have been written: with BOUNDS those rows are not read. Writes
-    ``dQ [B, H, Tq, Dk]``. FULL_FIRST, FLAT, MERGED, TMA, TMA_OK: the launch machinery's,
-    unused (head_dv, DV_PAD, EVEN_DV, qk_scale too)."""
+    slot may never have been written: with BOUNDS those rows are not read (zeroed, with TMA).
+    USE_TMA (``TMA`` and the host's ``TMA_OK``): K and the dS tiles by TMA copies (``ds_rows``:
+    ``DS``'s size over ``SPARSE_Q``). Writes ``dQ [B, H, Tq, Dk]``. FULL_FIRST, FLAT,
+    MERGED: the launch machinery's, unused (head_dv, DV_PAD, EVEN_DV, qk_scale too)."""
     pid_m, b, h = _program_ids(heads)
     if ORDERED:  # heaviest query blocks first (see _ordered_block)
         pid_m = _ordered_block(order, pid_m, SPARSE_Q // BLOCK_M, ORDER_KIND)
@@ -982,10 +983,17 @@ def attn_bwd_dq_stored(K, DS, dQ,
     row = q_start // SPARSE_Q
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, DK_PAD)
-    k_base = K + b * s_k_b + h_kv * s_k_h
+    USE_TMA: tl.constexpr = TMA and TMA_OK  # the config asks for TMA, the host allows it
+    k_base = _describe(K + b * s_k_b + h_kv * s_k_h, kv_len, head_dk, s_k_t, BLOCK_N, DK_PAD,
+                       USE_TMA)
     # this block's columns of each slot: [N, M] tiles, SPARSE_Q apart
-    ds_row = (DS + b * s_ds_b + h * s_ds_h + row * s_ds_r + q_start % SPARSE_Q
-              + tl.arange(0, BLOCK_N)[:, None] * SPARSE_Q + tl.arange(0, BLOCK_M)[None, :])
+    ds_at = b * s_ds_b + h * s_ds_h + row * s_ds_r + q_start % SPARSE_Q  # of entry 0
+    if USE_TMA:  # DS as [rows, SPARSE_Q]: entry t's tile at row (ds_at + t·stride) / SPARSE_Q
+        ds_src = tl.make_tensor_descriptor(DS, shape=[ds_rows, SPARSE_Q], strides=[SPARSE_Q, 1],
+                                           block_shape=[BLOCK_N, BLOCK_M])
+    else:
+        ds_src = (DS + ds_at + tl.arange(0, BLOCK_N)[:, None] * SPARSE_Q
+                  + tl.arange(0, BLOCK_M)[None, :])
     n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h, row,
                                            s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
     SUBS: tl.constexpr = SPARSE_K // BLOCK_N  # kernel blocks per sparse block
@@ -996,13 +1004,18 @@ def attn_bwd_dq_stored(K, DS, dQ,
         start_n = _merged_start(blocks, t, n_partial * SUBS, spacing, SUBS, SPARSE_K, BLOCK_N,
                                 STRIDED)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(_tile_ptrs(k_base, offs_n, offs_dk, s_k_t, s_k_d), offs_n, offs_dk,
-                       kv_len, head_dk, BOUNDS, EVEN_DK)  # [N, DK]
-        ds_ptrs = ds_row + (t // SUBS) * s_ds_e + (t % SUBS) * (BLOCK_N * SPARSE_Q)
-        if BOUNDS:
-            ds_t = tl.load(ds_ptrs, mask=offs_n[:, None] < kv_len, other=0.0)  # [N, M]
+        k = _walk_tile(k_base, start_n, offs_n, offs_dk, s_k_t, s_k_d, kv_len, head_dk, BOUNDS,
+                       EVEN_DK, USE_TMA)  # [N, DK]
+        slot = (t // SUBS) * s_ds_e + (t % SUBS) * (BLOCK_N * SPARSE_Q)  # entry t's sub-tile
+        if USE_TMA:
+            ds_t = ds_src.load([((ds_at + slot) // SPARSE_Q).to(tl.int32),
+                                ((ds_at + slot) % SPARSE_Q).to(tl.int32)])  # [N, M]
+            if BOUNDS:  # rows never written may hold anything, NaN too: not 0 · K
+                ds_t = tl.where(offs_n[:, None] < kv_len, ds_t, 0.0)
+        elif BOUNDS:
+            ds_t = tl.load(ds_src + slot, mask=offs_n[:, None] < kv_len, other=0.0)
         else:
-            ds_t = tl.load(ds_ptrs)
+            ds_t = tl.load(ds_src + slot)
         dq += _dot(tl.trans(ds_t), k, PRECISION, UPCAST)
     dq = dq * sm_scale
     tl.store(_tile_ptrs(dQ + b * s_dq_b + h * s_dq_h, offs_m, offs_dk, s_dq_t, s_dq_d),

@@ -250,7 +250,8 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
         64: [(128, 64, 4, 3, P), (128, 128, 8, 3, P), (64, 64, 4, 3, P), (64, 32, 4, 2, P)],
         128: [(128, 64, 8, 3, P), (128, 64, 8, 4, P), (128, 64, 8, 3, P_LPT),
               (128, 128, 8, 2, P), (128, 128, 8, 3, P), (64, 128, 4, 3, P), (64, 64, 4, 3, P),
-              (128, 32, 4, 3, P)],
+              (128, 32, 4, 3, P), (128, 64, 8, 3, P_TMA), (128, 64, 8, 4, P_TMA),
+              (128, 128, 8, 3, P_TMA)],
         256: [(64, 64, 8, 2, P), (64, 32, 4, 2, P), (32, 32, 4, 2, P)],
     },
     "attn_bwd_stats": {bucket: [(32, 32, 4, 1, P)] for bucket in (64, 128, 256)},
@@ -1093,11 +1094,13 @@ def dq_stored_call(q, k, v, ds, dq, plan: Plan) -> Call:
         args = dict(tensors, **_strides("k", k), **_strides("dq", dq), heads=heads,
                     group=heads // k.shape[1], sm_scale=plan.scale, **_shapes(q, k, v, plan),
                     **plan.rows.args())
-        args.update(_ds_args(ds, plan))
+        args.update(_ds_args(ds, plan), ds_rows=ds.numel() // plan.tiles.sparse_q)
         del args["STORE_DS"]  # always on here
         return Call("attn_bwd_dq_stored", args, _grid(q_len, plan.tiles.sparse_q, 0, batch * heads),
                     plan.tiles.dq, plan.tiles.walk)
-    return _reuse(plan, "attn_bwd_dq_stored", tensors, build)
+    call = _reuse(plan, "attn_bwd_dq_stored", tensors, build)
+    call.args["TMA_OK"] = _tma_ok(k) and _has_tma(k.device, plan.interpret)
+    return call
 
 
 def cdiv(a: int, b: int) -> int:
