@@ -1001,6 +1001,7 @@ def main(argv=None) -> int:
             skipped.append(f"{w.label} D{w.d} N{w.n} ({WARM_FAILED})")
             continue
         masks = Masks(w, device)
+        seen = config_timings()  # the tunings before this workload's
         gen = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(w.batch, w.heads, w.n, w.d, generator=gen, device=device,
                                dtype=dtype).requires_grad_() for _ in range(3))
@@ -1023,6 +1024,10 @@ def main(argv=None) -> int:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 results.append(row)
+            # after each competitor (the plain and the dS-storing dK/dV share one tuner), the
+            # tunings this workload made
+            tuned = {kernel: t for kernel, t in config_timings().items() if seen.get(kernel) != t}
+            info.setdefault("config_ms", {}).setdefault(f"{w.label} D{w.d} N{w.n}", {}).update(tuned)
             if fn is not None and name in PROFILED and profiled(w, args):
                 try:
                     times = kernel_profile(step(fn, "fwd+bwd", q, k, v, dout), device)
@@ -1037,7 +1042,6 @@ def main(argv=None) -> int:
                           for r in ours)
               + f" TFLOP/s  [{time.perf_counter() - STARTED:.0f} s]", flush=True)
         info["autotuned"] = autotuned()
-        info.setdefault("config_ms", {})[f"{w.label} D{w.d} N{w.n}"] = config_timings()
         save()
     info["autotuned"] = autotuned()
     info["direct_launch"] = launch.DIRECT_LAUNCH
@@ -1207,13 +1211,16 @@ def losing_candidates(config_ms: dict, slack: float = PRUNE_SLACK) -> dict:
 
 def config_timings() -> dict:
     """Each tuned kernel's latest autotuning (its key, and config → median ms as the autotuner
-    measured it on the workload that triggered it)."""
+    measured it on the workload that triggered it). dK/dV storing dS (bit 30 of its
+    ``TUNE_KEY``, the key's third part) is ``attn_bwd_dkdv+ds``, apart from the plain one."""
     from attnkit.backends.triton import launch
 
     table = {}
     for name, tuner in launch._TUNED.items():
         timings = getattr(tuner, "configs_timings", None) or {}
         keys = list(getattr(tuner, "cache", {}))
+        if keys and isinstance(keys[-1][2], int) and keys[-1][2] >> 30 & 1:
+            name += "+ds"
         table[name] = {"key": str(keys[-1][:3]) if keys else None, "ms": {
             "{}x{} w{} s{} {}".format(*launch._config_key(c)): (t[0] if isinstance(t, (list, tuple)) else t)
             for c, t in timings.items()}}

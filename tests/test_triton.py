@@ -1296,6 +1296,21 @@ def test_benchmark_dry_run(tmp_path, capsys, bench):
     assert walks and not any("tma" in w or w.startswith("one_loop") for w in walks)
 
 
+def test_benchmark_config_timings_tell_the_dkdv_variants_apart(bench, monkeypatch):
+    """The plain and the dS-storing dK/dV share one autotuner; a tuning whose key has the
+    stored-dS bit (30 of ``TUNE_KEY``) is reported as ``attn_bwd_dkdv+ds``."""
+    import triton
+
+    config = triton.Config({"BLOCK_M": 32, "BLOCK_N": 128, **launch.WALKS[launch.F_FLAT]},
+                           num_warps=8, num_stages=2)
+    for stored, label in ((False, "attn_bwd_dkdv"), (True, "attn_bwd_dkdv+ds")):
+        tuner = SimpleNamespace(cache={(128, 128, 5 | stored << 30, "bf16"): config},
+                                configs_timings={config: [0.5, 0.4, 0.6]})
+        monkeypatch.setattr(launch, "_TUNED", {"attn_bwd_dkdv": tuner})
+        assert bench.config_timings() == {label: {"key": str((128, 128, 5 | stored << 30)),
+                                                  "ms": {"32x128 w8 s2 full_first+flat": 0.5}}}
+
+
 def test_benchmark_warm_isolates_failures(bench, capsys, monkeypatch):
     """The warm step finds a candidate that fails in a worker from the worker's launch trace,
     drops it (here and in the rerun's workers) and reruns the job; a job failing outside a
