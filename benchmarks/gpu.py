@@ -1130,6 +1130,11 @@ def host_overhead(device, dtype, calls: int = 200) -> tuple[dict, list[dict]]:
     fns["sdpa fwd+bwd"] = step(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True),
                                "fwd+bwd", *leaves, dout)
 
+    def stored(*t):  # the stored-dS backward: one launch more
+        with launch.backward_path(STORED):
+            return ak.attention(*t, mask, backend="triton")
+    fns["attnkit-stored fwd+bwd"] = step(stored, "fwd+bwd", *leaves, dout)
+
     result = {}
     for name, fn in fns.items():
         fn()

@@ -568,9 +568,10 @@ def attn_fwd(Q, K, V, Out, Lse,
 def _own_row_stats(o_base, do, Lse, dLse, Lse2, Delta, b, h, heads, offs_m, offs_dv, s_o_t, s_o_d,
                    q_len, head_dv, HAS_DLSE: tl.constexpr):
     """The backward's statistics of a program's own query rows ``offs_m`` (in the dQ kernel, or
-    the stats kernel before the stored-dS backward), computed there and stored for dK/dV: Δ = rowsum(dO ∘ O) (minus the LSE's own gradient
-    ``dLse`` when HAS_DLSE) into ``Delta``, and the LSE in base 2 into ``Lse2``, ``+inf`` on
-    fully masked rows and rows past the end (so ``exp2(s − lse2) = 0`` there). ``Lse``,
+    the stats kernel before the stored-dS backward), computed there and stored for dK/dV:
+    Δ = rowsum(dO ∘ O) (minus the LSE's own gradient ``dLse`` when HAS_DLSE) into ``Delta``,
+    and the LSE in base 2 into ``Lse2``, ``+inf`` on fully masked rows and rows past the end
+    (so ``exp2(s − lse2) = 0`` there). ``Lse``,
     ``dLse``, ``Lse2``, ``Delta``: ``[B, H, Tq]`` float32, contiguous; ``do``: the program's
     ``[M, DV]`` dO tile; ``o_base``: this (batch, head)'s output."""
     rows = (b * heads + h) * q_len + offs_m
@@ -818,7 +819,8 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV, DS, slots,
                             lse_src, delta_src, k_start, offs_dk, offs_dv, b, h, heads, s_q_t,
                             s_q_d, s_do_t, s_do_d, q_len, kv_len, head_dk, head_dv, qk_scale,
                             mask, own, masked, ds_dst, ds_at, masked and BOUNDS, BOUNDS, BLOCK_M,
-                            EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA, SPARSE_Q, STORE_DS, DS_TMA)
+                            EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA, SPARSE_Q, STORE_DS,
+                            DS_TMA)
     dk = dk * sm_scale
     tl.store(_tile_ptrs(dK + b * s_dk_b + h_kv * s_dk_h, offs_n, offs_dk, s_dk_t, s_dk_d),
              dk.to(dK.dtype.element_ty), mask=_in_bounds(offs_n, offs_dk, kv_len, head_dk))
@@ -925,7 +927,7 @@ def attn_bwd_dq(Q, K, V, dOut, Out, Lse, dLse, Lse2, Delta, dQ,
              dq.to(dQ.dtype.element_ty), mask=_in_bounds(offs_m, offs_dk, q_len, head_dk))
 
 
-# ---- the stored-dS backward: statistics, then dK/dV storing dS, then dQ = dS·K -------------------
+# ---- the stored-dS backward: statistics, then dK/dV storing dS, then dQ = dS·K ------------------
 @triton.jit(do_not_specialize=["TUNE_KEY", "heads", "q_len"])
 def attn_bwd_stats(dOut, Out, Lse, dLse, Lse2, Delta,
                    s_do_b, s_do_h, s_do_t, s_do_d, s_o_b, s_o_h, s_o_t, s_o_d,
