@@ -81,8 +81,9 @@ MASKED = MASKS[:2]  # timed at --masked-length; the rest at each of --lengths
 STORED = "stored_ds"
 """``attnkit-stored``: ``backend="triton"`` with the stored-dS backward (``launch.BACKWARD``),
 timed, profiled and checked (every candidate with ``--check-configs``, every kind with
-``--check-kinds``) beside the default recomputing one on the masked workloads, the sparse
-masks it is for."""
+``--check-kinds``) beside the default recomputing one on every workload: the masked ones it
+is for, and dense and causal, whose buffers (8.6 GB at N 16k without a mask) a GPU can
+hold, to see where it pays."""
 OPTIONAL = ("attnkit-auto", "sdpa-default")  # ask with --competitors: what auto picks, torch's own pick
 
 
@@ -263,8 +264,6 @@ def make_fn(name: str, masks: Masks, device, flex_masks: str = "all") -> tuple[O
     if name == "attnkit-kernels":
         return KernelsOnly(masks.attnkit), ""
     if name == "attnkit-stored":
-        if kind not in MASKED:
-            return None, "the stored-dS backward is timed on the sparse (masked) workloads"
         from attnkit.backends.triton import launch
 
         mask = masks.attnkit
@@ -533,9 +532,9 @@ def check_direct_launch(run: Callable[[], tuple], device, first: tuple) -> str:
 
 
 def backwards(mask: str) -> tuple[str, ...]:
-    """The backward paths checked (and warmed) on workload mask ``mask``: the stored-dS one
-    too on the masked workloads (:data:`STORED`)."""
-    return ("recompute", STORED) if mask in MASKED else ("recompute",)
+    """The backward paths checked (and warmed) on workload mask ``mask``: both, the default
+    and the stored-dS one (:data:`STORED`), on every mask."""
+    return ("recompute", STORED)
 
 
 KERNELS = {"recompute": ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"),

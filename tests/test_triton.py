@@ -1226,15 +1226,15 @@ def test_benchmark_dry_run(tmp_path, capsys, bench):
     assert bench.main(["--dry-run", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     saved = json.loads((tmp_path / "gpu_bench_dry_run.json").read_text())
-    # each mask once, the two masked workloads' stored-dS backward too
-    assert all(check["ok"] for check in saved["checks"]) and len(saved["checks"]) == 6
-    assert sum("(stored dS)" in check["workload"] for check in saved["checks"]) == 2
+    # each mask once through each backward
+    assert all(check["ok"] for check in saved["checks"]) and len(saved["checks"]) == 8
+    assert sum("(stored dS)" in check["workload"] for check in saved["checks"]) == 4
     for backend in ("attnkit-triton", "attnkit-kernels"):  # the kernels alone: both modes too
         ours = [r for r in saved["results"] if r["backend"] == backend]
         assert len(ours) == 8 and all(r["tflops"] and r["tflops"] > 0 for r in ours)
     stored = [r for r in saved["results"] if r["backend"] == "attnkit-stored" and r["tflops"]]
     assert {(r["workload"], r["mode"]) for r in stored} == {
-        (w, m) for w in ("window16", "docs16&causal") for m in ("fwd", "fwd+bwd")}
+        (w, m) for w in ("window16", "docs16&causal", "causal", "dense") for m in ("fwd", "fwd+bwd")}
     assert "stored vs best" in printed
     assert "TFLOP/s" in printed and "docs16&causal" in printed
     assert time.perf_counter() - start < 180  # 25-40 s here: catches a run that compiles or
