@@ -976,9 +976,10 @@ tile (258/329 → 301/374), where a pointer store (through a blocked layout: a s
 shared memory) adds ~110. Off: pointer stores."""
 
 
+@functools.lru_cache(maxsize=None)
 def _has_tma(device: torch.device, interpret: bool) -> bool:
     """Whether kernels may make tensor descriptors for ``device`` (the interpreter emulates
-    them)."""
+    them); asked per call, answered once."""
     return interpret or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
