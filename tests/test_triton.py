@@ -534,11 +534,11 @@ def test_stored_ds_every_walk(walk, gen, monkeypatch, stored_ds):
 
     def dkdv_call(*args, **kwargs):
         call = build(*args, **kwargs)
-        tma.append(call.args["TMA_OK"])
+        tma.append((call.args["TMA_OK"], call.args["DS_TMA"]))
         return call
     monkeypatch.setattr(launch, "dkdv_call", dkdv_call)
     check(q, k, v, mask, allowed, gen=gen)
-    assert tma == [True]
+    assert tma == [(True, True)]  # TMA allowed for the walk's loads (used by +tma), dS by TMA
 
 
 @pytest.mark.parametrize("walk", [launch.P, launch.F_FLAT, launch.M])
