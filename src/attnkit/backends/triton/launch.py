@@ -201,8 +201,9 @@ P_TMA, P_FLAT_TMA, F_FLAT_TMA, M_TMA = P + "+tma", P + "+flat+tma", F + "+flat+t
 #   64–81 KiB, so two programs share an SM and one's prologue and epilogue, the loads of K/V
 #   and the stores of dK/dV, can overlap the other's loop: for short columns such as
 #   1024-token documents and causal N 1024, where dK/dV ran at ~350 TFLOP/s against ~450 on
-#   the window's longer ones (run A); 64×64 with 8 warps): no spills (storing dS, 32×64:
-#   12–28 bytes). Unrolled, 32×64 and 64×64 had spilled 132–184 bytes and lost.
+#   the window's longer ones (run A); also heaviest columns first; 64×64 with 8 warps).
+#   Offline (documents, causal): 32×64 never spills, 64×64 0–40 bytes; storing dS, 12–32
+#   and 8–132. Unrolled, 32×64 and 64×64 had spilled 132–184 bytes and lost.
 #
 # Tried offline for sm90 (Triton 3.6) and left out:
 # - automatic warp specialization (``tl.range(warp_specialize=True)``: a producer warp group
@@ -237,7 +238,7 @@ CONFIGS: dict[str, dict[int, list[tuple[int, int, int, int, str]]]] = {
               (32, 128, 8, 2, F_LPT), (32, 128, 8, 2, F_FLAT_LPT), (32, 128, 8, 2, M),
               (64, 128, 8, 2, M), (32, 128, 8, 2, F_FLAT_TMA), (32, 128, 8, 4, F_FLAT),
               (32, 128, 8, 3, F_FLAT_TMA), (32, 128, 8, 3, M), (32, 64, 4, 2, F_FLAT),
-              (32, 64, 4, 3, F_FLAT), (64, 64, 8, 2, F_FLAT)],
+              (32, 64, 4, 3, F_FLAT), (32, 64, 4, 2, F_FLAT_LPT), (64, 64, 8, 2, F_FLAT)],
         256: [(16, 32, 4, 2, P_FLAT), (16, 64, 8, 2, P_FLAT), (32, 64, 8, 2, P_FLAT)],
     },
     "attn_bwd_dq": {
