@@ -84,6 +84,7 @@ timed, profiled and checked (every candidate with ``--check-configs``, every kin
 ``--check-kinds``) beside the default recomputing one on every workload: the masked ones it
 is for, and dense and causal, whose buffers (8.6 GB at N 16k without a mask) a GPU can
 hold, to see where it pays."""
+PATHS = ("recompute", STORED)  # the backwards checked and warmed on every workload mask
 OPTIONAL = ("attnkit-auto", "sdpa-default")  # ask with --competitors: what auto picks, torch's own pick
 
 
@@ -531,12 +532,6 @@ def check_direct_launch(run: Callable[[], tuple], device, first: tuple) -> str:
     return "DIFFERED from JITFunction: turned off"
 
 
-def backwards(mask: str) -> tuple[str, ...]:
-    """The backward paths checked (and warmed) on workload mask ``mask``: both, the default
-    and the stored-dS one (:data:`STORED`), on every mask."""
-    return ("recompute", STORED)
-
-
 KERNELS = {"recompute": ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"),
            STORED: ("attn_fwd", "attn_bwd_stats", "attn_bwd_dkdv", "attn_bwd_dq_stored")}
 """The kernels each backward path launches (forward first)."""
@@ -569,7 +564,7 @@ def check_configs(todo: list["Workload"], dtype, device, warmed: "Warmed") -> li
         pad = launch.head_pad(d)
         count = max(len(launch.CONFIGS[name][launch.head_bucket(pad)]) for name in launch.CONFIGS)
         for index in range(count):
-            for backward in backwards(mask):
+            for backward in PATHS:
                 picked = {name: launch.pinned_config(name, pad, index) for name in KERNELS[backward]}
                 label = "; ".join("{} {}x{} w{} s{} {}".format(name.replace("attn_", ""), *config)
                                   for name, config in picked.items())
@@ -961,7 +956,7 @@ def main(argv=None) -> int:
             if (w.mask, w.d) in seen or w.n != longest:
                 continue
             seen.add((w.mask, w.d))
-            for backward in backwards(w.mask):
+            for backward in PATHS:
                 try:
                     if warmed.skips(warm_label(w.mask, w.d)):
                         raise RuntimeError(WARM_FAILED)
@@ -1396,9 +1391,10 @@ def drop_configs(dropped: list[list]) -> None:
 
 
 def warm_one(spec: str, dtype_name: str, span: int, part: str = "0/1") -> int:
-    """One warm worker: forward and backward of ``mask:d`` at a small size, through each of its
-    backward paths (:func:`backwards`), with each candidate of its ``part`` (``"p/n"``: the candidates i with i mod n = p) in turn (``launch.pinned(i)``:
-    candidate i of every kernel), each launch traced; then, in part 0 alone, three unpinned
+    """One warm worker: forward and backward of ``mask:d`` at a small size, through each
+    backward (:data:`PATHS`), with each candidate of its ``part`` (``"p/n"``: the candidates i
+    with i mod n = p) in turn (``launch.pinned(i)``: candidate i of every kernel), each launch
+    traced; then, in part 0 alone, three unpinned
     calls (autotuning, ``JITFunction``, direct launches: ``launch.DIRECT_LAUNCH``), by when
     the other parts' binaries are mostly on disk (those that are not, it compiles)."""
     import attnkit as ak
@@ -1418,7 +1414,7 @@ def warm_one(spec: str, dtype_name: str, span: int, part: str = "0/1") -> int:
             if index % parts != mine:
                 continue
             with launch.pinned(index):
-                for backward in backwards(mask):
+                for backward in PATHS:
                     with launch.backward_path(backward):
                         out = ak.attention(q, k, v, attn_mask, backend="triton")
                     out.backward(torch.randn_like(out))
@@ -1426,7 +1422,7 @@ def warm_one(spec: str, dtype_name: str, span: int, part: str = "0/1") -> int:
         return 0
     # then as the timed process launches: autotuned, through JITFunction, then directly
     print(TRACE + "direct", flush=True)
-    for backward in backwards(mask):
+    for backward in PATHS:
         for _ in range(3):
             with launch.backward_path(backward):
                 out = ak.attention(q, k, v, attn_mask, backend="triton")
