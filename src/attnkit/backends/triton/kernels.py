@@ -619,21 +619,35 @@ def _walk_row_stats(lse_src, delta_src, start_m, b, h, heads, offs_m, q_len,
 
 
 @triton.jit
-def _ds_at(slot_row, j, start_m, k_start, b, h, s_ds_b, s_ds_h, s_ds_r, s_ds_e,
-           SPARSE_Q: tl.constexpr, SPARSE_K: tl.constexpr, STORE_DS: tl.constexpr):
-    """Where (an element offset into ``DS``) dK/dV stores the dS tile of its key rows
-    ``k_start …`` and the query block ``start_m …``, entry ``j`` of its column's list
-    (STORE_DS; else 0, unused). ``DS [B, H, R, E, SPARSE_K, SPARSE_Q]`` keeps one slot per listed
-    sparse block, indexed as the *forward* lists index it (query row ``r``, entry ``e`` of that
-    row), so the dQ kernel (:func:`attn_bwd_dq_stored`) reads its slots at addresses affine in
-    its loop counter; ``slot_row``: this column's ``e`` for each of its entries
-    (``launch.Layout.slots``)."""
+def _ds_at(ds_head, slot_row, j, start_m, s_ds_r, s_ds_e, SPARSE_Q: tl.constexpr,
+           STORE_DS: tl.constexpr):
+    """Where (an element offset into ``DS``) dK/dV stores the dS tile of its key rows and the
+    query block ``start_m …``, entry ``j`` of its column's list (STORE_DS; else 0, unused).
+    ``DS [B, H, R, E, SPARSE_K, SPARSE_Q]`` keeps one slot per listed sparse block, indexed as
+    the *forward* lists index it (query row ``r``, entry ``e`` of that row), so the dQ kernel
+    (:func:`attn_bwd_dq_stored`) reads its slots at addresses affine in its loop counter;
+    ``ds_head``: the (batch, head)'s offset plus the key rows' within a slot, made once per
+    head; ``slot_row``: this column's ``e`` for each of its entries (``launch.Layout.slots``)."""
     at = 0
     if STORE_DS:
         e = tl.load(slot_row + j)
-        at = (b * s_ds_b + h * s_ds_h + (start_m // SPARSE_Q) * s_ds_r + e * s_ds_e
-              + (k_start % SPARSE_K) * SPARSE_Q + start_m % SPARSE_Q)
+        at = ds_head + (start_m // SPARSE_Q) * s_ds_r + e * s_ds_e + start_m % SPARSE_Q
     return at
+
+
+@triton.jit
+def _ds_view(DS, ds_rows, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+             SPARSE_Q: tl.constexpr):
+    """``DS`` as a tensor descriptor of ``[ds_rows, SPARSE_Q]`` (a slot's key rows one after
+    another) in ``[BLOCK_R, BLOCK_C]`` tiles, for TMA copies at :func:`_ds_coords`."""
+    return tl.make_tensor_descriptor(DS, shape=[ds_rows, SPARSE_Q], strides=[SPARSE_Q, 1],
+                                     block_shape=[BLOCK_R, BLOCK_C])
+
+
+@triton.jit
+def _ds_coords(at, SPARSE_Q: tl.constexpr):
+    """The :func:`_ds_view` coordinates (row, column) of element offset ``at`` into ``DS``."""
+    return (at // SPARSE_Q).to(tl.int32), (at % SPARSE_Q).to(tl.int32)
 
 
 @triton.jit
@@ -668,7 +682,8 @@ def _dkdv_tile(k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, k_sta
     ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)  # gradient of the scaled scores
     if STORE_DS:
         if DS_TMA:
-            ds_dst.store([(ds_at // SPARSE_Q).to(tl.int32), (ds_at % SPARSE_Q).to(tl.int32)], ds_t)
+            ds_r, ds_c = _ds_coords(ds_at, SPARSE_Q)
+            ds_dst.store([ds_r, ds_c], ds_t)
         else:
             rows = tl.arange(0, ds_t.shape[0])
             cols = tl.arange(0, ds_t.shape[1])
@@ -758,8 +773,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV, DS, slots,
     USE_TMA: tl.constexpr = TMA and TMA_OK  # the config asks for TMA, the host allows it
     ds_dst = DS
     if STORE_DS and DS_TMA:  # dS tiles by TMA stores, whatever the walk loads by
-        ds_dst = tl.make_tensor_descriptor(DS, shape=[ds_rows, SPARSE_Q], strides=[SPARSE_Q, 1],
-                                           block_shape=[BLOCK_N, BLOCK_M])
+        ds_dst = _ds_view(DS, ds_rows, BLOCK_N, BLOCK_M, SPARSE_Q)
     for g in range(0, group):
         h = h_kv * group + g
         q_base = _describe(Q + b * s_q_b + h * s_q_h, q_len, head_dk, s_q_t, BLOCK_M, DK_PAD,
@@ -776,14 +790,15 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV, DS, slots,
         n_partial, n_full, blocks = _block_row(num_partial, num_full, index, b, h, col,
                                                s_n_b, s_n_h, s_n_r, s_i_b, s_i_h, s_i_r)
         slot_row = slots + b * s_i_b + h * s_i_h + col * s_i_r  # its entries' slots
+        ds_head = b * s_ds_b + h * s_ds_h + (k_start % SPARSE_K) * SPARSE_Q  # see _ds_at
         if MERGED:  # one loop over the whole list, PARTIAL blocks first
             STRIDED = PARTIAL_STRIDED and FULL_STRIDED  # constexpr
             spacing = _list_spacing(blocks, n_partial, n_full, SPARSE_Q, STRIDED)
             for t in range(0, (n_partial + n_full) * SUBS):
                 start_m = _merged_start(blocks, t, n_partial * SUBS, spacing, SUBS,
                                         SPARSE_Q, BLOCK_M, STRIDED)
-                ds_at = _ds_at(slot_row, t // SUBS, start_m, k_start, b, h, s_ds_b,
-                                   s_ds_h, s_ds_r, s_ds_e, SPARSE_Q, SPARSE_K, STORE_DS)
+                ds_at = _ds_at(ds_head, slot_row, t // SUBS, start_m, s_ds_r, s_ds_e, SPARSE_Q,
+                               STORE_DS)
                 dk, dv = _dkdv_tile(
                     k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, k_start, offs_dk,
                     offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, q_len, kv_len, head_dk,
@@ -799,8 +814,8 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV, DS, slots,
             if FLAT:  # one kernel block per iteration
                 for t in range(first * SUBS, stop * SUBS):
                     start_m = _block_start(blocks, t, base, step, SUBS, SPARSE_Q, BLOCK_M, STRIDED)
-                    ds_at = _ds_at(slot_row, t // SUBS, start_m, k_start, b, h, s_ds_b,
-                                       s_ds_h, s_ds_r, s_ds_e, SPARSE_Q, SPARSE_K, STORE_DS)
+                    ds_at = _ds_at(ds_head, slot_row, t // SUBS, start_m, s_ds_r, s_ds_e,
+                                   SPARSE_Q, STORE_DS)
                     dk, dv = _dkdv_tile(
                         k, v, dk, dv, start_m, q_base, do_base, lse_src, delta_src, k_start,
                         offs_dk, offs_dv, b, h, heads, s_q_t, s_q_d, s_do_t, s_do_d, q_len,
@@ -811,9 +826,8 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV, DS, slots,
                 for j in range(first, stop):
                     block_start = _sparse_start(blocks, j, base, step, SPARSE_Q, STRIDED)
                     for sub in tl.static_range(SUBS):
-                        ds_at = _ds_at(slot_row, j, block_start + sub * BLOCK_M, k_start,
-                                           b, h, s_ds_b, s_ds_h, s_ds_r, s_ds_e, SPARSE_Q,
-                                           SPARSE_K, STORE_DS)
+                        ds_at = _ds_at(ds_head, slot_row, j, block_start + sub * BLOCK_M,
+                                       s_ds_r, s_ds_e, SPARSE_Q, STORE_DS)
                         dk, dv = _dkdv_tile(
                             k, v, dk, dv, block_start + sub * BLOCK_M, q_base, do_base,
                             lse_src, delta_src, k_start, offs_dk, offs_dv, b, h, heads, s_q_t,
@@ -990,9 +1004,8 @@ def attn_bwd_dq_stored(K, DS, dQ,
                        USE_TMA)
     # this block's columns of each slot: [N, M] tiles, SPARSE_Q apart
     ds_at = b * s_ds_b + h * s_ds_h + row * s_ds_r + q_start % SPARSE_Q  # of entry 0
-    if USE_TMA:  # DS as [rows, SPARSE_Q]: entry t's tile at row (ds_at + t·stride) / SPARSE_Q
-        ds_src = tl.make_tensor_descriptor(DS, shape=[ds_rows, SPARSE_Q], strides=[SPARSE_Q, 1],
-                                           block_shape=[BLOCK_N, BLOCK_M])
+    if USE_TMA:  # entry t's tile at the coordinates of ds_at + its offset
+        ds_src = _ds_view(DS, ds_rows, BLOCK_N, BLOCK_M, SPARSE_Q)
     else:
         ds_src = (DS + ds_at + tl.arange(0, BLOCK_N)[:, None] * SPARSE_Q
                   + tl.arange(0, BLOCK_M)[None, :])
@@ -1010,8 +1023,8 @@ def attn_bwd_dq_stored(K, DS, dQ,
                        EVEN_DK, USE_TMA)  # [N, DK]
         slot = (t // SUBS) * s_ds_e + (t % SUBS) * (BLOCK_N * SPARSE_Q)  # entry t's sub-tile
         if USE_TMA:
-            ds_t = ds_src.load([((ds_at + slot) // SPARSE_Q).to(tl.int32),
-                                ((ds_at + slot) % SPARSE_Q).to(tl.int32)])  # [N, M]
+            ds_r, ds_c = _ds_coords(ds_at + slot, SPARSE_Q)
+            ds_t = ds_src.load([ds_r, ds_c])  # [N, M]
             if BOUNDS:  # rows never written may hold anything, NaN too: not 0 · K
                 ds_t = tl.where(offs_n[:, None] < kv_len, ds_t, 0.0)
         elif BOUNDS:

@@ -630,9 +630,8 @@ class Layout:
     heads: int
     rows: BlockLists  # query rows → key blocks (forward, dQ)
     _cols: Optional[BlockLists] = field(default=None, repr=False)
-    calls: dict = field(default_factory=dict, repr=False)  # launch templates (see _reuse)
-
     _slots: Optional[tuple[torch.Tensor, int]] = field(default=None, repr=False)
+    calls: dict = field(default_factory=dict, repr=False)  # launch templates (see _reuse)
 
     @property
     def cols(self) -> BlockLists:
@@ -966,8 +965,10 @@ def dkdv_call(q, k, v, dout, lse2, delta_, dk, dv, plan: Plan,
                     **_strides("do", dout), **_strides("dk", dk), **_strides("dv", dv),
                     heads=heads, heads_kv=heads_kv, group=heads // heads_kv, sm_scale=plan.scale,
                     **_common(q, k, v, plan), **plan.cols.args())
-        args.update(_ds_args(ds, plan), slots=plan.slots[0] if ds is not None else plan.cols.index,
-                    ds_rows=0 if ds is None else ds.numel() // plan.tiles.sparse_q,
+        # storing dS changes which config is fastest: its own tunings (bit 30 of TUNE_KEY)
+        args.update(_ds_args(ds, plan), STORE_DS=ds is not None,
+                    TUNE_KEY=plan.tune_key | (ds is not None) << 30,
+                    slots=plan.slots[0] if ds is not None else plan.cols.index,
                     DS_TMA=ds is not None and DS_BY_TMA and _has_tma(ds.device, plan.interpret))
         return Call("attn_bwd_dkdv", args, _grid(kv_len, plan.tiles.sparse_k, 1, batch * heads_kv),
                     plan.tiles.dkdv, plan.tiles.walk)
@@ -993,12 +994,11 @@ def _has_tma(device: torch.device, interpret: bool) -> bool:
 
 
 def _ds_args(ds: Optional[torch.Tensor], plan: Plan) -> dict:
-    """The stored-dS switch and buffer strides of dK/dV and dQ (0 without a buffer); the
-    switch is part of the autotuner's key (bit 30 of ``TUNE_KEY``): storing dS changes which
-    dK/dV config is fastest."""
+    """The stored-dS buffer's strides and rows of ``SPARSE_Q`` (``ds_rows``, its TMA view's
+    height), for dK/dV and dQ-stored (0 without a buffer)."""
     strides = ds.stride()[:4] if ds is not None else (0, 0, 0, 0)
-    return dict(STORE_DS=ds is not None, TUNE_KEY=plan.tune_key | (ds is not None) << 30,
-                **dict(zip(("s_ds_b", "s_ds_h", "s_ds_r", "s_ds_e"), strides)))
+    return dict(zip(("s_ds_b", "s_ds_h", "s_ds_r", "s_ds_e"), strides),
+                ds_rows=0 if ds is None else ds.numel() // plan.tiles.sparse_q)
 
 
 def dq_call(q, k, v, dout, out, lse, dlse, lse2, delta_, dq, plan: Plan) -> Call:
@@ -1065,20 +1065,22 @@ def stores_ds(q: torch.Tensor, plan: Plan) -> bool:
     return sparse and ds_bytes(q, plan) <= STORED_DS_MAX_BYTES
 
 
+def _ds_shape(q: torch.Tensor, plan: Plan) -> tuple[int, ...]:
+    """``[B, H, R, E, SPARSE_K, SPARSE_Q]``: R query block rows, E the most blocks a row lists
+    (:attr:`Layout.slots`)."""
+    return (*q.shape[:2], plan.codes.shape[-2], plan.slots[1], plan.tiles.sparse_k,
+            plan.tiles.sparse_q)
+
+
 def ds_bytes(q: torch.Tensor, plan: Plan) -> int:
     """Size of :func:`ds_buffer` for ``q [B, H, Tq, D]``."""
-    batch, heads = q.shape[:2]
-    return (batch * heads * plan.codes.shape[-2] * plan.slots[1] * plan.tiles.sparse_q
-            * plan.tiles.sparse_k * q.element_size())
+    return math.prod(_ds_shape(q, plan)) * q.element_size()
 
 
 def ds_buffer(q: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """The stored-dS buffer ``[B, H, R, E, SPARSE_K, SPARSE_Q]`` in q's dtype (R query block
-    rows, E the most blocks a row lists: :attr:`Layout.slots`); uninitialised, as dK/dV writes
+    """The stored-dS buffer (:func:`_ds_shape`) in q's dtype; uninitialised, as dK/dV writes
     every slot dQ reads."""
-    batch, heads = q.shape[:2]
-    return torch.empty(batch, heads, plan.codes.shape[-2], plan.slots[1], plan.tiles.sparse_k,
-                       plan.tiles.sparse_q, dtype=q.dtype, device=q.device)
+    return torch.empty(_ds_shape(q, plan), dtype=q.dtype, device=q.device)
 
 
 def stats_call(out, dout, lse, dlse, lse2, delta_, plan: Plan) -> Call:
@@ -1107,8 +1109,7 @@ def dq_stored_call(q, k, v, ds, dq, plan: Plan) -> Call:
         args = dict(tensors, **_strides("k", k), **_strides("dq", dq), heads=heads,
                     group=heads // k.shape[1], sm_scale=plan.scale, **_shapes(q, k, v, plan),
                     **plan.rows.args())
-        args.update(_ds_args(ds, plan), ds_rows=ds.numel() // plan.tiles.sparse_q)
-        del args["STORE_DS"]  # always on here
+        args.update(_ds_args(ds, plan))
         return Call("attn_bwd_dq_stored", args, _grid(q_len, plan.tiles.sparse_q, 0, batch * heads),
                     plan.tiles.dq, plan.tiles.walk)
     call = _reuse(plan, "attn_bwd_dq_stored", tensors, build)
