@@ -249,6 +249,18 @@ class Masks:
         return self._dense
 
 
+def stored_attention(mask) -> Callable:
+    """``fn(q, k, v) -> out``: ``backend="triton"`` through the stored-dS backward (the plan,
+    made in the call, keeps the path for the backward)."""
+    import attnkit as ak
+    from attnkit.backends.triton import launch
+
+    def stored(q, k, v):
+        with launch.backward_path(STORED):
+            return ak.attention(q, k, v, mask, backend="triton")
+    return stored
+
+
 def make_fn(name: str, masks: Masks, device, flex_masks: str = "all") -> tuple[Optional[Callable], str]:
     """``fn(q, k, v) -> out`` for competitor ``name``, or ``(None, why not)``."""
     import torch.nn.functional as F
@@ -265,14 +277,7 @@ def make_fn(name: str, masks: Masks, device, flex_masks: str = "all") -> tuple[O
     if name == "attnkit-kernels":
         return KernelsOnly(masks.attnkit), ""
     if name == "attnkit-stored":
-        from attnkit.backends.triton import launch
-
-        mask = masks.attnkit
-
-        def stored(q, k, v):
-            with launch.backward_path(STORED):  # the plan, made here, keeps it for the backward
-                return ak.attention(q, k, v, mask, backend="triton")
-        return stored, ""
+        return stored_attention(masks.attnkit), ""
     if name == "sdpa-default":
         if kind not in ("dense", "causal"):
             return None, "sdpa-default is timed without a mask but causal"
@@ -1124,10 +1129,8 @@ def host_overhead(device, dtype, calls: int = 200) -> tuple[dict, list[dict]]:
     fns["sdpa fwd+bwd"] = step(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True),
                                "fwd+bwd", *leaves, dout)
 
-    def stored(*t):  # the stored-dS backward: one launch more
-        with launch.backward_path(STORED):
-            return ak.attention(*t, mask, backend="triton")
-    fns["attnkit-stored fwd+bwd"] = step(stored, "fwd+bwd", *leaves, dout)
+    # the stored-dS backward: one launch more
+    fns["attnkit-stored fwd+bwd"] = step(stored_attention(mask), "fwd+bwd", *leaves, dout)
 
     result = {}
     for name, fn in fns.items():
@@ -1247,7 +1250,7 @@ def warm(todo: list[Workload], args, run=None) -> Warmed:
     parameters, only on whether the lengths are multiples of the 128-wide sparse blocks, as
     1024 and every workload's are, so one small problem per mask and head dim builds the
     binaries the workloads use.) Each (mask, head dim) job is split into ``--warm-parts``
-    workers, each compiling every n-th candidate (one worker compiles ~45 at ~2 s each, one
+    workers, each compiling every n-th candidate (one worker compiled ~45 at ~2 s each, one
     after another: 85–90 s on the H200's host).
 
     A candidate that fails in a (mask, head dim) worker (an exception, or a crash that leaves
@@ -1319,7 +1322,8 @@ PART = " part "
 WARM_MAX_PARTS = 4
 
 WARM_ATTEMPTS = 4
-WARM_TIMEOUT_S = 300  # all workers together; a job has ~45 configs at ~2 s each (sm90, triton 3.6)
+WARM_TIMEOUT_S = 300  # all workers together; a D128 job has ~77 configs (both backwards) at ~2 s
+# each (sm90, triton 3.6), split over its parts
 TIMED_OUT = "timed out"
 TRACE = "warm launch "
 
@@ -1394,9 +1398,9 @@ def warm_one(spec: str, dtype_name: str, span: int, part: str = "0/1") -> int:
     """One warm worker: forward and backward of ``mask:d`` at a small size, through each
     backward (:data:`PATHS`), with each candidate of its ``part`` (``"p/n"``: the candidates i
     with i mod n = p) in turn (``launch.pinned(i)``: candidate i of every kernel), each launch
-    traced; then, in part 0 alone, three unpinned
-    calls (autotuning, ``JITFunction``, direct launches: ``launch.DIRECT_LAUNCH``), by when
-    the other parts' binaries are mostly on disk (those that are not, it compiles)."""
+    traced; then, in part 0 alone, three unpinned calls (autotuning, ``JITFunction``, direct
+    launches: ``launch.DIRECT_LAUNCH``), by when the other parts' binaries are mostly on disk
+    (those that are not, it compiles)."""
     import attnkit as ak
     from attnkit.backends.triton import launch
 

@@ -461,8 +461,8 @@ def test_random_structures(seed, kind, seq, param, walk, tiles, heads, batch, di
     equal and unequal lengths with and without causal, and padding, at any length (ragged
     tails), under every walk, with kernel blocks equal to or half the sparse blocks, GQA,
     batches, head dims that need padding, each input dtype and each backward path
-    (``launch.BACKWARD``): forward and backward within the 2x rule of the float64 truth. Their rows' blocks are evenly spaced or not, as they
-    fall. (More examples, new in each run: raise ``max_examples`` and set
+    (``launch.BACKWARD``): forward and backward within the 2x rule of the float64 truth.
+    Their rows' blocks are evenly spaced or not, as they fall. (More examples, new in each run: raise ``max_examples`` and set
     ``ATTNKIT_HYPOTHESIS=explore`` locally.)"""
     gen = torch.Generator().manual_seed(seed)
     tq = tk = seq
