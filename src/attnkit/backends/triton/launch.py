@@ -202,8 +202,8 @@ P_TMA, P_FLAT_TMA, F_FLAT_TMA, M_TMA = P + "+tma", P + "+flat+tma", F + "+flat+t
 #   and the stores of dK/dV, can overlap the other's loop: for short columns such as
 #   1024-token documents and causal N 1024, where dK/dV ran at ~350 TFLOP/s against ~450 on
 #   the window's longer ones (run A); also heaviest columns first; 64×64 with 8 warps).
-#   Offline (documents, causal): 32×64 never spills, 64×64 0–40 bytes; storing dS, 12–32
-#   and 8–132. Unrolled, 32×64 and 64×64 had spilled 132–184 bytes and lost.
+#   Offline (documents, causal): 32×64 never spills, 64×64 0–40 bytes; storing dS, 12–36
+#   and 12–108. Unrolled, 32×64 and 64×64 had spilled 132–184 bytes and lost.
 #
 # Tried offline for sm90 (Triton 3.6) and left out:
 # - automatic warp specialization (``tl.range(warp_specialize=True)``: a producer warp group
@@ -982,8 +982,8 @@ def dkdv_call(q, k, v, dout, lse2, delta_, dk, dv, plan: Plan,
 DS_BY_TMA = True
 """dK/dV stores its dS tiles by TMA where the device has it (sm90 on, and the interpreter), in
 every walk: in offline sm90 builds of the flat 32×128 loops that adds ~45 SASS instructions a
-tile (258/329 → 301/374), where a pointer store (through a blocked layout: a shuffle through
-shared memory) adds ~110. Off: pointer stores."""
+tile (258/299 → 301/344, ``results/compile_sm90.json``), where a pointer store (through a
+blocked layout: a shuffle through shared memory) added ~110. Off: pointer stores."""
 
 
 @functools.lru_cache(maxsize=None)
