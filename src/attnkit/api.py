@@ -6,7 +6,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from . import dispatch
+from . import dispatch, finite
 from .inputs import restore, validate
 from .masks import Mask
 
@@ -48,11 +48,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cannot run the input raises ``ValueError`` with its reasons.
 
     A query row whose keys are all masked gets output 0 and LSE −inf (never NaN), and zero
-    gradients.
+    gradients. NaN/inf in K/V where the mask excludes them never reaches a row; in q or in
+    keys a row may attend, they make that row NaN (see :mod:`attnkit.finite`).
     """
     inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
                       need_weights=return_weights, need_lse=return_lse)
-    result = dispatch.select(inputs, backend).forward(inputs)
+    chosen = dispatch.select(inputs, backend)
+    cleaned = None
+    # vmap: the reference (its only backend) keeps the rules itself; compile: no data-dependent
+    # branch in a traced graph (docs/NUMERICS.md).
+    if not (inputs.vmapped or torch.compiler.is_compiling() or finite.check(inputs)):
+        cleaned = finite.clean(inputs)
+    result = chosen.forward(inputs if cleaned is None else cleaned.inputs)
+    if cleaned is not None:
+        result = result._replace(**{name: finite.poison(getattr(result, name), cleaned.rows)
+                                    for name in ("out", "lse", "weights")})
+    if inputs.need_grad and not chosen.DOUBLE_BACKWARD:
+        dispatch.refuse_double_backward(result, chosen.NAME)
     out = restore(result.out, inputs)
     if not (return_lse or return_weights):
         return out

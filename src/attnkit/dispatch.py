@@ -4,6 +4,8 @@ input raises with its reasons. The order is data (``PRIORITY``), never mutated a
 
 from __future__ import annotations
 
+import torch
+
 from .backends.base import Backend
 from .backends.reference import ReferenceBackend
 from .backends.tiled import TiledBackend
@@ -29,6 +31,24 @@ AUTO_RULES = (
     "reference: whatever is left (returned weights with autograd); float64, O(Tq*Tk) memory",
 )
 """Human-readable dispatch rules, shown by ``attnkit info``."""
+
+
+def refuse_double_backward(result, name: str) -> None:
+    """Make a double backward (``create_graph=True``) through ``result``'s out/LSE raise a clear
+    error naming backend ``name``, instead of torch's message about a private kernel or a
+    silently constant second derivative. The hook runs in the backward pass, where grad mode
+    is on exactly when the backward itself is being recorded."""
+    def hook(grad):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"double backward (create_graph=True) through attention is not supported by "
+                f"backend {name!r}: pass backend='tiled' (O(T) memory) or backend='reference' to "
+                f"attention() for gradients of gradients")
+        return grad
+
+    for t in (result.out, result.lse):
+        if t is not None and t.requires_grad:
+            t.register_hook(hook)
 
 
 def names() -> list[str]:

@@ -41,6 +41,26 @@ class Inputs:
         return MaskSpace(batch=b, heads=h, q_len=tq, kv_len=self.k.shape[2], device=self.q.device)
 
     @property
+    def biases(self) -> list:
+        """The mask's additive bias tensors (``[Bm, Hm, Tq|1, Tk|1]``), possibly requiring grad."""
+        return [] if self.mask is None else self.mask.biases()
+
+    @property
+    def grad_tensors(self) -> tuple:
+        """Every tensor a gradient can flow to: q, k, v and the mask's biases."""
+        return (self.q, self.k, self.v, *self.biases)
+
+    @property
+    def bias_grad(self) -> bool:
+        """Whether a bias of the mask requires grad (a learnable bias: it needs dBias)."""
+        return torch.is_grad_enabled() and any(t.requires_grad for t in self.biases)
+
+    @property
+    def vmapped(self) -> bool:
+        """Whether the call runs under ``torch.func.vmap`` (its tensors are batched wrappers)."""
+        return any(_is_batched(t) for t in self.grad_tensors)
+
+    @property
     def group_size(self) -> int:
         """Query heads per key/value head (GQA); 1 for ordinary multi-head attention."""
         return self.q.shape[1] // self.k.shape[1]
@@ -51,6 +71,10 @@ class Inputs:
                  for name, t in (("q", self.q), ("k", self.k), ("v", self.v))]
         lines.append(f"  mask: {self.mask!r}, scale={self.scale:g}, dropout_p={self.dropout_p}")
         return "\n".join(lines)
+
+
+def _is_batched(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_batchedtensor(t)
 
 
 def _describe(**tensors) -> str:
@@ -124,20 +148,29 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
             raise ValueError(f"q and k must share the leading batch dims {batch_shape}, got "
                              f"{tuple(k.shape[:-3])}: {where}. Broadcast them explicitly with .expand()")
         hq, hkv = q.shape[-3], k.shape[-3]
-        if hkv == 0 or hq % hkv:
+        if hq == 0 or hkv == 0:
+            raise ValueError(f"q has {hq} heads and k has {hkv} (dim -3): attention needs at least "
+                             f"one head on each side. Got {where}. For inputs without heads use "
+                             f"[B, T, D] or [T, D]")
+        if hq % hkv:
             raise ValueError(f"k has {hkv} heads but q has {hq}: the number of query heads must be "
                              f"a multiple of key/value heads (GQA). Got {where}")
         if rank == 4:
             q4, k4, v4 = q, k, v
         else:
             q4, k4, v4 = (t.reshape(math.prod(batch_shape), *t.shape[-3:]) for t in (q, k, v))
+    # Any other layout (transposes, stride-0 expands, slices) is read through its strides by every
+    # backend; only a feature dim that is not contiguous (an unbind/chunk view of a fused QKV
+    # projection, a strided slice) is copied, since the fused CPU kernels read rows as vectors.
+    q4, k4, v4 = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+                  for t in (q4, k4, v4))
 
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a positive float (or None for 1/sqrt(Dk)), got {scale!r}")
-    elif not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale={scale!r}: use a finite positive number (a temperature τ is "
+        raise TypeError(f"scale must be a float (or None for 1/sqrt(Dk)), got {scale!r}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale={scale!r}: use a finite number (a temperature τ is "
                          f"scale=1/(τ·sqrt(Dk)))")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p!r}: must be a float in [0, 1)")
@@ -147,11 +180,12 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     mask = as_mask(mask)
     inputs = Inputs(q=q4, k=k4, v=v4, mask=mask, scale=float(scale), dropout_p=float(dropout_p),
                     generator=generator, batch_shape=batch_shape, input_rank=rank,
-                    need_weights=need_weights, need_lse=need_lse,
-                    need_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+                    need_weights=need_weights, need_lse=need_lse)
     if mask is not None:
         mask = _fit_mask(mask, inputs)
         inputs.mask = mask
+    inputs.need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs.grad_tensors)
+    if mask is not None:
         problems = mask.check(inputs.space)
         if problems:
             raise ValueError("mask does not fit the inputs:\n  " + "\n  ".join(problems)

@@ -24,6 +24,7 @@ True means "may attend", as in ``torch.nn.functional.scaled_dot_product_attentio
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -137,6 +138,12 @@ class Mask:
 
     def check(self, space: MaskSpace) -> list[str]:
         """Problems fitting this mask to ``space`` (empty when it fits); used by validation."""
+        return []
+
+    def biases(self) -> list[torch.Tensor]:
+        """The additive bias tensors this mask adds to the scores (each as stored, e.g.
+        ``[Bm, Hm, Tq|1, Tk|1]`` once fitted to a call); a bias that requires grad gets its
+        gradient through them. Empty for boolean masks."""
         return []
 
     # ---- combinators ------------------------------------------------------------------------
@@ -283,17 +290,32 @@ def sliding_window(left: int, right: int = 0, align: str = "top_left") -> Mask:
         if value < 0:
             raise ValueError(f"sliding_window {name}={value} is negative: use a window of 0 or more "
                              f"positions (left counts keys before the query, right keys after it)")
-    return _Band(left=left, right=right, align=align)
+    # A bound at or past the sequence length allows every key on that side; past UNBOUNDED it
+    # is stored as unbounded, so no index arithmetic overflows.
+    return _Band(left=None if left >= UNBOUNDED else left,
+                 right=None if right >= UNBOUNDED else right, align=align)
+
+
+UNBOUNDED = 1 << 30
+"""A sliding-window bound at least this large is stored as unbounded (``None``): longer than
+any sequence, and small enough for 32-bit index arithmetic in kernels."""
 
 
 def _lengths(name: str, value) -> Optional[torch.Tensor]:
     if value is None:
         return None
-    t = torch.as_tensor(value)
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"padding {name}={value!r}: pass integer lengths, one per batch element "
+                        f"(a list of ints or an integer tensor of shape [B])") from None
     if t.numel() == 0 and not isinstance(value, torch.Tensor):
         t = t.to(torch.long)  # an empty list has no dtype (as_tensor says float): validation reports the count
-    if t.is_floating_point() or t.dtype == torch.bool:
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"padding {name} has dtype {t.dtype}: pass integer lengths, one per batch element")
+    if t.dim() > 1:
+        raise ValueError(f"padding {name} has shape {tuple(t.shape)}: pass one length per batch "
+                         f"element, shape [B] (a 2-D 'real token' mask is not lengths)")
     return t.to(torch.long)
 
 
@@ -514,6 +536,9 @@ class _Bias(Mask):
     def check(self, space):
         return _fit_problems("bias", self.values, space)
 
+    def biases(self):
+        return [self.values]
+
     def tile(self, q_idx, kv_idx, space):
         # -inf entries mean "masked", so fully masked rows follow the contract (output 0).
         return ~torch.isneginf(_fit_tensor(self.values, q_idx, kv_idx, space))
@@ -547,6 +572,13 @@ class _Function(Mask):
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
             raise TypeError(f"from_function({self.name}) must return a bool tensor, got "
                             f"{getattr(out, 'dtype', type(out).__name__)}")
+        target = (space.batch, space.heads, len(q_idx), len(kv_idx))
+        if out.dim() not in (0, 4) or any(s not in (1, t) for s, t in zip(out.shape, target)):
+            raise ValueError(
+                f"from_function({self.name}) returned shape {tuple(out.shape)}; it must broadcast "
+                f"the index tensors b [B,1,1,1], h [1,H,1,1], q_idx [1,1,tq,1], kv_idx [1,1,1,tk] to "
+                f"[B|1, H|1, tq, tk] = {list(target)}: combine q_idx and kv_idx (e.g. "
+                f"q_idx >= kv_idx), not one of them alone")
         out = _as_4d(out)
         return out.expand(out.shape[0], out.shape[1], len(q_idx), len(kv_idx))
 
@@ -571,6 +603,9 @@ class _Combined(Mask):
 
     def check(self, space):
         return [problem for p in self.parts for problem in p.check(space)]
+
+    def biases(self):
+        return [t for p in self.parts for t in p.biases()]
 
 
 class _And(_Combined):
@@ -695,6 +730,7 @@ class MaskCache:
     def __init__(self, size: int):
         self.size = size
         self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()  # guards _entries; build() runs outside it
 
     def get(self, mask: Optional[Mask], extra: tuple, build: Callable[[], object]):
         """The cached value for ``(mask, extra)``, or ``build()`` (stored when cacheable)."""
@@ -703,12 +739,47 @@ class MaskCache:
         if key is None:
             return build()
         key = (key, extra)
-        hit = self._entries.get(key)
-        if hit is not None:
-            self._entries.move_to_end(key)
-            return hit[0]
-        value = build()
-        self._entries[key] = (value, keep)
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                return hit[0]
+        value = build()  # unlocked: two threads may build one value; both results are equal
+        with self._lock:
+            self._entries[key] = (value, keep)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
         return value
+
+
+def digest(mask: Optional[Mask]) -> str:
+    """A short hex digest of ``mask``'s content: its kind, parameters and the values of its
+    tensors (not their identity), so two masks built separately with equal contents agree and
+    masks of one shape but different values (document ids, lengths, biases) do not. A
+    ``from_function`` mask is described by its function's qualified name (its values cannot be
+    read without evaluating it). Used to check that ranks of a process group pass one mask."""
+    import hashlib
+
+    h = hashlib.sha256()
+
+    def feed(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().to("cpu").contiguous()
+            h.update(f"tensor{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(obj, Mask):
+            h.update(type(obj).__name__.encode())
+            for name in sorted(vars(obj)):
+                h.update(name.encode())
+                feed(vars(obj)[name])
+        elif isinstance(obj, (tuple, list)):
+            h.update(f"seq{len(obj)}".encode())
+            for item in obj:
+                feed(item)
+        elif callable(obj):
+            h.update(f"fn{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}".encode())
+        else:
+            h.update(repr(obj).encode())
+
+    feed(mask)
+    return h.hexdigest()[:16]

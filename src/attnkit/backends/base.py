@@ -30,6 +30,13 @@ class Backend:
     SUPPORTS_DROPOUT: bool = True
     SUPPORTS_WEIGHTS: bool = True
     SUPPORTS_BIAS: bool = True
+    SUPPORTS_BIAS_GRAD: bool = False
+    """A bias that requires grad gets ``dBias`` (reduced over its broadcast dims)."""
+    SUPPORTS_VMAP: bool = False
+    """Runs under ``torch.func.vmap`` (batched tensors)."""
+    DOUBLE_BACKWARD: bool = False
+    """Its backward is differentiable (``create_graph=True``, gradient penalties); backends
+    without it raise a clear error when a double backward reaches them."""
     MAX_HEAD_DIM: Optional[int] = None
     DESCRIPTION: str = ""
 
@@ -57,6 +64,12 @@ class Backend:
             reasons.append(f"return_weights=True (not supported by {name})")
         if inputs.mask is not None and inputs.mask.has_bias and not self.SUPPORTS_BIAS:
             reasons.append(f"additive bias mask (not supported by {name})")
+        if inputs.bias_grad and not self.SUPPORTS_BIAS_GRAD:
+            reasons.append(f"a bias that requires grad (not supported by {name}: it takes the "
+                           f"bias as a constant; tiled and reference give its gradient)")
+        if inputs.vmapped and not self.SUPPORTS_VMAP:
+            reasons.append(f"torch.func.vmap (not supported by {name}: its kernels take no batched "
+                           f"tensors; reference supports it)")
         head_dim = max(inputs.q.shape[-1], inputs.v.shape[-1])
         if self.MAX_HEAD_DIM is not None and head_dim > self.MAX_HEAD_DIM:
             reasons.append(f"head dim {head_dim} > {self.MAX_HEAD_DIM} (not supported by {name})")

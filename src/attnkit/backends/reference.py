@@ -61,12 +61,20 @@ def steps(inputs: Inputs) -> Steps:
     if inputs.dropout_p > 0:
         keep = dropout_keep(weights.shape, inputs.dropout_p, inputs.generator, weights.device)
         applied = weights * keep / (1.0 - inputs.dropout_p)
-    out = grouped_matmul(applied, v, heads_kv)  # [B, Hq, Tq, Dv]
+    # A non-finite value row of V is zeroed for the product (0·NaN would reach rows that mask
+    # it out) and makes NaN exactly the rows whose scores may see it (``masked`` is −inf only
+    # where a key is excluded); branch-free, so it holds under vmap and compile too.
+    bad_v = ~torch.isfinite(v).all(-1, keepdim=True)  # [B, Hkv, Tk, 1]
+    out = grouped_matmul(applied, v.masked_fill(bad_v, 0.0), heads_kv)  # [B, Hq, Tq, Dv]
+    sees_bad = grouped_matmul((~torch.isneginf(masked)).to(v.dtype), bad_v.to(v.dtype), heads_kv)
+    out = out * torch.where(sees_bad > 0, float("nan"), 1.0)  # a product: finite rows keep
+    # their gradient (a where over ``out * nan`` would send 0·NaN back to every row)
     return Steps(scores, scaled, allowed, masked, weights, lse, out)
 
 
 class ReferenceBackend(Backend):
     NAME = "reference"
+    SUPPORTS_BIAS_GRAD = SUPPORTS_VMAP = DOUBLE_BACKWARD = True
     DESCRIPTION = "float64, materialised O(Tq·Tk), keeps every step; the definition others are tested against"
 
     def forward(self, inputs: Inputs) -> BackendOutput:

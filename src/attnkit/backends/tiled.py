@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -637,7 +637,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
     batch, heads_q, tq, _ = q.shape
     heads_kv, dv = k.shape[1], v.shape[-1]
     acc = accum_dtype(q.dtype)
-    fused = uses_fused_kernel(q, v, problem.dropout_p)
+    fused = problem.plan.fused
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)  # no copy when already acc
     out = torch.empty(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
     lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
@@ -683,15 +683,25 @@ def _write_or_add(dest: torch.Tensor, value: torch.Tensor, write: bool) -> None:
 
 
 def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
-                   accumulate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   accumulate: bool = False, dbias: Sequence[Optional[torch.Tensor]] = (),
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward pass, recomputing tiles. ``grad_out [B, Hq, Tq, Dv]``, ``grad_lse [B, Hq, Tq]``
     or ``None`` → ``(dq, dk, dv)`` in the input dtypes, or with ``accumulate`` in the
     accumulation dtype (fp32 for fp16/bf16: a caller summing several calls, as ring attention
-    does, rounds once at the end). dK/dV of a K/V head sum over its group."""
+    does, rounds once at the end). dK/dV of a K/V head sum over its group.
+
+    ``dbias``: one accumulator per bias of the mask (``problem.mask.biases()``, same shapes,
+    accumulation dtype) or ``None`` where no gradient is wanted; each gets ``dBias = dS`` (the
+    scores' gradient) summed over the bias's broadcast dims, tile by tile. Needs a plan
+    without the fused kernel (which never forms dS)."""
     batch, heads_q, tq, _ = q.shape
     heads_kv = k.shape[1]
     acc = accum_dtype(q.dtype)
-    fused = uses_fused_kernel(q, v, problem.dropout_p) and grad_lse is None
+    fused = problem.plan.fused and grad_lse is None
+    biases = problem.mask.biases() if problem.mask is not None else []
+    wanted = [(t, d) for t, d in zip(biases, dbias) if d is not None]
+    if wanted and fused:
+        raise ValueError("tiled_backward: dbias needs a plan built with fused=False")
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)
     grad_out, out = grad_out.to(acc), out.to(acc)
     if not fused:  # the fused kernel forms rowsum(dO ∘ O) itself
@@ -760,6 +770,8 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
                 grad_probs.masked_fill_(~keep, 0.0).div_(1.0 - problem.dropout_p)
             work.add(dv, seg.start, seg.stop, kept.transpose(-1, -2) @ do_block)
             grad_scores = grad_probs.sub_(delta_block).mul_(probs)  # dS = P ∘ (dP − Δ)
+            if wanted:
+                _add_bias_grad(wanted, _ungrouped(grad_scores, heads_q), group.rows, seg)
             dq_seg = (grad_scores @ k_seg).mul_(problem.scale)  # [B, Hkv, G·n, Dk]
             _write_or_add(dq_block, dq_seg, first)
             work.add(dk, seg.start, seg.stop, grad_scores.transpose(-1, -2) @ q_block_scaled)
@@ -771,22 +783,74 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _add_bias_grad(wanted, grad_scores: torch.Tensor, rows: tuple[int, int], seg: Segment) -> None:
+    """Add one segment's score gradient ``[B, Hq, n, span]`` into each bias accumulator
+    ``[Bm, Hm, Tq|1, Tk|1]``, summed over the dims the bias broadcasts."""
+    for bias, grad in wanted:
+        part = grad_scores
+        for dim in range(4):
+            if bias.shape[dim] == 1 and part.shape[dim] != 1:
+                part = part.sum(dim, keepdim=True)
+        q_rows = slice(*rows) if bias.shape[2] != 1 else slice(0, 1)
+        keys = slice(seg.start, seg.stop) if bias.shape[3] != 1 else slice(0, 1)
+        grad[:, :, q_rows, keys] += part
+
+
 class _TiledAttention(torch.autograd.Function):
+    """``(q, k, v, problem, *biases) → (out, lse)``; the biases (``problem.mask.biases()``) are
+    inputs so that a learnable bias gets its gradient. Written with ``setup_context`` so that
+    ``torch.func.grad``/``jacrev`` can run it; its backward is differentiable through the
+    float64 reference when ``create_graph=True`` (double backward)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, problem: Problem):
+    def forward(q, k, v, problem: Problem, *biases):
+        return tiled_forward(q, k, v, problem)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, problem, *_ = inputs
         ctx.set_materialize_grads(False)  # an unused lse gives grad_lse None, not zeros
-        out, lse = tiled_forward(q, k, v, problem)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, *output)
         ctx.problem = problem
-        return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
+        problem = ctx.problem
+        biases = problem.mask.biases() if problem.mask is not None else []
+        wants_bias = ctx.needs_input_grad[4:]
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = tiled_backward(q, k, v, out, lse, grad_out, grad_lse, ctx.problem)
-        return dq, dk, dv, None
+        if torch.is_grad_enabled():  # create_graph=True: the backward itself is differentiated
+            grads = _differentiable_grads(q, k, v, biases, problem, grad_out, grad_lse,
+                                          ctx.needs_input_grad)
+            return (*grads[:3], None, *grads[3:])
+        acc = accum_dtype(q.dtype)
+        dbias = [torch.zeros(t.shape, dtype=acc, device=t.device) if want else None
+                 for t, want in zip(biases, wants_bias)]
+        dq, dk, dv = tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem, dbias=dbias)
+        return dq, dk, dv, None, *(None if d is None else d.to(t.dtype) for d, t in zip(dbias, biases))
+
+
+def _differentiable_grads(q, k, v, biases, problem: Problem, grad_out, grad_lse, needed):
+    """The gradients of q, k, v and the biases, recorded for a further backward: the float64
+    reference recomputed with autograd (O(Tq·Tk) memory, for double backward only)."""
+    from ..inputs import Inputs
+    from .reference import steps
+
+    inputs = Inputs(q=q, k=k, v=v, mask=problem.mask, scale=problem.scale, dropout_p=0.0,
+                    generator=None, batch_shape=(), input_rank=4)
+    if problem.dropout_p > 0 or problem.q_offset or problem.kv_offset or inputs.space != problem.space:
+        raise RuntimeError("double backward (create_graph=True) through tiled attention needs "
+                           "dropout_p=0 and unsharded positions: use backend='reference'")
+    result = steps(inputs)
+    outputs, grads = [result.out], [grad_out.to(result.out.dtype)]
+    if grad_lse is not None:
+        outputs.append(result.lse)
+        grads.append(grad_lse.to(result.lse.dtype))
+    wanted = [t for t, need in zip((q, k, v, *biases), (*needed[:3], *needed[4:])) if need]
+    found = iter(torch.autograd.grad(outputs, wanted, grads, create_graph=True, allow_unused=True))
+    return [next(found) if need else None for need in (*needed[:3], *needed[4:])]
 
 
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask] = None,
@@ -808,7 +872,11 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
                      kv_offset=kv_offset, kv_count=tk, block_q=block_q, block_k=block_k,
                      fused=uses_fused_kernel(q, v, dropout_p))
     problem = Problem(mask, scale, space, q_offset, kv_offset, plan, dropout_p, seed)
-    return _TiledAttention.apply(q, k, v, problem)
+    return _TiledAttention.apply(q, k, v, problem, *_biases(mask))
+
+
+def _biases(mask: Optional[Mask]) -> list:
+    return mask.biases() if mask is not None else []
 
 
 def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: Problem,
@@ -839,6 +907,7 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
 
 class TiledBackend(Backend):
     NAME = "tiled"
+    SUPPORTS_BIAS_GRAD = DOUBLE_BACKWARD = True
     DESCRIPTION = ("online-softmax tiles in PyTorch: O(T) memory, EMPTY tiles skipped, FULL tiles "
                    "unmasked; backward recomputes tiles")
 
@@ -855,10 +924,10 @@ class TiledBackend(Backend):
                                      device=inputs.generator.device if inputs.generator else "cpu"))
         batch, heads_q, tq, _ = inputs.q.shape
         space = inputs.space
+        fused = uses_fused_kernel(inputs.q, inputs.v, inputs.dropout_p) and not inputs.bias_grad
         plan = make_plan(inputs.mask, space, batch=batch, heads=heads_q, q_offset=0, q_count=tq,
-                         kv_offset=0, kv_count=space.kv_len,
-                         fused=uses_fused_kernel(inputs.q, inputs.v, inputs.dropout_p))
+                         kv_offset=0, kv_count=space.kv_len, fused=fused)
         problem = Problem(inputs.mask, inputs.scale, space, 0, 0, plan, inputs.dropout_p, seed)
-        out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v, problem)
+        out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v, problem, *inputs.biases)
         weights = tiled_weights(inputs.q, inputs.k, lse, problem) if inputs.need_weights else None
         return BackendOutput(out, lse, weights)

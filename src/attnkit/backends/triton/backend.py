@@ -15,7 +15,6 @@ from typing import Optional
 import torch
 
 from ...inputs import Inputs
-from ...masks import _Bias
 from ..base import Backend, BackendOutput
 from . import launch
 
@@ -125,10 +124,6 @@ class TritonBackend(Backend):
             problem = launch.cpu_problem()
             if problem:
                 reasons.append(f"{problem} (not supported by triton)")
-        if any(isinstance(leaf, _Bias) and leaf.values.requires_grad
-               for leaf in launch.and_leaves(inputs.mask)):
-            reasons.append("a bias that requires grad (not supported by triton: the bias is a "
-                           "constant here)")
         return reasons
 
     def auto_reasons(self, inputs: Inputs) -> list[str]:

@@ -1,0 +1,96 @@
+"""Non-finite inputs: masked positions cannot leak, allowed ones propagate.
+
+Real inputs hold garbage where the mask says it does not matter: a padded batch, a KV cache
+allocated with ``torch.empty``. The rules (docs/NUMERICS.md), for every backend:
+
+- NaN/inf in K or V at a position the mask excludes for query i never reaches out[i], lse[i]
+  or any gradient;
+- NaN/inf in q[i], or in a K/V row that query i may attend, makes out[i] and lse[i] NaN (and
+  the gradients that flow through row i), never 0. A fully masked row stays out 0, lse −inf.
+
+Kernels compute masked scores and ``0 · v`` products inside partially masked tiles, so a
+non-finite value there would leak (``NaN + −inf``, ``0 · NaN``). Instead of asking every kernel
+to guard every tile, :func:`check` looks once per call whether q, k and v are all finite (one
+reduction each; the common case ends here). When they are not, :func:`clean` finds the
+non-finite rows, zeroes them in copies that the backend runs on, and :func:`poison` marks the
+query rows that could see them as NaN afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple, Optional
+
+import torch
+
+from .inputs import Inputs
+
+CHUNK_ELEMENTS = 1 << 22
+"""Mask elements evaluated at once when finding the rows that see a non-finite key."""
+
+
+def check(inputs: Inputs) -> bool:
+    """True when q, k and v hold only finite values (NaN and ±inf propagate into each sum; a
+    finite tensor whose sum overflows only sends the call down the exact path, which then
+    finds nothing to clean)."""
+    total = sum(t.detach().sum(dtype=torch.float64) for t in (inputs.q, inputs.k, inputs.v))
+    return bool(torch.isfinite(total))
+
+
+class Cleaned(NamedTuple):
+    """``inputs`` with non-finite q/k/v rows zeroed, and ``rows [B, Hq, Tq]`` (bool): the
+    query rows whose result must be NaN."""
+
+    inputs: Inputs
+    rows: torch.Tensor
+
+
+def clean(inputs: Inputs) -> Optional[Cleaned]:
+    """Zero every q row and K/V row holding a non-finite value (a copy; gradients still reach
+    the finite entries), and find the query rows that see one: a non-finite q row with any
+    allowed key, or a row that may attend a non-finite K/V row. ``None`` when nothing is
+    non-finite after all."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    bad_q = ~torch.isfinite(q).all(-1)  # [B, Hq, Tq]
+    bad_kv = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, Hkv, Tk]
+    any_q, any_kv = bool(bad_q.any()), bool(bad_kv.any())
+    if not (any_q or any_kv):
+        return None
+    group = inputs.group_size
+    bad_keys = bad_kv.repeat_interleave(group, dim=1)  # [B, Hq, Tk]
+    rows = torch.zeros_like(bad_q)
+    mask, space = inputs.mask, inputs.space
+    tq, tk = q.shape[2], k.shape[2]
+    if mask is None:
+        rows |= bad_keys.any(-1, keepdim=True)
+        if tk:
+            rows |= bad_q
+    else:
+        q_idx = torch.arange(tq, device=q.device)
+        chunk = max(1, CHUNK_ELEMENTS // max(1, q.shape[0] * q.shape[1] * tq))
+        if any_kv:  # only the key columns that are non-finite somewhere
+            columns = bad_kv.flatten(0, 1).any(0).nonzero().flatten()
+            for part in columns.split(chunk):
+                allowed = mask.tile(q_idx, part, space)  # [Bm, Hm, Tq, c]
+                rows |= (allowed & bad_keys[:, :, None, part]).any(-1)
+        if any_q:  # a non-finite q row counts only where it has an allowed key
+            has_key = torch.zeros_like(bad_q)
+            for start in range(0, tk, chunk):
+                part = torch.arange(start, min(start + chunk, tk), device=q.device)
+                has_key |= mask.tile(q_idx, part, space).any(-1)
+            rows |= bad_q & has_key
+    fixed = replace(inputs,
+                    q=q.masked_fill(bad_q[..., None], 0.0) if any_q else q,
+                    k=k.masked_fill(bad_kv[..., None], 0.0) if any_kv else k,
+                    v=v.masked_fill(bad_kv[..., None], 0.0) if any_kv else v)
+    return Cleaned(fixed, rows)
+
+
+def poison(x: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[torch.Tensor]:
+    """``x [B, Hq, Tq, ...]`` with ``rows`` set to NaN, as ``x · (NaN or 1)``: a gradient
+    reaching a poisoned row goes back as NaN, so training divergence shows in the gradients
+    too, and every other row's value and gradient is unchanged."""
+    if x is None:
+        return None
+    where = rows.reshape(*rows.shape, *([1] * (x.dim() - rows.dim())))
+    return x * torch.where(where, float("nan"), 1.0).to(x.dtype)
