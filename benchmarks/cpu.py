@@ -17,6 +17,7 @@ from pathlib import Path
 from attnkit.bench import plots, report, runner
 from attnkit.cli import bench as bench_cli
 from attnkit.cli import make_console
+from attnkit.cli._common import UsageError
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 
@@ -31,7 +32,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     console = make_console()
     command = " ".join(["python", "benchmarks/cpu.py", *map(shlex.quote, argv)])
-    options = bench_cli.options_from(args, command)
+    try:
+        options = bench_cli.options_from(args, command)
+    except UsageError as error:
+        parser.error(str(error))
     results = runner.run_benchmark(options, console=console)
     runner.print_report(results, console)
     out_dir = options.out_dir()

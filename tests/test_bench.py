@@ -234,4 +234,4 @@ def test_threads_option_is_recorded_and_restored(tmp_path):
 def test_unknown_method_is_a_clear_error(tmp_path, capsys):
     assert cli_main(["bench", "--quick", "--methods", "tiled", "magic", "--no-memory",
                      "--out", str(tmp_path)]) == 2
-    assert "unknown method(s) ['magic']" in capsys.readouterr().out
+    assert "unknown method(s) ['magic']" in capsys.readouterr().err

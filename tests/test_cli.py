@@ -410,3 +410,167 @@ def test_module_entry_point_runs():
     assert done.returncode == 0, done.stderr
     for name in cli.COMMANDS:
         assert name in done.stdout
+
+
+# ---- user errors: one line on stderr, exit 2, before any work ---------------------------------
+
+def assert_one_line_error(capsys, command, *words):
+    """The captured stderr is exactly one ``attnkit COMMAND: error: ...`` line naming ``words``;
+    stdout holds no error and no traceback appears anywhere."""
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"attnkit {command}: error: "), lines[0]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    assert "Traceback" not in captured.err + captured.out and "error" not in captured.out
+    return lines[0]
+
+
+def _refuse_to_work(monkeypatch):
+    """Make every command's main work fail loudly, so a test sees whether it started."""
+    from attnkit.bench import runner
+
+    def started(*args, **kwargs):
+        raise AssertionError("the work started before the output path was checked")
+    monkeypatch.setattr(explain_cmd, "steps", started)
+    monkeypatch.setattr(scale_study, "scale_study", started)
+    monkeypatch.setattr(check_cmd, "run_checks", started)
+    monkeypatch.setattr(runner, "run_benchmark", started)
+
+
+@pytest.mark.parametrize("command, option, where", [
+    ("explain", "--plot", "file/x.png"),            # the parent folder is a regular file
+    ("explain", "--plot", "file/sub/x.png"),        # an ancestor is a regular file
+    ("explain", "--plot", "folder"),                # the output file is an existing folder
+    ("explain", "--plot", "/proc/nope/x.png"),      # a folder that cannot be created
+    ("scale-study", "--out", "file"),               # --out is a folder, given an existing file
+    ("scale-study", "--out", "/proc/nope"),
+    ("scale-study", "--out", "blocked"),            # blocked/scale_study.png is a folder
+    ("demo", "--out", "file"),
+    ("demo", "--out", "file/sub"),
+    ("bench", "--out", "file"),
+    ("bench", "--out", "/proc/nope/results"),
+])
+def test_unusable_output_path_fails_before_the_work(tmp_path, monkeypatch, capsys, command,
+                                                    option, where):
+    if where.startswith("/proc") and not __import__("os").path.isdir("/proc"):
+        pytest.skip("needs /proc, a folder where no folder can be created")
+    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "blocked" / "scale_study.png").mkdir(parents=True)
+    _refuse_to_work(monkeypatch)
+    path = where if where.startswith("/") else str(tmp_path / where)
+    argv = [command, option, path] + (["--quick"] if command == "bench" else [])
+    assert cli.main(argv) == 2
+    assert_one_line_error(capsys, command, f"{option} {path}")
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
+def test_check_output_creates_folders_and_leaves_nothing_behind(tmp_path):
+    from attnkit.cli._common import UsageError, check_output
+
+    target = tmp_path / "a" / "b" / "plot.png"
+    assert check_output("--plot", str(target)) == target
+    assert target.parent.is_dir() and list(target.parent.iterdir()) == []  # no scratch file left
+    folder = tmp_path / "out"
+    assert check_output("--out", str(folder), "x.json", "y.png") == folder
+    assert folder.is_dir() and list(folder.iterdir()) == []
+    (folder / "x.json").write_text("{}")  # an existing writable output file is fine
+    check_output("--out", str(folder), "x.json")
+    (folder / "y.png").mkdir()
+    with pytest.raises(UsageError, match=r"^--out .*y\.png is a folder"):
+        check_output("--out", str(folder), "x.json", "y.png")
+    with pytest.raises(UsageError, match=r"^--out .*is a file, not a folder"):
+        check_output("--out", str(folder / "x.json"), "z.png")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "--quick", "--reps", "0"], ["--reps 0", "at least 1"]),
+    (["bench", "--quick", "--threads", "-2"], ["--threads -2", "at least 1"]),
+    (["bench", "--quick", "--workloads", "nope"], ["--workloads", "nope", "choose from"]),
+    (["bench", "--quick", "--methods", "sdpa"], ["--methods", "tiled"]),
+    (["bench", "--quick", "--methods", "tiled", "bogus"], ["--methods", "bogus", "choose from"]),
+    (["scale-study", "--samples", "1"], ["--samples 1", "at least 2"]),
+    (["check", "--backend", "no-such-backend"], ["--backend", "no-such-backend", "choose from"]),
+    (["explain", "--q", "[[1, 0], [2"], ["--q", "JSON"]),
+    (["explain", "--q", "missing.npy"], ["--q", "missing.npy", "no such file"]),
+])
+def test_user_errors_are_one_line_on_stderr(tmp_path, monkeypatch, capsys, argv, words):
+    monkeypatch.chdir(tmp_path)
+    _refuse_to_work(monkeypatch)
+    assert cli.main(argv) == 2
+    assert_one_line_error(capsys, argv[0], *words)
+
+
+@pytest.mark.parametrize("command", ["check", "scale-study"])
+@pytest.mark.parametrize("seed", ["-1", str(2 ** 70)])
+def test_out_of_range_seed_is_a_usage_error(monkeypatch, capsys, command, seed):
+    _refuse_to_work(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--seed", seed])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--seed" in err and "from 0 to" in err and "Traceback" not in err
+
+
+def test_check_of_an_unavailable_backend_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setitem(dispatch.BACKENDS, "absent", _Absent())
+    _refuse_to_work(monkeypatch)
+    assert cli.main(["check", "--quick", "--backend", "reference", "absent"]) == 2
+    assert_one_line_error(capsys, "check", "--backend absent", "needs hardware this machine lacks",
+                          "reference")
+
+
+def test_check_of_triton_without_a_gpu_is_a_usage_error(capsys):
+    import attnkit
+
+    reason = attnkit.available_backends().get("triton")
+    if not reason:
+        pytest.skip("triton can run here")
+    assert cli.main(["check", "--quick", "--backend", "triton"]) == 2
+    assert_one_line_error(capsys, "check", "--backend triton", reason.split(",")[0])
+
+
+@pytest.mark.parametrize("registry", [{"picky": _Refuses()}, {"absent": _Absent()}])
+def test_check_that_checked_nothing_fails(monkeypatch, capsys, registry):
+    monkeypatch.setattr(dispatch, "BACKENDS", registry)
+    monkeypatch.setattr(check_cmd, "QUICK_CASES", check_cmd.QUICK_CASES[:2])
+    assert cli.main(["check", "--quick"]) == 1
+    captured = capsys.readouterr()
+    assert "0 passed, 0 failed" in captured.out
+    assert "nothing was checked" in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: np.array([[1 + 2j, 0], [2, 1j]]), ["complex128", "imaginary", "real"]),
+    (lambda: np.array([[1, 0], [2, 0]], dtype=np.complex64), ["complex64", "real"]),
+    (lambda: np.array([[True, False], [False, True]]), ["bool", "astype(float)"]),
+    (lambda: np.array([["1", "0"], ["2", "0"]]), ["<U1", "astype(float)"]),
+    (lambda: np.array([["2020-01-01"]], dtype="datetime64[D]"), ["datetime64[D]", "astype(float)"]),
+    (lambda: np.zeros((0, 2)), ["empty", "(0, 2)"]),
+])
+def test_explain_refuses_npy_arrays_that_are_not_real_numbers(tmp_path, monkeypatch, capsys, make,
+                                                               words):
+    _refuse_to_work(monkeypatch)
+    path = tmp_path / "q.npy"
+    np.save(path, make())
+    assert cli.main(["explain", "--q", str(path)]) == 2
+    assert_one_line_error(capsys, "explain", "--q", str(path), *words)
+
+
+def test_explain_refuses_object_npz_and_json_non_numbers(tmp_path, monkeypatch, capsys):
+    _refuse_to_work(monkeypatch)
+    objects = tmp_path / "objects.npy"
+    np.save(objects, np.array([[1, None]], dtype=object), allow_pickle=True)
+    archive = tmp_path / "archive.npy"
+    with open(archive, "wb") as handle:
+        np.savez(handle, q=np.zeros((2, 2)))
+    for argv, words in ((["--q", str(objects)], ["--q", "Object arrays"]),
+                        (["--k", str(archive)], ["--k", ".npz archive"]),
+                        (["--q", "[[true, false]]"], ["--q", "bool"]),
+                        (["--q", "[[true, 1]]"], ["--q", "true/false", "1 and 0"]),
+                        (["--v", '[["1", "0"]]'], ["--v", "strings"]),
+                        (["--q", "[[1, null]]"], ["--q", "object"])):
+        assert cli.main(["explain", *argv]) == 2
+        assert_one_line_error(capsys, "explain", *words)

@@ -6,6 +6,11 @@ Each command module defines three things::
     def add_arguments(parser: argparse.ArgumentParser) -> None: ...
     def run(args: argparse.Namespace, console: rich.console.Console) -> int: ...   # exit code
 
+A user's mistake (bad argument, unusable output path, unreadable input file) raises
+:class:`~attnkit.cli._common.UsageError`; :func:`main` reports it on stderr as one line and
+returns 2. Commands check their output paths with :func:`~attnkit.cli._common.check_output`
+before starting any work.
+
 Adding a command (e.g. ``bench``) is one module plus one entry in :data:`COMMANDS`.
 Plotting modules import matplotlib inside their plotting functions only, so
 ``import attnkit`` never pulls in matplotlib.
@@ -68,4 +73,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return int(args._module.run(args, make_console()) or 0)
+    from ._common import UsageError
+
+    try:
+        return int(args._module.run(args, make_console()) or 0)
+    except UsageError as error:
+        print(f"attnkit {args.command}: error: {error}", file=sys.stderr)
+        return 2

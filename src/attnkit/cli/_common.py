@@ -1,12 +1,68 @@
-"""Small helpers shared by the CLI commands: number formatting, matrix tables, PNG figures."""
+"""Small helpers shared by the CLI commands: usage errors, output-path checks, number
+formatting, matrix tables, PNG figures."""
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+
+
+class UsageError(ValueError):
+    """A mistake in the command line or its input files. :func:`attnkit.cli.main` prints the
+    message as one line ``attnkit COMMAND: error: MESSAGE`` on stderr and exits with code 2.
+    Messages name the argument, what is wrong with it and how to fix it."""
+
+
+def check_output(option: str, value, *names: str) -> Path:
+    """Make sure a command can write its output, before it starts any work.
+
+    ``value`` is the path given to ``option``: a file path, or, when ``names`` are given, a
+    folder that will hold files of those names. The folder (``value`` itself, or the file's
+    parent) is created if missing and a scratch file is created in it and removed; each output
+    file must not be a folder and, if it exists, must be writable. Returns ``value`` as a
+    :class:`~pathlib.Path`; raises :class:`UsageError` naming ``option`` otherwise.
+    """
+    path = Path(value)
+    where = f"{option} {value}"
+    if not names and (path.is_dir() or str(value).endswith(("/", os.sep))):
+        raise UsageError(f"{where}: is a folder; give a file path such as {path / 'out.png'}")
+    folder = path if names else path.parent
+    if folder.exists() and not folder.is_dir():
+        fix = "give a folder path (it is created if missing)" if names else "choose another path"
+        raise UsageError(f"{where}: {folder} is a file, not a folder; {fix}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".attnkit-write-check-"):
+            pass
+    except OSError as error:
+        raise UsageError(f"{where}: cannot create or write in the folder {folder} "
+                         f"({error.strerror or error}); choose a path in a writable folder") from None
+    for file in ([path / name for name in names] if names else [path]):
+        if file.is_dir():
+            raise UsageError(f"{where}: {file} is a folder, where a file goes; remove it or "
+                             f"choose another path")
+        if file.exists() and not os.access(file, os.W_OK):
+            raise UsageError(f"{where}: {file} exists and is not writable; make it writable "
+                             f"or choose another path")
+    return path
+
+
+def seed_type(text: str) -> int:
+    """argparse ``type=`` for a random seed: an integer from 0 to 2**32 − 1."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= seed < 2 ** 32:
+        raise argparse.ArgumentTypeError(f"{seed} is out of range: give an integer from 0 to "
+                                         f"{2 ** 32 - 1}")
+    return seed
 
 
 def fmt_number(x: float, digits: int = 4) -> str:

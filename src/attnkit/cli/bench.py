@@ -8,7 +8,12 @@ import argparse
 import shlex
 import sys
 
+from ._common import UsageError, check_output
+
 HELP = "benchmark attnkit vs torch SDPA, FlexAttention and naive attention (time, memory)"
+
+OUTPUT_FILES = ("cpu.json", "time_vs_n.png", "memory_vs_n.png", "speedups.png")
+"""The files ``bench`` writes into its ``--out`` folder."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,16 +43,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from(args: argparse.Namespace, command: str = ""):
-    """The :class:`attnkit.bench.Options` of parsed arguments."""
-    from ..bench import Options
+    """The :class:`attnkit.bench.Options` of parsed arguments; raises :class:`UsageError` for
+    bad counts, unknown workloads or methods, and an ``--out`` folder it cannot write in."""
+    from ..bench import Options, runner
+    from ..bench.workloads import select
 
     for name in ("reps", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise ValueError(f"--{name} {value}: give at least 1")
-    return Options(quick=args.quick, out=args.out, workloads=args.workloads, methods=args.methods,
-                   reps=args.reps, flex=args.flex, memory=args.memory, threads=args.threads,
-                   command=command or "attnkit bench")
+            raise UsageError(f"--{name} {value}: give at least 1")
+    options = Options(quick=args.quick, out=args.out, workloads=args.workloads,
+                      methods=args.methods, reps=args.reps, flex=args.flex, memory=args.memory,
+                      threads=args.threads, command=command or "attnkit bench")
+    try:
+        select(runner.quick_workloads() if args.quick else runner.standard_workloads(),
+               args.workloads)
+    except ValueError as error:
+        raise UsageError(f"--workloads: {error}") from None
+    try:
+        options.settings()
+    except ValueError as error:
+        message = str(error)
+        raise UsageError(message if message.startswith("--") else f"--methods: {message}") from None
+    check_output("--out", options.out_dir(), *OUTPUT_FILES)
+    return options
 
 
 def run(args: argparse.Namespace, console) -> int:
@@ -55,12 +74,8 @@ def run(args: argparse.Namespace, console) -> int:
 
     command = "attnkit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == [
         "bench"] else "attnkit bench"
-    try:
-        options = options_from(args, command)
-        results = runner.run_benchmark(options, console=console)
-    except ValueError as error:
-        console.print(f"[bold red]error:[/bold red] {error}")
-        return 2
+    options = options_from(args, command)
+    results = runner.run_benchmark(options, console=console)
     runner.print_report(results, console)
     out_dir = options.out_dir()
     path = runner.write_results(results, out_dir)

@@ -36,7 +36,10 @@ from ..inputs import validate
 from ..masks import Mask, MaskSpace, bias, causal, dense, documents, padding, sliding_window
 from ..numerics import accum_dtype
 
-HELP = "check every available backend against the float64 reference (exit 1 on any failure)"
+from ._common import UsageError, seed_type
+
+HELP = ("check every available backend against the float64 reference (exit 1 on any failure "
+        "or when nothing could be checked)")
 
 GRAD_DTYPES = (torch.float64, torch.float32)
 """Gradients are checked for these dtypes (low-precision backward is left to the benchmarks)."""
@@ -405,7 +408,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small grid (a few seconds)")
     parser.add_argument("--backend", action="extend", nargs="+", metavar="NAME", default=None,
                         help=f"check only these backends (default: all of {list(dispatch.BACKENDS)})")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
+    parser.add_argument("--seed", type=seed_type, default=0,
+                        help="random seed of the inputs (default 0)")
 
 
 def run(args: argparse.Namespace, console) -> int:
@@ -414,10 +418,14 @@ def run(args: argparse.Namespace, console) -> int:
     names = args.backend if args.backend else list(dispatch.BACKENDS)
     unknown = [n for n in names if n not in dispatch.BACKENDS]
     if unknown:
-        print(f"attnkit check: error: unknown backend(s) {unknown}: choose from {list(dispatch.BACKENDS)}",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"--backend: unknown backend(s) {unknown}; choose from {list(dispatch.BACKENDS)}")
     available = [n for n in names if dispatch.BACKENDS[n].is_available()]
+    missing = [n for n in names if n not in available]
+    if args.backend and missing:
+        reasons = "; ".join(f"{n}: {dispatch.BACKENDS[n].unavailable_reason()}" for n in missing)
+        usable = [n for n, b in dispatch.BACKENDS.items() if b.is_available()]
+        raise UsageError(f"--backend {' '.join(missing)}: cannot run on this machine ({reasons}); "
+                         f"choose from the available backends {usable} (see `attnkit info`)")
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("checking backends", total=count_runs(args.quick, len(available)))
         results = run_checks(args.quick, names, seed=args.seed,
@@ -427,4 +435,8 @@ def run(args: argparse.Namespace, console) -> int:
     grid = "quick" if args.quick else "full"
     summary = f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['skip']} skipped ({grid} grid)"
     console.print(f"[bold red]{summary}" if counts["FAIL"] else f"[bold green]{summary}")
+    if counts["PASS"] + counts["FAIL"] == 0:
+        print("attnkit check: error: nothing was checked: every backend or case was skipped "
+              "(reasons in the table); check other backends (see `attnkit info`)", file=sys.stderr)
+        return 1
     return 1 if counts["FAIL"] else 0

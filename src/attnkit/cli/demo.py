@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from ._common import check_output
 
 HELP = "run explain, check --quick and scale-study, writing PNGs to --out"
 
@@ -16,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, console) -> int:
     from . import command_module
 
-    out = Path(args.out)
+    out = check_output("--out", args.out, "explain_weights.png", "scale_study.png")
     steps = (("explain", ["--plot", str(out / "explain_weights.png")]),
              ("check", ["--quick"]),
              ("scale-study", ["--out", str(out)]))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -23,7 +22,8 @@ from ..backends.reference import Steps, steps
 from ..inputs import Inputs, validate
 from ..masks import causal
 
-from ._common import agg_figure, fmt_number, matrix_table, save_figure
+from ._common import (UsageError, agg_figure, check_output, fmt_number, matrix_table,
+                      save_figure)
 
 HELP = "print the attention computation step by step (default: seed 004's causal example)"
 
@@ -72,22 +72,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write a heatmap PNG of the attention weights to PATH")
 
 
+NOT_NUMBERS = {"b": "booleans", "U": "strings", "S": "bytes", "O": "Python objects",
+               "M": "dates", "m": "time spans", "V": "structured records"}
+"""Array kinds (``dtype.kind``) that are not real numbers, by the words an error uses for them."""
+
+
 def parse_matrix(text: str) -> torch.Tensor:
-    """A JSON nested list or the path of a ``.npy`` file → a float64 tensor (≥ 2-D)."""
+    """A JSON nested list or the path of a ``.npy`` file → a float64 tensor.
+
+    Raises ``ValueError`` for text that is neither, and for arrays that are empty or hold
+    anything but real integers or floats (complex, booleans, strings, objects, dates).
+    """
     path = Path(text)
-    if text.endswith(".npy") or path.is_file():
+    from_file = text.endswith(".npy") or path.is_file()
+    if from_file:
+        if not path.exists():
+            raise ValueError(f"{text!r}: no such file; check the path, or pass a JSON matrix "
+                             f"like '[[1,0],[2,0]]'")
         try:
             array = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as error:
-            raise ValueError(f"cannot read {text!r} as a .npy array: {error}") from None
+        except (OSError, ValueError, EOFError) as error:
+            raise ValueError(f"cannot read {text!r} as a .npy array ({error}); pass a numeric "
+                             f"array saved with numpy.save") from None
+        if not isinstance(array, np.ndarray):  # an .npz archive
+            array.close()
+            raise ValueError(f"{text!r} is an .npz archive, not a .npy array; pass one array "
+                             f"saved with numpy.save")
     else:
         try:
-            array = np.asarray(json.loads(text), dtype=np.float64)
+            data = json.loads(text)
+            array = np.asarray(data)
         except (json.JSONDecodeError, ValueError, TypeError) as error:
             raise ValueError(f"cannot read {text!r} as a JSON matrix (e.g. '[[1,0],[2,0]]') "
                              f"or a .npy file: {error}") from None
-    if not np.issubdtype(array.dtype, np.number):
-        raise ValueError(f"{text!r} holds {array.dtype}, not numbers")
+        if array.dtype.kind in "iu" and any(isinstance(x, bool) for x in
+                                            np.asarray(data, dtype=object).flat):
+            raise ValueError(f"{text!r} holds JSON true/false, which are not numbers; "
+                             f"write 1 and 0")
+    kind = array.dtype.kind
+    if kind == "c":
+        raise ValueError(f"{text!r} holds complex numbers ({array.dtype}), and attention is "
+                         f"computed on real numbers only: its imaginary part would be lost; pass "
+                         f"real arrays (e.g. save a.real)")
+    if kind not in "iuf":
+        fix = "save a.astype(float)" if from_file else "write numbers, e.g. '[[1,0],[2,0]]'"
+        raise ValueError(f"{text!r} holds {NOT_NUMBERS.get(kind, 'values')} ({array.dtype}), "
+                         f"not real numbers; pass integers or floats ({fix})")
+    if array.size == 0:
+        raise ValueError(f"{text!r} is empty (shape {array.shape}); pass at least one row "
+                         f"and one column")
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float64))
 
 
@@ -261,13 +294,18 @@ def _print_seed_note(console, result: Steps) -> list[SeedDifference]:
 
 
 def run(args: argparse.Namespace, console) -> int:
+    tensors = {}
+    for name in ("q", "k", "v"):
+        try:
+            tensors[name] = parse_matrix(getattr(args, name)) if getattr(args, name) else None
+        except ValueError as error:
+            raise UsageError(f"--{name}: {error}") from None
     try:
-        tensors = {name: parse_matrix(getattr(args, name)) if getattr(args, name) else None
-                   for name in ("q", "k", "v")}
         inputs, is_seed_example = build_inputs(**tensors, causal_mask=args.causal, scale=args.scale)
     except (ValueError, TypeError) as error:
-        print(f"attnkit explain: error: {error}", file=sys.stderr)
-        return 2
+        raise UsageError(str(error)) from None
+    if args.plot:
+        check_output("--plot", args.plot)
     result = steps(inputs)
     if is_seed_example:
         console.print("[bold]Seed document 004, Example 2[/bold]: Q = K = V = [[1,0],[2,0],[3,0]], "

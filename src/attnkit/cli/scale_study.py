@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 
 from ..api import attention
-from ._common import agg_figure, fmt_number, save_figure
+from ._common import UsageError, agg_figure, check_output, fmt_number, save_figure, seed_type
 
 HELP = "variance / saturation study of the 1/sqrt(d_k) scale (seed 004, Examples 1 and 3, and an experiment)"
 
@@ -43,7 +42,7 @@ SEED_EXAMPLE_3 = {"1": [0.0, 0.0, 1.0], "1/√d_k": [1.12e-7, 3.35e-4, 0.99966],
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="attnkit-out", metavar="DIR",
                         help="folder for scale_study.png (default: attnkit-out)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=seed_type, default=0, help="random seed (default 0)")
     parser.add_argument("--samples", type=int, default=20000,
                         help="random (q, k) pairs for Example 1's empirical variance (default 20000)")
 
@@ -173,8 +172,8 @@ def run(args: argparse.Namespace, console) -> int:
     from rich.table import Table
 
     if args.samples < 2:
-        print("attnkit scale-study: error: --samples must be at least 2", file=sys.stderr)
-        return 2
+        raise UsageError(f"--samples {args.samples}: give at least 2 (a variance needs two pairs)")
+    plot_path = check_output("--out", args.out, "scale_study.png") / "scale_study.png"
     data = scale_study(seed=args.seed, samples=args.samples)
 
     console.rule("[bold]Example 1: variance of qᵀk for q, k ~ N(0, I), d_k = 64")
@@ -219,6 +218,6 @@ def run(args: argparse.Namespace, console) -> int:
                   "the softmax towards uniform (entropy → log Tk) and ‖∂L/∂q‖ shrinks as 1/√d_k; "
                   "1/√d_k keeps the variance at 1, the entropy and both gradients steady for every d_k. "
                   "L = Σ out ⊙ g with g ~ N(0, 1); gradients by autograd through the reference backend.")
-    path = plot_study(rows, Path(args.out) / "scale_study.png")
+    path = plot_study(rows, plot_path)
     console.print(f"wrote plot: {path}")
     return 0
