@@ -158,10 +158,10 @@ def test_unknown_backend(name):
     raises(ValueError, lambda: ak.attention(q, k, v, backend=name), "unknown backend", "auto", "reference")
 
 
-@pytest.mark.parametrize("scale", [0, 0.0, -1.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf")])
 def test_bad_scale_value(scale):
     q, k, v = qkv()
-    raises(ValueError, lambda: ak.attention(q, k, v, scale=scale), "scale", "positive")
+    raises(ValueError, lambda: ak.attention(q, k, v, scale=scale), "scale", "finite")
 
 
 @pytest.mark.parametrize("scale", ["0.5", True, torch.tensor(0.5), [1.0]])

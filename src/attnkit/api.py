@@ -54,15 +54,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
                       need_weights=return_weights, need_lse=return_lse)
     chosen = dispatch.select(inputs, backend)
-    cleaned = None
-    # vmap: the reference (its only backend) keeps the rules itself; compile: no data-dependent
-    # branch in a traced graph (docs/NUMERICS.md).
-    if not (inputs.vmapped or torch.compiler.is_compiling() or finite.check(inputs)):
+    result = chosen.forward(inputs)
+    # torch.func: the reference (its only backend) keeps the rules itself; compile: no
+    # data-dependent branch in a traced graph (docs/NUMERICS.md).
+    if not (inputs.transformed or torch.compiler.is_compiling()) and finite.suspect(
+            inputs, result.out, result.lse):
         cleaned = finite.clean(inputs)
-    result = chosen.forward(inputs if cleaned is None else cleaned.inputs)
-    if cleaned is not None:
-        result = result._replace(**{name: finite.poison(getattr(result, name), cleaned.rows)
-                                    for name in ("out", "lse", "weights")})
+        if cleaned is not None:
+            result = chosen.forward(cleaned.inputs)
+            result = result._replace(**{name: finite.poison(getattr(result, name), cleaned.rows)
+                                        for name in ("out", "lse", "weights")})
     if inputs.need_grad and not chosen.DOUBLE_BACKWARD:
         dispatch.refuse_double_backward(result, chosen.NAME)
     out = restore(result.out, inputs)

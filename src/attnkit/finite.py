@@ -9,11 +9,16 @@ allocated with ``torch.empty``. The rules (docs/NUMERICS.md), for every backend:
   the gradients that flow through row i), never 0. A fully masked row stays out 0, lse −inf.
 
 Kernels compute masked scores and ``0 · v`` products inside partially masked tiles, so a
-non-finite value there would leak (``NaN + −inf``, ``0 · NaN``). Instead of asking every kernel
-to guard every tile, :func:`check` looks once per call whether q, k and v are all finite (one
-reduction each; the common case ends here). When they are not, :func:`clean` finds the
-non-finite rows, zeroes them in copies that the backend runs on, and :func:`poison` marks the
-query rows that could see them as NaN afterwards.
+non-finite value there leaks (``NaN + −inf``, ``0 · NaN``) and shows as NaN in the output or
+LSE; the fused CPU kernel turns a row whose scores are all NaN (a NaN query) into output 0 and
+LSE 0 instead. Rather than guard every tile of every kernel, :func:`suspect` looks after each
+call at what is O(T·D) to read, q and the results (reading K/V too would double the cost of a
+decoding step, which reads nothing else); the common case ends there. A suspect call is
+recomputed: :func:`clean` finds the non-finite rows of q, K and V, zeroes them in copies that
+the backend runs on, and :func:`poison` marks the query rows that could see them as NaN.
+
+One case shows in neither q nor the results: a row for which every key that one kernel call
+gives it is non-finite *and allowed* comes out of the fused CPU kernel as 0 (not NaN).
 """
 
 from __future__ import annotations
@@ -29,12 +34,16 @@ CHUNK_ELEMENTS = 1 << 22
 """Mask elements evaluated at once when finding the rows that see a non-finite key."""
 
 
-def check(inputs: Inputs) -> bool:
-    """True when q, k and v hold only finite values (NaN and ±inf propagate into each sum; a
-    finite tensor whose sum overflows only sends the call down the exact path, which then
-    finds nothing to clean)."""
-    total = sum(t.detach().sum(dtype=torch.float64) for t in (inputs.q, inputs.k, inputs.v))
-    return bool(torch.isfinite(total))
+def suspect(inputs: Inputs, *results: Optional[torch.Tensor]) -> bool:
+    """Whether q or a result (out, LSE) holds NaN/inf, so the call must be recomputed on
+    cleaned inputs. NaN and ±inf propagate into each sum (a finite tensor whose sum overflows
+    only costs a recomputation that finds nothing to clean); an LSE of −inf is a fully masked
+    row, not a problem."""
+    sums = [t.detach().sum() for t in (inputs.q, *results) if t is not None and t.numel()]
+    lse = results[1] if len(results) > 1 else None
+    if lse is not None and lse.numel():
+        sums[-1] = lse.detach().nan_to_num(neginf=0.0).sum()
+    return bool(sums) and not bool(torch.isfinite(torch.stack([s.double() for s in sums])).all())
 
 
 class Cleaned(NamedTuple):

@@ -56,9 +56,10 @@ class Inputs:
         return torch.is_grad_enabled() and any(t.requires_grad for t in self.biases)
 
     @property
-    def vmapped(self) -> bool:
-        """Whether the call runs under ``torch.func.vmap`` (its tensors are batched wrappers)."""
-        return any(_is_batched(t) for t in self.grad_tensors)
+    def transformed(self) -> bool:
+        """Whether the call runs under a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``,
+        …): its tensors are functorch wrappers."""
+        return any(_is_wrapped(t) for t in self.grad_tensors)
 
     @property
     def group_size(self) -> int:
@@ -73,8 +74,8 @@ class Inputs:
         return "\n".join(lines)
 
 
-def _is_batched(t: torch.Tensor) -> bool:
-    return torch._C._functorch.is_batchedtensor(t)
+def _is_wrapped(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def _describe(**tensors) -> str:

@@ -32,8 +32,9 @@ class Backend:
     SUPPORTS_BIAS: bool = True
     SUPPORTS_BIAS_GRAD: bool = False
     """A bias that requires grad gets ``dBias`` (reduced over its broadcast dims)."""
-    SUPPORTS_VMAP: bool = False
-    """Runs under ``torch.func.vmap`` (batched tensors)."""
+    SUPPORTS_FUNC: bool = False
+    """Runs under ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev``: wrapped tensors,
+    nested differentiation)."""
     DOUBLE_BACKWARD: bool = False
     """Its backward is differentiable (``create_graph=True``, gradient penalties); backends
     without it raise a clear error when a double backward reaches them."""
@@ -67,9 +68,9 @@ class Backend:
         if inputs.bias_grad and not self.SUPPORTS_BIAS_GRAD:
             reasons.append(f"a bias that requires grad (not supported by {name}: it takes the "
                            f"bias as a constant; tiled and reference give its gradient)")
-        if inputs.vmapped and not self.SUPPORTS_VMAP:
-            reasons.append(f"torch.func.vmap (not supported by {name}: its kernels take no batched "
-                           f"tensors; reference supports it)")
+        if inputs.transformed and not self.SUPPORTS_FUNC:
+            reasons.append(f"a torch.func transform, vmap/grad/jacrev (not supported by {name}: "
+                           f"its kernels take no functorch tensors; reference supports them)")
         head_dim = max(inputs.q.shape[-1], inputs.v.shape[-1])
         if self.MAX_HEAD_DIM is not None and head_dim > self.MAX_HEAD_DIM:
             reasons.append(f"head dim {head_dim} > {self.MAX_HEAD_DIM} (not supported by {name})")

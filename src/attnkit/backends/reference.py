@@ -74,7 +74,7 @@ def steps(inputs: Inputs) -> Steps:
 
 class ReferenceBackend(Backend):
     NAME = "reference"
-    SUPPORTS_BIAS_GRAD = SUPPORTS_VMAP = DOUBLE_BACKWARD = True
+    SUPPORTS_BIAS_GRAD = SUPPORTS_FUNC = DOUBLE_BACKWARD = True
     DESCRIPTION = "float64, materialised O(Tq·Tk), keeps every step; the definition others are tested against"
 
     def forward(self, inputs: Inputs) -> BackendOutput:

@@ -477,7 +477,8 @@ class TileMask(NamedTuple):
 
 def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q: int,
                   heads_kv: int, dtype: torch.dtype, fused: bool) -> TileMask:
-    """Evaluate the mask on one segment (see :class:`TileMask`)."""
+    """Evaluate the mask on one segment (see :class:`TileMask`). The fused kernel's
+    ``is_causal`` is used only for a positive scale (it gives NaN for a scale ≤ 0)."""
     n = rows[1] - rows[0]
     group = heads_q // heads_kv
     if fused and seg.structure is not None:  # a known staircase: nothing to evaluate
@@ -485,7 +486,7 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
         if group == 1 and n >= 2 * TRIANGLE_STRIP:
             return TileMask(None, None, strips=_staircase_strips(
                 seg.structure, n, width, TRIANGLE_STRIP, dtype, device))
-        if group == 1 and seg.structure == "lower" and width == n:
+        if group == 1 and seg.structure == "lower" and width == n and problem.scale > 0:
             return TileMask(None, None, causal=True)
         return TileMask(_staircase_additive(seg.structure, n, width, group, dtype, device), None)
     device = problem.space.device
@@ -500,7 +501,7 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
     allowed = grouped(problem.mask.tile(q_idx, kv_idx, problem.space))
     values = problem.mask.tile_bias(q_idx, kv_idx, problem.space)
     span = seg.stop - seg.start
-    if fused and group == 1 and values is None and n == span:
+    if fused and group == 1 and values is None and n == span and problem.scale > 0:
         # The diagonal tile of a causal mask: the fused kernel's is_causal skips its upper half.
         if torch.equal(allowed, _lower_triangle(n, device).expand_as(allowed)):
             return TileMask(None, None, causal=True)
@@ -798,9 +799,8 @@ def _add_bias_grad(wanted, grad_scores: torch.Tensor, rows: tuple[int, int], seg
 
 class _TiledAttention(torch.autograd.Function):
     """``(q, k, v, problem, *biases) → (out, lse)``; the biases (``problem.mask.biases()``) are
-    inputs so that a learnable bias gets its gradient. Written with ``setup_context`` so that
-    ``torch.func.grad``/``jacrev`` can run it; its backward is differentiable through the
-    float64 reference when ``create_graph=True`` (double backward)."""
+    inputs so that a learnable bias gets its gradient. Its backward is differentiable through
+    the float64 reference when ``create_graph=True`` (double backward)."""
 
     @staticmethod
     def forward(q, k, v, problem: Problem, *biases):

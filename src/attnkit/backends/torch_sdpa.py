@@ -24,8 +24,10 @@ def _fused_cpu(inputs: Inputs) -> bool:
     return inputs.q.device.type == "cpu" and inputs.q.shape[-1] == inputs.v.shape[-1]
 
 
-def _is_plain_causal(mask) -> bool:
-    return isinstance(mask, _Band) and mask.left is None and mask.right == 0 and mask.align == "top_left"
+def _is_plain_causal(mask, scale: float = 1.0) -> bool:
+    """Top-left causal, run as the kernel's ``is_causal`` (which gives NaN for a scale ≤ 0)."""
+    return (isinstance(mask, _Band) and mask.left is None and mask.right == 0
+            and mask.align == "top_left" and scale > 0)
 
 
 def dense_bias(inputs: Inputs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -51,6 +53,13 @@ class TorchBackend(Backend):
         if inputs.need_lse and not _fused_cpu(inputs):
             reasons.append("return_lse needs the CPU fused kernel with Dk == Dv "
                            "(not supported by torch)")
+        limit = torch.finfo(inputs.q.dtype).max
+        for values in inputs.biases:  # the kernel takes the bias in q's dtype
+            if torch.finfo(values.dtype).max > limit and bool(
+                    (values.detach().abs() > limit).logical_and_(~torch.isneginf(values)).any()):
+                reasons.append(f"a bias beyond {inputs.q.dtype}'s range (|bias| > {limit:g}) "
+                               f"(not supported by torch: its kernel takes the bias in "
+                               f"{inputs.q.dtype}, where it would overflow)")
         if inputs.need_lse and inputs.need_grad:
             # torch's kernel marks its LSE output non-differentiable: returning it would
             # silently drop the LSE's part of the gradient.
@@ -60,14 +69,14 @@ class TorchBackend(Backend):
 
     def auto_reasons(self, inputs: Inputs) -> list[str]:
         mask = inputs.mask
-        if mask is not None and not _is_plain_causal(mask):
+        if mask is not None and not _is_plain_causal(mask, inputs.scale):
             return ["mask would be materialised as a dense Tq×Tk bias (auto prefers tiled, which "
                     "skips empty tiles: measured faster, see docs/BENCHMARKS.md)"]
         return []
 
     def forward(self, inputs: Inputs) -> BackendOutput:
         q, k, v, mask = inputs.q, inputs.k, inputs.v, inputs.mask
-        is_causal = _is_plain_causal(mask)
+        is_causal = _is_plain_causal(mask, inputs.scale)
         additive = row_ok = None
         if mask is not None and not is_causal:
             additive, row_ok = dense_bias(inputs)

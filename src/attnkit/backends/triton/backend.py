@@ -89,7 +89,7 @@ def torch_is_faster(inputs: Inputs) -> bool:
     inputs to it."""
     from ..torch_sdpa import TorchBackend, _is_plain_causal
 
-    plain = inputs.mask is None or _is_plain_causal(inputs.mask)
+    plain = inputs.mask is None or _is_plain_causal(inputs.mask, inputs.scale)
     return plain and not TorchBackend().not_supported_reasons(inputs)
 
 

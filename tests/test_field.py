@@ -1,0 +1,327 @@
+"""Inputs as real models hand them over: strided views, garbage in masked positions, NaN that
+must show, learnable biases, torch.func, double backward, threads, and bad arguments.
+
+Every expectation is the independent float64 math of ``conftest.naive_attention`` (or the
+contiguous copy of the same call), never attnkit's own reference.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.backends import tiled
+from attnkit.masks import MaskCache, MaskSpace
+
+from conftest import naive_attention
+
+CPU_BACKENDS = ["reference", "tiled", "torch", "auto"]
+NAN, INF = float("nan"), float("inf")
+
+
+def _grads(backend, q, k, v, mask, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = ak.attention(*leaves, mask, backend=backend, **kw)
+    out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(out.dtype))
+    return out.detach(), [t.grad for t in leaves]
+
+
+# ---- any strided input ---------------------------------------------------------------------
+
+def _layouts(gen):
+    """(name, q, k, v) views of one logical [2, 4, 24, 16] call, each in another layout."""
+    fused = torch.randn(2, 4, 24, 16, 3, generator=gen)
+    bthd = torch.randn(3, 2, 24, 4, 16, generator=gen)
+    wide = torch.randn(3, 2, 4, 24, 32, generator=gen)
+    one = torch.randn(3, 1, 1, 24, 16, generator=gen)
+    yield "unbind (last stride 3)", *fused.unbind(-1)
+    yield "transposed [B, T, H, D]", *(t.transpose(1, 2) for t in bthd)
+    yield "every other feature", *(t[..., ::2] for t in wide)
+    yield "expanded batch and heads", *(t.expand(2, 4, 24, 16) for t in one)
+    yield "sliced rows", *(t[:, :, 3:27] for t in torch.randn(3, 2, 4, 30, 16, generator=gen))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("mask", [None, ak.causal(), ak.sliding_window(5, 2),
+                                  ak.padding(kv_lengths=[20, 9])], ids=repr)
+def test_strided_inputs_equal_their_contiguous_copy(backend, mask, gen):
+    for name, q, k, v in _layouts(gen):
+        assert q.stride() != q.contiguous().stride() or k.stride() != k.contiguous().stride()
+        out, grads = _grads(backend, q, k, v, mask)
+        want, want_grads = _grads(backend, *(t.contiguous() for t in (q, k, v)), mask)
+        torch.testing.assert_close(out, want, msg=name)
+        for got, expected in zip(grads, want_grads):
+            torch.testing.assert_close(got, expected, msg=name)
+
+
+def test_strided_inputs_are_copied_only_where_the_feature_dim_is_strided(gen):
+    from attnkit.inputs import validate
+    q, k, v = torch.randn(2, 4, 24, 16, 3, generator=gen).unbind(-1)
+    t = torch.randn(2, 24, 4, 16, generator=gen).transpose(1, 2)
+    inputs = validate(q, t, t)
+    assert inputs.q.stride(-1) == 1 and inputs.k.data_ptr() == t.data_ptr()
+
+
+# ---- masked positions cannot leak; allowed ones propagate -----------------------------------
+
+def _poisoned(gen, value):
+    q, k, v = torch.randn(3, 2, 2, 40, 8, dtype=torch.float64, generator=gen).unbind(0)
+    k, v = k.clone(), v.clone()
+    k[:, :, 30:] = value  # past kv_lengths: excluded for every query
+    v[:, :, 30:] = value
+    k[0, 1, 12, 3] = value  # key 12: excluded by causal for queries 0..11
+    v[1, 0, 12, 5] = value
+    return q, k, v
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_poison_in_masked_positions_never_reaches_a_row(backend, value, gen):
+    q, k, v = _poisoned(gen, value)
+    mask = ak.causal() & ak.padding(kv_lengths=[30, 30])
+    idx = torch.arange(40)
+    allowed = (idx[None, :] <= idx[:, None]) & (idx[None, :] < 30)  # [Tq, Tk]
+    out, (dq, dk, dv) = _grads(backend, q, k, v, mask)
+    r = ak.attention(q, k, v, mask, backend=backend, return_lse=True) if backend != "torch" else None
+    truth = naive_attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], allowed[:12, :12])
+    torch.testing.assert_close(out[:, :, :12], truth[0])  # rows 0..11 see no poison
+    assert torch.isfinite(dq[:, :, :12]).all()
+    if r is not None:
+        torch.testing.assert_close(r.lse[:, :, :12], truth[1])
+    # Rows 12.. see the poisoned key 12 of (batch 0, head 1) / (batch 1, head 0) in k or v.
+    assert not torch.isfinite(out[0, 1, 12:]).any() and not torch.isfinite(out[1, 0, 12:]).any()
+    clean = naive_attention(q[0, 0], k[0, 0, :30], v[0, 0, :30], allowed[:, :30])[0]
+    torch.testing.assert_close(out[0, 0], clean)
+    for b, h in ((0, 0), (1, 1)):  # heads whose poison is all masked: exact, finite gradients
+        assert torch.isfinite(dk[b, h]).all() and torch.isfinite(dv[b, h]).all()
+        assert (dk[b, h, 30:] == 0).all() and (dv[b, h, 30:] == 0).all()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("mask", [None, ak.causal()], ids=repr)
+def test_nan_in_q_propagates(backend, mask, gen):
+    q, k, v = torch.randn(3, 2, 2, 16, 8, generator=gen).unbind(0)
+    q = q.clone()
+    q[0, 1, 5, 2] = NAN
+    kw = dict(return_lse=True) if backend != "torch" else {}
+    r = ak.attention(q, k, v, mask, backend=backend, **kw)
+    out = r.out if kw else r
+    assert torch.isnan(out[0, 1, 5]).all()
+    assert torch.isfinite(out[0, 1, :5]).all() and torch.isfinite(out[1]).all()
+    if kw:
+        assert torch.isnan(r.lse[0, 1, 5]) and torch.isfinite(r.lse[1]).all()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_nan_in_q_of_a_fully_masked_row_stays_zero(backend, gen):
+    q, k, v = torch.randn(3, 2, 1, 6, 8, generator=gen).unbind(0)
+    q = q.clone()
+    q[0, 0, 4] = NAN  # padded query: no allowed key
+    out = ak.attention(q, k, v, ak.padding(q_lengths=[3, 6]), backend=backend)
+    assert (out[0, 0, 3:] == 0).all() and torch.isfinite(out).all()
+
+
+def test_a_poisoned_row_sends_nan_gradients_back(gen):
+    q, k, v = torch.randn(3, 1, 1, 8, 4, dtype=torch.float64, generator=gen).unbind(0)
+    v = v.clone()
+    v[0, 0, 2] = NAN
+    q.requires_grad_()
+    ak.attention(q, k, v, ak.causal(), backend="tiled").sum().backward()
+    assert torch.isfinite(q.grad[0, 0, :2]).all() and torch.isnan(q.grad[0, 0, 2:]).all()
+
+
+def test_fully_masked_row_through_partial_empty_partial_blocks(gen):
+    """Row 0 has no key; its key blocks are PARTIAL (others' keys), EMPTY, PARTIAL, so the tiled
+    engine merges two empty partial results: out 0 and LSE −inf, not NaN."""
+    tq, tk = 4, 3 * tiled.BLOCK_K
+    allowed = torch.zeros(tq, tk, dtype=torch.bool)
+    allowed[1:, 0] = allowed[1:, 2 * tiled.BLOCK_K + 5] = True
+    q, k, v = torch.randn(3, 1, 1, tk, 8, dtype=torch.float64, generator=gen).unbind(0)
+    q = q[:, :, :tq]
+    plan = tiled.make_plan(ak.dense(allowed), MaskSpace(1, 1, tq, tk), batch=1, heads=1,
+                           q_offset=0, q_count=tq, kv_offset=0, kv_count=tk)
+    assert [s.partial for s in plan.rows[0]] == [True, True]  # the EMPTY block is skipped
+    for fused in (True, False):
+        r = ak.attention(q, k, v if fused else v[..., :4], allowed, backend="tiled",
+                         return_lse=True)
+        assert (r.out[0, 0, 0] == 0).all() and r.lse[0, 0, 0] == -INF
+        assert torch.isfinite(r.out).all()
+
+
+def test_the_shared_prefix_schedule_runs(gen):
+    """The forward iterates ``_schedule``: with the fused kernel and causal rows it must merge
+    later blocks into a shared FULL prefix (groups that are not fresh)."""
+    q = torch.randn(1, 2, 1024, 16, generator=gen)
+    space = MaskSpace(1, 2, 1024, 1024)
+    plan = tiled.make_plan(ak.causal(), space, batch=1, heads=2, q_offset=0, q_count=1024,
+                           kv_offset=0, kv_count=1024, fused=True)
+    problem = tiled.Problem(ak.causal(), 0.25, space, 0, 0, plan)
+    groups = [g for g, _ in tiled._schedule(problem, 1024, 2, 2, True, (q, q, q))]
+    assert any(not g.fresh for g in groups)
+    assert len(groups) > len(plan.rows)  # prefix calls plus each block's remainder
+
+
+# ---- learnable biases ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(2, 4, 9, 11), (4, 1, 11), (9, 1), (1, 11), ()], ids=str)
+@pytest.mark.parametrize("backend", ["reference", "tiled", "auto"])
+def test_bias_gradient(backend, shape, gen):
+    q = torch.randn(2, 4, 9, 8, dtype=torch.float64, generator=gen)
+    k, v = torch.randn(2, 2, 2, 11, 8, dtype=torch.float64, generator=gen).unbind(0)
+    bias = torch.randn(shape, dtype=torch.float64, generator=gen).requires_grad_()
+    mask = ak.bias(bias) & ak.causal("bottom_right")
+    ak.attention(q, k, v, mask, backend=backend).pow(2).sum().backward()
+    allowed = torch.arange(11)[None, :] <= torch.arange(9)[:, None] + 2  # bottom-right, 9×11
+    expected = bias.detach().clone().requires_grad_()
+    naive_attention(q, k, v, allowed, expected)[0].pow(2).sum().backward()
+    torch.testing.assert_close(bias.grad, expected.grad)
+
+
+def test_bias_gradcheck_tiled():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(3, 1, 2, 6, 4, dtype=torch.float64, generator=gen).unbind(0)
+    bias = torch.randn(2, 6, 6, dtype=torch.float64, generator=gen).requires_grad_()
+    torch.autograd.gradcheck(
+        lambda q, b: ak.attention(q, k, v, ak.bias(b) & ak.causal(), backend="tiled",
+                                  return_lse=True)[:2],
+        (q.requires_grad_(), bias))
+
+
+def test_bias_alone_requiring_grad(gen):
+    q, k, v = torch.randn(3, 1, 2, 6, 4, generator=gen).unbind(0)
+    bias = torch.zeros(6, 6, requires_grad=True)
+    ak.attention(q, k, v, bias).sum().backward()
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
+def test_backends_without_bias_gradients_refuse(gen):
+    q, k, v = torch.randn(3, 1, 2, 6, 4, generator=gen).unbind(0)
+    bias = torch.zeros(6, 6, requires_grad=True)
+    with pytest.raises(ValueError, match="bias that requires grad"):
+        ak.attention(q, k, v, bias, backend="torch")
+
+
+def test_fp16_bias_beyond_range_is_not_nan(gen):
+    q, k, v = torch.randn(3, 1, 2, 8, 16, generator=gen).half().unbind(0)
+    bias = torch.full((8, 8), 1e5)
+    bias[:, 3] += 3
+    out = ak.attention(q, k, v, ak.bias(bias))
+    truth = naive_attention(q, k, v, None, bias)[0]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), truth, atol=2e-2, rtol=0)
+    with pytest.raises(ValueError, match="range"):
+        ak.attention(q, k, v, ak.bias(bias), backend="torch")
+
+
+# ---- torch.func and double backward --------------------------------------------------------
+
+def test_torch_func_transforms_take_the_reference(gen):
+    from torch.func import grad, jacrev, vmap
+    q, k, v = torch.randn(3, 3, 2, 8, 4, dtype=torch.float64, generator=gen).unbind(0)
+    mask = ak.causal()
+    batched = vmap(lambda a, b, c: ak.attention(a, b, c, mask))(q, k, v)
+    torch.testing.assert_close(batched, ak.attention(q, k, v, mask))
+    dq = grad(lambda a: ak.attention(a, k, v, mask).sum())(q)
+    _, (want, _, _) = _grads("reference", q, k, v, mask)
+    leaf = q.clone().requires_grad_()
+    ak.attention(leaf, k, v, mask).sum().backward()
+    torch.testing.assert_close(dq, leaf.grad)
+    assert jacrev(lambda a: ak.attention(a, k, v, mask).sum(-1))(q).shape == (3, 2, 8, 3, 2, 8, 4)
+    with pytest.raises(ValueError, match="torch.func.*reference supports"):
+        vmap(lambda a, b, c: ak.attention(a, b, c, mask, backend="tiled"))(q, k, v)
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_double_backward(backend, gen):
+    q, k, v = torch.randn(3, 1, 2, 8, 4, dtype=torch.float64, generator=gen).unbind(0)
+    bias = torch.randn(8, 8, dtype=torch.float64, generator=gen)
+
+    def penalty(backend):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out = ak.attention(*leaves[:3], ak.bias(leaves[3]) & ak.causal(), backend=backend)
+        grads = torch.autograd.grad(out.pow(2).sum(), leaves, create_graph=True)
+        sum(g.pow(2).sum() for g in grads).backward()
+        return [t.grad for t in leaves]
+
+    for got, want in zip(penalty(backend), penalty("reference")):
+        torch.testing.assert_close(got, want)
+
+
+def test_double_backward_elsewhere_is_a_clear_error(gen):
+    q, k, v = torch.randn(3, 1, 2, 8, 4, generator=gen).unbind(0)
+    q.requires_grad_()
+    out = ak.attention(q, k, v, ak.causal(), backend="torch")
+    with pytest.raises(RuntimeError, match="double backward.*'torch'.*tiled"):
+        torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    out = ak.attention(q, k, v, ak.causal(), backend="torch")
+    torch.autograd.grad(out.pow(2).sum(), q)  # a first-order backward is untouched
+
+
+# ---- threads -------------------------------------------------------------------------------
+
+def test_mask_cache_is_thread_safe():
+    cache = MaskCache(4)
+    masks = [ak.sliding_window(w) for w in range(16)]
+    errors = []
+
+    def hammer(seed):
+        try:
+            for i in range(3000):
+                mask = masks[(seed * 7 + i) % len(masks)]
+                assert cache.get(mask, (), lambda: mask.left) == mask.left
+        except Exception as error:  # noqa: BLE001 - any failure in a thread is reported
+            errors.append(error)
+
+    threads = [threading.Thread(target=hammer, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(cache._entries) <= 4
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make, kind, words", [
+    (lambda: ak.padding(kv_lengths="ab"), TypeError, "padding kv_lengths"),
+    (lambda: ak.padding(kv_lengths=[[1, 2], [3, 4]]), ValueError, "one length per batch"),
+    (lambda: ak.sliding_window(-1), ValueError, "negative"),
+])
+def test_bad_mask_arguments(make, kind, words):
+    with pytest.raises(kind, match=words):
+        make()
+
+
+def test_from_function_must_broadcast_to_the_tile(gen):
+    q, k, v = torch.randn(3, 1, 2, 6, 4, generator=gen).unbind(0)
+    only_queries = ak.from_function(lambda b, h, qi, ki: (qi >= 2).flatten())
+    with pytest.raises(ValueError, match=r"returned shape \(6,\).*q_idx >= kv_idx"):
+        ak.attention(q, k, v, only_queries)
+
+
+def test_huge_window_bounds_mean_unbounded(gen):
+    q, k, v = torch.randn(3, 1, 2, 6, 4, generator=gen).unbind(0)
+    for backend in ("reference", "tiled", "auto"):
+        torch.testing.assert_close(ak.attention(q, k, v, ak.sliding_window(0, 10**30), backend=backend),
+                                   ak.attention(q, k, v, ak.sliding_window(0, 6), backend=backend))
+        torch.testing.assert_close(ak.attention(q, k, v, ak.sliding_window(10**30), backend=backend),
+                                   ak.attention(q, k, v, ak.causal(), backend=backend))
+
+
+def test_zero_heads_is_a_clear_error():
+    t = torch.randn(1, 0, 4, 8)
+    for q, k in ((t, t), (t, torch.randn(1, 2, 4, 8))):
+        with pytest.raises(ValueError, match="at least one head"):
+            ak.attention(q, k, k)
+
+
+@pytest.mark.parametrize("scale", [-0.5, 0.0])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_any_finite_scale(scale, backend, gen):
+    q, k, v = torch.randn(3, 1, 2, 6, 4, dtype=torch.float64, generator=gen).unbind(0)
+    torch.testing.assert_close(ak.attention(q, k, v, ak.causal(), scale=scale, backend=backend),
+                               naive_attention(q, k, v, torch.ones(6, 6).tril().bool(), None,
+                                               scale)[0])
