@@ -325,3 +325,16 @@ def test_any_finite_scale(scale, backend, gen):
     torch.testing.assert_close(ak.attention(q, k, v, ak.causal(), scale=scale, backend=backend),
                                naive_attention(q, k, v, torch.ones(6, 6).tril().bool(), None,
                                                scale)[0])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_allowed_keys_all_non_finite_in_one_kernel_call_propagate(backend, gen):
+    """Every key a row may see is NaN: the fused CPU kernel returns such a row as output 0 and
+    LSE 0 when a call has few keys. Calls of at least ``finite.KV_CHECK_MIN_ROWS`` query rows
+    check K/V, so the rows are NaN."""
+    from attnkit import finite
+    assert finite.KV_CHECK_MIN_ROWS <= 128
+    q = torch.randn(1, 2, 128, 16, generator=gen)
+    k, v = torch.randn(2, 1, 2, 4, 16, generator=gen).unbind(0)
+    out = ak.attention(q, k.fill_(NAN), v, backend=backend)
+    assert torch.isnan(out).all()

@@ -10,15 +10,16 @@ allocated with ``torch.empty``. The rules (docs/NUMERICS.md), for every backend:
 
 Kernels compute masked scores and ``0 · v`` products inside partially masked tiles, so a
 non-finite value there leaks (``NaN + −inf``, ``0 · NaN``) and shows as NaN in the output or
-LSE; the fused CPU kernel turns a row whose scores are all NaN (a NaN query) into output 0 and
-LSE 0 instead. Rather than guard every tile of every kernel, :func:`suspect` looks after each
-call at what is O(T·D) to read, q and the results (reading K/V too would double the cost of a
-decoding step, which reads nothing else); the common case ends there. A suspect call is
+LSE; the fused CPU kernel turns a row whose scores in one call are all NaN (a NaN query, or
+only non-finite keys) into output 0 and LSE 0 instead. Rather than guard every tile of every
+kernel, :func:`suspect` sums, after each call, q, the results and, for calls of at least
+:data:`KV_CHECK_MIN_ROWS` query rows, K and V (a decoding step reads nothing but K/V, so
+summing them there would double its cost); the common case ends there. A suspect call is
 recomputed: :func:`clean` finds the non-finite rows of q, K and V, zeroes them in copies that
 the backend runs on, and :func:`poison` marks the query rows that could see them as NaN.
 
-One case shows in neither q nor the results: a row for which every key that one kernel call
-gives it is non-finite *and allowed* comes out of the fused CPU kernel as 0 (not NaN).
+What a call of fewer rows can miss: a row for which every key that one fused-kernel call gives
+it is non-finite *and allowed* comes out as 0 (not NaN).
 """
 
 from __future__ import annotations
@@ -30,20 +31,27 @@ import torch
 
 from .inputs import Inputs
 
+KV_CHECK_MIN_ROWS = 64
+"""Calls with at least this many query rows also sum K and V in :func:`suspect`: at most
+1/64 of what the attention itself reads."""
+
 CHUNK_ELEMENTS = 1 << 22
 """Mask elements evaluated at once when finding the rows that see a non-finite key."""
 
 
-def suspect(inputs: Inputs, *results: Optional[torch.Tensor]) -> bool:
-    """Whether q or a result (out, LSE) holds NaN/inf, so the call must be recomputed on
-    cleaned inputs. NaN and ±inf propagate into each sum (a finite tensor whose sum overflows
-    only costs a recomputation that finds nothing to clean); an LSE of −inf is a fully masked
-    row, not a problem."""
-    sums = [t.detach().sum() for t in (inputs.q, *results) if t is not None and t.numel()]
-    lse = results[1] if len(results) > 1 else None
-    if lse is not None and lse.numel():
-        sums[-1] = lse.detach().nan_to_num(neginf=0.0).sum()
-    return bool(sums) and not bool(torch.isfinite(torch.stack([s.double() for s in sums])).all())
+def suspect(inputs: Inputs, out: torch.Tensor, lse: Optional[torch.Tensor]) -> bool:
+    """Whether q, ``out``, ``lse`` (or K/V, see :data:`KV_CHECK_MIN_ROWS`) hold NaN/inf, so the
+    call must be recomputed on cleaned inputs. NaN and ±inf propagate into each sum (a finite
+    tensor whose sum overflows only costs a recomputation that finds nothing to clean); an
+    LSE of −inf is a fully masked row, not a problem."""
+    tensors = [inputs.q, out]
+    if inputs.q.shape[2] >= KV_CHECK_MIN_ROWS:
+        tensors += [inputs.k, inputs.v]
+    sums = [t.detach().sum(dtype=torch.float32 if t.dtype != torch.float64 else t.dtype)
+            for t in tensors]
+    if lse is not None:
+        sums.append(lse.detach().nan_to_num(neginf=0.0).sum())
+    return not bool(torch.isfinite(torch.stack([s.double() for s in sums])).all())
 
 
 class Cleaned(NamedTuple):
