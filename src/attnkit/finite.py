@@ -24,6 +24,7 @@ it is non-finite *and allowed* comes out as 0 (not NaN).
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import NamedTuple, Optional
 
@@ -41,17 +42,17 @@ CHUNK_ELEMENTS = 1 << 22
 
 def suspect(inputs: Inputs, out: torch.Tensor, lse: Optional[torch.Tensor]) -> bool:
     """Whether q, ``out``, ``lse`` (or K/V, see :data:`KV_CHECK_MIN_ROWS`) hold NaN/inf, so the
-    call must be recomputed on cleaned inputs. NaN and ±inf propagate into each sum (a finite
-    tensor whose sum overflows only costs a recomputation that finds nothing to clean); an
-    LSE of −inf is a fully masked row, not a problem."""
+    call must be recomputed on cleaned inputs. NaN and ±inf propagate into a sum (a finite
+    tensor whose sum overflows only costs a recomputation that finds nothing to clean); the
+    LSE is summed apart, since its −inf (a fully masked row) is no problem. One host read."""
+    dtype = torch.float64 if inputs.q.dtype == torch.float64 else torch.float32
     tensors = [inputs.q, out]
     if inputs.q.shape[2] >= KV_CHECK_MIN_ROWS:
         tensors += [inputs.k, inputs.v]
-    sums = [t.detach().sum(dtype=torch.float32 if t.dtype != torch.float64 else t.dtype)
-            for t in tensors]
-    if lse is not None:
-        sums.append(lse.detach().nan_to_num(neginf=0.0).sum())
-    return not bool(torch.isfinite(torch.stack([s.double() for s in sums])).all())
+    total = sum(t.detach().sum(dtype=dtype) for t in tensors)
+    lse_total = lse.detach().sum(dtype=dtype) if lse is not None else total.new_zeros(())
+    total, lse_total = torch.stack((total, lse_total)).tolist()
+    return not math.isfinite(total) or math.isnan(lse_total) or lse_total == math.inf
 
 
 class Cleaned(NamedTuple):
