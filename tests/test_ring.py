@@ -16,9 +16,11 @@ LSE merge), which costs a few ulps, not more.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ from attnkit.distributed import PeakMemory, RingStats, ring_attention, shard, sp
 WORLD_SIZES = (1, 2, 3, 4)
 LAYOUTS = ("contiguous", "zigzag")
 MASKS = ("none", "causal", "causal_cross", "causal_bottom_right", "documents&causal", "padding",
-         "window", "dense", "bias&causal")
+         "window", "dense", "bool_tensor", "bias&causal")
 FP32_MASKS = ("none", "causal", "causal_bottom_right", "documents&causal", "padding", "window")
 BF16_MASKS = ("causal", "padding")  # low precision: the engine's matmul path, fp32 merging
 CHUNK = 8  # rows per zigzag chunk: the global sequence is 2P chunks
@@ -76,6 +78,8 @@ def _mask(kind: str, tq: int, tk: int, batch: int, gen: torch.Generator):
         return ak.sliding_window(left=5, right=2)
     if kind == "dense":  # a global-size tensor: tiles must index it at global positions
         return ak.dense(torch.rand(tq, tk, generator=gen) < 0.6)
+    if kind == "bool_tensor":  # a tensor as mask=, built on each rank: equal contents agree
+        return torch.rand(tq, tk, generator=gen) < 0.6
     if kind == "bias&causal":
         return ak.bias(torch.randn(batch, 1, tq, tk, generator=gen, dtype=torch.float64)) & ak.causal()
     raise KeyError(kind)
@@ -224,7 +228,57 @@ def _error_cases(rank: int, world: int) -> dict:
     def bad_layout(r):
         return tensors(16), dict(layout="striped")
 
+    length, last = 16 * world, world - 1
+
+    def document_ids_differ(r):  # one shape, other ids on rank 1
+        ids = torch.arange(length) // 4
+        return tensors(16), dict(mask=ak.documents(ids if r != 1 else ids.flip(0)) & ak.causal())
+
+    def padding_differs(r):  # 1001 lengths: more than a tensor's repr prints
+        lengths = torch.full((1001,), length - 2)
+        lengths[500] -= int(r == last)
+        return [torch.randn(1001, 1, 16, 8) for _ in range(3)], dict(mask=ak.padding(kv_lengths=lengths))
+
+    def bias_differs(r):  # the bias of rank 0 has one other value
+        values = torch.zeros(length, length)
+        values[0, 0] = 1.0 if r == 0 else 0.0
+        return tensors(16), dict(mask=ak.bias(values))
+
+    def bool_tensor_differs(r):  # a tensor passed as mask= is compared as the mask it becomes
+        allowed = torch.ones(length, length, dtype=torch.bool)
+        allowed[-1, 0] = r != 1
+        return tensors(16), dict(mask=allowed)
+
+    def requires_grad_differs(r):  # only rank 0's q requires grad: only rank 0 would backprop
+        q, k, v = tensors(16)
+        return [q.requires_grad_(r == 0), k, v], {}
+
+    def bias_requires_grad_differs(r):
+        values = torch.zeros(length, length, requires_grad=r == last)
+        return tensors(16), dict(mask=ak.bias(values))
+
+    def bad_backward_timeout(r):
+        return tensors(16), dict(backward_timeout=0)
+
     seconds = {}
+    if world > 1:
+        differing = dict(document_ids=(document_ids_differ, "mask", "rank 1:"),
+                         padding=(padding_differs, "mask", f"rank {last}:"),
+                         bias=(bias_differs, "mask", "rank 0:"),
+                         bool_tensor=(bool_tensor_differs, "mask", "rank 1: dense"),
+                         requires_grad=(requires_grad_differs, "requires_grad", "rank 0: q True"),
+                         bias_requires_grad=(bias_requires_grad_differs, "requires_grad",
+                                             f"rank {last}: q False, k False, v False, mask tensors [True]"))
+        for name, (make_args, key, where) in differing.items():
+            seconds[f"{name}_differs"] = _expect_error(rank, world, make_args, ValueError,
+                                                       [f"disagree on {key}:", where, "Fix:"])
+        with torch.no_grad() if rank == last else contextlib.nullcontext():
+            seconds["grad_mode_differs"] = _expect_error(
+                rank, world, lambda r: (tensors(16), {}), ValueError,
+                ["disagree on grad mode:", f"rank {last}: disabled", "Fix:"])
+    seconds["bad_backward_timeout"] = _expect_error(rank, world, bad_backward_timeout, ValueError,
+                                                    ["backward_timeout=0"])
+
     if world > 1:
         seconds["shape_differs"] = _expect_error(rank, world, shape_differs, ValueError,
                                                  ["disagree", f"rank {world - 1}"])
@@ -358,6 +412,21 @@ def test_errors_raise_on_every_rank_without_hanging(world):
         assert run["after_errors"]["tiles"] > 0
 
 
+DIFFERING = ("document_ids", "padding", "bias", "bool_tensor", "requires_grad",
+             "bias_requires_grad", "grad_mode")
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES[1:])
+def test_masks_and_grads_that_differ_across_ranks_raise_on_every_rank(world):
+    """Masks of one shape but other contents (document ids, padding lengths, bias values, a bool
+    tensor passed as mask=), requires_grad of q/k/v or of a bias, and grad mode that differ on
+    one rank raise a ValueError naming what differs and where on every rank, within seconds
+    (the assertions on the message ran in the workers)."""
+    for rank, run in enumerate(run_world(world)):
+        times = {name: run["errors"].get(f"{name}_differs") for name in DIFFERING}
+        assert all(t is not None and t < 10 for t in times.values()), (rank, times)
+
+
 def test_zigzag_balances_causal_work():
     """P=4, T=1024, 32×32 tiles: zigzag gives every rank the same causal work (max/min ≤ 1.15);
     contiguous does not (rank 0 only has its diagonal), which shows the count can tell."""
@@ -459,3 +528,49 @@ def test_a_missing_rank_times_out_instead_of_hanging():
     with pytest.raises(Exception, match="(?i)timed out|timeout"):
         spawn(_one_rank_missing, 2, timeout=datetime.timedelta(seconds=2))
     assert time.perf_counter() - start < 25
+
+
+# ---- a rank that skips the backward: named within backward_timeout -----------------------------
+
+SKIP_TIMEOUT = 2.0  # seconds; the group's own timeout is spawn's 60 s
+
+
+def _skips_backward(rank: int, world: int, log_dir: str) -> None:
+    """Rank 1 backpropagates a loss that does not use its output, rank 2 never calls backward;
+    ranks 0 and 3 run the backward and record the error they get and the seconds it took."""
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    out = ring_attention(q, k, v, ak.causal(), backward_timeout=SKIP_TIMEOUT)
+    if rank in (1, 2):
+        if rank == 1:
+            (q * 2).sum().backward()
+        time.sleep(60)  # stopped by spawn once a waiting rank has raised
+        return
+    start = time.perf_counter()
+    try:
+        out.sum().backward()
+    except RuntimeError as error:
+        record = Path(log_dir, f"rank{rank}.txt")
+        record.with_suffix(".tmp").write_text(f"{time.perf_counter() - start}\n{error}")
+        record.with_suffix(".tmp").rename(record)
+        # spawn stops every rank once one raises: the other waiting rank writes its record first
+        deadline = time.monotonic() + 10
+        while (time.monotonic() < deadline
+               and not all(Path(log_dir, f"rank{r}.txt").exists() for r in (0, 3))):
+            time.sleep(0.05)
+        raise
+    raise AssertionError(f"rank {rank}: the backward finished although ranks 1 and 2 skipped it")
+
+
+def test_a_rank_that_skips_the_backward_is_named_within_the_backward_timeout(tmp_path):
+    """4 ranks, 1 and 2 skip the backward: ranks 0 and 3 both raise within backward_timeout
+    (2 s) + a margin, naming ranks 1 and 2 and the fix, instead of waiting in the backward's
+    ring for the group timeout (60 s)."""
+    start = time.perf_counter()
+    with pytest.raises(Exception, match="did not run the backward"):
+        spawn(_skips_backward, 4, str(tmp_path))
+    for rank in (0, 3):
+        seconds, message = Path(tmp_path, f"rank{rank}.txt").read_text().split("\n", 1)
+        assert "ranks 1, 2 did not run the backward of ring_attention" in message, message
+        assert "every rank must backpropagate through its output" in message, message
+        assert SKIP_TIMEOUT * 0.9 <= float(seconds) < SKIP_TIMEOUT + 5, (rank, seconds)
+    assert time.perf_counter() - start < 30

@@ -4,11 +4,14 @@ from the previous one, asynchronously, so a transfer overlaps the computation th
 Works with any process group that supports point-to-point operations: gloo (CPU tensors, tested
 here with multi-process runs) and NCCL (CUDA tensors; written for it, not tested on GPUs here).
 Waits are bounded by the process group's timeout (``init_process_group(timeout=...)``), so a
-rank whose peer died raises instead of hanging forever.
+rank whose peer died raises instead of hanging forever; :meth:`RingComm.handshake` waits for
+every other rank with a bound of its own.
 """
 
 from __future__ import annotations
 
+import datetime
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -77,6 +80,45 @@ class RingComm:
             ops.append(dist.P2POp(dist.irecv, incoming, self.prev_peer, self.group, tag + i))
             self.bytes_sent += outgoing.numel() * outgoing.element_size()
         return Exchange(dist.batch_isend_irecv(ops), recv)
+
+    def handshake(self, timeout: float, *, tag: int, device: torch.device) -> tuple[list[int], str]:
+        """Exchange a one-element token with every other rank of the group and wait at most
+        ``timeout`` seconds, in all, for theirs.
+
+        Returns the group ranks whose token did not arrive in time (empty when every rank came)
+        and the first transport error seen (``""`` when none). Every rank that calls it learns
+        the same absent ranks. On gloo a recv that times out closes the connection to that
+        peer, so the group is unusable afterwards (a later transfer between the two fails). One token per peer: ``P − 1`` tiny sends and receives per rank.
+        """
+        if self.world_size == 1:
+            return [], ""
+        deadline = time.monotonic() + timeout
+        peers = [peer for peer in range(self.world_size) if peer != self.rank]
+        token = torch.tensor([self.rank], dtype=torch.int64, device=device)
+        tokens = torch.empty(len(peers), dtype=torch.int64, device=device)
+        recvs = [dist.irecv(tokens[i:i + 1], self._global(peer), self.group, tag)
+                 for i, peer in enumerate(peers)]
+        sends = [dist.isend(token, self._global(peer), self.group, tag) for peer in peers]
+        absent, first_error = [], ""
+
+        def finished(work) -> bool:
+            nonlocal first_error
+            # At least 1 ms: a zero timeout means "no timeout" to torch.distributed.
+            left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
+            try:
+                work.wait(timeout=left)
+                return True
+            except RuntimeError as error:  # a timeout, or the peer's connection is gone
+                first_error = first_error or str(error)
+                return False
+
+        for peer, work in zip(peers, recvs):
+            if not finished(work):
+                absent.append(peer)
+        for peer, work in zip(peers, sends):
+            if peer not in absent and not finished(work):
+                absent.append(peer)
+        return sorted(absent), first_error
 
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's ``obj`` (picklable), in group-rank order; bounded by the group timeout."""

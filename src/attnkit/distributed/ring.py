@@ -14,6 +14,10 @@ and partial results are merged in fp32 with the stable LSE merge (:func:`attnkit
   the ring with the K/V and arrive, complete, at the rank that owns the shard.
 - ``layout="zigzag"``: the sequence is cut into 2P chunks and rank r holds chunks r and
   2P−1−r, so every rank does the same causal work. A step is then up to 4 chunk pairs.
+- Agreement: before any transfer the ranks compare shapes, dtype, layout, scale, the mask's
+  content digest, grad mode and ``requires_grad`` (:func:`_validate`). The backward starts with
+  a handshake bounded by ``backward_timeout``: a rank that skips the backward is named on the
+  others within that time instead of leaving them waiting for the group timeout.
 
 Tested with multi-process gloo on CPU (world sizes 1–4, float64/float32, every structured
 mask); written for NCCL on GPUs, not tested there (see docs/DISTRIBUTED.md).
@@ -21,6 +25,7 @@ mask); written for NCCL on GPUs, not tested there (see docs/DISTRIBUTED.md).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -30,15 +35,22 @@ import torch.distributed as dist
 from ..api import AttentionResult
 from ..backends.tiled import BLOCK_K, Problem, make_plan, tiled_backward, tiled_forward, uses_fused_kernel
 from ..inputs import Inputs, restore, validate
-from ..masks import Mask, MaskSpace
+from ..masks import Mask, MaskSpace, as_mask, digest
 from ..numerics import accum_dtype, merge
 from .comm import RingComm
 
 LAYOUTS = ("contiguous", "zigzag")
 """How the global sequence is cut into shards (see :func:`shard`)."""
 
-KV_TAG, GRAD_TAG = 0, 8
-"""Tag ranges of the K/V and the dK/dV transfers (both are in flight at once in backward)."""
+KV_TAG, GRAD_TAG, HANDSHAKE_TAG = 0, 8, 16
+"""Tag ranges of the K/V and the dK/dV transfers (both are in flight at once in backward) and
+the tag of the backward's handshake."""
+
+BACKWARD_TIMEOUT = 120.0
+"""Seconds the backward waits for every other rank to reach it (``ring_attention``'s
+``backward_timeout=None`` reads this at call time). Ranks that run the backward wait for each
+other here, so it must exceed the usual skew between ranks; it only needs to be below the
+process group's timeout to make a skipped backward fail first and with a clear message."""
 
 
 # ---- layouts ----------------------------------------------------------------------------------
@@ -166,6 +178,7 @@ class _Ring:
     comm: RingComm
     steps: list[list[_Pair]]  # steps[i]: pairs against the K/V of rank (rank - i) mod P
     stats: RingStats
+    backward_timeout: float  # seconds the backward's handshake waits for the other ranks
 
 
 def _plan_steps(mask: Optional[Mask], space: MaskSpace, scale: float, local_q: int, local_kv: int,
@@ -290,6 +303,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
+        _check_everyone_backpropagates(ring, q.device)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         sent = ring.comm.bytes_sent
@@ -297,6 +311,21 @@ class _RingAttention(torch.autograd.Function):
         ring.stats.bytes_sent += ring.comm.bytes_sent - sent
         ring.stats.backward_tiles = ring.stats.forward_tiles
         return dq, dk, dv, None
+
+
+def _check_everyone_backpropagates(ring: _Ring, device: torch.device) -> None:
+    """The backward's first communication: a token from every rank, waited for at most
+    ``ring.backward_timeout`` seconds. A rank whose token does not come skipped the backward (its
+    loss did not use this output, or it never called ``.backward()``); without this check the
+    ring below would wait for it until the process group's timeout."""
+    absent, error = ring.comm.handshake(ring.backward_timeout, tag=HANDSHAKE_TAG, device=device)
+    if absent:
+        raise RuntimeError(
+            f"ring_attention: {_ranks(absent)} did not run the backward of ring_attention within "
+            f"backward_timeout={ring.backward_timeout:g} s (seen on rank {ring.comm.rank}); every "
+            f"rank must backpropagate through its output, e.g. each rank calls loss.backward() on "
+            f"a loss that uses its out (add 0 * out.sum() on a rank whose share of the loss is "
+            f"zero). The process group cannot be used after this error. Transport error: {error}")
 
 
 # ---- validation (every rank agrees, or every rank raises) -------------------------------------
@@ -308,15 +337,87 @@ def _whole(t: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.empty((), dtype=t.dtype, device=t.device).expand(shape)
 
 
-def _signature(q, k, v, mask, layout, scale) -> dict:
-    """What every rank must agree on, in a picklable form."""
+_AGREEMENT = {
+    "shapes": "every rank passes shards of one shape: the whole sequence cut into equal parts "
+              "along dim -2 (see shard())",
+    "dtype": "cast q, k and v to one dtype on every rank",
+    "layout": "pass the same layout= on every rank",
+    "scale": "pass the same scale= on every rank",
+    "mask": "every rank passes the mask of the whole sequence with the same contents (the same "
+            "document ids, lengths, dense/bias values), built from data every rank shares",
+    "grad mode": "call ring_attention with grad enabled on every rank or on none (torch.no_grad()"
+                 " / inference_mode alike everywhere)",
+    "requires_grad": "q, k, v (and any tensor of the mask) must require grad alike on every "
+                     "rank: the backward is a ring that every rank runs together",
+}
+"""The signature entries every rank must agree on, each with the way to make ranks agree."""
+
+
+def _mask_tensors(mask: Optional[Mask]) -> list[torch.Tensor]:
+    """The tensors ``mask`` holds (ids, lengths, dense/bias values), its parts' included."""
+    found: list[torch.Tensor] = []
+
+    def walk(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, Mask):
+            for value in vars(obj).values():
+                walk(value)
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item)
+
+    walk(mask)
+    return found
+
+
+def _signature(q, k, v, mask, layout, scale) -> dict[str, str]:
+    """What every rank must agree on (the keys of :data:`_AGREEMENT`), as strings; never raises,
+    since a rank that raised here would leave the others waiting in the exchange. The mask is
+    compared by :func:`attnkit.masks.digest` (kind, parameters and tensor values) of
+    ``as_mask(mask)``, so tensors passed as ``mask=`` are compared as the mask they become."""
     def shape(t):
-        return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-    return dict(q=shape(q), k=shape(k), v=shape(v), dtype=str(getattr(q, "dtype", None)),
-                layout=layout, scale=scale, mask=repr(mask))
+        return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+    try:
+        fitted = as_mask(mask)
+        mask_text = "None" if fitted is None else f"{fitted!r} (content digest {digest(fitted)})"
+        mask_grads = [t.requires_grad for t in _mask_tensors(fitted)]
+    except (TypeError, ValueError):  # reported by validation on this rank
+        mask_text, mask_grads = f"invalid {type(mask).__name__}", []
+    grads = ", ".join(f"{name} {getattr(t, 'requires_grad', None)}"
+                      for name, t in (("q", q), ("k", k), ("v", v)))
+    if mask_grads:
+        grads += f", mask tensors {mask_grads}"
+    return {"shapes": f"q {shape(q)}, k {shape(k)}, v {shape(v)}",
+            "dtype": str(getattr(q, "dtype", None)), "layout": repr(layout), "scale": repr(scale),
+            "mask": mask_text, "grad mode": "enabled" if torch.is_grad_enabled() else "disabled",
+            "requires_grad": grads}
 
 
-def _validate(q, k, v, mask, scale, layout, return_lse, comm: RingComm,
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _disagreement(signatures: list[dict[str, str]]) -> Optional[str]:
+    """``None`` when every rank's signature is the same; else what differs, on which ranks, and
+    how to fix it."""
+    differing = [key for key in signatures[0] if any(s[key] != signatures[0][key] for s in signatures)]
+    if not differing:
+        return None
+    lines = []
+    for key in differing:
+        by_value: dict[str, list[int]] = {}
+        for rank, signature in enumerate(signatures):
+            by_value.setdefault(signature[key], []).append(rank)
+        lines.append(f"  {key}: " + "; ".join(f"{_ranks(ranks)}: {value}"
+                                              for value, ranks in by_value.items()))
+    fixes = [f"  {key}: {_AGREEMENT[key]}" for key in differing]
+    return (f"ring_attention: the {len(signatures)} ranks disagree on {', '.join(differing)}:\n"
+            + "\n".join(lines) + "\nFix:\n" + "\n".join(fixes))
+
+
+def _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout, comm: RingComm,
               ) -> tuple[Inputs, Optional[Mask], MaskSpace]:
     """Check this rank's shards, then that all ranks agree; raise the same error on every rank.
 
@@ -326,6 +427,10 @@ def _validate(q, k, v, mask, scale, layout, return_lse, comm: RingComm,
     failure, result = None, None
     try:
         _check_layout(layout)
+        if (isinstance(backward_timeout, bool) or not isinstance(backward_timeout, (int, float))
+                or not (math.isfinite(backward_timeout) and backward_timeout > 0)):
+            raise ValueError(f"backward_timeout={backward_timeout!r}: use a finite positive number "
+                             f"of seconds (or None for BACKWARD_TIMEOUT = {BACKWARD_TIMEOUT:g})")
         local = validate(q, k, v, None, scale=scale, need_lse=return_lse)
         if layout == "zigzag" and (local.q.shape[2] % 2 or local.k.shape[2] % 2):
             raise ValueError(
@@ -348,13 +453,9 @@ def _validate(q, k, v, mask, scale, layout, return_lse, comm: RingComm,
         error_type = TypeError if kind == "TypeError" else ValueError
         raise error_type(f"ring_attention: invalid input on rank(s) "
                          f"{[rank for rank, _ in failed]} (rank {first_rank}): {message}")
-    signatures = [signature for _, signature in everyone]
-    if any(signature != signatures[0] for signature in signatures):
-        lines = "\n".join(f"  rank {rank}: " + ", ".join(f"{key} {value}" for key, value in s.items())
-                          for rank, s in enumerate(signatures))
-        raise ValueError(f"ring_attention: the {comm.world_size} ranks disagree; every rank must "
-                         f"pass shards of one shape and dtype (the sequence cut into equal parts "
-                         f"along dim -2), with the same mask, scale and layout:\n{lines}")
+    disagreement = _disagreement([signature for _, signature in everyone])
+    if disagreement:
+        raise ValueError(disagreement)
     return result
 
 
@@ -365,6 +466,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
                    return_lse: bool = False, block_q: Optional[int] = None,
                    block_k: Optional[int] = None, stats: Optional[RingStats] = None,
+                   backward_timeout: Optional[float] = None,
                    ) -> Union[torch.Tensor, AttentionResult]:
     """Exact attention over a sequence sharded across the ranks of ``group``; call on every rank.
 
@@ -383,20 +485,29 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             be even).
         block_q, block_k: tile sizes of the tiled engine (default: its own choice).
         stats: a :class:`RingStats` to fill with this rank's computed tiles and traffic.
+        backward_timeout: seconds the backward waits for every other rank to reach it (default
+            ``None``: :data:`BACKWARD_TIMEOUT`, read at each call).
 
     Differentiable: the backward pass is a ring too, so every rank must run it (e.g. each
-    backpropagates its share of the loss). Shapes, dtypes, layout and mask are checked on every
-    rank and compared across ranks: any problem raises the same error on every rank.
+    backpropagates its share of the loss). It starts with a handshake among all ranks: ranks
+    that have not reached it within ``backward_timeout`` are named in a ``RuntimeError`` on the
+    others, and the process group is unusable afterwards. Shapes, dtypes, layout, scale, the
+    mask's contents, grad mode and ``requires_grad`` are checked on every rank and compared
+    across ranks: any problem raises the same error on every rank, before any transfer.
     """
     comm = RingComm(group)
-    local, fitted, space = _validate(q, k, v, mask, scale, layout, return_lse, comm)
+    if backward_timeout is None:
+        backward_timeout = BACKWARD_TIMEOUT
+    local, fitted, space = _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout,
+                                     comm)
     stats = stats if stats is not None else RingStats()
     stats.rank, stats.world_size, stats.layout = comm.rank, comm.world_size, layout
     stats.tiles_per_step, stats.pairs_computed, stats.pairs_skipped = [], 0, 0
     stats.backward_tiles, stats.bytes_sent = 0, 0
     steps = _plan_steps(fitted, space, local.scale, local.q.shape[2], local.k.shape[2], comm,
                         layout, uses_fused_kernel(local.q, local.v, 0.0), block_q, block_k, stats)
-    out, lse = _RingAttention.apply(local.q, local.k, local.v, _Ring(comm, steps, stats))
+    out, lse = _RingAttention.apply(local.q, local.k, local.v,
+                                    _Ring(comm, steps, stats, float(backward_timeout)))
     out = restore(out, local)
     if not return_lse:
         return out
