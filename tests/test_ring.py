@@ -266,9 +266,7 @@ def _error_cases(rank: int, world: int) -> dict:
                          padding=(padding_differs, "mask", f"rank {last}:"),
                          bias=(bias_differs, "mask", "rank 0:"),
                          bool_tensor=(bool_tensor_differs, "mask", "rank 1: dense"),
-                         requires_grad=(requires_grad_differs, "requires_grad", "rank 0: q True"),
-                         bias_requires_grad=(bias_requires_grad_differs, "requires_grad",
-                                             f"rank {last}: q False, k False, v False, mask tensors [True]"))
+                         requires_grad=(requires_grad_differs, "requires_grad", "rank 0: q True"))
         for name, (make_args, key, where) in differing.items():
             seconds[f"{name}_differs"] = _expect_error(rank, world, make_args, ValueError,
                                                        [f"disagree on {key}:", where, "Fix:"])
@@ -276,6 +274,10 @@ def _error_cases(rank: int, world: int) -> dict:
             seconds["grad_mode_differs"] = _expect_error(
                 rank, world, lambda r: (tensors(16), {}), ValueError,
                 ["disagree on grad mode:", f"rank {last}: disabled", "Fix:"])
+    # A bias requiring grad (on one rank or all) is refused: the ring gives it no gradient.
+    seconds["bias_requires_grad_differs"] = _expect_error(
+        rank, world, bias_requires_grad_differs, ValueError,
+        [f"rank(s) [{last}]", "no gradient", "detach"])
     seconds["bad_backward_timeout"] = _expect_error(rank, world, bad_backward_timeout, ValueError,
                                                     ["backward_timeout=0"])
 

@@ -443,6 +443,10 @@ def _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout, comm: 
         except ValueError as error:
             raise ValueError(f"mask at global positions (the whole sequence is world_size="
                              f"{comm.world_size} × the local shard): {error}") from None
+        if whole.bias_grad:
+            raise ValueError("ring_attention takes a bias as a constant and gives it no gradient; "
+                             "detach it (bias.detach()) or use attention() on one device, whose "
+                             "tiled and reference backends give dBias")
         result = (local, whole.mask, whole.space)
     except (TypeError, ValueError) as error:
         failure = (type(error).__name__, str(error))
