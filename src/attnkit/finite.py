@@ -13,13 +13,16 @@ non-finite value there leaks (``NaN + −inf``, ``0 · NaN``) and shows as NaN i
 LSE; the fused CPU kernel turns a row whose scores in one call are all NaN (a NaN query, or
 only non-finite keys) into output 0 and LSE 0 instead. Rather than guard every tile of every
 kernel, :func:`suspect` sums, after each call, q, the results and, for calls of at least
-:data:`KV_CHECK_MIN_ROWS` query rows, K and V (a decoding step reads nothing but K/V, so
-summing them there would double its cost); the common case ends there. A suspect call is
+:data:`KV_CHECK_MIN_ROWS` query rows or small K/V, K and V too (a decoding step over a long
+cache reads nothing but K/V, so summing them there would double its cost); the common case
+ends there. A suspect call is
 recomputed: :func:`clean` finds the non-finite rows of q, K and V, zeroes them in copies that
 the backend runs on, and :func:`poison` marks the query rows that could see them as NaN.
 
-What a call of fewer rows can miss: a row for which every key that one fused-kernel call gives
-it is non-finite *and allowed* comes out as 0 (not NaN).
+What a decoding step over a long cache can miss (K/V not summed): a row for which every key
+that one fused-kernel call gives it is non-finite *and allowed* comes out as 0 (not NaN); and
+a fully masked row (zeroed after the torch kernel) hides that kernel's backward reading
+non-finite masked K/V, whose gradients then carry NaN.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ KV_CHECK_MIN_ROWS = 64
 """Calls with at least this many query rows also sum K and V in :func:`suspect`: at most
 1/64 of what the attention itself reads."""
 
+KV_CHECK_MAX_ELEMENTS = 1 << 16
+"""Calls whose K and V hold at most this many elements each also sum them in :func:`suspect`,
+whatever their query rows: a few microseconds, below a call's fixed cost."""
+
 CHUNK_ELEMENTS = 1 << 22
 """Mask elements evaluated at once when finding the rows that see a non-finite key."""
 
@@ -47,8 +54,9 @@ def suspect(inputs: Inputs, out: torch.Tensor, lse: Optional[torch.Tensor]) -> b
     LSE is summed apart, since its −inf (a fully masked row) is no problem. One host read."""
     dtype = torch.float64 if inputs.q.dtype == torch.float64 else torch.float32
     tensors = [inputs.q, out]
-    if inputs.q.shape[2] >= KV_CHECK_MIN_ROWS:
-        tensors += [inputs.k, inputs.v]
+    k, v = inputs.k, inputs.v
+    if inputs.q.shape[2] >= KV_CHECK_MIN_ROWS or max(k.numel(), v.numel()) <= KV_CHECK_MAX_ELEMENTS:
+        tensors += [k, v]
     total = sum(t.detach().sum(dtype=dtype) for t in tensors)
     lse_total = lse.detach().sum(dtype=dtype) if lse is not None else total.new_zeros(())
     total, lse_total = torch.stack((total, lse_total)).tolist()

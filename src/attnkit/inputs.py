@@ -211,6 +211,8 @@ def _fit_mask(mask: Mask, inputs: Inputs) -> Mask:
         if isinstance(mask, _Bias) and t.dtype != inputs.q.dtype and t.dtype not in (torch.float32, torch.float64):
             raise TypeError(f"bias has dtype {t.dtype} but q has {inputs.q.dtype}: cast the bias")
         t4 = _to_4d(t, inputs)
+        if isinstance(mask, _Bias) and inputs.q.dtype == torch.float64:
+            t4 = t4.to(torch.float64)  # biases of float64 inputs add (and sum) in float64
         return type(mask)(t4)
     return mask
 

@@ -43,8 +43,17 @@ def grouped_matmul(a: torch.Tensor, b: torch.Tensor, heads_kv: int) -> torch.Ten
 
 
 def steps(inputs: Inputs) -> Steps:
-    """Run the reference computation in float64 and keep every intermediate."""
+    """Run the reference computation in float64 and keep every intermediate.
+
+    Non-finite inputs follow docs/NUMERICS.md without a data-dependent branch (so under
+    ``torch.func`` and compile too): q rows and K/V rows holding NaN/inf are zeroed before use,
+    so nothing a mask excludes reaches a result or a gradient (no ``NaN + −inf``, no
+    ``0 · NaN``), and the rows that may see one (a zeroed query row with an allowed key, or a
+    row whose scores may reach a zeroed key) are multiplied by NaN, the others by 1."""
     q, k, v = (t.to(torch.float64) for t in (inputs.q, inputs.k, inputs.v))
+    bad_q = ~torch.isfinite(q).all(-1, keepdim=True)  # [B, Hq, Tq, 1]
+    bad_kv = ~(torch.isfinite(k).all(-1, keepdim=True) & torch.isfinite(v).all(-1, keepdim=True))
+    q, k, v = q.masked_fill(bad_q, 0.0), k.masked_fill(bad_kv, 0.0), v.masked_fill(bad_kv, 0.0)
     heads_kv = k.shape[1]
     scores = grouped_matmul(q, k.transpose(-1, -2), heads_kv)  # [B, Hq, Tq, Tk]
     scaled = scores * inputs.scale
@@ -61,14 +70,13 @@ def steps(inputs: Inputs) -> Steps:
     if inputs.dropout_p > 0:
         keep = dropout_keep(weights.shape, inputs.dropout_p, inputs.generator, weights.device)
         applied = weights * keep / (1.0 - inputs.dropout_p)
-    # A non-finite value row of V is zeroed for the product (0·NaN would reach rows that mask
-    # it out) and makes NaN exactly the rows whose scores may see it (``masked`` is −inf only
-    # where a key is excluded); branch-free, so it holds under vmap and compile too.
-    bad_v = ~torch.isfinite(v).all(-1, keepdim=True)  # [B, Hkv, Tk, 1]
-    out = grouped_matmul(applied, v.masked_fill(bad_v, 0.0), heads_kv)  # [B, Hq, Tq, Dv]
-    sees_bad = grouped_matmul((~torch.isneginf(masked)).to(v.dtype), bad_v.to(v.dtype), heads_kv)
-    out = out * torch.where(sees_bad > 0, float("nan"), 1.0)  # a product: finite rows keep
-    # their gradient (a where over ``out * nan`` would send 0·NaN back to every row)
+    out = grouped_matmul(applied, v, heads_kv)  # [B, Hq, Tq, Dv]
+    seen = (~torch.isneginf(masked)).to(q.dtype)  # [B, Hq, Tq, Tk]: 1 where a key counts
+    poisoned = ((grouped_matmul(seen, bad_kv.to(q.dtype), heads_kv) > 0)
+                | (bad_q & (seen.sum(-1, keepdim=True) > 0)))  # [B, Hq, Tq, 1]
+    # A product, not a where: finite rows keep their values and gradients exactly.
+    nan_or_one = torch.where(poisoned, float("nan"), 1.0)
+    out, weights, lse = out * nan_or_one, weights * nan_or_one, lse * nan_or_one[..., 0]
     return Steps(scores, scaled, allowed, masked, weights, lse, out)
 
 

@@ -120,6 +120,9 @@ class TritonBackend(Backend):
 
     def extra_reasons(self, inputs: Inputs) -> list[str]:
         reasons = []
+        if inputs.scale <= 0:
+            reasons.append(f"scale={inputs.scale:g} <= 0 (not supported by triton: its kernels "
+                           f"give NaN there)")
         if inputs.q.device.type == "cpu" and self.unavailable_reason() is None:  # else said
             problem = launch.cpu_problem()
             if problem:
