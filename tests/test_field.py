@@ -338,3 +338,13 @@ def test_allowed_keys_all_non_finite_in_one_kernel_call_propagate(backend, gen):
     k, v = torch.randn(2, 1, 2, 4, 16, generator=gen).unbind(0)
     out = ak.attention(q, k.fill_(NAN), v, backend=backend)
     assert torch.isnan(out).all()
+
+
+def test_triton_refuses_a_scale_that_is_not_positive():
+    from attnkit import dispatch
+    from attnkit.inputs import validate
+    t = torch.randn(1, 1, 4, 16)
+    reasons = dispatch.BACKENDS["triton"].not_supported_reasons(validate(t, t, t, scale=-0.5))
+    assert any("scale=-0.5" in r for r in reasons)
+    assert not any("scale" in r for r in dispatch.BACKENDS["triton"].not_supported_reasons(
+        validate(t, t, t, scale=0.5)))
