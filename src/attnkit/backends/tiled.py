@@ -42,6 +42,7 @@ from ..inputs import Inputs
 from ..masks import EMPTY, FULL, Mask, MaskCache, MaskSpace
 from ..numerics import accum_dtype, additive_mask
 from .base import Backend, BackendOutput
+from .reference import steps
 
 BLOCK_K = 128
 """Key-block width of the block map: the granularity at which tiles are skipped."""
@@ -835,9 +836,6 @@ class _TiledAttention(torch.autograd.Function):
 def _differentiable_grads(q, k, v, biases, problem: Problem, grad_out, grad_lse, needed):
     """The gradients of q, k, v and the biases, recorded for a further backward: the float64
     reference recomputed with autograd (O(Tq·Tk) memory, for double backward only)."""
-    from ..inputs import Inputs
-    from .reference import steps
-
     inputs = Inputs(q=q, k=k, v=v, mask=problem.mask, scale=problem.scale, dropout_p=0.0,
                     generator=None, batch_shape=(), input_rank=4)
     if problem.dropout_p > 0 or problem.q_offset or problem.kv_offset or inputs.space != problem.space:
