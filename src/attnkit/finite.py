@@ -57,10 +57,14 @@ def suspect(inputs: Inputs, out: torch.Tensor, lse: Optional[torch.Tensor]) -> b
     k, v = inputs.k, inputs.v
     if inputs.q.shape[2] >= KV_CHECK_MIN_ROWS or max(k.numel(), v.numel()) <= KV_CHECK_MAX_ELEMENTS:
         tensors += [k, v]
-    total = sum(t.detach().sum(dtype=dtype) for t in tensors)
-    lse_total = lse.detach().sum(dtype=dtype) if lse is not None else total.new_zeros(())
-    total, lse_total = torch.stack((total, lse_total)).tolist()
-    return not math.isfinite(total) or math.isnan(lse_total) or lse_total == math.inf
+    if lse is not None:
+        tensors.append(lse)
+    *totals, last = torch.stack([t.detach().sum(dtype=dtype) for t in tensors]).tolist()
+    if lse is None:
+        totals.append(last)
+    elif math.isnan(last) or last == math.inf:
+        return True
+    return not all(math.isfinite(total) for total in totals)
 
 
 class Cleaned(NamedTuple):

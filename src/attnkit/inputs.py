@@ -34,6 +34,11 @@ class Inputs:
     need_weights: bool = False
     need_lse: bool = False
     need_grad: bool = field(default=False)
+    bias_grad: bool = False
+    """A bias of the mask requires grad (a learnable bias: it needs dBias)."""
+    transformed: bool = False
+    """The call runs under a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, …): its
+    tensors are functorch wrappers."""
 
     @property
     def space(self) -> MaskSpace:
@@ -49,17 +54,6 @@ class Inputs:
     def grad_tensors(self) -> tuple:
         """Every tensor a gradient can flow to: q, k, v and the mask's biases."""
         return (self.q, self.k, self.v, *self.biases)
-
-    @property
-    def bias_grad(self) -> bool:
-        """Whether a bias of the mask requires grad (a learnable bias: it needs dBias)."""
-        return torch.is_grad_enabled() and any(t.requires_grad for t in self.biases)
-
-    @property
-    def transformed(self) -> bool:
-        """Whether the call runs under a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``,
-        …): its tensors are functorch wrappers."""
-        return any(_is_wrapped(t) for t in self.grad_tensors)
 
     @property
     def group_size(self) -> int:
@@ -185,7 +179,10 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     if mask is not None:
         mask = _fit_mask(mask, inputs)
         inputs.mask = mask
-    inputs.need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs.grad_tensors)
+    grad_mode = torch.is_grad_enabled()
+    inputs.need_grad = grad_mode and any(t.requires_grad for t in inputs.grad_tensors)
+    inputs.bias_grad = grad_mode and any(t.requires_grad for t in inputs.biases)
+    inputs.transformed = any(_is_wrapped(t) for t in inputs.grad_tensors)
     if mask is not None:
         problems = mask.check(inputs.space)
         if problems:
