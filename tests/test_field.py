@@ -348,3 +348,11 @@ def test_triton_refuses_a_scale_that_is_not_positive():
     assert any("scale=-0.5" in r for r in reasons)
     assert not any("scale" in r for r in dispatch.BACKENDS["triton"].not_supported_reasons(
         validate(t, t, t, scale=0.5)))
+
+
+def test_compiles_to_one_graph_without_a_mask_and_causal(gen):
+    """The field checks (functorch wrappers, non-finite values) stay out of a compiled graph."""
+    q, k, v = torch.randn(3, 1, 2, 64, 16, generator=gen).unbind(0)
+    for mask in (None, ak.causal()):
+        compiled = torch.compile(lambda q, k, v: ak.attention(q, k, v, mask), fullgraph=True)
+        torch.testing.assert_close(compiled(q, k, v), ak.attention(q, k, v, mask))

@@ -182,7 +182,9 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     grad_mode = torch.is_grad_enabled()
     inputs.need_grad = grad_mode and any(t.requires_grad for t in inputs.grad_tensors)
     inputs.bias_grad = grad_mode and any(t.requires_grad for t in inputs.biases)
-    inputs.transformed = any(_is_wrapped(t) for t in inputs.grad_tensors)
+    # (dynamo cannot trace the functorch query; a compiled graph holds no functorch wrappers)
+    inputs.transformed = not torch.compiler.is_compiling() and any(
+        _is_wrapped(t) for t in inputs.grad_tensors)
     if mask is not None:
         problems = mask.check(inputs.space)
         if problems:
