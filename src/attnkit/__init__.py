@@ -5,13 +5,15 @@
 """
 
 from . import masks
-from .api import AttentionResult, attention, available_backends
+from .api import AttentionResult, attention, available_backends, explain_dispatch
+from .dispatch import use_backend
 from .masks import bias, causal, dense, documents, from_function, padding, sliding_window
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "AttentionResult", "available_backends", "masks", "nn", "causal", "sliding_window",
+    "attention", "AttentionResult", "available_backends", "explain_dispatch", "use_backend",
+    "masks", "nn", "causal", "sliding_window",
     "padding", "documents", "dense", "bias", "from_function", "__version__",
 ]
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+import logging
+from typing import Literal, NamedTuple, Optional, Union, overload
 
 import torch
 
 from . import dispatch, finite
 from .inputs import restore, validate
 from .masks import Mask
+
+MaskLike = Union[Mask, torch.Tensor, None]
 
 
 class AttentionResult(NamedTuple):
@@ -24,8 +27,38 @@ class AttentionResult(NamedTuple):
     weights: Optional[torch.Tensor]
 
 
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None, *,
+              scale: Optional[float] = None, dropout_p: float = 0.0,
+              generator: Optional[torch.Generator] = None, backend: str = "auto",
+              return_lse: Literal[False] = False, return_weights: Literal[False] = False,
+              ) -> torch.Tensor: ...
+
+
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None, *,
+              scale: Optional[float] = None, dropout_p: float = 0.0,
+              generator: Optional[torch.Generator] = None, backend: str = "auto",
+              return_lse: Literal[True], return_weights: bool = False) -> AttentionResult: ...
+
+
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None, *,
+              scale: Optional[float] = None, dropout_p: float = 0.0,
+              generator: Optional[torch.Generator] = None, backend: str = "auto",
+              return_lse: bool = False, return_weights: Literal[True]) -> AttentionResult: ...
+
+
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None, *,
+              scale: Optional[float] = None, dropout_p: float = 0.0,
+              generator: Optional[torch.Generator] = None, backend: str = "auto",
+              return_lse: bool = False, return_weights: bool = False,
+              ) -> Union[torch.Tensor, AttentionResult]: ...
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: Union[Mask, torch.Tensor, None] = None, *, scale: Optional[float] = None,
+              mask: MaskLike = None, *, scale: Optional[float] = None,
               dropout_p: float = 0.0, generator: Optional[torch.Generator] = None,
               backend: str = "auto", return_lse: bool = False, return_weights: bool = False,
               ) -> Union[torch.Tensor, AttentionResult]:
@@ -45,25 +78,40 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         dropout_p: dropout on the attention weights (rescaled by ``1/(1-p)``); reproducible
             with ``generator`` or the global seed.
         backend: ``"auto"`` or a name from ``attnkit.available_backends()``; an explicit backend that
-            cannot run the input raises ``ValueError`` with its reasons.
+            cannot run the input raises ``ValueError`` with its reasons. Inside
+            ``attnkit.use_backend(name)``, ``"auto"`` means ``name``;
+            :func:`explain_dispatch` tells what ``"auto"`` picks and why.
+
+    Under ``torch.autocast`` q, k and v (all but float64 ones) run in the autocast dtype, as
+    torch's SDPA does; the backends themselves then run with autocast off (they choose their
+    own accumulation dtypes).
 
     A query row whose keys are all masked gets output 0 and LSE −inf (never NaN), and zero
     gradients. NaN/inf in K/V where the mask excludes them never reaches a row; in q or in
     keys a row may attend, they make that row NaN (see :mod:`attnkit.finite`).
     """
+    device = q.device.type if isinstance(q, torch.Tensor) else "cpu"
+    autocast = torch.is_autocast_enabled(device)
+    if autocast:
+        q, k, v = _autocast(device, q, k, v)
     inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
                       need_weights=return_weights, need_lse=return_lse)
     chosen = dispatch.select(inputs, backend)
-    result = chosen.forward(inputs)
-    # torch.func: the reference (its only backend) keeps the rules itself; compile: no
-    # data-dependent branch in a traced graph (docs/NUMERICS.md).
-    if not (inputs.transformed or torch.compiler.is_compiling()) and finite.suspect(
-            inputs, result.out, result.lse):
-        cleaned = finite.clean(inputs)
-        if cleaned is not None:
-            result = chosen.forward(cleaned.inputs)
-            result = result._replace(**{name: finite.poison(getattr(result, name), cleaned.rows)
-                                        for name in ("out", "lse", "weights")})
+    if not torch.compiler.is_compiling() and dispatch.log.isEnabledFor(logging.DEBUG):
+        dispatch.log.debug("attention: backend %s (asked %r) for q %s, k %s, %s, mask %r",
+                           chosen.NAME, backend, tuple(inputs.q.shape), tuple(inputs.k.shape),
+                           inputs.q.dtype, inputs.mask)
+    with torch.autocast(device, enabled=False) if autocast else _nothing():
+        result = chosen.forward(inputs)
+        # torch.func: the reference (its only backend) keeps the rules itself; compile: no
+        # data-dependent branch in a traced graph (docs/NUMERICS.md).
+        if not (inputs.transformed or torch.compiler.is_compiling()) and finite.suspect(
+                inputs, result.out, result.lse):
+            cleaned = finite.clean(inputs)
+            if cleaned is not None:
+                result = chosen.forward(cleaned.inputs)
+                result = result._replace(**{name: finite.poison(getattr(result, name), cleaned.rows)
+                                            for name in ("out", "lse", "weights")})
     if inputs.need_grad and not chosen.DOUBLE_BACKWARD:
         dispatch.refuse_double_backward(result, chosen.NAME)
     out = restore(result.out, inputs)
@@ -72,6 +120,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = restore(result.lse, inputs) if return_lse else None
     weights = restore(result.weights, inputs) if return_weights else None
     return AttentionResult(out, lse, weights)
+
+
+def _autocast(device: str, *tensors):
+    """The tensors in the autocast dtype, as autocast casts SDPA's inputs (float64 and
+    non-tensors are left alone: validation reports them)."""
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                 and t.dtype != torch.float64 else t for t in tensors)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def explain_dispatch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None,
+                     *, scale: Optional[float] = None, dropout_p: float = 0.0,
+                     return_lse: bool = False, return_weights: bool = False,
+                     ) -> dispatch.Dispatch:
+    """What ``attention(q, k, v, mask, ...)`` with ``backend="auto"`` would run, without running
+    it: the backend's name and, for every backend tried before it, why not (shapes as for
+    :func:`attention`). ``print()`` it for a readable summary. Gradients count as
+    ``attention`` would see them (q/k/v/bias ``requires_grad`` under grad mode)."""
+    inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p,
+                      need_weights=return_weights, need_lse=return_lse)
+    return dispatch.explain(inputs)
 
 
 def available_backends() -> dict[str, str]:

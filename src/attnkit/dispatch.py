@@ -4,6 +4,11 @@ input raises with its reasons. The order is data (``PRIORITY``), never mutated a
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+from typing import NamedTuple, Optional
+
 import torch
 
 from .backends.base import Backend
@@ -51,14 +56,71 @@ def refuse_double_backward(result, name: str) -> None:
             t.register_hook(hook)
 
 
+log = logging.getLogger("attnkit")
+"""One debug line per dispatch: ``logging.getLogger("attnkit").setLevel(logging.DEBUG)``."""
+
+_FORCED = threading.local()
+"""``_FORCED.name``: the backend :func:`use_backend` set on this thread (absent: none)."""
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run every ``attention(..., backend="auto")`` call inside the ``with`` block on backend
+    ``name``, as if it had been passed explicitly (an input it cannot run raises with its
+    reasons). For a region of someone else's code, e.g. a model's forward::
+
+        with attnkit.use_backend("reference"):
+            model(x)
+
+    Thread-local; an explicit ``backend=`` still wins."""
+    if name not in names():
+        raise ValueError(f"unknown backend {name!r}: choose one of {names()}")
+    before = getattr(_FORCED, "name", None)
+    _FORCED.name = None if name == "auto" else name
+    try:
+        yield
+    finally:
+        _FORCED.name = before
+
+
+class Dispatch(NamedTuple):
+    """What ``backend="auto"`` does with an input: ``backend``, the name it picks (``None``
+    when none can run it), and ``reasons``: for every backend passed over, why (its
+    capabilities, or why auto prefers another), in priority order."""
+
+    backend: Optional[str]
+    reasons: dict[str, list[str]]
+
+    def __str__(self) -> str:
+        lines = [f"auto picks: {self.backend or 'nothing (no backend can run these inputs)'}"]
+        lines += [f"  {name}: " + "; ".join(why) for name, why in self.reasons.items()]
+        return "\n".join(lines)
+
+
+def explain(inputs: Inputs) -> Dispatch:
+    """:class:`Dispatch` for ``inputs``: the backend auto picks and why each one before it
+    was passed over (backends after the pick are not asked)."""
+    reasons = {}
+    for name in PRIORITY:
+        candidate = BACKENDS[name]
+        why = candidate.not_supported_reasons(inputs) or candidate.auto_reasons(inputs)
+        if not why:
+            return Dispatch(name, reasons)
+        reasons[name] = why
+    return Dispatch(None, reasons)
+
+
 def names() -> list[str]:
     return ["auto", *BACKENDS]
 
 
 def select(inputs: Inputs, backend: str) -> Backend:
-    """The backend to run ``inputs`` with, or a ValueError listing every reason."""
+    """The backend to run ``inputs`` with, or a ValueError listing every reason. Inside
+    :func:`use_backend`, ``"auto"`` means the backend it names."""
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"unknown backend {backend!r}: choose one of {names()}")
+    if backend == "auto":
+        backend = getattr(_FORCED, "name", None) or "auto"
     if backend != "auto":
         chosen = BACKENDS[backend]
         reasons = chosen.not_supported_reasons(inputs)
@@ -67,12 +129,8 @@ def select(inputs: Inputs, backend: str) -> Backend:
                              + "\n  - ".join(reasons) + f"\nInputs:\n{inputs.describe()}\n"
                              f"Use backend='auto' to pick one that can.")
         return chosen
-    all_reasons = {}
-    for name in PRIORITY:
-        candidate = BACKENDS[name]
-        reasons = candidate.not_supported_reasons(inputs) or candidate.auto_reasons(inputs)
-        if not reasons:
-            return BACKENDS[name]
-        all_reasons[name] = reasons
-    detail = "\n".join(f"  {name}: " + "; ".join(r) for name, r in all_reasons.items())
+    picked = explain(inputs)
+    if picked.backend is not None:
+        return BACKENDS[picked.backend]
+    detail = "\n".join(f"  {name}: " + "; ".join(r) for name, r in picked.reasons.items())
     raise ValueError(f"no backend can run these inputs:\n{detail}\nInputs:\n{inputs.describe()}")

@@ -829,7 +829,8 @@ class _TiledAttention(torch.autograd.Function):
         acc = accum_dtype(q.dtype)
         dbias = [torch.zeros(t.shape, dtype=acc, device=t.device) if want else None
                  for t, want in zip(biases, wants_bias)]
-        dq, dk, dv = tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem, dbias=dbias)
+        with torch.autocast(q.device.type, enabled=False):  # a backward run inside autocast
+            dq, dk, dv = tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem, dbias=dbias)
         return dq, dk, dv, None, *(None if d is None else d.to(t.dtype) for d, t in zip(dbias, biases))
 
 
