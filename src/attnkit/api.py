@@ -91,7 +91,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     keys a row may attend, they make that row NaN (see :mod:`attnkit.finite`).
     """
     device = q.device.type if isinstance(q, torch.Tensor) else "cpu"
-    autocast = torch.is_autocast_enabled(device)
+    autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
     if autocast:
         q, k, v = _autocast(device, q, k, v)
     inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
