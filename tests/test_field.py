@@ -356,3 +356,10 @@ def test_compiles_to_one_graph_without_a_mask_and_causal(gen):
     for mask in (None, ak.causal()):
         compiled = torch.compile(lambda q, k, v: ak.attention(q, k, v, mask), fullgraph=True)
         torch.testing.assert_close(compiled(q, k, v), ak.attention(q, k, v, mask))
+        grads = []
+        for fn in (compiled, lambda q, k, v: ak.attention(q, k, v, mask)):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            fn(*leaves).pow(2).sum().backward()
+            grads.append([t.grad for t in leaves])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want)

@@ -112,7 +112,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 result = chosen.forward(cleaned.inputs)
                 result = result._replace(**{name: finite.poison(getattr(result, name), cleaned.rows)
                                             for name in ("out", "lse", "weights")})
-    if inputs.need_grad and not chosen.DOUBLE_BACKWARD:
+    if inputs.need_grad and not chosen.DOUBLE_BACKWARD and not torch.compiler.is_compiling():
         dispatch.refuse_double_backward(result, chosen.NAME)
     out = restore(result.out, inputs)
     if not (return_lse or return_weights):
