@@ -64,6 +64,125 @@ def test_padding_dense(q_lengths, kv_lengths):
     assert_dense(ak.padding(q_lengths=q_lengths, kv_lengths=kv_lengths), expected, sp)
 
 
+def dense_runs(tq, tk, q_runs, kv_runs, batch):
+    """``[B, 1, tq, tk]`` by loops: real when inside the row's ``(start, stop)`` run (``None``: all)."""
+    out = torch.zeros(batch, 1, tq, tk, dtype=torch.bool)
+    for b in range(batch):
+        q0, q1 = (0, tq) if q_runs is None else q_runs[b if len(q_runs) > 1 else 0]
+        k0, k1 = (0, tk) if kv_runs is None else kv_runs[b if len(kv_runs) > 1 else 0]
+        for i in range(tq):
+            for j in range(tk):
+                out[b, 0, i, j] = q0 <= i < q1 and k0 <= j < k1
+    return out
+
+
+@pytest.mark.parametrize("kwargs,q_runs,kv_runs", [
+    (dict(kv_starts=[2, 0, 6]), None, [(2, 6), (0, 6), (6, 6)]),  # left padding, to the end
+    (dict(q_starts=[1, 5, 0], q_lengths=[3, 0, 5]), [(1, 4), (5, 5), (0, 5)], None),
+    (dict(q_starts=[1], kv_starts=[0, 3, 1], kv_lengths=[6, 2, 4]), [(1, 5)], [(0, 6), (3, 5), (1, 5)]),
+    (dict(kv_lengths=[4, 2, 0], kv_starts=[0]), None, [(0, 4), (0, 2), (0, 0)]),  # zero starts
+    (dict(q_starts=torch.tensor([4, 0, 2]), kv_starts=torch.tensor([1, 1, 1], dtype=torch.int32)),
+     [(4, 5), (0, 5), (2, 5)], [(1, 6)] * 3),
+])
+def test_padding_starts_dense(kwargs, q_runs, kv_runs):
+    sp = space(batch=3, heads=2, q_len=5, kv_len=6)
+    assert_dense(ak.padding(**kwargs), dense_runs(5, 6, q_runs, kv_runs, 3), sp)
+
+
+def test_padding_from_real_token_mask():
+    rows = [[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 0], [1] * 6]
+    runs = [(2, 6), (0, 3), (0, 0), (1, 5), (0, 6)]
+    sp = space(batch=5, q_len=4, kv_len=6)
+    for real in (torch.tensor(rows), torch.tensor(rows, dtype=torch.bool), torch.tensor(rows, dtype=torch.int8)):
+        mask = ak.padding(kv_mask=real)
+        assert mask.kv_starts.tolist() == [2, 0, 0, 1, 0] and mask.kv_lengths.tolist() == [4, 3, 0, 4, 6]
+        assert_dense(mask, dense_runs(4, 6, None, runs, 5), sp)
+    q_real = torch.tensor([[False, True, True, True], [True] * 4, [False] * 4, [True, True, False, False],
+                           [False, False, False, True]])
+    both = ak.padding(q_mask=q_real, kv_mask=torch.tensor(rows))
+    assert_dense(both, dense_runs(4, 6, [(1, 4), (0, 4), (0, 0), (0, 2), (3, 4)], runs, 5), sp)
+    assert both.check(sp) == []
+    assert "kv_mask has 6 columns" in " ".join(both.check(space(batch=5, q_len=4, kv_len=7)))
+
+
+def test_padding_from_mask_rejects_non_contiguous_rows():
+    with pytest.raises(ValueError, match=r"(?s)rows \[1\].*not one contiguous run.*ak\.dense"):
+        ak.padding(kv_mask=torch.tensor([[1, 1, 0], [1, 0, 1]]))
+    with pytest.raises(ValueError, match=r"q_mask.*ak\.dense\(mask\[:, None, :, None\]\)"):
+        ak.padding(q_mask=torch.tensor([[True, False, True]]))
+    with pytest.raises(ValueError, match="only 0"):
+        ak.padding(kv_mask=torch.tensor([[0, 2, 1]]))
+    with pytest.raises(TypeError, match="dtype torch.float32"):
+        ak.padding(kv_mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"shape \(3,\).*\[B, T\]"):
+        ak.padding(kv_mask=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="either kv_mask or kv_lengths"):
+        ak.padding(kv_lengths=[3], kv_mask=torch.ones(1, 3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(kv_starts=[1.0]), (TypeError, ["kv_starts", "float", "integer starts"])),
+    (dict(kv_starts=[[1, 2]]), (ValueError, ["kv_starts", "(1, 2)", "kv_mask="])),
+    (dict(q_starts=[-1, 0]), (ValueError, ["q_starts", "[-1, 0]", "0 or more"])),
+    (dict(q_starts=[1, 2, 3], q_lengths=[1, 2]), (ValueError, ["q_starts has 3", "q_lengths has 2"])),
+])
+def test_padding_starts_constructor_errors(kwargs, words):
+    exc, needed = words
+    with pytest.raises(exc) as info:
+        ak.padding(**kwargs)
+    for word in needed:
+        assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(kv_starts=[7, 0]), ["kv_starts=[7, 0]", "[0, 6]"]),
+    (dict(kv_starts=[2, 3], kv_lengths=[4, 4]), ["kv_starts + kv_lengths = [6, 7]", "6 key positions"]),
+    (dict(q_starts=[1, 2, 3]), ["q_starts has 3 entries", "batch has 2"]),
+    (dict(q_starts=[0, 1], q_lengths=[5, 5]), ["q_starts + q_lengths = [5, 6]", "5 query positions"]),
+])
+def test_padding_starts_check(kwargs, words):
+    problems = " ".join(ak.padding(**kwargs).check(space(batch=2, q_len=5, kv_len=6)))
+    for word in words:
+        assert word in problems, (word, problems)
+    assert ak.padding(q_starts=[5, 0], kv_starts=[1], kv_lengths=[5]).check(space(batch=2, q_len=5, kv_len=6)) == []
+
+
+def test_padding_starts_repr_cache_key_and_digest():
+    a = ak.padding(kv_lengths=[3, 4], kv_starts=[1, 0])
+    assert repr(a) == "padding(q_lengths=None, kv_lengths=[3, 4], kv_starts=[1, 0])"
+    keep: list = []
+    key = ak.masks.cache_key(a, keep)
+    assert any(t is a.kv_starts for t in keep)
+    b = ak.padding(kv_lengths=a.kv_lengths, kv_starts=[0, 0])
+    b.kv_lengths = a.kv_lengths
+    assert ak.masks.cache_key(b, []) != key
+    assert ak.masks.digest(a) != ak.masks.digest(b)
+    assert ak.masks.digest(a) == ak.masks.digest(ak.padding(kv_lengths=[3, 4], kv_starts=[1, 0]))
+
+
+def test_padding_starts_tile_structure_never_wrong():
+    sp = space(batch=3, q_len=12, kv_len=14)
+    masks = [ak.padding(q_starts=[2, 4, 3], kv_starts=[5, 1, 6], kv_lengths=[8, 9, 3]),
+             ak.padding(kv_starts=[4]), ak.padding(q_starts=[12, 12, 12])]
+    claims = set()
+    for mask in masks:
+        dense = full_shape(mask.to_dense(sp), sp)
+        for q0 in range(12):
+            for q1 in range(q0 + 1, 13, 3):
+                for k0 in range(14):
+                    for k1 in range(k0 + 1, 15, 4):
+                        claim = mask.tile_structure(q0, q1, k0, k1, sp)
+                        claims.add(claim)
+                        tile = dense[:, :, q0:q1, k0:k1]
+                        if claim == "full":
+                            assert tile.all(), (mask, q0, q1, k0, k1)
+                        elif claim == "empty":
+                            assert not tile.any(), (mask, q0, q1, k0, k1)
+                        else:
+                            assert claim is None
+    assert claims == {"full", "empty", None}
+
+
 def test_padding_accepts_tensor_lengths():
     sp = space(batch=2, q_len=4, kv_len=4)
     assert_dense(ak.padding(kv_lengths=torch.tensor([1, 3])), dense_padding(4, 4, None, [1, 3], 2), sp)
@@ -183,6 +302,10 @@ def _random_masks(rng: random.Random, gen: torch.Generator, batch: int, tq: int,
     bias_values[torch.rand(batch, 1, tq, tk, generator=gen) < 0.3] = float("-inf")
     dense_allowed = torch.rand(1, 2, tq, tk, generator=gen) < 0.5
     fn = ak.from_function(lambda b, h, q, k: (q // 5) == (k // 7), name="blocks57")
+    q_starts = [rng.randint(0, tq) for _ in range(batch)]  # with lengths that fit after them
+    q_runs = [rng.randint(0, tq - s) for s in q_starts]
+    kv_starts = [rng.randint(0, tk) for _ in range(batch)]
+    kv_runs = [rng.randint(0, tk - s) for s in kv_starts]
     masks = [
         ("causal", ak.causal(), True),
         ("causal_br", ak.causal("bottom_right"), True),
@@ -190,6 +313,10 @@ def _random_masks(rng: random.Random, gen: torch.Generator, batch: int, tq: int,
         ("window_br", ak.sliding_window(left, right, align="bottom_right"), True),
         ("padding", ak.padding(q_lengths=q_lengths, kv_lengths=kv_lengths), True),
         ("padding_kv", ak.padding(kv_lengths=kv_lengths), True),
+        ("padding_starts", ak.padding(q_runs, kv_runs, q_starts, kv_starts), True),
+        ("padding_left", ak.padding(q_starts=q_starts, kv_starts=kv_starts), True),
+        ("~padding_starts", ~ak.padding(kv_lengths=kv_runs, kv_starts=kv_starts), True),
+        ("causal_br&padding_left", ak.causal("bottom_right") & ak.padding(kv_starts=kv_starts), False),
         ("dense", ak.dense(dense_allowed), True),
         ("bias", ak.bias(bias_values), True),
         ("from_function", fn, True),
@@ -379,6 +506,8 @@ def test_constructor_errors():
         ak.sliding_window(2.5)
     with pytest.raises(ValueError, match="q_lengths or kv_lengths"):
         ak.padding()
+    with pytest.raises(ValueError, match="kv_lengths=\\[-1\\] out of range"):
+        ak.padding(kv_lengths=[-1])
     with pytest.raises(TypeError, match="integer"):
         ak.padding(kv_lengths=[1.5, 2.0])
     with pytest.raises(TypeError, match="bool"):
@@ -387,3 +516,21 @@ def test_constructor_errors():
         ak.bias(torch.zeros(3, 3, dtype=torch.bool))
     with pytest.raises(TypeError, match="integer"):
         ak.documents(torch.zeros(4))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_padding_starts_block_map_equals_reduced_tiles(seed):
+    """The O(blocks) map of padding with starts equals ``_reduce_blocks`` over its own tile()."""
+    from attnkit.masks import _reduce_blocks
+    rng = random.Random(300 + seed)
+    batch, tq, tk = 3, rng.randint(1, 30), rng.randint(1, 30)
+    sp = space(batch=batch, q_len=tq, kv_len=tk)
+    q_starts = [rng.randint(0, tq) for _ in range(batch)]
+    kv_starts = [rng.randint(0, tk) for _ in range(batch)]
+    mask = ak.padding([rng.randint(0, tq - s) for s in q_starts], [rng.randint(0, tk - s) for s in kv_starts],
+                      q_starts, kv_starts)
+    for block_q, block_k in ((1, 1), (4, 3), (8, 16)):
+        q_offset, kv_offset = rng.randint(0, tq - 1), rng.randint(0, tk - 1)
+        got = mask.block_map(block_q, block_k, sp, q_offset=q_offset, kv_offset=kv_offset)
+        tiles = mask.tile(torch.arange(q_offset, tq), torch.arange(kv_offset, tk), sp)
+        assert torch.equal(got, _reduce_blocks(tiles, block_q, block_k, False)), (mask, block_q, block_k)

@@ -302,86 +302,244 @@ any sequence, and small enough for 32-bit index arithmetic in kernels."""
 
 
 def _lengths(name: str, value) -> Optional[torch.Tensor]:
+    """``value`` as a long tensor of shape ``[B]`` (or ``[]``/``[1]``), ``None`` kept; ``name``
+    is the argument (``q_lengths``, ``kv_starts``, ...) the messages name."""
     if value is None:
         return None
+    what = "start" if name.endswith("starts") else "length"
     try:
         t = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"padding {name}={value!r}: pass integer lengths, one per batch element "
+        raise TypeError(f"padding {name}={value!r}: pass integer {what}s, one per batch element "
                         f"(a list of ints or an integer tensor of shape [B])") from None
     if t.numel() == 0 and not isinstance(value, torch.Tensor):
         t = t.to(torch.long)  # an empty list has no dtype (as_tensor says float): validation reports the count
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise TypeError(f"padding {name} has dtype {t.dtype}: pass integer lengths, one per batch element")
+        raise TypeError(f"padding {name} has dtype {t.dtype}: pass integer {what}s, one per batch "
+                        f"element (for a 2-D 'real token' mask [B, T] use padding("
+                        f"{name[:name.index('_')]}_mask=...))")
     if t.dim() > 1:
-        raise ValueError(f"padding {name} has shape {tuple(t.shape)}: pass one length per batch "
-                         f"element, shape [B] (a 2-D 'real token' mask is not lengths)")
-    return t.to(torch.long)
+        raise ValueError(f"padding {name} has shape {tuple(t.shape)}: pass one {what} per batch "
+                         f"element, shape [B] (for a 2-D 'real token' mask [B, T] use padding("
+                         f"{name[:name.index('_')]}_mask=...))")
+    t = t.to(torch.long)
+    if t.numel() and int(t.min()) < 0:
+        raise ValueError(f"padding {name}={t.tolist()} out of range: each {what} must be 0 or more")
+    return t
+
+
+def _runs(name: str, value) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A 2-D "real token" mask ``[B, T]`` (True or 1 = real) → ``(starts [B], lengths [B], T)``;
+    a row without real tokens gives start 0, length 0. Each row's real tokens must be one
+    contiguous run."""
+    side = name[:name.index("_")]
+    dense_fix = ("ak.dense(mask[:, None, None, :])" if side == "kv"
+                 else "ak.dense(mask[:, None, :, None])")
+    try:
+        m = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"padding {name}={value!r}: pass a bool or 0/1 integer tensor of shape "
+                        f"[B, T] (True = real token)") from None
+    if m.is_floating_point() or m.is_complex():
+        raise TypeError(f"padding {name} has dtype {m.dtype}: pass a bool or 0/1 integer tensor "
+                        f"[B, T] (True = real token), e.g. {name}=attention_mask.bool()")
+    if m.dim() != 2:
+        raise ValueError(f"padding {name} has shape {tuple(m.shape)}: pass a 2-D 'real token' mask "
+                         f"of shape [B, T] (one row per batch element; mask[None] for a single "
+                         f"sequence)")
+    if m.dtype != torch.bool:
+        if m.numel() and not bool(((m == 0) | (m == 1)).all()):
+            bad = sorted(set(m[(m != 0) & (m != 1)].tolist()))[:5]
+            raise ValueError(f"padding {name} holds values {bad}: an integer 'real token' mask "
+                             f"must hold only 0 (padding) and 1 (real token)")
+        m = m != 0
+    m = m.to("cpu")
+    batch, width = m.shape
+    count = m.sum(-1)  # [B]
+    positions = torch.arange(width)
+    first = torch.where(m, positions, width).amin(-1) if width else torch.zeros(batch, dtype=torch.long)
+    last = torch.where(m, positions, -1).amax(-1) if width else torch.full((batch,), -1)
+    broken = (count > 0) & (last - first + 1 != count)
+    if bool(broken.any()):
+        rows = broken.nonzero().flatten().tolist()
+        example = "".join("1" if x else "0" for x in m[rows[0]].tolist()[:40])
+        raise ValueError(f"padding {name} of shape {tuple(m.shape)}: the real tokens of rows "
+                         f"{rows[:8]}{'...' if len(rows) > 8 else ''} are not one contiguous run "
+                         f"(row {rows[0]}: {example}{'...' if width > 40 else ''}); padding() "
+                         f"takes left or right padding only: use {dense_fix} for this mask")
+    starts = torch.where(count > 0, first, 0)
+    return starts.to(torch.long), count.to(torch.long), width
 
 
 class _Padding(Mask):
-    def __init__(self, q_lengths, kv_lengths):
+    """Per batch element ``b``, query ``i`` is real when ``q_starts[b] ≤ i < q_starts[b] +
+    q_lengths[b]`` (keys likewise); only real queries attend, and only to real keys. A ``None``
+    start is 0; a ``None`` length runs to the end of the sequence. ``q_width``/``kv_width``: the
+    width of the 2-D mask the runs were read from (``None`` when given as numbers), which must
+    equal the sequence length."""
+
+    def __init__(self, q_lengths, kv_lengths, q_starts=None, kv_starts=None, *,
+                 q_mask=None, kv_mask=None):
+        self.q_width = self.kv_width = None
+        for side, mask, lengths, starts in (("q", q_mask, q_lengths, q_starts),
+                                            ("kv", kv_mask, kv_lengths, kv_starts)):
+            if mask is not None and (lengths is not None or starts is not None):
+                raise TypeError(f"padding: pass either {side}_mask or {side}_lengths/{side}_starts, "
+                                f"not both ({side}_mask already gives each row's start and length)")
+        if q_mask is not None:
+            q_starts, q_lengths, self.q_width = _runs("q_mask", q_mask)
+        if kv_mask is not None:
+            kv_starts, kv_lengths, self.kv_width = _runs("kv_mask", kv_mask)
         self.q_lengths = _lengths("q_lengths", q_lengths)
         self.kv_lengths = _lengths("kv_lengths", kv_lengths)
-        if self.q_lengths is None and self.kv_lengths is None:
-            raise ValueError("padding() needs q_lengths or kv_lengths (a length per batch element)")
+        self.q_starts = _lengths("q_starts", q_starts)
+        self.kv_starts = _lengths("kv_starts", kv_starts)
+        if all(t is None for t in (self.q_lengths, self.kv_lengths, self.q_starts, self.kv_starts)):
+            raise ValueError("padding() needs q_lengths or kv_lengths (a length per batch element), "
+                             "q_starts/kv_starts (left padding), or q_mask/kv_mask (a [B, T] "
+                             "'real token' mask)")
+        for side in ("q", "kv"):
+            lengths, starts = getattr(self, f"{side}_lengths"), getattr(self, f"{side}_starts")
+            if (lengths is not None and starts is not None and lengths.numel() != starts.numel()
+                    and 1 not in (lengths.numel(), starts.numel())):
+                raise ValueError(f"padding {side}_starts has {starts.numel()} entries but "
+                                 f"{side}_lengths has {lengths.numel()}: give one start and one "
+                                 f"length per batch element (or a single one for all)")
 
     def _min_batch(self):
-        return max(t.numel() for t in (self.q_lengths, self.kv_lengths) if t is not None)
+        return max(t.numel() for t in (self.q_lengths, self.kv_lengths, self.q_starts,
+                                       self.kv_starts) if t is not None)
+
+    def has_starts(self) -> bool:
+        """True when some real run does not begin at position 0 (left padding)."""
+        return any(t is not None and t.numel() and bool((t != 0).any())
+                   for t in (self.q_starts, self.kv_starts))
 
     def check(self, space):
         problems = []
-        for name, lengths, limit in (("q_lengths", self.q_lengths, space.q_len),
-                                     ("kv_lengths", self.kv_lengths, space.kv_len)):
+        for side, limit, width in (("q", space.q_len, self.q_width),
+                                   ("kv", space.kv_len, self.kv_width)):
+            noun = "query" if side == "q" else "key"
+            lengths, starts = getattr(self, f"{side}_lengths"), getattr(self, f"{side}_starts")
+            if width is not None and width != limit:
+                problems.append(f"padding {side}_mask has {width} columns but the sequence has "
+                                f"{limit} {noun} positions: give one entry per position, "
+                                f"shape [B, {limit}]")
+                continue
+            counts_ok = True
+            for name, t in ((f"{side}_lengths", lengths), (f"{side}_starts", starts)):
+                if t is not None and t.numel() not in (1, space.batch):
+                    counts_ok = False
+                    what = "start" if name.endswith("starts") else "length"
+                    problems.append(f"padding {name} has {t.numel()} entries (shape "
+                                    f"{tuple(t.shape)}) but the batch has {space.batch}: give one "
+                                    f"{what} per batch element")
+            if not counts_ok:
+                continue
+            if starts is None:
+                if lengths is not None and lengths.numel() and (
+                        int(lengths.min()) < 0 or int(lengths.max()) > limit):
+                    problems.append(f"padding {side}_lengths={lengths.tolist()} out of range: each "
+                                    f"must be in [0, {limit}] (the {noun} length)")
+                continue
+            if starts.numel() and (int(starts.min()) < 0 or int(starts.max()) > limit):
+                problems.append(f"padding {side}_starts={starts.tolist()} out of range: each must be "
+                                f"in [0, {limit}] (the {noun} length)")
+                continue
             if lengths is None:
                 continue
-            if lengths.numel() not in (1, space.batch):
-                problems.append(f"padding {name} has {lengths.numel()} entries (shape "
-                                f"{tuple(lengths.shape)}) but the batch has {space.batch}: give one "
-                                f"length per batch element")
-            elif lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > limit):
-                problems.append(f"padding {name}={lengths.tolist()} out of range: each must be in "
-                                f"[0, {limit}] (the {'query' if name[0] == 'q' else 'key'} length)")
+            if lengths.numel() and int(lengths.min()) < 0:
+                problems.append(f"padding {side}_lengths={lengths.tolist()} out of range: each must "
+                                f"be 0 or more")
+                continue
+            ends = starts + lengths
+            if ends.numel() and int(ends.max()) > limit:
+                problems.append(f"padding {side}_starts + {side}_lengths = {ends.tolist()} out of "
+                                f"range ({side}_starts={starts.tolist()}, {side}_lengths="
+                                f"{lengths.tolist()}): each real run must end within the {limit} "
+                                f"{noun} positions; shorten {side}_lengths or move {side}_starts")
         return problems
 
+    def _side(self, lengths, starts, limit, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """First and one-past-last real position per batch element: two long ``[Bm]``."""
+        lo = (torch.zeros(1, dtype=torch.long, device=device) if starts is None
+              else starts.reshape(-1).to(device))
+        hi = (torch.full((1,), limit, dtype=torch.long, device=device) if lengths is None
+              else lo + lengths.reshape(-1).to(device))
+        lo, hi = torch.broadcast_tensors(lo, hi)
+        return lo, hi
+
     def _bounds(self, space):
-        def per_batch(lengths, default):
-            if lengths is None:
-                return torch.full((1,), default, dtype=torch.long, device=space.device)
-            return lengths.reshape(-1).to(space.device)
-        return per_batch(self.q_lengths, space.q_len), per_batch(self.kv_lengths, space.kv_len)
+        """``(q_lo, q_hi, kv_lo, kv_hi)``: the real runs ``[lo, hi)``, each long ``[Bm]``."""
+        return (*self._side(self.q_lengths, self.q_starts, space.q_len, space.device),
+                *self._side(self.kv_lengths, self.kv_starts, space.kv_len, space.device))
 
     def tile(self, q_idx, kv_idx, space):
-        q_len, kv_len = self._bounds(space)  # [Bm]
-        q_ok = q_idx[None, :] < q_len[:, None]  # [Bm, tq]
-        kv_ok = kv_idx[None, :] < kv_len[:, None]  # [Bm, tk]
+        q_lo, q_hi, kv_lo, kv_hi = self._bounds(space)  # [Bm] each
+        q_ok = (q_idx[None, :] >= q_lo[:, None]) & (q_idx[None, :] < q_hi[:, None])  # [Bm, tq]
+        kv_ok = (kv_idx[None, :] >= kv_lo[:, None]) & (kv_idx[None, :] < kv_hi[:, None])  # [Bm, tk]
         return (q_ok[:, :, None] & kv_ok[:, None, :])[:, None]  # [Bm, 1, tq, tk]
 
     def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
                   kv_count=None):
         q_count, kv_count = _counts(space, q_offset, q_count, kv_offset, kv_count)
-        q_len, kv_len = self._bounds(space)
-        q_lo, q_hi = _block_bounds(q_offset, q_count, block_q, space.device)
-        k_lo, k_hi = _block_bounds(kv_offset, kv_count, block_k, space.device)
-        q_any, q_all = q_lo[None] < q_len[:, None], q_hi[None] < q_len[:, None]  # [Bm, nq]
-        k_any, k_all = k_lo[None] < kv_len[:, None], k_hi[None] < kv_len[:, None]  # [Bm, nk]
+        q_lo, q_hi, kv_lo, kv_hi = self._bounds(space)
+        b_qlo, b_qhi = _block_bounds(q_offset, q_count, block_q, space.device)
+        b_klo, b_khi = _block_bounds(kv_offset, kv_count, block_k, space.device)
+
+        def classify(first, last, lo, hi):  # blocks [first, last] against runs [lo, hi) → [Bm, n]
+            lo, hi = lo[:, None], hi[:, None]
+            any_real = (first[None] < hi) & (last[None] >= lo) & (lo < hi)
+            all_real = (first[None] >= lo) & (last[None] < hi)
+            return any_real, all_real
+
+        q_any, q_all = classify(b_qlo, b_qhi, q_lo, q_hi)  # [Bm, nq]
+        k_any, k_all = classify(b_klo, b_khi, kv_lo, kv_hi)  # [Bm, nk]
         any_allowed = q_any[:, :, None] & k_any[:, None, :]
         all_allowed = q_all[:, :, None] & k_all[:, None, :]
         return _codes_from_bounds(any_allowed, all_allowed)[:, None]  # [Bm, 1, nq, nk]
 
     def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
-        q_len, kv_len = self._bounds(space)  # [Bm]
-        if q_len.numel() and kv_len.numel() and q_stop <= int(q_len.min()) and kv_stop <= int(kv_len.min()):
+        if q_stop <= q_start or kv_stop <= kv_start:
+            return None
+        q_lo, q_hi, kv_lo, kv_hi = self._bounds(space)  # [Bm] each
+        if not q_lo.numel() or not kv_lo.numel():
+            return None
+        if (q_start >= int(q_lo.max()) and q_stop <= int(q_hi.min())
+                and kv_start >= int(kv_lo.max()) and kv_stop <= int(kv_hi.min())):
             return "full"
+        q_none = (q_stop <= q_lo) | (q_start >= q_hi) | (q_hi <= q_lo)  # [Bm]: no real query
+        kv_none = (kv_stop <= kv_lo) | (kv_start >= kv_hi) | (kv_hi <= kv_lo)  # [Bm]: no real key
+        if bool((q_none | kv_none).all()):
+            return "empty"
         return None
 
     def __repr__(self):
-        return f"padding(q_lengths={self.q_lengths}, kv_lengths={self.kv_lengths})"
+        def show(t):
+            return None if t is None else t.tolist()
+        parts = [f"q_lengths={show(self.q_lengths)}", f"kv_lengths={show(self.kv_lengths)}"]
+        parts += [f"{name}={show(t)}" for name, t in (("q_starts", self.q_starts),
+                                                       ("kv_starts", self.kv_starts)) if t is not None]
+        return f"padding({', '.join(parts)})"
 
 
-def padding(q_lengths=None, kv_lengths=None) -> Mask:
-    """Variable-length batches: query i / key j of batch b is real when ``i < q_lengths[b]`` /
-    ``j < kv_lengths[b]``; padded keys are never attended, padded queries output exactly 0.
+def padding(q_lengths=None, kv_lengths=None, q_starts=None, kv_starts=None, *,
+            q_mask=None, kv_mask=None) -> Mask:
+    """Variable-length batches, padded on the right, the left or both: query ``i`` of batch
+    element ``b`` is real when ``q_starts[b] ≤ i < q_starts[b] + q_lengths[b]``, key ``j`` when
+    ``kv_starts[b] ≤ j < kv_starts[b] + kv_lengths[b]``. Padded keys are never attended;
+    padded queries output exactly 0 (LSE −inf).
+
+    Each argument is integers, one per batch element (a list or a ``[B]`` tensor; a single
+    value applies to every element). Starts default to 0 (right padding); starts without
+    lengths mean the real tokens run from the start to the end of the sequence (left padding
+    for generation: ``kv_starts=[pad_0, pad_1, ...]``). Every run must fit in the sequence:
+    ``0 ≤ start`` and ``start + length ≤`` the query/key length.
+
+    ``q_mask`` / ``kv_mask``: a 2-D "real token" mask ``[B, T]`` instead (bool, or 0/1
+    integers; True = real token, as Hugging Face's ``attention_mask``), read into starts and
+    lengths; a row's real tokens must be one contiguous run (any other pattern is a general
+    mask: ``ak.dense(mask[:, None, None, :])``). Its width ``T`` must equal the sequence length.
 
     ``padding(kv_lengths=[3])`` on 4×5::
 
@@ -390,7 +548,7 @@ def padding(q_lengths=None, kv_lengths=None) -> Mask:
         ███░░
         ███░░
     """
-    return _Padding(q_lengths, kv_lengths)
+    return _Padding(q_lengths, kv_lengths, q_starts, kv_starts, q_mask=q_mask, kv_mask=kv_mask)
 
 
 class _Documents(Mask):
@@ -711,7 +869,8 @@ def cache_key(mask: Optional[Mask], keep: list) -> Optional[tuple]:
         return ()
     if isinstance(mask, _Band):
         return ("band", mask.left, mask.right, mask.align)
-    tensors = {_Padding: ("q_lengths", "kv_lengths"), _Documents: ("q_ids", "kv_ids")}.get(type(mask))
+    tensors = {_Padding: ("q_lengths", "kv_lengths", "q_starts", "kv_starts"),
+               _Documents: ("q_ids", "kv_ids")}.get(type(mask))
     if tensors is not None:
         values = [getattr(mask, name) for name in tensors]
         keep.extend(t for t in values if t is not None)

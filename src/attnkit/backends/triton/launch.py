@@ -355,7 +355,8 @@ class MaskProgram:
     ``band_lo``/``band_hi``: ``lo ≤ kv − q ≤ hi`` (``None`` = unbounded); ``q_lengths``/
     ``kv_lengths`` int32 ``[B]``; ``q_docs`` ``[B, Tq]``/``kv_docs`` ``[B, Tk]`` int32 ids, or
     with ``doc_ranges`` int32 ``[B, Tq, 2]``/``[B, Tk, 2]``: each query's key range and each
-    key's query range (see :func:`_doc_ranges`);
+    key's query range (see :func:`_doc_ranges`; a padding mask with starts takes this form
+    too, :func:`_padding_ranges`);
     ``allowed`` int8 ``[B, H, Tq, Tk]`` (a view: broadcast dims have stride 0); ``bias`` float
     ``[B, H, Tq, Tk]`` with ``-inf`` = masked. Unset features cost nothing in the kernels.
     """
@@ -454,6 +455,22 @@ def _doc_ranges(own: torch.Tensor, other: torch.Tensor, batch: int) -> Optional[
     return torch.stack(result).to(torch.int32).expand(batch, -1, 2)
 
 
+def _padding_ranges(leaf: _Padding, space: MaskSpace) -> tuple[torch.Tensor, torch.Tensor]:
+    """A padding mask with starts (left padding) in the form of document ranges (see
+    :func:`_doc_ranges`): each real query's key range ``[kv_lo, kv_hi)`` and each real key's
+    query range ``[q_lo, q_hi)`` of its batch element, ``[0, 0)`` for padded positions → int32
+    ``[B, Tq, 2]`` and ``[B, Tk, 2]``. A query and key then match exactly when both are real."""
+    q_lo, q_hi, kv_lo, kv_hi = (t.expand(space.batch) for t in leaf._bounds(space))  # [B] each
+
+    def ranges(lo, hi, length, other_lo, other_hi):
+        pos = torch.arange(length, device=space.device)[None, :]  # [1, T]
+        real = ((pos >= lo[:, None]) & (pos < hi[:, None]))[..., None]  # [B, T, 1]
+        span = torch.stack([other_lo, other_hi], dim=-1)[:, None, :]  # [B, 1, 2]
+        return torch.where(real, span, 0).to(torch.int32)  # [B, T, 2]
+    return (ranges(q_lo, q_hi, space.q_len, kv_lo, kv_hi),
+            ranges(kv_lo, kv_hi, space.kv_len, q_lo, q_hi))
+
+
 def needed_leaves(mask: Optional[Mask], codes: torch.Tensor, space: MaskSpace,
                   tiles: Tiles) -> Optional[Mask]:
     """``mask`` without the parts of its ``&`` chain that allow everything in every PARTIAL
@@ -492,6 +509,12 @@ def compile_mask(mask: Optional[Mask], space: MaskSpace) -> MaskProgram:
             if leaf.right is not None:
                 hi = shift + leaf.right
                 program.band_hi = hi if program.band_hi is None else min(program.band_hi, hi)
+        elif isinstance(leaf, _Padding) and leaf.has_starts():
+            if program.q_docs is None:  # the document-range slot: each row's range on the other side
+                program.q_docs, program.kv_docs = _padding_ranges(leaf, space)
+                program.doc_ranges = True
+            else:  # the slot is taken by documents(): evaluated once, loaded per tile
+                loaded.append(leaf.to_dense(space))
         elif isinstance(leaf, _Padding):
             for name, lengths in (("q_lengths", leaf.q_lengths), ("kv_lengths", leaf.kv_lengths)):
                 if lengths is None:
