@@ -5,7 +5,7 @@ Three pieces, each built once per ``attention()`` call and kept for the backward
 - :class:`MaskProgram`: the mask as the kernels see it. Structured parts of an ``&`` chain
   become parameters evaluated from indices inside PARTIAL tiles (one band ``lo ≤ kv − q ≤ hi``
   that every causal/sliding-window part intersects into, per-batch query/key lengths, one pair
-  of document-id vectors); everything else (dense bool masks, ``from_function``, ``|``, ``~``,
+  of document-id vectors, or per-position key/query ranges for left padding); everything else (dense bool masks, ``from_function``, ``|``, ``~``,
   a second ``documents``) is materialised once as a ``[B, H, Tq, Tk]`` view and loaded per
   tile, and additive biases are loaded the same way (``-inf`` = masked). Each feature is a
   ``tl.constexpr`` flag, so one kernel source serves every mask.
