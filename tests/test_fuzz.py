@@ -90,8 +90,8 @@ class Case:
     ``mask``: None or a tree of tuples, leaves
 
     - ``("causal", align)``, ``("window", left, right, align)``,
-    - ``("padding", q_lengths or None, kv_lengths or None)`` (one length, or one per flattened
-      batch element),
+    - ``("padding", q_lengths or None, kv_lengths or None, q_starts or None, kv_starts or None)``
+      (one value, or one per flattened batch element; starts: left padding),
     - ``("documents", n_docs, sorted, per_batch, shared, seed)`` (ids ``[T]`` or ``[Bf, T]``;
       ``shared``: kv_ids omitted),
     - ``("dense", pattern, density, transposed, raw, seed)``,
@@ -275,8 +275,10 @@ def mask_argument(spec, case: Case, tensors: dict, path=()):
     if kind == "window":
         return ak.sliding_window(spec[1], spec[2], align=spec[3])
     if kind == "padding":
-        return ak.padding(q_lengths=None if spec[1] is None else list(spec[1]),
-                          kv_lengths=None if spec[2] is None else list(spec[2]))
+        def listed(values):
+            return None if values is None else list(values)
+        return ak.padding(q_lengths=listed(spec[1]), kv_lengths=listed(spec[2]),
+                          q_starts=listed(spec[3]), kv_starts=listed(spec[4]))
     if kind == "documents":
         q_ids, kv_ids = _document_ids(spec, case)
         return ak.documents(q_ids, kv_ids)
@@ -342,8 +344,12 @@ def materialise(spec, case: Case, tensors: dict, wrong: Wrong = RIGHT, path=()):
                 return torch.full((bf,), default)
             t = torch.tensor(values, dtype=torch.long)
             return t.expand(bf) if t.numel() == 1 else t
-        q_len, kv_len = lengths(spec[1], tq), lengths(spec[2], tk)
-        allowed = (i[None] < q_len[:, None, None]) & (j[None] < kv_len[:, None, None])  # [Bf, Tq, Tk]
+        q_start, kv_start = lengths(spec[3], 0), lengths(spec[4], 0)
+        q_len = lengths(spec[1], tq) if spec[1] is not None else tq - q_start
+        kv_len = lengths(spec[2], tk) if spec[2] is not None else tk - kv_start
+        q_real = (i[None] >= q_start[:, None, None]) & (i[None] < (q_start + q_len)[:, None, None])
+        kv_real = (j[None] >= kv_start[:, None, None]) & (j[None] < (kv_start + kv_len)[:, None, None])
+        allowed = q_real & kv_real  # [Bf, Tq, Tk]
         return allowed[:, None].expand(full).clone(), None
     if kind == "documents":
         q_ids, kv_ids = _document_ids(spec, case)
@@ -979,7 +985,12 @@ def mask_specs(draw, dims: dict, depth: int = 0, allow_bias: bool = True):
         count = bf if per_batch else 1
         ql = tuple(draw(st.integers(0, tq)) for _ in range(count)) if which != "kv" else None
         kl = tuple(draw(st.integers(0, tk)) for _ in range(count)) if which != "q" else None
-        return ("padding", ql, kl)
+
+        def starts(lengths, t):  # left padding: each run starts where it still fits
+            if lengths is None or not draw(st.booleans()):
+                return None
+            return tuple(draw(st.integers(0, t - n)) for n in lengths)
+        return ("padding", ql, kl, starts(ql, tq), starts(kl, tk))
     if kind == "documents":
         shared = tq == tk and draw(st.booleans())
         return ("documents", draw(st.integers(1, 4)), draw(st.booleans()),
@@ -1328,7 +1339,7 @@ FIXED = [
     Case(seed=2, rank=3, batch=(2,), hkv=1, group=1, tq=17, tk=17, dk=5, dv=3, dtype="float64",
          mask=("and", ("causal", "bottom_right"), ("window", 3, 2, "top_left")), return_lse=True),
     Case(seed=3, rank=2, batch=(), hkv=1, group=1, tq=6, tk=11, dk=4, dv=4, dtype="float32",
-         mask=("or", ("causal", "top_left"), ("padding", None, (3,))), scale=0.7, return_weights=True),
+         mask=("or", ("causal", "top_left"), ("padding", None, (3,), None, None)), scale=0.7, return_weights=True),
 ]
 
 
