@@ -424,3 +424,22 @@ def test_combined_mask_object_is_reusable():
     mha = MultiHeadAttention(8, 2, dtype=F64)
     shared = ak.dense(torch.ones(4, 4, dtype=torch.bool)) & ak.causal()
     torch.testing.assert_close(mha(x, mask=shared)[0], mha(x, mask=shared)[0], rtol=0, atol=0)
+
+
+def test_key_padding_in_one_run_per_row_becomes_a_padding_mask():
+    """Left/right key padding is a structured mask (tiles skipped); other patterns stay dense,
+    and both give the same result as an element mask."""
+    torch.manual_seed(0)
+    mha = ak.nn.MultiHeadAttention(32, 4)
+    x = torch.randn(2, 10, 32)
+    runs = torch.ones(2, 10, dtype=torch.bool)
+    runs[0, :3] = False  # left padding
+    runs[1, 7:] = False  # right padding
+    holes = runs.clone()
+    holes[1, 2] = False  # not one run
+    for real, kind in ((runs, "padding"), (holes, "dense")):
+        combined = mha._combine_masks(None, real, False, cached=False, batch=2, kv_len=10)
+        assert repr(combined).startswith(kind)
+        out, _ = mha(x, key_padding_mask=real)
+        want, _ = mha(x, mask=real[:, None, None, :])
+        torch.testing.assert_close(out, want)

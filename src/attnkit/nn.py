@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .api import attention
-from .masks import Mask, MaskSpace, as_mask, causal, dense
+from .masks import Mask, MaskSpace, as_mask, causal, dense, padding
 from .numerics import accum_dtype, masked_softmax
 
 __all__ = ["KVCache", "MultiHeadAttention", "AdditiveAttention"]
@@ -279,7 +279,10 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError(f"key_padding_mask has shape {tuple(key_padding_mask.shape)} but "
                                  f"the keys are [B, Tk] = [{batch}, {kv_len}] (with a cache, Tk "
                                  f"counts cached keys too); True = real key")
-            parts.append(dense(key_padding_mask[:, None, None, :]))  # [B, 1, 1, Tk]
+            try:  # real keys in one run per row (left or right padding): an analytic block map
+                parts.append(padding(kv_mask=key_padding_mask))
+            except ValueError:  # anything else stays an element mask
+                parts.append(dense(key_padding_mask[:, None, None, :]))  # [B, 1, 1, Tk]
         if not parts:
             return None
         combined = parts[0]
