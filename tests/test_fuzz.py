@@ -826,7 +826,16 @@ def _grad_floors(full: OracleOut, built: Built, eps: float) -> dict:
 
         def top(t):
             return float(t.max()) if t.numel() else 0.0
-        floors = {"dq": top(dq), "dk": top(dk), "dv": top(dv)}
+
+        def physical(n, floor):  # gradients are compared on the stored tensor: a stride-0
+            # view sums the logical gradients it aliases, and their roundings with them
+            with torch.enable_grad():
+                leaf = built.phys[n].detach().double().requires_grad_()
+                logical = built.views[n](leaf)
+                (g,) = torch.autograd.grad(logical, leaf, case.to_caller(floor).reshape(logical.shape))
+            return g
+        floors = {"dq": top(physical("q", dq)), "dk": top(physical("k", dk)),
+                  "dv": top(physical("v", dv))}
         for path, (phys, view) in built.tensors.items():
             if phys.requires_grad:
                 floors[f"dbias@{path}"] = top(dbias.sum_to_size(view(phys).shape))
