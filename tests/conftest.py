@@ -14,8 +14,10 @@ tests compare attnkit against an *independent* definition:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
+import sys
 from typing import Optional
 
 import pytest
@@ -38,6 +40,24 @@ torch.set_num_threads(1)
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 ALL_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def import_triton_interpreted() -> None:
+    """Import triton in interpreter mode (``TRITON_INTERPRET=1`` while ``triton.language`` is
+    first imported decorates its library so kernels run on CPU tensors), unless triton is
+    missing, already imported, or a CUDA device runs it compiled. Test modules that launch
+    kernels call this before importing attnkit's triton backend."""
+    if importlib.util.find_spec("triton") is None or "triton" in sys.modules or torch.cuda.is_available():
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401  (decorates triton's library in interpreter mode)
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
 
 
 # ---- the independent attention ---------------------------------------------------------------

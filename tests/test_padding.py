@@ -9,28 +9,13 @@ machines without CUDA); they skip when triton is missing or runs compiled in thi
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 
+from conftest import import_triton_interpreted  # noqa: E402
 
-def _import_triton_interpreted() -> None:
-    if importlib.util.find_spec("triton") is None or "triton" in sys.modules or torch.cuda.is_available():
-        return
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language  # noqa: F401  (decorates triton's library in interpreter mode)
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-
-
-_import_triton_interpreted()
+import_triton_interpreted()
 
 import attnkit as ak  # noqa: E402
 from attnkit import dispatch  # noqa: E402

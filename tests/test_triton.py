@@ -40,21 +40,9 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 
-def _import_triton_interpreted() -> None:
-    if "triton" in sys.modules or torch.cuda.is_available():
-        return
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language  # noqa: F401  (decorates triton's library in interpreter mode)
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
+from conftest import import_triton_interpreted  # noqa: E402
 
-
-_import_triton_interpreted()
+import_triton_interpreted()
 
 import attnkit as ak  # noqa: E402
 from attnkit import dispatch  # noqa: E402
