@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Literal, NamedTuple, Optional, Union, overload
 
@@ -101,7 +102,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         dispatch.log.debug("attention: backend %s (asked %r) for q %s, k %s, %s, mask %r",
                            chosen.NAME, backend, tuple(inputs.q.shape), tuple(inputs.k.shape),
                            inputs.q.dtype, inputs.mask)
-    with torch.autocast(device, enabled=False) if autocast else _nothing():
+    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         result = chosen.forward(inputs)
         # torch.func: the reference (its only backend) keeps the rules itself; compile: no
         # data-dependent branch in a traced graph (docs/NUMERICS.md).
@@ -128,14 +129,6 @@ def _autocast(device: str, *tensors):
     dtype = torch.get_autocast_dtype(device)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
                  and t.dtype != torch.float64 else t for t in tensors)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def explain_dispatch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None,

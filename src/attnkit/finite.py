@@ -59,11 +59,11 @@ def suspect(inputs: Inputs, out: torch.Tensor, lse: Optional[torch.Tensor]) -> b
         tensors += [k, v]
     if lse is not None:
         tensors.append(lse)
-    *totals, last = torch.stack([t.detach().sum(dtype=dtype) for t in tensors]).tolist()
-    if lse is None:
-        totals.append(last)
-    elif math.isnan(last) or last == math.inf:
-        return True
+    totals = torch.stack([t.detach().sum(dtype=dtype) for t in tensors]).tolist()
+    if lse is not None:
+        lse_total = totals.pop()
+        if math.isnan(lse_total) or lse_total == math.inf:
+            return True
     return not all(math.isfinite(total) for total in totals)
 
 

@@ -448,10 +448,6 @@ class _Padding(Mask):
                 continue
             if lengths is None:
                 continue
-            if lengths.numel() and int(lengths.min()) < 0:
-                problems.append(f"padding {side}_lengths={lengths.tolist()} out of range: each must "
-                                f"be 0 or more")
-                continue
             ends = starts + lengths
             if ends.numel() and int(ends.max()) > limit:
                 problems.append(f"padding {side}_starts + {side}_lengths = {ends.tolist()} out of "

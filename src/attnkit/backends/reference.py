@@ -17,6 +17,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..finite import poison
 from ..inputs import Inputs
 from ..numerics import dropout_keep, masked_softmax
 from .base import Backend, BackendOutput
@@ -73,10 +74,8 @@ def steps(inputs: Inputs) -> Steps:
     out = grouped_matmul(applied, v, heads_kv)  # [B, Hq, Tq, Dv]
     seen = (~torch.isneginf(masked)).to(q.dtype)  # [B, Hq, Tq, Tk]: 1 where a key counts
     poisoned = ((grouped_matmul(seen, bad_kv.to(q.dtype), heads_kv) > 0)
-                | (bad_q & (seen.sum(-1, keepdim=True) > 0)))  # [B, Hq, Tq, 1]
-    # A product, not a where: finite rows keep their values and gradients exactly.
-    nan_or_one = torch.where(poisoned, float("nan"), 1.0)
-    out, weights, lse = out * nan_or_one, weights * nan_or_one, lse * nan_or_one[..., 0]
+                | (bad_q & (seen.sum(-1, keepdim=True) > 0)))[..., 0]  # [B, Hq, Tq]
+    out, weights, lse = (poison(t, poisoned) for t in (out, weights, lse))
     return Steps(scores, scaled, allowed, masked, weights, lse, out)
 
 

@@ -700,8 +700,7 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
     heads_kv = k.shape[1]
     acc = accum_dtype(q.dtype)
     fused = problem.plan.fused and grad_lse is None
-    biases = problem.mask.biases() if problem.mask is not None else []
-    wanted = [(t, d) for t, d in zip(biases, dbias) if d is not None]
+    wanted = [(t, d) for t, d in zip(_biases(problem.mask), dbias) if d is not None]
     if wanted and fused:
         raise ValueError("tiled_backward: dbias needs a plan built with fused=False")
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)
@@ -818,7 +817,7 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         problem = ctx.problem
-        biases = problem.mask.biases() if problem.mask is not None else []
+        biases = _biases(problem.mask)
         wants_bias = ctx.needs_input_grad[4:]
         if grad_out is None:
             grad_out = torch.zeros_like(out)
@@ -875,6 +874,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
 
 
 def _biases(mask: Optional[Mask]) -> list:
+    """The mask's bias tensors (see :meth:`~attnkit.masks.Mask.biases`); none without a mask."""
     return mask.biases() if mask is not None else []
 
 

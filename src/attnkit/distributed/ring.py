@@ -347,28 +347,10 @@ _AGREEMENT = {
             "document ids, lengths, dense/bias values), built from data every rank shares",
     "grad mode": "call ring_attention with grad enabled on every rank or on none (torch.no_grad()"
                  " / inference_mode alike everywhere)",
-    "requires_grad": "q, k, v (and any tensor of the mask) must require grad alike on every "
+    "requires_grad": "q, k, v (and any bias of the mask) must require grad alike on every "
                      "rank: the backward is a ring that every rank runs together",
 }
 """The signature entries every rank must agree on, each with the way to make ranks agree."""
-
-
-def _mask_tensors(mask: Optional[Mask]) -> list[torch.Tensor]:
-    """The tensors ``mask`` holds (ids, lengths, dense/bias values), its parts' included."""
-    found: list[torch.Tensor] = []
-
-    def walk(obj) -> None:
-        if isinstance(obj, torch.Tensor):
-            found.append(obj)
-        elif isinstance(obj, Mask):
-            for value in vars(obj).values():
-                walk(value)
-        elif isinstance(obj, (list, tuple)):
-            for item in obj:
-                walk(item)
-
-    walk(mask)
-    return found
 
 
 def _signature(q, k, v, mask, layout, scale) -> dict[str, str]:
@@ -382,13 +364,13 @@ def _signature(q, k, v, mask, layout, scale) -> dict[str, str]:
     try:
         fitted = as_mask(mask)
         mask_text = "None" if fitted is None else f"{fitted!r} (content digest {digest(fitted)})"
-        mask_grads = [t.requires_grad for t in _mask_tensors(fitted)]
+        mask_grads = [t.requires_grad for t in fitted.biases()] if fitted is not None else []
     except (TypeError, ValueError):  # reported by validation on this rank
         mask_text, mask_grads = f"invalid {type(mask).__name__}", []
     grads = ", ".join(f"{name} {getattr(t, 'requires_grad', None)}"
                       for name, t in (("q", q), ("k", k), ("v", v)))
     if mask_grads:
-        grads += f", mask tensors {mask_grads}"
+        grads += f", mask biases {mask_grads}"
     return {"shapes": f"q {shape(q)}, k {shape(k)}, v {shape(v)}",
             "dtype": str(getattr(q, "dtype", None)), "layout": repr(layout), "scale": repr(scale),
             "mask": mask_text, "grad mode": "enabled" if torch.is_grad_enabled() else "disabled",
