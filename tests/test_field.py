@@ -7,13 +7,16 @@ contiguous copy of the same call), never attnkit's own reference.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
 import torch
 
 import attnkit as ak
+from attnkit import finite
 from attnkit.backends import tiled
+from attnkit.inputs import validate
 from attnkit.masks import MaskCache, MaskSpace
 
 from conftest import naive_attention
@@ -363,3 +366,13 @@ def test_compiles_to_one_graph_without_a_mask_and_causal(gen):
             grads.append([t.grad for t in leaves])
         for got, want in zip(*grads):
             torch.testing.assert_close(got, want)
+
+
+def test_check_runs_on_eager_cpu_calls_only():
+    """The non-finite check's host read would make every call on an accelerator wait for the
+    device: it runs where that read is free (eager, CPU)."""
+    q = torch.randn(1, 2, 8, 4)
+    inputs = validate(q, q, q, None)
+    assert finite.checked(inputs)
+    assert not finite.checked(dataclasses.replace(inputs, q=q.to("meta")))
+    assert not finite.checked(dataclasses.replace(inputs, transformed=True))

@@ -104,10 +104,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            inputs.q.dtype, inputs.mask)
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         result = chosen.forward(inputs)
-        # torch.func: the reference (its only backend) keeps the rules itself; compile: no
-        # data-dependent branch in a traced graph (docs/NUMERICS.md).
-        if not (inputs.transformed or torch.compiler.is_compiling()) and finite.suspect(
-                inputs, result.out, result.lse):
+        if finite.checked(inputs) and finite.suspect(inputs, result.out, result.lse):
             cleaned = finite.clean(inputs)
             if cleaned is not None:
                 result = chosen.forward(cleaned.inputs)

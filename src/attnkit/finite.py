@@ -19,6 +19,10 @@ ends there. A suspect call is
 recomputed: :func:`clean` finds the non-finite rows of q, K and V, zeroes them in copies that
 the backend runs on, and :func:`poison` marks the query rows that could see them as NaN.
 
+The check runs on eager CPU calls only (:func:`checked`): on a GPU its host read would make
+every call wait for the device. There a non-finite K/V value at a masked position inside a
+partially masked tile reaches that tile's other rows as NaN, never as a wrong finite number.
+
 What a decoding step over a long cache can miss (K/V not summed): a row for which every key
 that one fused-kernel call gives it is non-finite *and allowed* comes out as 0 (not NaN); and
 a fully masked row (zeroed after the torch kernel) hides that kernel's backward reading
@@ -45,6 +49,15 @@ whatever their query rows: a few microseconds, below a call's fixed cost."""
 
 CHUNK_ELEMENTS = 1 << 22
 """Mask elements evaluated at once when finding the rows that see a non-finite key."""
+
+
+def checked(inputs: Inputs) -> bool:
+    """Whether :func:`suspect` runs for this call: eager, untransformed calls on the CPU. On
+    an accelerator its host read would wait for the device (every call a synchronisation,
+    which also breaks CUDA-graph capture); a traced or compiled graph cannot branch on data;
+    under ``torch.func`` the reference keeps the rules by itself."""
+    return (inputs.q.device.type == "cpu" and not inputs.transformed
+            and not torch.compiler.is_compiling())
 
 
 def suspect(inputs: Inputs, out: torch.Tensor, lse: Optional[torch.Tensor]) -> bool:
