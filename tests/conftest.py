@@ -60,6 +60,20 @@ def import_triton_interpreted() -> None:
             os.environ["TRITON_INTERPRET"] = before
 
 
+def interpreted_triton_launch():
+    """attnkit's triton ``launch`` module when this process runs kernels through the
+    interpreter (a version that can run them); skips the test otherwise."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from attnkit.backends.triton import launch
+    if not launch.interpreting():
+        pytest.skip("triton runs compiled in this process: these are interpreter tests on CPU")
+    import triton
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"the Triton interpreter before 3.9 cannot run these kernels ({triton.__version__})")
+    return launch
+
+
 # ---- the independent attention ---------------------------------------------------------------
 
 def _attention_math(q, k, v, allowed, bias, scale, dtype):

@@ -376,3 +376,15 @@ def test_check_runs_on_eager_cpu_calls_only():
     assert finite.checked(inputs)
     assert not finite.checked(dataclasses.replace(inputs, q=q.to("meta")))
     assert not finite.checked(dataclasses.replace(inputs, transformed=True))
+
+
+@pytest.mark.parametrize("make", [lambda: ak.padding(kv_lengths=torch.tensor([8, 5])),
+                                  lambda: ak.documents(torch.arange(8) // 3) & ak.causal(),
+                                  lambda: ak.documents(torch.arange(8) // 3, causal="top_left")])
+def test_masks_made_under_inference_mode(make):
+    """Inference tensors have no version counter: what is derived from them is not cached."""
+    q = torch.randn(2, 2, 8, 4)
+    with torch.inference_mode():
+        mask = make()
+        out = ak.attention(q, q, q, mask)
+    torch.testing.assert_close(out, ak.attention(q, q, q, make()))

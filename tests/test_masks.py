@@ -474,19 +474,27 @@ def _docstring_pictures(fn):
     return pictures
 
 
+_PER_SEQUENCE = ak.causal("bottom_right", sequences=ak.padding(q_lengths=[3, 2], kv_lengths=[5, 3],
+                                                               kv_starts=[0, 2]))
+
+
 @pytest.mark.parametrize("fn,masks", [
     (ak.masks, [ak.causal()]),
-    (ak.causal, [ak.causal("top_left"), ak.causal("bottom_right")]),
+    (ak.causal, [ak.causal("top_left"), ak.causal("bottom_right"), (_PER_SEQUENCE, 0), (_PER_SEQUENCE, 1)]),
     (ak.sliding_window, [ak.sliding_window(2)]),
     (ak.padding, [ak.padding(kv_lengths=[3])]),
-    (ak.documents, [ak.documents([0, 0, 1, 1, 1])]),
+    (ak.documents, [ak.documents([0, 0, 1, 1, 1]),
+                    ak.documents([0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1], causal="top_left"),
+                    ak.documents([0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1], causal="bottom_right")]),
 ])
 def test_docstring_pictures_match_draw(fn, masks):
+    """Each picture equals ``draw`` of its mask (``(mask, b)``: batch element ``b``)."""
     pictures = _docstring_pictures(fn)
     assert len(pictures) == len(masks), f"{fn.__name__}: found {len(pictures)} pictures"
     for picture, mask in zip(pictures, masks):
+        mask, batch = mask if isinstance(mask, tuple) else (mask, 0)
         q_len, kv_len = len(picture), len(picture[0])
-        assert mask.draw(q_len, kv_len) == "\n".join(picture), f"{fn.__name__}: {mask!r}"
+        assert mask.draw(q_len, kv_len, batch=batch) == "\n".join(picture), f"{fn.__name__}: {mask!r}"
 
 
 def test_draw_per_batch_and_head():

@@ -45,7 +45,7 @@ def test_from_torch_self_attention(bias, batch_first, need_weights):
                                average_attn_weights=False)
     if not batch_first:
         expected = expected.transpose(0, 1)
-    out, weights = mha(x, need_weights=need_weights)
+    out, weights, _ = mha(x, need_weights=need_weights)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     if need_weights:
         assert weights.shape == (2, 3, 5, 5)
@@ -66,7 +66,7 @@ def test_from_torch_cross_attention_kdim_vdim(bias, batch_first):
     expected, expected_w = src(*args, average_attn_weights=False)
     if not batch_first:
         expected = expected.transpose(0, 1)
-    out, weights = mha(query, key, value, need_weights=True)
+    out, weights, _ = mha(query, key, value, need_weights=True)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(weights, expected_w, rtol=0, atol=1e-12)
 
@@ -83,25 +83,25 @@ def test_from_torch_with_attn_mask_and_key_padding_mask():
     assert torch_attn_mask.any() and torch_padding.any()
     expected, expected_w = src(query, key, value, attn_mask=torch_attn_mask,
                                key_padding_mask=torch_padding, average_attn_weights=False)
-    out, weights = mha(query, key, value, mask=~torch_attn_mask, key_padding_mask=~torch_padding,
+    out, weights, _ = mha(query, key, value, mask=~torch_attn_mask, key_valid=~torch_padding,
                        need_weights=True)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(weights, expected_w, rtol=0, atol=1e-12)
     # The conversion matters: passing torch's masks unchanged gives another answer.
-    wrong, _ = mha(query, key, value, mask=~torch_attn_mask, key_padding_mask=torch_padding)
+    wrong, _, _ = mha(query, key, value, mask=~torch_attn_mask, key_valid=torch_padding)
     assert (wrong - expected).abs().max() > 1e-3
 
     # A per-head bool mask [B*H, Tq, Tk] (torch) is [B, H, Tq, Tk] here.
     per_head = torch.rand(batch * heads, tq, tk, generator=gen) < 0.4
     per_head[..., 1] = False
     expected, _ = src(query, key, value, attn_mask=per_head)
-    out, _ = mha(query, key, value, mask=~per_head.reshape(batch, heads, tq, tk))
+    out, _, _ = mha(query, key, value, mask=~per_head.reshape(batch, heads, tq, tk))
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
 
     # A float attn_mask is an additive bias in both.
     bias = _rand(tq, tk, seed=8)
     expected, _ = src(query, key, value, attn_mask=bias)
-    out, _ = mha(query, key, value, mask=bias)
+    out, _, _ = mha(query, key, value, mask=bias)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
 
 
@@ -111,9 +111,9 @@ def test_is_causal_matches_torch_causal_attn_mask():
     x = _rand(2, 5, 8, seed=9)
     future = torch.ones(5, 5, dtype=torch.bool).triu(1)  # torch: True = not allowed
     expected, _ = src(x, x, x, attn_mask=future)
-    out, _ = mha(x, is_causal=True)
+    out, _, _ = mha(x, is_causal=True)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
-    out_mask, _ = mha(x, mask=ak.causal())
+    out_mask, _, _ = mha(x, mask=ak.causal())
     torch.testing.assert_close(out_mask, expected, rtol=0, atol=1e-12)
 
 
@@ -123,7 +123,7 @@ def test_fully_masked_row_gives_zero_attention_not_nan():
         mha.out_proj.bias.normal_()
     x = _rand(2, 4, 8, seed=10)
     padding = torch.tensor([[True] * 4, [False] * 4])  # batch 1 has no real key
-    out, weights = mha(x, key_padding_mask=padding, need_weights=True)
+    out, weights, _ = mha(x, key_valid=padding, need_weights=True)
     assert not out.isnan().any()
     # attention output 0 → the module's output is the out_proj bias alone.
     torch.testing.assert_close(out[1], mha.out_proj.bias.expand(4, 8), rtol=0, atol=0)
@@ -162,10 +162,10 @@ def test_gqa_matches_repeated_heads(num_kv_heads, backend):
             p.normal_(std=0.5)
     assert mha.k_proj.weight.shape == (num_kv_heads * 4, 5)
     query, key, value = _rand(2, 4, 24, seed=12), _rand(2, 7, 5, seed=13), _rand(2, 7, 7, seed=14)
-    out, _ = mha(query, key, value)
+    out, _, _ = mha(query, key, value)
     torch.testing.assert_close(out, _manual_mha(mha, query, key, value), rtol=0, atol=1e-12)
     mask = ak.sliding_window(2, 1) & ak.padding(kv_lengths=[7, 5])
-    out, _ = mha(query, key, value, mask=mask)
+    out, _, _ = mha(query, key, value, mask=mask)
     torch.testing.assert_close(out, _manual_mha(mha, query, key, value, mask), rtol=0, atol=1e-12)
 
 
@@ -177,7 +177,7 @@ def test_kv_cache_matches_one_causal_pass(dtype, atol, chunk, num_kv_heads):
     torch.manual_seed(15)
     mha = MultiHeadAttention(16, 4, num_kv_heads, dtype=dtype).eval()
     x = _rand(2, 7, 16, dtype=dtype, seed=16)  # [B, T, E]; 7 = 3 + 3 + 1 for chunks of 3
-    full, full_w = mha(x, is_causal=True, need_weights=True)
+    full, full_w, _ = mha(x, is_causal=True, need_weights=True)
     cache = mha.empty_cache()
     outs = []
     for start in range(0, 7, chunk):
@@ -206,7 +206,7 @@ def test_kv_cache_chunk_uses_bottom_right_causal():
     out, weights, _ = mha(x[:, 4:], cache=cache, is_causal=True, need_weights=True)
     allowed = ak.causal(align="bottom_right").to_dense(ak.masks.MaskSpace(1, 1, 3, 7))[0, 0]
     assert ((weights > 0) == allowed).all()
-    expected, _ = mha(x, is_causal=True)
+    expected, _, _ = mha(x, is_causal=True)
     torch.testing.assert_close(out, expected[:, 4:], rtol=0, atol=1e-12)
 
 
@@ -215,11 +215,11 @@ def test_kv_cache_with_key_padding_mask_and_unbatched():
     mha = MultiHeadAttention(8, 2, 1, dtype=F64)
     x = _rand(5, 8, seed=20)  # unbatched [T, E]
     real = torch.tensor([True, False, True, True, True])
-    full, _ = mha(x, is_causal=True, key_padding_mask=real)
+    full, _, _ = mha(x, is_causal=True, key_valid=real)
     cache = mha.empty_cache()
     outs = []
     for t in range(5):
-        out, _, cache = mha(x[t:t + 1], cache=cache, is_causal=True, key_padding_mask=real[:t + 1])
+        out, _, cache = mha(x[t:t + 1], cache=cache, is_causal=True, key_valid=real[:t + 1])
         outs.append(out)
     torch.testing.assert_close(torch.cat(outs), full, rtol=0, atol=1e-12)
     assert cache.keys.shape == (1, 1, 5, 4)
@@ -240,13 +240,13 @@ def test_need_weights_shape_and_rows_sum_to_one():
     mha = MultiHeadAttention(12, 3, dtype=F64)
     query, memory = _rand(2, 4, 12, seed=22), _rand(2, 6, 12, seed=23)
     real = torch.tensor([[True] * 6, [True] * 2 + [False] * 4])
-    out, weights = mha(query, memory, key_padding_mask=real, need_weights=True)
+    out, weights, _ = mha(query, memory, key_valid=real, need_weights=True)
     assert out.shape == (2, 4, 12) and weights.shape == (2, 3, 4, 6)
     assert (weights >= 0).all()
     torch.testing.assert_close(weights.sum(-1), torch.ones(2, 3, 4, dtype=F64))
     assert (weights[1, :, :, 2:] == 0).all()  # padded keys get no weight
     # unbatched input gives the unbatched shapes and the same numbers
-    out0, weights0 = mha(query[0], memory[0], need_weights=True)
+    out0, weights0, _ = mha(query[0], memory[0], need_weights=True)
     assert out0.shape == (4, 12) and weights0.shape == (3, 4, 6)
     torch.testing.assert_close(out0, out[0], rtol=0, atol=1e-12)
 
@@ -260,11 +260,11 @@ def test_dropout_reproducible_in_train_and_off_in_eval():
 
     mha.train()
     torch.manual_seed(0)
-    first, _ = mha(x)
+    first, _, _ = mha(x)
     torch.manual_seed(0)
-    second, _ = mha(x)
+    second, _, _ = mha(x)
     torch.manual_seed(1)
-    third, _ = mha(x)
+    third, _, _ = mha(x)
     assert torch.equal(first, second)
     assert not torch.allclose(first, third)
     # the same seed drives attnkit.attention's dropout (same inputs → same backend): by hand
@@ -276,16 +276,16 @@ def test_dropout_reproducible_in_train_and_off_in_eval():
     torch.testing.assert_close(first, mha.out_proj(heads.transpose(1, 2).flatten(-2)),
                                rtol=0, atol=1e-12)
     # returned weights are taken before dropout: rows still sum to 1
-    _, weights = mha(x, need_weights=True)
+    _, weights, _ = mha(x, need_weights=True)
     torch.testing.assert_close(weights.sum(-1), torch.ones(2, 2, 6, dtype=F64))
 
     mha.eval()
-    expected, _ = plain(x)
+    expected = plain(x).out
     assert not torch.allclose(first, expected)
     torch.manual_seed(0)
-    eval_a, _ = mha(x)
+    eval_a, _, _ = mha(x)
     torch.manual_seed(1)
-    eval_b, _ = mha(x)
+    eval_b, _, _ = mha(x)
     torch.testing.assert_close(eval_a, expected, rtol=0, atol=1e-12)
     assert torch.equal(eval_a, eval_b)
 
@@ -315,10 +315,13 @@ def test_bad_inputs_raise():
         mha(torch.randn(2, 3, 8), torch.randn(3, 4, 5), torch.randn(3, 4, 8))
     with pytest.raises(TypeError, match="True = real"):
         mha(torch.randn(2, 3, 8), torch.randn(2, 4, 5), torch.randn(2, 4, 8),
-            key_padding_mask=torch.zeros(2, 4))
-    with pytest.raises(ValueError, match="key_padding_mask"):
+            key_valid=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="key_valid"):
         mha(torch.randn(2, 3, 8), torch.randn(2, 4, 5), torch.randn(2, 4, 8),
-            key_padding_mask=torch.ones(2, 3, dtype=torch.bool))
+            key_valid=torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key_valid=~key_padding_mask"):  # torch's inverted name
+        mha(torch.randn(2, 3, 8), torch.randn(2, 4, 5), torch.randn(2, 4, 8),
+            key_padding_mask=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="hidden_dim=0"):
         AdditiveAttention(4, 4, 0)
 
@@ -334,7 +337,7 @@ def test_gradcheck_tiny_mha(backend):
     real = torch.tensor([[True, True, True, False]])
 
     def fn(q, k, v):
-        return mha(q, k, v, key_padding_mask=real, mask=ak.sliding_window(2, 1))[0]
+        return mha(q, k, v, key_valid=real, mask=ak.sliding_window(2, 1))[0]
 
     assert gradcheck(fn, (query, key, value))
     fn(query, key, value).square().sum().backward()
@@ -440,6 +443,16 @@ def test_key_padding_in_one_run_per_row_becomes_a_padding_mask():
     for real, kind in ((runs, "padding"), (holes, "dense")):
         combined = mha._combine_masks(None, real, False, cached=False, batch=2, kv_len=10)
         assert repr(combined).startswith(kind)
-        out, _ = mha(x, key_padding_mask=real)
-        want, _ = mha(x, mask=real[:, None, None, :])
+        out, _, _ = mha(x, key_valid=real)
+        want, _, _ = mha(x, mask=real[:, None, None, :])
         torch.testing.assert_close(out, want)
+
+
+def test_forward_returns_one_named_tuple_with_or_without_a_cache():
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    x = torch.randn(2, 3, 8, dtype=F64)
+    plain = mha(x)
+    assert plain.weights is None and plain.cache is None
+    cached = mha(x, cache=mha.empty_cache(), need_weights=True)
+    assert cached.cache.length == 3 and cached.weights.shape == (2, 2, 3, 3)
+    torch.testing.assert_close(cached.out, plain.out)

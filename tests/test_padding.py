@@ -8,12 +8,10 @@ machines without CUDA); they skip when triton is missing or runs compiled in thi
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-from conftest import import_triton_interpreted  # noqa: E402
+from conftest import import_triton_interpreted, interpreted_triton_launch  # noqa: E402
 
 import_triton_interpreted()
 
@@ -144,22 +142,12 @@ def test_tiled_small_blocks_forward_backward(fused, name, monkeypatch):
 
 # ---- triton (interpreter) ------------------------------------------------------------------------
 
-def _triton_launch():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    from attnkit.backends.triton import launch
-    if not launch.interpreting():
-        pytest.skip("triton runs compiled in this process: these are interpreter tests on CPU")
-    import triton
-    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9):
-        pytest.skip(f"the Triton interpreter before 3.9 cannot run these kernels ({triton.__version__})")
-    return launch
 
 
 @pytest.mark.parametrize("name", ["left_q_kv", "mixed", "from_mask", "causal_br&generation",
                                   "window&mixed", "documents&left"])
 def test_triton_left_padding(name, monkeypatch):
-    launch = _triton_launch()
+    launch = interpreted_triton_launch()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     mask, allowed = cases()[name]
     q, k, v = _qkv(torch.float32)
@@ -182,7 +170,7 @@ def _run_triton(q, k, v, mask):
 
 def test_triton_program_for_starts():
     """Starts go into the kernels' range form exactly; zero starts keep the lengths form."""
-    launch = _triton_launch()
+    launch = interpreted_triton_launch()
     space = MaskSpace(2, 1, 5, 6)
     program = launch.compile_mask(ak.padding(q_lengths=[3, 5], kv_starts=[2, 0], kv_lengths=[4, 1]), space)
     assert program.doc_ranges and program.q_lengths is None and program.kv_lengths is None

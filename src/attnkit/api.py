@@ -8,9 +8,10 @@ from typing import Literal, NamedTuple, Optional, Union, overload
 
 import torch
 
-from . import dispatch, finite
+from . import compiled, dispatch, finite
+from .backends.torch_sdpa import _is_plain_causal
 from .inputs import restore, validate
-from .masks import Mask
+from .masks import Mask, as_mask
 
 MaskLike = Union[Mask, torch.Tensor, None]
 
@@ -95,6 +96,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
     if autocast:
         q, k, v = _autocast(device, q, k, v)
+    if torch.compiler.is_compiling():
+        mask = as_mask(mask)
+        if mask is not None and not _is_plain_causal(mask, 1.0):
+            out, lse, weights = compiled.attention(
+                q, k, v, mask, scale=scale, dropout_p=dropout_p, backend=dispatch.forced(backend),
+                return_lse=return_lse, return_weights=return_weights)
+            return AttentionResult(out, lse, weights) if return_lse or return_weights else out
     inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
                       need_weights=return_weights, need_lse=return_lse)
     chosen = dispatch.select(inputs, backend)

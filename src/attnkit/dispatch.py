@@ -114,13 +114,17 @@ def names() -> list[str]:
     return ["auto", *BACKENDS]
 
 
+def forced(backend: str) -> str:
+    """``backend`` with ``"auto"`` replaced by the name :func:`use_backend` set on this thread."""
+    return (getattr(_FORCED, "name", None) or "auto") if backend == "auto" else backend
+
+
 def select(inputs: Inputs, backend: str) -> Backend:
     """The backend to run ``inputs`` with, or a ValueError listing every reason. Inside
     :func:`use_backend`, ``"auto"`` means the backend it names."""
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"unknown backend {backend!r}: choose one of {names()}")
-    if backend == "auto":
-        backend = getattr(_FORCED, "name", None) or "auto"
+    backend = forced(backend)
     if backend != "auto":
         chosen = BACKENDS[backend]
         reasons = chosen.not_supported_reasons(inputs)
@@ -134,3 +138,18 @@ def select(inputs: Inputs, backend: str) -> Backend:
         return BACKENDS[picked.backend]
     detail = "\n".join(f"  {name}: " + "; ".join(r) for name, r in picked.reasons.items())
     raise ValueError(f"no backend can run these inputs:\n{detail}\nInputs:\n{inputs.describe()}")
+
+
+def select_with_backward(inputs: Inputs, backend: str) -> Optional[Backend]:
+    """The backend to run ``inputs`` with when its gradients will come from
+    :meth:`Backend.backward` (a compiled graph's opaque backward): :func:`select`'s pick when it
+    has one (``LSE_BACKWARD``); for ``"auto"`` otherwise ``tiled`` when it can run them;
+    ``None`` when neither."""
+    chosen = select(inputs, backend)
+    if chosen.LSE_BACKWARD:
+        return chosen
+    if backend == "auto" and getattr(_FORCED, "name", None) is None:
+        tiled = BACKENDS["tiled"]
+        if not tiled.not_supported_reasons(inputs):
+            return tiled
+    return None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -258,7 +259,7 @@ class _Band(Mask):
         return f"{type(self).__name__}(left={self.left}, right={self.right}, align={self.align!r})"
 
 
-def causal(align: str = "top_left") -> Mask:
+def causal(align: str = "top_left", *, sequences: Optional[Mask] = None) -> Mask:
     """Causal mask: query i sees keys j ≤ i.
 
     ``align="top_left"`` (torch SDPA's ``is_causal``) anchors the diagonal at (0, 0);
@@ -269,11 +270,29 @@ def causal(align: str = "top_left") -> Mask:
         █░░░░              ███░░
         ██░░░              ████░
         ███░░              █████
+
+    ``sequences``: a :func:`padding` mask. The diagonal is then anchored in each batch
+    element's own real runs ``[q_start_b, q_start_b + q_len_b)`` and ``[kv_start_b, kv_start_b +
+    kv_len_b)`` instead of the whole ``[Tq, Tk]`` (flash-attn's varlen causal, xFormers'
+    ``BlockDiagonalCausalFromBottomRightMask``, a KV cache with a length per sequence), and the
+    result includes that padding: one object is the whole mask, ``sequences & band``. Top-left:
+    the i-th real query sees the real keys j ≤ i; bottom-right: the last real query sits on the
+    last real key, ``shift_b = (kv_start_b + kv_len_b) − (q_start_b + q_len_b)``. Each batch
+    element ``b`` of ``[B, H, Tq, Tk]`` gets its own mask ``[Tq, Tk]``;
+    ``causal("bottom_right", sequences=padding(q_lengths=[3, 2], kv_lengths=[5, 3],
+    kv_starts=[0, 2]))`` on 3×5, batch elements 0 and 1::
+
+        b = 0   b = 1
+        ███░░   ░░██░
+        ████░   ░░███
+        █████   ░░░░░
     """
-    return _Band(left=None, right=0, align=align)
+    band = _Band(left=None, right=0, align=align)
+    return band if sequences is None else _per_sequence(band, sequences, "causal")
 
 
-def sliding_window(left: int, right: int = 0, align: str = "top_left") -> Mask:
+def sliding_window(left: int, right: int = 0, align: str = "top_left", *,
+                   sequences: Optional[Mask] = None) -> Mask:
     """Local attention: query i sees keys ``i - left ≤ j ≤ i + right`` (``right=0``: causal window).
 
     ``sliding_window(2)`` on 5×5::
@@ -283,6 +302,10 @@ def sliding_window(left: int, right: int = 0, align: str = "top_left") -> Mask:
         ███░░
         ░███░
         ░░███
+
+    ``sequences``: a :func:`padding` mask; ``i`` and ``j`` then count from each batch element's
+    own real runs (``align`` as in :func:`causal`: top-left from their starts, bottom-right
+    with the last real query on the last real key), and the result includes that padding.
     """
     for name, value in (("left", left), ("right", right)):
         if not isinstance(value, int) or isinstance(value, bool):
@@ -292,8 +315,9 @@ def sliding_window(left: int, right: int = 0, align: str = "top_left") -> Mask:
                              f"positions (left counts keys before the query, right keys after it)")
     # A bound at or past the sequence length allows every key on that side; past UNBOUNDED it
     # is stored as unbounded, so no index arithmetic overflows.
-    return _Band(left=None if left >= UNBOUNDED else left,
+    band = _Band(left=None if left >= UNBOUNDED else left,
                  right=None if right >= UNBOUNDED else right, align=align)
+    return band if sequences is None else _per_sequence(band, sequences, "sliding_window")
 
 
 UNBOUNDED = 1 << 30
@@ -323,15 +347,16 @@ def _lengths(name: str, value) -> Optional[torch.Tensor]:
                          f"element, shape [B] (for a 2-D 'real token' mask [B, T] use padding("
                          f"{name[:name.index('_')]}_mask=...))")
     t = t.to(torch.long)
-    if t.numel() and int(t.min()) < 0:
+    if t.numel() and not torch.compiler.is_compiling() and int(t.min()) < 0:  # else: check()
         raise ValueError(f"padding {name}={t.tolist()} out of range: each {what} must be 0 or more")
     return t
 
 
-def _runs(name: str, value) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A 2-D "real token" mask ``[B, T]`` (True or 1 = real) → ``(starts [B], lengths [B], T)``;
-    a row without real tokens gives start 0, length 0. Each row's real tokens must be one
-    contiguous run."""
+def _runs(name: str, value) -> tuple[torch.Tensor, torch.Tensor, int, Optional[torch.Tensor]]:
+    """A 2-D "real token" mask ``[B, T]`` (True or 1 = real) → ``(starts [B], lengths [B], T,
+    broken)``; a row without real tokens gives start 0, length 0. Each row's real tokens must
+    be one contiguous run: checked here (``broken`` is ``None``), or inside a compiled region,
+    where no value can be read, returned as ``broken [B]`` (bool) for :meth:`_Padding.check`."""
     side = name[:name.index("_")]
     dense_fix = ("ak.dense(mask[:, None, None, :])" if side == "kv"
                  else "ak.dense(mask[:, None, :, None])")
@@ -347,19 +372,25 @@ def _runs(name: str, value) -> tuple[torch.Tensor, torch.Tensor, int]:
         raise ValueError(f"padding {name} has shape {tuple(m.shape)}: pass a 2-D 'real token' mask "
                          f"of shape [B, T] (one row per batch element; mask[None] for a single "
                          f"sequence)")
+    compiling = torch.compiler.is_compiling()  # value checks then wait for check(): no host read
     if m.dtype != torch.bool:
-        if m.numel() and not bool(((m == 0) | (m == 1)).all()):
+        if m.numel() and not compiling and not bool(((m == 0) | (m == 1)).all()):
             bad = sorted(set(m[(m != 0) & (m != 1)].tolist()))[:5]
             raise ValueError(f"padding {name} holds values {bad}: an integer 'real token' mask "
                              f"must hold only 0 (padding) and 1 (real token)")
         m = m != 0
-    m = m.to("cpu")
+    if not compiling:
+        m = m.to("cpu")
     batch, width = m.shape
     count = m.sum(-1)  # [B]
-    positions = torch.arange(width)
-    first = torch.where(m, positions, width).amin(-1) if width else torch.zeros(batch, dtype=torch.long)
-    last = torch.where(m, positions, -1).amax(-1) if width else torch.full((batch,), -1)
+    positions = torch.arange(width, device=m.device)
+    first = (torch.where(m, positions, width).amin(-1) if width
+             else torch.zeros(batch, dtype=torch.long, device=m.device))
+    last = (torch.where(m, positions, -1).amax(-1) if width
+            else torch.full((batch,), -1, device=m.device))
     broken = (count > 0) & (last - first + 1 != count)
+    if compiling:
+        return torch.where(count > 0, first, 0).to(torch.long), count.to(torch.long), width, broken
     if bool(broken.any()):
         rows = broken.nonzero().flatten().tolist()
         example = "".join("1" if x else "0" for x in m[rows[0]].tolist()[:40])
@@ -368,7 +399,7 @@ def _runs(name: str, value) -> tuple[torch.Tensor, torch.Tensor, int]:
                          f"(row {rows[0]}: {example}{'...' if width > 40 else ''}); padding() "
                          f"takes left or right padding only: use {dense_fix} for this mask")
     starts = torch.where(count > 0, first, 0)
-    return starts.to(torch.long), count.to(torch.long), width
+    return starts.to(torch.long), count.to(torch.long), width, None
 
 
 class _Padding(Mask):
@@ -380,16 +411,16 @@ class _Padding(Mask):
 
     def __init__(self, q_lengths, kv_lengths, q_starts=None, kv_starts=None, *,
                  q_mask=None, kv_mask=None):
-        self.q_width = self.kv_width = None
+        self.q_width = self.kv_width = self.q_broken = self.kv_broken = None
         for side, mask, lengths, starts in (("q", q_mask, q_lengths, q_starts),
                                             ("kv", kv_mask, kv_lengths, kv_starts)):
             if mask is not None and (lengths is not None or starts is not None):
                 raise TypeError(f"padding: pass either {side}_mask or {side}_lengths/{side}_starts, "
                                 f"not both ({side}_mask already gives each row's start and length)")
         if q_mask is not None:
-            q_starts, q_lengths, self.q_width = _runs("q_mask", q_mask)
+            q_starts, q_lengths, self.q_width, self.q_broken = _runs("q_mask", q_mask)
         if kv_mask is not None:
-            kv_starts, kv_lengths, self.kv_width = _runs("kv_mask", kv_mask)
+            kv_starts, kv_lengths, self.kv_width, self.kv_broken = _runs("kv_mask", kv_mask)
         self.q_lengths = _lengths("q_lengths", q_lengths)
         self.kv_lengths = _lengths("kv_lengths", kv_lengths)
         self.q_starts = _lengths("q_starts", q_starts)
@@ -425,6 +456,13 @@ class _Padding(Mask):
                 problems.append(f"padding {side}_mask has {width} columns but the sequence has "
                                 f"{limit} {noun} positions: give one entry per position, "
                                 f"shape [B, {limit}]")
+                continue
+            broken = getattr(self, f"{side}_broken")
+            if broken is not None and bool(broken.any()):
+                problems.append(f"padding {side}_mask: the real tokens of rows "
+                                f"{broken.nonzero().flatten().tolist()[:8]} are not one contiguous "
+                                f"run; padding() takes left or right padding only: use ak.dense "
+                                f"for this mask")
                 continue
             counts_ok = True
             for name, t in ((f"{side}_lengths", lengths), (f"{side}_starts", starts)):
@@ -547,6 +585,137 @@ def padding(q_lengths=None, kv_lengths=None, q_starts=None, kv_starts=None, *,
     return _Padding(q_lengths, kv_lengths, q_starts, kv_starts, q_mask=q_mask, kv_mask=kv_mask)
 
 
+class _Intervals(Mask):
+    """A mask in which each query's allowed keys are one run of positions ``[lo, hi)``, and each
+    key's allowed queries one run too (a run with ``lo ≥ hi`` is empty). Subclasses give the
+    runs (:meth:`_key_runs`, :meth:`_query_runs`) and an analytic :meth:`block_map`; the
+    element mask, :meth:`tile_structure` and :meth:`ranges` (the triton kernels' range form)
+    follow from the runs."""
+
+    def _key_runs(self, q_idx: torch.Tensor, space: MaskSpace) -> tuple[torch.Tensor, torch.Tensor]:
+        """The allowed keys ``[lo, hi)`` of the queries at positions ``q_idx`` [tq] → two long
+        ``[Bm, tq]``."""
+        raise NotImplementedError
+
+    def _query_runs(self, kv_idx: torch.Tensor, space: MaskSpace) -> tuple[torch.Tensor, torch.Tensor]:
+        """The allowed queries ``[lo, hi)`` of the keys at positions ``kv_idx`` [tk] → two long
+        ``[Bm, tk]``."""
+        raise NotImplementedError
+
+    def tile(self, q_idx, kv_idx, space):
+        lo, hi = self._key_runs(q_idx, space)  # [Bm, tq]
+        kv = kv_idx[None, None, :]
+        return ((kv >= lo[:, :, None]) & (kv < hi[:, :, None]))[:, None]  # [Bm, 1, tq, tk]
+
+    def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
+        if q_stop <= q_start or kv_stop <= kv_start:
+            return None
+        lo, hi = self._key_runs(_positions(q_start, q_stop, space.device), space)  # [Bm, tq]
+        if not lo.numel():
+            return None
+        lo, hi = lo.clamp(min=kv_start), hi.clamp(max=kv_stop)  # each row's keys inside the tile
+        if bool((lo >= hi).all()):
+            return "empty"
+        if bool(((lo == kv_start) & (hi == kv_stop)).all()):
+            return "full"
+        if q_stop - q_start == kv_stop - kv_start:  # square: row r of "lower" sees keys 0..r
+            row = _positions(0, q_stop - q_start, space.device)
+            if bool(((lo == kv_start) & (hi == kv_start + row + 1)).all()):
+                return "lower"
+            if bool(((lo == kv_start + row) & (hi == kv_stop)).all()):
+                return "upper"
+        return None
+
+    def ranges(self, space: MaskSpace) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query's key run and every key's query run over ``space``, clipped to the
+        sequences, an empty run as ``[0, 0)`` → int32 ``[B, Tq, 2]`` and ``[B, Tk, 2]`` (the
+        document-range form of the triton kernels)."""
+        def form(runs, limit):
+            lo, hi = (t.clamp(0, limit) for t in runs)
+            empty = lo >= hi
+            both = torch.stack([lo.masked_fill(empty, 0), hi.masked_fill(empty, 0)], dim=-1)
+            return both.to(torch.int32).expand(space.batch, -1, 2)
+        return (form(self._key_runs(_positions(0, space.q_len, space.device), space), space.kv_len),
+                form(self._query_runs(_positions(0, space.kv_len, space.device), space), space.q_len))
+
+
+def _per_sequence(band: _Band, sequences, name: str) -> Mask:
+    """``band`` aligned to the real runs of the padding mask ``sequences`` (see :func:`causal`)."""
+    if not isinstance(sequences, _Padding):
+        hint = (": pass the padding object itself, not a combination of masks"
+                if isinstance(sequences, _Combined) else "")
+        raise TypeError(f"{name}(sequences=...) takes a padding mask, ak.padding(q_lengths=..., "
+                        f"kv_lengths=..., q_starts=..., kv_starts=...) or ak.padding(q_mask=..., "
+                        f"kv_mask=...), whose runs give each batch element's real tokens; got "
+                        f"{sequences!r}{hint}")
+    return _SequenceBand(band.left, band.right, band.align, sequences)
+
+
+class _SequenceBand(_Intervals):
+    """A band aligned to each batch element's own real runs, and inside them: ``sequences`` (a
+    :class:`_Padding`) gives element ``b`` its runs ``[q_lo, q_hi)`` and ``[kv_lo, kv_hi)``; a
+    real query ``q`` sees a real key ``k`` when ``-left ≤ k - q - shift_b ≤ right``, with
+    ``shift_b = kv_lo - q_lo`` (top_left) or ``kv_hi - q_hi`` (bottom_right). ``None`` bounds
+    are unbounded."""
+
+    def __init__(self, left: Optional[int], right: Optional[int], align: str, sequences: _Padding):
+        self.left, self.right, self.align, self.sequences = left, right, align, sequences
+
+    def _min_batch(self):
+        return self.sequences._min_batch()
+
+    def check(self, space):
+        return self.sequences.check(space)
+
+    def _aligned(self, space) -> tuple[torch.Tensor, ...]:
+        """``(q_lo, q_hi, kv_lo, kv_hi, shift)``: the runs and the shift, long ``[Bm]`` each."""
+        q_lo, q_hi, kv_lo, kv_hi = torch.broadcast_tensors(*self.sequences._bounds(space))
+        shift = kv_lo - q_lo if self.align == "top_left" else kv_hi - q_hi
+        return q_lo, q_hi, kv_lo, kv_hi, shift
+
+    def _key_runs(self, q_idx, space):
+        q_lo, q_hi, kv_lo, kv_hi, shift = (t[:, None] for t in self._aligned(space))  # [Bm, 1]
+        q = q_idx[None, :]
+        diagonal = q + shift  # the key at offset 0 from each query: [Bm, tq]
+        lo = kv_lo if self.left is None else torch.maximum(kv_lo, diagonal - self.left)
+        hi = kv_hi if self.right is None else torch.minimum(kv_hi, diagonal + self.right + 1)
+        real = (q >= q_lo) & (q < q_hi)  # [Bm, tq]
+        return torch.where(real, lo, 0), torch.where(real, hi, 0)
+
+    def _query_runs(self, kv_idx, space):
+        q_lo, q_hi, kv_lo, kv_hi, shift = (t[:, None] for t in self._aligned(space))  # [Bm, 1]
+        k = kv_idx[None, :]
+        diagonal = k - shift  # the query at offset 0 from each key: [Bm, tk]
+        lo = q_lo if self.right is None else torch.maximum(q_lo, diagonal - self.right)
+        hi = q_hi if self.left is None else torch.minimum(q_hi, diagonal + self.left + 1)
+        real = (k >= kv_lo) & (k < kv_hi)  # [Bm, tk]
+        return torch.where(real, lo, 0), torch.where(real, hi, 0)
+
+    def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
+                  kv_count=None):
+        q_count, kv_count = _counts(space, q_offset, q_count, kv_offset, kv_count)
+        q_lo, q_hi, kv_lo, kv_hi, shift = (t[:, None, None] for t in self._aligned(space))  # [Bm, 1, 1]
+        b_qlo, b_qhi = (t[:, None]  # [nq, 1]
+                        for t in _block_bounds(q_offset, q_count, block_q, space.device))
+        b_klo, b_khi = _block_bounds(kv_offset, kv_count, block_k, space.device)  # [nk]
+        hi = self.right if self.right is not None else math.inf
+        lo = -self.left if self.left is not None else -math.inf
+        # Each block clipped to the element's real runs is a rectangle of queries [q0, q1] × keys
+        # [k0, k1], over which k - q takes every value in [k0 - q1, k1 - q0]: exact for the band.
+        q0, q1 = torch.maximum(b_qlo, q_lo), torch.minimum(b_qhi, q_hi - 1)  # [Bm, nq, 1]
+        k0, k1 = torch.maximum(b_klo, kv_lo), torch.minimum(b_khi, kv_hi - 1)  # [Bm, 1, nk]
+        any_allowed = ((q0 <= q1) & (k0 <= k1) & (k0 - q1 - shift <= hi)
+                       & (k1 - q0 - shift >= lo))  # [Bm, nq, nk]
+        all_allowed = ((b_qlo >= q_lo) & (b_qhi < q_hi) & (b_klo >= kv_lo) & (b_khi < kv_hi)
+                       & (b_klo - b_qhi - shift >= lo) & (b_khi - b_qlo - shift <= hi))
+        return _codes_from_bounds(any_allowed, all_allowed)[:, None]  # [Bm, 1, nq, nk]
+
+    def __repr__(self):
+        band = (f"causal(align={self.align!r}" if self.left is None and self.right == 0 else
+                f"sliding_window(left={self.left}, right={self.right}, align={self.align!r}")
+        return f"{band}, sequences={self.sequences!r})"
+
+
 class _Documents(Mask):
     def __init__(self, q_ids, kv_ids):
         self.q_ids = torch.as_tensor(q_ids)
@@ -614,19 +783,198 @@ class _Documents(Mask):
         return f"documents(q_ids={tuple(self.q_ids.shape)}, kv_ids={tuple(self.kv_ids.shape)})"
 
 
-def documents(q_ids, kv_ids=None) -> Mask:
+def documents(q_ids, kv_ids=None, causal: Optional[str] = None) -> Mask:
     """Packed sequences: a query attends only to keys of the same document id.
 
-    ``q_ids`` is ``[T]`` or ``[B, T]`` (integers); ``kv_ids`` defaults to ``q_ids``. Combine
-    with :func:`causal` for packed causal training. ``documents([0, 0, 1, 1, 1])``::
+    ``q_ids`` is ``[Tq]`` or ``[B, Tq]`` (integers); ``kv_ids`` (``[Tk]`` or ``[B, Tk]``)
+    defaults to ``q_ids``. Combine with :func:`causal` for packed causal training.
+    ``documents([0, 0, 1, 1, 1])``::
 
         ██░░░
         ██░░░
         ░░███
         ░░███
         ░░███
+
+    ``causal``: ``"top_left"`` or ``"bottom_right"``: causal inside each document, whose query
+    and key segments may differ in length (cross-attention between packed sequences, a cache
+    per packed sequence). With ``i`` / ``j`` a query's / key's offset in its document's segment
+    and ``qlen`` / ``kvlen`` the segments' lengths, top-left allows ``j ≤ i``, bottom-right
+    ``j − kvlen ≤ i − qlen`` (the segments' last query and last key aligned). Each document's
+    positions must be one contiguous run on each side (checked with the inputs). With equal
+    ids on both sides, ``documents(ids, causal="top_left")`` is ``documents(ids) & causal()``.
+    ``documents([0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1], causal=...)``::
+
+        top_left   bottom_right
+        █░░░░░░    ██░░░░░
+        ██░░░░░    ███░░░░
+        ░░░█░░░    ░░░██░░
+        ░░░██░░    ░░░███░
+        ░░░███░    ░░░████
     """
-    return _Documents(q_ids, kv_ids)
+    docs = _Documents(q_ids, kv_ids)
+    if causal is None:
+        return docs
+    if causal not in ("top_left", "bottom_right"):
+        raise ValueError(f"documents causal={causal!r}: use 'top_left' (a document's i-th query "
+                         f"sees its first i + 1 keys), 'bottom_right' (its last query sees all its "
+                         f"keys) or None (no causal restriction)")
+    return _CausalDocuments(docs, causal)
+
+
+_DOCUMENT_RUNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""Per :class:`_CausalDocuments` mask: ``(key, runs)``, the runs derived from its ids for the
+ids' state and the device in ``key`` (kept outside the mask, so ``digest`` sees only its
+parameters)."""
+
+
+def _id_runs(ids: torch.Tensor, name: str, row: Optional[int], align: str,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The runs of equal ids in ``ids`` (long ``[T]``) → ``(run [T], starts [R], stops [R],
+    run_ids [R])``: each position's run, each run's first and one-past-last position and id.
+    ValueError when a document has more than one run (``name``/``row`` say where)."""
+    length = ids.shape[0]
+    change = torch.ones(length, dtype=torch.bool, device=ids.device)
+    change[1:] = ids[1:] != ids[:-1]
+    run = torch.cumsum(change, 0) - 1
+    starts = change.nonzero().flatten()
+    stops = torch.cat([starts[1:], starts.new_tensor([length])]) if length else starts
+    run_ids = ids[starts]
+    sorted_ids = run_ids.sort().values
+    repeated = sorted_ids[1:][sorted_ids[1:] == sorted_ids[:-1]]
+    if repeated.numel():
+        doc = int(repeated[0])
+        at = (ids == doc).nonzero().flatten().tolist()
+        where = name if row is None else f"{name} row {row}"
+        raise ValueError(
+            f"documents(causal={align!r}): document {doc} sits at positions {at[:12]}"
+            f"{'...' if len(at) > 12 else ''} of {where}, not one contiguous run; causal= aligns "
+            f"each document's query and key segments, so each document's positions must be "
+            f"contiguous on each side: pack each document's tokens together (sorted by document), "
+            f"or drop causal= and combine documents(q_ids, kv_ids) with ak.dense(...) or "
+            f"ak.from_function(...) for this layout")
+    return run, starts, stops, run_ids
+
+
+def _document_runs(q_ids: torch.Tensor, kv_ids: torch.Tensor, align: str, q_row: Optional[int],
+                   kv_row: Optional[int]) -> tuple[torch.Tensor, ...]:
+    """One row of :meth:`_CausalDocuments._runs_per_position` from long ids ``[Tq]``, ``[Tk]``."""
+    q_run, q_starts, q_stops, q_doc = _id_runs(q_ids, "q_ids", q_row, align)
+    kv_run, kv_starts, kv_stops, kv_doc = _id_runs(kv_ids, "kv_ids", kv_row, align)
+
+    def partner(own_doc, other_doc, other_starts, other_stops):
+        """For each run of one side, the same document's run on the other side → ``(start,
+        stop, found)``, ``[R]`` each (``0, 0, False`` where the other side lacks it)."""
+        if not own_doc.numel() or not other_doc.numel():
+            zero = torch.zeros_like(own_doc)
+            return zero, zero, torch.zeros(own_doc.shape, dtype=torch.bool, device=own_doc.device)
+        other_sorted, order = other_doc.sort()
+        at = torch.searchsorted(other_sorted, own_doc).clamp(max=other_doc.numel() - 1)
+        found = other_sorted[at] == own_doc
+        run = order[at]
+        return torch.where(found, other_starts[run], 0), torch.where(found, other_stops[run], 0), found
+
+    def shift(own_start, own_stop, other_start, other_stop):  # key offset - query offset on the diagonal
+        return other_start - own_start if align == "top_left" else other_stop - own_stop
+
+    # queries: the keys [kv_start, kv_stop) of their document, up to the diagonal
+    kv_start, kv_stop, found = (t[q_run] for t in partner(q_doc, kv_doc, kv_starts, kv_stops))
+    diagonal = torch.arange(q_ids.shape[0], device=q_ids.device) + shift(
+        q_starts[q_run], q_stops[q_run], kv_start, kv_stop)
+    q_lo, q_hi = kv_start, torch.minimum(kv_stop, diagonal + 1)
+    empty = ~found | (q_hi <= q_lo)
+    q_lo, q_hi = q_lo.masked_fill(empty, 0), q_hi.masked_fill(empty, 0)
+    # keys: the queries [q_start, q_stop) of their document, from the diagonal on
+    q_start, q_stop, found = (t[kv_run] for t in partner(kv_doc, q_doc, q_starts, q_stops))
+    diagonal = torch.arange(kv_ids.shape[0], device=kv_ids.device) - shift(
+        q_start, q_stop, kv_starts[kv_run], kv_stops[kv_run])
+    kv_lo, kv_hi = torch.maximum(q_start, diagonal), q_stop
+    empty = ~found | (kv_hi <= kv_lo)
+    kv_lo, kv_hi = kv_lo.masked_fill(empty, 0), kv_hi.masked_fill(empty, 0)
+    return q_lo, q_hi, kv_lo, kv_hi, q_run
+
+
+class _CausalDocuments(_Intervals):
+    """:func:`documents` with ``causal=``: a query sees the keys of its own document up to the
+    diagonal, the document's query and key segments aligned at their starts (``align``
+    top_left) or ends (bottom_right). Each document's positions are one run on each side."""
+
+    def __init__(self, documents: _Documents, align: str):
+        self.documents, self.align = documents, align
+
+    def _min_batch(self):
+        return self.documents._min_batch()
+
+    def check(self, space):
+        problems = self.documents.check(space)
+        if not problems:
+            try:
+                self._runs_per_position(space.device)
+            except ValueError as error:
+                problems.append(str(error))
+        return problems
+
+    def _runs_per_position(self, device) -> tuple[torch.Tensor, ...]:
+        """``(q_lo, q_hi, kv_lo, kv_hi, q_run)``: each query's key run ``[q_lo, q_hi)`` and
+        each key's query run ``[kv_lo, kv_hi)`` (long ``[Bm, Tq]`` and ``[Bm, Tk]``, an empty run
+        as ``[0, 0)``), and the index of each query's document run ``[Bm, Tq]``; derived from
+        the ids once per state of the ids and device. ValueError when a document is not one
+        run on each side."""
+        q_ids, kv_ids = self.documents.q_ids, self.documents.kv_ids
+        key = (_tensor_key(q_ids), _tensor_key(kv_ids), str(device)) if _keyable(q_ids, kv_ids) else None
+        cached = _DOCUMENT_RUNS.get(self)
+        if key is not None and cached is not None and cached[0] == key:
+            return cached[1]
+        q2, kv2 = (ids.long() if ids.dim() == 2 else ids.long()[None] for ids in (q_ids, kv_ids))
+        rows = max(q2.shape[0], kv2.shape[0])
+        per_row = [_document_runs(q2[min(r, q2.shape[0] - 1)], kv2[min(r, kv2.shape[0] - 1)],
+                                  self.align, r if q_ids.dim() == 2 else None,
+                                  r if kv_ids.dim() == 2 else None) for r in range(rows)]
+        runs = tuple(torch.stack(parts).to(device) for parts in zip(*per_row))
+        if key is not None:
+            _DOCUMENT_RUNS[self] = (key, runs)
+        return runs
+
+    def _key_runs(self, q_idx, space):
+        q_lo, q_hi = self._runs_per_position(space.device)[:2]
+        return q_lo[:, q_idx], q_hi[:, q_idx]
+
+    def _query_runs(self, kv_idx, space):
+        kv_lo, kv_hi = self._runs_per_position(space.device)[2:4]
+        return kv_lo[:, kv_idx], kv_hi[:, kv_idx]
+
+    def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
+                  kv_count=None):
+        q_count, kv_count = _counts(space, q_offset, q_count, kv_offset, kv_count)
+        q_lo, q_hi, _, _, q_run = (t[:, q_offset:q_offset + q_count]
+                                   for t in self._runs_per_position(space.device))  # [Bm, n]
+        rows, nq = q_lo.shape[0], math.ceil(q_count / block_q)
+        k_first, k_last = _block_bounds(kv_offset, kv_count, block_k, space.device)  # [nk]
+        # Within one document's queries the key runs grow: a constant start, a stop that never
+        # falls. So in each piece of a query block that lies in one document, the last query's
+        # run holds every other's (any key allowed in the piece is allowed to it) and the first
+        # query's run lies in every other's (it decides "all allowed"): O(pieces · key blocks),
+        # with fewer than nq + documents pieces.
+        block = torch.arange(q_count, device=space.device) // block_q  # [n]
+        starts = torch.ones_like(q_run, dtype=torch.bool)  # [Bm, n]: a piece begins here
+        starts[:, 1:] = (q_run[:, 1:] != q_run[:, :-1]) | (block[1:] != block[:-1])
+        ends = torch.ones_like(starts)
+        ends[:, :-1] = starts[:, 1:]
+
+        def per_block(pieces, holds):  # count, per (row, query block, key block), pieces where holds
+            row, at = pieces.nonzero(as_tuple=True)
+            lo, hi = q_lo[row, at][:, None], q_hi[row, at][:, None]  # [P, 1]
+            counts = torch.zeros(rows * nq, k_first.shape[0], dtype=torch.int32, device=space.device)
+            counts.index_add_(0, row * nq + block[at], holds(lo, hi).to(torch.int32))
+            return counts.view(rows, nq, -1)  # [Bm, nq, nk]
+
+        any_allowed = per_block(ends, lambda lo, hi: (lo < hi) & (lo <= k_last) & (hi > k_first)) > 0
+        all_allowed = per_block(starts, lambda lo, hi: (lo > k_first) | (hi <= k_last)) == 0
+        return _codes_from_bounds(any_allowed, all_allowed)[:, None]  # [Bm, 1, nq, nk]
+
+    def __repr__(self):
+        return (f"documents(q_ids={tuple(self.documents.q_ids.shape)}, "
+                f"kv_ids={tuple(self.documents.kv_ids.shape)}, causal={self.align!r})")
 
 
 def _fit_tensor(t: torch.Tensor, q_idx, kv_idx, space) -> torch.Tensor:
@@ -847,9 +1195,16 @@ def _bad_mask(mask):
 
 
 # ---- caching what is derived from a mask ----------------------------------------------------
+def _keyable(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether :func:`_tensor_key` can name these tensors: an inference tensor
+    (``torch.inference_mode``) has no version counter, so an in-place write to it could not be
+    told apart; values derived from it are not cached."""
+    return not any(t is not None and t.is_inference() for t in tensors)
+
+
 def _tensor_key(t: Optional[torch.Tensor]):
     """A tensor's identity *and* state: an in-place write bumps ``_version``, so a mask whose
-    tensor was modified misses the cache."""
+    tensor was modified misses the cache (see :func:`_keyable`)."""
     if t is None:
         return None
     return (id(t), t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
@@ -869,8 +1224,15 @@ def cache_key(mask: Optional[Mask], keep: list) -> Optional[tuple]:
                _Documents: ("q_ids", "kv_ids")}.get(type(mask))
     if tensors is not None:
         values = [getattr(mask, name) for name in tensors]
+        if not _keyable(*values):
+            return None
         keep.extend(t for t in values if t is not None)
         return (type(mask).__name__, *(_tensor_key(t) for t in values))
+    inner = {_SequenceBand: "sequences", _CausalDocuments: "documents"}.get(type(mask))
+    if inner is not None:  # parameters, and the padding / documents mask they align to
+        part = cache_key(getattr(mask, inner), keep)
+        params = (mask.left, mask.right) if isinstance(mask, _SequenceBand) else ()
+        return None if part is None else (type(mask).__name__, *params, mask.align, part)
     if isinstance(mask, _Combined):
         parts = [cache_key(part, keep) for part in mask.parts]
         return None if any(p is None for p in parts) else (type(mask).__name__, *parts)

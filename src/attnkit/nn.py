@@ -20,7 +20,7 @@ Shapes (E = embed_dim, H = num_heads, Hkv = num_kv_heads, D = E // H)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -37,6 +37,16 @@ MaskLike = Union[Mask, torch.Tensor, None]
 # ---------------------------------------------------------------------------------------------
 # KV cache
 # ---------------------------------------------------------------------------------------------
+class MHAOutput(NamedTuple):
+    """What :meth:`MultiHeadAttention.forward` returns: ``out [B, Tq, E]``, ``weights
+    [B, H, Tq, Tk]`` (``None`` unless ``need_weights``) and the extended ``cache`` (``None``
+    when the call had none)."""
+
+    out: torch.Tensor
+    weights: Optional[torch.Tensor]
+    cache: Optional["KVCache"]
+
+
 @dataclass(frozen=True)
 class KVCache:
     """Projected keys and values of the tokens seen so far, for incremental decoding.
@@ -170,8 +180,9 @@ class MultiHeadAttention(nn.Module):
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, query: torch.Tensor, key: Optional[torch.Tensor] = None,
                 value: Optional[torch.Tensor] = None, *, mask: MaskLike = None,
-                key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = False,
-                cache: Optional[KVCache] = None, is_causal: bool = False):
+                key_valid: Optional[torch.Tensor] = None, need_weights: bool = False,
+                cache: Optional[KVCache] = None, is_causal: bool = False,
+                key_padding_mask: None = None) -> "MHAOutput":
         """Attend from ``query`` to ``key``/``value`` (both default to ``query``: self-attention).
 
         Args:
@@ -183,10 +194,12 @@ class MultiHeadAttention(nn.Module):
                 tensor (**True = may attend**) or a float bias, broadcastable to
                 ``[B, H, Tq, Tk]`` (``[Tq, Tk]`` is shared by every batch element and head; a
                 per-batch mask is ``[B, 1, Tq, Tk]``).
-            key_padding_mask: bool ``[B, Tk]`` (``[Tk]`` unbatched), **True = a real key that
-                may be attended**, False = padding. This is the *opposite* of torch's
-                ``nn.MultiheadAttention`` (pass ``~torch_key_padding_mask``). With a cache,
-                Tk counts the cached keys too. Combined with ``mask`` and ``is_causal`` by "and".
+            key_valid: bool ``[B, Tk]`` (``[Tk]`` unbatched), **True = a real key that may be
+                attended**, False = padding (Hugging Face's ``attention_mask``). torch's
+                ``nn.MultiheadAttention`` takes the opposite, ``key_padding_mask`` (True =
+                ignore): pass ``key_valid=~key_padding_mask``; passing ``key_padding_mask``
+                here raises a TypeError saying so. With a cache, Tk counts the cached keys too.
+                Combined with ``mask`` and ``is_causal`` by "and".
             need_weights: also return the attention weights per head (before dropout).
                 It may change which backend runs, and so the dropout pattern a seed gives;
                 pin ``backend=`` for patterns that must not depend on it.
@@ -198,17 +211,21 @@ class MultiHeadAttention(nn.Module):
                 positions, so a chunk of several new tokens decodes correctly.
 
         Returns:
-            ``(out, weights)``: ``out [B, Tq, E]`` and ``weights [B, H, Tq, Tk]`` or ``None``
-            (unbatched: ``[Tq, E]``, ``[H, Tq, Tk]``); with a cache ``(out, weights, new_cache)``.
-            A query row whose keys are all masked gets 0 attention output (never NaN).
+            :class:`MHAOutput` ``(out, weights, cache)``: ``out [B, Tq, E]``, ``weights
+            [B, H, Tq, Tk]`` or ``None`` (unbatched: ``[Tq, E]``, ``[H, Tq, Tk]``), and the
+            extended cache (``None`` without one). A query row whose keys are all masked gets 0
+            attention output (never NaN).
         """
+        if key_padding_mask is not None:
+            raise TypeError("MultiHeadAttention takes key_valid (True = a real key), not torch's "
+                            "key_padding_mask (True = ignore): pass key_valid=~key_padding_mask")
         key = query if key is None else key
         value = key if value is None else value
         unbatched = self._check_inputs(query, key, value)
         if unbatched:
             query, key, value = query[None], key[None], value[None]
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask[None]
+            if key_valid is not None:
+                key_valid = key_valid[None]
         batch, q_len, _ = query.shape
 
         q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)  # [B, H, Tq, D]
@@ -223,7 +240,7 @@ class MultiHeadAttention(nn.Module):
             new_cache = cache.append(k, v)
             k, v = new_cache.keys, new_cache.values  # [B, Hkv, T_cache + Tk, D]
 
-        full_mask = self._combine_masks(mask, key_padding_mask, is_causal, cached=cache is not None,
+        full_mask = self._combine_masks(mask, key_valid, is_causal, cached=cache is not None,
                                         batch=batch, kv_len=k.shape[2])
         result = attention(q, k, v, full_mask, dropout_p=self.dropout if self.training else 0.0,
                            backend=self.backend, return_weights=need_weights)
@@ -232,9 +249,7 @@ class MultiHeadAttention(nn.Module):
         if unbatched:
             out = out[0]  # [Tq, E]
             weights = None if weights is None else weights[0]  # [H, Tq, Tk]
-        if cache is not None:
-            return out, weights, new_cache
-        return out, weights
+        return MHAOutput(out, weights, new_cache)
 
     def _check_inputs(self, query, key, value) -> bool:
         """Raise on shapes the projections cannot take; return True for unbatched input."""
@@ -262,7 +277,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"key and value must have the same length Tk; got {where}")
         return query.dim() == 2
 
-    def _combine_masks(self, mask: MaskLike, key_padding_mask: Optional[torch.Tensor],
+    def _combine_masks(self, mask: MaskLike, key_valid: Optional[torch.Tensor],
                        is_causal: bool, *, cached: bool, batch: int, kv_len: int) -> Optional[Mask]:
         """``mask & causal & key padding`` as one attnkit mask over ``[B, H, Tq, Tk]``."""
         parts = []
@@ -270,19 +285,21 @@ class MultiHeadAttention(nn.Module):
             parts.append(as_mask(mask))
         if is_causal:
             parts.append(causal(align="bottom_right" if cached else "top_left"))
-        if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
-                raise TypeError(f"key_padding_mask must be a bool tensor [B, Tk] with True = real "
-                                f"key (may attend), got {getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}"
-                                f"; torch's convention (True = ignore) is the opposite: pass ~mask")
-            if tuple(key_padding_mask.shape) != (batch, kv_len):
-                raise ValueError(f"key_padding_mask has shape {tuple(key_padding_mask.shape)} but "
+        if key_valid is not None:
+            if not isinstance(key_valid, torch.Tensor) or key_valid.dtype != torch.bool:
+                raise TypeError(f"key_valid must be a bool tensor [B, Tk] with True = real "
+                                f"key (may attend), got {getattr(key_valid, 'dtype', type(key_valid).__name__)}"
+                                f"; torch's key_padding_mask (True = ignore) is the opposite: pass ~mask")
+            if tuple(key_valid.shape) != (batch, kv_len):
+                raise ValueError(f"key_valid has shape {tuple(key_valid.shape)} but "
                                  f"the keys are [B, Tk] = [{batch}, {kv_len}] (with a cache, Tk "
                                  f"counts cached keys too); True = real key")
             try:  # real keys in one run per row (left or right padding): an analytic block map
-                parts.append(padding(kv_mask=key_padding_mask))
+                if torch.compiler.is_compiling():  # the pattern cannot be read while tracing
+                    raise ValueError
+                parts.append(padding(kv_mask=key_valid))
             except ValueError:  # anything else stays an element mask
-                parts.append(dense(key_padding_mask[:, None, None, :]))  # [B, 1, 1, Tk]
+                parts.append(dense(key_valid[:, None, None, :]))  # [B, 1, 1, Tk]
         if not parts:
             return None
         combined = parts[0]

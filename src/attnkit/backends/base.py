@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -38,6 +38,9 @@ class Backend:
     DOUBLE_BACKWARD: bool = False
     """Its backward is differentiable (``create_graph=True``, gradient penalties); backends
     without it raise a clear error when a double backward reaches them."""
+    LSE_BACKWARD: bool = False
+    """Has :meth:`backward`: gradients from the saved output and LSE, called outside autograd
+    (a compiled graph's opaque backward)."""
     MAX_HEAD_DIM: Optional[int] = None
     DESCRIPTION: str = ""
 
@@ -89,3 +92,11 @@ class Backend:
 
     def forward(self, inputs: Inputs) -> BackendOutput:
         raise NotImplementedError
+
+    def backward(self, inputs: Inputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                 dlse: Optional[torch.Tensor], want_bias: Sequence[bool]) -> tuple:
+        """Gradients of a :meth:`forward` from its ``out [B, Hq, Tq, Dv]`` and ``lse [B, Hq, Tq]``
+        and their upstream gradients (``dlse`` may be ``None``) → ``(dq, dk, dv, dbiases)``;
+        ``want_bias`` and ``dbiases`` have one entry per ``inputs.biases`` (``None`` where no
+        gradient is wanted). Backends with ``LSE_BACKWARD``."""
+        raise NotImplementedError(f"backend {self.NAME!r} has no separate backward")

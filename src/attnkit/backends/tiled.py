@@ -906,7 +906,7 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
 
 class TiledBackend(Backend):
     NAME = "tiled"
-    SUPPORTS_BIAS_GRAD = DOUBLE_BACKWARD = True
+    SUPPORTS_BIAS_GRAD = DOUBLE_BACKWARD = LSE_BACKWARD = True
     DESCRIPTION = ("online-softmax tiles in PyTorch: O(T) memory, EMPTY tiles skipped, FULL tiles "
                    "unmasked; backward recomputes tiles")
 
@@ -921,12 +921,30 @@ class TiledBackend(Backend):
         if inputs.dropout_p > 0:
             seed = int(torch.randint(0, 2**62, (1,), generator=inputs.generator,
                                      device=inputs.generator.device if inputs.generator else "cpu"))
-        batch, heads_q, tq, _ = inputs.q.shape
-        space = inputs.space
-        fused = uses_fused_kernel(inputs.q, inputs.v, inputs.dropout_p) and not inputs.bias_grad
-        plan = make_plan(inputs.mask, space, batch=batch, heads=heads_q, q_offset=0, q_count=tq,
-                         kv_offset=0, kv_count=space.kv_len, fused=fused)
-        problem = Problem(inputs.mask, inputs.scale, space, 0, 0, plan, inputs.dropout_p, seed)
+        problem = _problem(inputs, seed)
         out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v, problem, *inputs.biases)
         weights = tiled_weights(inputs.q, inputs.k, lse, problem) if inputs.need_weights else None
         return BackendOutput(out, lse, weights)
+
+    def backward(self, inputs, out, lse, dout, dlse, want_bias):
+        if inputs.dropout_p > 0:
+            raise ValueError("tiled backward outside autograd needs dropout_p=0 (the forward's "
+                             "dropout seed is not kept)")
+        q = inputs.q
+        dbias = [torch.zeros(t.shape, dtype=accum_dtype(q.dtype), device=t.device) if want else None
+                 for t, want in zip(inputs.biases, want_bias)]
+        dq, dk, dv = tiled_backward(q, inputs.k, inputs.v, out, lse, dout, dlse,
+                                    _problem(inputs, 0, bias_grad=any(want_bias)), dbias=dbias)
+        return dq, dk, dv, dbias
+
+
+def _problem(inputs: Inputs, seed: int, bias_grad: Optional[bool] = None) -> Problem:
+    """The tiled problem (plan included) of a whole ``attention`` call; ``bias_grad`` (default:
+    ``inputs.bias_grad``) takes the matmul path, which forms dS for dBias."""
+    batch, heads_q, tq, _ = inputs.q.shape
+    space = inputs.space
+    bias_grad = inputs.bias_grad if bias_grad is None else bias_grad
+    fused = uses_fused_kernel(inputs.q, inputs.v, inputs.dropout_p) and not bias_grad
+    plan = make_plan(inputs.mask, space, batch=batch, heads=heads_q, q_offset=0, q_count=tq,
+                     kv_offset=0, kv_count=space.kv_len, fused=fused)
+    return Problem(inputs.mask, inputs.scale, space, 0, 0, plan, inputs.dropout_p, seed)

@@ -107,6 +107,7 @@ class TritonBackend(Backend):
     SUPPORTS_DROPOUT = False
     SUPPORTS_WEIGHTS = False
     SUPPORTS_BIAS = True
+    LSE_BACKWARD = True
     MAX_HEAD_DIM = 256
     DESCRIPTION = ("fused Triton kernels (online softmax, block-sparse masks, GQA, LSE); "
                    "CPU tensors run through the Triton interpreter (TRITON_INTERPRET=1)")
@@ -142,3 +143,8 @@ class TritonBackend(Backend):
         plan = launch.make_plan(inputs)
         out, lse = _TritonAttention.apply(inputs.q, inputs.k, inputs.v, plan)
         return BackendOutput(out, lse, None)
+
+    def backward(self, inputs, out, lse, dout, dlse, want_bias):
+        dq, dk, dv = _backward(dout, dlse, inputs.q, inputs.k, inputs.v, out, lse,
+                               launch.make_plan(inputs))
+        return dq, dk, dv, [None] * len(inputs.biases)

@@ -43,7 +43,8 @@ from typing import Callable, Optional
 import torch
 
 from ...inputs import Inputs
-from ...masks import FULL, PARTIAL, Mask, MaskCache, MaskSpace, _And, _Band, _Bias, _Documents, _Padding
+from ...masks import (FULL, PARTIAL, Mask, MaskCache, MaskSpace, _And, _Band, _Bias, _Documents,
+                      _Intervals, _Padding)
 
 LOG2E = 1.4426950408889634
 
@@ -356,7 +357,8 @@ class MaskProgram:
     ``kv_lengths`` int32 ``[B]``; ``q_docs`` ``[B, Tq]``/``kv_docs`` ``[B, Tk]`` int32 ids, or
     with ``doc_ranges`` int32 ``[B, Tq, 2]``/``[B, Tk, 2]``: each query's key range and each
     key's query range (see :func:`_doc_ranges`; a padding mask with starts takes this form
-    too, :func:`_padding_ranges`);
+    too, :func:`_padding_ranges`, and so do per-sequence bands and causal documents, whose
+    rows are runs too: ``masks._Intervals.ranges``);
     ``allowed`` int8 ``[B, H, Tq, Tk]`` (a view: broadcast dims have stride 0); ``bias`` float
     ``[B, H, Tq, Tk]`` with ``-inf`` = masked. Unset features cost nothing in the kernels.
     """
@@ -530,6 +532,10 @@ def compile_mask(mask: Optional[Mask], space: MaskSpace) -> MaskProgram:
                 program.q_docs, program.kv_docs, program.doc_ranges = q_ranges, kv_ranges, True
             else:
                 program.q_docs, program.kv_docs = _as_ids(q_ids, kv_ids, space)
+        elif isinstance(leaf, _Intervals) and program.q_docs is None:
+            # per-sequence bands, causal documents: each query's key run, each key's query run
+            program.q_docs, program.kv_docs = leaf.ranges(space)
+            program.doc_ranges = True
         elif isinstance(leaf, _Bias):
             biases.append(leaf.values.to(space.device))
         else:  # dense, from_function, |, ~, a second documents(): evaluated once, loaded per tile

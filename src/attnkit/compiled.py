@@ -1,0 +1,194 @@
+"""``attention`` under ``torch.compile``: a structured mask runs as one opaque operator.
+
+Masks are Python objects whose block maps, lengths and ranges are read from tensor values
+(``int(t.max())``, block lists built on the host): what a backend does is data-dependent, so
+tracing into it breaks the graph. Inside a compiled region :func:`attention` therefore lowers
+the mask to a *spec* (a string naming its classes and constant parameters) plus its tensors,
+and calls the custom operator ``attnkit::attention``, which rebuilds the mask and runs the
+eager :func:`attnkit.attention` on real tensors; ``attnkit::attention_backward`` gives the
+gradients from the saved output and LSE through a backend's own backward (``tiled`` or
+``triton``: no recomputed forward). Fake-tensor implementations give the output shapes, so
+the graph around the call compiles in one piece, forward and backward.
+
+No mask and top-left causal are traced directly (torch's fused kernel is inlined there).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from . import masks as _masks
+from .masks import Mask, MaskSpace
+
+def _encode(value, tensors: list, space: MaskSpace):
+    """One mask attribute as a literal: tensors become their index in ``tensors``; a
+    ``from_function`` mask (a Python callable, which a string cannot name) becomes the dense
+    mask it evaluates to over ``space``, computed in the graph."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return ("T", len(tensors) - 1)
+    if isinstance(value, _masks._Function):
+        value = _masks.dense(value.tile(torch.arange(space.q_len, device=space.device),
+                                        torch.arange(space.kv_len, device=space.device), space))
+    if isinstance(value, Mask):
+        fields = value.__dict__
+        return ("M", type(value).__name__,
+                tuple((name, _encode(fields[name], tensors, space)) for name in sorted(fields)))
+    if isinstance(value, tuple):
+        return ("S", tuple(_encode(item, tensors, space) for item in value))
+    return ("C", value)
+
+
+def flatten(mask: Mask, space: MaskSpace) -> tuple[str, list[torch.Tensor]]:
+    """``mask`` as ``(spec, tensors)``: the spec names every class and constant parameter (a
+    string, constant for a compiled graph), the tensors are its lengths, ids, biases...;
+    :func:`unflatten` rebuilds an equal mask from them. ``space``: the call's extent (for
+    ``from_function`` masks)."""
+    tensors: list[torch.Tensor] = []
+    return repr(_encode(mask, tensors, space)), tensors
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(spec: str):
+    return ast.literal_eval(spec)
+
+
+def unflatten(spec: str, tensors: Sequence[torch.Tensor]) -> Mask:
+    """The mask :func:`flatten` described, holding ``tensors``."""
+
+    def build(node):
+        kind = node[0]
+        if kind == "T":
+            return tensors[node[1]]
+        if kind == "M":
+            mask = object.__new__(getattr(_masks, node[1]))
+            mask.__dict__.update((name, build(value)) for name, value in node[2])
+            return mask
+        if kind == "S":
+            return tuple(build(item) for item in node[1])
+        return node[1]
+
+    return build(_parse(spec))
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _engine(q, k, v, mask: Mask, scale: Optional[float], backend: str, need_weights: bool):
+    """``(inputs, backend)`` for a call whose gradients come from ``Backend.backward``; the
+    forward and the backward operator make the same choice from the same arguments."""
+    from .dispatch import select_with_backward
+    from .inputs import validate
+
+    inputs = validate(q, k, v, mask, scale=scale, need_lse=True, need_weights=need_weights)
+    chosen = select_with_backward(inputs, backend)
+    if chosen is None:
+        raise ValueError(f"attnkit under torch.compile: backend={backend!r} has no separate "
+                         f"backward for these inputs (q {tuple(q.shape)}, mask {mask!r}); the "
+                         f"gradients of a compiled call come from tiled or triton: use "
+                         f"backend='auto' or backend='tiled'")
+    return inputs, chosen
+
+
+@torch.library.custom_op("attnkit::attention", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
+                spec: str, scale: Optional[float], backend: str, need_weights: bool,
+                trainable: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .api import attention as eager
+
+    mask = unflatten(spec, tensors)
+    if trainable:
+        backend = _engine(q, k, v, mask, scale, backend, need_weights)[1].NAME
+    result = eager(q, k, v, mask, scale=scale, backend=backend, return_lse=True,
+                   return_weights=need_weights)
+    weights = result.weights if need_weights else q.new_empty(0)
+    fresh = torch.contiguous_format  # the layouts the fake implementation states
+    return (result.out.clone(memory_format=fresh), result.lse.clone(memory_format=fresh),
+            weights.clone(memory_format=fresh))
+
+
+@_forward_op.register_fake
+def _(q, k, v, tensors, spec, scale, backend, need_weights, trainable):
+    rows = q.shape[:-1]
+    weights = q.new_empty((*rows, k.shape[-2])) if need_weights else q.new_empty(0)
+    return (q.new_empty((*rows, v.shape[-1])), q.new_empty(rows, dtype=_lse_dtype(q)), weights)
+
+
+@torch.library.custom_op("attnkit::attention_backward", mutates_args=())
+def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 tensors: list[torch.Tensor], wanted: list[bool], spec: str,
+                 scale: Optional[float], backend: str, need_weights: bool) -> list[torch.Tensor]:
+    mask = unflatten(spec, tensors)
+    inputs, chosen = _engine(q, k, v, mask, scale, backend, need_weights)
+    rows = inputs.q.shape[:3]
+    wanted_by_id = {id(t): want for t, want in zip(tensors, wanted)}
+    biases = mask.biases()  # the caller's tensors, in the order of inputs.biases (fitted copies)
+    dq, dk, dv, dbias = chosen.backward(
+        inputs, out.reshape(*rows, -1), lse.reshape(rows), dout.reshape(*rows, -1),
+        None if dlse is None else dlse.reshape(rows), [wanted_by_id[id(t)] for t in biases])
+    by_id = {id(t): d for t, d in zip(biases, dbias)}
+    extra = [_like(by_id[id(t)], t) if want and by_id.get(id(t)) is not None
+             else torch.zeros_like(t) if want else t.new_empty(0)
+             for t, want in zip(tensors, wanted)]
+    return [_like(dq, q), _like(dk, k), _like(dv, v), *extra]
+
+
+def _like(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``x``'s shape and strides (``torch.empty_like``), as the fake states."""
+    return torch.empty_like(x).copy_(grad.reshape(x.shape))
+
+
+@_backward_op.register_fake
+def _(dout, dlse, q, k, v, out, lse, tensors, wanted, spec, scale, backend, need_weights):
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            *(torch.empty_like(t) if want else t.new_empty(0) for t, want in zip(tensors, wanted))]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, tensors, spec, scale, backend, need_weights, _ = inputs
+    out, lse, _ = output
+    ctx.set_materialize_grads(False)  # an unused LSE gives None: the fused backward then applies
+    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.wanted = [t.requires_grad and t.is_floating_point() for t in tensors]
+    ctx.options = (spec, scale, backend, need_weights)
+
+
+def _backward(ctx, dout, dlse, dweights):
+    if dweights is not None and dweights.numel():
+        raise RuntimeError("attnkit under torch.compile: the attention weights returned by "
+                           "return_weights=True are not differentiable there; differentiate "
+                           "out/lse, or run eagerly")
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, *extra = _backward_op(dout, dlse, q, k, v, out, lse, tensors, ctx.wanted,
+                                      *ctx.options)
+    dtensors = [d if want else None for d, want in zip(extra, ctx.wanted)]
+    return dq, dk, dv, dtensors, None, None, None, None, None
+
+
+torch.library.register_autograd("attnkit::attention", _backward, setup_context=_setup_context)
+
+
+def attention(q, k, v, mask: Mask, *, scale, dropout_p, backend, return_lse, return_weights):
+    """:func:`attnkit.attention` inside a compiled region, for a structured ``mask``: the same
+    results, through the ``attnkit::attention`` operator (see the module docstring)."""
+    if dropout_p > 0:
+        raise ValueError(f"attnkit under torch.compile: dropout_p={dropout_p} with mask {mask!r} "
+                         f"is not supported inside a compiled region; apply dropout to the "
+                         f"output instead, or call attention outside torch.compile")
+    rows = q.shape[:-2]
+    batch = 1 if q.dim() == 2 else rows[0] if q.dim() == 3 else math.prod(rows[:-1])
+    heads = 1 if q.dim() < 4 else rows[-1]
+    spec, tensors = flatten(mask, MaskSpace(batch, heads, q.shape[-2], k.shape[-2], q.device))
+    trainable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))
+    out, lse, weights = _forward_op(q, k, v, tensors, spec, scale, backend, bool(return_weights),
+                                    trainable)
+    return out, (lse if return_lse else None), (weights if return_weights else None)

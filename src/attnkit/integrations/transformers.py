@@ -1,0 +1,427 @@
+"""Hugging Face transformers backend: ``attn_implementation="attnkit"``.
+
+::
+
+    import attnkit.integrations.transformers as ak_hf
+    ak_hf.register()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attnkit")
+
+:func:`register` adds two functions to transformers under the name ``"attnkit"``:
+
+- a *mask function* (``AttentionMaskInterface``), called once per forward pass and per layer
+  type by transformers' mask creation (``create_causal_mask``, ``create_bidirectional_mask``,
+  ``create_sliding_window_causal_mask``, ...). It turns what transformers describes (the
+  2-D padding mask, the cache's query and key offsets, the mask pattern) into a structured
+  attnkit mask, handed to every attention layer as a :class:`TransformersMask`. A name
+  without a registered mask function gets no mask at all from transformers (padding would be
+  lost), hence both registrations.
+- an *attention function* (``AttentionInterface``), called by every attention layer with
+  ``query [B, Hq, Tq, D]``, ``key``/``value [B, Hkv, Tk, D]`` (Hq a multiple of Hkv: GQA runs
+  without repeating K/V), returning ``(out [B, Tq, Hq, Dv], weights [B, Hq, Tq, Tk] or None)``.
+
+How transformers' patterns become attnkit masks (``q``/``kv``: absolute positions, i.e. the
+call's index plus the cache's query/key offset):
+
+=====================================  ===================================================
+transformers                           attnkit
+=====================================  ===================================================
+causal (``kv ≤ q``)                    ``causal()``; with a cache ``causal("bottom_right")``
+                                       or a window with ``right`` = the offset; nothing at
+                                       all when every key is visible (decoding)
+sliding window ``w`` (``q - w < kv``)  ``sliding_window(w - 1)``: ``w`` keys, the query's
+                                       own included
+bidirectional                          no mask
+bidirectional window ``w``             ``sliding_window(w, w)``
+chunked attention (chunk ``c``)        ``documents`` of the chunk numbers, ``& causal``
+packed sequences (``position_ids``     ``documents(sequence ids) & causal()``
+restarting, no padding mask)
+2-D ``attention_mask``                 ``padding(kv_mask=...)`` on the keys (one run of real
+                                       tokens per row, left or right padding); other
+                                       patterns ``dense`` of the key mask ``[B, 1, 1, Tk]``
+=====================================  ===================================================
+
+Padded *query* rows are left as transformers leaves them (they attend to the real keys), so
+every real token sees the keys it sees under ``eager``. Patterns are recognised by the names
+of transformers' own mask functions (``masking_utils``) and the values they close over. One
+this module does not recognise (a model's own ``or_mask_function``/``and_mask_function``,
+block-wise overlays, a renamed function in another transformers release) becomes ``dense``
+of the boolean mask transformers itself builds for ``"sdpa"``: exact, at ``O(B·Tq·Tk)``
+memory (the ``attnkit`` logger says so at DEBUG level).
+
+Features attnkit does not compute raise ``NotImplementedError`` naming them: logit
+softcapping (Gemma 2's ``attn_logit_softcapping``), learned attention sinks (gpt-oss),
+sparse-attention index selections. Dropout in training is attnkit's ``dropout_p``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+import attnkit as ak
+from attnkit.masks import UNBOUNDED, Mask
+
+try:
+    import transformers
+    from transformers import masking_utils
+except ImportError as error:  # pragma: no cover - exercised only without transformers
+    raise ImportError("attnkit.integrations.transformers needs Hugging Face transformers: "
+                      "pip install 'attnkit[transformers]'") from error
+
+__all__ = ["NAME", "register", "attention_forward", "mask_forward", "TransformersMask"]
+
+NAME = "attnkit"
+"""The ``attn_implementation`` name :func:`register` adds."""
+
+_log = logging.getLogger("attnkit")
+
+_UNSUPPORTED = {
+    "softcap": "attention logit softcapping (e.g. Gemma 2's attn_logit_softcapping)",
+    "s_aux": "learned attention sinks (e.g. gpt-oss)",
+    "sinks": "learned attention sinks",
+    "indices": "sparse attention over selected key indices",
+    "block_indices": "sparse attention over selected key blocks",
+}
+"""Keyword arguments of transformers' attention calls that change the computation in ways
+attnkit does not implement, with the feature each one names. Present and not ``None``, they
+raise instead of being ignored."""
+
+
+def register() -> None:
+    """Register ``"attnkit"`` with transformers: the attention function
+    (``AttentionInterface``) and the mask function (``AttentionMaskInterface``). Then
+    ``from_pretrained(..., attn_implementation="attnkit")``, ``from_config(...)`` and
+    ``model.set_attn_implementation("attnkit")`` accept the name. Calling it again changes
+    nothing."""
+    transformers.AttentionInterface.register(NAME, attention_forward)
+    masking_utils.AttentionMaskInterface.register(NAME, mask_forward)
+
+
+class TransformersMask:
+    """The mask every attention layer of one type receives for one forward pass: an attnkit
+    mask (or ``None``: every key visible) for ``q_len`` queries against ``kv_len`` keys, batch
+    ``batch``. ``structured`` is False when the pattern was not recognised and ``mask`` is
+    ``ak.dense`` of transformers' own boolean mask ``[B, 1, q_len, kv_len]``.
+
+    ``shape`` (``(batch, 1, q_len, kv_len)``) and ``ndim`` (4) answer the questions
+    transformers asks of a prepared 4-D mask, so a mask built ahead of the forward pass (as
+    ``generate`` does for static caches) is passed through unchanged."""
+
+    ndim = 4
+
+    def __init__(self, mask: Optional[Mask], batch: int, q_len: int, kv_len: int, *,
+                 structured: bool = True):
+        self.mask, self.batch, self.q_len, self.kv_len = mask, batch, q_len, kv_len
+        self.structured = structured
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, 1, self.q_len, self.kv_len)
+
+    def __repr__(self) -> str:
+        kind = "" if self.structured else ", dense fallback"
+        return f"TransformersMask({self.mask!r}, {list(self.shape)}{kind})"
+
+
+# ---- the mask function -----------------------------------------------------------------------
+def mask_forward(batch_size: int, q_length: int, kv_length: int,
+                 q_offset: Union[int, torch.Tensor] = 0, kv_offset: Union[int, torch.Tensor] = 0,
+                 mask_function: Optional[Callable] = None,
+                 attention_mask: Optional[torch.Tensor] = None, use_vmap: bool = False,
+                 device: Union[torch.device, str] = "cpu", **kwargs) -> TransformersMask:
+    """transformers' mask-interface call → :class:`TransformersMask`.
+
+    Args (as transformers passes them): ``q_length``/``kv_length`` the query and key counts of
+    the attention calls; ``q_offset``/``kv_offset`` the absolute position of the first query
+    and key (the cache length, and for sliding-window caches the first key kept);
+    ``mask_function(b, h, q, kv) -> bool`` the pattern on absolute positions;
+    ``attention_mask`` the 2-D padding mask ``[B, ≥ kv_offset + kv_length]`` (True = real
+    token; shorter masks count the missing keys as padding) or ``None``. Other keyword
+    arguments (``local_size``, ``allow_is_causal_skip``, ``dtype``, ``config``, ...) are
+    accepted and not needed.
+    """
+    if isinstance(attention_mask, TransformersMask):  # built ahead by generate(): already ours
+        if attention_mask.shape != (batch_size, 1, q_length, kv_length):
+            raise ValueError(f"a prepared attnkit mask of shape {attention_mask.shape} was passed "
+                             f"for an attention of shape {(batch_size, 1, q_length, kv_length)}")
+        return attention_mask
+    if mask_function is None:
+        mask_function = masking_utils.causal_mask_function
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    try:
+        mask = _structured(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
+        return TransformersMask(mask, batch_size, q_length, kv_length)
+    except _NotStructured:
+        _log.debug("transformers mask %s (q_offset %d, kv_offset %d): no structured "
+                   "translation, using transformers' dense mask",
+                   getattr(mask_function, "__qualname__", mask_function), q_offset, kv_offset)
+        allowed = masking_utils.sdpa_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+            kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+            allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=use_vmap,
+            device=device)
+        return TransformersMask(ak.dense(allowed), batch_size, q_length, kv_length,
+                                structured=False)
+
+
+class _NotStructured(Exception):
+    """The pattern has no exact structured translation: build transformers' dense mask."""
+
+
+@dataclass
+class _Pattern:
+    """A recognised pattern: keys with ``lo ≤ kv - q ≤ hi`` (absolute positions), within the
+    same group for every entry of ``groups`` (``("packed", ids [B, T])`` or ``("chunk", size,
+    left_padding [B])``). ``positions`` ``[B|1, T]``: the band was written on these position
+    ids (packed sequences), not on indices."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    groups: tuple = ()
+    positions: Optional[torch.Tensor] = None
+
+
+def _free_variables(fn: Callable) -> dict:
+    cells = getattr(fn, "__closure__", None) or ()
+    return {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells)}
+
+
+def _window(value) -> Optional[int]:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _read(fn: Callable) -> Optional[_Pattern]:
+    """The pattern of one of transformers' own mask functions (read from its name and the
+    values it closes over), or ``None`` for anything else."""
+    if getattr(fn, "__module__", None) != masking_utils.__name__:
+        return None
+    name = getattr(fn, "__qualname__", "")
+    if name == "causal_mask_function":
+        return _Pattern(hi=0)
+    if name == "bidirectional_mask_function":
+        return _Pattern()
+    free = _free_variables(fn)
+    if name == "sliding_window_overlay.<locals>.inner_mask":
+        window = _window(free.get("sliding_window"))
+        return None if window is None else _Pattern(lo=1 - window)
+    if name == "sliding_window_bidirectional_overlay.<locals>.inner_mask":
+        window = _window(free.get("sliding_window"))
+        return None if window is None else _Pattern(lo=-window, hi=window)
+    if name == "chunked_overlay.<locals>.inner_mask":
+        size, left = _window(free.get("chunk_size")), free.get("left_padding")
+        if size is None or size <= 0 or not isinstance(left, torch.Tensor) or left.dim() != 1:
+            return None
+        return _Pattern(groups=(("chunk", size, left),))
+    if name == "packed_sequence_mask_function.<locals>.inner_mask":
+        ids = free.get("packed_sequence_mask")
+        ok = isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point()
+        return _Pattern(groups=(("packed", ids),)) if ok else None
+    if name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+        inner, positions = _read(free.get("mask_function")), free.get("position_ids")
+        if inner is None or inner.groups or inner.positions is not None:
+            return None
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+            return None
+        return _Pattern(inner.lo, inner.hi, positions=positions)
+    if name in ("and_masks.<locals>.and_mask", "or_masks.<locals>.or_mask"):
+        parts = [_read(f) for f in free.get("mask_functions", ())]
+        if not parts or any(p is None for p in parts):
+            return None
+        if name.startswith("or_masks"):
+            return parts[0] if len(parts) == 1 else None
+        positions = [p.positions for p in parts if p.positions is not None]
+        if any(p is not positions[0] for p in positions):
+            return None
+        return _Pattern(lo=max(p.lo for p in parts), hi=min(p.hi for p in parts),
+                        groups=sum((p.groups for p in parts), ()),
+                        positions=positions[0] if positions else None)
+    return None
+
+
+def _structured(q_len: int, kv_len: int, q_offset: int, kv_offset: int, mask_function: Callable,
+                attention_mask: Optional[torch.Tensor]) -> Optional[Mask]:
+    """The exact attnkit mask for the call, or ``_NotStructured``."""
+    pattern = _read(mask_function)
+    if pattern is None:
+        raise _NotStructured
+    parts = [_band(pattern.lo, pattern.hi, q_offset - kv_offset, q_len, kv_len)]
+    packed = [g for g in pattern.groups if g[0] == "packed"]
+    if pattern.positions is not None and not any(_consecutive(pattern.positions, ids)
+                                                 for _, ids in packed):
+        raise _NotStructured
+    for group in pattern.groups:
+        parts.append(_group(group, q_len, kv_len, q_offset, kv_offset))
+    parts.append(_key_padding(attention_mask, kv_len, kv_offset))
+    mask = None
+    for part in parts:
+        if part is not None:
+            mask = part if mask is None else mask & part
+    return mask
+
+
+def _band(lo: float, hi: float, shift: int, q_len: int, kv_len: int) -> Optional[Mask]:
+    """Keys ``lo ≤ kv - q ≤ hi`` in absolute positions, i.e. ``lo + shift ≤ j - i ≤ hi +
+    shift`` for query index ``i`` and key index ``j`` (``shift = q_offset - kv_offset``), as a
+    causal or sliding-window mask; ``None`` when the band holds every key of every query."""
+    lo, hi = lo + shift, hi + shift
+    if lo > hi:
+        raise _NotStructured
+    if lo <= -(q_len - 1) and hi >= kv_len - 1:
+        return None
+    fits = []  # (align, left, right) with j - i - diagonal within [-left, right]
+    for align, diagonal in (("top_left", 0), ("bottom_right", kv_len - q_len)):
+        left, right = diagonal - lo, hi - diagonal
+        if left >= 0 and right >= 0:
+            fits.append((align, left, right))
+    if not fits:
+        raise _NotStructured
+    # top-left first (equal to bottom-right when Tq == Tk), but a diagonal of the band's own
+    # (right == 0, e.g. causal after a cache) before a shifted one
+    align, left, right = next((fit for fit in fits if fit[2] == 0), fits[0])
+    if right == 0 and left == math.inf:
+        return ak.causal(align)
+    return ak.sliding_window(*(UNBOUNDED if b == math.inf else int(b) for b in (left, right)),
+                             align=align)
+
+
+def _consecutive(positions: torch.Tensor, ids: torch.Tensor) -> bool:
+    """True when the packed sequence ids are runs of consecutive (non-negative) position ids,
+    so a band on positions equals the band on indices within a sequence."""
+    if positions.shape[-1] != ids.shape[-1] or positions.shape[0] not in (1, ids.shape[0]):
+        return False
+    positions = positions.to(ids.device).expand(ids.shape)
+    same = ids[:, 1:] == ids[:, :-1]
+    return (bool((ids[:, 1:] >= ids[:, :-1]).all()) and bool((positions >= 0).all())
+            and torch.equal(same, positions[:, 1:] - positions[:, :-1] == 1))
+
+
+def _group(group: tuple, q_len: int, kv_len: int, q_offset: int, kv_offset: int) -> Mask:
+    """``documents`` for a packed-sequence or chunked-attention group."""
+    if group[0] == "packed":
+        ids = group[1]
+        if q_offset or kv_offset or not q_len == kv_len == ids.shape[-1]:
+            raise _NotStructured
+        return ak.documents(ids)
+    _, size, left = group
+    q_pos = torch.arange(q_len, device=left.device) + q_offset
+    kv_pos = torch.arange(kv_len, device=left.device) + kv_offset
+    return ak.documents(torch.div(q_pos[None] - left[:, None], size, rounding_mode="floor"),
+                        torch.div(kv_pos[None] - left[:, None], size, rounding_mode="floor"))
+
+
+def _key_padding(attention_mask: Optional[torch.Tensor], kv_len: int,
+                 kv_offset: int) -> Optional[Mask]:
+    """The 2-D padding mask restricted to this call's keys ``[kv_offset, kv_offset + kv_len)``
+    (positions past its end are padding): ``padding(kv_mask=...)`` when every row's real keys
+    are one run, else ``dense [B, 1, 1, Tk]``; ``None`` when every key is real."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        raise _NotStructured
+    real = attention_mask.to(torch.bool)
+    end = kv_offset + kv_len
+    if real.shape[-1] < end:
+        real = F.pad(real, (0, end - real.shape[-1]), value=False)
+    real = real[:, kv_offset:end]
+    if bool(real.all()):
+        return None
+    count = real.sum(-1)
+    index = torch.arange(kv_len, device=real.device)
+    first = torch.where(real, index, kv_len).amin(-1)
+    last = torch.where(real, index, -1).amax(-1)
+    if bool(((count == 0) | (last - first + 1 == count)).all()):
+        return ak.padding(kv_mask=real)
+    return ak.dense(real[:, None, None, :])
+
+
+# ---- the attention function ------------------------------------------------------------------
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor,
+                      attention_mask: Union[TransformersMask, torch.Tensor, None],
+                      dropout: float = 0.0, scaling: Optional[float] = None,
+                      is_causal: Optional[bool] = None, **kwargs,
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """transformers' attention-interface call, run by :func:`attnkit.attention`.
+
+    Shapes: ``query [B, Hq, Tq, D]``, ``key [B, Hkv, Tk, D]``, ``value [B, Hkv, Tk, Dv]``
+    (Hq a multiple of Hkv). Returns ``out [B, Tq, Hq, Dv]`` (contiguous) and the attention
+    weights ``[B, Hq, Tq, Tk]`` when the call asks ``output_attentions=True``, else ``None``
+    (the weights before dropout; eager returns them after).
+
+    ``attention_mask``: a :class:`TransformersMask` from :func:`mask_forward`; a 4-D tensor
+    broadcastable to ``[B, Hq, Tq, Tk]`` (bool: True = may attend; float: added to the scores,
+    as eager adds it); or ``None``, which means causal (top-left) when ``is_causal`` (or
+    ``module.is_causal``) and ``Tq > 1``, as transformers' ``sdpa`` reads it. ``scaling``
+    multiplies the scores (default ``1/sqrt(D)``); ``dropout`` is the dropout probability on
+    the weights. ``position_bias [B|1, Hq|1, Tq, Tk]`` is added to the scaled scores. With no
+    mask, ``cu_seq_lens_q``/``cu_seq_lens_k`` (packed sequences in one row) keep the
+    sequences apart.
+
+    Raises ``NotImplementedError`` for logit softcapping, attention sinks and sparse index
+    selections (see :data:`_UNSUPPORTED`).
+    """
+    for name, feature in _UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"attn_implementation='attnkit' does not support {feature}: "
+                f"{type(module).__name__} passed {name}=...; load this model with "
+                f"attn_implementation='eager' instead")
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if isinstance(attention_mask, TransformersMask):
+        if (attention_mask.q_len, attention_mask.kv_len) != (q_len, kv_len):
+            raise ValueError(
+                f"{type(module).__name__} got an attnkit mask for {attention_mask.q_len} queries "
+                f"× {attention_mask.kv_len} keys but attends {q_len} queries × {kv_len} keys "
+                f"(query {tuple(query.shape)}, key {tuple(key.shape)})")
+        mask = attention_mask.mask
+    elif attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        mask = ak.causal() if causal and q_len > 1 else None
+        mask = _varlen(kwargs, mask, query.shape[0], q_len, kv_len)
+    elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        mask = (ak.dense(attention_mask) if attention_mask.dtype == torch.bool
+                else ak.bias(attention_mask))
+    else:
+        shape = getattr(attention_mask, "shape", None)
+        raise TypeError(
+            f"attn_implementation='attnkit' got an attention_mask of type "
+            f"{type(attention_mask).__name__}{'' if shape is None else f' {tuple(shape)}'}: "
+            f"expected the mask transformers builds with the attnkit mask function (call "
+            f"attnkit.integrations.transformers.register() before loading the model), a 4-D "
+            f"[B, H|1, Tq, Tk] tensor, or None")
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:
+        mask = ak.bias(position_bias) if mask is None else ak.bias(position_bias) & mask
+    weights_wanted = bool(kwargs.get("output_attentions", False))
+    result = ak.attention(query, key, value, mask, scale=scaling, dropout_p=dropout,
+                          return_weights=weights_wanted)
+    out, weights = (result.out, result.weights) if weights_wanted else (result, None)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def _varlen(kwargs: dict, mask: Optional[Mask], batch: int, q_len: int,
+            kv_len: int) -> Optional[Mask]:
+    """``mask & documents(...)`` from the packed-sequence boundaries ``cu_seq_lens_q/k``
+    (``[n + 1]`` cumulative lengths, batch of one), when given."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return mask
+    cu_q = cu_k if cu_q is None else cu_q
+    cu_k = cu_q if cu_k is None else cu_k
+    if (batch != 1 or q_len != kv_len or cu_q.dim() != 1 or not torch.equal(cu_q, cu_k)
+            or int(cu_q[-1]) != q_len):
+        raise NotImplementedError(
+            f"attn_implementation='attnkit' takes cu_seq_lens_q/k only for packed sequences "
+            f"without a cache: batch 1, equal query and key boundaries ending at the sequence "
+            f"length (got batch {batch}, {q_len} queries, {kv_len} keys)")
+    ids = torch.searchsorted(cu_q[1:].to(torch.long),
+                             torch.arange(q_len, device=cu_q.device), right=True)
+    documents = ak.documents(ids)
+    return documents if mask is None else mask & documents

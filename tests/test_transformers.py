@@ -1,0 +1,498 @@
+"""attnkit as a Hugging Face transformers backend (``attn_implementation="attnkit"``).
+
+Tiny models are built from configs with random weights (no downloads); each model is built
+three times on the same weights, with ``"eager"`` (the reference), ``"sdpa"`` (the yardstick)
+and ``"attnkit"``. Outputs are compared on real (non-padded) tokens only: padded positions
+are never seen by real tokens, and eager gives their fully masked rows uniform weights where
+attnkit gives 0.
+
+The rule: attnkit differs from eager by at most 2× what sdpa differs from eager, plus a floor
+for when sdpa equals eager bit for bit (see :func:`_limit`).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attnkit as ak  # noqa: E402
+import attnkit.integrations.transformers as ak_hf  # noqa: E402
+from attnkit.masks import MaskSpace  # noqa: E402
+from transformers import masking_utils  # noqa: E402
+
+F32, F64 = torch.float32, torch.float64
+BATCH, SEQ, WINDOW = 3, 24, 5
+
+PADDING = type(ak.padding(kv_lengths=[1]))
+DENSE = type(ak.dense(torch.ones(1, 1, dtype=torch.bool)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    ak_hf.register()
+
+
+def _common(**extra) -> dict:
+    # initializer_range 0.2 (not the default 0.02) makes attention far from uniform, so a
+    # wrong mask changes the outputs by O(1).
+    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=100, max_position_embeddings=128,
+                initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+
+
+def _decoder_configs() -> dict:
+    return {
+        "llama-gqa": transformers.LlamaConfig(**_common()),
+        "mistral-window": transformers.MistralConfig(sliding_window=WINDOW, **_common()),
+        # layer 0 full attention, layer 1 sliding: two masks per forward pass
+        "qwen2-mixed": transformers.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW,
+                                                max_window_layers=1, **_common()),
+    }
+
+
+def _models(config, auto=transformers.AutoModelForCausalLM, dtype=F32,
+            impls=("eager", "sdpa", "attnkit")) -> dict:
+    """One model per attention implementation, all with the eager model's weights."""
+    models = {}
+    for impl in impls:  # a config copy each: from_config sets the implementation on the config
+        torch.manual_seed(0)
+        model = auto.from_config(copy.deepcopy(config), attn_implementation=impl)
+        models[impl] = model.to(dtype).eval()
+    weights = models["eager"].state_dict()
+    for impl, model in models.items():
+        model.load_state_dict(weights)
+        assert model.config._attn_implementation == impl
+    return models
+
+
+def _batch(padding: str, seq: int = SEQ, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention_mask [BATCH, seq]: row 0 unpadded, rows 1-2 padded on the
+    given side (7 and 3 pad tokens)."""
+    ids = torch.randint(3, 100, (BATCH, seq), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(BATCH, seq, dtype=torch.long)
+    for row, pads in ((1, 7), (2, 3)):
+        if padding == "left":
+            mask[row, :pads] = 0
+        elif padding == "right":
+            mask[row, seq - pads:] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def _limit(eager: torch.Tensor, sdpa: torch.Tensor, real: torch.Tensor, terms: int) -> float:
+    """2× the sdpa−eager difference on real tokens, plus a floor: reordering a float sum of
+    ``terms`` values may change it by up to about ``terms · eps · max|value|`` (the classic
+    summation bound), which two correct attentions over ``terms`` keys may differ by even
+    when sdpa and eager happen to agree exactly."""
+    eps = torch.finfo(eager.dtype).eps
+    return (2 * (sdpa - eager)[real].abs().max().item()
+            + terms * eps * eager[real].abs().max().item())
+
+
+@pytest.fixture
+def captured(monkeypatch) -> list:
+    """The masks handed to ``ak.attention`` while the test runs, in call order."""
+    masks = []
+    real_attention = ak.attention
+
+    def spy(q, k, v, mask=None, **kwargs):
+        masks.append(mask)
+        return real_attention(q, k, v, mask, **kwargs)
+
+    monkeypatch.setattr(ak, "attention", spy)
+    return masks
+
+
+def _rand(*shape, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def _leaves(mask) -> list:
+    parts = getattr(mask, "parts", None)
+    return [mask] if not parts else [leaf for part in parts for leaf in _leaves(part)]
+
+
+# ---- registration --------------------------------------------------------------------------
+def test_register_twice_is_harmless():
+    ak_hf.register()
+    ak_hf.register()
+    assert transformers.AttentionInterface()["attnkit"] is ak_hf.attention_forward
+    assert masking_utils.AttentionMaskInterface()["attnkit"] is ak_hf.mask_forward
+    model = transformers.AutoModel.from_config(transformers.LlamaConfig(**_common()),
+                                               attn_implementation="attnkit")
+    assert model.config._attn_implementation == "attnkit"
+
+
+def test_from_pretrained_with_attnkit(tmp_path):
+    models = _models(_bert_config(), auto=transformers.AutoModel, impls=("eager", "sdpa"))
+    models["eager"].save_pretrained(tmp_path)
+    loaded = transformers.AutoModel.from_pretrained(tmp_path, attn_implementation="attnkit").eval()
+    assert loaded.config._attn_implementation == "attnkit"
+    ids, mask = _batch("right", seq=16)
+    with torch.no_grad():
+        mine = loaded(input_ids=ids, attention_mask=mask).last_hidden_state
+        eager, sdpa = (models[impl](input_ids=ids, attention_mask=mask).last_hidden_state
+                       for impl in ("eager", "sdpa"))
+    real = mask.bool()
+    assert (mine - eager)[real].abs().max().item() <= _limit(eager, sdpa, real, 16)
+
+
+# ---- decoders: logits against eager ---------------------------------------------------------
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window", "qwen2-mixed"])
+def test_decoder_logits_match_eager(name, padding):
+    models = _models(_decoder_configs()[name])
+    ids, mask = _batch(padding)
+    with torch.no_grad():
+        out = {impl: m(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+               for impl, m in models.items()}
+    real = mask.bool()
+    for field in ("logits", "hidden_states"):
+        get = (lambda o: o.logits) if field == "logits" else (lambda o: o.hidden_states[-1])
+        eager, sdpa, mine = (get(out[impl]) for impl in ("eager", "sdpa", "attnkit"))
+        assert (mine - eager)[real].abs().max().item() <= _limit(eager, sdpa, real, SEQ), field
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
+def test_float64_decoder_matches_sdpa(name, padding):
+    """float64 against sdpa, not eager: eager computes its softmax in float32 whatever the
+    model's dtype, and its mask value (float64's lowest) overflows to -inf in float32, so the
+    fully masked rows of padding turn NaN there and reach real tokens through their zero
+    weights. sdpa computes in float64 throughout: the two agree to float64 rounding."""
+    models = _models(_decoder_configs()[name], dtype=F64, impls=("eager", "sdpa", "attnkit"))
+    ids, mask = _batch(padding)
+    with torch.no_grad():
+        out = {impl: m(input_ids=ids, attention_mask=mask).logits for impl, m in models.items()}
+    real = mask.bool()
+    assert ((out["attnkit"] - out["sdpa"])[real].abs().max().item()
+            <= _limit(out["sdpa"], out["sdpa"], real, SEQ))
+
+
+def test_padding_is_not_lost():
+    """The comparison above can fail: without its padding mask the left-padded row changes."""
+    models = _models(_decoder_configs()["llama-gqa"], impls=("eager", "attnkit"))
+    ids, mask = _batch("left")
+    with torch.no_grad():
+        padded = models["attnkit"](input_ids=ids, attention_mask=mask).logits
+        unmasked = models["attnkit"](input_ids=ids).logits
+    assert (padded - unmasked)[1][mask[1].bool()].abs().max() > 1e-2
+
+
+def test_padded_batch_uses_structured_masks(captured):
+    for name in ("llama-gqa", "qwen2-mixed"):
+        model = _models(_decoder_configs()[name], impls=("eager", "attnkit"))["attnkit"]
+        for padding in ("left", "right"):
+            ids, mask = _batch(padding)
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask)
+    assert len(captured) == 8  # 2 models × 2 paddings × 2 layers
+    for mask in captured:
+        leaves = _leaves(mask)
+        assert any(isinstance(leaf, PADDING) for leaf in leaves), mask
+        assert not any(isinstance(leaf, DENSE) for leaf in leaves), mask
+
+
+def test_packed_sequences_become_documents(captured):
+    """position_ids restarting at 0 without a padding mask: each sequence attends only to
+    itself, as eager does, through a documents mask."""
+    models = _models(_decoder_configs()["llama-gqa"])
+    ids, _ = _batch("none")
+    ids = ids[:1, :12]
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    with torch.no_grad():
+        out = {impl: m(input_ids=ids, position_ids=positions, use_cache=False).logits
+               for impl, m in models.items()}
+        packed_masks = list(captured)
+        alone = models["attnkit"](input_ids=ids[:, 5:8], use_cache=False).logits
+    real = torch.ones_like(ids, dtype=torch.bool)
+    assert ((out["attnkit"] - out["eager"]).abs().max().item()
+            <= _limit(out["eager"], out["sdpa"], real, 12))
+    floor = _limit(alone, alone, real[:, :3], 12)
+    torch.testing.assert_close(out["attnkit"][:, 5:8], alone, rtol=0, atol=floor)
+    documents = type(ak.documents([0]))
+    assert len(packed_masks) == 2  # one per layer
+    assert all(any(isinstance(leaf, documents) for leaf in _leaves(m)) for m in packed_masks)
+
+
+# ---- generation with a KV cache --------------------------------------------------------------
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window", "qwen2-mixed"])
+def test_greedy_generate_left_padded_matches_eager(name, cache):
+    """20 new tokens after a 10-token left-padded prompt (windows of 5 slide during decoding).
+    float32: float64 eager turns left padding into NaN (see the float64 test); on these
+    prompts the gap between the two best logits stays far above the attnkit−eager difference,
+    so greedy choices are not decided by rounding."""
+    models = _models(_decoder_configs()[name], impls=("eager", "attnkit"))
+    ids, mask = _batch("left", seq=10)
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
+    tokens = {impl: m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20,
+                               min_new_tokens=20, do_sample=False, **extra)
+              for impl, m in models.items()}
+    assert tokens["eager"].shape == (BATCH, 30)
+    assert torch.equal(tokens["attnkit"], tokens["eager"])
+
+
+# ---- attention weights ----------------------------------------------------------------------
+def test_output_attentions_match_eager():
+    models = _models(_decoder_configs()["mistral-window"], impls=("eager", "attnkit"))
+    ids, mask = _batch("left")
+    with torch.no_grad():
+        out = {impl: m(input_ids=ids, attention_mask=mask, output_attentions=True)
+               for impl, m in models.items()}
+        plain = models["attnkit"](input_ids=ids, attention_mask=mask)
+    assert plain.attentions is None
+    real = mask.bool()  # [B, Tq]: compare the rows of real queries
+    assert len(out["attnkit"].attentions) == 2
+    for mine, eager in zip(out["attnkit"].attentions, out["eager"].attentions):
+        assert mine.shape == eager.shape == (BATCH, 4, SEQ, SEQ)
+        diff = (mine - eager).transpose(1, 2)[real]  # [real queries, H, Tk]
+        assert diff.abs().max().item() <= SEQ * torch.finfo(F32).eps
+
+
+# ---- encoders --------------------------------------------------------------------------------
+def _bert_config(**extra):
+    return transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=128, vocab_size=100,
+                                   max_position_embeddings=64, initializer_range=0.2, **extra)
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+def test_encoder_matches_eager(padding):
+    models = _models(_bert_config(), auto=transformers.AutoModel)
+    ids, mask = _batch(padding, seq=16)
+    with torch.no_grad():
+        out = {impl: m(input_ids=ids, attention_mask=mask).last_hidden_state
+               for impl, m in models.items()}
+    real = mask.bool()
+    assert ((out["attnkit"] - out["eager"])[real].abs().max().item()
+            <= _limit(out["eager"], out["sdpa"], real, 16))
+    weights = mask[..., None].to(F32)
+    embedding = {impl: (h * weights).sum(1) / weights.sum(1) for impl, h in out.items()}
+    cosine = torch.nn.functional.cosine_similarity(embedding["attnkit"], embedding["eager"])
+    assert (cosine >= 0.99999).all()
+
+
+def test_encoder_attention_dropout_in_training():
+    config = _bert_config(attention_probs_dropout_prob=0.5, hidden_dropout_prob=0.0)
+    model = transformers.AutoModel.from_config(config, attn_implementation="attnkit")
+    ids, mask = _batch("right", seq=16)
+    with torch.no_grad():
+        model.eval()
+        evaluated = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        model.train()
+        torch.manual_seed(3)
+        first = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch.manual_seed(3)
+        again = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(first, again, rtol=0, atol=0)  # seeded: reproducible
+    assert (first - evaluated).abs().max() > 1e-3  # the only dropout is on attention weights
+
+
+# ---- sentence-transformers -------------------------------------------------------------------
+SENTENCES = [
+    "Hi.",
+    "The weather was cold, so we stayed inside and read old books by the fire all afternoon.",
+    "Dogs bark.",
+    "She opened the door and smiled.",
+    "After a long day of work in the busy city, the tired engineer took the last train home "
+    "and fell asleep before it reached the quiet station near her small house by the lake.",
+    "Why not?",
+    "Music makes people happy when they dance together.",
+]
+
+
+def _sentence_encoder_dir(path) -> str:
+    """A BERT checkpoint with random weights and a word-level WordPiece vocabulary holding
+    every word of SENTENCES, as a sentence-transformers model folder would hold it."""
+    words = sorted({w for s in SENTENCES for w in re.findall(r"\w+|[^\w\s]", s.lower())})
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
+    assert len(vocab) <= _bert_config().vocab_size
+    tokenizer = transformers.BertTokenizer(vocab={w: i for i, w in enumerate(vocab)})
+    torch.manual_seed(0)
+    transformers.BertModel(_bert_config()).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_sentence_transformers_embeddings_match_eager(tmp_path, captured, padding_side):
+    """Mean-pooled sentence embeddings of one padded batch of real sentences (4 to 38 tokens)
+    through sentence-transformers' own ``encode``: attnkit against eager, on a padding mask
+    rather than a dense one; right-padded, each sentence as if encoded alone."""
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    path = _sentence_encoder_dir(tmp_path)
+    encoders = {}
+    for impl in ("eager", "sdpa", "attnkit"):
+        transformer = Transformer(path, model_kwargs={"attn_implementation": impl},
+                                  processor_kwargs={"padding_side": padding_side})
+        pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="mean")
+        encoders[impl] = st.SentenceTransformer(modules=[transformer, pooling], device="cpu")
+        assert transformer.auto_model.config._attn_implementation == impl
+
+    batch = encoders["attnkit"].preprocess(SENTENCES)
+    lengths = batch["attention_mask"].sum(1)
+    assert (batch["input_ids"] != encoders["attnkit"].tokenizer.unk_token_id).all()
+    assert lengths.min() <= 4 and lengths.max() >= 35  # a heavily padded batch
+    padded_at = -1 if padding_side == "right" else 0
+    assert (batch["attention_mask"][:, padded_at] == 0).sum() == len(SENTENCES) - 1
+
+    captured.clear()
+    embeddings = {impl: encoder.encode(SENTENCES, batch_size=len(SENTENCES),
+                                       convert_to_tensor=True)
+                  for impl, encoder in encoders.items()}
+    assert len(captured) == 2  # one batch, two layers
+    for mask in captured:
+        leaves = _leaves(mask)
+        assert any(isinstance(leaf, PADDING) for leaf in leaves), mask
+        assert not any(isinstance(leaf, DENSE) for leaf in leaves), mask
+
+    eager, sdpa, mine = (embeddings[impl] for impl in ("eager", "sdpa", "attnkit"))
+    cosine = torch.nn.functional.cosine_similarity
+    assert (cosine(mine, eager) >= 0.99999).all(), cosine(mine, eager)
+    every = torch.ones(len(SENTENCES), dtype=torch.bool)
+    assert (mine - eager).abs().max().item() <= _limit(eager, sdpa, every, int(lengths.max()))
+
+    if padding_side == "right":  # positions unchanged by padding: the same as unpadded
+        alone = torch.cat([encoders["attnkit"].encode([s], convert_to_tensor=True)
+                           for s in SENTENCES])
+        assert (cosine(mine, alone) >= 0.99999).all(), cosine(mine, alone)
+
+
+# ---- features attnkit does not compute ------------------------------------------------------
+def test_logit_softcapping_raises():
+    config = transformers.Gemma2Config(head_dim=16, attn_logit_softcapping=50.0, sliding_window=4,
+                                       **_common())
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
+    ids, mask = _batch("none", seq=6)
+    with pytest.raises(NotImplementedError, match="softcapping"):
+        model(input_ids=ids, attention_mask=mask)
+
+
+def test_attention_sinks_raise():
+    q = _rand(1, 4, 3, 8)
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        ak_hf.attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(4))
+
+
+# ---- the attention function called directly --------------------------------------------------
+def test_four_d_float_mask_is_added_as_eager_adds_it():
+    models = _models(_decoder_configs()["llama-gqa"])
+    ids, mask = _batch("right", seq=8)
+    allowed = torch.ones(8, 8, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(F32).min)
+    with torch.no_grad():
+        out = {impl: m(input_ids=ids, attention_mask=additive).logits for impl, m in models.items()}
+    real = mask.bool()
+    assert (out["attnkit"] - out["eager"])[real].abs().max().item() <= _limit(
+        out["eager"], out["sdpa"], real, 8)
+
+
+def test_cu_seq_lens_keep_packed_sequences_apart():
+    q, k, v = _rand(3, 1, 4, 9, 8).unbind(0)  # [B, H, T, D] each
+    module = torch.nn.Module()
+    module.is_causal = True
+    cu = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
+    out, weights = ak_hf.attention_forward(module, q, k, v, None, cu_seq_lens_q=cu,
+                                           cu_seq_lens_k=cu)
+    assert weights is None and out.shape == (1, 9, 4, 8)  # [B, T, H, D]
+    for start, stop in ((0, 3), (3, 5), (5, 9)):
+        part = slice(start, stop)
+        alone = ak.attention(q[:, :, part], k[:, :, part], v[:, :, part], ak.causal())
+        torch.testing.assert_close(out[:, part], alone.transpose(1, 2))
+
+
+def test_position_bias_is_added_to_the_scaled_scores():
+    q, k, v = _rand(3, 2, 4, 5, 8).unbind(0)
+    bias = _rand(1, 4, 5, 5, seed=1)
+    module = torch.nn.Module()
+    module.is_causal = False
+    out, _ = ak_hf.attention_forward(module, q, k, v, None, scaling=1.0, position_bias=bias)
+    expected = torch.softmax(q @ k.transpose(-1, -2) + bias, dim=-1) @ v
+    torch.testing.assert_close(out, expected.transpose(1, 2))
+
+
+# ---- the mask function against transformers' own dense masks ---------------------------------
+def _pattern(kind: str, positions: torch.Tensor):
+    if kind == "causal":
+        return masking_utils.causal_mask_function
+    if kind == "window":
+        return masking_utils.sliding_window_causal_mask_function(4)
+    if kind == "bidirectional":
+        return masking_utils.bidirectional_mask_function
+    if kind == "bidirectional-window":
+        return masking_utils.sliding_window_bidirectional_mask_function(2)
+    if kind == "chunked":
+        return masking_utils.chunked_causal_mask_function(3, torch.tensor([0, 2]))
+    if kind in ("packed", "packed-window"):
+        base = _pattern("causal" if kind == "packed" else "window", positions)
+        ids = masking_utils.find_packed_sequence_indices(positions)
+        return masking_utils.and_masks(
+            masking_utils.remap_positions_for_packed_sequence(base, positions),
+            masking_utils.packed_sequence_mask_function(ids))
+    if kind == "custom":  # a model's own overlay: no structured translation
+        return masking_utils.or_masks(masking_utils.causal_mask_function,
+                                      lambda b, h, q, kv: kv == 0)
+    raise ValueError(kind)
+
+
+# (pattern, q_length, kv_length, q_offset, kv_offset), as transformers' caches size them
+GEOMETRIES = [
+    ("causal", 8, 8, 0, 0),  # prefill
+    ("causal", 1, 9, 8, 0),  # decoding
+    ("causal", 3, 11, 8, 0),  # several new tokens after a cache
+    ("causal", 5, 16, 0, 0),  # static cache, prefill
+    ("causal", 1, 16, 7, 0),  # static cache, decoding
+    ("window", 9, 9, 0, 0),  # window inside the prompt
+    ("window", 1, 4, 9, 6),  # sliding cache full (window - 1 keys kept), decoding
+    ("window", 3, 6, 9, 6),  # sliding cache full, 3 new tokens
+    ("window", 2, 4, 1, 0),  # static sliding cache not yet full
+    ("bidirectional", 7, 7, 0, 0),
+    ("bidirectional-window", 7, 7, 0, 0),
+    ("chunked", 8, 8, 0, 0),
+    ("chunked", 1, 10, 9, 0),
+    ("packed", 9, 9, 0, 0),
+    ("packed-window", 9, 9, 0, 0),
+    ("custom", 6, 6, 0, 0),
+]
+
+
+# transformers detects packed sequences only without a padding mask
+CASES = [(*geometry, padding) for geometry in GEOMETRIES
+         for padding in ("none", "ones", "left", "right", "holes")
+         if padding == "none" or not geometry[0].startswith("packed")]
+
+
+@pytest.mark.parametrize("kind,q_len,kv_len,q_offset,kv_offset,padding", CASES)
+def test_mask_function_equals_transformers_dense_mask(kind, q_len, kv_len, q_offset, kv_offset,
+                                                     padding):
+    batch, seen = 2, q_offset + q_len  # the 2-D mask covers every token seen so far
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], list(range(9))])
+    attention_mask = None if padding == "none" else torch.ones(batch, seen, dtype=torch.bool)
+    if padding == "left":
+        attention_mask[1, :min(3, seen - 1)] = False
+    elif padding == "right":
+        attention_mask[1, max(1, seen - 3):] = False
+    elif padding == "holes":
+        attention_mask[1, ::2] = False
+    pattern = _pattern(kind, positions)
+    args = dict(batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=q_offset,
+                kv_offset=kv_offset, mask_function=pattern, attention_mask=attention_mask)
+    expected = masking_utils.sdpa_mask(**args, allow_is_causal_skip=False)  # [B, 1, Tq, Tk]
+    result = ak_hf.mask_forward(**args)
+    assert result.shape == (batch, 1, q_len, kv_len)
+    assert result.structured == (kind != "custom")
+    space = MaskSpace(batch=batch, heads=1, q_len=q_len, kv_len=kv_len)
+    got = (torch.ones(1, 1, q_len, kv_len, dtype=torch.bool) if result.mask is None
+           else result.mask.to_dense(space))
+    assert torch.equal(got.expand(expected.shape), expected), (result, got.int(), expected.int())
+    if result.structured and padding in ("left", "right"):
+        leaves = _leaves(result.mask)
+        assert not any(isinstance(leaf, DENSE) for leaf in leaves), result
