@@ -64,6 +64,8 @@ def main(argv=None) -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--reps", type=int, default=7, help="timed steps of each kind per mask")
+    parser.add_argument("--masks", default="none,causal,window,padding,documents&causal",
+                        help="comma-separated masks to run, in this order")
     parser.add_argument("--out", default="results/compile.json")
     args = parser.parse_args(argv)
 
@@ -90,7 +92,9 @@ def main(argv=None) -> None:
 
     step = training_step(loss_of)
     rows = []
-    for name, mask in masks(args.batch, args.length).items():
+    workloads = masks(args.batch, args.length)
+    for name in args.masks.split(","):
+        mask = workloads[name]
         torch._dynamo.reset()
         breaks = torch._dynamo.explain(loss_of)(x, target, mask).graph_break_count
         torch._dynamo.reset()

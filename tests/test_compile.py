@@ -205,3 +205,23 @@ def test_triton_kernels_run_inside_a_compiled_graph(monkeypatch):
     torch.testing.assert_close(out, expected)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want)
+
+
+def test_returned_weights_under_compile_are_for_reading_only():
+    """Weights returned beside the output (e.g. to log them) leave its gradients exact; a loss
+    that differentiates the weights themselves raises instead of dropping their gradient."""
+    window = ak.sliding_window(7)
+
+    def out_and_weights(q, k, v):
+        result = ak.attention(q, k, v, window, return_weights=True)
+        return result.out, result.weights
+
+    step = torch.compile(out_and_weights, backend="aot_eager", fullgraph=True)
+    q, k, v = _qkv(9)
+    out, weights = step(q, k, v)
+    grads = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
+    expected = torch.autograd.grad(ak.attention(q, k, v, window).sum(), (q, k, v))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        weights.pow(2).sum().backward()

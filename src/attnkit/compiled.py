@@ -99,7 +99,7 @@ def _engine(q, k, v, mask: Mask, scale: Optional[float], backend: str, need_weig
 @torch.library.custom_op("attnkit::attention", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
                 spec: str, scale: Optional[float], backend: str, need_weights: bool,
-                trainable: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                need_lse: bool, trainable: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .api import attention as eager
 
     mask = unflatten(spec, tensors)
@@ -108,23 +108,26 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list
     result = eager(q, k, v, mask, scale=scale, backend=backend, return_lse=True,
                    return_weights=need_weights)
     weights = result.weights if need_weights else q.new_empty(0)
-    fresh = torch.contiguous_format  # the layouts the fake implementation states
-    return (result.out.clone(memory_format=fresh), result.lse.clone(memory_format=fresh),
-            weights.clone(memory_format=fresh))
+    return result.out.contiguous(), result.lse.contiguous(), weights.contiguous()
 
 
 @_forward_op.register_fake
-def _(q, k, v, tensors, spec, scale, backend, need_weights, trainable):
+def _(q, k, v, tensors, spec, scale, backend, need_weights, need_lse, trainable):
     rows = q.shape[:-1]
     weights = q.new_empty((*rows, k.shape[-2])) if need_weights else q.new_empty(0)
     return (q.new_empty((*rows, v.shape[-1])), q.new_empty(rows, dtype=_lse_dtype(q)), weights)
 
 
 @torch.library.custom_op("attnkit::attention_backward", mutates_args=())
-def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor,
+def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
+                 dweights: Optional[torch.Tensor], q: torch.Tensor,
                  k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  tensors: list[torch.Tensor], wanted: list[bool], spec: str,
                  scale: Optional[float], backend: str, need_weights: bool) -> list[torch.Tensor]:
+    if dweights is not None and bool(dweights.any()):
+        raise RuntimeError("attnkit under torch.compile: the attention weights returned by "
+                           "return_weights=True are not differentiable there; differentiate "
+                           "out/lse, or run eagerly")
     mask = unflatten(spec, tensors)
     inputs, chosen = _engine(q, k, v, mask, scale, backend, need_weights)
     rows = inputs.q.shape[:3]
@@ -141,37 +144,43 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tens
 
 
 def _like(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``grad`` in ``x``'s shape and strides (``torch.empty_like``), as the fake states."""
-    return torch.empty_like(x).copy_(grad.reshape(x.shape))
+    """``grad`` in ``x``'s shape, dtype and strides (``torch.empty_like``), as the fake states;
+    copied only when its layout differs."""
+    grad = grad.reshape(x.shape)
+    if grad.dtype == x.dtype and grad.stride() == torch.empty_like(x).stride():
+        return grad
+    return torch.empty_like(x).copy_(grad)
 
 
 @_backward_op.register_fake
-def _(dout, dlse, q, k, v, out, lse, tensors, wanted, spec, scale, backend, need_weights):
+def _(dout, dlse, dweights, q, k, v, out, lse, tensors, wanted, spec, scale, backend, need_weights):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             *(torch.empty_like(t) if want else t.new_empty(0) for t, want in zip(tensors, wanted))]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, tensors, spec, scale, backend, need_weights, _ = inputs
-    out, lse, _ = output
-    ctx.set_materialize_grads(False)  # an unused LSE gives None: the fused backward then applies
+    q, k, v, tensors, spec, scale, backend, need_weights, need_lse, _ = inputs
+    out, lse, weights = output
+    # An LSE or weights the caller did not ask for get no gradient (None, not zeros: the tiled
+    # backward then takes the fused kernel).
+    ctx.set_materialize_grads(False)
+    if not need_lse:
+        ctx.mark_non_differentiable(lse)
+    if not need_weights:
+        ctx.mark_non_differentiable(weights)
     ctx.save_for_backward(q, k, v, out, lse, *tensors)
     ctx.wanted = [t.requires_grad and t.is_floating_point() for t in tensors]
     ctx.options = (spec, scale, backend, need_weights)
 
 
 def _backward(ctx, dout, dlse, dweights):
-    if dweights is not None and dweights.numel():
-        raise RuntimeError("attnkit under torch.compile: the attention weights returned by "
-                           "return_weights=True are not differentiable there; differentiate "
-                           "out/lse, or run eagerly")
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv, *extra = _backward_op(dout, dlse, q, k, v, out, lse, tensors, ctx.wanted,
-                                      *ctx.options)
+    dq, dk, dv, *extra = _backward_op(dout, dlse, dweights, q, k, v, out, lse, tensors,
+                                      ctx.wanted, *ctx.options)
     dtensors = [d if want else None for d, want in zip(extra, ctx.wanted)]
-    return dq, dk, dv, dtensors, None, None, None, None, None
+    return dq, dk, dv, dtensors, None, None, None, None, None, None
 
 
 torch.library.register_autograd("attnkit::attention", _backward, setup_context=_setup_context)
@@ -190,5 +199,5 @@ def attention(q, k, v, mask: Mask, *, scale, dropout_p, backend, return_lse, ret
     spec, tensors = flatten(mask, MaskSpace(batch, heads, q.shape[-2], k.shape[-2], q.device))
     trainable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))
     out, lse, weights = _forward_op(q, k, v, tensors, spec, scale, backend, bool(return_weights),
-                                    trainable)
+                                    bool(return_lse), trainable)
     return out, (lse if return_lse else None), (weights if return_weights else None)
