@@ -21,7 +21,7 @@ Anywhere (no GPU)::
                                                   # SASS instructions per tile of each loop
                                                   # (--compile-mask window|documents: other masks)
 
-Method (``/work/.library/device/METHOD.md``):
+Method:
 
 - Two numbers first: the machine's measured bf16 matmul rate and device-to-device copy
   bandwidth are printed before anything else; every row also shows its fraction of that matmul
