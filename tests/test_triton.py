@@ -608,6 +608,8 @@ def test_auto_stores_ds_for_sparse_masks_within_the_budget(monkeypatch):
     assert not launch.stores_ds(q, planned(ak.sliding_window(40), "recompute"))
     with pytest.raises(ValueError, match="launch.BACKWARD"):
         planned(None, "atomic")
+    assert launch.BACKWARD == "auto"  # the default: plans made outside backward_path
+    assert launch.make_plan(validate(q, q, q, ak.sliding_window(40))).backward == "auto"
 
 
 # ---- memory safety and determinism ----------------------------------------------------------------

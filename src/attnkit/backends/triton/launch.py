@@ -1053,7 +1053,7 @@ def dq_call(q, k, v, dout, out, lse, dlse, lse2, delta_, dq, plan: Plan) -> Call
     return call
 
 
-BACKWARD = "recompute"
+BACKWARD = "auto"
 """How the backward computes dQ:
 
 - ``"recompute"``: dQ's programs recompute each tile's scores and dP (three matmuls a tile, as
@@ -1066,9 +1066,11 @@ BACKWARD = "recompute"
 - ``"auto"``: ``"stored_ds"`` for sparse masks (no query row lists more than half the key
   blocks) whose buffer fits :data:`STORED_DS_MAX_BYTES`, else ``"recompute"``.
 
-``"recompute"`` stays the default until the stored path is timed on a GPU
-(``benchmarks/gpu.py`` times both). A call's backward follows the value when its forward
-was planned (:attr:`Plan.backward`; :func:`backward_path` sets it for a block)."""
+``"auto"`` is the default: the stored path took less device time than the recomputing one
+on every workload profiled on a GPU (docs/BENCHMARKS.md), and its buffer grows with the
+listed blocks, so it is taken where that stays small against the work (sparse masks) and
+bounded. A call's backward follows the value when its forward was planned
+(:attr:`Plan.backward`; :func:`backward_path` sets it for a block)."""
 BACKWARDS = ("recompute", "stored_ds", "auto")
 
 STORED_DS_MAX_BYTES = 2 << 30
