@@ -9,9 +9,8 @@ from typing import Literal, NamedTuple, Optional, Union, overload
 import torch
 
 from . import compiled, dispatch, finite
-from .backends.torch_sdpa import _is_plain_causal
 from .inputs import restore, validate
-from .masks import Mask, as_mask
+from .masks import CAUSAL, Mask, as_mask
 
 MaskLike = Union[Mask, torch.Tensor, None]
 
@@ -98,7 +97,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v = _autocast(device, q, k, v)
     if torch.compiler.is_compiling():
         mask = as_mask(mask)
-        if mask is not None and not _is_plain_causal(mask, 1.0):
+        if mask is not None and mask.band() != CAUSAL:  # those two trace as torch's kernel
             out, lse, weights = compiled.attention(
                 q, k, v, mask, scale=scale, dropout_p=dropout_p, backend=dispatch.forced(backend),
                 return_lse=return_lse, return_weights=return_weights)

@@ -22,8 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import masks as _masks
-from .masks import Mask, MaskSpace
+from .masks import MASK_TYPES, Mask, MaskSpace, dense
 
 def _encode(value, tensors: list, space: MaskSpace):
     """One mask attribute as a literal: tensors become their index in ``tensors``; a
@@ -32,8 +31,8 @@ def _encode(value, tensors: list, space: MaskSpace):
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return ("T", len(tensors) - 1)
-    if isinstance(value, _masks._Function):
-        value = _masks.dense(value.tile(torch.arange(space.q_len, device=space.device),
+    if isinstance(value, Mask) and value.runs_code:
+        value = dense(value.tile(torch.arange(space.q_len, device=space.device),
                                         torch.arange(space.kv_len, device=space.device), space))
     if isinstance(value, Mask):
         fields = value.__dict__
@@ -66,7 +65,7 @@ def unflatten(spec: str, tensors: Sequence[torch.Tensor]) -> Mask:
         if kind == "T":
             return tensors[node[1]]
         if kind == "M":
-            mask = object.__new__(getattr(_masks, node[1]))
+            mask = object.__new__(MASK_TYPES[node[1]])
             mask.__dict__.update((name, build(value)) for name, value in node[2])
             return mask
         if kind == "S":

@@ -195,25 +195,18 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
 
 def _fit_mask(mask: Mask, inputs: Inputs) -> Mask:
     """Tensor masks follow the caller's layout; map them to [B, H, Tq, Tk] once, here."""
-    from .masks import _Bias, _Combined, _Dense  # local: private classes of the masks module
 
-    if isinstance(mask, _Combined):
-        parts = [_fit_mask(p, inputs) for p in mask.parts]
-        if all(fitted is part for fitted, part in zip(parts, mask.parts)):
-            return mask  # no tensor part to map: the caller's node, unchanged
-        # A new node, never the caller's: a mask object may be reused in later calls.
-        return type(mask)(*parts)
-    if isinstance(mask, (_Dense, _Bias)):
-        t = mask.allowed if isinstance(mask, _Dense) else mask.values
+    def fit(t: torch.Tensor, is_bias: bool) -> torch.Tensor:
         if t.device != inputs.q.device:
             raise ValueError(f"mask is on {t.device} but q is on {inputs.q.device}: move it with .to()")
-        if isinstance(mask, _Bias) and t.dtype != inputs.q.dtype and t.dtype not in (torch.float32, torch.float64):
+        if is_bias and t.dtype != inputs.q.dtype and t.dtype not in (torch.float32, torch.float64):
             raise TypeError(f"bias has dtype {t.dtype} but q has {inputs.q.dtype}: cast the bias")
         t4 = _to_4d(t, inputs)
-        if isinstance(mask, _Bias) and inputs.q.dtype == torch.float64:
+        if is_bias and inputs.q.dtype == torch.float64:
             t4 = t4.to(torch.float64)  # biases of float64 inputs add (and sum) in float64
-        return type(mask)(t4)
-    return mask
+        return t4
+
+    return mask.map_score_tensors(fit)
 
 
 def _to_4d(t: torch.Tensor, inputs: Inputs) -> torch.Tensor:

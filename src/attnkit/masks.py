@@ -28,7 +28,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -36,8 +36,8 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 """Block-map codes: skip the tile, apply the element mask, or use the tile unmasked."""
 
 __all__ = [
-    "EMPTY", "PARTIAL", "FULL", "MaskSpace", "Mask", "causal", "sliding_window", "padding",
-    "documents", "dense", "bias", "from_function", "as_mask",
+    "EMPTY", "PARTIAL", "FULL", "MaskSpace", "Mask", "Band", "MASK_TYPES", "causal",
+    "sliding_window", "padding", "documents", "dense", "bias", "from_function", "as_mask",
 ]
 
 
@@ -62,11 +62,57 @@ def _as_4d(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class Band(NamedTuple):
+    """A band mask's parameters (:meth:`Mask.band`): keys ``q + shift − left ≤ k ≤ q + shift +
+    right`` (``None``: unbounded), ``shift`` 0 for ``"top_left"``, ``Tk − Tq`` for
+    ``"bottom_right"``."""
+
+    left: Optional[int]
+    right: Optional[int]
+    align: str
+
+
+CAUSAL = Band(None, 0, "top_left")
+"""Top-left causal (torch's ``is_causal``) as a :class:`Band`."""
+
+MASK_TYPES: dict[str, type] = {}
+"""Every mask class by name (filled as classes are defined), for rebuilding a mask from a
+description of its fields (``attnkit.compiled``)."""
+
+
 class Mask:
     """Base class. Subclasses implement :meth:`tile`; structured ones also :meth:`block_map`."""
 
     has_bias: bool = False
     """True when the mask carries an additive float bias (tiles then always need applying)."""
+
+    runs_code: bool = False
+    """True when evaluating the mask calls user code (``from_function``): a compiled graph
+    evaluates such a mask once into a dense one."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        MASK_TYPES[cls.__name__] = cls
+
+    def band(self) -> Optional[Band]:
+        """The mask's :class:`Band` when it is one band (``causal``, ``sliding_window``), else
+        ``None``."""
+        return None
+
+    def cache_key(self, keep: list) -> Optional[tuple]:
+        """A hashable description of the mask (its kind, parameters and tensors: a tensor by
+        identity and version, so an in-place write misses), or ``None`` when it is not cached:
+        ``from_function`` (its function may read anything), and ``dense`` and ``bias`` (their
+        Tq×Tk tensors would be kept alive by a cache, and a loop that builds a new one per step
+        would pile them up). Tensors named by ``id`` are appended to ``keep``; a cache must
+        hold them, so an id cannot be reused while its entry lives."""
+        return None
+
+    def map_score_tensors(self, fn: Callable[[torch.Tensor, bool], torch.Tensor]) -> "Mask":
+        """This mask with each tensor laid over the scores (a ``dense`` bool mask, a ``bias``)
+        replaced by ``fn(tensor, is_bias)``; the mask itself when it holds none (``fn`` maps
+        a caller's layout to ``[Bm, Hm, Tq, Tk]`` in validation). Never modifies ``self``."""
+        return self
 
     # ---- the three questions -------------------------------------------------------------
     def tile(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, space: MaskSpace) -> torch.Tensor:
@@ -207,6 +253,12 @@ class _Band(Mask):
         if align not in ("top_left", "bottom_right"):
             raise ValueError(f"align={align!r}: use 'top_left' (torch SDPA) or 'bottom_right' (flash-attn)")
         self.left, self.right, self.align = left, right, align
+
+    def band(self) -> Band:
+        return Band(self.left, self.right, self.align)
+
+    def cache_key(self, keep):
+        return ("band", self.left, self.right, self.align)
 
     def _shift(self, space: MaskSpace) -> int:
         return space.kv_len - space.q_len if self.align == "bottom_right" else 0
@@ -441,6 +493,9 @@ class _Padding(Mask):
         return max(t.numel() for t in (self.q_lengths, self.kv_lengths, self.q_starts,
                                        self.kv_starts) if t is not None)
 
+    def cache_key(self, keep):
+        return _tensors_key(self, ("q_lengths", "kv_lengths", "q_starts", "kv_starts"), keep)
+
     def has_starts(self) -> bool:
         """True when some real run does not begin at position 0 (left padding)."""
         return any(t is not None and t.numel() and bool((t != 0).any())
@@ -661,6 +716,10 @@ class _SequenceBand(_Intervals):
     def __init__(self, left: Optional[int], right: Optional[int], align: str, sequences: _Padding):
         self.left, self.right, self.align, self.sequences = left, right, align, sequences
 
+    def cache_key(self, keep):
+        part = self.sequences.cache_key(keep)
+        return None if part is None else ("sequence_band", self.left, self.right, self.align, part)
+
     def _min_batch(self):
         return self.sequences._min_batch()
 
@@ -724,6 +783,9 @@ class _Documents(Mask):
             if ids.is_floating_point() or ids.dim() not in (1, 2):
                 raise TypeError(f"documents {name} must be integer ids of shape [T] or [B, T], "
                                 f"got {ids.dtype} {tuple(ids.shape)}")
+
+    def cache_key(self, keep):
+        return _tensors_key(self, ("q_ids", "kv_ids"), keep)
 
     def _min_batch(self):
         return max(self.q_ids.dim() == 2 and self.q_ids.shape[0] or 1,
@@ -902,6 +964,10 @@ class _CausalDocuments(_Intervals):
     def __init__(self, documents: _Documents, align: str):
         self.documents, self.align = documents, align
 
+    def cache_key(self, keep):
+        part = self.documents.cache_key(keep)
+        return None if part is None else ("causal_documents", self.align, part)
+
     def _min_batch(self):
         return self.documents._min_batch()
 
@@ -1007,6 +1073,9 @@ class _Dense(Mask):
     def _min_batch(self):
         return self.allowed.shape[0] if self.allowed.dim() == 4 else 1
 
+    def map_score_tensors(self, fn):
+        return _Dense(fn(self.allowed, False))
+
     def check(self, space):
         return _fit_problems("dense", self.allowed, space)
 
@@ -1035,6 +1104,9 @@ class _Bias(Mask):
     def _min_batch(self):
         return self.values.shape[0] if self.values.dim() == 4 else 1
 
+    def map_score_tensors(self, fn):
+        return _Bias(fn(self.values, True))
+
     def check(self, space):
         return _fit_problems("bias", self.values, space)
 
@@ -1061,6 +1133,8 @@ def bias(values: torch.Tensor) -> Mask:
 
 
 class _Function(Mask):
+    runs_code = True
+
     def __init__(self, fn: Callable, name: Optional[str]):
         if not callable(fn):
             raise TypeError(f"from_function() takes a callable fn(b, h, q_idx, kv_idx) -> bool tensor, "
@@ -1108,6 +1182,16 @@ class _Combined(Mask):
 
     def biases(self):
         return [t for p in self.parts for t in p.biases()]
+
+    def cache_key(self, keep):
+        parts = [part.cache_key(keep) for part in self.parts]
+        return None if any(p is None for p in parts) else (type(self).__name__, *parts)
+
+    def map_score_tensors(self, fn):
+        parts = [p.map_score_tensors(fn) for p in self.parts]
+        if all(mapped is part for mapped, part in zip(parts, self.parts)):
+            return self  # no tensor part to map: this node, unchanged
+        return type(self)(*parts)  # a new node: the caller's mask may be reused in later calls
 
 
 class _And(_Combined):
@@ -1211,32 +1295,17 @@ def _tensor_key(t: Optional[torch.Tensor]):
 
 
 def cache_key(mask: Optional[Mask], keep: list) -> Optional[tuple]:
-    """A hashable description of ``mask`` (its kind, parameters and tensors), or ``None`` when
-    it is not cached: ``from_function`` (its function may read anything), and ``dense`` and
-    ``bias`` (their Tq×Tk tensors would be kept alive by the cache, and a loop that builds a
-    new one per step would pile them up). Tensors the key names by ``id`` are appended to
-    ``keep``; a cache must hold them, so an id cannot be reused while its entry lives."""
-    if mask is None:
-        return ()
-    if isinstance(mask, _Band):
-        return ("band", mask.left, mask.right, mask.align)
-    tensors = {_Padding: ("q_lengths", "kv_lengths", "q_starts", "kv_starts"),
-               _Documents: ("q_ids", "kv_ids")}.get(type(mask))
-    if tensors is not None:
-        values = [getattr(mask, name) for name in tensors]
-        if not _keyable(*values):
-            return None
-        keep.extend(t for t in values if t is not None)
-        return (type(mask).__name__, *(_tensor_key(t) for t in values))
-    inner = {_SequenceBand: "sequences", _CausalDocuments: "documents"}.get(type(mask))
-    if inner is not None:  # parameters, and the padding / documents mask they align to
-        part = cache_key(getattr(mask, inner), keep)
-        params = (mask.left, mask.right) if isinstance(mask, _SequenceBand) else ()
-        return None if part is None else (type(mask).__name__, *params, mask.align, part)
-    if isinstance(mask, _Combined):
-        parts = [cache_key(part, keep) for part in mask.parts]
-        return None if any(p is None for p in parts) else (type(mask).__name__, *parts)
-    return None
+    """``mask.cache_key(keep)`` (:meth:`Mask.cache_key`); ``()`` for no mask."""
+    return () if mask is None else mask.cache_key(keep)
+
+
+def _tensors_key(mask: Mask, names: tuple[str, ...], keep: list) -> Optional[tuple]:
+    """The key of a mask described by its tensor fields ``names`` (``None`` fields allowed)."""
+    values = [getattr(mask, name) for name in names]
+    if not _keyable(*values):
+        return None
+    keep.extend(t for t in values if t is not None)
+    return (type(mask).__name__, *(_tensor_key(t) for t in values))
 
 
 class MaskCache:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..inputs import Inputs
-from ..masks import _Band
+from ..masks import CAUSAL
 from ..numerics import accum_dtype, additive_mask
 from .base import Backend, BackendOutput
 
@@ -24,10 +24,9 @@ def _fused_cpu(inputs: Inputs) -> bool:
     return inputs.q.device.type == "cpu" and inputs.q.shape[-1] == inputs.v.shape[-1]
 
 
-def _is_plain_causal(mask, scale: float = 1.0) -> bool:
+def is_plain_causal(mask, scale: float = 1.0) -> bool:
     """Top-left causal, run as the kernel's ``is_causal`` (which gives NaN for a scale ≤ 0)."""
-    return (isinstance(mask, _Band) and mask.left is None and mask.right == 0
-            and mask.align == "top_left" and scale > 0)
+    return mask is not None and mask.band() == CAUSAL and scale > 0
 
 
 def dense_bias(inputs: Inputs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -69,14 +68,14 @@ class TorchBackend(Backend):
 
     def auto_reasons(self, inputs: Inputs) -> list[str]:
         mask = inputs.mask
-        if mask is not None and not _is_plain_causal(mask, inputs.scale):
+        if mask is not None and not is_plain_causal(mask, inputs.scale):
             return ["mask would be materialised as a dense Tq×Tk bias (auto prefers tiled, which "
                     "skips empty tiles: measured faster, see docs/BENCHMARKS.md)"]
         return []
 
     def forward(self, inputs: Inputs) -> BackendOutput:
         q, k, v, mask = inputs.q, inputs.k, inputs.v, inputs.mask
-        is_causal = _is_plain_causal(mask, inputs.scale)
+        is_causal = is_plain_causal(mask, inputs.scale)
         additive = row_ok = None
         if mask is not None and not is_causal:
             additive, row_ok = dense_bias(inputs)

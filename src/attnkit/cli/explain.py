@@ -197,9 +197,9 @@ def plot_weights(weights: torch.Tensor, allowed: Optional[torch.Tensor], path, *
 
 def describe_mask(mask) -> str:
     """A short human name for the masks explain builds (only causal today)."""
-    from ..backends.torch_sdpa import _is_plain_causal
+    from ..backends.torch_sdpa import is_plain_causal
 
-    return "causal, query i sees keys j <= i" if _is_plain_causal(mask) else repr(mask)
+    return "causal, query i sees keys j <= i" if is_plain_causal(mask) else repr(mask)
 
 
 def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:

@@ -87,9 +87,9 @@ def torch_is_faster(inputs: Inputs) -> bool:
     top-left causal): on an H200 torch's default SDPA pick (cuDNN) ran 1.1–1.4× faster than
     the triton kernels there (forward; forward+backward 1.3–1.5×), so ``auto`` leaves those
     inputs to it."""
-    from ..torch_sdpa import TorchBackend, _is_plain_causal
+    from ..torch_sdpa import TorchBackend, is_plain_causal
 
-    plain = inputs.mask is None or _is_plain_causal(inputs.mask, inputs.scale)
+    plain = inputs.mask is None or is_plain_causal(inputs.mask, inputs.scale)
     return plain and not TorchBackend().not_supported_reasons(inputs)
 
 
