@@ -395,12 +395,12 @@ def test_reference_gradients(name):
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("name", ["band6", "band13", "band21", "band47", "decode", "chunk", "docs_tl",
                                   "docs_2d"])
-def test_tiled_small_blocks_forward_backward(fused, name, monkeypatch):
+def test_tiled_small_blocks_forward_backward(fused, name):
     """8×4 tiles (EMPTY, FULL, PARTIAL and triangle ones), both tile primitives, with gradients."""
-    monkeypatch.setattr(tiled, "FUSED_TILES", fused)
     mask, allowed, space = attention_cases()[name]
     q, k, v = qkv(space, torch.float32)
-    result = _run(q, k, v, mask, 0.4, block_q=8, block_k=4)
+    result = _run(q, k, v, mask, 0.4, block_q=8, block_k=4,
+                  options=tiled.TiledOptions(fused_tiles=fused))
     _assert_like_truth(result, q, k, v, allowed, None, 0.4, torch.float32)
 
 

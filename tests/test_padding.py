@@ -130,12 +130,12 @@ def test_backends_against_float64(backend, name):
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("name", CASE_NAMES)
-def test_tiled_small_blocks_forward_backward(fused, name, monkeypatch):
+def test_tiled_small_blocks_forward_backward(fused, name):
     """Many 8×4 tiles (EMPTY, FULL and PARTIAL ones), both tile primitives, with gradients."""
-    monkeypatch.setattr(tiled, "FUSED_TILES", fused)
     mask, allowed = cases()[name]
     q, k, v = _qkv(torch.float32)
-    result = _run(q, k, v, mask, 0.4, block_q=8, block_k=4)
+    result = _run(q, k, v, mask, 0.4, block_q=8, block_k=4,
+                  options=tiled.TiledOptions(fused_tiles=fused))
     _assert_like_truth(result, q, k, v, allowed, None, 0.4, torch.float32)
     _assert_exact_empty_rows(result[0], result[1], allowed)
 

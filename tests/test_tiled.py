@@ -5,6 +5,7 @@ skipping and the O(T) memory contract (nothing Tq×Tk saved for backward)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -14,7 +15,8 @@ from hypothesis import strategies as st
 
 import attnkit as ak
 from attnkit.backends import tiled
-from attnkit.backends.tiled import make_plan, tiled_attention
+from attnkit.backends.tiled import TiledBackend, TiledOptions, make_plan, tiled_attention
+from attnkit.inputs import validate
 from attnkit.masks import MaskSpace
 
 from conftest import (ALL_DTYPES, MASK_KINDS, assert_within_2x, delta_form_floors, dense_band,
@@ -25,10 +27,10 @@ BLOCKS = dict(block_q=16, block_k=8)
 
 
 @pytest.fixture(params=["fused", "matmul"])
-def path(request, monkeypatch):
-    """Run a test on each tile primitive (fused applies to fp32/fp64 with Dk == Dv only)."""
-    monkeypatch.setattr(tiled, "FUSED_TILES", request.param == "fused")
-    return request.param
+def path(request) -> TiledOptions:
+    """Run a test on each tile primitive: the options that select it (fused applies to
+    fp32/fp64 with Dk == Dv only)."""
+    return TiledOptions(fused_tiles=request.param == "fused")
 
 
 def _inputs(gen, dtype, batch=2, heads_q=4, heads_kv=2, tq=37, tk=53, dk=16, dv=16):
@@ -53,10 +55,13 @@ def _cotangent(shape) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
 
 
-def _run(q, k, v, mask, scale, grad_seed=None, **kw):
-    """Forward (and backward with a fixed random cotangent) → (out, lse, grads)."""
+def _run(q, k, v, mask, scale, grad_seed=None, options=TiledOptions(), **kw):
+    """Forward (and backward with a fixed random cotangent) → (out, lse, grads), with
+    ``options``; with ``fused_tiles=False`` the matmul path is checked to have run."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = tiled_attention(q, k, v, mask, scale=scale, **{**BLOCKS, **kw})
+    out, lse = tiled_attention(q, k, v, mask, scale=scale, options=options, **{**BLOCKS, **kw})
+    assert out.grad_fn.problem.plan.options == options
+    assert options.fused_tiles or not out.grad_fn.problem.plan.fused
     (out * _cotangent(out.shape).to(out.dtype)).sum().backward()
     return out, lse, [t.grad for t in (q, k, v)]
 
@@ -93,7 +98,7 @@ def test_every_mask_forward_backward(path, kind, gen):
     q, k, v = _inputs(gen, dtype)
     mask, allowed, bias = _fit_mask(kind, gen, 2, 37, 53)
     scale = 0.3
-    out, lse, grads = _run(q, k, v, mask, scale)
+    out, lse, grads = _run(q, k, v, mask, scale, options=path)
     _assert_like_truth((out, lse, grads), q, k, v, allowed, bias, scale, dtype)
 
 
@@ -109,7 +114,8 @@ def test_dtypes_and_shapes(path, dtype, shape, kind, gen):
     q, k, v = _inputs(gen, dtype, **shape)
     batch, tq, tk = q.shape[0], q.shape[2], k.shape[2]
     mask, allowed, bias = _fit_mask(kind, gen, batch, tq, tk)
-    out, lse, grads = _run(q, k, v, mask, None if False else 1 / math.sqrt(q.shape[-1]))
+    out, lse, grads = _run(q, k, v, mask, None if False else 1 / math.sqrt(q.shape[-1]),
+                           options=path)
     (t_out, t_lse, t_grads), (p_out, p_lse, p_grads) = _truth(q, k, v, allowed, bias, None, dtype)
     assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_within_2x("out", out, t_out, p_out, dtype)
@@ -121,7 +127,7 @@ def test_dtypes_and_shapes(path, dtype, shape, kind, gen):
 def test_fully_masked_rows_exact_zero(path, gen):
     q, k, v = _inputs(gen, torch.float32)
     mask = ak.padding(q_lengths=[37, 20], kv_lengths=[0, 30])  # batch 0: no keys at all
-    out, lse, grads = _run(q, k, v, mask, 0.25)
+    out, lse, grads = _run(q, k, v, mask, 0.25, options=path)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
     assert torch.equal(out[1, :, 20:], torch.zeros_like(out[1, :, 20:]))
     for g in grads:
@@ -143,7 +149,7 @@ def test_shard_offsets_equal_slices_of_the_whole(path, offsets, gen):
     q0, k0 = offsets
     q_part, k_part, v_part = q[:, :, q0:q0 + 27], k[:, :, k0:k0 + 31], v[:, :, k0:k0 + 31]
     out, lse = tiled_attention(q_part, k_part, v_part, mask, scale=0.25, space=space,
-                               q_offset=q0, kv_offset=k0, **BLOCKS)
+                               q_offset=q0, kv_offset=k0, options=path, **BLOCKS)
     allowed = mask.to_dense(space)[..., q0:q0 + 27, k0:k0 + 31]
     t_out, t_lse, _ = naive_attention(q_part, k_part, v_part, allowed, None, 0.25)
     assert torch.allclose(out, t_out, atol=1e-12)
@@ -155,8 +161,8 @@ def test_shard_offsets_equal_slices_of_the_whole(path, offsets, gen):
 def test_bit_identical_reruns(path, gen):
     q, k, v = _inputs(gen, torch.float32, tq=70, tk=70)
     mask = ak.sliding_window(9) & ak.padding(kv_lengths=[60, 70])
-    first = _run(q, k, v, mask, 0.2)
-    second = _run(q, k, v, mask, 0.2)
+    first = _run(q, k, v, mask, 0.2, options=path)
+    second = _run(q, k, v, mask, 0.2, options=path)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     for a, b in zip(first[2], second[2]):
         assert torch.equal(a, b)
@@ -169,7 +175,7 @@ def test_lse_gradient(path, gen):
     mask = ak.causal() & ak.padding(q_lengths=[20])  # rows 20.. are fully masked
 
     def fn(q, k, v):
-        out, lse = tiled_attention(q, k, v, mask, scale=0.3, **BLOCKS)
+        out, lse = tiled_attention(q, k, v, mask, scale=0.3, options=path, **BLOCKS)
         return out, torch.nan_to_num(lse, neginf=0.0)
 
     assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))
@@ -178,7 +184,8 @@ def test_lse_gradient(path, gen):
 def test_gradcheck_through_backend(path, gen):
     q, k, v = _inputs(gen, torch.float64, batch=1, heads_q=2, heads_kv=1, tq=21, tk=19, dk=4, dv=4)
     mask = ak.documents(torch.arange(21) // 7, torch.arange(19) // 7) & ak.causal()
-    fn = lambda q, k, v: ak.attention(q, k, v, mask, backend="tiled")  # noqa: E731
+    backend = TiledBackend(path)
+    fn = lambda q, k, v: backend.forward(validate(q, k, v, mask)).out  # noqa: E731
     assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))
 
 
@@ -223,7 +230,8 @@ def test_nothing_of_size_tq_tk_is_saved(path, gen):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         q.requires_grad_()
-        out = ak.attention(q, k, v, ak.causal(), backend="tiled")
+        out = TiledBackend(path).forward(validate(q, k, v, ak.causal())).out
+    assert out.grad_fn.problem.plan.fused == path.fused_tiles
     assert saved and max(saved) < 96 * 96, saved
     out.sum().backward()
 
@@ -361,8 +369,8 @@ def test_triangle_tiles_forward_backward(path, dtype, heads, strip, merge, kind,
     strips of 4 or 5, the last one ragged), else lower squares with is_causal and the rest (GQA
     too) with a cached additive staircase. On block-aligned sizes with the fused kernel the
     element mask is never evaluated; reruns are bit-identical."""
-    monkeypatch.setattr(tiled, "TRIANGLE_STRIP", strip)
-    monkeypatch.setattr(tiled, "STAIRCASE_MAX_KEYS", tiled.STAIRCASE_MAX_KEYS if merge else 0)
+    options = dataclasses.replace(path, triangle_strip=strip,
+                                  staircase_max_keys=path.staircase_max_keys if merge else 0)
     tq = seq if kind != "bottom_right" else 32
     q, k, v = _inputs(gen, dtype, batch=2, heads_q=heads[0], heads_kv=heads[1], tq=tq, tk=seq)
     if kind == "window":  # window 32 on blocks 16×8: upper, full and lower tiles per row
@@ -377,7 +385,7 @@ def test_triangle_tiles_forward_backward(path, dtype, heads, strip, merge, kind,
     else:
         mask, allowed = ak.causal("bottom_right"), dense_band(tq, seq, None, 0, "bottom_right")
     plan = make_plan(mask, MaskSpace(2, heads[0], tq, seq), batch=2, heads=heads[0], q_offset=0, q_count=tq,
-                     kv_offset=0, kv_count=seq, fused=True, **BLOCKS)
+                     kv_offset=0, kv_count=seq, fused=True, options=options, **BLOCKS)
     structures = {s.structure for row in plan.rows for s in row if s.partial}
     expected = {"window": {"lower", "band" if merge else "upper"}, "window_right": {"upper"},
                 "window_block": {"lower", "band" if merge else "upper"}}
@@ -385,10 +393,10 @@ def test_triangle_tiles_forward_backward(path, dtype, heads, strip, merge, kind,
     evaluated = []
     real_tile = type(mask).tile
     monkeypatch.setattr(type(mask), "tile", lambda self, *a: evaluated.append(1) or real_tile(self, *a))
-    out, lse, grads = _run(q, k, v, mask, 0.3)
-    if path == "fused" and seq % 16 == 0 and kind != "window_right":
+    out, lse, grads = _run(q, k, v, mask, 0.3, options=options)
+    if path.fused_tiles and seq % 16 == 0 and kind != "window_right":
         assert evaluated == []
-    again = _run(q, k, v, mask, 0.3)
+    again = _run(q, k, v, mask, 0.3, options=options)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
     assert all(torch.equal(a, b) for a, b in zip(grads, again[2]))
     _assert_like_truth((out, lse, grads), q, k, v, allowed, None, 0.3, dtype)
@@ -440,8 +448,7 @@ def test_runs_of_blocks_match_block_by_block(kind, layout, heads, gen, monkeypat
     monkeypatch.setattr(tiled, "_RunWork", lambda *a: runs_executed.append(a) or real_run_work(*a))
     results = {}
     for batched in (True, False):
-        monkeypatch.setattr(tiled, "BATCH_RUNS", batched)
-        results[batched] = _run(q, k, v, mask, 0.3)
+        results[batched] = _run(q, k, v, mask, 0.3, options=TiledOptions(batch_runs=batched))
     assert bool(runs_executed) == (layout == "contiguous")
     (out, lse, grads), (out_b, lse_b, grads_b) = results[True], results[False]
     if heads[0] == heads[1]:
@@ -449,13 +456,12 @@ def test_runs_of_blocks_match_block_by_block(kind, layout, heads, gen, monkeypat
         assert torch.equal(grads[0], grads_b[0])
     else:
         torch.testing.assert_close(out, out_b, atol=1e-6, rtol=1e-5)
-    monkeypatch.setattr(tiled, "BATCH_RUNS", True)
     assert all(torch.equal(a, b) for a, b in zip(grads, _run(q, k, v, mask, 0.3)[2]))  # reruns
     _assert_like_truth((out, lse, grads), q, k, v, mask.to_dense(space), None, 0.3, torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["causal", "causal&padding", "bottom_right"])
-def test_shared_prefix_groups(path, kind, gen, monkeypatch):
+def test_shared_prefix_groups(path, kind, gen):
     """Consecutive query blocks that start with the same FULL keys run those as one call over
     all their rows, then each block's remaining keys merge into it (``fresh=False``): forward
     and backward within the 2x rule, with fully masked rows and ragged tails, and equal to
@@ -468,15 +474,16 @@ def test_shared_prefix_groups(path, kind, gen, monkeypatch):
         "bottom_right": (ak.causal("bottom_right"), dense_band(tq, tk, None, 0, "bottom_right")),
     }[kind]
     plan = make_plan(mask, MaskSpace(2, 3, tq, tk), batch=2, heads=3, q_offset=0, q_count=tq,
-                     kv_offset=0, kv_count=tk, fused=path == "fused", **BLOCKS)
+                     kv_offset=0, kv_count=tk, fused=path.fused_tiles, options=path, **BLOCKS)
     groups = list(plan.groups(tq, shared_prefix=True))
-    if path == "fused":
+    if path.fused_tiles:
         assert any(not g.fresh for g in groups) and any(g.rows[1] - g.rows[0] > 16 for g in groups)
     q, k, v = _inputs(gen, torch.float32, batch=2, heads_q=3, heads_kv=3, tq=tq, tk=tk)
-    shared = _run(q, k, v, mask, 0.3)
-    monkeypatch.setattr(tiled, "PREFIX_BLOCKS", 0)
-    assert all(g.fresh for g in plan.groups(tq, shared_prefix=True))
-    (out, lse, grads), (out_b, _, grads_b) = shared, _run(q, k, v, mask, 0.3)
+    shared = _run(q, k, v, mask, 0.3, options=path)
+    unshared = dataclasses.replace(path, prefix_blocks=0)
+    assert all(g.fresh for g in dataclasses.replace(plan, options=unshared).groups(
+        tq, shared_prefix=True))
+    (out, lse, grads), (out_b, _, grads_b) = shared, _run(q, k, v, mask, 0.3, options=unshared)
     torch.testing.assert_close(out, out_b, atol=1e-6, rtol=1e-5)
     for g, g_b in zip(grads, grads_b):
         torch.testing.assert_close(g, g_b, atol=1e-5, rtol=1e-5)
@@ -509,12 +516,7 @@ def test_runs_and_prefixes_on_random_structures(seed, kind, seq, param, heads, b
         mask, allowed = ak.documents(ids) & ak.causal(), dense_documents(ids) & dense_band(seq, seq, None, 0)
     q, k, v = _inputs(gen, torch.float32, batch=batch, heads_q=heads[0], heads_kv=heads[1], tq=seq,
                       tk=seq)
-    old = tiled.TRIANGLE_STRIP
-    tiled.TRIANGLE_STRIP = strip
-    try:
-        out, lse, grads = _run(q, k, v, mask, 0.3)
-    finally:
-        tiled.TRIANGLE_STRIP = old
+    out, lse, grads = _run(q, k, v, mask, 0.3, options=TiledOptions(triangle_strip=strip))
     _assert_like_truth((out, lse, grads), q, k, v, allowed, None, 0.3, torch.float32)
 
 

@@ -9,7 +9,7 @@ The score matrix is never built: queries are processed ``block_q`` rows at a tim
   torch's fused CPU kernel, square tiles the mask knows to be lower/upper triangles
   (``Mask.tile_structure``): those are never evaluated and run as *staircase* segments (a
   sliding-window row: upper triangle, full keys, lower triangle) in strips of
-  ``TRIANGLE_STRIP`` query rows that each see only their allowed keys.
+  ``TiledOptions.triangle_strip`` query rows that each see only their allowed keys.
 
 Query blocks that see the same keys relative to their rows and need no element mask (every
 block of a sliding window, every other block of equal documents) run as one kernel call over
@@ -27,6 +27,10 @@ member of the group instead (query heads ``g, g+G, …`` against all K/V heads).
 Positions may be offset (``q_offset``, ``kv_offset``: global positions of the first local
 query/key) so one shard of a longer sequence is computed against another with the global mask,
 as ring attention does.
+
+How the engine schedules its tiles (fused kernel or matmul, runs, shared prefixes, staircases)
+is set by a :class:`TiledOptions` value, carried by the plan (and so part of its cache key):
+``TiledBackend(options)``, ``tiled_attention(..., options=...)``.
 """
 
 from __future__ import annotations
@@ -52,6 +56,36 @@ TILE_ELEMENTS = 1 << 21
 
 FUSED_BLOCK_Q = 256
 """Query rows per block when tiles go through torch's fused CPU kernel."""
+
+
+@dataclass(frozen=True)
+class TiledOptions:
+    """How the tiled engine schedules its work (the results agree within rounding for every
+    choice). Hashable: a plan is cached per options value."""
+
+    fused_tiles: bool = True
+    """Tiles go through torch's fused CPU kernel where it applies (see
+    :func:`uses_fused_kernel`); ``False`` takes the matmul path everywhere."""
+
+    batch_runs: bool = True
+    """Run evenly spaced query blocks with equal relative structure (sliding windows, documents)
+    as one kernel call over a strided view (see :func:`_find_runs`)."""
+
+    prefix_blocks: int = 4
+    """Most query blocks that run a shared FULL prefix as one call (see
+    ``Plan._shared_prefix``); below 2, never."""
+
+    staircase_max_keys: int = 1024
+    """Widest run ``upper triangle, full…, [lower triangle]`` merged into one staircase segment
+    (one set of strips, no merges: sliding windows, 1.08x measured). A lower triangle is not
+    merged with the full keys before it: those run better as one call of the whole query block
+    (causal measured 2% slower merged)."""
+
+    triangle_strip: int = 64
+    """Query rows per kernel call inside a staircase segment. The fused kernel skips no key of a
+    tile narrower than its 512-key blocks, so a 256-wide triangle run whole computes its masked
+    half too; run as strips, each strip sees only the keys it may (10% faster per tile,
+    measured)."""
 
 
 @dataclass(frozen=True)
@@ -90,13 +124,15 @@ class Group(NamedTuple):
 class Plan:
     """Which key segments each query block visits. ``rows[i]`` lists block i's segments;
     ``runs`` lists ``(first, step, count)``: query blocks ``first + step·j`` whose segments are
-    the same up to the shift ``step·j·block_q`` and need no element mask (full or staircase)."""
+    the same up to the shift ``step·j·block_q`` and need no element mask (full or staircase).
+    ``options``: the options it was built with, which its execution follows too."""
 
     block_q: int
     block_k: int
     rows: tuple[tuple[Segment, ...], ...]
     fused: bool = False
     runs: tuple[tuple[int, int, int], ...] = ()
+    options: TiledOptions = TiledOptions()
 
     def groups(self, tq: int, *, runs: bool = False, shared_prefix: bool = False):
         """Yield :class:`Group` s for execution. With ``runs``, each run is one group. With the
@@ -131,7 +167,7 @@ class Plan:
             i = end
 
     def _shared_prefix(self, i: int, in_run: dict, tq: int) -> Optional[list]:
-        """Query blocks ``i…j−1`` (at most :data:`PREFIX_BLOCKS`, outside runs) whose first
+        """Query blocks ``i…j−1`` (at most ``options.prefix_blocks``, outside runs) whose first
         segment is FULL, starts where block i's does and reaches at least as far, as groups:
         block i's first segment for all their rows in one kernel call (torch's CPU kernel is
         ~20 % faster per pair backward, ~12 % forward, on 1024 query rows than on 256), then
@@ -142,9 +178,9 @@ class Plan:
         if head is None or head.partial or head.stop - head.start < 2 * self.block_q:
             return None
         j = i + 1
-        while (j < len(self.rows) and j - i < PREFIX_BLOCKS and j not in in_run and self.rows[j]
-               and not self.rows[j][0].partial and self.rows[j][0].start == head.start
-               and self.rows[j][0].stop >= head.stop):
+        while (j < len(self.rows) and j - i < self.options.prefix_blocks and j not in in_run
+               and self.rows[j] and not self.rows[j][0].partial
+               and self.rows[j][0].start == head.start and self.rows[j][0].stop >= head.stop):
             j += 1
         if j - i < 2:
             return None
@@ -200,26 +236,31 @@ _PLANS = MaskCache(64)
 
 def make_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
               q_offset: int, q_count: int, kv_offset: int, kv_count: int,
-              block_q: Optional[int] = None, block_k: int = BLOCK_K, fused: bool = False) -> Plan:
+              block_q: Optional[int] = None, block_k: int = BLOCK_K, fused: bool = False,
+              options: TiledOptions = TiledOptions()) -> Plan:
     """Per-query-block key segments for ``mask`` (see :func:`build_plan`), cached per mask
-    (same tensors, unmodified) and arguments: a loop that reuses a mask plans it once."""
+    (same tensors, unmodified) and arguments, ``options`` included: a loop that reuses a mask
+    plans it once."""
     extra = (space, batch, heads, q_offset, q_count, kv_offset, kv_count, block_q, block_k, fused,
-             TILE_ELEMENTS, FUSED_BLOCK_Q, STAIRCASE_MAX_KEYS, TRIANGLE_STRIP, BATCH_RUNS)
+             options)
     return _PLANS.get(mask, extra, lambda: build_plan(
         mask, space, batch=batch, heads=heads, q_offset=q_offset, q_count=q_count,
-        kv_offset=kv_offset, kv_count=kv_count, block_q=block_q, block_k=block_k, fused=fused))
+        kv_offset=kv_offset, kv_count=kv_count, block_q=block_q, block_k=block_k, fused=fused,
+        options=options))
 
 
 def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
                q_offset: int, q_count: int, kv_offset: int, kv_count: int,
-               block_q: Optional[int] = None, block_k: int = BLOCK_K, fused: bool = False) -> Plan:
+               block_q: Optional[int] = None, block_k: int = BLOCK_K, fused: bool = False,
+               options: TiledOptions = TiledOptions()) -> Plan:
     """Turn the mask's block map into per-query-block key segments.
 
     A block counts as EMPTY only when it is empty for every batch element and head, and as
     FULL only when it is full for all of them; otherwise it is PARTIAL (the element mask, which
     varies per batch/head, is applied). Consecutive blocks of one kind merge into one segment
     of at most ``TILE_ELEMENTS`` scores (FULL runs are unbounded with the ``fused`` kernel, which
-    tiles internally and never materialises them).
+    tiles internally and never materialises them). ``options`` decide the staircase merges
+    (``staircase_max_keys``) and runs (``batch_runs``); the plan carries them.
     """
     block_q = block_q or (FUSED_BLOCK_Q if fused else choose_block_q(batch * heads, kv_count))
     nq, nk = math.ceil(q_count / block_q), math.ceil(kv_count / block_k)
@@ -249,33 +290,19 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int
             j = end
         if fused and mask is not None:
             segments = _with_structure(mask, space, segments, q_offset + i * block_q,
-                                       q_offset + min((i + 1) * block_q, q_count), kv_offset)
+                                       q_offset + min((i + 1) * block_q, q_count), kv_offset,
+                                       options.staircase_max_keys)
         rows.append(tuple(segments))
-    runs = _find_runs(rows, block_q, q_count) if fused and BATCH_RUNS else ()
-    return Plan(block_q, block_k, tuple(rows), fused, runs)
-
-
-PREFIX_BLOCKS = 4
-"""Most query blocks that run a shared FULL prefix as one call (see ``Plan._shared_prefix``)."""
-
-BATCH_RUNS = True
-"""Run evenly spaced query blocks with equal relative structure (sliding windows, documents)
-as one kernel call over a strided view (see :func:`_find_runs`)."""
-
-
-STAIRCASE_MAX_KEYS = 1024
-"""Widest run ``upper triangle, full…, [lower triangle]`` merged into one staircase segment (one
-set of strips, no merges: sliding windows, 1.08x measured). A lower triangle is not merged with
-the full keys before it: those run better as one call of the whole query block (causal
-measured 2% slower merged)."""
+    runs = _find_runs(rows, block_q, q_count) if fused and options.batch_runs else ()
+    return Plan(block_q, block_k, tuple(rows), fused, runs, options)
 
 
 def _with_structure(mask: Mask, space: MaskSpace, segments: list, q_start: int, q_stop: int,
-                    kv_offset: int) -> list:
+                    kv_offset: int, max_keys: int) -> list:
     """Mark the partial square segments of one query block (global queries ``[q_start,
     q_stop)``) that the mask knows to be lower or upper triangles (a partial run of several
     squares, all known, is split into them), and merge each adjacent run ``upper, full…,
-    [lower]`` into one staircase segment of at most :data:`STAIRCASE_MAX_KEYS` keys (see
+    [lower]`` into one staircase segment of at most ``max_keys`` keys (see
     :class:`Segment`). The element mask of these segments is never evaluated."""
     n = q_stop - q_start
     marked = []
@@ -308,7 +335,7 @@ def _with_structure(mask: Mask, space: MaskSpace, segments: list, q_start: int, 
             if j < len(marked) and adjacent(j) and marked[j].structure == "lower":
                 j += 1
         run = marked[i:j]
-        if len(run) > 1 and run[-1].stop - run[0].start <= STAIRCASE_MAX_KEYS:
+        if len(run) > 1 and run[-1].stop - run[0].start <= max_keys:
             structure = "band" if run[-1].structure == "lower" else "upper"
             merged.append(Segment(run[0].start, run[-1].stop, True, structure))
         else:
@@ -433,15 +460,10 @@ def _staircase_additive(structure: str, n: int, width: int, group: int, dtype: t
                         device: torch.device) -> torch.Tensor:
     """The additive mask ``[1, 1, G·n, width]`` of a staircase segment (0 where allowed, −inf
     elsewhere), repeated for the G query heads stacked as rows (cached: a workload has a handful
-    of shapes, each at most G·256 × STAIRCASE_MAX_KEYS; every row keeps a key, its diagonal)."""
+    of shapes, each at most G·256 × ``staircase_max_keys`` keys; every row keeps a key, its
+    diagonal)."""
     allowed = _staircase(structure, n, width, device)
     return additive_mask(allowed.repeat(group, 1), None, dtype)[None, None]
-
-
-TRIANGLE_STRIP = 64
-"""Query rows per kernel call inside a staircase segment. The fused kernel skips no key of a
-tile narrower than its 512-key blocks, so a 256-wide triangle run whole computes its masked
-half too; run as strips, each strip sees only the keys it may (10% faster per tile, measured)."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -484,9 +506,10 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
     group = heads_q // heads_kv
     if fused and seg.structure is not None:  # a known staircase: nothing to evaluate
         width, device = seg.stop - seg.start, problem.space.device
-        if group == 1 and n >= 2 * TRIANGLE_STRIP:
+        strip = problem.plan.options.triangle_strip
+        if group == 1 and n >= 2 * strip:
             return TileMask(None, None, strips=_staircase_strips(
-                seg.structure, n, width, TRIANGLE_STRIP, dtype, device))
+                seg.structure, n, width, strip, dtype, device))
         if group == 1 and seg.structure == "lower" and width == n and problem.scale > 0:
             return TileMask(None, None, causal=True)
         return TileMask(_staircase_additive(seg.structure, n, width, group, dtype, device), None)
@@ -524,15 +547,13 @@ def _dropout_keep(problem: Problem, block_row: int, seg: Segment, shape, device)
     return torch.cat(pieces, dim=-1) >= problem.dropout_p
 
 
-def uses_fused_kernel(q: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+def uses_fused_kernel(q: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                      options: TiledOptions = TiledOptions()) -> bool:
     """Tiles go through torch's fused CPU flash kernel (which returns the LSE) for fp32/fp64 CPU
-    inputs with Dk == Dv and no dropout; everything else uses the matmul path below."""
+    inputs with Dk == Dv and no dropout, unless ``options.fused_tiles`` is off; everything else
+    uses the matmul path below."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
-            and q.shape[-1] == v.shape[-1] and dropout_p == 0 and FUSED_TILES)
-
-
-FUSED_TILES = True
-"""Switch for the fused CPU tile kernel (tests turn it off to exercise the matmul path on CPU)."""
+            and q.shape[-1] == v.shape[-1] and dropout_p == 0 and options.fused_tiles)
 
 
 def _segment_pieces(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
@@ -855,20 +876,22 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
                     *, scale: float, space: Optional[MaskSpace] = None, q_offset: int = 0,
                     kv_offset: int = 0, dropout_p: float = 0.0, seed: int = 0,
                     block_q: Optional[int] = None, block_k: int = BLOCK_K,
+                    options: TiledOptions = TiledOptions(),
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable tiled attention on ``[B, H, T, D]`` tensors → ``(out, lse)``.
 
     ``q``'s rows sit at global positions ``q_offset…`` and ``k``'s at ``kv_offset…`` of a
     sequence described by ``space`` (default: these tensors alone), and ``mask`` is evaluated
     at those global positions. Inputs are not validated: call through ``attention()`` unless
-    you build :class:`~attnkit.inputs.Inputs` yourself (ring attention does).
+    you build :class:`~attnkit.inputs.Inputs` yourself (ring attention does). ``options``:
+    how the engine schedules its tiles (see :class:`TiledOptions`).
     """
     batch, heads_q, tq, _ = q.shape
     tk = k.shape[2]
     space = space or MaskSpace(batch, heads_q, tq, tk, q.device)
     plan = make_plan(mask, space, batch=batch, heads=heads_q, q_offset=q_offset, q_count=tq,
                      kv_offset=kv_offset, kv_count=tk, block_q=block_q, block_k=block_k,
-                     fused=uses_fused_kernel(q, v, dropout_p))
+                     fused=uses_fused_kernel(q, v, dropout_p, options), options=options)
     problem = Problem(mask, scale, space, q_offset, kv_offset, plan, dropout_p, seed)
     return _TiledAttention.apply(q, k, v, problem, *_biases(mask))
 
@@ -905,10 +928,16 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
 
 
 class TiledBackend(Backend):
+    """The tiled engine behind ``attention``; ``options`` set how it schedules its tiles (the
+    registry's instance uses the defaults)."""
+
     NAME = "tiled"
     SUPPORTS_BIAS_GRAD = DOUBLE_BACKWARD = LSE_BACKWARD = True
     DESCRIPTION = ("online-softmax tiles in PyTorch: O(T) memory, EMPTY tiles skipped, FULL tiles "
                    "unmasked; backward recomputes tiles")
+
+    def __init__(self, options: TiledOptions = TiledOptions()):
+        self.options = options
 
     def extra_reasons(self, inputs: Inputs) -> list[str]:
         if inputs.need_weights and inputs.need_grad:
@@ -921,7 +950,7 @@ class TiledBackend(Backend):
         if inputs.dropout_p > 0:
             seed = int(torch.randint(0, 2**62, (1,), generator=inputs.generator,
                                      device=inputs.generator.device if inputs.generator else "cpu"))
-        problem = _problem(inputs, seed)
+        problem = _problem(inputs, seed, self.options)
         out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v, problem, *inputs.biases)
         weights = tiled_weights(inputs.q, inputs.k, lse, problem) if inputs.need_weights else None
         return BackendOutput(out, lse, weights)
@@ -934,17 +963,20 @@ class TiledBackend(Backend):
         dbias = [torch.zeros(t.shape, dtype=accum_dtype(q.dtype), device=t.device) if want else None
                  for t, want in zip(inputs.biases, want_bias)]
         dq, dk, dv = tiled_backward(q, inputs.k, inputs.v, out, lse, dout, dlse,
-                                    _problem(inputs, 0, bias_grad=any(want_bias)), dbias=dbias)
+                                    _problem(inputs, 0, self.options, bias_grad=any(want_bias)),
+                                    dbias=dbias)
         return dq, dk, dv, dbias
 
 
-def _problem(inputs: Inputs, seed: int, bias_grad: Optional[bool] = None) -> Problem:
-    """The tiled problem (plan included) of a whole ``attention`` call; ``bias_grad`` (default:
-    ``inputs.bias_grad``) takes the matmul path, which forms dS for dBias."""
+def _problem(inputs: Inputs, seed: int, options: TiledOptions,
+             bias_grad: Optional[bool] = None) -> Problem:
+    """The tiled problem (plan included, built with ``options``) of a whole ``attention`` call;
+    ``bias_grad`` (default: ``inputs.bias_grad``) takes the matmul path, which forms dS for
+    dBias."""
     batch, heads_q, tq, _ = inputs.q.shape
     space = inputs.space
     bias_grad = inputs.bias_grad if bias_grad is None else bias_grad
-    fused = uses_fused_kernel(inputs.q, inputs.v, inputs.dropout_p) and not bias_grad
+    fused = uses_fused_kernel(inputs.q, inputs.v, inputs.dropout_p, options) and not bias_grad
     plan = make_plan(inputs.mask, space, batch=batch, heads=heads_q, q_offset=0, q_count=tq,
-                     kv_offset=0, kv_count=space.kv_len, fused=fused)
+                     kv_offset=0, kv_count=space.kv_len, fused=fused, options=options)
     return Problem(inputs.mask, inputs.scale, space, 0, 0, plan, inputs.dropout_p, seed)
