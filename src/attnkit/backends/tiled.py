@@ -705,6 +705,69 @@ def _write_or_add(dest: torch.Tensor, value: torch.Tensor, write: bool) -> None:
         dest.add_(value)
 
 
+def _segment_grads(q_block, k_seg, v_seg, do_block, lse_block, tile: Optional[TileMask], scale,
+                   fused, *, out_block=None, delta_block=None, keep=None, dropout_p=0.0,
+                   want_grad_scores=False):
+    """Gradients of one query block over one key segment, as ``(rows, keys, dq, dk, dv,
+    grad_scores)`` pieces, the backward of :func:`_segment_pieces`: the strips of a staircase
+    (``rows``/``keys``: slices of the block's rows and the segment's keys), else one piece with
+    ``rows = keys = slice(None)``. ``q_block [B, Hkv, G·n, Dk]``, ``do_block [B, Hkv, G·n, Dv]``,
+    ``lse_block [B, Hkv, G·n]`` (+inf on rows with no key), ``k_seg/v_seg [B, Hkv, span, D]``
+    (or the ``[count, B·Hkv, ...]`` views of a run) → ``dq [B, Hkv, rows, Dk]``, ``dk/dv [B,
+    Hkv, keys, D]``. The fused kernel needs ``out_block [B, Hkv, G·n, Dv]``; the matmul path
+    needs ``delta_block [B, Hkv, G·n]`` (see :func:`_segment_backward_matmul`) and gives
+    ``grad_scores`` (dS) with ``want_grad_scores``, else ``None``."""
+    if fused and tile is not None and tile.strips is not None:
+        for rows, keys, strip_mask in tile.strips:
+            yield (rows, keys, *_segment_backward_fused(
+                q_block[:, :, rows], k_seg[:, :, keys], v_seg[:, :, keys], do_block[:, :, rows],
+                out_block[:, :, rows], lse_block[:, :, rows], scale, additive=strip_mask), None)
+        return
+    additive = tile.additive if tile is not None else None
+    if fused:
+        yield (slice(None), slice(None), *_segment_backward_fused(
+            q_block, k_seg, v_seg, do_block, out_block, lse_block, scale,
+            causal=tile is not None and tile.causal, additive=additive), None)
+        return
+    yield (slice(None), slice(None), *_segment_backward_matmul(
+        q_block, k_seg, v_seg, do_block, lse_block, delta_block, additive, scale, keep, dropout_p,
+        want_grad_scores))
+
+
+def _segment_backward_fused(q_block, k_seg, v_seg, do_block, out_block, lse_block, scale, *,
+                            causal=False, additive=None):
+    """One piece of :func:`_segment_grads` through torch's fused CPU kernel, which forms
+    ``rowsum(dO ∘ O)`` from ``out_block`` itself → ``(dq, dk, dv)``; shapes as there."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do_block, q_block, k_seg, v_seg, out_block, lse_block, 0.0, causal, attn_mask=additive,
+        scale=scale)
+
+
+def _segment_backward_matmul(q_block, k_seg, v_seg, do_block, lse_block, delta_block,
+                             additive: Optional[torch.Tensor], scale, keep=None, dropout_p=0.0,
+                             want_grad_scores=False):
+    """One piece of :func:`_segment_grads` by matmuls, the scores ``[B, Hkv, G·n, span]``
+    recomputed from ``lse_block [B, Hkv, G·n]``: ``dS = P ∘ (dP − Δ)`` with ``delta_block [B,
+    Hkv, G·n]`` = Δ (``rowsum(dO ∘ O)``, less ``grad_lse``) → ``(dq, dk, dv, grad_scores)``,
+    ``grad_scores`` = dS ``[B, Hkv, G·n, span]`` with ``want_grad_scores``, else ``None``.
+    ``keep [B, Hkv, G·n, span]``: the dropout keep-mask of the forward, if any."""
+    q_scaled = q_block * scale
+    scores = q_scaled @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
+    if additive is not None:
+        scores.add_(additive)
+    probs = scores.sub_(lse_block[..., None]).exp_()  # softmax weights, recomputed
+    grad_probs = do_block @ v_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
+    kept = probs
+    if keep is not None:
+        kept = probs.masked_fill(~keep, 0.0).div_(1.0 - dropout_p)
+        grad_probs.masked_fill_(~keep, 0.0).div_(1.0 - dropout_p)
+    dv = kept.transpose(-1, -2) @ do_block  # [B, Hkv, span, Dv]
+    grad_scores = grad_probs.sub_(delta_block[..., None]).mul_(probs)  # dS = P ∘ (dP − Δ)
+    dq = (grad_scores @ k_seg).mul_(scale)  # [B, Hkv, G·n, Dk]
+    dk = grad_scores.transpose(-1, -2) @ q_scaled  # [B, Hkv, span, Dk]
+    return dq, dk, dv, grad_scores if want_grad_scores else None
+
+
 def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
                    accumulate: bool = False, dbias: Sequence[Optional[torch.Tensor]] = (),
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -742,61 +805,27 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
             continue
         q_block = work.take(queries, start, stop)  # [B, Hkv, G·n, Dk] or [count, B·Hkv, n, Dk]
         do_block = work.take(grad_out, start, stop)  # [..., n, Dv]
-        lse_block = work.take(lse_safe, start, stop)[..., None]  # [..., n, 1]
+        lse_block = work.take(lse_safe, start, stop)  # [..., n]
+        out_block = work.take(out, start, stop) if fused else None  # [..., n, Dv]
+        delta_block = None if fused else work.take(delta, start, stop)  # [..., n]
         # dQ of the rows: straight into `dq` where the work's rows are a view of it; the first
         # segment's pieces are written, the later ones added.
         dq_block = work.take(dq, start, stop) if work.views else torch.empty_like(q_block)
         first = group.fresh
-        if fused:
-            out_block = work.take(out, start, stop)
-        else:
-            delta_block = work.take(delta, start, stop)[..., None]
-            q_block_scaled = q_block * problem.scale
         for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
                             problem.plan.block_k, fused):
             k_seg, v_seg, tile, keep = _segment_inputs(problem, work, q_block, keys, values,
                                                        group.block, group.rows, seg, fused)
-            additive = tile.additive if tile is not None else None
-            if fused and tile is not None and tile.strips is not None:
-                for strip_rows, strip_keys, strip_mask in tile.strips:
-                    key_start, key_stop = seg.start + strip_keys.start, seg.start + strip_keys.stop
-                    dq_strip, dk_strip, dv_strip = (
-                        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                            do_block[:, :, strip_rows], q_block[:, :, strip_rows],
-                            work.take(keys, key_start, key_stop),
-                            work.take(values, key_start, key_stop),
-                            out_block[:, :, strip_rows], lse_block[:, :, strip_rows, 0], 0.0,
-                            False, attn_mask=strip_mask, scale=problem.scale))
-                    _write_or_add(dq_block[:, :, strip_rows], dq_strip, first)
-                    work.add(dk, key_start, key_stop, dk_strip)
-                    work.add(dv, key_start, key_stop, dv_strip)
-                first = False
-                continue
-            if fused:
-                dq_seg, dk_seg, dv_seg = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    do_block, q_block, k_seg, v_seg, out_block, lse_block[..., 0], 0.0,
-                    tile is not None and tile.causal, attn_mask=additive, scale=problem.scale)
-                _write_or_add(dq_block, dq_seg, first)
-                work.add(dk, seg.start, seg.stop, dk_seg)
-                work.add(dv, seg.start, seg.stop, dv_seg)
-                first = False
-                continue
-            scores = q_block_scaled @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
-            if additive is not None:
-                scores.add_(additive)
-            probs = scores.sub_(lse_block).exp_()  # softmax weights, recomputed
-            grad_probs = do_block @ v_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
-            kept = probs
-            if keep is not None:
-                kept = probs.masked_fill(~keep, 0.0).div_(1.0 - problem.dropout_p)
-                grad_probs.masked_fill_(~keep, 0.0).div_(1.0 - problem.dropout_p)
-            work.add(dv, seg.start, seg.stop, kept.transpose(-1, -2) @ do_block)
-            grad_scores = grad_probs.sub_(delta_block).mul_(probs)  # dS = P ∘ (dP − Δ)
-            if wanted:
-                _add_bias_grad(wanted, _ungrouped(grad_scores, heads_q), group.rows, seg)
-            dq_seg = (grad_scores @ k_seg).mul_(problem.scale)  # [B, Hkv, G·n, Dk]
-            _write_or_add(dq_block, dq_seg, first)
-            work.add(dk, seg.start, seg.stop, grad_scores.transpose(-1, -2) @ q_block_scaled)
+            for rows, piece_keys, dq_piece, dk_piece, dv_piece, grad_scores in _segment_grads(
+                    q_block, k_seg, v_seg, do_block, lse_block, tile, problem.scale, fused,
+                    out_block=out_block, delta_block=delta_block, keep=keep,
+                    dropout_p=problem.dropout_p, want_grad_scores=bool(wanted)):
+                key_range = range(seg.start, seg.stop)[piece_keys]
+                _write_or_add(dq_block[:, :, rows], dq_piece, first)
+                work.add(dk, key_range.start, key_range.stop, dk_piece)
+                work.add(dv, key_range.start, key_range.stop, dv_piece)
+                if grad_scores is not None:
+                    _add_bias_grad(wanted, _ungrouped(grad_scores, heads_q), group.rows, seg)
             first = False
         if not work.views:
             work.put(dq, start, stop, dq_block)
