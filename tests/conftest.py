@@ -350,3 +350,112 @@ def reasons_for(backend: str, q, k, v, mask=None, **kwargs) -> list[str]:
 def gen() -> torch.Generator:
     """A seeded generator, so every test draws the same numbers on every run."""
     return torch.Generator().manual_seed(1234)
+
+
+# ---- the triton backend through the interpreter (test_triton*.py, test_gpu_bench.py) ----------------
+
+def skip_module_unless_interpreted(launch, test_file: str) -> None:
+    """Skips the calling test module (at its import, after :func:`import_triton_interpreted` and
+    the import of attnkit's triton ``launch``) where triton runs compiled in this process or its
+    interpreter cannot run the kernels."""
+    name = os.path.join("tests", os.path.basename(test_file))
+    if not launch.interpreting():
+        pytest.skip(f"triton runs compiled in this process (a CUDA machine, or imported before this "
+                    f"module without TRITON_INTERPRET=1): run TRITON_INTERPRET=1 pytest "
+                    f"{name} for these CPU tests", allow_module_level=True)
+    import triton
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"the Triton interpreter before 3.9 cannot run these kernels (3.6 seen failing: a "
+                    f"scalar tl.load returns a 1-element array there); triton {triton.__version__} "
+                    f"is installed", allow_module_level=True)
+
+
+def attention_math(q, k, v, allowed, bias, scale, dtype):
+    """softmax(q kᵀ·scale + bias, masked) v in ``dtype``, differentiable everywhere.
+
+    q ``[B, Hq, Tq, Dk]``, k ``[B, Hkv, Tk, Dk]``, v ``[B, Hkv, Tk, Dv]``; ``allowed``/``bias``
+    broadcastable to ``[B, Hq, Tq, Tk]``. Fully masked rows: output 0, LSE −inf, and (since their
+    scores are replaced by 0 before the softmax, then their weights by 0) zero gradients.
+    Returns ``out [B, Hq, Tq, Dv]`` and ``lse [B, Hq, Tq]``.
+    """
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, Hq, Tk, D]
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tk]
+    if bias is not None:
+        scores = scores + bias.to(dtype)
+    if allowed is None:
+        allowed = torch.ones(scores.shape, dtype=torch.bool)
+    allowed = allowed.expand(scores.shape)
+    row_empty = ~allowed.any(-1, keepdim=True)  # [B, Hq, Tq, 1]
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(row_empty, 0.0)
+    weights = torch.softmax(scores, -1).masked_fill(row_empty, 0.0)
+    lse = torch.logsumexp(scores, -1).masked_fill(row_empty[..., 0], float("-inf"))
+    return weights @ v, lse
+
+
+def make_qkv(batch, heads, heads_kv, q_len, kv_len, dk, dv, dtype, gen):
+    shapes = ((batch, heads, q_len, dk), (batch, heads_kv, kv_len, dk), (batch, heads_kv, kv_len, dv))
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def check(q, k, v, mask, allowed=None, bias=None, *, gen, dout=None, grads=True, lse_grad=False,
+          kernel_qkv=None):
+    """Forward (out, LSE) and backward (dq, dk, dv) of the triton backend against float64.
+
+    ``allowed``/``bias``: the mask written out independently, broadcastable to the scores.
+    ``dout``: the output gradient (random when ``None``); ``lse_grad`` adds a loss term on the
+    LSE so its gradient flows too; ``kernel_qkv``: what the kernel gets instead of (q, k, v)
+    (same values where it matters, poison where it must not look). Returns the triton result
+    and gradients.
+    """
+    dtype = q.dtype
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    leaves = [t.detach().requires_grad_() for t in (kernel_qkv or (q, k, v))]  # views stay views
+    result = ak.attention(*leaves, mask=mask, backend="triton", return_lse=True)
+    truth_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    plain_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out_true, lse_true = attention_math(*truth_leaves, allowed, bias, scale, torch.float64)
+    out_plain, lse_plain = attention_math(*plain_leaves, allowed, bias, scale, dtype)
+
+    assert result.out.dtype == dtype and result.lse.dtype == torch.float32
+    assert torch.isfinite(result.out).all(), "NaN/inf in the output"
+    assert_within_2x("out", result.out, out_true, out_plain, dtype)
+    empty_rows = torch.isneginf(lse_true)  # [B, Hq, Tq]
+    assert torch.equal(torch.isneginf(result.lse), empty_rows), "LSE −inf exactly on fully masked rows"
+    assert (result.out[empty_rows] == 0).all(), "fully masked rows must be exactly 0"
+    assert_within_2x("lse", result.lse, lse_true, lse_plain, dtype)
+    if not grads:
+        return result, None
+
+    if dout is None:
+        dout = torch.randn(result.out.shape, generator=gen, dtype=torch.float64).to(dtype)
+    dlse = torch.randn(result.lse.shape, generator=gen, dtype=torch.float64) if lse_grad else None
+
+    def loss(out, lse):
+        total = (out.double() * dout.double()).sum()
+        if dlse is not None:
+            total = total + (torch.where(torch.isinf(lse), 0.0, lse.double()) * dlse).sum()
+        return total
+
+    if lse_grad:
+        got = torch.autograd.grad(loss(result.out, result.lse), leaves)
+    else:  # dout goes in as given (it may be a strided view: the kernels read it by strides)
+        got = torch.autograd.grad(result.out, leaves, dout)
+    true = torch.autograd.grad(loss(out_true, lse_true), truth_leaves)
+    plain = torch.autograd.grad(loss(out_plain, lse_plain), plain_leaves)
+    floors = delta_form_floors(q, k, v, dout, allowed, bias, scale)
+    for name, g, t, p in zip(("dq", "dk", "dv"), got, true, plain):
+        assert g.dtype == dtype and g.shape == t.shape
+        assert torch.isfinite(g).all(), f"NaN/inf in {name}"
+        assert_within_2x(name, g, t, p, dtype, floors.get(name, 0.0))
+    assert (got[0][empty_rows] == 0).all(), "fully masked rows must get exactly zero dq"
+    return result, got
+
+
+def use_walk(monkeypatch, walk: str, sparse: int, block: int) -> None:
+    """The interpreter's launches walk with ``walk``, square kernel blocks in square sparse ones."""
+    from attnkit.backends.triton import launch  # here: after import_triton_interpreted()
+    monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
+        sparse_q=sparse, sparse_k=sparse, fwd=(block, block), dkdv=(block, block),
+        dq=(block, block), walk=walk))

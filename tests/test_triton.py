@@ -1,4 +1,4 @@
-"""``backend="triton"`` through the Triton interpreter, on CPU tensors.
+"""``backend="triton"`` through the Triton interpreter, on CPU tensors: the kernels' numerics.
 
 The interpreter runs the very ``@triton.jit`` kernels a GPU compiles, one program at a time in
 numpy. How it is switched on here: Triton reads ``TRITON_INTERPRET`` when ``@triton.jit``
@@ -12,24 +12,26 @@ checks per call, so the autouse fixture sets it with ``monkeypatch`` for each te
 nothing leaks into other test files. On a CUDA machine, or when something imported triton
 compiled before this module, the tests skip with the reason (run
 ``TRITON_INTERPRET=1 pytest tests/test_triton.py`` there; ``benchmarks/gpu.py`` checks the GPU).
+``tests/test_triton_launch.py`` and ``tests/test_gpu_bench.py`` start the same way.
 
-Every check compares against float64 math written here (``attention_math``, NaN-safe so its
-gradients exist on fully masked rows) with hand-built dense masks from ``conftest``, by the
-rule error ≤ 2 × (error of the same math in the input dtype) + ``conftest.error_floor``.
-Sizes are small (T ≤ 80): the interpreter costs tens of ms per block operation.
+What is tested here: forward, LSE and both backwards (recomputing, and storing dS) for every
+mask kind, GQA, dtypes, head dims and walks of the block lists; memory safety (inputs inside
+NaN-poisoned buffers, blocks that must never be read) and determinism; the backend's refusals
+and dispatch. The launch machinery (plans, layouts and their caches, block lists, autotuning,
+direct launches) is tested in ``tests/test_triton_launch.py``; ``benchmarks/gpu.py`` in
+``tests/test_gpu_bench.py``.
+
+Every check compares against float64 math (``conftest.attention_math``, NaN-safe so its
+gradients exist on fully masked rows; ``conftest.check`` runs the comparison) with hand-built
+dense masks from ``conftest``, by the rule error ≤ 2 × (error of the same math in the input
+dtype) + ``conftest.error_floor``. Sizes are small (T ≤ 80): the interpreter costs tens of ms
+per block operation.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import inspect
-import json
 import math
-import os
-import sys
-import time
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -40,7 +42,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 
-from conftest import import_triton_interpreted  # noqa: E402
+from conftest import import_triton_interpreted, skip_module_unless_interpreted  # noqa: E402
 
 import_triton_interpreted()
 
@@ -49,116 +51,19 @@ from attnkit import dispatch  # noqa: E402
 from attnkit.backends.triton import backend as triton_backend  # noqa: E402
 from attnkit.backends.triton import launch  # noqa: E402
 from attnkit.inputs import validate  # noqa: E402
-from attnkit.masks import EMPTY, FULL, PARTIAL, MaskSpace  # noqa: E402
 
-from conftest import (assert_within_2x, delta_form_floors, dense_band, dense_causal,  # noqa: E402
-                      dense_documents, dense_padding, sorted_ids)
+from conftest import (assert_within_2x, attention_math, check, dense_band, dense_causal,  # noqa: E402
+                      dense_documents, dense_padding, make_qkv, sorted_ids, use_walk)
 
-if not launch.interpreting():
-    pytest.skip("triton runs compiled in this process (a CUDA machine, or imported before this "
-                "module without TRITON_INTERPRET=1): run TRITON_INTERPRET=1 pytest "
-                "tests/test_triton.py for these CPU tests", allow_module_level=True)
-
-import triton  # noqa: E402
-
-if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9):
-    pytest.skip(f"the Triton interpreter before 3.9 cannot run these kernels (3.6 seen failing: a "
-                f"scalar tl.load returns a 1-element array there); triton {triton.__version__} "
-                f"is installed", allow_module_level=True)
+skip_module_unless_interpreted(launch, __file__)
 
 NAN = float("nan")
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
     """Opt in to the interpreter for this test only (see the module docstring)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-# ---- the independent math -------------------------------------------------------------------------
-
-def attention_math(q, k, v, allowed, bias, scale, dtype):
-    """softmax(q kᵀ·scale + bias, masked) v in ``dtype``, differentiable everywhere.
-
-    q ``[B, Hq, Tq, Dk]``, k ``[B, Hkv, Tk, Dk]``, v ``[B, Hkv, Tk, Dv]``; ``allowed``/``bias``
-    broadcastable to ``[B, Hq, Tq, Tk]``. Fully masked rows: output 0, LSE −inf, and (since their
-    scores are replaced by 0 before the softmax, then their weights by 0) zero gradients.
-    Returns ``out [B, Hq, Tq, Dv]`` and ``lse [B, Hq, Tq]``.
-    """
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, Hq, Tk, D]
-    scores = (q @ k.transpose(-1, -2)) * scale  # [B, Hq, Tq, Tk]
-    if bias is not None:
-        scores = scores + bias.to(dtype)
-    if allowed is None:
-        allowed = torch.ones(scores.shape, dtype=torch.bool)
-    allowed = allowed.expand(scores.shape)
-    row_empty = ~allowed.any(-1, keepdim=True)  # [B, Hq, Tq, 1]
-    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(row_empty, 0.0)
-    weights = torch.softmax(scores, -1).masked_fill(row_empty, 0.0)
-    lse = torch.logsumexp(scores, -1).masked_fill(row_empty[..., 0], float("-inf"))
-    return weights @ v, lse
-
-
-def make_qkv(batch, heads, heads_kv, q_len, kv_len, dk, dv, dtype, gen):
-    shapes = ((batch, heads, q_len, dk), (batch, heads_kv, kv_len, dk), (batch, heads_kv, kv_len, dv))
-    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
-
-
-def check(q, k, v, mask, allowed=None, bias=None, *, gen, dout=None, grads=True, lse_grad=False,
-          kernel_qkv=None):
-    """Forward (out, LSE) and backward (dq, dk, dv) of the triton backend against float64.
-
-    ``allowed``/``bias``: the mask written out independently, broadcastable to the scores.
-    ``dout``: the output gradient (random when ``None``); ``lse_grad`` adds a loss term on the
-    LSE so its gradient flows too; ``kernel_qkv``: what the kernel gets instead of (q, k, v)
-    (same values where it matters, poison where it must not look). Returns the triton result
-    and gradients.
-    """
-    dtype = q.dtype
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    leaves = [t.detach().requires_grad_() for t in (kernel_qkv or (q, k, v))]  # views stay views
-    result = ak.attention(*leaves, mask=mask, backend="triton", return_lse=True)
-    truth_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    plain_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out_true, lse_true = attention_math(*truth_leaves, allowed, bias, scale, torch.float64)
-    out_plain, lse_plain = attention_math(*plain_leaves, allowed, bias, scale, dtype)
-
-    assert result.out.dtype == dtype and result.lse.dtype == torch.float32
-    assert torch.isfinite(result.out).all(), "NaN/inf in the output"
-    assert_within_2x("out", result.out, out_true, out_plain, dtype)
-    empty_rows = torch.isneginf(lse_true)  # [B, Hq, Tq]
-    assert torch.equal(torch.isneginf(result.lse), empty_rows), "LSE −inf exactly on fully masked rows"
-    assert (result.out[empty_rows] == 0).all(), "fully masked rows must be exactly 0"
-    assert_within_2x("lse", result.lse, lse_true, lse_plain, dtype)
-    if not grads:
-        return result, None
-
-    if dout is None:
-        dout = torch.randn(result.out.shape, generator=gen, dtype=torch.float64).to(dtype)
-    dlse = torch.randn(result.lse.shape, generator=gen, dtype=torch.float64) if lse_grad else None
-
-    def loss(out, lse):
-        total = (out.double() * dout.double()).sum()
-        if dlse is not None:
-            total = total + (torch.where(torch.isinf(lse), 0.0, lse.double()) * dlse).sum()
-        return total
-
-    if lse_grad:
-        got = torch.autograd.grad(loss(result.out, result.lse), leaves)
-    else:  # dout goes in as given (it may be a strided view: the kernels read it by strides)
-        got = torch.autograd.grad(result.out, leaves, dout)
-    true = torch.autograd.grad(loss(out_true, lse_true), truth_leaves)
-    plain = torch.autograd.grad(loss(out_plain, lse_plain), plain_leaves)
-    floors = delta_form_floors(q, k, v, dout, allowed, bias, scale)
-    for name, g, t, p in zip(("dq", "dk", "dv"), got, true, plain):
-        assert g.dtype == dtype and g.shape == t.shape
-        assert torch.isfinite(g).all(), f"NaN/inf in {name}"
-        assert_within_2x(name, g, t, p, dtype, floors.get(name, 0.0))
-    assert (got[0][empty_rows] == 0).all(), "fully masked rows must get exactly zero dq"
-    return result, got
 
 
 # ---- every mask kind, forward and backward ----------------------------------------------------------
@@ -317,13 +222,6 @@ def test_gradient_of_lse_alone(gen):
     assert (got[2] == 0).all()
 
 
-def use_walk(monkeypatch, walk: str, sparse: int, block: int) -> None:
-    """The interpreter's launches walk with ``walk``, square kernel blocks in square sparse ones."""
-    monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
-        sparse_q=sparse, sparse_k=sparse, fwd=(block, block), dkdv=(block, block),
-        dq=(block, block), walk=walk))
-
-
 @pytest.mark.parametrize("tiles", [
     launch.Tiles(sparse_q=32, sparse_k=32, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16)),
     launch.Tiles(sparse_q=32, sparse_k=32, fwd=(32, 16), dkdv=(16, 32), dq=(32, 16)),
@@ -404,30 +302,6 @@ def test_unevenly_spaced_blocks(walk, gen, monkeypatch):
     assert not (plan.rows.full_strided or plan.cols.full_strided or plan.rows.partial_strided
                 or plan.cols.partial_strided)
     check(q, k, v, ak.dense(allowed), allowed, gen=gen)
-
-
-def test_spacing_of_the_block_lists():
-    """``BlockLists.partial_strided``/``full_strided``: the PARTIAL (FULL) entries of every
-    row are evenly spaced blocks (any one or two are)."""
-    P, F, E = PARTIAL, FULL, EMPTY
-
-    def strided(*rows):
-        lists = launch.block_lists(torch.tensor([[rows]], dtype=torch.int8), 1, 1)
-        return lists.partial_strided, lists.full_strided
-    assert strided([F, F, P, E], [P, F, F, E]) == (True, True)
-    assert strided([F, F, P, E], [F, P, F, E]) == (True, True)  # FULL 0, 2: step 2
-    assert strided([F, F, P, F]) == (True, False)  # FULL 0, 1, 3
-    assert strided([P, P, E, E], [E, E, E, E]) == (True, True)  # no FULL block at all
-    assert strided([P, F, F, P, F, P]) == (False, False)  # PARTIAL 0, 3, 5; FULL 1, 2, 4
-    assert strided([P, F, P, F, P, E]) == (True, True)  # PARTIAL 0, 2, 4; FULL 1, 3
-    assert strided([P, P, F, P], [P, E, E, E]) == (False, True)
-    # lengths a multiple of the sparse blocks (a ragged tail block is PARTIAL in every row)
-    space = MaskSpace(batch=1, heads=1, q_len=384, kv_len=384, device=torch.device("cpu"))
-    for mask in (ak.causal(), ak.sliding_window(200), ak.padding(kv_lengths=[200]),
-                 ak.documents(torch.arange(384) // 70) & ak.causal(), None):
-        plan = launch.layout(mask, space, launch.GPU_TILES)
-        assert plan.rows.full_strided and plan.cols.full_strided, mask
-        assert plan.rows.partial_strided and plan.cols.partial_strided, mask
 
 
 RANDOM_KINDS = ["window", "band", "causal", "bottom_right", "documents", "documents&causal",
@@ -569,49 +443,6 @@ def test_stored_ds_matches_recompute(gen, monkeypatch):
     torch.testing.assert_close(dq_s, dq, rtol=1e-5, atol=1e-6)
 
 
-def test_slots_index_the_forward_lists():
-    """``Layout.slots``: entry j of key column c (query row r) names the place of c in row r's
-    forward list, for masks that differ per batch and head."""
-    allowed = torch.rand(2, 3, 90, 90, generator=torch.Generator().manual_seed(1)) < 0.02
-    allowed[0, 1] = dense_causal(90, 90)
-    space = MaskSpace(batch=2, heads=3, q_len=90, kv_len=90, device=torch.device("cpu"))
-    lay = launch.layout(ak.dense(allowed), space, launch.Tiles(sparse_q=16, sparse_k=16))
-    slots, entries = lay.slots
-    rows, cols = lay.rows, lay.cols
-    assert entries == int((rows.num_partial + rows.num_full).max())
-    checked = 0
-    for b in range(2):
-        for h in range(3):
-            for c in range(cols.index.shape[2]):
-                for j in range(int(cols.num_partial[b, h, c] + cols.num_full[b, h, c])):
-                    r = int(cols.index[b, h, c, j])
-                    e = int(slots[b, h, c, j])
-                    assert int(rows.index[b, h, r, e]) == c and e < entries
-                    checked += 1
-    assert checked == rows.visited()
-
-
-def test_auto_stores_ds_for_sparse_masks_within_the_budget(monkeypatch):
-    """``"auto"`` stores dS where no row lists more than half the key blocks and the buffer fits
-    ``STORED_DS_MAX_BYTES``; a plan keeps the choice it was made with."""
-    q = torch.zeros(1, 2, 256, 16)
-
-    def planned(mask, mode):
-        with launch.backward_path(mode):
-            return launch.make_plan(validate(q, q, q, mask))
-    window, causal = planned(ak.sliding_window(40), "auto"), planned(ak.causal(), "auto")
-    assert launch.stores_ds(q, window) and not launch.stores_ds(q, causal)
-    assert launch.ds_bytes(q, window) == 2 * (256 // 32) * 3 * 32 * 32 * 4  # 3 blocks a row
-    monkeypatch.setattr(launch, "STORED_DS_MAX_BYTES", launch.ds_bytes(q, window) - 1)
-    assert not launch.stores_ds(q, window)
-    assert launch.stores_ds(q, planned(ak.causal(), "stored_ds"))
-    assert not launch.stores_ds(q, planned(ak.sliding_window(40), "recompute"))
-    with pytest.raises(ValueError, match="launch.BACKWARD"):
-        planned(None, "atomic")
-    assert launch.BACKWARD == "auto"  # the default: plans made outside backward_path
-    assert launch.make_plan(validate(q, q, q, ak.sliding_window(40))).backward == "auto"
-
-
 # ---- memory safety and determinism ----------------------------------------------------------------
 
 def poisoned(t: torch.Tensor, extra=(1, 1, 7, 5)) -> torch.Tensor:
@@ -713,363 +544,6 @@ def test_rerun_is_bit_identical(gen):
         assert torch.equal(first, second)
 
 
-# ---- the layout cache (block lists reused between calls) -------------------------------------------
-
-def test_layout_is_reused_for_the_same_mask_and_shapes():
-    ids = torch.arange(96) // 32
-    mask = ak.documents(ids) & ak.causal()
-    first = _plan(mask, 96, 96, launch.INTERPRETER_TILES).layout
-    assert _plan(mask, 96, 96, launch.INTERPRETER_TILES).layout is first
-    assert _plan(mask, 96, 96, launch.INTERPRETER_TILES, heads=2).layout is not first  # other shapes
-    equal = ak.documents(ids.clone()) & ak.causal()  # another tensor: planned again
-    assert _plan(equal, 96, 96, launch.INTERPRETER_TILES).layout is not first
-    assert ak.masks.cache_key(ak.from_function(lambda b, h, q, kv: q >= kv), []) is None
-    big = torch.ones(96, 96, dtype=torch.bool)  # Tq×Tk tensors are never held by a cache
-    assert ak.masks.cache_key(ak.dense(big), []) is None
-    assert ak.masks.cache_key(ak.bias(big.float()) & ak.causal(), []) is None
-
-
-def test_layout_cache_sees_in_place_changes(gen):
-    """Document ids written in place after a call must give a new layout and right results."""
-    ids = torch.arange(64) // 32  # 2 documents
-    mask = ak.documents(ids)
-    q, k, v = make_qkv(1, 2, 2, 64, 64, 16, 16, torch.float32, gen)
-    check(q, k, v, mask, dense_documents(ids), gen=gen, grads=False)
-    before = _plan(mask, 64, 64, launch.INTERPRETER_TILES).layout
-    ids[:] = torch.arange(64) // 16  # now 4 documents: blocks that were FULL are EMPTY
-    assert _plan(mask, 64, 64, launch.INTERPRETER_TILES).layout is not before
-    check(q, k, v, mask, dense_documents(ids), gen=gen)
-
-
-def test_reused_launches_take_the_new_tensors(gen):
-    """Launch arguments are built once per layout and shapes; a second call with other tensors
-    of the same shapes (and a strided view) must compute with those tensors."""
-    mask = ak.sliding_window(9)
-    allowed = dense_band(48, 48, 9, 0)
-    first = make_qkv(1, 2, 1, 48, 48, 16, 16, torch.float32, gen)
-    check(*first, mask, allowed, gen=gen)
-    second = make_qkv(1, 2, 1, 48, 48, 16, 16, torch.float32, gen)
-    r2, _ = check(*second, mask, allowed, gen=gen)
-    wide = torch.randn(1, 2, 48, 32, generator=gen)[..., :16]  # same shape, other strides
-    r3, _ = check(wide, *second[1:], mask, allowed, gen=gen)
-    assert not torch.equal(r2.out, r3.out)
-    layout = _plan(mask, 48, 48, launch.INTERPRETER_TILES, heads=2).layout
-    assert layout.calls and not any(isinstance(value, torch.Tensor) and value.shape[-1] == 16
-                                    for call in layout.calls.values() for value in call.args.values())
-
-
-
-@pytest.mark.parametrize("walk", [launch.P, launch.F_LPT])
-def test_compiled_launches_skip_the_autotuner_once_it_has_chosen(walk, monkeypatch):
-    """On a GPU the first launch of a template goes through ``triton.autotune``; later launches
-    from the same template call the kernel directly with the config it chose (same grid, same
-    arguments, the config's kwargs). Checked with stand-ins for the tuner and the kernel (the
-    real path runs in ``benchmarks/gpu.py``, which checks every result on the GPU)."""
-    launches = []
-
-    class Config:
-        kwargs = {"BLOCK_M": 64, "BLOCK_N": 32, **launch.WALKS[walk]}
-
-        def all_kwargs(self):
-            return {**self.kwargs, "num_warps": 4, "num_stages": 2}
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda **kwargs: launches.append(("direct", grid, kwargs))
-
-    class Tuner:
-        fn, best_config = Kernel(), Config()
-
-        def __getitem__(self, grid):
-            return lambda **kwargs: launches.append(("tuner", grid(Config.kwargs), kwargs))
-
-    monkeypatch.setattr(launch, "_tuned", lambda name: Tuner())
-    monkeypatch.setattr(launch, "_LAYOUTS", launch.MaskCache(32))  # no template of another test
-    mask = ak.sliding_window(9)
-    q = torch.zeros(1, 2, 130, 16)
-    plan = launch.make_plan(validate(q, q, q, mask), launch.GPU_TILES)
-    out, lse = torch.empty_like(q), torch.empty(1, 2, 130)
-    for _ in range(3):
-        launch.forward_call(q, q, q, out, lse, plan).run(interpret=False)
-    assert [how for how, _, _ in launches] == ["tuner", "direct", "direct"]
-    # cdiv(130, 64) blocks, or ordered: whole 128-row sparse blocks, 2 programs each; × batch·heads
-    blocks = 4 if launch.WALKS[walk]["ORDERED"] else 3
-    assert launches[0][1] == launches[1][1] == (blocks, 2)
-    assert launches[1][2] == {**launches[0][2], **Config().all_kwargs()}
-    assert all(value is not q for call in plan.layout.calls.values() for value in call.args.values())
-
-
-
-@pytest.mark.parametrize("keep", [True, False])
-def test_autotune_timings_kept_on_disk(keep, monkeypatch):
-    """The tuners are made with ``cache_results=AUTOTUNE_CACHE`` (a new process with the same
-    shapes and mask kinds reads the timings back instead of timing every candidate again;
-    ``benchmarks/gpu.py`` turns it off), over every candidate of the kernel."""
-    import triton
-
-    made = {}
-    real = triton.autotune
-
-    def autotune(**kwargs):
-        made.update(kwargs)
-        return real(**kwargs)
-
-    monkeypatch.setattr(triton, "autotune", autotune)
-    monkeypatch.setattr(launch, "_TUNED", {})
-    monkeypatch.setattr(launch, "AUTOTUNE_CACHE", keep)
-    tuner = launch._tuned("attn_bwd_dq")
-    assert made["cache_results"] is keep and tuner is launch._tuned("attn_bwd_dq")
-    every = {c for bucket in launch.CONFIGS["attn_bwd_dq"].values() for c in bucket}
-    assert {launch._config_key(c) for c in made["configs"]} == every
-
-
-def test_direct_launch_after_the_first_compiled_launches(monkeypatch):
-    """Compiled launches of one template: the autotuner first, then ``JITFunction`` with the
-    chosen config (whose compiled kernel is kept), then that kernel directly with every
-    parameter in the kernel's order: the same values ``JITFunction`` bound by name, plus the
-    config's blocks and walk flags. A tensor's 16-byte alignment or the TMA switch changing,
-    or ``DIRECT_LAUNCH`` off, sends the launch back through ``JITFunction``."""
-    launches = []
-    config = SimpleNamespace(kwargs=dict(BLOCK_M=64, BLOCK_N=128, **launch.WALKS["partial_first+tma"]),
-                             all_kwargs=lambda: dict(config.kwargs, num_warps=8, num_stages=2))
-
-    class Compiled:  # as triton's CompiledKernel: its launcher reads all three grid axes
-        def __getitem__(self, grid):
-            return lambda *args: launches.append(("direct", (grid[0], grid[1], grid[2]), args))
-
-    class Jit:
-        fn = staticmethod(launch.kernels().attn_fwd.fn)  # the kernel's Python function
-
-        def __getitem__(self, grid):
-            def run(**kwargs):
-                launches.append(("jit", grid, kwargs))
-                return Compiled()
-            return run
-
-    class Tuner:
-        fn, best_config = Jit(), config
-
-        def __getitem__(self, grid):
-            return lambda **kwargs: launches.append(("autotune", grid(config.kwargs), kwargs))
-
-    monkeypatch.setattr(launch, "_tuned", lambda name: Tuner())
-    monkeypatch.setattr(launch, "_scratch_allocator", lambda: None)
-    monkeypatch.setattr(launch, "_LAYOUTS", launch.MaskCache(32))
-    q = torch.zeros(1, 2, 300, 128)
-    plan = launch.make_plan(validate(q, q, q, ak.causal()), launch.GPU_TILES)
-    plan.interpret = False
-
-    def launch_once(q, out=None):
-        out = torch.empty_like(q) if out is None else out
-        launch.forward_call(q, q, q, out, torch.empty(1, 2, 300), plan).run(False)
-        return launches[-1]
-
-    assert launch_once(q)[0] == "autotune"
-    kind, grid, bound = launch_once(q)
-    assert kind == "jit" and grid == (5, 2) and bound["num_warps"] == 8  # 300 rows / 64
-    out = torch.empty_like(q)
-    kind, grid, positional = launch_once(q, out)
-    assert kind == "direct" and grid == (5, 2, 1)
-    names = list(inspect.signature(Jit.fn).parameters)
-    assert len(positional) == len(names)
-    by_name = dict(zip(names, positional))
-    for name, value in bound.items():
-        if name not in ("num_warps", "num_stages", "Out", "Lse"):  # options; fresh outputs
-            assert by_name[name] is value or by_name[name] == value, name
-    assert by_name["Q"] is q and by_name["Out"] is out  # this call's tensors, swapped in
-    kept = [entry for entry in plan.layout.calls.values() if entry.tuned.get("direct")]
-    _, values, _ = next(iter(kept[0].tuned["direct"].values()))
-    assert not any(isinstance(x, torch.Tensor) and x.shape == q.shape for x in values), \
-        "the cache keeps no call's tensors alive"
-    assert by_name["BLOCK_M"] == 64 and by_name["TMA"] is True
-    misaligned = torch.zeros(1 * 2 * 300 * 128 + 1)[1:].view(1, 2, 300, 128)  # 4 bytes off
-    assert launch_once(misaligned)[0] == "jit"
-    assert launch_once(q)[0] == "direct"
-    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
-    assert launch_once(q)[0] == "jit"
-
-
-@pytest.mark.parametrize("with_dlse", [False, True])
-def test_dq_writes_the_row_statistics_for_dkdv(with_dlse, gen):
-    """The dQ kernel, which runs first in the backward, writes each of its rows' Δ =
-    rowsum(dO ∘ O) − dLSE and base-2 LSE (``+inf`` on fully masked rows) for dK/dV; a call
-    with the LSE's gradient and one without are different launch templates."""
-    q, k, v = make_qkv(1, 2, 2, 70, 50, 32, 32, torch.float32, gen)
-    plan = launch.make_plan(validate(q, k, v, ak.padding(q_lengths=[70], kv_lengths=[50])
-                                     & ak.causal("bottom_right")))
-    out, dout = torch.randn(1, 2, 70, 32, generator=gen), torch.randn(1, 2, 70, 32, generator=gen)
-    lse = torch.randn(1, 2, 70, generator=gen)
-    lse[:, :, :5] = float("-inf")  # fully masked rows
-    dlse = torch.randn(1, 2, 70, generator=gen) if with_dlse else None
-    delta, lse2 = torch.full_like(lse, float("nan")), torch.full_like(lse, float("nan"))
-    call = launch.dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, torch.empty_like(q), plan)
-    assert call.args["HAS_DLSE"] is with_dlse
-    call.run(interpret=True)
-    expected = (dout * out).sum(-1) - (dlse if with_dlse else 0)
-    torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
-    assert torch.isposinf(lse2[:, :, :5]).all()
-    torch.testing.assert_close(lse2[:, :, 5:], lse[:, :, 5:] * math.log2(math.e), rtol=1e-6, atol=0)
-    other = launch.dq_call(q, k, v, dout, out, lse, None if with_dlse else lse, lse2, delta,
-                           torch.empty_like(q), plan)
-    assert other.args["HAS_DLSE"] is not with_dlse
-
-
-def test_direct_launch_arguments_run_the_kernel(gen):
-    """The direct launch's positional arguments (``launch._slots``), given to the interpreted
-    forward kernel, compute what the keyword launch computes, bit for bit."""
-    q, k, v = make_qkv(1, 4, 2, 70, 50, 32, 32, torch.float32, gen)
-    plan = launch.make_plan(validate(q, k, v, ak.documents(torch.arange(70) // 30, torch.arange(50) // 20)
-                                     & ak.causal("bottom_right")))
-    outs = [(torch.empty(1, 4, 70, 32), torch.empty(1, 4, 70)) for _ in range(2)]
-    call = launch.forward_call(q, k, v, *outs[0], plan)
-    call.run(interpret=True)
-    call = launch.forward_call(q, k, v, *outs[1], plan)
-    block_m, block_n = call.fixed
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, **launch.WALKS[call.walk])
-    kernel = launch.kernels().attn_fwd
-    slots = launch._slots(kernel.fn, call.args, meta)
-    kernel[call.grid(block_m, block_n, meta["ORDERED"])](*[call.args.get(n, x) for n, x in slots])
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    assert launch._slots(kernel.fn, {}, meta) is None  # a parameter without value or default
-
-
-@pytest.mark.parametrize("index", [0, 3, 99])
-def test_pinned_launches_skip_the_autotuner(index, monkeypatch):
-    """``launch.pinned(i)`` (gpu.py's checks of mask kinds and of every candidate): compiled
-    launches run candidate i of the head-dim bucket (the last when there are fewer) directly,
-    never the autotuner, and record no choice."""
-    launches = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda **kwargs: launches.append((grid, kwargs))
-
-    class Kernels:
-        attn_fwd = Kernel()
-
-    def no_tuner(name):
-        raise AssertionError("the autotuner must not run")
-
-    monkeypatch.setattr(launch, "_tuned", no_tuner)
-    monkeypatch.setattr(launch, "kernels", lambda: Kernels())
-    monkeypatch.setattr(launch, "_LAYOUTS", launch.MaskCache(32))
-    q = torch.zeros(1, 2, 300, 128)
-    plan = launch.make_plan(validate(q, q, q, ak.causal()), launch.GPU_TILES)
-    call = launch.forward_call(q, q, q, torch.empty_like(q), torch.empty(1, 2, 300), plan)
-    with launch.pinned(index):
-        call.run(interpret=False)
-    candidates = launch.CONFIGS["attn_fwd"][128]
-    block_m, block_n, warps, stages, walk = candidates[min(index, len(candidates) - 1)]
-    grid, kwargs = launches[0]
-    rows = launch.cdiv(300, 128) * (128 // block_m) if launch.WALKS[walk]["ORDERED"] else launch.cdiv(300, block_m)
-    assert grid == (rows, 2)
-    assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]) == (
-        block_m, block_n, warps, stages)
-    assert all(kwargs[flag] == value for flag, value in launch.WALKS[walk].items())
-    assert call.tuned == {} and not launch._PINNED
-
-
-def test_documents_as_ranges_when_contiguous():
-    """Documents that are contiguous runs reach the kernels as ranges (each query's key range,
-    each key's query range), others as int32 ids; ids beyond int32 keep their equalities."""
-    space = MaskSpace(2, 1, 6, 5)
-    q_ids, kv_ids = torch.tensor([7, 7, 2, 2, 2, 9]), torch.tensor([[2, 7, 7, 7, 5], [9, 9, 2, 2, 2]])
-    program = launch.compile_mask(ak.documents(q_ids, kv_ids), space)
-    assert program.doc_ranges and program.q_docs.dtype == torch.int32
-    assert program.q_docs.tolist() == [[[1, 4], [1, 4], [0, 1], [0, 1], [0, 1], [0, 0]],
-                                       [[0, 0], [0, 0], [2, 5], [2, 5], [2, 5], [0, 2]]]
-    assert program.kv_docs.tolist() == [[[2, 5], [0, 2], [0, 2], [0, 2], [0, 0]],
-                                        [[5, 6], [5, 6], [2, 5], [2, 5], [2, 5]]]
-    split = launch.compile_mask(ak.documents(torch.tensor([1, 2, 1, 3, 3, 3])), MaskSpace(1, 1, 6, 6))
-    assert not split.doc_ranges and split.q_docs.dtype == torch.int32
-    huge = torch.tensor([2**40, 2**40, 5, 2**40]).repeat_interleave(2)  # 2**40 in two runs
-    wide = launch.compile_mask(ak.documents(huge), MaskSpace(1, 1, 8, 8))
-    same = wide.q_docs[0][:, None] == wide.kv_docs[0][None, :]
-    assert not wide.doc_ranges and torch.equal(same, huge[:, None] == huge[None, :])
-
-# ---- block skipping (host block lists) -----------------------------------------------------------
-
-@pytest.mark.parametrize("length", [96, 90])
-def test_parts_that_forbid_nothing_in_partial_tiles_are_left_out(length, gen, monkeypatch):
-    """``launch.needed_leaves``: documents aligned to the sparse blocks under causal leave the
-    PARTIAL tiles (the diagonal ones, and a ragged tail) to causal alone, with the same
-    results; misaligned documents, a bias and a dense part stay in the program; padding that
-    covers everything goes."""
-    use_walk(monkeypatch, launch.P, sparse=32, block=16)
-    ids = torch.arange(length) // 32
-    aligned = ak.documents(ids) & ak.causal()
-    assert _plan(aligned, length, length, launch.INTERPRETER_TILES).program.features() == ["band_hi"]
-    q, k, v = make_qkv(1, 2, 1, length, length, 16, 16, torch.float32, gen)
-    check(q, k, v, aligned, dense_documents(ids) & dense_causal(length, length), gen=gen)
-    misaligned = ak.documents(torch.arange(length) // 40) & ak.causal()
-    assert "documents" in _plan(misaligned, length, length, launch.INTERPRETER_TILES).program.features()
-    biased = ak.causal() & ak.bias(torch.zeros(length, length)) & ak.padding(kv_lengths=[length])
-    assert _plan(biased, length, length, launch.INTERPRETER_TILES).program.features() == ["band_hi", "bias"]
-    # only structured parts are weighed (a dense one's block map would evaluate every element)
-    dense = ak.causal() & ak.dense(torch.ones(length, length, dtype=torch.bool))
-    assert _plan(dense, length, length, launch.INTERPRETER_TILES).program.features() == ["band_hi", "dense"]
-
-
-def _plan(mask, q_len, kv_len, tiles, heads=1, batch=1):
-    q = torch.zeros(batch, heads, q_len, 16)
-    k = torch.zeros(batch, heads, kv_len, 16)
-    return launch.make_plan(validate(q, k, k, mask), tiles)
-
-
-def test_causal_visits_about_half_the_tiles():
-    tiles = launch.Tiles(sparse_q=16, sparse_k=16)
-    n = 1024 // 16
-    plan = _plan(ak.causal(), 1024, 1024, tiles)
-    assert plan.rows.visited() == n * (n + 1) // 2  # the lower triangle and the diagonal
-    assert plan.cols.visited() == n * (n + 1) // 2
-    assert int((plan.rows.num_partial).sum()) == n  # only diagonal tiles need the mask
-    assert _plan(None, 1024, 1024, tiles).rows.visited() == n * n
-
-
-def test_window_and_documents_visit_only_their_band():
-    tiles = launch.Tiles(sparse_q=16, sparse_k=16)
-    n = 1024 // 16
-    window = _plan(ak.sliding_window(32), 1024, 1024, tiles).rows.visited()
-    assert window <= 4 * n  # 32 keys back span at most 3 blocks plus the diagonal one
-    ids = torch.arange(1024) // 128  # 8 documents of 128: 8×8 blocks each on the diagonal
-    docs = _plan(ak.documents(ids), 1024, 1024, tiles)
-    assert docs.rows.visited() == 8 * 8 * 8 and int(docs.rows.num_partial.sum()) == 0
-
-
-def test_block_lists_order_and_tails():
-    """PARTIAL blocks are listed first, then FULL; blocks past a ragged end are never FULL."""
-    codes = torch.tensor([[[[FULL, EMPTY, PARTIAL, FULL], [EMPTY, EMPTY, EMPTY, EMPTY]]]], dtype=torch.int8)
-    lists = launch.block_lists(codes, batch=2, heads=3)
-    assert lists.num_partial[1, 2].tolist() == [1, 0] and lists.num_full[0, 0].tolist() == [2, 0]
-    assert lists.index[1, 1, 0, :3].tolist() == [2, 0, 3]
-    assert lists.order.tolist() == [0, 1] and lists.order_kind == 0  # the rows' own order
-    # heaviest rows first (a PARTIAL block weighs 5/4 of a FULL one), ties in row order
-    codes = torch.tensor([[[[FULL, EMPTY], [FULL, FULL], [PARTIAL, EMPTY], [EMPTY, EMPTY], [FULL, EMPTY]]]],
-                         dtype=torch.int8)
-    lists = launch.block_lists(codes, batch=1, heads=1)
-    assert lists.order.tolist() == [1, 2, 0, 4, 3] and lists.order_kind == 2  # loaded
-    causal = launch.block_codes(ak.causal(), MaskSpace(1, 1, 96, 96), launch.Tiles(32, 32))
-    rows, cols = launch.block_lists(causal, 1, 1), launch.block_lists(causal.transpose(-1, -2), 1, 1)
-    assert (rows.order.tolist(), rows.order_kind) == ([2, 1, 0], 1)  # reversed: computed
-    assert (cols.order.tolist(), cols.order_kind) == ([0, 1, 2], 0)
-    space = validate(torch.zeros(1, 1, 40, 16), torch.zeros(1, 1, 50, 16), torch.zeros(1, 1, 50, 16)).space
-    tail = launch.block_codes(None, space, launch.Tiles(sparse_q=32, sparse_k=32))
-    assert tail[0, 0].tolist() == [[FULL, PARTIAL], [PARTIAL, PARTIAL]]
-
-
-def test_mask_program_features():
-    """Structured parts of an & chain become index arithmetic; the rest is loaded."""
-    space = validate(torch.zeros(2, 2, 40, 16), torch.zeros(2, 2, 40, 16), torch.zeros(2, 2, 40, 16)).space
-    program = launch.compile_mask(ak.causal() & ak.sliding_window(8, 3), space)
-    assert program.features() == ["band_lo", "band_hi"] and (program.band_lo, program.band_hi) == (-8, 0)
-    program = launch.compile_mask(ak.padding(kv_lengths=[3, 9]) & ak.padding(kv_lengths=[5, 4]), space)
-    assert program.kv_lengths.tolist() == [3, 4]
-    program = launch.compile_mask(ak.documents(torch.arange(40) // 10) | ak.causal(), space)
-    assert program.features() == ["dense"] and program.allowed.stride()[:2] == (0, 0)
-    program = launch.compile_mask(ak.bias(torch.zeros(40, 40)) & ak.causal("bottom_right"), space)
-    assert program.features() == ["band_hi", "bias"]
-
-
 # ---- refusals and dispatch ------------------------------------------------------------------------
 
 def _reasons(q, k, v, mask=None, **kwargs):
@@ -1132,240 +606,3 @@ def test_no_keys_at_all(gen):
     assert r.out.shape == (2, 5, 16) and (r.out == 0).all() and torch.isneginf(r.lse).all()
     r.out.sum().backward()
     assert (q.grad == 0).all()
-
-
-# ---- the GPU benchmark's pipeline, end to end at toy sizes ---------------------------------------------
-
-@pytest.fixture
-def bench(monkeypatch):
-    """``benchmarks/gpu.py`` as a module, with ``launch.CONFIGS`` restored afterwards."""
-    spec = importlib.util.spec_from_file_location("gpu_benchmark", REPO / "benchmarks" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script prepends src/ to it
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(launch, "CONFIGS", {name: {bucket: list(candidates) for bucket, candidates
-                                                   in buckets.items()}
-                                            for name, buckets in launch.CONFIGS.items()})
-    return module
-
-
-def test_benchmark_masks_pick_the_workloads(bench):
-    """``--masks`` keeps the workloads of the masks named, in the script's order; an unknown
-    name stops the run before anything is timed."""
-    args = bench.parse_args(["--masks", "dense,window", "--dims", "64,128", "--lengths", "1024,4096"])
-    assert [(w.mask, w.d, w.n) for w in bench.workloads(args)] == [
-        ("window", 64, 8192), ("dense", 64, 1024), ("dense", 64, 4096),
-        ("window", 128, 8192), ("dense", 128, 1024), ("dense", 128, 4096)]
-    with pytest.raises(SystemExit, match="unknown"):
-        bench.workloads(bench.parse_args(["--masks", "docs"]))
-
-
-def test_benchmark_warm_parts(bench, monkeypatch):
-    """``--warm-parts n``: n workers per (mask, head dim), each told its part; a candidate
-    failing in one part drops it and reruns every part of that job (the drop shifts the
-    candidates' indices between parts); a part failing for good keeps its whole job out."""
-    bad = ["attn_fwd", 128, list(launch.CONFIGS["attn_fwd"][128][4])]
-    crashed = f"{bench.TRACE}{json.dumps(bad)}\nCUDA error: illegal address"
-    calls = []
-
-    def run(jobs):
-        calls.append(jobs)
-        out = {}
-        for label, argv in jobs.items():
-            dropped = json.loads(argv[argv.index("--drop-configs") + 1])
-            if label == "causal D128 part 2/3":
-                out[label] = (0, "") if dropped == [bad] else (1, crashed)
-            elif label == "window D128 part 3/3":
-                out[label] = (1, "ImportError: boom")
-            else:
-                out[label] = (0, "")
-        return out
-
-    todo = [bench.Workload("causal", 1024, 128, 2, 16, 1024), bench.Workload("window", 8192, 128, 2, 16, 1024)]
-    warmed = bench.warm(todo, bench.parse_args(["--warm-parts", "3"]), run=run)
-    assert sorted(calls[0]) == sorted(f"{mask} D128 part {p}/3" for mask in ("causal", "window") for p in (1, 2, 3))
-    assert [argv[argv.index("--warm-part") + 1] for argv in calls[0].values()] == ["0/3", "1/3", "2/3"] * 2
-    assert warmed.dropped == [bad] and sorted(calls[1]) == [f"causal D128 part {p}/3" for p in (1, 2, 3)]
-    assert list(warmed.broken) == ["window D128"] and warmed.skips("window D128")
-    assert not warmed.skips("causal D128")
-    # by default as many parts as the CPUs allow, at least 1, at most WARM_MAX_PARTS
-    for cpus, parts in ((16, 4), (6, 3), (1, 1), (None, 1)):
-        monkeypatch.setattr(bench.os, "cpu_count", lambda: cpus)
-        calls.clear()
-        bench.warm(todo, bench.parse_args([]), run=lambda jobs: calls.append(jobs) or
-                   {label: (0, "") for label in jobs})
-        assert len(calls[0]) == 2 * parts, cpus
-
-
-def test_benchmark_budget_times_the_first_workload(tmp_path, capsys, bench):
-    """``--budget`` counts from the start, warm step and checks included; a budget spent
-    before any timing still times the first workload, and only that one."""
-    assert bench.main(["--dry-run", "--budget", "0", "--masks", "causal,dense", "--competitors",
-                       "attnkit-triton", "--profile", "none", "--out", str(tmp_path)]) == 0
-    assert "over the --budget, not timed: dense" in capsys.readouterr().out
-    saved = json.loads((tmp_path / "gpu_bench_dry_run.json").read_text())
-    assert {(r["workload"], r["mode"]) for r in saved["results"]} == {("causal", "fwd"), ("causal", "fwd+bwd")}
-
-
-def test_benchmark_dry_run(tmp_path, capsys, bench):
-    """``benchmarks/gpu.py --dry-run``: the whole pipeline (checks, every competitor that runs on
-    CPU, table, JSON) at toy sizes through the interpreter, in this process (its triton is
-    already in interpreter mode, and the imports are paid)."""
-    start = time.perf_counter()
-    assert bench.main(["--dry-run", "--out", str(tmp_path)]) == 0
-    printed = capsys.readouterr().out
-    saved = json.loads((tmp_path / "gpu_bench_dry_run.json").read_text())
-    # each mask once through each backward
-    assert all(check["ok"] for check in saved["checks"]) and len(saved["checks"]) == 8
-    assert sum("(stored dS)" in check["workload"] for check in saved["checks"]) == 4
-    for backend in ("attnkit-triton", "attnkit-kernels"):  # the kernels alone: both modes too
-        ours = [r for r in saved["results"] if r["backend"] == backend]
-        assert len(ours) == 8 and all(r["tflops"] and r["tflops"] > 0 for r in ours)
-    stored = [r for r in saved["results"] if r["backend"] == "attnkit-stored" and r["tflops"]]
-    assert {(r["workload"], r["mode"]) for r in stored} == {
-        (w, m) for w in ("window16", "docs16&causal", "causal", "dense") for m in ("fwd", "fwd+bwd")}
-    assert "stored vs best" in printed
-    assert "TFLOP/s" in printed and "docs16&causal" in printed
-    assert time.perf_counter() - start < 180  # 25-40 s here: catches a run that compiles or
-    # times far more than toy sizes, not a slow machine
-    # one forward+backward under torch.profiler per workload (host operators on CPU)
-    assert set(saved["info"]["kernel_profile"]) == {"window16 D32 N64", "docs16&causal D32 N64",
-                                                    "causal D32 N64", "dense D32 N64"}
-    ours = saved["info"]["kernel_profile"]["causal D32 N64"]["attnkit-triton"]
-    assert ours and all(row["us"] > 0 and row["calls"] >= 1 for row in ours.values())
-    assert saved["info"]["kernel_profile"]["window16 D32 N64"]["attnkit-stored"]
-    assert "torch.profiler" in printed
-    facts = {"grid": [8, 32, 1], "block": [256, 1, 1], "registers per thread": 255,
-             "shared memory": 98304, "blocks per SM": 1, "est. achieved occupancy %": 12}
-    trace = {"traceEvents": [
-        {"cat": "kernel", "name": "attn_bwd_dkdv", "dur": 800.0, "args": facts},
-        {"cat": "kernel", "name": "attn_bwd_dkdv", "dur": 10.0, "args": {}},
-        {"cat": "kernel", "name": "attn_fwd", "dur": 400.0, "args": {}},
-        {"cat": "gpu_memset", "name": "Memset (Device)", "dur": 2.0},
-        {"cat": "cpu_op", "name": "aten::empty", "dur": 12.0}, {"name": "no category"}]}
-    assert bench.kernel_times(trace, on_device=True) == {
-        "attn_bwd_dkdv": {"us": 810.0, "calls": 2, "grid": [8, 32, 1], "block": [256, 1, 1],
-                          "regs": 255, "smem": 98304, "blocks_per_sm": 1, "occupancy_pct": 12},
-        "attn_fwd": {"us": 400.0, "calls": 1}, "Memset (Device)": {"us": 2.0, "calls": 1}}
-    assert bench.kernel_times(trace, on_device=False) == {"aten::empty": {"us": 12.0, "calls": 1}}
-    # each walk family's best autotuning time (the GPU run's answer to which walks pay)
-    ms = {"128x128 w8 s2 partial_first": 0.30, "128x128 w8 s2 full_first": 0.29,
-          "128x64 w8 s3 partial_first+flat": 0.31, "128x128 w8 s2 one_loop": 0.27,
-          "128x128 w8 s2 partial_first+lpt": 0.28, "32x128 w8 s2 full_first+flat+lpt": 0.26,
-          "128x128 w8 s2 one_loop+tma": 0.25}
-    assert bench.walk_families(ms) == {"split": 0.29, "flat": 0.31, "one_loop": 0.27, "lpt": 0.26,
-                                       "tma": 0.25}
-    assert all(any(member(walk) for member in bench.WALK_FAMILIES.values()) for walk in launch.WALKS)
-    # candidates never within 5 % of a tuning's fastest, per kernel and head dim
-    tuned = {"window D128 N8192": {"attn_fwd": {"ms": {"a": 1.0, "b": 1.04, "c": 1.2, "d": None}},
-                                   "attn_bwd_dq": {"ms": {"a": 2.0, "b": 2.0}}},
-             "causal D128 N1024": {"attn_fwd": {"ms": {"a": 0.5, "c": 0.6, "e": 0.49}}},
-             "causal D64 N1024": {"attn_fwd": {"ms": {"a": 0.3, "c": 0.3}}}}
-    assert bench.losing_candidates(tuned) == {"attn_fwd D128": ["c"]}
-    assert bench.losing_candidates(tuned, slack=1.01) == {"attn_fwd D128": ["b", "c"]}
-    # --compile-only's loop sizes: instructions from a label to the branch back to it
-    sass = "\n".join(["        /*0000*/   MOV R1, c[0x0][0x28] ;", ".L_x_1:",
-                      *[f"        /*{16 * i:04x}*/   FFMA R2, R3, R4, R2 ;" for i in range(24)],
-                      "        /*0190*/   @P0 BRA `(.L_x_1) ;", ".L_x_2:",
-                      "        /*01a0*/   NOP ;", "        /*01b0*/   @!P1 BRA `(.L_x_2) ;",
-                      "        /*01c0*/   BRA `(.L_x_3) ;", ".L_x_3:", "        /*01d0*/   EXIT ;"])
-    assert bench.loop_sizes(sass) == [25] and bench.loop_sizes(sass, smallest=1) == [25, 2]
-    # rows where the GPU waited on the Python: the whole call over 1.05x its kernels alone
-    def row(backend, ms):
-        return bench.Result("causal", 128, 1024, 16, 16, "fwd+bwd", backend, ms=ms)
-    keyed = {("causal", 128, 1024, "fwd+bwd"): {"attnkit-triton": row("attnkit-triton", 1.34),
-                                                "attnkit-kernels": row("attnkit-kernels", 1.06)},
-             ("causal", 128, 4096, "fwd+bwd"): {"attnkit-triton": row("attnkit-triton", 3.07),
-                                                "attnkit-kernels": row("attnkit-kernels", 3.01)},
-             ("dense", 128, 1024, "fwd"): {"attnkit-triton": row("attnkit-triton", 0.4)}}
-    assert bench.host_bound(keyed) == ["causal D128 N1024 fwd+bwd +0.280 ms"]
-    # --exclude-walks: a walk that fails on some machine can be left out of a run
-    assert bench.exclude_walks("tma, one_loop")
-    walks = {c[4] for buckets in launch.CONFIGS.values() for cs in buckets.values() for c in cs}
-    assert walks and not any("tma" in w or w.startswith("one_loop") for w in walks)
-
-
-def test_benchmark_config_timings_tell_the_dkdv_variants_apart(bench, monkeypatch):
-    """The plain and the dS-storing dK/dV share one autotuner; a tuning whose key has the
-    stored-dS bit (30 of ``TUNE_KEY``) is reported as ``attn_bwd_dkdv+ds``."""
-    import triton
-
-    config = triton.Config({"BLOCK_M": 32, "BLOCK_N": 128, **launch.WALKS[launch.F_FLAT]},
-                           num_warps=8, num_stages=2)
-    for stored, label in ((False, "attn_bwd_dkdv"), (True, "attn_bwd_dkdv+ds")):
-        tuner = SimpleNamespace(cache={(128, 128, 5 | stored << 30, "bf16"): config},
-                                configs_timings={config: [0.5, 0.4, 0.6]})
-        monkeypatch.setattr(launch, "_TUNED", {"attn_bwd_dkdv": tuner})
-        assert bench.config_timings() == {label: {"key": str((128, 128, 5 | stored << 30)),
-                                                  "ms": {"32x128 w8 s2 full_first+flat": 0.5}}}
-
-
-def test_benchmark_warm_isolates_failures(bench, capsys, monkeypatch):
-    """The warm step finds a candidate that fails in a worker from the worker's launch trace,
-    drops it (here and in the rerun's workers) and reruns the job; a job failing outside a
-    launch, or a mask kind's, is kept out of the timed process (one crash there would end its
-    CUDA context) and reported as a failed check instead."""
-    # the trace: the launch running when the worker died is the last one without an "ok"
-    real_launch = launch.Call._launch
-
-    def sabotaged(self, *args, **options):
-        if self.name == "attn_bwd_dq":
-            raise RuntimeError("illegal memory access (sabotaged)")
-        real_launch(self, *args, **options)
-
-    monkeypatch.setattr(launch.Call, "_launch", sabotaged)
-    q = torch.randn(1, 2, 40, 16, requires_grad=True)
-    with bench.traced_launches(), pytest.raises(RuntimeError, match="sabotaged"):
-        ak.attention(q, q, q, mask=ak.causal(), backend="triton").sum().backward()
-    assert launch.Call._launch is sabotaged  # the tracer is undone
-    trace = capsys.readouterr().out
-    assert trace.count(bench.TRACE + "ok") == 1  # the forward ran; dQ runs before dK/dV
-    assert bench.culprit(trace) == ["attn_bwd_dq", 64, [32, 32, None, None, "partial_first"]]
-    assert bench.culprit(trace + bench.TRACE + "ok\nTraceback ...") is None
-    assert bench.culprit(trace + bench.TRACE + "ok\n" + bench.TRACE + "direct\nCUDA error") is None
-    assert bench.culprit("ImportError: no triton") is None
-
-    # the warm loop, with fake workers
-    bad = list(launch.CONFIGS["attn_fwd"][128][4])
-    assert bad[4] == "partial_first+tma"
-    calls = []
-
-    def run(jobs):
-        calls.append(jobs)
-        crashed = f"{bench.TRACE}{json.dumps(['attn_fwd', 128, bad])}\nCUDA error: illegal address"
-        out = {}
-        for label, argv in jobs.items():
-            dropped = json.loads(argv[argv.index("--drop-configs") + 1])
-            if label == "causal D128":
-                out[label] = (0, "") if [["attn_fwd", 128, bad]] == dropped else (1, crashed)
-            elif label in ("window D128", "kind causal bf16"):
-                out[label] = (1, crashed if label.startswith("kind") else "ImportError: boom")
-            elif label == "kind window37 bf16":  # slow compiles, killed: neither dropped nor failed
-                out[label] = (bench.TIMED_OUT, crashed)
-            elif label == "documents&causal D128":  # every candidate passed, then direct launches failed
-                out[label] = (1, f"{bench.TRACE}ok\n{bench.TRACE}direct\nCUDA error")
-            else:
-                out[label] = (0, "")
-        return out
-
-    todo = [bench.Workload("causal", 1024, 128, 2, 16, 1024), bench.Workload("window", 8192, 128, 2, 16, 1024),
-            bench.Workload("documents&causal", 8192, 128, 2, 16, 1024)]
-    warmed = bench.warm(todo, bench.parse_args(["--check-kinds", "--warm-parts", "1"]), run=run)
-    assert warmed.dropped == [["attn_fwd", 128, bad]] and tuple(bad) not in launch.CONFIGS["attn_fwd"][128]
-    assert sorted(warmed.broken) == ["kind causal bf16", "window D128"]
-    assert len(calls) == 2 and list(calls[1]) == ["causal D128"]
-    # 3 workload jobs; 11 kinds in bf16, 3 in fp16, 11 in bf16 through the stored-dS backward
-    assert "kind documents bf16 stored_ds" in calls[0] and len(calls[0]) == 3 + 11 + 3 + 11
-    assert warmed.direct_failed and "documents&causal D128" not in warmed.broken
-    printed = capsys.readouterr().out
-    assert "candidate dropped, job rerun" in printed and "left out of this run" in printed
-    assert "kind window37 bf16: still running" in printed
-
-    # what failed in a worker is a failed check in the timed process, not run there
-    rows = bench.check_kinds(torch.bfloat16, torch.device("cpu"), ("causal",), warmed)
-    assert rows == [{"case": "causal", "ok": False, "exception": rows[0]["exception"]}]
-    assert "warm worker failed" in rows[0]["exception"]
-    every = bench.Warmed(broken={bench.warm_label(mask, d): "" for mask, d in bench.config_checks(todo)})
-    rows = bench.check_configs(todo, torch.bfloat16, torch.device("cpu"), every)
-    assert len(rows) == len(bench.config_checks(todo)) and not any(row["ok"] for row in rows)
