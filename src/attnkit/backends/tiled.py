@@ -77,15 +77,15 @@ class TiledOptions:
 
     staircase_max_keys: int = 1024
     """Widest run ``upper triangle, full…, [lower triangle]`` merged into one staircase segment
-    (one set of strips, no merges: sliding windows, 1.08x measured). A lower triangle is not
-    merged with the full keys before it: those run better as one call of the whole query block
-    (causal measured 2% slower merged)."""
+    (one set of strips, no merges: measured faster for sliding windows). A lower triangle is
+    not merged with the full keys before it: those run better as one call of the whole query
+    block (causal measured slower merged)."""
 
     triangle_strip: int = 64
     """Query rows per kernel call inside a staircase segment. The fused kernel skips no key of a
     tile narrower than its 512-key blocks, so a 256-wide triangle run whole computes its masked
-    half too; run as strips, each strip sees only the keys it may (10% faster per tile,
-    measured)."""
+    half too; run as strips, each strip sees only the keys it may (measured faster per
+    tile)."""
 
 
 @dataclass(frozen=True)
@@ -169,8 +169,8 @@ class Plan:
     def _shared_prefix(self, i: int, in_run: dict, tq: int) -> Optional[list]:
         """Query blocks ``i…j−1`` (at most ``options.prefix_blocks``, outside runs) whose first
         segment is FULL, starts where block i's does and reaches at least as far, as groups:
-        block i's first segment for all their rows in one kernel call (torch's CPU kernel is
-        ~20 % faster per pair backward, ~12 % forward, on 1024 query rows than on 256), then
+        block i's first segment for all their rows in one kernel call (torch's CPU kernel
+        measured faster per pair, forward and backward, on 1024 query rows than on 256), then
         each block's remaining keys, merged into that (``fresh=False``). ``None`` when fewer
         than two blocks qualify or block i's first segment is shorter than two blocks of keys.
         (Causal: the keys below the first block's diagonal are shared.)"""
