@@ -180,3 +180,13 @@ def test_triton_program_for_starts():
     assert program.kv_docs[1].tolist() == [[0, 5]] + [[0, 0]] * 5
     plain = launch.compile_mask(ak.padding(q_lengths=[3, 5], kv_starts=[0, 0], kv_lengths=[4, 1]), space)
     assert plain.q_docs is None and plain.q_lengths.tolist() == [3, 5] and plain.kv_lengths.tolist() == [4, 1]
+
+
+def test_real_keys_is_padding_for_one_run_per_row_else_dense():
+    runs = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    holes = torch.tensor([[1, 0, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    space = ak.masks.MaskSpace(2, 1, 3, 5)
+    for real, kind in ((runs, type(ak.padding(kv_mask=runs))), (holes, type(ak.dense(holes)))):
+        mask = ak.masks.real_keys(real)
+        assert type(mask) is kind
+        assert torch.equal(mask.to_dense(space), real[:, None, None, :].expand(2, 1, 3, 5))

@@ -24,6 +24,7 @@ import torch
 
 from .masks import MASK_TYPES, Mask, MaskSpace, dense
 
+
 def _encode(value, tensors: list, space: MaskSpace):
     """One mask attribute as a literal: tensors become their index in ``tensors``; a
     ``from_function`` mask (a Python callable, which a string cannot name) becomes the dense
@@ -33,7 +34,7 @@ def _encode(value, tensors: list, space: MaskSpace):
         return ("T", len(tensors) - 1)
     if isinstance(value, Mask) and value.runs_code:
         value = dense(value.tile(torch.arange(space.q_len, device=space.device),
-                                        torch.arange(space.kv_len, device=space.device), space))
+                                 torch.arange(space.kv_len, device=space.device), space))
     if isinstance(value, Mask):
         fields = value.__dict__
         return ("M", type(value).__name__,
@@ -146,7 +147,7 @@ def _like(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``grad`` in ``x``'s shape, dtype and strides (``torch.empty_like``), as the fake states;
     copied only when its layout differs."""
     grad = grad.reshape(x.shape)
-    if grad.dtype == x.dtype and grad.stride() == torch.empty_like(x).stride():
+    if grad.dtype == x.dtype and grad.stride() == torch.empty_like(x, device="meta").stride():
         return grad
     return torch.empty_like(x).copy_(grad)
 

@@ -148,7 +148,7 @@ def select_with_backward(inputs: Inputs, backend: str) -> Optional[Backend]:
     chosen = select(inputs, backend)
     if chosen.LSE_BACKWARD:
         return chosen
-    if backend == "auto" and getattr(_FORCED, "name", None) is None:
+    if forced(backend) == "auto":
         tiled = BACKENDS["tiled"]
         if not tiled.not_supported_reasons(inputs):
             return tiled

@@ -37,7 +37,8 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 
 __all__ = [
     "EMPTY", "PARTIAL", "FULL", "MaskSpace", "Mask", "Band", "MASK_TYPES", "causal",
-    "sliding_window", "padding", "documents", "dense", "bias", "from_function", "as_mask",
+    "sliding_window", "padding", "real_keys", "documents", "dense", "bias", "from_function",
+    "as_mask",
 ]
 
 
@@ -441,8 +442,9 @@ def _runs(name: str, value) -> tuple[torch.Tensor, torch.Tensor, int, Optional[t
     last = (torch.where(m, positions, -1).amax(-1) if width
             else torch.full((batch,), -1, device=m.device))
     broken = (count > 0) & (last - first + 1 != count)
+    starts = torch.where(count > 0, first, 0).to(torch.long)
     if compiling:
-        return torch.where(count > 0, first, 0).to(torch.long), count.to(torch.long), width, broken
+        return starts, count.to(torch.long), width, broken
     if bool(broken.any()):
         rows = broken.nonzero().flatten().tolist()
         example = "".join("1" if x else "0" for x in m[rows[0]].tolist()[:40])
@@ -450,8 +452,7 @@ def _runs(name: str, value) -> tuple[torch.Tensor, torch.Tensor, int, Optional[t
                          f"{rows[:8]}{'...' if len(rows) > 8 else ''} are not one contiguous run "
                          f"(row {rows[0]}: {example}{'...' if width > 40 else ''}); padding() "
                          f"takes left or right padding only: use {dense_fix} for this mask")
-    starts = torch.where(count > 0, first, 0)
-    return starts.to(torch.long), count.to(torch.long), width, None
+    return starts, count.to(torch.long), width, None
 
 
 class _Padding(Mask):
@@ -638,6 +639,19 @@ def padding(q_lengths=None, kv_lengths=None, q_starts=None, kv_starts=None, *,
         ███░░
     """
     return _Padding(q_lengths, kv_lengths, q_starts, kv_starts, q_mask=q_mask, kv_mask=kv_mask)
+
+
+def real_keys(kv_mask: torch.Tensor) -> Mask:
+    """The mask of a bool "real key" tensor ``[B, Tk]`` (True = may be attended):
+    ``padding(kv_mask=...)`` when each row's real keys are one run (left or right padding: an
+    analytic block map), else ``dense(kv_mask[:, None, None, :])``; always ``dense`` inside a
+    compiled region, where the pattern cannot be read."""
+    if not torch.compiler.is_compiling():
+        try:
+            return _Padding(None, None, kv_mask=kv_mask)
+        except ValueError:  # not one run per row
+            pass
+    return _Dense(kv_mask[:, None, None, :])
 
 
 class _Intervals(Mask):

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .api import attention
-from .masks import Mask, MaskSpace, as_mask, causal, dense, padding
+from .masks import Mask, MaskSpace, as_mask, causal, real_keys
 from .numerics import accum_dtype, masked_softmax
 
 __all__ = ["KVCache", "MultiHeadAttention", "AdditiveAttention"]
@@ -294,12 +294,7 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError(f"key_valid has shape {tuple(key_valid.shape)} but "
                                  f"the keys are [B, Tk] = [{batch}, {kv_len}] (with a cache, Tk "
                                  f"counts cached keys too); True = real key")
-            try:  # real keys in one run per row (left or right padding): an analytic block map
-                if torch.compiler.is_compiling():  # the pattern cannot be read while tracing
-                    raise ValueError
-                parts.append(padding(kv_mask=key_valid))
-            except ValueError:  # anything else stays an element mask
-                parts.append(dense(key_valid[:, None, None, :]))  # [B, 1, 1, Tk]
+            parts.append(real_keys(key_valid))
         if not parts:
             return None
         combined = parts[0]

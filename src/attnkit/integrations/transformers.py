@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit as ak
-from attnkit.masks import UNBOUNDED, Mask
+from attnkit.masks import UNBOUNDED, Mask, real_keys
 
 try:
     import transformers
@@ -332,13 +332,7 @@ def _key_padding(attention_mask: Optional[torch.Tensor], kv_len: int,
     real = real[:, kv_offset:end]
     if bool(real.all()):
         return None
-    count = real.sum(-1)
-    index = torch.arange(kv_len, device=real.device)
-    first = torch.where(real, index, kv_len).amin(-1)
-    last = torch.where(real, index, -1).amax(-1)
-    if bool(((count == 0) | (last - first + 1 == count)).all()):
-        return ak.padding(kv_mask=real)
-    return ak.dense(real[:, None, None, :])
+    return real_keys(real)
 
 
 # ---- the attention function ------------------------------------------------------------------
