@@ -400,19 +400,25 @@ def make_qkv(batch, heads, heads_kv, q_len, kv_len, dk, dv, dtype, gen):
 
 
 def check(q, k, v, mask, allowed=None, bias=None, *, gen, dout=None, grads=True, lse_grad=False,
-          kernel_qkv=None):
+          kernel_qkv=None, options=None):
     """Forward (out, LSE) and backward (dq, dk, dv) of the triton backend against float64.
 
     ``allowed``/``bias``: the mask written out independently, broadcastable to the scores.
     ``dout``: the output gradient (random when ``None``); ``lse_grad`` adds a loss term on the
     LSE so its gradient flows too; ``kernel_qkv``: what the kernel gets instead of (q, k, v)
-    (same values where it matters, poison where it must not look). Returns the triton result
+    (same values where it matters, poison where it must not look); ``options``: the backend's
+    ``TritonOptions`` (default: ``attention(backend="triton")``'s). Returns the triton result
     and gradients.
     """
     dtype = q.dtype
     scale = 1.0 / math.sqrt(q.shape[-1])
     leaves = [t.detach().requires_grad_() for t in (kernel_qkv or (q, k, v))]  # views stay views
-    result = ak.attention(*leaves, mask=mask, backend="triton", return_lse=True)
+    if options is None:
+        result = ak.attention(*leaves, mask=mask, backend="triton", return_lse=True)
+    else:
+        from attnkit.backends.triton import TritonBackend
+        from attnkit.inputs import validate
+        result = TritonBackend(options).forward(validate(*leaves, mask))
     truth_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     plain_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out_true, lse_true = attention_math(*truth_leaves, allowed, bias, scale, torch.float64)
@@ -453,9 +459,10 @@ def check(q, k, v, mask, allowed=None, bias=None, *, gen, dout=None, grads=True,
     return result, got
 
 
-def use_walk(monkeypatch, walk: str, sparse: int, block: int) -> None:
-    """The interpreter's launches walk with ``walk``, square kernel blocks in square sparse ones."""
+def walk_options(walk: str, sparse: int, block: int, **more):
+    """``TritonOptions`` whose interpreted launches walk with ``walk``, square kernel blocks
+    ``block`` in square sparse blocks ``sparse`` (``more``: other options)."""
     from attnkit.backends.triton import launch  # here: after import_triton_interpreted()
-    monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
+    return launch.TritonOptions(walk=walk, tiles=launch.Tiles(
         sparse_q=sparse, sparse_k=sparse, fwd=(block, block), dkdv=(block, block),
-        dq=(block, block), walk=walk))
+        dq=(block, block)), **more)

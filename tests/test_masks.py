@@ -542,3 +542,62 @@ def test_padding_starts_block_map_equals_reduced_tiles(seed):
         got = mask.block_map(block_q, block_k, sp, q_offset=q_offset, kv_offset=kv_offset)
         tiles = mask.tile(torch.arange(q_offset, tq), torch.arange(kv_offset, tk), sp)
         assert torch.equal(got, _reduce_blocks(tiles, block_q, block_k, False)), (mask, block_q, block_k)
+
+
+# ---- structure(): the form kernels evaluate from indices ------------------------------------------
+
+def _from_structure(form, space: MaskSpace) -> torch.Tensor:
+    """The bool ``[B, Tq, Tk]`` a :class:`~attnkit.masks.Structure` describes."""
+    q = torch.arange(space.q_len)[:, None]
+    k = torch.arange(space.kv_len)[None, :]
+    if form.diagonals is not None:
+        lo, hi = form.diagonals
+        ok = torch.ones(space.q_len, space.kv_len, dtype=torch.bool)
+        ok = ok & (k - q >= lo) if lo is not None else ok
+        ok = ok & (k - q <= hi) if hi is not None else ok
+        return ok.expand(space.batch, -1, -1)
+    if form.lengths is not None:
+        q_len, kv_len = (torch.as_tensor(x if x is not None else [t]).reshape(-1).expand(space.batch)
+                         for x, t in zip(form.lengths, (space.q_len, space.kv_len)))
+        return (q[None] < q_len[:, None, None]) & (k[None] < kv_len[:, None, None])
+    if form.ranges is not None:
+        q_ranges, kv_ranges = form.ranges  # each query's key run, each key's query run
+        by_query = (k[None] >= q_ranges[..., :1]) & (k[None] < q_ranges[..., 1:])
+        by_key = (q[None] >= kv_ranges[..., 0][:, None, :]) & (q[None] < kv_ranges[..., 1][:, None, :])
+        assert torch.equal(by_query, by_key), "the two sides' ranges must describe one mask"
+        return by_query
+    q_ids, kv_ids = (ids.reshape(-1, ids.shape[-1]).expand(space.batch, -1) for ids in form.ids)
+    return q_ids[:, :, None] == kv_ids[:, None, :]
+
+
+@pytest.mark.parametrize("name", ["causal", "bottom_right", "window", "lengths", "starts", "documents",
+                                  "split_documents", "causal_documents", "sequence_causal"])
+def test_structure_describes_the_element_mask(name):
+    """Each structured leaf's ``structure(space)`` describes exactly the mask ``tile`` gives
+    (the triton kernels evaluate the structure instead of the mask)."""
+    space = MaskSpace(2, 1, 12, 14)
+    ids_q, ids_k = torch.arange(12) // 5, torch.arange(14) // 5
+    mask = {"causal": ak.causal(), "bottom_right": ak.causal("bottom_right"),
+            "window": ak.sliding_window(3, 2), "lengths": ak.padding(q_lengths=[12, 7], kv_lengths=[9, 14]),
+            "starts": ak.padding(kv_starts=[2, 0], kv_lengths=[9, 10], q_starts=[1, 3]),
+            "documents": ak.documents(ids_q, ids_k),
+            "split_documents": ak.documents(torch.tensor([0, 1] * 6), torch.tensor([1, 0] * 7)),
+            "causal_documents": ak.documents(ids_q, ids_k, causal="bottom_right"),
+            "sequence_causal": ak.causal(sequences=ak.padding(kv_starts=[2, 0], kv_lengths=[9, 10],
+                                                              q_lengths=[12, 7]))}[name]
+    (leaf,) = mask.leaves()
+    form = leaf.structure(space)
+    assert sum(field is not None for field in form) == 1
+    assert (form.ids is not None) == (name == "split_documents")  # not one run per id: ids
+    assert torch.equal(_from_structure(form, space), mask.to_dense(space)[:, 0].expand(2, -1, -1))
+
+
+def test_leaves_flatten_and_chains_and_others_have_no_structure():
+    a, b, c = ak.causal(), ak.padding(kv_lengths=[3]), ak.sliding_window(2)
+    assert all(x is y for x, y in zip((a & (b & c)).leaves(), (a, b, c)))
+    assert len(((a & b) & c).leaves()) == 3
+    either = a | b
+    assert either.leaves() == [either] and either.structure(MaskSpace(1, 1, 4, 4)) is None
+    assert ak.dense(torch.ones(4, 4, dtype=torch.bool)).structure(MaskSpace(1, 1, 4, 4)) is None
+    values = torch.zeros(4, 4)
+    assert ak.bias(values).structure(MaskSpace(1, 1, 4, 4)).bias is values

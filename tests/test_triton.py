@@ -49,11 +49,11 @@ import_triton_interpreted()
 import attnkit as ak  # noqa: E402
 from attnkit import dispatch  # noqa: E402
 from attnkit.backends.triton import backend as triton_backend  # noqa: E402
-from attnkit.backends.triton import launch  # noqa: E402
+from attnkit.backends.triton import TritonBackend, launch  # noqa: E402
 from attnkit.inputs import validate  # noqa: E402
 
 from conftest import (assert_within_2x, attention_math, check, dense_band, dense_causal,  # noqa: E402
-                      dense_documents, dense_padding, make_qkv, sorted_ids, use_walk)
+                      dense_documents, dense_padding, make_qkv, sorted_ids, walk_options)
 
 skip_module_unless_interpreted(launch, __file__)
 
@@ -226,26 +226,23 @@ def test_gradient_of_lse_alone(gen):
     launch.Tiles(sparse_q=32, sparse_k=32, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16)),
     launch.Tiles(sparse_q=32, sparse_k=32, fwd=(32, 16), dkdv=(16, 32), dq=(32, 16)),
 ], ids=["square_subtiles", "rectangular_subtiles"])
-def test_kernel_blocks_inside_sparse_blocks(tiles, gen, monkeypatch):
+def test_kernel_blocks_inside_sparse_blocks(tiles, gen):
     """On a GPU, autotuned kernel blocks walk sub-tiles of the 128×128 sparse blocks; the same
     loops run here with 16-wide kernel blocks inside 32-wide sparse blocks."""
-    monkeypatch.setattr(launch, "INTERPRETER_TILES", tiles)
     mask, allowed = _docs(gen, 53, 3, causal=True)
     q, k, v = make_qkv(1, 2, 1, 53, 53, 32, 16, torch.float32, gen)
-    check(q, k, v, mask, allowed, gen=gen)
+    check(q, k, v, mask, allowed, gen=gen, options=launch.TritonOptions(tiles=tiles))
 
 
 @pytest.mark.parametrize("walk", sorted(launch.WALKS))
 @pytest.mark.parametrize("case", ["docs&causal", "window&padding", "bias", "causal"])
-def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
-    """Each walk the autotuner may pick (PARTIAL or FULL loop first; sub-tiles unrolled or one
-    per iteration; rows in order or heaviest first) gives the same attention, on rows mixing
-    PARTIAL and FULL blocks, with two kernel blocks per sparse block. At 76 positions an
-    ordered launch has one program past the end (3 sparse rows × 2), which must write nothing,
-    and every tensor, the LSE too (76 a multiple of 4), is TMA-eligible for the ``+tma`` walks.
-    GQA 2/1, so the dK/dV programs walk two heads' lists. The cases' orders cover the three
-    kinds (loaded, reversed for causal rows, the rows' own for causal columns and the bias)."""
-    use_walk(monkeypatch, walk, sparse=32, block=16)
+def test_every_walk_of_the_block_lists(walk, case, gen):
+    """Each walk the autotuner may pick (a PARTIAL loop then a FULL one, or one loop; loads by
+    pointers or TMA) gives the same attention, on rows mixing PARTIAL and FULL blocks, with two
+    kernel blocks per sparse block. At 76 positions every tensor, the LSE too (76 a multiple of
+    4), is TMA-eligible for the ``+tma`` walks. GQA 2/1, so the dK/dV programs walk two heads'
+    lists."""
+    options = walk_options(walk, sparse=32, block=16)
     if case == "docs&causal":
         mask, allowed = _docs(gen, 76, 2, causal=True)
         bias = None
@@ -258,50 +255,50 @@ def test_every_walk_of_the_block_lists(walk, case, gen, monkeypatch):
         bias = torch.randn(76, 76, generator=gen)
         mask, allowed = ak.bias(bias), None
     q, k, v = make_qkv(1, 2, 1, 76, 76, 16, 16, torch.float32, gen)  # GQA 2/1
-    check(q, k, v, mask, allowed, bias, gen=gen)
+    check(q, k, v, mask, allowed, bias, gen=gen, options=options)
 
 
-LOOPS = sorted(w for w in launch.WALKS if "lpt" not in w)  # the walks' distinct loops
+LOOPS = ["flat", "one_loop"]  # the walks' distinct loops
 
 
 @pytest.mark.parametrize("walk", LOOPS)
 @pytest.mark.parametrize("case", ["docs&causal", "window"])
-def test_evenly_spaced_blocks(walk, case, gen, monkeypatch):
+def test_evenly_spaced_blocks(walk, case, gen):
     """Rows whose FULL blocks are consecutive, several per row, and whose PARTIAL blocks are
     evenly spaced (documents under causal: a document's first block and the diagonal; a
     window: its far edge and the diagonal, FULL blocks between), on lengths that are whole
     sparse blocks: every walk computes the positions (``PARTIAL_STRIDED``,
     ``FULL_STRIDED``; the one-loop walk switches between the two progressions). Kernel
     blocks inside sparse ones walk them in the other walk tests (causal rows)."""
-    use_walk(monkeypatch, walk, sparse=32, block=32)
+    options = walk_options(walk, sparse=32, block=32)
     if case == "window":
         mask, allowed = ak.sliding_window(100), dense_band(128, 128, 100, 0)
     else:
         ids = torch.tensor([0] * 20 + [1] * 108)
         mask, allowed = ak.documents(ids) & ak.causal(), dense_documents(ids) & dense_causal(128, 128)
     q, k, v = make_qkv(1, 1, 1, 128, 128, 16, 16, torch.float32, gen)
-    plan = launch.make_plan(validate(q, k, v, mask))
+    plan = launch.make_plan(validate(q, k, v, mask), options)
     for lists in (plan.rows, plan.cols):
         assert lists.full_strided and lists.partial_strided
     assert int(plan.rows.num_full.max()) >= 2 and int(plan.rows.num_partial.max()) == 2
-    check(q, k, v, mask, allowed, gen=gen)
+    check(q, k, v, mask, allowed, gen=gen, options=options)
 
 
 @pytest.mark.parametrize("walk", LOOPS)
-def test_unevenly_spaced_blocks(walk, gen, monkeypatch):
+def test_unevenly_spaced_blocks(walk, gen):
     """FULL and PARTIAL blocks not evenly spaced (FULL: blocks 0, 1 and 3 of most rows and
     columns; PARTIAL: 2, 4, 5 and the ragged tail): the kernels load each position
     (``PARTIAL_STRIDED``, ``FULL_STRIDED`` off) in every walk."""
-    use_walk(monkeypatch, walk, sparse=16, block=16)
+    options = walk_options(walk, sparse=16, block=16)
     allowed = torch.rand(108, 108, generator=gen) < 0.5
     for blocks in (slice(0, 32), slice(48, 64)):
         allowed[:, blocks] = True
         allowed[blocks, :] = True
     q, k, v = make_qkv(1, 2, 1, 108, 108, 16, 16, torch.float32, gen)
-    plan = launch.make_plan(validate(q, k, v, ak.dense(allowed)))
+    plan = launch.make_plan(validate(q, k, v, ak.dense(allowed)), options)
     assert not (plan.rows.full_strided or plan.cols.full_strided or plan.rows.partial_strided
                 or plan.cols.partial_strided)
-    check(q, k, v, ak.dense(allowed), allowed, gen=gen)
+    check(q, k, v, ak.dense(allowed), allowed, gen=gen, options=options)
 
 
 RANDOM_KINDS = ["window", "band", "causal", "bottom_right", "documents", "documents&causal",
@@ -323,7 +320,7 @@ def test_random_structures(seed, kind, seq, param, walk, tiles, heads, batch, di
     equal and unequal lengths with and without causal, and padding, at any length (ragged
     tails), under every walk, with kernel blocks equal to or half the sparse blocks, GQA,
     batches, head dims that need padding, each input dtype and each backward path
-    (``launch.BACKWARD``): forward and backward within the 2x rule of the float64 truth.
+    (``TritonOptions.backward``): forward and backward within the 2x rule of the float64 truth.
     Their rows' blocks are evenly spaced or not, as they fall. (More examples, new in each run: raise ``max_examples`` and set
     ``ATTNKIT_HYPOTHESIS=explore`` locally.)"""
     gen = torch.Generator().manual_seed(seed)
@@ -348,20 +345,21 @@ def test_random_structures(seed, kind, seq, param, walk, tiles, heads, batch, di
         mask = band & ak.padding(kv_lengths=lengths)
         allowed = (dense_band(tq, tk, None if kind.startswith("causal") else param, 0)
                    & dense_padding(tq, tk, None, lengths, batch=batch))
-    with pytest.MonkeyPatch.context() as patch:
-        use_walk(patch, walk, sparse=tiles[0], block=tiles[1])
-        patch.setattr(launch, "BACKWARD", backward)
-        q, k, v = make_qkv(batch, heads[0], heads[1], tq, tk, *dims, dtype, gen)
-        check(q, k, v, mask, allowed, gen=gen)
+    options = launch.TritonOptions(walk=walk, backward=backward, tiles=launch.Tiles(
+        tiles[0], tiles[0], (tiles[1], tiles[1]), (tiles[1], tiles[1]), (tiles[1], tiles[1])))
+    q, k, v = make_qkv(batch, heads[0], heads[1], tq, tk, *dims, dtype, gen)
+    check(q, k, v, mask, allowed, gen=gen, options=options)
 
 
-# ---- the stored-dS backward (launch.BACKWARD) ------------------------------------------------------
+# ---- the stored-dS backward (TritonOptions.backward) ---------------------------------------------
+
+STORED = launch.TritonOptions(backward="stored_ds")
+
 
 @pytest.fixture
 def stored_ds(monkeypatch):
-    """Calls plan the stored-dS backward; its buffer starts NaN-filled, so a slot dQ reads that
-    dK/dV never wrote shows up as NaN in dq."""
-    monkeypatch.setattr(launch, "BACKWARD", "stored_ds")
+    """The stored-dS buffer starts NaN-filled, so a slot dQ reads that dK/dV never wrote shows
+    up as NaN in dq; records the plans that allocated one."""
     calls, allocate = [], launch.ds_buffer
 
     def poisoned_buffer(q, plan):
@@ -378,17 +376,17 @@ def test_stored_ds_every_mask(name, gen, stored_ds):
     batch, q_len, kv_len, build = MASK_CASES[name]
     mask, allowed, *bias = build(gen)
     q, k, v = make_qkv(batch, 2, 1, q_len, kv_len, 32, 32, torch.float32, gen)
-    check(q, k, v, mask, allowed, bias[0] if bias else None, gen=gen)
+    check(q, k, v, mask, allowed, bias[0] if bias else None, gen=gen, options=STORED)
     assert stored_ds, "the stored-dS path did not run"
 
 
 @pytest.mark.parametrize("walk", sorted(launch.WALKS))
 def test_stored_ds_every_walk(walk, gen, monkeypatch, stored_ds):
-    """dK/dV finds each tile's slot in every walk (unrolled sub-tiles, one per iteration, one
-    loop; rows heaviest first; TMA loads too), dS by TMA stores, with two kernel blocks per
-    sparse block and a ragged tail whose last sub-block no dK/dV program writes (76
-    positions: every tensor TMA-eligible; no GQA, which turns the TMA loads off in dK/dV)."""
-    use_walk(monkeypatch, walk, sparse=32, block=16)
+    """dK/dV finds each tile's slot in every walk (two loops or one; TMA loads too), dS by TMA
+    stores, with two kernel blocks per sparse block and a ragged tail whose last sub-block no
+    dK/dV program writes (76 positions: every tensor TMA-eligible; no GQA, which turns the TMA
+    loads off in dK/dV)."""
+    options = walk_options(walk, sparse=32, block=16, backward="stored_ds")
     mask, allowed = _docs(gen, 76, 2, causal=True)
     q, k, v = make_qkv(1, 2, 2, 76, 76, 16, 16, torch.float32, gen)
     tma = []
@@ -396,34 +394,33 @@ def test_stored_ds_every_walk(walk, gen, monkeypatch, stored_ds):
 
     def dkdv_call(*args, **kwargs):
         call = build(*args, **kwargs)
-        tma.append((call.args["TMA_OK"], call.args["DS_TMA"]))
+        tma.append((call.args["TMA_OK"], bool(call.args["stored"].BY_TMA)))
         return call
     monkeypatch.setattr(launch, "dkdv_call", dkdv_call)
-    check(q, k, v, mask, allowed, gen=gen)
+    check(q, k, v, mask, allowed, gen=gen, options=options)
     assert tma == [(True, True)]  # TMA allowed for the walk's loads (used by +tma), dS by TMA
 
 
-@pytest.mark.parametrize("walk", [launch.P, launch.F_FLAT, launch.M])
-def test_stored_ds_by_pointer_stores(walk, gen, monkeypatch, stored_ds):
-    """Without TMA (``DS_BY_TMA`` off, as on a GPU before sm90) dS goes by pointer stores."""
-    monkeypatch.setattr(launch, "DS_BY_TMA", False)
-    use_walk(monkeypatch, walk, sparse=32, block=16)
+@pytest.mark.parametrize("walk", LOOPS)
+def test_stored_ds_by_pointer_stores(walk, gen, stored_ds):
+    """Without TMA (``tma=False``, as on a GPU before sm90) dS goes by pointer stores."""
+    options = walk_options(walk, sparse=32, block=16, backward="stored_ds", tma=False)
     mask, allowed = _docs(gen, 70, 2, causal=True)
     q, k, v = make_qkv(1, 2, 1, 70, 70, 16, 16, torch.float32, gen)
-    check(q, k, v, mask, allowed, gen=gen)
+    check(q, k, v, mask, allowed, gen=gen, options=options)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_stored_ds_rectangular_subtiles_low_precision(dtype, gen, monkeypatch, stored_ds):
+def test_stored_ds_rectangular_subtiles_low_precision(dtype, gen, stored_ds):
     """dK/dV and dQ with different kernel blocks inside the sparse ones (each reads the slots
     in its own sub-tiles), dS stored in the input dtype, the LSE's gradient through the
     statistics kernel."""
-    monkeypatch.setattr(launch, "INTERPRETER_TILES", launch.Tiles(
+    options = launch.TritonOptions(backward="stored_ds", tiles=launch.Tiles(
         sparse_q=32, sparse_k=32, fwd=(32, 16), dkdv=(16, 32), dq=(32, 16)))
     mask = ak.sliding_window(20) & ak.padding(kv_lengths=[61])
     allowed = dense_band(76, 76, 20, 0) & dense_padding(76, 76, None, [61])
     q, k, v = make_qkv(1, 4, 2, 76, 76, 32, 32, dtype, gen)
-    check(q, k, v, mask, allowed, gen=gen, lse_grad=True)
+    check(q, k, v, mask, allowed, gen=gen, lse_grad=True, options=options)
 
 
 def test_stored_ds_matches_recompute(gen, monkeypatch):
@@ -435,8 +432,7 @@ def test_stored_ds_matches_recompute(gen, monkeypatch):
     grads = {}
     for mode in ("recompute", "stored_ds"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        with launch.backward_path(mode):
-            out = ak.attention(*leaves, mask=mask, backend="triton")
+        out = TritonBackend(launch.TritonOptions(backward=mode)).forward(validate(*leaves, mask)).out
         grads[mode] = torch.autograd.grad(out, leaves, dout)
     (dq, dk, dv), (dq_s, dk_s, dv_s) = grads["recompute"], grads["stored_ds"]
     assert torch.equal(dk, dk_s) and torch.equal(dv, dv_s)
@@ -504,19 +500,21 @@ def test_lengths_on_block_edges_skip_bounds_checks(kind, gen):
 
 
 @pytest.mark.parametrize("heads_kv", [2, 1], ids=["mha", "gqa"])
-@pytest.mark.parametrize("walk", [launch.P_TMA, launch.P_FLAT_TMA, launch.F_FLAT_TMA, launch.M_TMA])
-def test_tma_reads_nothing_past_the_ends(walk, heads_kv, gen, monkeypatch):
+@pytest.mark.parametrize("walk", ["flat+tma", "one_loop+tma"])
+def test_tma_reads_nothing_past_the_ends(walk, heads_kv, gen):
     """``+tma`` walks describe K/V (forward, dQ) and Q/dO (dK/dV) per (batch, head) as
     ``[T, D]``: the copies must zero-fill rows past a ragged end (72 positions in 32-row blocks)
     and columns past a padded head dim (24 → 32), here NaN in memory, while the strides still
     let TMA describe the views. (With GQA, dK/dV loads by pointers: see ``launch.dkdv_call``.)"""
-    use_walk(monkeypatch, walk, sparse=32, block=32)
+    options = walk_options(walk, sparse=32, block=32)
     q, k, v = (poisoned(t, extra=(0, 0, 24, 8)) for t in make_qkv(1, 2, heads_kv, 72, 72, 24, 24,
                                                                    torch.float32, gen))
     lse = torch.empty(1, 2, 72)  # as the forward makes it; 72 rows keep each head 16-byte aligned
-    assert launch._tma_ok(k, v) and launch._tma_ok(q, q, lse) and not launch._tma_ok(poisoned(k))
     mask, allowed = _docs(gen, 72, 3, causal=True)
-    check(q, k, v, mask, allowed, gen=gen)
+    plan = launch.make_plan(validate(q, k, v, mask), options)
+    assert (launch._tma_ok(plan, k, v) and launch._tma_ok(plan, q, q, lse)
+            and not launch._tma_ok(plan, poisoned(k)))
+    check(q, k, v, mask, allowed, gen=gen, options=options)
 
 
 def test_skipped_blocks_are_never_read(gen):

@@ -35,7 +35,7 @@ from attnkit.inputs import validate  # noqa: E402
 from attnkit.masks import EMPTY, FULL, PARTIAL, MaskSpace  # noqa: E402
 
 from conftest import (check, dense_band, dense_causal, dense_documents, make_qkv,  # noqa: E402
-                      use_walk)
+                      walk_options)
 
 skip_module_unless_interpreted(launch, __file__)
 
@@ -94,25 +94,23 @@ def test_slots_index_the_forward_lists():
     assert checked == rows.visited()
 
 
-def test_auto_stores_ds_for_sparse_masks_within_the_budget(monkeypatch):
+def test_auto_stores_ds_for_sparse_masks_within_the_budget():
     """``"auto"`` stores dS where no row lists more than half the key blocks and the buffer fits
-    ``STORED_DS_MAX_BYTES``; a plan keeps the choice it was made with."""
+    ``stored_ds_max_bytes``; a plan keeps the options it was made with."""
     q = torch.zeros(1, 2, 256, 16)
 
-    def planned(mask, mode):
-        with launch.backward_path(mode):
-            return launch.make_plan(validate(q, q, q, mask))
-    window, causal = planned(ak.sliding_window(40), "auto"), planned(ak.causal(), "auto")
+    def planned(mask, **options):
+        return launch.make_plan(validate(q, q, q, mask), launch.TritonOptions(**options))
+    window, causal = planned(ak.sliding_window(40)), planned(ak.causal())
     assert launch.stores_ds(q, window) and not launch.stores_ds(q, causal)
     assert launch.ds_bytes(q, window) == 2 * (256 // 32) * 3 * 32 * 32 * 4  # 3 blocks a row
-    monkeypatch.setattr(launch, "STORED_DS_MAX_BYTES", launch.ds_bytes(q, window) - 1)
-    assert not launch.stores_ds(q, window)
-    assert launch.stores_ds(q, planned(ak.causal(), "stored_ds"))
-    assert not launch.stores_ds(q, planned(ak.sliding_window(40), "recompute"))
-    with pytest.raises(ValueError, match="launch.BACKWARD"):
-        planned(None, "atomic")
-    assert launch.BACKWARD == "auto"  # the default: plans made outside backward_path
-    assert launch.make_plan(validate(q, q, q, ak.sliding_window(40))).backward == "auto"
+    tight = planned(ak.sliding_window(40), stored_ds_max_bytes=launch.ds_bytes(q, window) - 1)
+    assert not launch.stores_ds(q, tight)
+    assert launch.stores_ds(q, planned(ak.causal(), backward="stored_ds"))
+    assert not launch.stores_ds(q, planned(ak.sliding_window(40), backward="recompute"))
+    with pytest.raises(ValueError, match="backward='atomic'"):
+        launch.TritonOptions(backward="atomic")
+    assert window.options.backward == "auto"
 
 
 # ---- the layout cache (block lists reused between calls) -------------------------------------------
@@ -160,51 +158,96 @@ def test_reused_launches_take_the_new_tensors(gen):
                                     for call in layout.calls.values() for value in call.args.values())
 
 
-@pytest.mark.parametrize("walk", [launch.P, launch.F_LPT])
-def test_compiled_launches_skip_the_autotuner_once_it_has_chosen(walk, monkeypatch):
-    """On a GPU the first launch of a template goes through ``triton.autotune``; later launches
-    from the same template call the kernel directly with the config it chose (same grid, same
-    arguments, the config's kwargs). Checked with stand-ins for the tuner and the kernel (the
-    real path runs in ``benchmarks/gpu.py``, which checks every result on the GPU)."""
-    launches = []
+class FakeKernels:
+    """Stand-ins for the compiled kernels and the autotuner: each launch is recorded as
+    ``(how, grid, arguments)``; ``JITFunction`` returns a binary whose launcher takes every
+    parameter in order (as triton's ``CompiledKernel``)."""
 
-    class Config:
-        kwargs = {"BLOCK_M": 64, "BLOCK_N": 32, **launch.WALKS[walk]}
+    def __init__(self, config):
+        self.launches, self.config = [], config
+        kernels = self
 
-        def all_kwargs(self):
-            return {**self.kwargs, "num_warps": 4, "num_stages": 2}
+        class Binary:
+            def __getitem__(self, grid):
+                return lambda *args: kernels.launches.append(("direct", grid, args))
 
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda **kwargs: launches.append(("direct", grid, kwargs))
+        class Jit:
+            fn = staticmethod(launch.kernels().attn_fwd.fn)  # the kernel's Python function
 
-    class Tuner:
-        fn, best_config = Kernel(), Config()
+            def __getitem__(self, grid):
+                def run(**kwargs):
+                    kernels.launches.append(("jit", grid, kwargs))
+                    return Binary()
+                return run
 
-        def __getitem__(self, grid):
-            return lambda **kwargs: launches.append(("tuner", grid(Config.kwargs), kwargs))
+        class Tuner:
+            best_config = config
 
-    monkeypatch.setattr(launch, "_tuned", lambda name: Tuner())
+            def __getitem__(self, grid):
+                return lambda **kwargs: kernels.launches.append(("autotune", grid(config.kwargs), kwargs))
+
+        self.attn_fwd, self.tuner = Jit(), Tuner()
+
+
+def _fake_compiled(monkeypatch, config=None):
+    config = config or SimpleNamespace(kwargs=dict(BLOCK_M=64, BLOCK_N=128, **launch.WALKS["flat+tma"]))
+    config.all_kwargs = lambda: dict(config.kwargs, num_warps=8, num_stages=2)
+    fake = FakeKernels(config)
+    monkeypatch.setattr(launch, "kernels", lambda: fake)
+    monkeypatch.setattr(launch, "_tuned", lambda name, cache: fake.tuner)
+    monkeypatch.setattr(launch, "_scratch_allocator", lambda: None)
     monkeypatch.setattr(launch, "_LAYOUTS", launch.MaskCache(32))  # no template of another test
-    mask = ak.sliding_window(9)
-    q = torch.zeros(1, 2, 130, 16)
-    plan = launch.make_plan(validate(q, q, q, mask), launch.GPU_TILES)
-    out, lse = torch.empty_like(q), torch.empty(1, 2, 130)
-    for _ in range(3):
-        launch.forward_call(q, q, q, out, lse, plan).run(interpret=False)
-    assert [how for how, _, _ in launches] == ["tuner", "direct", "direct"]
-    # cdiv(130, 64) blocks, or ordered: whole 128-row sparse blocks, 2 programs each; × batch·heads
-    blocks = 4 if launch.WALKS[walk]["ORDERED"] else 3
-    assert launches[0][1] == launches[1][1] == (blocks, 2)
-    assert launches[1][2] == {**launches[0][2], **Config().all_kwargs()}
-    assert all(value is not q for call in plan.layout.calls.values() for value in call.args.values())
+    return fake
+
+
+def test_compiled_launches_autotune_then_jit_then_direct(monkeypatch):
+    """Compiled launches of one template: the autotuner first, then ``JITFunction`` with the
+    chosen config (whose binary is kept), then that binary directly with every parameter in
+    the kernel's order: the same values ``JITFunction`` bound by name, plus the config's
+    blocks and walk flags. A tensor's 16-byte alignment or the TMA switch changing, or
+    ``direct_launch=False``, sends the launch back through ``JITFunction``. The cache keeps no
+    call's tensors alive."""
+    fake = _fake_compiled(monkeypatch)
+    q = torch.zeros(1, 2, 300, 128)
+
+    def launch_once(q, out=None, **options):
+        plan = launch.make_plan(validate(q, q, q, ak.causal()),
+                                launch.TritonOptions(tiles=launch.GPU_TILES, **options))
+        plan.interpret = False
+        out = torch.empty_like(q) if out is None else out
+        launch.forward_call(q, q, q, out, torch.empty(1, 2, 300), plan).run(plan)
+        return fake.launches[-1]
+
+    assert launch_once(q)[0] == "autotune"
+    kind, grid, bound = launch_once(q)
+    assert kind == "jit" and grid == (5, 2) and bound["num_warps"] == 8  # 300 rows / 64
+    out = torch.empty_like(q)
+    kind, grid, positional = launch_once(q, out)
+    assert kind == "direct" and grid == (5, 2, 1)
+    names = list(inspect.signature(FakeKernels(None).attn_fwd.fn).parameters)
+    assert len(positional) == len(names)
+    by_name = dict(zip(names, positional))
+    for name, value in bound.items():
+        if name not in ("num_warps", "num_stages", "Out", "Lse"):  # options; fresh outputs
+            assert by_name[name] is value or by_name[name] == value, name
+    assert by_name["Q"] is q and by_name["Out"] is out  # this call's tensors, swapped in
+    assert by_name["BLOCK_M"] == 64 and by_name["TMA"] is True
+    layout = launch.make_plan(validate(q, q, q, ak.causal()),
+                              launch.TritonOptions(tiles=launch.GPU_TILES)).layout
+    kept = [entry for entry in layout.calls.values() if entry.shared.get("direct")]
+    _, values, _ = next(iter(kept[0].shared["direct"].values()))
+    assert not any(isinstance(x, torch.Tensor) and x.shape == q.shape for x in values)
+    misaligned = torch.zeros(1 * 2 * 300 * 128 + 1)[1:].view(1, 2, 300, 128)  # 4 bytes off
+    assert launch_once(misaligned)[0] == "jit"
+    assert launch_once(q)[0] == "direct"
+    assert launch_once(q, direct_launch=False)[0] == "autotune"  # other options: its own template
 
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_autotune_timings_kept_on_disk(keep, monkeypatch):
-    """The tuners are made with ``cache_results=AUTOTUNE_CACHE`` (a new process with the same
-    shapes and mask kinds reads the timings back instead of timing every candidate again;
-    ``benchmarks/gpu.py`` turns it off), over every candidate of the kernel."""
+    """The tuners are made with ``cache_results`` as the options say (a new process with the
+    same shapes and mask kinds reads the timings back instead of timing every candidate
+    again), over every candidate of the kernel, pruned to the launch's head-dim bucket."""
     import triton
 
     made = {}
@@ -216,77 +259,13 @@ def test_autotune_timings_kept_on_disk(keep, monkeypatch):
 
     monkeypatch.setattr(triton, "autotune", autotune)
     monkeypatch.setattr(launch, "_TUNED", {})
-    monkeypatch.setattr(launch, "AUTOTUNE_CACHE", keep)
-    tuner = launch._tuned("attn_bwd_dq")
-    assert made["cache_results"] is keep and tuner is launch._tuned("attn_bwd_dq")
+    tuner = launch._tuned("attn_bwd_dq", keep)
+    assert made["cache_results"] is keep and tuner is launch._tuned("attn_bwd_dq", keep)
     every = {c for bucket in launch.CONFIGS["attn_bwd_dq"].values() for c in bucket}
-    assert {launch._config_key(c) for c in made["configs"]} == every
-
-
-def test_direct_launch_after_the_first_compiled_launches(monkeypatch):
-    """Compiled launches of one template: the autotuner first, then ``JITFunction`` with the
-    chosen config (whose compiled kernel is kept), then that kernel directly with every
-    parameter in the kernel's order: the same values ``JITFunction`` bound by name, plus the
-    config's blocks and walk flags. A tensor's 16-byte alignment or the TMA switch changing,
-    or ``DIRECT_LAUNCH`` off, sends the launch back through ``JITFunction``."""
-    launches = []
-    config = SimpleNamespace(kwargs=dict(BLOCK_M=64, BLOCK_N=128, **launch.WALKS["partial_first+tma"]),
-                             all_kwargs=lambda: dict(config.kwargs, num_warps=8, num_stages=2))
-
-    class Compiled:  # as triton's CompiledKernel: its launcher reads all three grid axes
-        def __getitem__(self, grid):
-            return lambda *args: launches.append(("direct", (grid[0], grid[1], grid[2]), args))
-
-    class Jit:
-        fn = staticmethod(launch.kernels().attn_fwd.fn)  # the kernel's Python function
-
-        def __getitem__(self, grid):
-            def run(**kwargs):
-                launches.append(("jit", grid, kwargs))
-                return Compiled()
-            return run
-
-    class Tuner:
-        fn, best_config = Jit(), config
-
-        def __getitem__(self, grid):
-            return lambda **kwargs: launches.append(("autotune", grid(config.kwargs), kwargs))
-
-    monkeypatch.setattr(launch, "_tuned", lambda name: Tuner())
-    monkeypatch.setattr(launch, "_scratch_allocator", lambda: None)
-    monkeypatch.setattr(launch, "_LAYOUTS", launch.MaskCache(32))
-    q = torch.zeros(1, 2, 300, 128)
-    plan = launch.make_plan(validate(q, q, q, ak.causal()), launch.GPU_TILES)
-    plan.interpret = False
-
-    def launch_once(q, out=None):
-        out = torch.empty_like(q) if out is None else out
-        launch.forward_call(q, q, q, out, torch.empty(1, 2, 300), plan).run(False)
-        return launches[-1]
-
-    assert launch_once(q)[0] == "autotune"
-    kind, grid, bound = launch_once(q)
-    assert kind == "jit" and grid == (5, 2) and bound["num_warps"] == 8  # 300 rows / 64
-    out = torch.empty_like(q)
-    kind, grid, positional = launch_once(q, out)
-    assert kind == "direct" and grid == (5, 2, 1)
-    names = list(inspect.signature(Jit.fn).parameters)
-    assert len(positional) == len(names)
-    by_name = dict(zip(names, positional))
-    for name, value in bound.items():
-        if name not in ("num_warps", "num_stages", "Out", "Lse"):  # options; fresh outputs
-            assert by_name[name] is value or by_name[name] == value, name
-    assert by_name["Q"] is q and by_name["Out"] is out  # this call's tensors, swapped in
-    kept = [entry for entry in plan.layout.calls.values() if entry.tuned.get("direct")]
-    _, values, _ = next(iter(kept[0].tuned["direct"].values()))
-    assert not any(isinstance(x, torch.Tensor) and x.shape == q.shape for x in values), \
-        "the cache keeps no call's tensors alive"
-    assert by_name["BLOCK_M"] == 64 and by_name["TMA"] is True
-    misaligned = torch.zeros(1 * 2 * 300 * 128 + 1)[1:].view(1, 2, 300, 128)  # 4 bytes off
-    assert launch_once(misaligned)[0] == "jit"
-    assert launch_once(q)[0] == "direct"
-    monkeypatch.setattr(launch, "DIRECT_LAUNCH", False)
-    assert launch_once(q)[0] == "jit"
+    assert len(made["configs"]) == len(every)
+    prune = made["prune_configs_by"]["early_config_prune"]
+    kept = prune(made["configs"], {}, DK_PAD=128, DV_PAD=64)
+    assert len(kept) == len(launch.CONFIGS["attn_bwd_dq"][128])
 
 
 @pytest.mark.parametrize("with_dlse", [False, True])
@@ -304,7 +283,7 @@ def test_dq_writes_the_row_statistics_for_dkdv(with_dlse, gen):
     delta, lse2 = torch.full_like(lse, float("nan")), torch.full_like(lse, float("nan"))
     call = launch.dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, torch.empty_like(q), plan)
     assert call.args["HAS_DLSE"] is with_dlse
-    call.run(interpret=True)
+    call.run(plan)
     expected = (dout * out).sum(-1) - (dlse if with_dlse else 0)
     torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
     assert torch.isposinf(lse2[:, :, :5]).all()
@@ -315,58 +294,42 @@ def test_dq_writes_the_row_statistics_for_dkdv(with_dlse, gen):
 
 
 def test_direct_launch_arguments_run_the_kernel(gen):
-    """The direct launch's positional arguments (``launch._slots``), given to the interpreted
-    forward kernel, compute what the keyword launch computes, bit for bit."""
+    """A direct launch's positional arguments (every parameter in order), given to the
+    interpreted forward kernel, compute what the keyword launch computes, bit for bit."""
     q, k, v = make_qkv(1, 4, 2, 70, 50, 32, 32, torch.float32, gen)
     plan = launch.make_plan(validate(q, k, v, ak.documents(torch.arange(70) // 30, torch.arange(50) // 20)
                                      & ak.causal("bottom_right")))
     outs = [(torch.empty(1, 4, 70, 32), torch.empty(1, 4, 70)) for _ in range(2)]
-    call = launch.forward_call(q, k, v, *outs[0], plan)
-    call.run(interpret=True)
+    launch.forward_call(q, k, v, *outs[0], plan).run(plan)
     call = launch.forward_call(q, k, v, *outs[1], plan)
-    block_m, block_n = call.fixed
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, **launch.WALKS[call.walk])
     kernel = launch.kernels().attn_fwd
-    slots = launch._slots(kernel.fn, call.args, meta)
-    kernel[call.grid(block_m, block_n, meta["ORDERED"])](*[call.args.get(n, x) for n, x in slots])
+    meta = dict(BLOCK_M=call.fixed[0], BLOCK_N=call.fixed[1], **launch.WALKS["flat"])
+    merged = {**call.args, **meta}
+    kernel[call.grid(meta)](*[merged[name] for name in launch._arg_names(kernel)])
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    assert launch._slots(kernel.fn, {}, meta) is None  # a parameter without value or default
 
 
 @pytest.mark.parametrize("index", [0, 3, 99])
-def test_pinned_launches_skip_the_autotuner(index, monkeypatch):
-    """``launch.pinned(i)`` (gpu.py's checks of mask kinds and of every candidate): compiled
-    launches run candidate i of the head-dim bucket (the last when there are fewer) directly,
-    never the autotuner, and record no choice."""
-    launches = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda **kwargs: launches.append((grid, kwargs))
-
-    class Kernels:
-        attn_fwd = Kernel()
-
-    def no_tuner(name):
-        raise AssertionError("the autotuner must not run")
-
-    monkeypatch.setattr(launch, "_tuned", no_tuner)
-    monkeypatch.setattr(launch, "kernels", lambda: Kernels())
-    monkeypatch.setattr(launch, "_LAYOUTS", launch.MaskCache(32))
+def test_pinned_candidates_skip_the_autotuner(index, monkeypatch):
+    """``TritonOptions(candidate=i)`` (checks of every candidate on a GPU): compiled launches run
+    candidate i of the head-dim bucket (the last when there are fewer), never the autotuner,
+    and record no choice."""
+    fake = _fake_compiled(monkeypatch)
+    monkeypatch.setattr(launch, "_tuned", lambda *a: pytest.fail("the autotuner must not run"))
     q = torch.zeros(1, 2, 300, 128)
-    plan = launch.make_plan(validate(q, q, q, ak.causal()), launch.GPU_TILES)
+    plan = launch.make_plan(validate(q, q, q, ak.causal()),
+                            launch.TritonOptions(tiles=launch.GPU_TILES, candidate=index))
+    plan.interpret = False
     call = launch.forward_call(q, q, q, torch.empty_like(q), torch.empty(1, 2, 300), plan)
-    with launch.pinned(index):
-        call.run(interpret=False)
+    call.run(plan)
     candidates = launch.CONFIGS["attn_fwd"][128]
     block_m, block_n, warps, stages, walk = candidates[min(index, len(candidates) - 1)]
-    grid, kwargs = launches[0]
-    rows = launch.cdiv(300, 128) * (128 // block_m) if launch.WALKS[walk]["ORDERED"] else launch.cdiv(300, block_m)
-    assert grid == (rows, 2)
+    kind, grid, kwargs = fake.launches[0]
+    assert kind == "jit" and grid == (-(-300 // block_m), 2)
     assert (kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]) == (
         block_m, block_n, warps, stages)
     assert all(kwargs[flag] == value for flag, value in launch.WALKS[walk].items())
-    assert call.tuned == {} and not launch._PINNED
+    assert call.shared == {}
 
 
 def test_documents_as_ranges_when_contiguous():
@@ -390,17 +353,18 @@ def test_documents_as_ranges_when_contiguous():
 # ---- block skipping (host block lists) -----------------------------------------------------------
 
 @pytest.mark.parametrize("length", [96, 90])
-def test_parts_that_forbid_nothing_in_partial_tiles_are_left_out(length, gen, monkeypatch):
+def test_parts_that_forbid_nothing_in_partial_tiles_are_left_out(length, gen):
     """``launch.needed_leaves``: documents aligned to the sparse blocks under causal leave the
     PARTIAL tiles (the diagonal ones, and a ragged tail) to causal alone, with the same
     results; misaligned documents, a bias and a dense part stay in the program; padding that
     covers everything goes."""
-    use_walk(monkeypatch, launch.P, sparse=32, block=16)
+    options = walk_options("flat", sparse=32, block=16)
     ids = torch.arange(length) // 32
     aligned = ak.documents(ids) & ak.causal()
     assert _plan(aligned, length, length, launch.INTERPRETER_TILES).program.features() == ["band_hi"]
     q, k, v = make_qkv(1, 2, 1, length, length, 16, 16, torch.float32, gen)
-    check(q, k, v, aligned, dense_documents(ids) & dense_causal(length, length), gen=gen)
+    check(q, k, v, aligned, dense_documents(ids) & dense_causal(length, length), gen=gen,
+          options=options)
     misaligned = ak.documents(torch.arange(length) // 40) & ak.causal()
     assert "documents" in _plan(misaligned, length, length, launch.INTERPRETER_TILES).program.features()
     biased = ak.causal() & ak.bias(torch.zeros(length, length)) & ak.padding(kv_lengths=[length])
@@ -413,7 +377,7 @@ def test_parts_that_forbid_nothing_in_partial_tiles_are_left_out(length, gen, mo
 def _plan(mask, q_len, kv_len, tiles, heads=1, batch=1):
     q = torch.zeros(batch, heads, q_len, 16)
     k = torch.zeros(batch, heads, kv_len, 16)
-    return launch.make_plan(validate(q, k, k, mask), tiles)
+    return launch.make_plan(validate(q, k, k, mask), launch.TritonOptions(tiles=tiles))
 
 
 def test_causal_visits_about_half_the_tiles():
@@ -442,16 +406,6 @@ def test_block_lists_order_and_tails():
     lists = launch.block_lists(codes, batch=2, heads=3)
     assert lists.num_partial[1, 2].tolist() == [1, 0] and lists.num_full[0, 0].tolist() == [2, 0]
     assert lists.index[1, 1, 0, :3].tolist() == [2, 0, 3]
-    assert lists.order.tolist() == [0, 1] and lists.order_kind == 0  # the rows' own order
-    # heaviest rows first (a PARTIAL block weighs 5/4 of a FULL one), ties in row order
-    codes = torch.tensor([[[[FULL, EMPTY], [FULL, FULL], [PARTIAL, EMPTY], [EMPTY, EMPTY], [FULL, EMPTY]]]],
-                         dtype=torch.int8)
-    lists = launch.block_lists(codes, batch=1, heads=1)
-    assert lists.order.tolist() == [1, 2, 0, 4, 3] and lists.order_kind == 2  # loaded
-    causal = launch.block_codes(ak.causal(), MaskSpace(1, 1, 96, 96), launch.Tiles(32, 32))
-    rows, cols = launch.block_lists(causal, 1, 1), launch.block_lists(causal.transpose(-1, -2), 1, 1)
-    assert (rows.order.tolist(), rows.order_kind) == ([2, 1, 0], 1)  # reversed: computed
-    assert (cols.order.tolist(), cols.order_kind) == ([0, 1, 2], 0)
     space = validate(torch.zeros(1, 1, 40, 16), torch.zeros(1, 1, 50, 16), torch.zeros(1, 1, 50, 16)).space
     tail = launch.block_codes(None, space, launch.Tiles(sparse_q=32, sparse_k=32))
     assert tail[0, 0].tolist() == [[FULL, PARTIAL], [PARTIAL, PARTIAL]]

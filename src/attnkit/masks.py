@@ -36,7 +36,7 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 """Block-map codes: skip the tile, apply the element mask, or use the tile unmasked."""
 
 __all__ = [
-    "EMPTY", "PARTIAL", "FULL", "MaskSpace", "Mask", "Band", "MASK_TYPES", "causal",
+    "EMPTY", "PARTIAL", "FULL", "MaskSpace", "Mask", "Band", "Structure", "MASK_TYPES", "causal",
     "sliding_window", "padding", "real_keys", "documents", "dense", "bias", "from_function",
     "as_mask",
 ]
@@ -76,6 +76,22 @@ class Band(NamedTuple):
 CAUSAL = Band(None, 0, "top_left")
 """Top-left causal (torch's ``is_causal``) as a :class:`Band`."""
 
+
+class Structure(NamedTuple):
+    """A mask in a form a kernel evaluates from indices (:meth:`Mask.structure`); one field is
+    set. ``diagonals``: ``lo ≤ k − q ≤ hi`` (``None``: unbounded). ``lengths``: the real queries
+    and keys are ``[0, length)`` per batch element (long ``[B]`` or ``[1]`` each, or ``None``).
+    ``ranges``: each query's allowed keys are one run and each key's allowed queries one run,
+    int32 ``[B, Tq, 2]`` and ``[B, Tk, 2]`` (``[lo, hi)``; empty as ``[0, 0)``). ``ids``: a query
+    and a key match when their document ids are equal, ``[T]`` or ``[B, T]`` per side.
+    ``bias``: float values added to the scores, ``-inf`` = masked."""
+
+    diagonals: Optional[tuple[Optional[int], Optional[int]]] = None
+    lengths: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None
+    ranges: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    ids: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    bias: Optional[torch.Tensor] = None
+
 MASK_TYPES: dict[str, type] = {}
 """Every mask class by name (filled as classes are defined), for rebuilding a mask from a
 description of its fields (``attnkit.compiled``)."""
@@ -98,6 +114,16 @@ class Mask:
     def band(self) -> Optional[Band]:
         """The mask's :class:`Band` when it is one band (``causal``, ``sliding_window``), else
         ``None``."""
+        return None
+
+    def leaves(self) -> list["Mask"]:
+        """The parts of an ``&`` chain, flattened (``a & (b & c)`` → ``[a, b, c]``); ``[self]``
+        for any other mask."""
+        return [self]
+
+    def structure(self, space: MaskSpace) -> Optional[Structure]:
+        """This mask as a :class:`Structure` over ``space``, or ``None`` when it has no such
+        form (a kernel then loads it as a dense mask). Asked of the :meth:`leaves` of a chain."""
         return None
 
     def cache_key(self, keep: list) -> Optional[tuple]:
@@ -263,6 +289,11 @@ class _Band(Mask):
 
     def _shift(self, space: MaskSpace) -> int:
         return space.kv_len - space.q_len if self.align == "bottom_right" else 0
+
+    def structure(self, space):
+        shift = self._shift(space)
+        return Structure(diagonals=(None if self.left is None else shift - self.left,
+                                    None if self.right is None else shift + self.right))
 
     def tile(self, q_idx, kv_idx, space):
         rel = kv_idx[None, :] - (q_idx[:, None] + self._shift(space))  # [tq, tk]
@@ -564,6 +595,19 @@ class _Padding(Mask):
         return (*self._side(self.q_lengths, self.q_starts, space.q_len, space.device),
                 *self._side(self.kv_lengths, self.kv_starts, space.kv_len, space.device))
 
+    def structure(self, space):
+        if not self.has_starts():
+            return Structure(lengths=(self.q_lengths, self.kv_lengths))
+        q_lo, q_hi, kv_lo, kv_hi = (t.expand(space.batch) for t in self._bounds(space))
+
+        def ranges(lo, hi, length, other_lo, other_hi):  # a real row's range: the other side's run
+            pos = torch.arange(length, device=space.device)[None, :]
+            real = ((pos >= lo[:, None]) & (pos < hi[:, None]))[..., None]  # [B, T, 1]
+            span = torch.stack([other_lo, other_hi], dim=-1)[:, None, :]  # [B, 1, 2]
+            return torch.where(real, span, 0).to(torch.int32)
+        return Structure(ranges=(ranges(q_lo, q_hi, space.q_len, kv_lo, kv_hi),
+                                 ranges(kv_lo, kv_hi, space.kv_len, q_lo, q_hi)))
+
     def tile(self, q_idx, kv_idx, space):
         q_lo, q_hi, kv_lo, kv_hi = self._bounds(space)  # [Bm] each
         q_ok = (q_idx[None, :] >= q_lo[:, None]) & (q_idx[None, :] < q_hi[:, None])  # [Bm, tq]
@@ -695,17 +739,15 @@ class _Intervals(Mask):
                 return "upper"
         return None
 
-    def ranges(self, space: MaskSpace) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every query's key run and every key's query run over ``space``, clipped to the
-        sequences, an empty run as ``[0, 0)`` → int32 ``[B, Tq, 2]`` and ``[B, Tk, 2]`` (the
-        document-range form of the triton kernels)."""
-        def form(runs, limit):
+    def structure(self, space):
+        def form(runs, limit):  # clipped to the sequence, an empty run as [0, 0)
             lo, hi = (t.clamp(0, limit) for t in runs)
             empty = lo >= hi
             both = torch.stack([lo.masked_fill(empty, 0), hi.masked_fill(empty, 0)], dim=-1)
             return both.to(torch.int32).expand(space.batch, -1, 2)
-        return (form(self._key_runs(_positions(0, space.q_len, space.device), space), space.kv_len),
-                form(self._query_runs(_positions(0, space.kv_len, space.device), space), space.q_len))
+        return Structure(ranges=(
+            form(self._key_runs(_positions(0, space.q_len, space.device), space), space.kv_len),
+            form(self._query_runs(_positions(0, space.kv_len, space.device), space), space.q_len)))
 
 
 def _per_sequence(band: _Band, sequences, name: str) -> Mask:
@@ -816,6 +858,14 @@ class _Documents(Mask):
                                 f"{space.batch}: use shape [T] or [{space.batch}, T]")
         return problems
 
+    def structure(self, space):
+        q_ids, kv_ids = self.q_ids.to(space.device), self.kv_ids.to(space.device)
+        q_ranges = _id_ranges(q_ids, kv_ids, space.batch)
+        kv_ranges = _id_ranges(kv_ids, q_ids, space.batch) if q_ranges is not None else None
+        if kv_ranges is None:
+            return Structure(ids=(q_ids, kv_ids))
+        return Structure(ranges=(q_ranges, kv_ranges))
+
     def _ids(self, ids, idx, space):
         ids = ids.to(space.device)
         return (ids if ids.dim() == 2 else ids[None])[:, idx]  # [Bm, t]
@@ -857,6 +907,31 @@ class _Documents(Mask):
 
     def __repr__(self):
         return f"documents(q_ids={tuple(self.q_ids.shape)}, kv_ids={tuple(self.kv_ids.shape)})"
+
+
+def _id_ranges(own: torch.Tensor, other: torch.Tensor, batch: int) -> Optional[torch.Tensor]:
+    """For each position of ``own`` (ids ``[T]`` or ``[B, T]``), the positions ``[lo, hi)`` of
+    ``other`` that hold the same id (``[0, 0)`` when none do) → int32 ``[B, T, 2]``; ``None``
+    when some id's positions in ``other`` are not one contiguous run."""
+    rows = max(own.shape[0] if own.dim() == 2 else 1, other.shape[0] if other.dim() == 2 else 1)
+    own, other = (ids.to(torch.int64).reshape(-1, ids.shape[-1]) for ids in (own, other))
+    result = []
+    for row in range(rows):
+        mine, theirs = own[min(row, own.shape[0] - 1)], other[min(row, other.shape[0] - 1)]
+        span = torch.zeros(mine.shape[0], 2, dtype=torch.int64, device=mine.device)
+        if theirs.numel():
+            change = torch.ones(theirs.shape[0], dtype=torch.bool, device=theirs.device)
+            change[1:] = theirs[1:] != theirs[:-1]
+            starts = change.nonzero().flatten()  # the first position of each run
+            stops = torch.cat([starts[1:], starts.new_tensor([theirs.shape[0]])])
+            run_ids, order = theirs[starts].sort()
+            if bool((run_ids[1:] == run_ids[:-1]).any()):  # an id in two runs
+                return None
+            at = torch.searchsorted(run_ids, mine).clamp_(max=run_ids.shape[0] - 1)
+            found = (run_ids[at] == mine)[:, None]
+            span = torch.where(found, torch.stack([starts, stops], dim=-1)[order][at], 0)
+        result.append(span)
+    return torch.stack(result).to(torch.int32).expand(batch, -1, 2)
 
 
 def documents(q_ids, kv_ids=None, causal: Optional[str] = None) -> Mask:
@@ -1121,6 +1196,9 @@ class _Bias(Mask):
     def map_score_tensors(self, fn):
         return _Bias(fn(self.values, True))
 
+    def structure(self, space):
+        return Structure(bias=self.values)
+
     def check(self, space):
         return _fit_problems("bias", self.values, space)
 
@@ -1209,6 +1287,9 @@ class _Combined(Mask):
 
 
 class _And(_Combined):
+    def leaves(self):
+        return [leaf for part in self.parts for leaf in part.leaves()]
+
     def tile(self, q_idx, kv_idx, space):
         a, b = (p.tile(q_idx, kv_idx, space) for p in self.parts)
         return a & b

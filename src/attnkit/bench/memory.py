@@ -98,9 +98,9 @@ def _method(method: str, n: int) -> tuple[Callable, bool]:
     if method == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        from .runner import _flex_probe_backward
+        from .runner import flex_probe_backward
 
-        _flex_probe_backward()
+        flex_probe_backward()
         compiled = torch.compile(flex_attention)
         block_masks = {}
 

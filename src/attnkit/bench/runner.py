@@ -80,7 +80,7 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return scores.softmax(dim=-1) @ v  # [B, H, N, D]
 
 
-def _flex_probe_backward() -> None:
+def flex_probe_backward() -> None:
     """Raise :class:`Unsupported` when FlexAttention cannot differentiate CPU tensors (tried
     eagerly on a tiny input, not guessed from a version number)."""
     from torch.nn.attention.flex_attention import flex_attention
@@ -115,7 +115,7 @@ def make_method(key: str, workload: Workload, *, backward: bool, dense_mask: tor
         return lambda q, k, v: naive_attention(q, k, v, allowed)
     if key == "flex":
         if backward:
-            _flex_probe_backward()
+            flex_probe_backward()
         from torch.nn.attention.flex_attention import flex_attention
 
         torch._dynamo.reset()

@@ -30,7 +30,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: launch.Pla
         return out, lse.fill_(float("-inf"))
     if k.shape[2] == 0:  # no keys at all: every row is fully masked
         return out.zero_(), lse.fill_(float("-inf"))
-    launch.forward_call(q, k, v, out, lse, plan).run(plan.interpret)
+    launch.forward_call(q, k, v, out, lse, plan).run(plan)
     return out, lse
 
 
@@ -50,14 +50,14 @@ def _backward(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor,
     lse2 = torch.empty_like(delta)
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    if launch.stores_ds(q, plan):  # statistics, dK/dV storing dS, dQ = dS·K (launch.BACKWARD)
+    if launch.stores_ds(q, plan):  # statistics, dK/dV storing dS, dQ = dS·K
         ds = launch.ds_buffer(q, plan)
-        launch.stats_call(out, dout, lse, dlse, lse2, delta, plan).run(plan.interpret)
-        launch.dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan, ds).run(plan.interpret)
-        launch.dq_stored_call(q, k, v, ds, dq, plan).run(plan.interpret)
+        launch.stats_call(out, dout, lse, dlse, lse2, delta, plan).run(plan)
+        launch.dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan, ds).run(plan)
+        launch.dq_stored_call(q, k, v, ds, dq, plan).run(plan)
     else:
-        launch.dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, dq, plan).run(plan.interpret)
-        launch.dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan).run(plan.interpret)
+        launch.dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, dq, plan).run(plan)
+        launch.dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan).run(plan)
     return dq, dk, dv
 
 
@@ -84,9 +84,8 @@ class _TritonAttention(torch.autograd.Function):
 
 def torch_is_faster(inputs: Inputs) -> bool:
     """True when the torch backend can run ``inputs`` with its own fused kernel (no mask, or
-    top-left causal): on an H200 torch's default SDPA pick (cuDNN) ran 1.1–1.4× faster than
-    the triton kernels there (forward; forward+backward 1.3–1.5×), so ``auto`` leaves those
-    inputs to it."""
+    top-left causal), which measured faster than these kernels there (torch's default SDPA
+    pick on an H200, docs/BENCHMARKS.md): ``auto`` leaves those inputs to it."""
     from ..torch_sdpa import TorchBackend, is_plain_causal
 
     plain = inputs.mask is None or is_plain_causal(inputs.mask, inputs.scale)
@@ -101,6 +100,8 @@ def _installed() -> bool:
 
 
 class TritonBackend(Backend):
+    """``options``: how the kernels run (:class:`launch.TritonOptions`)."""
+
     NAME = "triton"
     DEVICES = ("cpu", "cuda")
     DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -111,6 +112,9 @@ class TritonBackend(Backend):
     MAX_HEAD_DIM = 256
     DESCRIPTION = ("fused Triton kernels (online softmax, block-sparse masks, GQA, LSE); "
                    "CPU tensors run through the Triton interpreter (TRITON_INTERPRET=1)")
+
+    def __init__(self, options: launch.TritonOptions = launch.TritonOptions()):
+        self.options = options
 
     def unavailable_reason(self) -> Optional[str]:
         if not _installed():
@@ -136,15 +140,15 @@ class TritonBackend(Backend):
                     f"runs through the slow Triton interpreter; ask for backend='triton')"]
         if torch_is_faster(inputs):
             return ["no mask or top-left causal: torch's own SDPA kernel (cuDNN on an H200) "
-                    "measured 1.1-1.4x faster than these kernels (docs/BENCHMARKS.md)"]
+                    "measured faster than these kernels (docs/BENCHMARKS.md)"]
         return []
 
     def forward(self, inputs: Inputs) -> BackendOutput:
-        plan = launch.make_plan(inputs)
+        plan = launch.make_plan(inputs, self.options)
         out, lse = _TritonAttention.apply(inputs.q, inputs.k, inputs.v, plan)
         return BackendOutput(out, lse, None)
 
     def backward(self, inputs, out, lse, dout, dlse, want_bias):
         dq, dk, dv = _backward(dout, dlse, inputs.q, inputs.k, inputs.v, out, lse,
-                               launch.make_plan(inputs))
+                               launch.make_plan(inputs, self.options))
         return dq, dk, dv, [None] * len(inputs.biases)
