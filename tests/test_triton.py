@@ -11,7 +11,7 @@ later (``launch.kernels``). ``TRITON_INTERPRET=1`` is also the user's opt-in tha
 checks per call, so the autouse fixture sets it with ``monkeypatch`` for each test here and
 nothing leaks into other test files. On a CUDA machine, or when something imported triton
 compiled before this module, the tests skip with the reason (run
-``TRITON_INTERPRET=1 pytest tests/test_triton.py`` there; ``benchmarks/gpu.py`` checks the GPU).
+``TRITON_INTERPRET=1 pytest tests/test_triton.py`` there; ``tests/test_gpu.py`` checks the GPU).
 ``tests/test_triton_launch.py`` and ``tests/test_gpu_bench.py`` start the same way.
 
 What is tested here: forward, LSE and both backwards (recomputing, and storing dS) for every

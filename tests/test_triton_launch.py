@@ -1,9 +1,10 @@
 """The triton backend's launch machinery (``attnkit.backends.triton.launch``), through the
-Triton interpreter on CPU tensors: plans and their block lists (codes, order, spacing, the
+Triton interpreter on CPU tensors: plans and their block lists (codes, spacing, the
 stored-dS slots, the backward chosen), the mask programs the kernels get (features, documents
 as ranges, parts left out of PARTIAL tiles), the layout cache and the launch arguments it
 keeps, and compiled launches (the autotuner, its candidates and timings kept on disk, direct
-launches after it, pinned candidates) checked with stand-ins for the tuner and the kernel.
+launches after it, pinned candidates: ``TritonOptions.candidate``) checked with stand-ins
+for the tuner and the kernel.
 
 Triton is imported in interpreter mode at collection, and each test opts in with
 ``TRITON_INTERPRET=1``, as in ``tests/test_triton.py`` (see its docstring), which tests the

@@ -1,0 +1,343 @@
+"""``backend="triton"`` compiled on a CUDA device, at full size, against float64 math there.
+
+What the interpreter tests (``tests/test_triton.py``) cannot show: the compiled kernels, every
+autotune candidate, TMA walks, direct launches and sequences of thousands of positions.
+
+- every mask kind (causal top-left and bottom-right, window, documents & causal, padding with
+  empty rows, dense, bias, no mask, GQA, ragged lengths; bf16, and fp16 for some), forward
+  and backward through both backwards, each kernel at its first candidate (autotuning would
+  compile every candidate for every kind);
+- every candidate of every kernel at D = 128 (``TritonOptions(candidate=i)``), on a causal
+  and a documents mask, through both backwards;
+- direct launches: the autotuned, ``JITFunction`` and direct launches of one call, and the
+  same with ``direct_launch=False``, give bit-identical results;
+- poisoned memory: inputs and the output gradient as views inside NaN-filled buffers (ragged
+  lengths, a head dim that is not a power of two).
+
+Before every call the caching allocator's free blocks are filled with NaN, so an output
+element the kernels never write shows up.
+
+The rule: ‖x − truth‖/‖truth‖ ≤ 2 × that of the same math in the inputs' dtype + 2e-3, for
+out, LSE, dq, dk, dv; LSE −inf and out exactly 0 on fully masked rows. Every test is marked
+``gpu`` and the module skips without CUDA. Without pytest::
+
+    PYTHONPATH=src python3 tests/test_gpu.py   # runs every test, prints pass/fail
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+try:
+    import pytest
+except ImportError:  # the runner at the bottom needs no pytest
+    pytest = None
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import attnkit as ak  # noqa: E402
+
+
+def device_problem() -> Optional[str]:
+    """Why these tests cannot run in this process (``None`` when they can)."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA device (the compiled kernels at full size)"
+    import importlib.util
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    from attnkit.backends.triton import launch
+    if launch.interpreting():
+        return "triton runs through the interpreter in this process (TRITON_INTERPRET is set)"
+    return None
+
+
+if pytest is not None and __name__ != "__main__" and device_problem():
+    pytest.skip(device_problem(), allow_module_level=True)
+
+gpu: Callable = pytest.mark.gpu if pytest is not None else (lambda test: test)
+
+DEVICE = torch.device("cuda")
+BATCH, HEADS, N, D = 2, 4, 2048, 128  # the mask kinds' shape
+RAGGED = (1000, 1537)  # Tq, Tk: neither a multiple of the sparse blocks
+BACKWARDS = ("recompute", "stored_ds")
+FLOOR = 2e-3
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+# ---- the truth -----------------------------------------------------------------------------------
+def attention_math(q, k, v, dout, allowed, bias, scale: float, dtype: torch.dtype) -> list[torch.Tensor]:
+    """softmax(q kᵀ·scale + bias, masked) v and its gradients computed in ``dtype``, one
+    (batch, head) at a time. q ``[B, H, Tq, Dk]``, k ``[B, Hkv, Tk, Dk]``, v ``[B, Hkv, Tk, Dv]``,
+    dout ``[B, H, Tq, Dv]``; ``allowed`` (bool) and ``bias`` broadcastable to ``[B, H, Tq, Tk]``
+    or ``None``. Returns out, lse ``[B, H, Tq]``, dq, dk, dv; a fully masked row has out 0,
+    LSE −inf and zero gradients."""
+    batch, heads, tq, _ = q.shape
+    group, full = heads // k.shape[1], (batch, heads, tq, k.shape[2])
+    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=dtype, device=q.device)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=dtype, device=q.device) for t in (q, k, v))
+    for b in range(batch):
+        for h in range(heads):
+            g = h // group
+            qh, kh, vh, doh = (t.to(dtype) for t in (q[b, h], k[b, g], v[b, g], dout[b, h]))
+            s = (qh @ kh.T) * scale
+            if bias is not None:
+                s = s + bias.expand(full)[b, h].to(dtype)
+            if allowed is not None:
+                s = s.masked_fill(~allowed.expand(full)[b, h], -math.inf)
+            m = s.amax(-1, keepdim=True)
+            p = torch.exp(s - torch.where(torch.isneginf(m), 0, m))  # 0 on a fully masked row
+            total = p.sum(-1, keepdim=True)
+            p = p / total.clamp_min(torch.finfo(dtype).tiny)
+            lse[b, h] = (m + total.log())[:, 0]
+            out[b, h] = p @ vh
+            ds = p * (doh @ vh.T - (doh * out[b, h]).sum(-1, keepdim=True))
+            dq[b, h] = (ds @ kh) * scale
+            dk[b, g] += (ds.T @ qh) * scale
+            dv[b, g] += p.T @ doh
+    return [out, lse, dq, dk, dv]
+
+
+def relative_error(x: torch.Tensor, truth: torch.Tensor) -> float:
+    """‖x − truth‖/‖truth‖ over truth's finite entries; infinite where x is not finite there
+    or differs from truth's −inf anywhere."""
+    x, truth = x.detach().double(), truth.detach().double()
+    if not torch.equal(torch.isneginf(x), torch.isneginf(truth)):
+        return math.inf
+    finite = torch.isfinite(truth)
+    x, truth = x[finite], truth[finite]
+    if not torch.isfinite(x).all():
+        return math.inf
+    return float((x - truth).norm() / truth.norm().clamp_min(1e-30))
+
+
+def make_inputs(batch: int, heads: int, heads_kv: int, tq: int, tk: int, d: int, dtype, seed: int):
+    """q ``[B, H, Tq, D]``, k and v ``[B, Hkv, Tk, D]``, dout ``[B, H, Tq, D]`` in ``dtype``."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    shapes = ((batch, heads, tq, d), (batch, heads_kv, tk, d), (batch, heads_kv, tk, d),
+              (batch, heads, tq, d))
+    return [torch.randn(shape, generator=gen, device=DEVICE, dtype=dtype) for shape in shapes]
+
+
+class Case:
+    """Inputs, a mask and its independent dense form, with the float64 truth and the same math
+    in the inputs' dtype (the yardstick), computed once for every run compared with them."""
+
+    def __init__(self, label: str, inputs: list[torch.Tensor], mask, allowed=None, bias=None):
+        self.label, self.inputs, self.mask = label, inputs, mask
+        scale = 1 / math.sqrt(inputs[0].shape[-1])
+        self.truth = attention_math(*inputs, allowed, bias, scale, torch.float64)
+        self.plain = attention_math(*inputs, allowed, bias, scale, inputs[0].dtype)
+
+    def problems(self, got: list[torch.Tensor], how: str) -> list[str]:
+        """What is wrong with ``got`` (out, lse, dq, dk, dv), one line each."""
+        found = []
+        for name, x, truth, plain in zip(NAMES, got, self.truth, self.plain):
+            err, allowed = relative_error(x, truth), 2 * relative_error(plain, truth) + FLOOR
+            if not err <= allowed:
+                found.append(f"{self.label} {how}: {name} error {err:.2e} > allowed {allowed:.2e}")
+        empty = torch.isneginf(self.truth[1])
+        if (got[0][empty] != 0).any():
+            found.append(f"{self.label} {how}: fully masked rows are not exactly 0")
+        return found
+
+
+def run(options, q, k, v, dout, mask) -> list[torch.Tensor]:
+    """``TritonBackend(options)`` forward and backward: out, lse, dq, dk, dv. Views stay views;
+    the caching allocator's free blocks hold NaN first, so an output never written shows."""
+    from attnkit.backends.triton import TritonBackend
+    from attnkit.inputs import validate
+
+    poison = torch.full((1 << 28,), math.nan, device=q.device)
+    del poison
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    result = TritonBackend(options).forward(validate(*leaves, mask))
+    return [result.out.detach(), result.lse.detach(), *torch.autograd.grad(result.out, leaves, dout)]
+
+
+def options(**kwargs):
+    """``launch.TritonOptions(**kwargs)`` (triton's backend imported on first use)."""
+    from attnkit.backends.triton import launch
+    return launch.TritonOptions(**kwargs)
+
+
+def sorted_ids(length: int, docs: int, gen: torch.Generator) -> torch.Tensor:
+    """Document ids ``[length]`` (int64, on the device), sorted: packed sequences."""
+    return torch.randint(0, docs, (length,), generator=gen).sort().values.to(DEVICE)
+
+
+def positions(tq: int, tk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query positions ``[Tq, 1]`` and key positions ``[1, Tk]``, for dense masks."""
+    return torch.arange(tq, device=DEVICE)[:, None], torch.arange(tk, device=DEVICE)[None, :]
+
+
+def mask_cases(dtype: torch.dtype, only: Optional[tuple] = None) -> list[Case]:
+    """Every mask kind on ``[BATCH, HEADS, N, D]`` inputs (GQA and ragged: their own shapes)."""
+    gen = torch.Generator().manual_seed(0)
+    i, j = positions(N, N)
+    ids = sorted_ids(N, 6, gen)
+    dense = (torch.rand(N, N, generator=gen) < 0.6).to(DEVICE)
+    bias = torch.randn(N, N, generator=gen).to(DEVICE)
+    q_len = torch.tensor([N, N - N // 6], device=DEVICE)
+    kv_len = torch.tensor([N - N // 4, 0], device=DEVICE)
+    window = N // 7  # not a multiple of the blocks
+    cases = {
+        "causal": lambda x: Case("causal", x, ak.causal(), i >= j),
+        "window": lambda x: Case(f"window{window}", x, ak.sliding_window(window),
+                                 (j <= i) & (j >= i - window)),
+        "documents&causal": lambda x: Case("documents&causal", x, ak.documents(ids) & ak.causal(),
+                                           (ids[:, None] == ids[None, :]) & (i >= j)),
+        "padding": lambda x: Case("padding (empty rows)", x,
+                                  ak.padding(q_len.tolist(), kv_len.tolist()),
+                                  ((i < q_len[:, None, None]) & (j < kv_len[:, None, None]))[:, None]),
+        "dense": lambda x: Case("dense", x, ak.dense(dense), dense),
+        "bias&causal": lambda x: Case("bias&causal", x, ak.bias(bias) & ak.causal(), i >= j, bias),
+        "none": lambda x: Case("no mask", x, None),
+        "gqa": lambda x: Case("causal GQA 4/2", x, ak.causal(), i >= j),
+    }
+    found = []
+    for name, make in cases.items():
+        if only is None or name in only:
+            heads_kv = HEADS // 2 if name == "gqa" else HEADS
+            found.append(make(make_inputs(BATCH, HEADS, heads_kv, N, N, D, dtype, len(found))))
+    if only is None:  # ragged: Tq ≠ Tk, neither a multiple of the blocks
+        tq, tk = RAGGED
+        qi, kj = positions(tq, tk)
+        q_ids, kv_ids = sorted_ids(tq, 5, gen), sorted_ids(tk, 5, gen)
+        found.append(Case("ragged causal bottom-right",
+                          make_inputs(BATCH, HEADS, HEADS, tq, tk, D, dtype, 8),
+                          ak.causal("bottom_right"), kj <= qi + (tk - tq)))
+        found.append(Case("ragged documents", make_inputs(BATCH, HEADS, HEADS, tq, tk, D, dtype, 9),
+                          ak.documents(q_ids, kv_ids), q_ids[:, None] == kv_ids[None, :]))
+    return found
+
+
+def run_cases(cases: list[Case], choices: list[tuple[str, object]]) -> None:
+    """Each case under each ``(how, TritonOptions)``; one assertion listing every problem."""
+    found = []
+    for case in cases:
+        for how, chosen in choices:
+            try:
+                found += case.problems(run(chosen, *case.inputs, case.mask), how)
+            except Exception as error:  # noqa: BLE001 - a failure of this case, listed with the rest
+                first = (str(error).splitlines() or [""])[0][:200]
+                found.append(f"{case.label} {how}: {type(error).__name__}: {first}")
+    assert not found, "\n".join(found)
+
+
+# ---- the tests ----------------------------------------------------------------------------------------
+@gpu
+def test_mask_kinds_bf16():
+    """Every mask kind in bf16, through both backwards, at each kernel's first candidate."""
+    run_cases(mask_cases(torch.bfloat16), [(b, options(backward=b, candidate=0)) for b in BACKWARDS])
+
+
+@gpu
+def test_mask_kinds_fp16():
+    """Some mask kinds in fp16 (the kernels' other half-precision dtype), both backwards."""
+    run_cases(mask_cases(torch.float16, ("causal", "documents&causal", "bias&causal")),
+              [(b, options(backward=b, candidate=0)) for b in BACKWARDS])
+
+
+@gpu
+def test_every_candidate():
+    """Candidate i of every kernel's list (the last where a list is shorter) for every i, at
+    D = 128 on a causal and a documents mask, through both backwards."""
+    from attnkit.backends.triton import launch
+
+    bucket = launch.head_bucket(D)
+    count = max(len(buckets[bucket]) for buckets in launch.CONFIGS.values())
+    i, j = positions(N, N)
+    ids = sorted_ids(N, 7, torch.Generator().manual_seed(1))
+    cases = [Case("causal", make_inputs(1, 2, 2, N, N, D, torch.bfloat16, 10), ak.causal(), i >= j),
+             Case("documents", make_inputs(1, 2, 2, N, N, D, torch.bfloat16, 11), ak.documents(ids),
+                  ids[:, None] == ids[None, :])]
+    run_cases(cases, [(f"candidate {c} {b}", options(backward=b, candidate=c, autotune_cache=False))
+                      for c in range(count) for b in BACKWARDS])
+
+
+@gpu
+def test_direct_launches_match_jit():
+    """One call three times with the default options (the autotuner's launches, then
+    ``JITFunction``'s, then the binaries called directly), once more on copies of the inputs
+    (other pointers swapped in), and the same four with ``direct_launch=False``: all bit for
+    bit the same. Causal runs the recomputing backward by default, documents the stored-dS one."""
+    from attnkit.backends.triton import launch
+    from attnkit.inputs import validate
+
+    ids = torch.arange(N, device=DEVICE) // (N // 7)  # documents spanning a few blocks each
+    for label, mask in (("causal", ak.causal()), ("documents&causal", ak.documents(ids) & ak.causal())):
+        q, k, v, dout = make_inputs(BATCH, HEADS, HEADS, N, N, D, torch.bfloat16, 20)
+        results = []
+        for chosen in (options(), options(direct_launch=False)):
+            results += [run(chosen, q, k, v, dout, mask) for _ in range(3)]
+            results.append(run(chosen, *(t.clone() for t in (q, k, v, dout)), mask))
+        plan = launch.make_plan(validate(q, k, v, mask), options())
+        assert launch.stores_ds(q, plan) == (label != "causal"), f"{label}: another backward ran"
+        assert any(call.shared.get("direct") for call in plan.layout.calls.values()), \
+            f"{label}: no launch went direct"
+        for index, result in enumerate(results[1:], 1):
+            for name, x, first in zip(NAMES, result, results[0]):
+                assert torch.equal(x, first), f"{label}: run {index} {name} differs from run 0"
+
+
+@gpu
+def test_poisoned_memory():
+    """q, k, v and dout as views inside NaN-filled buffers (rows after Tq/Tk and head-dim
+    columns after D = 96 are NaN; one base pointer is not 16-byte aligned): every result is
+    finite and right. Each kernel's first and last candidate (an index past every list), both
+    backwards."""
+    tq, tk = RAGGED
+    d = 96
+    i, j = positions(tq, tk)
+    gen = torch.Generator().manual_seed(3)
+    q_ids, kv_ids = sorted_ids(tq, 4, gen), sorted_ids(tk, 4, gen)
+    clean = make_inputs(BATCH, HEADS, HEADS, tq, tk, d, torch.bfloat16, 30)
+    views = []
+    for index, t in enumerate(clean):
+        buffer = torch.full((*t.shape[:2], t.shape[2] + 67, d + 40), math.nan, dtype=t.dtype,
+                            device=DEVICE)
+        start = 3 if index == 1 else 8  # k's base pointer not 16-byte aligned
+        views.append(buffer[:, :, 5:5 + t.shape[2], start:start + d])
+        views[-1].copy_(t)
+    cases = [Case("causal bottom-right", views, ak.causal("bottom_right"), j <= i + (tk - tq)),
+             Case("documents&causal", views, ak.documents(q_ids, kv_ids) & ak.causal("bottom_right"),
+                  (q_ids[:, None] == kv_ids[None, :]) & (j <= i + (tk - tq)))]
+    run_cases(cases, [(f"candidate {c} {b}", options(backward=b, candidate=c))
+                      for c in (0, 1 << 10) for b in BACKWARDS])
+
+
+# ---- without pytest -------------------------------------------------------------------------------------
+def main() -> int:
+    """Run every test of this module; print each one's outcome and time."""
+    problem = device_problem()
+    if problem:
+        print(f"tests/test_gpu.py skipped: {problem}")
+        return 0
+    tests = [(name, test) for name, test in globals().items()
+             if name.startswith("test_") and callable(test)]
+    failed = []
+    for name, test in tests:
+        start = time.perf_counter()
+        try:
+            test()
+            print(f"pass {name} ({time.perf_counter() - start:.0f} s)", flush=True)
+        except Exception:  # noqa: BLE001 - reported, counted
+            failed.append(name)
+            print(f"FAIL {name} ({time.perf_counter() - start:.0f} s)", flush=True)
+            traceback.print_exc()
+    print(f"{len(tests) - len(failed)} passed, {len(failed)} failed"
+          + (f": {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
