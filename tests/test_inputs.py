@@ -218,3 +218,94 @@ def test_valid_edge_inputs_do_not_raise():
                  torch.zeros(1, 8, 1, 6, dtype=torch.float32), ak.causal() & ak.padding(kv_lengths=[6, 0])):
         out = ak.attention(q, k, v, mask=mask)
         assert out.shape == (2, 8, 5, 3) and out.dtype == torch.float16
+
+
+# ---- the call cache: validation and dispatch once per signature ---------------------------------
+
+@pytest.fixture
+def validations(monkeypatch):
+    """Counts the calls that validate (the others were answered by ``attnkit.api.CALLS``)."""
+    from attnkit import api
+    monkeypatch.setattr(api, "CALLS", type(api.CALLS)())
+    count, real = [], api.validate
+
+    def counted(*args, **kwargs):
+        count.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(api, "validate", counted)
+    return count
+
+
+def test_repeated_calls_validate_once(validations):
+    """Identical calls (new tensors of the same signature) validate and dispatch once, with the
+    same results as a validated call; a mask object equal by value (a band) hits too."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        q, k, v = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(3))
+        out = ak.attention(q, k, v, ak.causal())
+        torch.testing.assert_close(out, ak.attention(q, k, v, ak.causal(), backend="reference"))
+    assert len(validations) == 2  # one auto, one reference
+    q3 = torch.randn(5, 8, generator=gen)  # [T, D]: its own layout
+    ak.attention(q3, q3, q3)
+    ak.attention(q3 + 1, q3, q3)
+    assert len(validations) == 3
+
+
+def test_the_cache_sees_what_changes_the_answer(validations):
+    """Another shape, dtype, requires_grad, grad mode, option, or a mask tensor written in place
+    validates again; masks without a cache key (dense) and dropout always do."""
+    q = torch.randn(1, 2, 6, 8)
+    lengths = torch.tensor([4])
+    mask = ak.padding(kv_lengths=lengths)
+    ak.attention(q, q, q, mask)
+    ak.attention(q, q, q, mask)
+    assert len(validations) == 1
+    lengths[0] = 2  # in place: the next call sees the new lengths
+    out = ak.attention(q, q, q, mask)
+    torch.testing.assert_close(out, ak.attention(q, q, q, ak.padding(kv_lengths=[2]), backend="reference"))
+    assert len(validations) == 3
+    before = len(validations)
+    for call in (lambda: ak.attention(q.double(), q.double(), q.double()),
+                 lambda: ak.attention(q.requires_grad_(), q, q),
+                 lambda: ak.attention(q, q, q, scale=0.5),
+                 lambda: ak.attention(q, q, q, return_lse=True)):
+        call()
+        call()
+    with torch.no_grad():
+        ak.attention(q, q, q)
+    assert len(validations) == before + 5
+    dense = torch.ones(6, 6, dtype=torch.bool)
+    ak.attention(q, q, q, dense)
+    ak.attention(q, q, q, dense)
+    ak.attention(q, q, q, dropout_p=0.1)
+    ak.attention(q, q, q, dropout_p=0.1)
+    assert len(validations) == before + 9
+
+
+def test_bad_calls_still_raise_after_good_ones(validations):
+    q = torch.randn(1, 2, 6, 8)
+    ak.attention(q, q, q)
+    with pytest.raises(ValueError, match="feature dim"):
+        ak.attention(q, torch.randn(1, 2, 6, 4), q)
+    with pytest.raises(TypeError, match="scale must be a float"):
+        ak.attention(q, q, q, scale=[0.5])  # unhashable: validation says what is wrong
+
+
+def test_decode_steps_over_a_growing_cache_validate_once(validations):
+    """One query under bottom-right causal (or no mask) over a cache that grows by a position
+    a step: the key length does not change the validation or the backend, so the steps after
+    the first reuse them (the cache's views keep their strides while its buffer has room)."""
+    from attnkit.nn import KVCache
+
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 30, 8, generator=gen), torch.randn(2, 2, 30, 8, generator=gen)
+    q = torch.randn(2, 4, 30, 8, generator=gen)
+    full = ak.attention(q, k, v, ak.causal())
+    before = len(validations)
+    cache = KVCache.empty(capacity=32).append(k[:, :, :8], v[:, :, :8])
+    outs = [ak.attention(q[:, :, :8], cache.keys, cache.values, cache.mask())]
+    for t in range(8, 30):
+        cache = cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        outs.append(ak.attention(q[:, :, t:t + 1], cache.keys, cache.values, cache.mask()))
+    torch.testing.assert_close(torch.cat(outs, 2), full)
+    assert len(validations) - before == 2  # the prefill chunk, then the first decode step

@@ -601,3 +601,42 @@ def test_leaves_flatten_and_chains_and_others_have_no_structure():
     assert ak.dense(torch.ones(4, 4, dtype=torch.bool)).structure(MaskSpace(1, 1, 4, 4)) is None
     values = torch.zeros(4, 4)
     assert ak.bias(values).structure(MaskSpace(1, 1, 4, 4)).bias is values
+
+
+# ---- simplified(): the simplest equivalent mask --------------------------------------------------
+
+@pytest.mark.parametrize("mask, tq, tk, expected", [
+    (ak.causal("bottom_right"), 1, 9, "none"),  # a decode step sees every cached key
+    (ak.causal("bottom_right"), 6, 6, "causal"),
+    (ak.causal(), 1, 9, "self"),  # top-left: the one query sees key 0 only
+    (ak.sliding_window(20), 8, 8, "causal"),  # wider than the sequence
+    (ak.sliding_window(20, 30), 8, 8, "none"),
+    (ak.sliding_window(3), 8, 8, "self"),
+    (ak.causal("bottom_right") & ak.padding(kv_lengths=[5]), 1, 9, "padding"),
+    (ak.causal("bottom_right") & ak.sliding_window(20, 20), 1, 9, "none"),
+])
+def test_simplified_is_the_same_mask(mask, tq, tk, expected):
+    """``simplified`` allows exactly what the mask does, in the simplest form: nothing
+    (``None``), top-left causal, or the mask itself."""
+    space = MaskSpace(1, 1, tq, tk)
+    simple = mask.simplified(space)
+    if expected == "none":
+        assert simple is None and bool(mask.to_dense(space).all())
+        return
+    assert torch.equal(simple.to_dense(space), mask.to_dense(space))
+    if expected == "self":
+        assert simple is mask
+    elif expected == "causal":
+        assert simple.band() == ak.masks.CAUSAL
+    else:
+        assert [type(leaf) for leaf in simple.leaves()] == [type(ak.padding(kv_lengths=[1]))]
+
+
+def test_decode_step_under_bottom_right_causal_runs_unmasked(gen):
+    """One query against a cache under bottom-right causal has no mask left: ``auto`` takes the
+    fused kernel of an unmasked call, with the same result."""
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    k, v = (torch.randn(2, 4, 33, 16, generator=gen) for _ in range(2))
+    mask = ak.causal("bottom_right")
+    assert ak.explain_dispatch(q, k, v, mask).backend == ak.explain_dispatch(q, k, v).backend == "torch"
+    torch.testing.assert_close(ak.attention(q, k, v, mask), ak.attention(q, k, v, backend="reference"))

@@ -441,7 +441,7 @@ def test_key_padding_in_one_run_per_row_becomes_a_padding_mask():
     holes = runs.clone()
     holes[1, 2] = False  # not one run
     for real, kind in ((runs, "padding"), (holes, "dense")):
-        combined = mha._combine_masks(None, real, False, cached=False, batch=2, kv_len=10)
+        combined = mha._combine_masks(None, real, False, cache=None, batch=2, kv_len=10)
         assert repr(combined).startswith(kind)
         out, _, _ = mha(x, key_valid=real)
         want, _, _ = mha(x, mask=real[:, None, None, :])
@@ -456,3 +456,79 @@ def test_forward_returns_one_named_tuple_with_or_without_a_cache():
     cached = mha(x, cache=mha.empty_cache(), need_weights=True)
     assert cached.cache.length == 3 and cached.weights.shape == (2, 2, 3, 3)
     torch.testing.assert_close(cached.out, plain.out)
+
+
+# ---- the preallocated cache --------------------------------------------------------------------
+
+def test_kv_cache_writes_in_place_and_grows_geometrically():
+    """Decoding 100 tokens one at a time fills a few buffers (capacity doubling), each step
+    writing its one position in place; a preallocated capacity takes one buffer."""
+    cache, stores = KVCache.empty(), set()
+    for t in range(100):
+        cache = cache.append(torch.full((1, 2, 1, 4), float(t)), torch.full((1, 2, 1, 3), -float(t)))
+        stores.add(id(cache._store))
+    assert cache.length == 100 and len(stores) <= 8  # 1, 2, 4, ..., 128
+    assert torch.equal(cache.keys[0, 1, :, 0], torch.arange(100.0))
+    assert torch.equal(cache.values[0, 0, :, 2], -torch.arange(100.0))
+    fixed = KVCache.empty(capacity=64)
+    first = fixed.append(torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 3))
+    last = first
+    for _ in range(50):
+        last = last.append(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 3))
+    assert last._store is first._store and first._store.capacity == 64
+
+
+def test_kv_cache_never_changes_a_cache_given_out():
+    """Extending an older cache again (beam search) copies it: neither branch sees the other's
+    tokens, and the older cache keeps its contents."""
+    base = KVCache.empty().append(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+    left = base.append(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+    right = base.append(torch.full((1, 1, 1, 2), 2.0), torch.full((1, 1, 1, 2), 2.0))
+    assert left.keys[0, 0, 3, 0] == 1 and right.keys[0, 0, 3, 0] == 2
+    assert base.length == 3 and bool((base.keys == 0).all())
+    assert right._store is not left._store
+
+
+def test_plain_attention_over_the_cache_views(gen):
+    """``cache.keys``/``cache.values`` (strided views of the buffers) and ``cache.mask()`` serve
+    plain ``attention``: chunked prefill then decoding equals one causal pass."""
+    q, k, v = (torch.randn(2, 4, 11, 8, generator=gen) for _ in range(3))
+    full = ak.attention(q, k, v, ak.causal())
+    cache, outs = KVCache.empty(), []
+    for start, stop in ((0, 5), (5, 6), (6, 9), (9, 10), (10, 11)):
+        cache = cache.append(k[:, :, start:stop], v[:, :, start:stop])
+        outs.append(ak.attention(q[:, :, start:stop], cache.keys, cache.values, cache.mask()))
+    torch.testing.assert_close(torch.cat(outs, 2), full)
+
+
+def test_batched_decoding_of_sequences_of_different_lengths(gen):
+    """Three prompts of lengths 5, 2 and 4 in one right-padded batch, then 4 decode steps
+    (``lengths``): each sequence's outputs equal decoding it alone; padded queries give 0."""
+    mha = MultiHeadAttention(16, 4, num_kv_heads=2)
+    prompts = [torch.randn(n, 16, generator=gen) for n in (5, 2, 4)]
+    steps = [torch.randn(3, 1, 16, generator=gen) for _ in range(4)]
+    batch = torch.zeros(3, 5, 16)
+    for b, p in enumerate(prompts):
+        batch[b, :p.shape[0]] = p
+    lengths = torch.tensor([5, 2, 4])
+    out, _, cache = mha(batch, cache=mha.empty_cache(), is_causal=True, lengths=lengths)
+    assert cache.lengths.tolist() == [5, 2, 4] and cache.length == 5
+    assert bool((out[1, 2:] == mha.out_proj.bias).all())  # padded queries: 0 before out_proj
+    outs = [out]
+    for step in steps:
+        o, _, cache = mha(step, cache=cache, is_causal=True, lengths=torch.ones(3, dtype=torch.long))
+        outs.append(o)
+    assert cache.lengths.tolist() == [9, 6, 8]
+    for b, p in enumerate(prompts):
+        alone = torch.cat([p] + [s[b] for s in steps])[None]
+        expected, _, _ = mha(alone, is_causal=True)
+        torch.testing.assert_close(outs[0][b, :p.shape[0]], expected[0, :p.shape[0]])
+        torch.testing.assert_close(torch.cat([o[b] for o in outs[1:]]), expected[0, p.shape[0]:])
+
+
+def test_lengths_need_a_cache_and_must_fit():
+    mha = MultiHeadAttention(8, 2)
+    with pytest.raises(TypeError, match="needs a cache"):
+        mha(torch.randn(2, 3, 8), lengths=torch.tensor([3, 1]))
+    with pytest.raises(ValueError, match=r"lie in \[0, 3\]"):
+        mha(torch.randn(2, 3, 8), cache=mha.empty_cache(), lengths=torch.tensor([4, 1]))

@@ -9,7 +9,7 @@ from typing import Literal, NamedTuple, Optional, Union, overload
 import torch
 
 from . import compiled, dispatch, finite
-from .inputs import restore, validate
+from .inputs import CallCache, restore, validate
 from .masks import CAUSAL, Mask, as_mask
 
 MaskLike = Union[Mask, torch.Tensor, None]
@@ -26,6 +26,10 @@ class AttentionResult(NamedTuple):
     out: torch.Tensor
     lse: Optional[torch.Tensor]
     weights: Optional[torch.Tensor]
+
+
+CALLS = CallCache()
+"""Validated calls and their backends by signature (:class:`~attnkit.inputs.CallCache`)."""
 
 
 @overload
@@ -102,9 +106,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 q, k, v, mask, scale=scale, dropout_p=dropout_p, backend=dispatch.forced(backend),
                 return_lse=return_lse, return_weights=return_weights)
             return AttentionResult(out, lse, weights) if return_lse or return_weights else out
-    inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
-                      need_weights=return_weights, need_lse=return_lse)
-    chosen = dispatch.select(inputs, backend)
+    def validate_and_choose():
+        inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
+                          need_weights=return_weights, need_lse=return_lse)
+        return inputs, dispatch.select(inputs, backend)
+    if dropout_p or torch.compiler.is_compiling():
+        inputs, chosen = validate_and_choose()
+    else:
+        inputs, chosen = CALLS.get(q, k, v, mask, (scale, backend, dispatch.forced(backend),
+                                                   return_lse, return_weights),
+                                   validate_and_choose)
     if not torch.compiler.is_compiling() and dispatch.log.isEnabledFor(logging.DEBUG):
         dispatch.log.debug("attention: backend %s (asked %r) for q %s, k %s, %s, mask %r",
                            chosen.NAME, backend, tuple(inputs.q.shape), tuple(inputs.k.shape),

@@ -31,6 +31,7 @@ non-finite masked K/V, whose gradients then carry NaN.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
 from typing import NamedTuple, Optional
@@ -46,6 +47,10 @@ KV_CHECK_MIN_ROWS = 64
 KV_CHECK_MAX_ELEMENTS = 1 << 16
 """Calls whose K and V hold at most this many elements each also sum them in :func:`suspect`,
 whatever their query rows: a few microseconds, below a call's fixed cost."""
+
+SMALL_CALL_ELEMENTS = 1 << 16
+"""Calls whose checked tensors hold at most this many elements in all are checked with one
+concatenation and one sum (copying them costs less than an operation per tensor)."""
 
 CHUNK_ELEMENTS = 1 << 22
 """Mask elements evaluated at once when finding the rows that see a non-finite key."""
@@ -64,20 +69,20 @@ def suspect(inputs: Inputs, out: torch.Tensor, lse: Optional[torch.Tensor]) -> b
     """Whether q, ``out``, ``lse`` (or K/V, see :data:`KV_CHECK_MIN_ROWS`) hold NaN/inf, so the
     call must be recomputed on cleaned inputs. NaN and ±inf propagate into a sum (a finite
     tensor whose sum overflows only costs a recomputation that finds nothing to clean); the
-    LSE is summed apart, since its −inf (a fully masked row) is no problem. One host read."""
+    LSE enters clamped at 0, since its −inf (a fully masked row) is no problem. Small calls
+    sum one concatenation (one reduction instead of one per tensor: their cost is the number
+    of operations); either way one host read."""
     dtype = torch.float64 if inputs.q.dtype == torch.float64 else torch.float32
-    tensors = [inputs.q, out]
     k, v = inputs.k, inputs.v
-    if inputs.q.shape[2] >= KV_CHECK_MIN_ROWS or max(k.numel(), v.numel()) <= KV_CHECK_MAX_ELEMENTS:
-        tensors += [k, v]
-    if lse is not None:
-        tensors.append(lse)
-    totals = torch.stack([t.detach().sum(dtype=dtype) for t in tensors]).tolist()
-    if lse is not None:
-        lse_total = totals.pop()
-        if math.isnan(lse_total) or lse_total == math.inf:
-            return True
-    return not all(math.isfinite(total) for total in totals)
+    with torch.no_grad() if inputs.need_grad else contextlib.nullcontext():
+        parts = [inputs.q, out]
+        if inputs.q.shape[2] >= KV_CHECK_MIN_ROWS or max(k.numel(), v.numel()) <= KV_CHECK_MAX_ELEMENTS:
+            parts += [k, v]
+        if lse is not None:
+            parts.append(lse.clamp(min=0))
+        if sum(p.numel() for p in parts) <= SMALL_CALL_ELEMENTS:
+            return not math.isfinite(torch.cat([p.reshape(-1) for p in parts]).sum(dtype=dtype).item())
+        return not all(map(math.isfinite, torch.stack([p.sum(dtype=dtype) for p in parts]).tolist()))
 
 
 class Cleaned(NamedTuple):

@@ -7,9 +7,12 @@ see :class:`Inputs`; ``restore`` puts results back into the caller's shape.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -77,7 +80,7 @@ def _describe(**tensors) -> str:
                      if isinstance(t, torch.Tensor))
 
 
-class _Lazy:
+class LazyText:
     """A string computed on first formatting (error messages only)."""
 
     def __init__(self, make):
@@ -101,7 +104,7 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    where = _Lazy(lambda: _describe(**tensors))  # built only when a message needs it
+    where = LazyText(lambda: _describe(**tensors))  # built only when a message needs it
     for name, t in tensors.items():
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; attention needs floating point "
@@ -129,13 +132,11 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
 
     rank = q.dim()
     if rank == 2:
-        q4, k4, v4 = q[None, None], k[None, None], v[None, None]
         batch_shape = ()
     elif rank == 3:
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"3-D inputs are [B, T, D]: q and k must share the batch size B, "
                              f"got {where}. For heads use 4-D [B, H, T, D]")
-        q4, k4, v4 = q[:, None], k[:, None], v[:, None]
         batch_shape = (q.shape[0],)
     else:
         batch_shape = tuple(q.shape[:-3])
@@ -150,15 +151,10 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
         if hq % hkv:
             raise ValueError(f"k has {hkv} heads but q has {hq}: the number of query heads must be "
                              f"a multiple of key/value heads (GQA). Got {where}")
-        if rank == 4:
-            q4, k4, v4 = q, k, v
-        else:
-            q4, k4, v4 = (t.reshape(math.prod(batch_shape), *t.shape[-3:]) for t in (q, k, v))
     # Any other layout (transposes, stride-0 expands, slices) is read through its strides by every
     # backend; only a feature dim that is not contiguous (an unbind/chunk view of a fused QKV
     # projection, a strided slice) is copied, since the fused CPU kernels read rows as vectors.
-    q4, k4, v4 = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
-                  for t in (q4, k4, v4))
+    q4, k4, v4 = (_bhtd(t, rank, batch_shape) for t in (q, k, v))
 
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -190,7 +186,83 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
         if problems:
             raise ValueError("mask does not fit the inputs:\n  " + "\n  ".join(problems)
                              + f"\nInputs (normalised to [B, H, T, D]):\n{inputs.describe()}")
+        inputs.mask = mask.simplified(inputs.space)
     return inputs
+
+
+LAST_QUERY_CAUSAL = ("band", None, 0, "bottom_right")
+"""The cache key of ``causal("bottom_right")``: with one query it allows every key."""
+
+
+class CallCache:
+    """Validated calls by signature, so a model's many identical small calls validate (and pick
+    a backend) once: the tensors' shapes, strides, dtypes, devices and ``requires_grad``, grad
+    mode, the mask's :meth:`~attnkit.masks.Mask.cache_key` (tensors by identity and version),
+    and every other argument. A hit rebuilds the :class:`Inputs` from the current tensors with
+    the remembered layout, mask and choice, and skips the checks that gave the same answer
+    before. Calls that cannot be keyed are never cached: masks without a cache key (``dense``,
+    ``bias``, ``from_function``, tensors), dropout, ``torch.func`` wrappers, compiled graphs."""
+
+    def __init__(self, entries: int = 256):
+        self.entries = entries
+        self._calls: OrderedDict = OrderedDict()
+
+    def get(self, q, k, v, mask, options: tuple, validate_and_choose: Callable[[], tuple]):
+        """``(inputs, choice)`` for this call: from the cache, or ``validate_and_choose()``
+        (which returns them) remembered under the call's signature. ``options``: the call's
+        other arguments, hashable."""
+        key, keep = self._signature(q, k, v, mask, options)
+        try:
+            hit = None if key is None else self._calls.get(key)
+        except TypeError:  # an unhashable argument: validation will say what is wrong with it
+            key = hit = None
+        if hit is None:
+            inputs, choice = validate_and_choose()
+            if key is not None:
+                if len(self._calls) >= self.entries:
+                    self._calls.popitem(last=False)
+                self._calls[key] = (dataclasses.replace(inputs, q=None, k=None, v=None), choice, keep)
+            return inputs, choice
+        t, choice, _ = hit
+        rank, batch = t.input_rank, t.batch_shape
+        return Inputs(_bhtd(q, rank, batch), _bhtd(k, rank, batch), _bhtd(v, rank, batch), t.mask,
+                      t.scale, t.dropout_p, t.generator, batch, rank, t.need_weights, t.need_lse,
+                      t.need_grad, t.bias_grad, t.transformed), choice
+
+    @staticmethod
+    def _signature(q, k, v, mask, options: tuple) -> tuple[Optional[tuple], list]:
+        keep: list = []
+        if not all(type(t) is torch.Tensor for t in (q, k, v)) or any(map(_is_wrapped, (q, k, v))):
+            return None, keep
+        if mask is None:
+            mask_key = None
+        elif isinstance(mask, Mask):
+            mask_key = mask.cache_key(keep)
+            if mask_key is None:
+                return None, keep
+        else:
+            return None, keep
+        shapes = [q.shape, k.shape, v.shape]
+        if mask_key is None or (mask_key == LAST_QUERY_CAUSAL and q.dim() >= 2 and q.shape[-2] == 1):
+            # no mask left over any keys: validation and the backend do not depend on Tk ≥ 1
+            # (a decode loop's growing cache hits)
+            if k.dim() < 2 or k.shape[-2] == 0 or k.shape[-2:-1] != v.shape[-2:-1]:
+                return None, keep
+            shapes[1:] = (k.shape[:-2] + k.shape[-1:], v.shape[:-2] + v.shape[-1:])
+        return (*((shape, t.stride(), t.dtype, t.device, t.requires_grad)
+                  for shape, t in zip(shapes, (q, k, v))),
+                mask_key, torch.is_grad_enabled(), os.environ.get("TRITON_INTERPRET"), options), keep
+
+
+def _bhtd(t: torch.Tensor, rank: int, batch_shape: tuple) -> torch.Tensor:
+    """A caller's tensor as ``[B, H, T, D]``, as :func:`validate` lays it out."""
+    if rank == 2:
+        t = t[None, None]
+    elif rank == 3:
+        t = t[:, None]
+    elif rank > 4:
+        t = t.reshape(math.prod(batch_shape), *t.shape[-3:])
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
 def _fit_mask(mask: Mask, inputs: Inputs) -> Mask:

@@ -126,6 +126,14 @@ class Mask:
         form (a kernel then loads it as a dense mask). Asked of the :meth:`leaves` of a chain."""
         return None
 
+    def simplified(self, space: MaskSpace) -> Optional["Mask"]:
+        """The simplest mask allowing exactly what this one does over ``space``: ``None`` when
+        it allows everything, top-left causal for a band that is causal there (bottom-right
+        causal with Tq = Tk; a window wider than the sequence), else ``self``. Validation
+        applies it, so a decode step with one query under ``causal("bottom_right")`` runs as
+        unmasked attention and can take a fused kernel."""
+        return self
+
     def cache_key(self, keep: list) -> Optional[tuple]:
         """A hashable description of the mask (its kind, parameters and tensors: a tensor by
         identity and version, so an in-place write misses), or ``None`` when it is not cached:
@@ -294,6 +302,18 @@ class _Band(Mask):
         shift = self._shift(space)
         return Structure(diagonals=(None if self.left is None else shift - self.left,
                                     None if self.right is None else shift + self.right))
+
+    def simplified(self, space):
+        if not (space.q_len and space.kv_len):
+            return self
+        lo, hi = self.structure(space).diagonals  # k - q lies in [1 - Tq, Tk - 1]
+        lo = None if lo is None or lo <= 1 - space.q_len else lo
+        hi = None if hi is None or hi >= space.kv_len - 1 else hi
+        if lo is None and hi is None:
+            return None
+        if lo is None and hi == 0 and (self.left, self.right, self.align) != tuple(CAUSAL):
+            return _Band(*CAUSAL)
+        return self
 
     def tile(self, q_idx, kv_idx, space):
         rel = kv_idx[None, :] - (q_idx[:, None] + self._shift(space))  # [tq, tk]
@@ -1289,6 +1309,13 @@ class _Combined(Mask):
 class _And(_Combined):
     def leaves(self):
         return [leaf for part in self.parts for leaf in part.leaves()]
+
+    def simplified(self, space):
+        parts = [p.simplified(space) for p in self.parts]
+        if all(new is old for new, old in zip(parts, self.parts)):
+            return self
+        kept = [p for p in parts if p is not None]
+        return None if not kept else kept[0] if len(kept) == 1 else _And(*kept)
 
     def tile(self, q_idx, kv_idx, space):
         a, b = (p.tile(q_idx, kv_idx, space) for p in self.parts)

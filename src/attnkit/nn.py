@@ -19,14 +19,15 @@ Shapes (E = embed_dim, H = num_heads, Hkv = num_kv_heads, D = E // H)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import nn
 
 from .api import attention
-from .masks import Mask, MaskSpace, as_mask, causal, real_keys
+from .inputs import LazyText
+from .masks import Mask, MaskSpace, as_mask, causal, padding, real_keys
 from .numerics import accum_dtype, masked_softmax
 
 __all__ = ["KVCache", "MultiHeadAttention", "AdditiveAttention"]
@@ -47,18 +48,46 @@ class MHAOutput(NamedTuple):
     cache: Optional["KVCache"]
 
 
+class _Store:
+    """The buffers a chain of caches writes into: ``keys``/``values [B, Hkv, capacity, D]`` and
+    how many positions the latest cache of the chain has ``filled`` (an older cache that is
+    extended again gets a copy instead, so no cache ever sees its positions overwritten)."""
+
+    def __init__(self, like_keys: torch.Tensor, like_values: torch.Tensor, capacity: int):
+        batch, heads, _, _ = like_keys.shape
+        self.keys = like_keys.new_empty(batch, heads, capacity, like_keys.shape[-1])
+        self.values = like_values.new_empty(batch, heads, capacity, like_values.shape[-1])
+        self.filled = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+
 @dataclass(frozen=True)
 class KVCache:
     """Projected keys and values of the tokens seen so far, for incremental decoding.
 
-    ``keys [B, Hkv, T, D]``, ``values [B, Hkv, T, D]`` (both ``None`` while empty) and
-    ``length = T``. Immutable: :meth:`append` returns a new cache, so one prefix can be
-    extended in several ways (beam search) without copying it by hand.
+    ``keys [B, Hkv, T, D]``, ``values [B, Hkv, T, D]`` (views of the filled part of
+    preallocated buffers; ``None`` while empty) and ``length = T``. With per-sequence
+    ``lengths [B]`` (batched decoding of sequences of different lengths, see :meth:`append`),
+    sequence b's tokens are positions ``[0, lengths[b])``, ``T`` is the longest, and
+    ``appended [B]`` counts the real positions the last :meth:`append` added to each.
+
+    Immutable to its users: :meth:`append` returns a new cache. It writes in place into the
+    buffers it shares with this one while there is room and this is the latest cache of its
+    chain, so decoding T tokens copies each once (the buffers grow geometrically, or hold
+    ``capacity`` positions from the start); extending an older cache again (beam search)
+    copies it first, so no cache's contents ever change.
     """
 
     keys: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
     length: int = 0
+    lengths: Optional[torch.Tensor] = None
+    appended: Optional[torch.Tensor] = None
+    capacity: Optional[int] = None
+    _store: Optional[_Store] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if (self.keys is None) != (self.values is None):
@@ -70,28 +99,95 @@ class KVCache:
                              f"got keys {tuple(self.keys.shape)}, values {tuple(self.values.shape)}")
         if self.length != stored:
             raise ValueError(f"KVCache length={self.length} but the keys hold {stored} positions")
+        if self.capacity is not None:
+            _check_positive_int("capacity", self.capacity)
 
     @classmethod
-    def empty(cls) -> "KVCache":
-        """A cache with no tokens yet (its dtype, device and batch come from the first step)."""
-        return cls()
+    def empty(cls, capacity: Optional[int] = None) -> "KVCache":
+        """A cache with no tokens yet (its dtype, device and batch come from the first step);
+        ``capacity``: positions to allocate at the first step (default: grow as needed)."""
+        return cls(capacity=capacity)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> "KVCache":
-        """This cache followed by ``keys [B, Hkv, t, D]`` / ``values [B, Hkv, t, D]`` (a new cache)."""
-        if self.keys is None:
-            return KVCache(keys, values, keys.shape[-2])
-        if (self.keys.shape[:2] != keys.shape[:2] or self.keys.shape[-1] != keys.shape[-1]
-                or self.values.shape[-1] != values.shape[-1]):
-            raise ValueError(f"new keys {tuple(keys.shape)} / values {tuple(values.shape)} do not "
-                             f"continue the cache (keys {tuple(self.keys.shape)}, values "
-                             f"{tuple(self.values.shape)}): batch size, KV heads and head dim must "
-                             f"match. Start a new cache with KVCache.empty() for a new batch")
-        if self.keys.dtype != keys.dtype or self.keys.device != keys.device:
-            raise ValueError(f"new keys are {keys.dtype} on {keys.device} but the cache holds "
-                             f"{self.keys.dtype} on {self.keys.device}: decode in one dtype/device")
-        keys = torch.cat([self.keys, keys], dim=2)  # [B, Hkv, T + t, D]
-        values = torch.cat([self.values, values], dim=2)  # [B, Hkv, T + t, D]
-        return KVCache(keys, values, keys.shape[2])
+    def append(self, keys: torch.Tensor, values: torch.Tensor,
+               lengths: Optional[torch.Tensor] = None) -> "KVCache":
+        """This cache followed by ``keys [B, Hkv, t, D]`` / ``values [B, Hkv, t, D]`` (a new cache).
+
+        ``lengths`` (int ``[B]``, each in ``[0, t]``): only the first ``lengths[b]`` of the t new
+        positions of sequence b are real (a right-padded chunk); they go right after that
+        sequence's own tokens, and the cache keeps per-sequence :attr:`lengths` from then on.
+        """
+        if self.keys is not None:
+            if (self.keys.shape[:2] != keys.shape[:2] or self.keys.shape[-1] != keys.shape[-1]
+                    or self.values.shape[-1] != values.shape[-1]):
+                raise ValueError(f"new keys {tuple(keys.shape)} / values {tuple(values.shape)} do "
+                                 f"not continue the cache (keys {tuple(self.keys.shape)}, values "
+                                 f"{tuple(self.values.shape)}): batch size, KV heads and head dim "
+                                 f"must match. Start a new cache with KVCache.empty() for a new batch")
+            if self.keys.dtype != keys.dtype or self.keys.device != keys.device:
+                raise ValueError(f"new keys are {keys.dtype} on {keys.device} but the cache holds "
+                                 f"{self.keys.dtype} on {self.keys.device}: decode in one dtype/device")
+        batch, new = keys.shape[0], keys.shape[2]
+        if lengths is None and self.lengths is None:
+            store = self._room(keys, values, self.length + new)
+            store.keys[:, :, self.length:self.length + new] = keys
+            store.values[:, :, self.length:self.length + new] = values
+            return self._extended(store, self.length + new, None)
+        lengths = self._new_lengths(lengths, batch, new, keys.device)
+        before = (self.lengths if self.lengths is not None
+                  else torch.full((batch,), self.length, dtype=torch.long, device=keys.device))
+        after = before + lengths
+        length = max(int(after.max()) if batch else 0, self.length)
+        store = self._room(keys, values, length)
+        offset = torch.arange(new, device=keys.device)
+        real = offset[None, :] < lengths[:, None]  # [B, t]
+        rows, cols = real.nonzero(as_tuple=True)
+        store.keys[rows, :, before[rows] + cols] = keys[rows, :, cols]
+        store.values[rows, :, before[rows] + cols] = values[rows, :, cols]
+        return self._extended(store, length, after)
+
+    def mask(self, is_causal: bool = True) -> Optional[Mask]:
+        """The mask of the step whose queries are the positions the last :meth:`append` added,
+        over :attr:`keys`: ``None`` or bottom-right ``causal()`` without per-sequence lengths;
+        with them each sequence's real queries see its own real keys, causally with
+        ``is_causal`` (its padded queries see nothing: their output is 0)."""
+        if self.lengths is None:
+            return causal("bottom_right") if is_causal else None
+        real = padding(q_lengths=self.appended, kv_lengths=self.lengths)
+        return causal("bottom_right", sequences=real) if is_causal else real
+
+    def _room(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> _Store:
+        """A store with room for ``needed`` positions holding this cache's: this one's, when
+        this is the latest cache of its chain and it has room; else a new one (geometric growth,
+        or ``capacity``) with this cache copied in."""
+        store = self._store
+        if store is not None and store.filled == self.length and store.capacity >= needed:
+            return store
+        capacity = max(needed, self.capacity or 0, 2 * (store.capacity if store is not None else 0))
+        fresh = _Store(keys, values, capacity)
+        if self.length:
+            fresh.keys[:, :, :self.length] = self.keys
+            fresh.values[:, :, :self.length] = self.values
+        return fresh
+
+    def _extended(self, store: _Store, length: int, lengths: Optional[torch.Tensor]) -> "KVCache":
+        store.filled = length
+        appended = None if lengths is None else lengths - (
+            self.lengths if self.lengths is not None else self.length)
+        return KVCache(store.keys[:, :, :length], store.values[:, :, :length], length, lengths,
+                       appended, self.capacity, store)
+
+    @staticmethod
+    def _new_lengths(lengths, batch: int, new: int, device) -> torch.Tensor:
+        if lengths is None:
+            return torch.full((batch,), new, dtype=torch.long, device=device)
+        lengths = torch.as_tensor(lengths, device=device)
+        if lengths.dtype.is_floating_point or lengths.shape != (batch,):
+            raise ValueError(f"lengths must be integers [B] = [{batch}] (real new positions per "
+                             f"sequence), got {lengths.dtype} {tuple(lengths.shape)}")
+        if bool(((lengths < 0) | (lengths > new)).any()):
+            raise ValueError(f"lengths must lie in [0, {new}] (the new positions), got "
+                             f"{lengths.tolist()}")
+        return lengths.long()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +278,8 @@ class MultiHeadAttention(nn.Module):
                 value: Optional[torch.Tensor] = None, *, mask: MaskLike = None,
                 key_valid: Optional[torch.Tensor] = None, need_weights: bool = False,
                 cache: Optional[KVCache] = None, is_causal: bool = False,
-                key_padding_mask: None = None) -> "MHAOutput":
+                lengths: Optional[torch.Tensor] = None, key_padding_mask: None = None,
+                ) -> "MHAOutput":
         """Attend from ``query`` to ``key``/``value`` (both default to ``query``: self-attention).
 
         Args:
@@ -209,6 +306,11 @@ class MultiHeadAttention(nn.Module):
                 (top-left, as torch); with a cache the mask is bottom-right aligned
                 (``attnkit.causal(align="bottom_right")``): the new queries are the *last* Tq
                 positions, so a chunk of several new tokens decodes correctly.
+            lengths: with a cache, int ``[B]``: sequence b's chunk holds ``lengths[b]`` real
+                tokens, then padding (batched decoding of sequences of different lengths).
+                Its real keys/values go right after that sequence's cached ones
+                (:meth:`KVCache.append`), its real queries see only its own tokens, and its
+                padded queries get output 0.
 
         Returns:
             :class:`MHAOutput` ``(out, weights, cache)``: ``out [B, Tq, E]``, ``weights
@@ -237,10 +339,13 @@ class MultiHeadAttention(nn.Module):
             if not isinstance(cache, KVCache):
                 raise TypeError(f"cache must be a KVCache (MultiHeadAttention.empty_cache()), "
                                 f"got {type(cache).__name__}")
-            new_cache = cache.append(k, v)
+            new_cache = cache.append(k, v, lengths)
             k, v = new_cache.keys, new_cache.values  # [B, Hkv, T_cache + Tk, D]
+        elif lengths is not None:
+            raise TypeError("lengths (real tokens per sequence of a chunk) needs a cache; without "
+                            "one, pass the padding as key_valid")
 
-        full_mask = self._combine_masks(mask, key_valid, is_causal, cached=cache is not None,
+        full_mask = self._combine_masks(mask, key_valid, is_causal, cache=new_cache,
                                         batch=batch, kv_len=k.shape[2])
         result = attention(q, k, v, full_mask, dropout_p=self.dropout if self.training else 0.0,
                            backend=self.backend, return_weights=need_weights)
@@ -253,9 +358,8 @@ class MultiHeadAttention(nn.Module):
 
     def _check_inputs(self, query, key, value) -> bool:
         """Raise on shapes the projections cannot take; return True for unbatched input."""
-        where = ", ".join(f"{n} {tuple(t.shape)}" for n, t in (("query", query), ("key", key),
-                                                             ("value", value))
-                          if isinstance(t, torch.Tensor))
+        where = LazyText(lambda: ", ".join(f"{n} {tuple(t.shape)}" for n, t in (
+            ("query", query), ("key", key), ("value", value)) if isinstance(t, torch.Tensor)))
         for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim),
                                ("value", value, self.vdim)):
             if not isinstance(t, torch.Tensor):
@@ -278,13 +382,16 @@ class MultiHeadAttention(nn.Module):
         return query.dim() == 2
 
     def _combine_masks(self, mask: MaskLike, key_valid: Optional[torch.Tensor],
-                       is_causal: bool, *, cached: bool, batch: int, kv_len: int) -> Optional[Mask]:
-        """``mask & causal & key padding`` as one attnkit mask over ``[B, H, Tq, Tk]``."""
+                       is_causal: bool, *, cache: Optional[KVCache], batch: int,
+                       kv_len: int) -> Optional[Mask]:
+        """``mask & causal & key padding`` as one attnkit mask over ``[B, H, Tq, Tk]``; with a
+        cache, causal and the cache's per-sequence lengths come from :meth:`KVCache.mask`."""
         parts = []
         if mask is not None:
             parts.append(as_mask(mask))
-        if is_causal:
-            parts.append(causal(align="bottom_right" if cached else "top_left"))
+        step = cache.mask(is_causal) if cache is not None else causal() if is_causal else None
+        if step is not None:
+            parts.append(step)
         if key_valid is not None:
             if not isinstance(key_valid, torch.Tensor) or key_valid.dtype != torch.bool:
                 raise TypeError(f"key_valid must be a bool tensor [B, Tk] with True = real "

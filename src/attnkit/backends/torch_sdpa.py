@@ -20,7 +20,8 @@ from .base import Backend, BackendOutput
 
 
 def _fused_cpu(inputs: Inputs) -> bool:
-    """The CPU flash kernel (which also returns the LSE) needs Dk == Dv."""
+    """The CPU flash kernel that also returns the LSE (taken when the LSE is asked for; else
+    the public entry point, with less per-call cost) needs Dk == Dv."""
     return inputs.q.device.type == "cpu" and inputs.q.shape[-1] == inputs.v.shape[-1]
 
 
@@ -36,6 +37,12 @@ def dense_bias(inputs: Inputs) -> tuple[Optional[torch.Tensor], Optional[torch.T
     allowed = inputs.mask.to_dense(space)
     values = inputs.mask.dense_bias(space)
     return additive_mask(allowed, values, inputs.q.dtype), allowed.any(dim=-1, keepdim=True)
+
+
+SMALL_SCORES = 1 << 16
+"""Up to this many scores per (batch, head), ``auto`` runs a structured mask through torch's
+kernel as a dense bias: materialising it costs less than the tiled engine's per-tile work
+(the crossover measured on CPU between Tq = Tk = 256 and 512, docs/BENCHMARKS.md)."""
 
 
 class TorchBackend(Backend):
@@ -68,9 +75,11 @@ class TorchBackend(Backend):
 
     def auto_reasons(self, inputs: Inputs) -> list[str]:
         mask = inputs.mask
-        if mask is not None and not is_plain_causal(mask, inputs.scale):
-            return ["mask would be materialised as a dense Tq×Tk bias (auto prefers tiled, which "
-                    "skips empty tiles: measured faster, see docs/BENCHMARKS.md)"]
+        scores = inputs.q.shape[2] * inputs.k.shape[2]
+        if mask is not None and not is_plain_causal(mask, inputs.scale) and scores > SMALL_SCORES:
+            return [f"mask would be materialised as a dense Tq×Tk bias, Tq·Tk = {scores} > "
+                    f"{SMALL_SCORES} (auto prefers tiled, which skips empty tiles: measured "
+                    f"faster there, see docs/BENCHMARKS.md)"]
         return []
 
     def forward(self, inputs: Inputs) -> BackendOutput:
@@ -79,7 +88,7 @@ class TorchBackend(Backend):
         additive = row_ok = None
         if mask is not None and not is_causal:
             additive, row_ok = dense_bias(inputs)
-        if _fused_cpu(inputs):
+        if _fused_cpu(inputs) and inputs.need_lse:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, is_causal, attn_mask=additive, scale=inputs.scale)
             lse = lse.to(accum_dtype(q.dtype))
