@@ -1,7 +1,7 @@
 """Per-call cost of ``attnkit.attention`` on small problems, and a decode loop, against torch SDPA.
 
     PYTHONPATH=src python benchmarks/overhead.py            # table; JSON to $OUT or results/
-    PYTHONPATH=src python benchmarks/overhead.py --quick    # fewer repeats (a smoke run)
+    PYTHONPATH=src python benchmarks/overhead.py --quick    # a smoke run: the figures mean nothing
 
 - **Tiny calls**: µs per call of ``attention(q, k, v, mask)`` and of
   ``F.scaled_dot_product_attention`` on the same tensors (B1 H1 T16 D64, and B2 H8 T128 D64),
@@ -76,8 +76,8 @@ def tiny_calls(quick: bool) -> list[dict]:
                     out = F.scaled_dot_product_attention(*leaves, **sdpa_kwargs)
                     if grad:
                         out.sum().backward()
-                us = interleaved({"attnkit": ours, "sdpa": sdpa}, calls=50 if quick else 300,
-                                 blocks=3 if quick else 9)
+                us = interleaved({"attnkit": ours, "sdpa": sdpa}, calls=4 if quick else 300,
+                                 blocks=2 if quick else 9)
                 rows.append(dict(shape=f"B{batch} H{heads} T{length} D64", mask=mask_name, mode=mode,
                                  attnkit_us=us["attnkit"], sdpa_us=us["sdpa"],
                                  ratio=us["attnkit"] / us["sdpa"]))
@@ -111,7 +111,7 @@ def decode_loop(quick: bool) -> list[dict]:
     """ms per decoded token: attnkit ``MultiHeadAttention`` with its cache against an SDPA loop
     with a preallocated cache, same weights; the outputs are checked equal first."""
     torch.manual_seed(0)
-    layers, embed, heads, prompt, steps, batch = 4, 256, 4, 16, 64 if quick else 512, 1
+    layers, embed, heads, prompt, steps, batch = 4, 256, 4, 16, 8 if quick else 512, 1
     mhas = [MultiHeadAttention(embed, heads) for _ in range(layers)]
     norms = [torch.nn.LayerNorm(embed) for _ in range(layers)]
     tokens = torch.randn(batch, prompt + steps, embed)
@@ -142,7 +142,7 @@ def decode_loop(quick: bool) -> list[dict]:
         for causal in (True, False):
             torch.testing.assert_close(run_attnkit(causal), run_sdpa(causal), rtol=1e-4, atol=1e-5)
             ms = interleaved({"attnkit": lambda: run_attnkit(causal), "sdpa": lambda: run_sdpa(causal)},
-                             calls=1, blocks=3 if quick else 7)
+                             calls=1, blocks=2 if quick else 7)
             per_token = {name: t / 1e3 / (steps + 1) for name, t in ms.items()}
             rows.append(dict(model=f"{layers} layers E{embed} H{heads}, {steps} tokens",
                              is_causal=causal, attnkit_ms=per_token["attnkit"],
@@ -152,7 +152,8 @@ def decode_loop(quick: bool) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and tokens")
+    parser.add_argument("--quick", action="store_true", help="a few repeats and tokens: checks the "
+                        "script runs, its figures mean nothing")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

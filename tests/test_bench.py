@@ -235,3 +235,23 @@ def test_unknown_method_is_a_clear_error(tmp_path, capsys):
     assert cli_main(["bench", "--quick", "--methods", "tiled", "magic", "--no-memory",
                      "--out", str(tmp_path)]) == 2
     assert "unknown method(s) ['magic']" in capsys.readouterr().err
+
+
+def test_overhead_script_runs_and_checks_the_decode_loop(tmp_path):
+    """``benchmarks/overhead.py --quick`` end to end: tiny calls against SDPA and the decode
+    loop, whose attnkit and SDPA outputs it checks equal before timing; JSON written."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
+    spec = importlib.util.spec_from_file_location("overhead_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    threads = torch.get_num_threads()
+    try:
+        assert script.main(["--quick", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "overhead_quick.json").read_text())
+    assert len(data["tiny"]) == 12 and {r["is_causal"] for r in data["decode"]} == {True, False}
+    assert all(r["attnkit_us"] > 0 and r["sdpa_us"] > 0 for r in data["tiny"])
