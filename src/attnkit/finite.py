@@ -44,9 +44,10 @@ KV_CHECK_MIN_ROWS = 64
 """Calls with at least this many query rows also sum K and V in :func:`suspect`: at most
 1/64 of what the attention itself reads."""
 
-KV_CHECK_MAX_ELEMENTS = 1 << 16
+KV_CHECK_MAX_ELEMENTS = 1 << 12
 """Calls whose K and V hold at most this many elements each also sum them in :func:`suspect`,
-whatever their query rows: a few microseconds, below a call's fixed cost."""
+whatever their query rows: a few microseconds, below a call's fixed cost (a decoding step over
+a longer cache reads little else, and summing its cache would cost as much as the step)."""
 
 SMALL_CALL_ELEMENTS = 1 << 16
 """Calls whose checked tensors hold at most this many elements in all are checked with one
