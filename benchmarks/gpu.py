@@ -19,6 +19,11 @@ compile) and SDPA with a dense bool mask; ``--dry-run`` leaves out those that ne
   4·B·H·D·pairs (N² without a mask, N²/2 causal by convention, exact for the window and the
   documents), backward 2.5× the forward (fwd+bwd 3.5×). The table: TFLOP/s per competitor,
   and each attnkit competitor's ratio to the best other one on the row.
+- Decoding (``--decode``, run first): Tq queries of 64 heads (GQA 8:1, D 128) against a cache
+  of Tk keys under bottom-right causal, ``attention`` (the split-key kernel) against SDPA's
+  flash, efficient and cuDNN backends (with torch's lower-right causal bias): µs and the K/V
+  bytes read per second against the device copy bandwidth measured in the same run; each
+  attnkit row checked against SDPA's math backend first.
 - ``--profile``: each kernel's device time in one forward+backward (``torch.profiler``).
   ``--budget SECONDS``: no workload after the first starts past it.
 
@@ -74,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-check", action="store_true", help="time without the correctness checks")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds: no workload but the first starts after")
+    p.add_argument("--decode", default="1x1,1x8,16x1", help="decoding rows, BxTq, comma separated "
+                   "(each at every --decode-lengths key count; '' for none)")
+    p.add_argument("--decode-lengths", default="4096,16384,131072")
     p.add_argument("--out", default=None, help="folder for the JSON (default: $OUT, else results/)")
     args = p.parse_args(argv)
     for name, allowed in (("masks", MASKS), ("competitors", COMPETITORS), ("modes", ("fwd", "fwd+bwd"))):
@@ -83,6 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.dry_run:
         args.dims, args.lengths, args.tokens, args.hidden = "32", "64", 64, 64
         args.masked_length, args.span = 64, 16
+        args.decode, args.decode_lengths = "1x1,2x4", "96"
     return args
 
 
@@ -377,6 +386,59 @@ def print_profile(profiles: dict, on_device: bool) -> None:
             print(f"    {name:15s} {sum(t['us'] for t in times.values()):8.0f}  {top}")
 
 
+def decode_rows(args, device, dtype, bench) -> list[dict]:
+    """Decoding steps: Tq queries of 64 heads (GQA 8:1, D 128) against a cache of Tk keys,
+    bottom-right causal; attnkit (``auto``: the split-key kernel on CUDA) against SDPA's
+    backends, as µs and achieved K/V read bandwidth (``2·B·Hkv·Tk·D`` elements read once) over
+    the device copy bandwidth measured here. Each attnkit row is checked against SDPA's math
+    backend first (relative error ≤ 2e-2 in bf16)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    import attnkit as ak
+    heads, heads_kv, dim = (64, 8, 128) if device.type == "cuda" else (8, 1, 32)
+    big = torch.empty(1 << 28 if device.type == "cuda" else 1 << 16, dtype=torch.uint8, device=device)
+    copy_gbs = 2 * big.numel() / bench(lambda: big.clone()) / 1e6  # read + write, GB/s
+    rows, backends = [], {"sdpa-flash": SDPBackend.FLASH_ATTENTION,
+                          "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+                          "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
+    for spec in filter(None, args.decode.split(",")):
+        batch, q_len = map(int, spec.split("x"))
+        for kv_len in map(int, args.decode_lengths.split(",")):
+            gen = torch.Generator(device=device).manual_seed(0)
+            q = torch.randn(batch, heads, q_len, dim, device=device, dtype=dtype, generator=gen)
+            k, v = (torch.randn(batch, heads_kv, kv_len, dim, device=device, dtype=dtype,
+                                generator=gen) for _ in range(2))
+            mask = ak.causal("bottom_right")
+            fns = {"attnkit-auto": lambda: ak.attention(q, k, v, mask)}
+            lower_right = causal_lower_right(q_len, kv_len) if q_len > 1 else None
+            for name, which in backends.items():
+                def sdpa(which=which):
+                    with sdpa_kernel(which):
+                        return F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right,
+                                                              enable_gqa=True)
+                fns[name] = sdpa
+            with sdpa_kernel(SDPBackend.MATH):
+                ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                     attn_mask=lower_right, enable_gqa=True)
+            ok = relative_error(fns["attnkit-auto"]().float(), ref) <= 2e-2
+            kv_bytes = 2 * batch * heads_kv * kv_len * dim * q.element_size()
+            row = dict(batch=batch, q_len=q_len, kv_len=kv_len, ok=ok, copy_gbs=copy_gbs)
+            for name, fn in fns.items():
+                try:
+                    ms = bench(fn)
+                    row[name] = dict(us=ms * 1e3, gbs=kv_bytes / ms / 1e6)
+                except Exception as error:  # noqa: BLE001 - a backend that cannot run this
+                    row[name] = dict(error=describe(error))
+            rows.append(row)
+            cells = "  ".join(f"{n} " + (f"{r['us']:.1f} µs {r['gbs'] / copy_gbs:.0%}" if "us" in r
+                                         else "n/a") for n, r in row.items() if isinstance(r, dict))
+            print(f"decode B{batch} Tq{q_len} Tk{kv_len} {'ok' if ok else 'WRONG'}  {cells}",
+                  flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     started = time.perf_counter()
     args = parse_args(argv)
@@ -399,12 +461,16 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = "dry_run" if args.dry_run else datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
     path = out_dir / f"gpu_bench_{stamp}.json"
-    checks, results, skipped, profiles = [], [], [], {}
+    checks, results, skipped, profiles, decode = [], [], [], {}, []
 
     def save() -> None:  # after every workload: a run cut short keeps what it measured
         info["elapsed_s"] = time.perf_counter() - started
         path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
-                                    "results": results, "profiles": profiles}, indent=1))
+                                    "results": results, "profiles": profiles,
+                                    "decode": decode}, indent=1))
+    if args.decode:  # first: a few seconds, and what no other run measures
+        decode += decode_rows(args, device, dtype, bench)
+        save()
     for index, w in enumerate(workloads(args)):
         if index and args.budget is not None and time.perf_counter() - started > args.budget:
             skipped.append(w.key)
@@ -420,7 +486,8 @@ def main(argv=None) -> int:
     print_profile(profiles, on_device=device.type == "cuda")
     print_table(results, competitors)
     print(f"JSON: {path}")
-    failed = [f"{c['workload']} ({c['backend']})" for c in checks if not c["ok"]]
+    failed = [f"{c['workload']} ({c['backend']})" for c in checks if not c["ok"]] + [
+        f"decode B{r['batch']} Tq{r['q_len']} Tk{r['kv_len']}" for r in decode if not r["ok"]]
     if failed:
         print(f"CORRECTNESS FAILED for {', '.join(failed)}: their timings are not to be trusted")
     return 1 if failed else 0

@@ -316,6 +316,32 @@ def test_poisoned_memory():
 
 
 # ---- without pytest -------------------------------------------------------------------------------------
+@gpu
+def test_decoding_steps():
+    """The split-key decoding kernel (few queries against a long cache, no gradients; what
+    ``auto`` runs for a decoding step on CUDA): Tq 1 and 8, GQA 8:1, bf16, bottom-right causal
+    and per-batch key lengths (one 0: output 0, LSE −inf), every chunk count, against float64."""
+    import attnkit as ak
+    from attnkit.backends.triton import TritonBackend, TritonOptions
+    from attnkit.inputs import validate
+
+    found = []
+    for batch, q_len, kv_len in ((2, 1, 20000), (1, 8, 32768), (4, 8, 4000)):
+        q, k, v, dout = make_inputs(batch, 32, 4, q_len, kv_len, 128, torch.bfloat16, seed=kv_len)
+        lengths = torch.tensor([kv_len - 17 * b for b in range(batch)], device=DEVICE)
+        if batch > 1:
+            lengths[-1] = 0  # a sequence with no keys yet
+        mask = ak.causal("bottom_right") & ak.padding(kv_lengths=lengths)
+        kv = torch.arange(kv_len, device=DEVICE)
+        allowed = ((kv[None, :] <= kv_len - q_len + torch.arange(q_len, device=DEVICE)[:, None])[None, None]
+                   & (kv[None, None, None, :] < lengths[:, None, None, None]))
+        case = Case(f"decode B{batch} Tq{q_len} Tk{kv_len}", [q, k, v, dout], mask, allowed)
+        for splits in (None, 1, 7):
+            got = TritonBackend(TritonOptions(decode_splits=splits)).forward(validate(q, k, v, mask))
+            found += case.problems([got.out, got.lse], f"splits={splits}")
+    assert not found, "\n".join(found)
+
+
 def main() -> int:
     """Run every test of this module; print each one's outcome and time."""
     problem = device_problem()

@@ -161,6 +161,9 @@ def test_dry_run(bench, tmp_path, capsys):
     assert [(c["workload"], c["backend"]) for c in saved["checks"]] == [
         (key, name) for key in keys for name in ("attnkit-triton", "attnkit-stored")]
     assert all(c["ok"] and set(c["errors"]) == {"out", "lse", "dq", "dk", "dv"} for c in saved["checks"])
+    # decoding rows (bottom-right causal against SDPA's lower-right causal bias), each checked
+    assert [(r["batch"], r["q_len"], r["kv_len"]) for r in saved["decode"]] == [(1, 1, 96), (2, 4, 96)]
+    assert all(r["ok"] and r["attnkit-auto"]["us"] > 0 and r["copy_gbs"] > 0 for r in saved["decode"])
     rows = {(r["workload"], r["backend"], r["mode"]): r for r in saved["results"]}
     assert len(rows) == len(saved["results"]) == 4 * 6 * 2
     for (workload, backend, mode), r in rows.items():

@@ -604,3 +604,56 @@ def test_no_keys_at_all(gen):
     assert r.out.shape == (2, 5, 16) and (r.out == 0).all() and torch.isneginf(r.lse).all()
     r.out.sum().backward()
     assert (q.grad == 0).all()
+
+
+# ---- decoding: the split-key kernel ------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 1, 70, 16), (1, 8, 2, 3, 100, 32), (2, 2, 2, 4, 33, 24),
+                                   (1, 16, 1, 4, 90, 16)], ids=str)
+@pytest.mark.parametrize("case", ["none", "causal", "lengths", "causal&lengths"])
+@pytest.mark.parametrize("splits", [1, 3, None], ids=["one_chunk", "three_chunks", "auto"])
+def test_decoding_steps(shape, case, splits, gen, monkeypatch):
+    """Few queries against many keys (GQA up to 16:1, so up to 64 query rows a kv head) run the
+    split-key kernel, one key chunk or several merged, with bottom-right causal and per-batch
+    key lengths (one of them 0: output 0, LSE −inf): equal to float64 math."""
+    batch, heads, heads_kv, q_len, kv_len, dim = shape
+    q, k, v = make_qkv(batch, heads, heads_kv, q_len, kv_len, dim, dim, torch.float32, gen)
+    lengths = [kv_len - 5, 0][:batch] if batch == 2 else [kv_len - 11]
+    mask = {"none": None, "causal": ak.causal("bottom_right"), "lengths": ak.padding(kv_lengths=lengths),
+            "causal&lengths": ak.causal("bottom_right") & ak.padding(kv_lengths=lengths)}[case]
+    ran = []
+    real = launch.decode
+    monkeypatch.setattr(launch, "decode", lambda *a: ran.append(a) or real(*a))
+    got = TritonBackend(launch.TritonOptions(decode_splits=splits)).forward(validate(q, k, v, mask))
+    assert ran, "the split-key kernel did not run"
+    truth = ak.attention(q.double(), k.double(), v.double(), mask, backend="reference", return_lse=True)
+    torch.testing.assert_close(got.out.double(), truth.out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.lse.double(), truth.lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_decoding_low_precision(dtype, gen):
+    """bf16/fp16 steps in three chunks: within twice the error of plain math in the dtype."""
+    q, k, v = make_qkv(2, 8, 2, 2, 130, 32, 32, dtype, gen)
+    mask = ak.causal("bottom_right") & ak.padding(kv_lengths=[130, 77])
+    allowed = dense_causal(2, 130, "bottom_right") & dense_padding(2, 130, None, [130, 77], batch=2)
+    got = TritonBackend(launch.TritonOptions(decode_splits=3)).forward(validate(q, k, v, mask))
+    scale = 1 / math.sqrt(32)
+    truth = attention_math(q.double(), k.double(), v.double(), allowed, None, scale, torch.float64)
+    plain = attention_math(q, k, v, allowed, None, scale, dtype)
+    assert got.out.dtype == dtype
+    assert_within_2x("out", got.out, truth[0], plain[0], dtype)
+    assert_within_2x("lse", got.lse, truth[1], plain[1], dtype)
+
+
+def test_decoding_only_without_gradients_and_for_few_rows(gen):
+    """With gradients, other masks or more query rows, the block-sparse kernels run; on CUDA
+    ``auto`` takes the split-key kernel for a decoding step (torch keeps the others)."""
+    q, k, v = make_qkv(1, 4, 1, 2, 64, 16, 16, torch.float32, gen)
+    assert launch.decode_form(validate(q, k, v)) == (None, False)
+    assert launch.decode_form(validate(q.requires_grad_(), k, v)) is None
+    assert launch.decode_form(validate(q.detach(), k, v, ak.sliding_window(8, align="bottom_right"))) is None
+    many = make_qkv(1, 4, 1, 20, 64, 16, 16, torch.float32, gen)[0]  # 80 rows a kv head
+    assert launch.decode_form(validate(many, k, v)) is None
+    assert not triton_backend.torch_is_faster(validate(q.detach(), k, v))
+    assert triton_backend.torch_is_faster(validate(many, k, v))

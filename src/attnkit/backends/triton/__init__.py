@@ -4,7 +4,9 @@ The forward walks each query block's list of key blocks (the mask's block map: F
 without an element mask, PARTIAL ones with it, EMPTY ones never read) with an online softmax
 and returns the output and the LSE. The backward recomputes the scores per tile: dK/dV per key
 block, and dQ per query block, either recomputing dP too or from the dS tiles dK/dV stored
-(``TritonOptions.backward``). Masks are lowered once per mask and shapes to a small program
+(``TritonOptions.backward``). A decoding step (a few queries, no gradients) takes a
+split-key kernel instead, its key chunks' partial softmaxes merged (``launch.decode``).
+Masks are lowered once per mask and shapes to a small program
 (``launch.compile_mask``): bands and lengths as arithmetic, documents and per-sequence runs as
 row ranges, anything else as a dense element mask.
 

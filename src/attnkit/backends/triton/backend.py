@@ -85,11 +85,14 @@ class _TritonAttention(torch.autograd.Function):
 def torch_is_faster(inputs: Inputs) -> bool:
     """True when the torch backend can run ``inputs`` with its own fused kernel (no mask, or
     top-left causal), which measured faster than these kernels there (torch's default SDPA
-    pick on an H200, docs/BENCHMARKS.md): ``auto`` leaves those inputs to it."""
+    pick on an H200, docs/BENCHMARKS.md): ``auto`` leaves those inputs to it, but for a
+    decoding step (:func:`launch.decode_form`), which the split-key kernel spreads over the
+    whole GPU where SDPA's launches one program per (batch, head)."""
     from ..torch_sdpa import TorchBackend, is_plain_causal
 
     plain = inputs.mask is None or is_plain_causal(inputs.mask, inputs.scale)
-    return plain and not TorchBackend().not_supported_reasons(inputs)
+    return (plain and not TorchBackend().not_supported_reasons(inputs)
+            and launch.decode_form(inputs) is None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -144,6 +147,9 @@ class TritonBackend(Backend):
         return []
 
     def forward(self, inputs: Inputs) -> BackendOutput:
+        form = launch.decode_form(inputs)
+        if form is not None:  # a decoding step: the split-key kernel
+            return BackendOutput(*launch.decode(inputs, *form, self.options), None)
         plan = launch.make_plan(inputs, self.options)
         out, lse = _TritonAttention.apply(inputs.q, inputs.k, inputs.v, plan)
         return BackendOutput(out, lse, None)

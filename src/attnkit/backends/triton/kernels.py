@@ -679,3 +679,66 @@ def attn_bwd_dq_stored(K, dQ, s_k, s_dq, heads, group, q_len, kv_len, head_dk, h
     tl.store(_tile_ptrs(dQ + b * s_dq[0] + h * s_dq[1], offs_m, offs_dk, s_dq[2], s_dq[3]),
              (dq * sm_scale).to(dQ.dtype.element_ty),
              mask=_in_bounds(offs_m, offs_dk, q_len, head_dk))
+
+
+# ---- decoding: few queries, many keys ---------------------------------------------------------
+@triton.jit(do_not_specialize=["heads_kv", "q_len", "kv_len", "chunk"])
+def attn_decode(Q, K, V, PartAcc, PartM, PartL, s_q, s_k, s_v, heads_kv, group, q_len, kv_len,
+                head_dk, head_dv, kv_lens, s_kvlen, chunk, qk_scale,
+                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DK_PAD: tl.constexpr,
+                DV_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                HAS_KVLEN: tl.constexpr, CAUSAL: tl.constexpr):
+    """Split-key decoding (flash-decoding): one program per (batch × kv head, key chunk) holds
+    the ``group · q_len`` query rows of that kv head's query heads (GQA by index: one load of
+    each K/V tile serves them all) and folds the keys ``[split · chunk, …)`` of the chunk into
+    an online softmax; the partial sums go to ``PartAcc [B, Hkv, splits, BLOCK_R, DV_PAD]``,
+    ``PartM``/``PartL [B, Hkv, splits, BLOCK_R]`` (base 2), merged by ``launch.merge_splits``.
+    Keys past the batch element's length (``kv_lens`` with HAS_KVLEN, else ``kv_len``) are
+    masked, and with CAUSAL query ``i`` sees keys up to ``kv_len − q_len + i`` (bottom-right)."""
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid_bh // heads_kv).to(tl.int64)
+    h_kv = (pid_bh % heads_kv).to(tl.int64)
+    rows = tl.arange(0, BLOCK_R)  # row r: query i = r % q_len of head h_kv · group + r // q_len
+    i = rows % q_len
+    head = h_kv * group + rows // q_len
+    real = rows < group * q_len
+    offs_dk = tl.arange(0, DK_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    q = tl.load(Q + b * s_q[0] + head[:, None] * s_q[1] + i[:, None] * s_q[2]
+                + offs_dk[None, :] * s_q[3], mask=real[:, None] & (offs_dk[None, :] < head_dk),
+                other=0.0)  # [R, DK]
+    length = kv_len
+    if HAS_KVLEN:
+        length = tl.load(kv_lens + b * s_kvlen)
+    start = split * chunk
+    stop = tl.minimum(start + chunk, length)
+    last = kv_len - q_len + i  # the last key query i sees (CAUSAL: bottom-right over all keys)
+    k_base = K + b * s_k[0] + h_kv * s_k[1]
+    v_base = V + b * s_v[0] + h_kv * s_v[1]
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, DV_PAD], dtype=tl.float32)
+    for n in range(start, stop, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        inside = offs_n < stop
+        k = tl.load(k_base + offs_n[:, None] * s_k[2] + offs_dk[None, :] * s_k[3],
+                    mask=inside[:, None] & (offs_dk[None, :] < head_dk), other=0.0)  # [N, DK]
+        v = tl.load(v_base + offs_n[:, None] * s_v[2] + offs_dv[None, :] * s_v[3],
+                    mask=inside[:, None] & (offs_dv[None, :] < head_dv), other=0.0)  # [N, DV]
+        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [R, N], base 2
+        ok = inside[None, :] & real[:, None]
+        if CAUSAL:
+            ok = ok & (offs_n[None, :] <= last[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+        m_i = m_new
+    part = (pid_bh * tl.num_programs(1) + split).to(tl.int64)
+    tl.store(PartM + part * BLOCK_R + rows, m_i)
+    tl.store(PartL + part * BLOCK_R + rows, l_i)
+    tl.store(PartAcc + (part * BLOCK_R + rows[:, None]) * DV_PAD + offs_dv[None, :], acc)

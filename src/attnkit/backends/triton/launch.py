@@ -136,7 +136,9 @@ class TritonOptions:
     ``candidate``: on a GPU, run candidate ``i`` of each kernel's :data:`CONFIGS` list (the
     last where there are fewer) instead of autotuning. ``tma``: use the TMA unit where the
     device has one. ``autotune_cache``: keep the autotuner's timings on disk.
-    ``direct_launch``: call a kernel's binary directly after its first launches (:class:`Call`)."""
+    ``direct_launch``: call a kernel's binary directly after its first launches (:class:`Call`).
+    ``decode_splits``: the key chunks of a decoding step (:func:`decode`; default: about two
+    programs per SM)."""
 
     backward: str = "auto"
     stored_ds_max_bytes: int = 2 << 30
@@ -146,6 +148,7 @@ class TritonOptions:
     tma: bool = True
     autotune_cache: bool = True
     direct_launch: bool = True
+    decode_splits: Optional[int] = None
 
     def __post_init__(self):
         if self.backward not in BACKWARDS:
@@ -784,3 +787,83 @@ def dq_stored_call(q, k, v, ds, dq, plan: Plan) -> Call:
                      _grid(q.shape[2], "BLOCK_M", q.shape[0] * q.shape[1]), plan.tiles.dq,
                      extra=((ds.shape, ds.dtype),))
     return _per_call(call, stored=_stored(plan, ds), TMA_OK=_tma_ok(plan, k))
+
+
+# ---- decoding -------------------------------------------------------------------------------------
+DECODE_MAX_ROWS, DECODE_MAX_QUERIES = 64, 16
+"""Query rows (query heads of a kv head × queries) and queries the split-key decoding kernel
+takes; it runs where the keys are at least 4× the queries (a cache, not a prefill)."""
+
+
+def decode_form(inputs: Inputs) -> Optional[tuple[Optional[torch.Tensor], bool]]:
+    """``(kv_lengths, causal)`` when ``inputs`` is a decoding step the split-key kernel runs
+    (``kernels.attn_decode``): no gradients, at most :data:`DECODE_MAX_QUERIES` queries and
+    :data:`DECODE_MAX_ROWS` query rows per kv head against at least 4× as many keys, and a
+    mask that is none, bottom-right causal, lengths of the keys, or both; else ``None``."""
+    q, k = inputs.q, inputs.k
+    if (inputs.need_grad or q.shape[2] > DECODE_MAX_QUERIES or k.shape[2] < 4 * q.shape[2]
+            or inputs.group_size * q.shape[2] > DECODE_MAX_ROWS or not (q.shape[2] and k.shape[2])):
+        return None
+    lengths, causal = None, False
+    for leaf in inputs.mask.leaves() if inputs.mask is not None else []:
+        form = leaf.structure(inputs.space)
+        if form is not None and form.diagonals == (None, k.shape[2] - q.shape[2]):
+            causal = True
+        elif form is not None and form.lengths is not None and form.lengths[0] is None:
+            kv = form.lengths[1].reshape(-1).to(q.device, torch.int32).expand(q.shape[0])
+            lengths = kv if lengths is None else torch.minimum(lengths, kv)
+        else:
+            return None
+    return lengths, causal
+
+
+def decode(inputs: Inputs, kv_lengths: Optional[torch.Tensor], causal: bool,
+           options: TritonOptions = TritonOptions()) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoding step by the split-key kernel (:func:`decode_form`'s ``kv_lengths`` and
+    ``causal``) → ``out [B, H, Tq, Dv]`` (q's dtype), ``lse [B, H, Tq]`` (float32). The keys are
+    split into chunks so that about two programs per SM run (a handful of query rows per kv
+    head would otherwise leave most of the GPU idle), and the chunks' partial softmaxes merged."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    batch, heads, q_len, dk = q.shape
+    heads_kv, kv_len, dv = k.shape[1], k.shape[2], v.shape[-1]
+    interpret = interpreting()
+    rows, block_n = max(16, head_pad(heads // heads_kv * q_len)), 32 if interpret else 64
+    programs = 2 * (torch.cuda.get_device_properties(q.device).multi_processor_count
+                    if q.device.type == "cuda" else 2)
+    splits = options.decode_splits or -(-programs // (batch * heads_kv))
+    splits = max(1, min(splits, -(-kv_len // block_n)))
+    chunk = -(-(-(-kv_len // splits)) // block_n) * block_n
+    splits = -(-kv_len // chunk)
+    part_acc = torch.empty(batch, heads_kv, splits, rows, head_pad(dv), dtype=torch.float32,
+                           device=q.device)
+    part_m = torch.empty(batch, heads_kv, splits, rows, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    lengths = kv_lengths if kv_lengths is not None else part_m
+    kernels().attn_decode[(batch * heads_kv, splits)](
+        q, k, v, part_acc, part_m, part_l, q.stride(), k.stride(), v.stride(), heads_kv,
+        heads // heads_kv, q_len, kv_len, dk, dv, lengths,
+        lengths.stride(0) if kv_lengths is not None else 0, chunk, inputs.scale * LOG2E,
+        BLOCK_R=rows, BLOCK_N=block_n, DK_PAD=head_pad(dk), DV_PAD=head_pad(dv),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=interpret and q.dtype == torch.bfloat16, HAS_KVLEN=kv_lengths is not None,
+        CAUSAL=causal)
+    return merge_splits(part_acc, part_m, part_l, heads // heads_kv, q_len, dv, q.dtype)
+
+
+def merge_splits(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, group: int,
+                 q_len: int, dv: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks' partial softmaxes (``m``, ``l`` in base 2, ``acc`` unnormalised; ``[B, Hkv,
+    splits, R(, DV_PAD)]``) merged into ``out [B, H, Tq, Dv]`` and ``lse [B, H, Tq]`` (0 and −inf
+    where no key was allowed)."""
+    top = part_m.amax(2, keepdim=True)
+    weight = torch.exp2(part_m - torch.where(top == float("-inf"), 0.0, top))  # [B, Hkv, S, R]
+    total = (weight * part_l).sum(2)  # [B, Hkv, R]
+    acc = (weight[..., None] * part_acc).sum(2)  # [B, Hkv, R, DV_PAD]
+    empty = total == 0
+    out = acc / torch.where(empty, 1.0, total)[..., None]
+    lse = torch.where(empty, float("-inf"), (top[:, :, 0] + torch.log2(torch.where(empty, 1.0, total)))
+                      * math.log(2))
+    batch, heads_kv = part_m.shape[:2]
+    rows = group * q_len  # row r: query r % q_len of query head h_kv · group + r // q_len
+    out = out[:, :, :rows, :dv].reshape(batch, heads_kv * group, q_len, dv).to(dtype)
+    return out, lse[:, :, :rows].reshape(batch, heads_kv * group, q_len)
