@@ -246,9 +246,12 @@ class CallCache:
         if mask_key is None or (mask_key == LAST_QUERY_CAUSAL and q.dim() >= 2 and q.shape[-2] == 1):
             # no mask left over any keys: validation and the backend do not depend on Tk ≥ 1
             # (a decode loop's growing cache hits)
-            if k.dim() < 2 or k.shape[-2] == 0 or k.shape[-2:-1] != v.shape[-2:-1]:
+            if (min(q.dim(), k.dim(), v.dim()) < 2 or k.shape[-2] == 0
+                    or k.shape[-2:-1] != v.shape[-2:-1]):
                 return None, keep
-            shapes[1:] = (k.shape[:-2] + k.shape[-1:], v.shape[:-2] + v.shape[-1:])
+            # what the choice may still depend on: a cache at least 4x the queries (decoding)
+            shapes[1:] = (k.shape[:-2] + k.shape[-1:] + (k.shape[-2] >= 4 * q.shape[-2],),
+                          v.shape[:-2] + v.shape[-1:])
         return (*((shape, t.stride(), t.dtype, t.device, t.requires_grad)
                   for shape, t in zip(shapes, (q, k, v))),
                 mask_key, torch.is_grad_enabled(), os.environ.get("TRITON_INTERPRET"), options), keep
