@@ -4,7 +4,8 @@
                                  [--only attn_fwd,...] [--out results/]
 
 For each kernel (forward; dQ; dK/dV; dK/dV storing dS; dQ from stored dS; the statistics) and
-each autotune candidate of its head-dim bucket (``launch.CONFIGS``): shared memory, registers,
+each autotune candidate of its head-dim bucket (``launch.CONFIGS``), and for the split-key
+decoding kernel at 1 and 8 queries (GQA 8:1, 4096 keys): shared memory, registers,
 spill bytes, whether it fits an H100/H200 block (227 KiB), whether it uses wgmma, and the
 SASS instructions in each loop (a walk's loop: the per-thread work each tile issues besides
 its wgmma). The kernels are specialized exactly as ``JITFunction`` would specialize the
@@ -96,6 +97,20 @@ def calls(d: int, mask_name: str) -> dict:
     return made
 
 
+def decode_args(d: int, q_len: int) -> dict:
+    """The split-key decoding kernel's arguments for Tq = ``q_len`` queries of 32 heads (GQA
+    8:1) against 4096 keys under bottom-right causal and key lengths, head dim ``d``."""
+    import attnkit as ak
+    from attnkit.backends.triton import launch
+    from attnkit.inputs import validate
+
+    q = torch.zeros(2, 32, q_len, d, dtype=torch.bfloat16)
+    k = torch.zeros(2, 4, 4096, d, dtype=torch.bfloat16)
+    inputs = validate(q, k, k, ak.causal("bottom_right") & ak.padding(kv_lengths=[4096, 3000]))
+    form = launch.decode_form(inputs)
+    return launch.decode_launch(inputs, *form, launch.TritonOptions(decode_splits=8))[0]
+
+
 def build(fn, args: dict, warps: int, stages: int):
     """``fn`` compiled for sm90 with ``args``, specialized by Triton's own binder → (compiled,
     ptxas log)."""
@@ -124,6 +139,27 @@ def build(fn, args: dict, warps: int, stages: int):
     return compiled, log.getvalue()
 
 
+def measure(fn, values: dict, row: dict) -> dict:
+    """``row`` (the kernel, its config) with what building ``fn`` on ``values`` gave: shared
+    memory, registers, spills, whether it fits and uses wgmma, its loops' SASS sizes; or the
+    error. Printed as it comes."""
+    start = time.perf_counter()
+    try:
+        compiled, log = build(fn, values, row["warps"], row["stages"])
+        regs = re.search(r"Used (\d+) registers", log)
+        spill = re.search(r"(\d+) bytes spill stores", log)
+        row.update(shared_kib=compiled.metadata.shared / 1024,
+                   registers=int(regs.group(1)) if regs else None,
+                   spill_bytes=int(spill.group(1)) if spill else None,
+                   fits=compiled.metadata.shared <= 227 * 1024,
+                   wgmma="wgmma" in compiled.asm["ptx"], loops=sass_loops(compiled))
+    except Exception as error:  # noqa: BLE001 - reported and counted
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    print(line(row), flush=True)
+    return row
+
+
 def line(row: dict) -> str:
     head = (f"{row['kernel']:18s} {row['d']:3d} {row['block_m']:4d}{row['block_n']:4d} "
             f"{row['warps']:2d} {row['stages']} {row['walk']:12s}")
@@ -149,7 +185,7 @@ def main(argv=None) -> int:
         print("compile_sm90 needs compiled mode: unset TRITON_INTERPRET")
         return 2
     only = set(filter(None, args.only.split(",")))
-    rows, failures = [], 0
+    rows = []
     print("kernel               D   BM  BN  w s walk          KiB  regs  spill  fits wgmma loops")
     for d in (int(x) for x in args.dims.split(",")):
         for label, call in calls(d, args.mask).items():
@@ -157,25 +193,19 @@ def main(argv=None) -> int:
                 continue
             fn = getattr(launch.kernels(), call.name)
             for m, n, warps, stages, walk in launch.CONFIGS[call.name][launch.head_bucket(d)]:
-                meta = launch._meta(fn, dict(BLOCK_M=m, BLOCK_N=n, **launch.WALKS[walk]))
-                row = dict(kernel=label, d=d, block_m=m, block_n=n, warps=warps, stages=stages,
-                           walk=walk)
-                start = time.perf_counter()
-                try:
-                    compiled, log = build(fn, {**call.args, **meta}, warps, stages)
-                    regs = re.search(r"Used (\d+) registers", log)
-                    spill = re.search(r"(\d+) bytes spill stores", log)
-                    row.update(shared_kib=compiled.metadata.shared / 1024,
-                               registers=int(regs.group(1)) if regs else None,
-                               spill_bytes=int(spill.group(1)) if spill else None,
-                               fits=compiled.metadata.shared <= 227 * 1024,
-                               wgmma="wgmma" in compiled.asm["ptx"], loops=sass_loops(compiled))
-                except Exception as error:  # noqa: BLE001 - reported and counted
-                    row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-                    failures += 1
-                row["seconds"] = round(time.perf_counter() - start, 2)
-                rows.append(row)
-                print(line(row), flush=True)
+                meta = launch.kernel_meta(fn, dict(BLOCK_M=m, BLOCK_N=n, **launch.WALKS[walk]))
+                rows.append(measure(fn, {**call.args, **meta}, dict(
+                    kernel=label, d=d, block_m=m, block_n=n, warps=warps, stages=stages,
+                    walk=walk)))
+    decode = launch.kernels().attn_decode
+    for d in (int(x) for x in args.dims.split(",")):
+        for q_len in (1, 8):
+            if not only or "attn_decode" in only:
+                values = decode_args(d, q_len)
+                rows.append(measure(decode, values, dict(
+                    kernel="attn_decode", d=d, block_m=values["BLOCK_R"],
+                    block_n=values["BLOCK_N"], warps=4, stages=3, walk=f"Tq{q_len}")))
+    failures = sum("error" in row for row in rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compile_sm90.json").write_text(json.dumps(

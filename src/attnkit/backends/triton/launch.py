@@ -553,7 +553,8 @@ class Call:
     def run(self, plan: Plan) -> None:
         fn = getattr(kernels(), self.name)
         if plan.interpret:
-            meta = _meta(fn, dict(BLOCK_M=self.fixed[0], BLOCK_N=self.fixed[1], **WALKS[plan.options.walk]))
+            meta = kernel_meta(fn, dict(BLOCK_M=self.fixed[0], BLOCK_N=self.fixed[1],
+                                        **WALKS[plan.options.walk]))
             fn[self.grid(meta)](**self.args, **meta)
             return
         if self.args.get("TMA_OK") or getattr(self.args.get("stored"), "BY_TMA", False):
@@ -562,7 +563,7 @@ class Call:
         if options.candidate is not None:
             candidates = CONFIGS[self.name][_bucket(self.args)]
             m, n, warps, stages, walk = candidates[min(options.candidate, len(candidates) - 1)]
-            meta = _meta(fn, dict(BLOCK_M=m, BLOCK_N=n, **WALKS[walk]))
+            meta = kernel_meta(fn, dict(BLOCK_M=m, BLOCK_N=n, **WALKS[walk]))
             fn[self.grid(meta)](**self.args, **meta, num_warps=warps, num_stages=stages)
             return
         config = self.shared.get("config")
@@ -598,7 +599,7 @@ def _specialized(value) -> object:
     return getattr(value, "value", value)
 
 
-def _meta(fn, meta: dict) -> dict:
+def kernel_meta(fn, meta: dict) -> dict:
     """The config's meta-parameters this kernel takes."""
     return {name: value for name, value in meta.items() if name in _arg_names(fn)}
 
@@ -611,7 +612,7 @@ def _tuned(name: str, cache: bool):
 
         fn = getattr(kernels(), name)
         every = sorted({c for bucket in CONFIGS[name].values() for c in bucket})
-        configs = [triton.Config(_meta(fn, dict(BLOCK_M=m, BLOCK_N=n, **WALKS[walk])),
+        configs = [triton.Config(kernel_meta(fn, dict(BLOCK_M=m, BLOCK_N=n, **WALKS[walk])),
                                  num_warps=w, num_stages=s) for m, n, w, s, walk in every]
         candidate = {id(config): c for config, c in zip(configs, every)}
 
@@ -820,9 +821,18 @@ def decode_form(inputs: Inputs) -> Optional[tuple[Optional[torch.Tensor], bool]]
 def decode(inputs: Inputs, kv_lengths: Optional[torch.Tensor], causal: bool,
            options: TritonOptions = TritonOptions()) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoding step by the split-key kernel (:func:`decode_form`'s ``kv_lengths`` and
-    ``causal``) → ``out [B, H, Tq, Dv]`` (q's dtype), ``lse [B, H, Tq]`` (float32). The keys are
-    split into chunks so that about two programs per SM run (a handful of query rows per kv
-    head would otherwise leave most of the GPU idle), and the chunks' partial softmaxes merged."""
+    ``causal``) → ``out [B, H, Tq, Dv]`` (q's dtype), ``lse [B, H, Tq]`` (float32)."""
+    args, grid, merge = decode_launch(inputs, kv_lengths, causal, options)
+    kernels().attn_decode[grid](**args)
+    return merge_splits(*merge)
+
+
+def decode_launch(inputs: Inputs, kv_lengths: Optional[torch.Tensor], causal: bool,
+                  options: TritonOptions) -> tuple[dict, tuple[int, int], tuple]:
+    """The split-key kernel's arguments (meta-parameters included), grid, and what
+    :func:`merge_splits` takes after it. The keys are split into chunks so that about two
+    programs per SM run (a handful of query rows per kv head would otherwise leave most of
+    the GPU idle; ``options.decode_splits`` overrides)."""
     q, k, v = inputs.q, inputs.k, inputs.v
     batch, heads, q_len, dk = q.shape
     heads_kv, kv_len, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -839,15 +849,17 @@ def decode(inputs: Inputs, kv_lengths: Optional[torch.Tensor], causal: bool,
     part_m = torch.empty(batch, heads_kv, splits, rows, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     lengths = kv_lengths if kv_lengths is not None else part_m
-    kernels().attn_decode[(batch * heads_kv, splits)](
-        q, k, v, part_acc, part_m, part_l, q.stride(), k.stride(), v.stride(), heads_kv,
-        heads // heads_kv, q_len, kv_len, dk, dv, lengths,
-        lengths.stride(0) if kv_lengths is not None else 0, chunk, inputs.scale * LOG2E,
-        BLOCK_R=rows, BLOCK_N=block_n, DK_PAD=head_pad(dk), DV_PAD=head_pad(dv),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=interpret and q.dtype == torch.bfloat16, HAS_KVLEN=kv_lengths is not None,
-        CAUSAL=causal)
-    return merge_splits(part_acc, part_m, part_l, heads // heads_kv, q_len, dv, q.dtype)
+    args = dict(Q=q, K=k, V=v, PartAcc=part_acc, PartM=part_m, PartL=part_l, s_q=q.stride(),
+                s_k=k.stride(), s_v=v.stride(), heads_kv=heads_kv, group=heads // heads_kv,
+                q_len=q_len, kv_len=kv_len, head_dk=dk, head_dv=dv, kv_lens=lengths,
+                s_kvlen=lengths.stride(0) if kv_lengths is not None else 0, chunk=chunk,
+                qk_scale=inputs.scale * LOG2E, BLOCK_R=rows, BLOCK_N=block_n,
+                DK_PAD=head_pad(dk), DV_PAD=head_pad(dv),
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                UPCAST=interpret and q.dtype == torch.bfloat16,
+                HAS_KVLEN=kv_lengths is not None, CAUSAL=causal)
+    return args, (batch * heads_kv, splits), (part_acc, part_m, part_l, heads // heads_kv,
+                                              q_len, dv, q.dtype)
 
 
 def merge_splits(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, group: int,
