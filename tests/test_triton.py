@@ -650,10 +650,34 @@ def test_decoding_only_without_gradients_and_for_few_rows(gen):
     """With gradients, other masks or more query rows, the block-sparse kernels run; on CUDA
     ``auto`` takes the split-key kernel for a decoding step (torch keeps the others)."""
     q, k, v = make_qkv(1, 4, 1, 2, 64, 16, 16, torch.float32, gen)
-    assert launch.decode_form(validate(q, k, v)) == (None, False)
+    assert launch.decode_form(validate(q, k, v)) == (None, False, None)
     assert launch.decode_form(validate(q.requires_grad_(), k, v)) is None
     assert launch.decode_form(validate(q.detach(), k, v, ak.sliding_window(8, align="bottom_right"))) is None
     many = make_qkv(1, 4, 1, 20, 64, 16, 16, torch.float32, gen)[0]  # 80 rows a kv head
     assert launch.decode_form(validate(many, k, v)) is None
     assert not triton_backend.torch_is_faster(validate(q.detach(), k, v))
     assert triton_backend.torch_is_faster(validate(many, k, v))
+
+
+@pytest.mark.parametrize("case", ["ragged_cache", "left_padding", "causal_documents"])
+def test_decoding_steps_with_per_query_key_runs(case, gen):
+    """Masks whose every query sees one run of keys (a ragged cache's per-sequence causal mask,
+    left padding, causal documents) reach the split-key kernel as ranges."""
+    from attnkit.nn import KVCache
+
+    q, k, v = make_qkv(3, 4, 2, 3, 90, 16, 16, torch.float32, gen)
+    if case == "ragged_cache":  # three sequences of 40, 87 and 10 tokens, then 3, 2 and 0 new
+        cache = KVCache.empty().append(k[:, :, :87], v[:, :, :87], lengths=torch.tensor([40, 87, 10]))
+        cache = cache.append(k[:, :, 87:], v[:, :, 87:], lengths=torch.tensor([3, 2, 0]))
+        k, v, mask = cache.keys, cache.values, cache.mask()
+    elif case == "left_padding":
+        mask = ak.causal("bottom_right") & ak.padding(kv_starts=[0, 30, 89], kv_lengths=[90, 60, 1])
+    else:
+        ids = torch.arange(90) // 25
+        mask = ak.documents(ids[-3:], ids, causal="bottom_right")
+    inputs = validate(q, k, v, mask)
+    assert launch.decode_form(inputs)[2] is not None
+    got = TritonBackend(launch.TritonOptions(decode_splits=2)).forward(inputs)
+    truth = ak.attention(q.double(), k.double(), v.double(), mask, backend="reference", return_lse=True)
+    torch.testing.assert_close(got.out.double(), truth.out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.lse.double(), truth.lse, rtol=1e-5, atol=1e-5)

@@ -684,17 +684,19 @@ def attn_bwd_dq_stored(K, dQ, s_k, s_dq, heads, group, q_len, kv_len, head_dk, h
 # ---- decoding: few queries, many keys ---------------------------------------------------------
 @triton.jit(do_not_specialize=["heads_kv", "q_len", "kv_len", "chunk"])
 def attn_decode(Q, K, V, PartAcc, PartM, PartL, s_q, s_k, s_v, heads_kv, group, q_len, kv_len,
-                head_dk, head_dv, kv_lens, s_kvlen, chunk, qk_scale,
+                head_dk, head_dv, kv_lens, s_kvlen, ranges, s_ranges, chunk, qk_scale,
                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DK_PAD: tl.constexpr,
                 DV_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                HAS_KVLEN: tl.constexpr, CAUSAL: tl.constexpr):
+                HAS_KVLEN: tl.constexpr, CAUSAL: tl.constexpr, HAS_RANGES: tl.constexpr):
     """Split-key decoding (flash-decoding): one program per (batch × kv head, key chunk) holds
     the ``group · q_len`` query rows of that kv head's query heads (GQA by index: one load of
     each K/V tile serves them all) and folds the keys ``[split · chunk, …)`` of the chunk into
     an online softmax; the partial sums go to ``PartAcc [B, Hkv, splits, BLOCK_R, DV_PAD]``,
     ``PartM``/``PartL [B, Hkv, splits, BLOCK_R]`` (base 2), merged by ``launch.merge_splits``.
     Keys past the batch element's length (``kv_lens`` with HAS_KVLEN, else ``kv_len``) are
-    masked, and with CAUSAL query ``i`` sees keys up to ``kv_len − q_len + i`` (bottom-right)."""
+    masked, with CAUSAL query ``i`` sees keys up to ``kv_len − q_len + i`` (bottom-right), and
+    with HAS_RANGES only the keys ``[lo, hi)`` of its run (``ranges [B, Tq, 2]`` int32, strides
+    ``s_ranges``: per-sequence causal masks, left padding, causal documents)."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid_bh // heads_kv).to(tl.int64)
@@ -714,6 +716,14 @@ def attn_decode(Q, K, V, PartAcc, PartM, PartL, s_q, s_k, s_v, heads_kv, group, 
     start = split * chunk
     stop = tl.minimum(start + chunk, length)
     last = kv_len - q_len + i  # the last key query i sees (CAUSAL: bottom-right over all keys)
+    lo = tl.zeros_like(i)
+    hi = tl.zeros_like(i)
+    if HAS_RANGES:  # and no key outside every row's run is read (it may hold anything)
+        run = ranges + b * s_ranges[0] + i * s_ranges[1]
+        lo = tl.load(run, mask=real, other=0)
+        hi = tl.load(run + 1, mask=real, other=0)
+        start = tl.maximum(start, tl.min(tl.where(real, lo, kv_len), 0))
+        stop = tl.minimum(stop, tl.max(tl.where(real, hi, 0), 0))
     k_base = K + b * s_k[0] + h_kv * s_k[1]
     v_base = V + b * s_v[0] + h_kv * s_v[1]
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
@@ -730,6 +740,8 @@ def attn_decode(Q, K, V, PartAcc, PartM, PartL, s_q, s_k, s_v, heads_kv, group, 
         ok = inside[None, :] & real[:, None]
         if CAUSAL:
             ok = ok & (offs_n[None, :] <= last[:, None])
+        if HAS_RANGES:
+            ok = ok & (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)

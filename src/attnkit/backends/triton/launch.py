@@ -796,16 +796,19 @@ DECODE_MAX_ROWS, DECODE_MAX_QUERIES = 64, 16
 takes; it runs where the keys are at least 4× the queries (a cache, not a prefill)."""
 
 
-def decode_form(inputs: Inputs) -> Optional[tuple[Optional[torch.Tensor], bool]]:
-    """``(kv_lengths, causal)`` when ``inputs`` is a decoding step the split-key kernel runs
-    (``kernels.attn_decode``): no gradients, at most :data:`DECODE_MAX_QUERIES` queries and
-    :data:`DECODE_MAX_ROWS` query rows per kv head against at least 4× as many keys, and a
-    mask that is none, bottom-right causal, lengths of the keys, or both; else ``None``."""
+def decode_form(inputs: Inputs) -> Optional[tuple[Optional[torch.Tensor], bool,
+                                                   Optional[torch.Tensor]]]:
+    """``(kv_lengths, causal, ranges)`` when ``inputs`` is a decoding step the split-key kernel
+    runs (``kernels.attn_decode``): no gradients, at most :data:`DECODE_MAX_QUERIES` queries and
+    :data:`DECODE_MAX_ROWS` query rows per kv head against at least 4× as many keys, and a mask
+    whose parts are bottom-right causal, lengths of the keys, or one mask of per-query key runs
+    (``ranges [B, Tq, 2]``: a :class:`~attnkit.masks.Structure`; per-sequence causal, left
+    padding, causal documents); else ``None``."""
     q, k = inputs.q, inputs.k
     if (inputs.need_grad or q.shape[2] > DECODE_MAX_QUERIES or k.shape[2] < 4 * q.shape[2]
             or inputs.group_size * q.shape[2] > DECODE_MAX_ROWS or not (q.shape[2] and k.shape[2])):
         return None
-    lengths, causal = None, False
+    lengths, causal, ranges = None, False, None
     for leaf in inputs.mask.leaves() if inputs.mask is not None else []:
         form = leaf.structure(inputs.space)
         if form is not None and form.diagonals == (None, k.shape[2] - q.shape[2]):
@@ -813,22 +816,27 @@ def decode_form(inputs: Inputs) -> Optional[tuple[Optional[torch.Tensor], bool]]
         elif form is not None and form.lengths is not None and form.lengths[0] is None:
             kv = form.lengths[1].reshape(-1).to(q.device, torch.int32).expand(q.shape[0])
             lengths = kv if lengths is None else torch.minimum(lengths, kv)
+        elif form is not None and form.ranges is not None and ranges is None:
+            ranges = form.ranges[0].to(q.device)
         else:
             return None
-    return lengths, causal
+    return lengths, causal, ranges
 
 
 def decode(inputs: Inputs, kv_lengths: Optional[torch.Tensor], causal: bool,
-           options: TritonOptions = TritonOptions()) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoding step by the split-key kernel (:func:`decode_form`'s ``kv_lengths`` and
-    ``causal``) → ``out [B, H, Tq, Dv]`` (q's dtype), ``lse [B, H, Tq]`` (float32)."""
-    args, grid, merge = decode_launch(inputs, kv_lengths, causal, options)
+           ranges: Optional[torch.Tensor], options: TritonOptions = TritonOptions(),
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoding step by the split-key kernel (:func:`decode_form`'s ``kv_lengths``,
+    ``causal`` and ``ranges``) → ``out [B, H, Tq, Dv]`` (q's dtype), ``lse [B, H, Tq]``
+    (float32)."""
+    args, grid, merge = decode_launch(inputs, kv_lengths, causal, ranges, options)
     kernels().attn_decode[grid](**args)
     return merge_splits(*merge)
 
 
 def decode_launch(inputs: Inputs, kv_lengths: Optional[torch.Tensor], causal: bool,
-                  options: TritonOptions) -> tuple[dict, tuple[int, int], tuple]:
+                  ranges: Optional[torch.Tensor], options: TritonOptions,
+                  ) -> tuple[dict, tuple[int, int], tuple]:
     """The split-key kernel's arguments (meta-parameters included), grid, and what
     :func:`merge_splits` takes after it. The keys are split into chunks so that about two
     programs per SM run (a handful of query rows per kv head would otherwise leave most of
@@ -852,12 +860,14 @@ def decode_launch(inputs: Inputs, kv_lengths: Optional[torch.Tensor], causal: bo
     args = dict(Q=q, K=k, V=v, PartAcc=part_acc, PartM=part_m, PartL=part_l, s_q=q.stride(),
                 s_k=k.stride(), s_v=v.stride(), heads_kv=heads_kv, group=heads // heads_kv,
                 q_len=q_len, kv_len=kv_len, head_dk=dk, head_dv=dv, kv_lens=lengths,
-                s_kvlen=lengths.stride(0) if kv_lengths is not None else 0, chunk=chunk,
+                s_kvlen=lengths.stride(0) if kv_lengths is not None else 0,
+                ranges=part_m if ranges is None else ranges,
+                s_ranges=(0, 0) if ranges is None else ranges.stride()[:2], chunk=chunk,
                 qk_scale=inputs.scale * LOG2E, BLOCK_R=rows, BLOCK_N=block_n,
                 DK_PAD=head_pad(dk), DV_PAD=head_pad(dv),
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 UPCAST=interpret and q.dtype == torch.bfloat16,
-                HAS_KVLEN=kv_lengths is not None, CAUSAL=causal)
+                HAS_KVLEN=kv_lengths is not None, CAUSAL=causal, HAS_RANGES=ranges is not None)
     return args, (batch * heads_kv, splits), (part_acc, part_m, part_l, heads // heads_kv,
                                               q_len, dv, q.dtype)
 
