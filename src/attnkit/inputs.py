@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .masks import Mask, MaskSpace, as_mask
+from .masks import Band, Mask, MaskSpace, as_mask
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -190,8 +190,8 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     return inputs
 
 
-LAST_QUERY_CAUSAL = ("band", None, 0, "bottom_right")
-"""The cache key of ``causal("bottom_right")``: with one query it allows every key."""
+LAST_QUERY_CAUSAL = Band(None, 0, "bottom_right")
+"""``causal("bottom_right")``: with one query it allows every key."""
 
 
 class CallCache:
@@ -243,7 +243,7 @@ class CallCache:
         else:
             return None, keep
         shapes = [q.shape, k.shape, v.shape]
-        if mask_key is None or (mask_key == LAST_QUERY_CAUSAL and q.dim() >= 2 and q.shape[-2] == 1):
+        if mask is None or (mask.band() == LAST_QUERY_CAUSAL and q.dim() >= 2 and q.shape[-2] == 1):
             # no mask left over any keys: validation and the backend do not depend on Tk ≥ 1
             # (a decode loop's growing cache hits)
             if (min(q.dim(), k.dim(), v.dim()) < 2 or k.shape[-2] == 0

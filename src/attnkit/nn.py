@@ -131,7 +131,7 @@ class KVCache:
             store = self._room(keys, values, self.length + new)
             store.keys[:, :, self.length:self.length + new] = keys
             store.values[:, :, self.length:self.length + new] = values
-            return self._extended(store, self.length + new, None)
+            return self._extended(store, self.length + new, None, None)
         lengths = self._new_lengths(lengths, batch, new, keys.device)
         before = (self.lengths if self.lengths is not None
                   else torch.full((batch,), self.length, dtype=torch.long, device=keys.device))
@@ -143,7 +143,7 @@ class KVCache:
         rows, cols = real.nonzero(as_tuple=True)
         store.keys[rows, :, before[rows] + cols] = keys[rows, :, cols]
         store.values[rows, :, before[rows] + cols] = values[rows, :, cols]
-        return self._extended(store, length, after)
+        return self._extended(store, length, after, lengths)
 
     def mask(self, is_causal: bool = True) -> Optional[Mask]:
         """The mask of the step whose queries are the positions the last :meth:`append` added,
@@ -169,10 +169,9 @@ class KVCache:
             fresh.values[:, :, :self.length] = self.values
         return fresh
 
-    def _extended(self, store: _Store, length: int, lengths: Optional[torch.Tensor]) -> "KVCache":
+    def _extended(self, store: _Store, length: int, lengths: Optional[torch.Tensor],
+                  appended: Optional[torch.Tensor]) -> "KVCache":
         store.filled = length
-        appended = None if lengths is None else lengths - (
-            self.lengths if self.lengths is not None else self.length)
         return KVCache(store.keys[:, :, :length], store.values[:, :, :length], length, lengths,
                        appended, self.capacity, store)
 

@@ -681,10 +681,14 @@ def _per_call(call: Call, **values) -> Call:
     return call
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _grid(length: int, block: str, programs: int) -> Callable[[dict], tuple[int, int]]:
     """``grid(meta)``: ``length`` positions in kernel blocks of ``meta[block]``, one row of
     programs per (batch, head)."""
-    return lambda meta: (-(-length // meta[block]), programs)
+    return lambda meta: (cdiv(length, meta[block]), programs)
 
 
 def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> dict:
@@ -848,10 +852,10 @@ def decode_launch(inputs: Inputs, kv_lengths: Optional[torch.Tensor], causal: bo
     rows, block_n = max(16, head_pad(heads // heads_kv * q_len)), 32 if interpret else 64
     programs = 2 * (torch.cuda.get_device_properties(q.device).multi_processor_count
                     if q.device.type == "cuda" else 2)
-    splits = options.decode_splits or -(-programs // (batch * heads_kv))
-    splits = max(1, min(splits, -(-kv_len // block_n)))
-    chunk = -(-(-(-kv_len // splits)) // block_n) * block_n
-    splits = -(-kv_len // chunk)
+    splits = options.decode_splits or cdiv(programs, batch * heads_kv)
+    splits = max(1, min(splits, cdiv(kv_len, block_n)))
+    chunk = cdiv(cdiv(kv_len, splits), block_n) * block_n  # whole key tiles a chunk
+    splits = cdiv(kv_len, chunk)
     part_acc = torch.empty(batch, heads_kv, splits, rows, head_pad(dv), dtype=torch.float32,
                            device=q.device)
     part_m = torch.empty(batch, heads_kv, splits, rows, dtype=torch.float32, device=q.device)
