@@ -19,14 +19,12 @@ def _qkv(gen, dtype=torch.float32):
 
 def test_explain_dispatch_names_the_pick_and_every_reason(gen):
     q, k, v = _qkv(gen)
-    big = torch.randn(1, 2, 300, 8, generator=gen)  # 300² scores: past torch.SMALL_SCORES
-    picked = ak.explain_dispatch(big, big, big, ak.sliding_window(3))
+    picked = ak.explain_dispatch(q, k, v, ak.sliding_window(3))
     assert picked.backend == "tiled"
     assert list(picked.reasons) == ["triton", "torch"]
     assert any("dense" in why for why in picked.reasons["torch"])
     assert str(picked).startswith("auto picks: tiled")
     assert ak.explain_dispatch(q, k, v).backend == "torch"
-    assert ak.explain_dispatch(q, k, v, ak.sliding_window(3)).backend == "torch"  # a small bias
     leaf = q.clone().requires_grad_()
     assert ak.explain_dispatch(leaf, k, v, return_weights=True).backend == "reference"
 

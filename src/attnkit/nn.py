@@ -55,8 +55,10 @@ class _Store:
 
     def __init__(self, like_keys: torch.Tensor, like_values: torch.Tensor, capacity: int):
         batch, heads, _, _ = like_keys.shape
-        self.keys = like_keys.new_empty(batch, heads, capacity, like_keys.shape[-1])
-        self.values = like_values.new_empty(batch, heads, capacity, like_values.shape[-1])
+        # zeros: a ragged batch leaves slots unwritten, and masked garbage there would cost
+        # every step the non-finite check's recomputation (docs/NUMERICS.md)
+        self.keys = like_keys.new_zeros(batch, heads, capacity, like_keys.shape[-1])
+        self.values = like_values.new_zeros(batch, heads, capacity, like_values.shape[-1])
         self.filled = 0
 
     @property

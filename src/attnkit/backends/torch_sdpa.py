@@ -39,12 +39,6 @@ def dense_bias(inputs: Inputs) -> tuple[Optional[torch.Tensor], Optional[torch.T
     return additive_mask(allowed, values, inputs.q.dtype), allowed.any(dim=-1, keepdim=True)
 
 
-SMALL_SCORES = 1 << 16
-"""Up to this many scores per (batch, head), ``auto`` runs a structured mask through torch's
-kernel as a dense bias: materialising it costs less than the tiled engine's per-tile work
-(the crossover measured on CPU between Tq = Tk = 256 and 512, docs/BENCHMARKS.md)."""
-
-
 class TorchBackend(Backend):
     NAME = "torch"
     SUPPORTS_DROPOUT = False  # torch's dropout cannot follow attnkit's generator contract
@@ -75,11 +69,9 @@ class TorchBackend(Backend):
 
     def auto_reasons(self, inputs: Inputs) -> list[str]:
         mask = inputs.mask
-        scores = inputs.q.shape[2] * inputs.k.shape[2]
-        if mask is not None and not is_plain_causal(mask, inputs.scale) and scores > SMALL_SCORES:
-            return [f"mask would be materialised as a dense Tq×Tk bias, Tq·Tk = {scores} > "
-                    f"{SMALL_SCORES} (auto prefers tiled, which skips empty tiles: measured "
-                    f"faster there, see docs/BENCHMARKS.md)"]
+        if mask is not None and not is_plain_causal(mask, inputs.scale):
+            return ["mask would be materialised as a dense Tq×Tk bias (auto prefers tiled, which "
+                    "skips empty tiles: measured faster, see docs/BENCHMARKS.md)"]
         return []
 
     def forward(self, inputs: Inputs) -> BackendOutput:
