@@ -24,6 +24,9 @@ compile) and SDPA with a dense bool mask; ``--dry-run`` leaves out those that ne
   flash, efficient and cuDNN backends (with torch's lower-right causal bias): µs and the K/V
   bytes read per second against the device copy bandwidth measured in the same run; each
   attnkit row checked against SDPA's math backend first.
+- Ring steps (``--ring NxP``, run second): one rank's step of causal ring attention, on the
+  fused triton kernels against the tiled engine's step they replace (the diagonal step and a
+  full one), µs, TFLOP/s and the ratio, outputs compared first.
 - ``--profile``: each kernel's device time in one forward+backward (``torch.profiler``).
   ``--budget SECONDS``: no workload after the first starts past it.
 
@@ -82,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode", default="1x1,1x8,16x1", help="decoding rows, BxTq, comma separated "
                    "(each at every --decode-lengths key count; '' for none)")
     p.add_argument("--decode-lengths", default="4096,16384,131072")
+    p.add_argument("--ring", default="16384x4", help="ring-step rows, NxP: the global length and "
+                   "the ranks (one step of one rank, causal; '' for none)")
     p.add_argument("--out", default=None, help="folder for the JSON (default: $OUT, else results/)")
     args = p.parse_args(argv)
     for name, allowed in (("masks", MASKS), ("competitors", COMPETITORS), ("modes", ("fwd", "fwd+bwd"))):
@@ -92,6 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.dims, args.lengths, args.tokens, args.hidden = "32", "64", 64, 64
         args.masked_length, args.span = 64, 16
         args.decode, args.decode_lengths = "1x1,2x4", "96"
+        args.ring = "128x2"
     return args
 
 
@@ -439,6 +445,62 @@ def decode_rows(args, device, dtype, bench) -> list[dict]:
     return rows
 
 
+def ring_rows(args, device, dtype, bench) -> list[dict]:
+    """One step of causal ring attention over a global length N on P ranks, as the last rank
+    computes it: its queries against its own K/V shard (the diagonal, half masked) and against
+    the shard before it (no mask), each of ``N/P`` rows, ``H = hidden / D`` heads, batch 1.
+    The fused triton kernels (the ring's step on CUDA) against the tiled engine's step it
+    replaces, forward and forward+backward, as µs, TFLOP/s (4·H·(N/P)²·D forward, ½ on the
+    diagonal, backward 2.5×) and the ratio; each row's outputs are compared first (relative
+    error ≤ 2e-2 in bf16)."""
+    import attnkit as ak
+    from attnkit.backends.tiled import uses_fused_kernel
+    from attnkit.distributed.ring import Piece, pair_step
+    from attnkit.masks import MaskSpace
+
+    rows = []
+    for spec in filter(None, args.ring.split(",")):
+        n, world = map(int, spec.split("x"))
+        d = int(args.dims.split(",")[0])
+        heads, local = max(1, args.hidden // d), n // world
+        space, mask, scale = MaskSpace(1, heads, n, n, device), ak.causal(), d ** -0.5
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v, dout = (torch.randn(1, heads, local, d, device=device, dtype=dtype, generator=gen)
+                         for _ in range(4))
+        q_run = Piece(0, (world - 1) * local, local)
+        for label, kv_rank, share in (("diagonal", world - 1, 0.5), ("below", world - 2, 1.0)):
+            kv_run = Piece(0, kv_rank * local, local)
+            steps = {name: pair_step(name, mask, space, scale, q_run, kv_run,
+                                     fused=uses_fused_kernel(q, v, 0.0))[0]
+                     for name in ("triton", "tiled")}
+            outs = {name: step.forward(q, k, v) for name, step in steps.items()}
+            ok = relative_error(outs["triton"][0].float(), outs["tiled"][0].float()) <= 2e-2
+            out, lse = outs["triton"][0].to(dtype), outs["triton"][1].float().contiguous()
+            flops = 4 * heads * local * local * d * share
+            row = dict(step=label, n=n, world=world, d=d, heads=heads, ok=ok)
+            for mode in args.modes.split(","):
+                for name, step in steps.items():
+                    def run(step=step, mode=mode):
+                        step.forward(q, k, v)
+                        if mode == "fwd+bwd":
+                            step.backward(q, k, v, out, lse, dout, None)
+                    try:
+                        ms = bench(run)
+                        work = flops * (3.5 if mode == "fwd+bwd" else 1.0)
+                        row[f"{name} {mode}"] = dict(us=ms * 1e3, tflops=work / ms / 1e9)
+                    except Exception as error:  # noqa: BLE001 - a step that cannot run here
+                        row[f"{name} {mode}"] = dict(error=describe(error))
+                pair = [row.get(f"{name} {mode}", {}).get("us") for name in ("tiled", "triton")]
+                if all(pair):
+                    row[f"speedup {mode}"] = pair[0] / pair[1]
+            rows.append(row)
+            cells = "  ".join(f"{key} {value['us']:.0f} µs" if isinstance(value, dict) and "us" in value
+                              else f"{key} {value:.2f}×" for key, value in row.items()
+                              if key.startswith(("tiled", "triton", "speedup")))
+            print(f"ring N{n} P{world} {label} {'ok' if ok else 'WRONG'}  {cells}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     started = time.perf_counter()
     args = parse_args(argv)
@@ -461,15 +523,18 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = "dry_run" if args.dry_run else datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
     path = out_dir / f"gpu_bench_{stamp}.json"
-    checks, results, skipped, profiles, decode = [], [], [], {}, []
+    checks, results, skipped, profiles, decode, ring = [], [], [], {}, [], []
 
     def save() -> None:  # after every workload: a run cut short keeps what it measured
         info["elapsed_s"] = time.perf_counter() - started
         path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
                                     "results": results, "profiles": profiles,
-                                    "decode": decode}, indent=1))
+                                    "decode": decode, "ring": ring}, indent=1))
     if args.decode:  # first: a few seconds, and what no other run measures
         decode += decode_rows(args, device, dtype, bench)
+        save()
+    if args.ring:
+        ring += ring_rows(args, device, dtype, bench)
         save()
     for index, w in enumerate(workloads(args)):
         if index and args.budget is not None and time.perf_counter() - started > args.budget:
@@ -487,7 +552,8 @@ def main(argv=None) -> int:
     print_table(results, competitors)
     print(f"JSON: {path}")
     failed = [f"{c['workload']} ({c['backend']})" for c in checks if not c["ok"]] + [
-        f"decode B{r['batch']} Tq{r['q_len']} Tk{r['kv_len']}" for r in decode if not r["ok"]]
+        f"decode B{r['batch']} Tq{r['q_len']} Tk{r['kv_len']}" for r in decode if not r["ok"]] + [
+        f"ring N{r['n']} P{r['world']} {r['step']}" for r in ring if not r["ok"]]
     if failed:
         print(f"CORRECTNESS FAILED for {', '.join(failed)}: their timings are not to be trusted")
     return 1 if failed else 0

@@ -315,6 +315,46 @@ def test_poisoned_memory():
                       for c in (0, 1 << 10) for b in BACKWARDS])
 
 
+@gpu
+def test_ring_steps():
+    """Ring attention's steps on the compiled kernels, in one process: the sequence cut into 8
+    chunks (zigzag over 4 ranks), every (query chunk × key chunk) pair on the mask's window,
+    merged by LSE; the backward of each pair with the whole rows' out and LSE, summed. Equal to
+    the whole sequence's truth (the transfers themselves are tested on CPU with gloo)."""
+    from attnkit.distributed.ring import Piece, pair_step
+    from attnkit.inputs import validate
+    from attnkit.numerics import merge
+
+    found, chunks = [], 8
+    for case in mask_cases(torch.bfloat16, only=("causal", "window", "documents&causal", "padding",
+                                                 "dense", "bias&causal")):
+        q, k, v, dout = case.inputs
+        whole = validate(q, k, v, case.mask)
+        size = N // chunks
+        parts = [Piece(0, c * size, size) for c in range(chunks)]
+        steps = {(a, b): pair_step("triton", whole.mask, whole.space, whole.scale, parts[a], parts[b])
+                 for a in range(chunks) for b in range(chunks)}
+        out = torch.zeros(*q.shape[:3], v.shape[-1], device=DEVICE)
+        lse = torch.full(q.shape[:3], -math.inf, device=DEVICE)
+        rows = [slice(p.global_start, p.global_start + p.count) for p in parts]
+        for (a, b), (step, tiles) in steps.items():
+            if tiles:
+                part = step.forward(q[:, :, rows[a]], k[:, :, rows[b]], v[:, :, rows[b]])
+                out[:, :, rows[a]], lse[:, :, rows[a]] = merge(out[:, :, rows[a]], lse[:, :, rows[a]], *part)
+        out = out.to(q.dtype)
+        grads = [torch.zeros(t.shape, device=DEVICE) for t in (q, k, v)]
+        for (a, b), (step, tiles) in steps.items():
+            if tiles:
+                dq, dk, dv = step.backward(q[:, :, rows[a]], k[:, :, rows[b]], v[:, :, rows[b]],
+                                           out[:, :, rows[a]], lse[:, :, rows[a]],
+                                           dout[:, :, rows[a]], None)
+                grads[0][:, :, rows[a]] += dq
+                grads[1][:, :, rows[b]] += dk
+                grads[2][:, :, rows[b]] += dv
+        found += case.problems([out, lse, *grads], "ring steps")
+    assert not found, "\n".join(found)
+
+
 # ---- without pytest -------------------------------------------------------------------------------------
 @gpu
 def test_decoding_steps():

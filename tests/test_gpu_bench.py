@@ -164,6 +164,10 @@ def test_dry_run(bench, tmp_path, capsys):
     # decoding rows (bottom-right causal against SDPA's lower-right causal bias), each checked
     assert [(r["batch"], r["q_len"], r["kv_len"]) for r in saved["decode"]] == [(1, 1, 96), (2, 4, 96)]
     assert all(r["ok"] and r["attnkit-auto"]["us"] > 0 and r["copy_gbs"] > 0 for r in saved["decode"])
+    # ring steps: the fused kernels against the tiled step, both checked equal first
+    assert [(r["step"], r["n"], r["world"]) for r in saved["ring"]] == [("diagonal", 128, 2), ("below", 128, 2)]
+    assert all(r["ok"] and r[f"{name} {mode}"]["us"] > 0 and r[f"speedup {mode}"] > 0
+               for r in saved["ring"] for name in ("triton", "tiled") for mode in ("fwd", "fwd+bwd"))
     rows = {(r["workload"], r["backend"], r["mode"]): r for r in saved["results"]}
     assert len(rows) == len(saved["results"]) == 4 * 6 * 2
     for (workload, backend, mode), r in rows.items():

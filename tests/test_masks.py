@@ -570,26 +570,76 @@ def _from_structure(form, space: MaskSpace) -> torch.Tensor:
     return q_ids[:, :, None] == kv_ids[:, None, :]
 
 
-@pytest.mark.parametrize("name", ["causal", "bottom_right", "window", "lengths", "starts", "documents",
-                                  "split_documents", "causal_documents", "sequence_causal"])
-def test_structure_describes_the_element_mask(name):
-    """Each structured leaf's ``structure(space)`` describes exactly the mask ``tile`` gives
-    (the triton kernels evaluate the structure instead of the mask)."""
-    space = MaskSpace(2, 1, 12, 14)
+def _structured(name: str) -> ak.masks.Mask:
     ids_q, ids_k = torch.arange(12) // 5, torch.arange(14) // 5
-    mask = {"causal": ak.causal(), "bottom_right": ak.causal("bottom_right"),
+    return {"causal": ak.causal(), "bottom_right": ak.causal("bottom_right"),
             "window": ak.sliding_window(3, 2), "lengths": ak.padding(q_lengths=[12, 7], kv_lengths=[9, 14]),
             "starts": ak.padding(kv_starts=[2, 0], kv_lengths=[9, 10], q_starts=[1, 3]),
             "documents": ak.documents(ids_q, ids_k),
             "split_documents": ak.documents(torch.tensor([0, 1] * 6), torch.tensor([1, 0] * 7)),
             "causal_documents": ak.documents(ids_q, ids_k, causal="bottom_right"),
             "sequence_causal": ak.causal(sequences=ak.padding(kv_starts=[2, 0], kv_lengths=[9, 10],
-                                                              q_lengths=[12, 7]))}[name]
+                                                              q_lengths=[12, 7])),
+            "bias&causal": ak.bias(torch.randn(2, 1, 12, 14)) & ak.causal(),
+            "dense&documents": ak.dense(torch.rand(12, 14) < 0.6) & ak.documents(ids_q, ids_k)}[name]
+
+
+@pytest.mark.parametrize("name", ["causal", "bottom_right", "window", "lengths", "starts", "documents",
+                                  "split_documents", "causal_documents", "sequence_causal"])
+def test_structure_describes_the_element_mask(name):
+    """Each structured leaf's ``structure(space)`` describes exactly the mask ``tile`` gives
+    (the triton kernels evaluate the structure instead of the mask)."""
+    space = MaskSpace(2, 1, 12, 14)
+    mask = _structured(name)
     (leaf,) = mask.leaves()
     form = leaf.structure(space)
     assert sum(field is not None for field in form) == 1
     assert (form.ids is not None) == (name == "split_documents")  # not one run per id: ids
     assert torch.equal(_from_structure(form, space), mask.to_dense(space)[:, 0].expand(2, -1, -1))
+
+
+@pytest.mark.parametrize("name", ["causal", "bottom_right", "window", "lengths", "starts", "documents",
+                                  "split_documents", "causal_documents", "sequence_causal",
+                                  "bias&causal", "dense&documents"])
+def test_a_window_of_a_mask_is_that_rectangle_of_it(name):
+    """A ring step's :func:`~attnkit.distributed.window.window`: every rectangle's element mask,
+    bias, block map and each leaf's structure are the whole mask's, at local positions."""
+    from attnkit.distributed.window import window
+
+    torch.manual_seed(0)
+    whole = MaskSpace(2, 1, 12, 14)
+    mask = inputs_mask(_structured(name), whole)
+    dense, bias = mask.to_dense(whole).expand(2, 1, 12, 14), mask.dense_bias(whole)
+    for q_off, q_count, kv_off, kv_count in ((0, 12, 0, 14), (3, 5, 6, 8), (7, 5, 0, 4), (0, 3, 11, 3)):
+        local_mask, local = window(mask, whole, q_off, q_count, kv_off, kv_count)
+        rect = (..., slice(q_off, q_off + q_count), slice(kv_off, kv_off + kv_count))
+        assert (local.q_len, local.kv_len) == (q_count, kv_count)
+        assert torch.equal(local_mask.to_dense(local).expand(2, 1, q_count, kv_count), dense[rect])
+        if bias is not None:
+            assert torch.equal(local_mask.dense_bias(local).expand(2, 1, q_count, kv_count),
+                               bias.expand(2, 1, 12, 14)[rect])
+        for block_q, block_k in ((1, 1), (2, 3), (4, 4)):
+            assert torch.equal(local_mask.block_map(block_q, block_k, local),
+                               mask.block_map(block_q, block_k, whole, q_offset=q_off, q_count=q_count,
+                                              kv_offset=kv_off, kv_count=kv_count))
+        for leaf, local_leaf in zip(mask.leaves(), local_mask.leaves()):
+            form = local_leaf.structure(local)
+            if form is None:
+                continue
+            part = leaf.to_dense(whole).expand(2, 1, 12, 14)[rect][:, 0]
+            if form.bias is not None:
+                assert torch.equal(form.bias.expand(2, 1, q_count, kv_count),
+                                   leaf.values.expand(2, 1, 12, 14)[rect])
+            else:
+                assert torch.equal(_from_structure(form, local), part), (leaf, q_off, kv_off)
+
+
+def inputs_mask(mask, space):
+    """``mask`` fitted to ``space`` as validation fits it (tensors laid over the scores)."""
+    from attnkit.inputs import validate
+    q = torch.zeros(space.batch, space.heads, space.q_len, 4)
+    k = torch.zeros(space.batch, space.heads, space.kv_len, 4)
+    return validate(q, k, k, mask).mask
 
 
 def test_leaves_flatten_and_chains_and_others_have_no_structure():

@@ -51,14 +51,32 @@ def _cases() -> list[dict]:
     return cases
 
 
+def _triton_cases() -> list[dict]:
+    """Steps on the triton kernels (interpreted): world 2 every mask and layout; world 3 those
+    whose shards cut the mask's structure most (``TRITON_WORLD3``)."""
+    cases = [dict(mask=m, layout=lay, dtype=torch.float32, backend="triton") for m in MASKS
+             for lay in LAYOUTS]
+    cases += [dict(mask="causal", layout="zigzag", dtype=torch.float32, backend="triton", **extra)
+              for extra in (dict(lse_loss=True), dict(heads_kv=4, dv=6), dict(heads_kv=1))]
+    cases.append(dict(mask="causal", layout="zigzag", dtype=torch.bfloat16, backend="triton"))
+    return cases
+
+
 def case_name(case: dict) -> str:
     extras = [key for key in ("lse_loss", "rank3") if case.get(key)]
     if "dv" in case:  # MHA (no GQA) with Dv != Dk: the engine's matmul path
         extras.append("mha_dv6")
+    if case.get("heads_kv") == 1:
+        extras.append("mqa")
+    if "backend" in case:
+        extras.append(case["backend"])
     return "-".join([case["mask"], case["layout"], str(case["dtype"]).replace("torch.", ""), *extras])
 
 
 CASES = _cases()
+TRITON_CASES = _triton_cases()
+TRITON_WORLD3 = ("causal-zigzag", "documents&causal-zigzag", "padding-zigzag", "dense-contiguous",
+                 "causal_cross-contiguous", "window-zigzag")
 
 
 def _mask(kind: str, tq: int, tk: int, batch: int, gen: torch.Generator):
@@ -94,6 +112,7 @@ def _plain_math(q, k, v, mask, scale):
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, Hq, Tk, D]
     scores = q @ k.transpose(-1, -2) * scale  # [B, Hq, Tq, Tk]
     allowed = torch.ones(1, 1, tq, tk, dtype=torch.bool)
+    mask = ak.masks.as_mask(mask)  # a tensor passed as mask=
     if mask is not None:
         space = ak.masks.MaskSpace(batch, heads, tq, tk)
         allowed = mask.to_dense(space)
@@ -162,7 +181,7 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
         out, lse = result.out.reshape(batch, heads, -1, dv), result.lse.reshape(batch, heads, -1)
     else:
         result = ring_attention(*local, mask, layout=layout, return_lse=True, block_q=BLOCK_Q,
-                                block_k=BLOCK_K, stats=stats)
+                                block_k=BLOCK_K, stats=stats, backend=case.get("backend", "tiled"))
         out, lse = result.out, result.lse
     assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     _loss(out, lse, shard(grad_out, rank, world, layout).to(dtype),
@@ -362,7 +381,24 @@ def _worker(rank: int, world: int) -> dict:
     return results
 
 
+def _triton_worker(rank: int, world: int) -> dict:
+    """The triton cases (``TRITON_INTERPRET=1`` is set before triton is imported here)."""
+    torch.set_num_threads(1)
+    failures = {}
+    for case in TRITON_CASES:
+        name = case_name(case)
+        if world == 3 and not any(name.startswith(f"{short}-") for short in TRITON_WORLD3):
+            continue
+        try:
+            _run_case(case, rank, world)
+            failures[name] = None
+        except AssertionError as error:
+            failures[name] = str(error) or "assertion failed"
+    return failures
+
+
 _RUNS: dict[int, list[dict]] = {}
+_TRITON_RUNS: dict[int, list[dict]] = {}
 
 
 def run_world(world: int) -> list[dict]:
@@ -370,6 +406,13 @@ def run_world(world: int) -> list[dict]:
     if world not in _RUNS:
         _RUNS[world] = spawn(_worker, world, threads=1)
     return _RUNS[world]
+
+
+def run_triton_world(world: int) -> list[dict]:
+    """Every rank's failures of the triton cases for ``world`` processes (started once)."""
+    if world not in _TRITON_RUNS:
+        _TRITON_RUNS[world] = spawn(_triton_worker, world, threads=1, env={"TRITON_INTERPRET": "1"})
+    return _TRITON_RUNS[world]
 
 
 # ---- the tests --------------------------------------------------------------------------------
@@ -381,6 +424,21 @@ def test_matches_single_process_reference(world, case):
     name = case_name(case)
     problems = [f"rank {rank}: {r['failures'][name]}" for rank, r in enumerate(run_world(world))
                 if r["failures"][name]]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.parametrize("case", TRITON_CASES, ids=case_name)
+def test_triton_steps_match_single_process_reference(world, case):
+    """Steps on the fused triton kernels (the mask's window over each step, LSE out of the
+    forward, the global LSE into the backward): out, lse, dq, dk, dv equal the whole-sequence
+    float64 reference, as the tiled steps do."""
+    pytest.importorskip("triton")
+    name = case_name(case)
+    runs = run_triton_world(world)
+    if name not in runs[0]:
+        pytest.skip(f"world 3 runs {TRITON_WORLD3}")
+    problems = [f"rank {rank}: {r[name]}" for rank, r in enumerate(runs) if r[name]]
     assert not problems, "\n".join(problems)
 
 

@@ -2,14 +2,17 @@
 
 Every rank holds one shard of the queries, keys and values (dim -2 is the sequence). The K/V
 shards travel around the ring, one hop per step; after P steps every query shard has met every
-key shard. Each step is computed by the tiled engine (:mod:`attnkit.backends.tiled`) at GLOBAL
-positions, so the mask is the one that would be given to ``attention`` on the whole sequence,
-and partial results are merged in fp32 with the stable LSE merge (:func:`attnkit.numerics.merge`).
+key shard. Each step is computed at GLOBAL positions, so the mask is the one that would be
+given to ``attention`` on the whole sequence, and partial results are merged in fp32 with the
+stable LSE merge (:func:`attnkit.numerics.merge`). A step runs on the fused triton kernels
+(``backend="triton"``, the choice of ``"auto"`` on CUDA), which take the whole mask's
+:func:`~attnkit.distributed.window.window` over the step's rectangle, or on the tiled engine
+(:mod:`attnkit.backends.tiled`), which takes global offsets itself.
 
 - Double buffering: the next K/V shard is already in flight while the current one is computed.
 - Skipping: a (query chunk × key chunk) pair whose block map is empty everywhere is never
   computed (most of the upper triangle of a causal mask), and its K/V still moves on.
-- Backward: each step's exact contribution to dQ, dK, dV comes from the tiled backward with the
+- Backward: each step's exact contribution to dQ, dK, dV comes from the step's backward with the
   *final* out and LSE (as FlashAttention / ring-flash-attn). dK/dV accumulators travel around
   the ring with the K/V and arrive, complete, at the rank that owns the shard.
 - ``layout="zigzag"``: the sequence is cut into 2P chunks and rank r holds chunks r and
@@ -20,7 +23,8 @@ and partial results are merged in fp32 with the stable LSE merge (:func:`attnkit
   others within that time instead of leaving them waiting for the group timeout.
 
 Tested with multi-process gloo on CPU (world sizes 1–4, float64/float32, every structured
-mask); written for NCCL on GPUs, not tested there (see docs/DISTRIBUTED.md).
+mask; the triton steps through the Triton interpreter, world sizes 2–3); written for NCCL on
+GPUs, not tested there (see docs/DISTRIBUTED.md).
 """
 
 from __future__ import annotations
@@ -34,13 +38,20 @@ import torch.distributed as dist
 
 from ..api import AttentionResult
 from ..backends.tiled import BLOCK_K, Problem, make_plan, tiled_backward, tiled_forward, uses_fused_kernel
+from ..backends.triton import backend as triton_steps
+from ..backends.triton import launch
 from ..inputs import Inputs, restore, validate
 from ..masks import Mask, MaskSpace, as_mask, digest
 from ..numerics import accum_dtype, merge
 from .comm import RingComm
+from .window import window
 
 LAYOUTS = ("contiguous", "zigzag")
 """How the global sequence is cut into shards (see :func:`shard`)."""
+
+BACKENDS = ("auto", "tiled", "triton")
+"""What computes a ring step: the fused triton kernels, the tiled engine, or ``"auto"``:
+triton for CUDA tensors it supports, else tiled."""
 
 KV_TAG, GRAD_TAG, HANDSHAKE_TAG = 0, 8, 16
 """Tag ranges of the K/V and the dK/dV transfers (both are in flight at once in backward) and
@@ -146,7 +157,8 @@ def unshard(shards: Sequence[torch.Tensor], layout: str = "contiguous", dim: int
 class RingStats:
     """What one :func:`ring_attention` call did on this rank (filled when passed as ``stats=``).
 
-    ``tiles_per_step[i]``: ``block_q × block_k`` tiles computed at ring step i (the K/V of rank
+    ``tiles_per_step[i]``: tiles (of the step backend's size, per batch element and head for
+    triton) computed at ring step i (the K/V of rank
     ``rank − i``); ``forward_tiles`` their sum; ``backward_tiles`` the same for the backward pass
     (0 until it runs). ``pairs_skipped``: (query chunk × key chunk) pairs the mask empties.
     ``bytes_sent``: bytes this rank sent (forward, plus backward once it ran).
@@ -163,14 +175,43 @@ class RingStats:
     bytes_sent: int = 0
 
 
+class _TiledStep:
+    """A step's pair on the tiled engine, its ``problem`` at global offsets."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+
+    def forward(self, q, k, v):
+        return tiled_forward(q, k, v, self.problem)
+
+    def backward(self, q, k, v, out, lse, grad_out, grad_lse):
+        # fp32 parts for fp16/bf16: rounded once, at the end
+        return tiled_backward(q, k, v, out, lse, grad_out, grad_lse, self.problem, accumulate=True)
+
+
+class _TritonStep:
+    """A step's pair on the fused triton kernels, ``plan`` built from the mask's window. Its
+    parts come in the inputs' dtype (fp16/bf16 parts are rounded before the fp32 merge)."""
+
+    def __init__(self, plan: launch.Plan):
+        self.plan = plan
+
+    def forward(self, q, k, v):
+        return triton_steps._forward(q, k, v, self.plan)
+
+    def backward(self, q, k, v, out, lse, grad_out, grad_lse):
+        return triton_steps._backward(grad_out, grad_lse, q, k, v, out, lse.contiguous(), self.plan)
+
+
 @dataclass(frozen=True)
 class _Pair:
-    """One tiled computation of a step: these local query rows against these rows of the K/V
-    shard currently held, with offsets and plan at global positions."""
+    """One computation of a step: these local query rows against these rows of the K/V shard
+    currently held, at global positions. ``step.forward(q, k, v) -> (out, lse)`` and
+    ``step.backward(q, k, v, out, lse, grad_out, grad_lse) -> (dq, dk, dv)``."""
 
     q: Piece
     kv: Piece
-    problem: Problem
+    step: Union[_TiledStep, _TritonStep]
 
 
 @dataclass
@@ -181,10 +222,29 @@ class _Ring:
     backward_timeout: float  # seconds the backward's handshake waits for the other ranks
 
 
+def pair_step(backend: str, mask: Optional[Mask], space: MaskSpace, scale: float, q_run: Piece,
+              kv_run: Piece, fused: bool = False, block_q: Optional[int] = None,
+              block_k: Optional[int] = None) -> tuple[Union[_TiledStep, _TritonStep], int]:
+    """The computation of queries ``q_run`` against keys ``kv_run`` under ``mask`` over the
+    global ``space`` on ``backend`` (``"tiled"`` or ``"triton"``), and the tiles it computes
+    (0: the mask empties the pair). ``fused``, ``block_q``, ``block_k``: the tiled engine's."""
+    if backend == "triton":
+        local_mask, local_space = window(mask, space, q_run.global_start, q_run.count,
+                                         kv_run.global_start, kv_run.count)
+        plan = launch.build_plan(local_mask, local_space, scale)
+        return _TritonStep(plan), plan.rows.visited()
+    plan = make_plan(mask, space, batch=space.batch, heads=space.heads,
+                     q_offset=q_run.global_start, q_count=q_run.count,
+                     kv_offset=kv_run.global_start, kv_count=kv_run.count,
+                     block_q=block_q, block_k=block_k or BLOCK_K, fused=fused)
+    problem = Problem(mask, scale, space, q_run.global_start, kv_run.global_start, plan)
+    return _TiledStep(problem), plan.tiles_computed()
+
+
 def _plan_steps(mask: Optional[Mask], space: MaskSpace, scale: float, local_q: int, local_kv: int,
-                comm: RingComm, layout: str, fused: bool, block_q: Optional[int],
+                comm: RingComm, layout: str, backend: str, fused: bool, block_q: Optional[int],
                 block_k: Optional[int], stats: RingStats) -> list[list[_Pair]]:
-    """Every step's non-empty pairs (plans from the mask's block map at global positions)."""
+    """Every step's non-empty pairs (from the mask's block map at global positions)."""
     rank, world = comm.rank, comm.world_size
     q_runs = pieces(local_q, rank, world, layout)
     steps = []
@@ -193,17 +253,13 @@ def _plan_steps(mask: Optional[Mask], space: MaskSpace, scale: float, local_q: i
         pairs, tiles = [], 0
         for q_run in q_runs:
             for kv_run in kv_runs:
-                plan = make_plan(mask, space, batch=space.batch, heads=space.heads,
-                                 q_offset=q_run.global_start, q_count=q_run.count,
-                                 kv_offset=kv_run.global_start, kv_count=kv_run.count,
-                                 block_q=block_q, block_k=block_k or BLOCK_K, fused=fused)
-                count = plan.tiles_computed()
+                step, count = pair_step(backend, mask, space, scale, q_run, kv_run, fused, block_q,
+                                        block_k)
                 if count == 0:
                     stats.pairs_skipped += 1
                     continue
                 tiles += count
-                pairs.append(_Pair(q_run, kv_run, Problem(mask, scale, space, q_run.global_start,
-                                                          kv_run.global_start, plan)))
+                pairs.append(_Pair(q_run, kv_run, step))
         stats.tiles_per_step.append(tiles)
         stats.pairs_computed += len(pairs)
         steps.append(pairs)
@@ -230,8 +286,8 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
         keys, values = current
         for pair in pairs:
             rows = pair.q.rows
-            part_out, part_lse = tiled_forward(q[:, :, rows], keys[:, :, pair.kv.rows],
-                                               values[:, :, pair.kv.rows], pair.problem)
+            part_out, part_lse = pair.step.forward(q[:, :, rows], keys[:, :, pair.kv.rows],
+                                                   values[:, :, pair.kv.rows])
             out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
                                                      part_out, part_lse)
         if transfer is not None:
@@ -261,11 +317,10 @@ def _ring_backward(q, k, v, out, lse, grad_out, grad_lse, ring: _Ring,
         contributions = []
         for pair in pairs:
             rows, kv_rows = pair.q.rows, pair.kv.rows
-            dq_part, dk_part, dv_part = tiled_backward(
+            dq_part, dk_part, dv_part = pair.step.backward(
                 q[:, :, rows], keys[:, :, kv_rows], values[:, :, kv_rows], out[:, :, rows],
                 lse[:, :, rows], grad_out[:, :, rows],
-                None if grad_lse is None else grad_lse[:, :, rows], pair.problem,
-                accumulate=True)  # fp32 parts for fp16/bf16: rounded once, at the end
+                None if grad_lse is None else grad_lse[:, :, rows])
             dq[:, :, rows] += dq_part
             contributions.append((kv_rows, dk_part, dv_part))
         if grads_transfer is None:  # step 0: this rank starts the sums of its own K/V
@@ -399,12 +454,26 @@ def _disagreement(signatures: list[dict[str, str]]) -> Optional[str]:
             + "\n".join(lines) + "\nFix:\n" + "\n".join(fixes))
 
 
-def _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout, comm: RingComm,
-              ) -> tuple[Inputs, Optional[Mask], MaskSpace]:
+def _step_backend(backend: str, local: Inputs) -> str:
+    """``"tiled"`` or ``"triton"``: what runs the steps of ``backend`` (:data:`BACKENDS`) on
+    these local inputs; a ``ValueError`` when ``"triton"`` cannot."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
+    if backend == "tiled":
+        return "tiled"
+    reasons = triton_steps.TritonBackend().not_supported_reasons(local)
+    if backend == "triton" and reasons:
+        raise ValueError("backend='triton' cannot run these shards:\n  " + "\n  ".join(reasons)
+                         + "\nuse backend='tiled' (or 'auto')")
+    return "triton" if not reasons and (backend == "triton" or local.q.device.type == "cuda") else "tiled"
+
+
+def _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout, backend,
+              comm: RingComm) -> tuple[Inputs, Optional[Mask], MaskSpace, str]:
     """Check this rank's shards, then that all ranks agree; raise the same error on every rank.
 
     Returns the local :class:`Inputs` (``[B, H, T/P, D]`` views), the mask fitted to the whole
-    sequence and the global :class:`MaskSpace`.
+    sequence, the global :class:`MaskSpace` and the steps' backend (``"tiled"``/``"triton"``).
     """
     failure, result = None, None
     try:
@@ -429,7 +498,7 @@ def _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout, comm: 
             raise ValueError("ring_attention takes a bias as a constant and gives it no gradient; "
                              "detach it (bias.detach()) or use attention() on one device, whose "
                              "tiled and reference backends give dBias")
-        result = (local, whole.mask, whole.space)
+        result = (local, whole.mask, whole.space, _step_backend(backend, local))
     except (TypeError, ValueError) as error:
         failure = (type(error).__name__, str(error))
     everyone = comm.all_gather_object((failure, _signature(q, k, v, mask, layout, scale)))
@@ -452,7 +521,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
                    return_lse: bool = False, block_q: Optional[int] = None,
                    block_k: Optional[int] = None, stats: Optional[RingStats] = None,
-                   backward_timeout: Optional[float] = None,
+                   backward_timeout: Optional[float] = None, backend: str = "auto",
                    ) -> Union[torch.Tensor, AttentionResult]:
     """Exact attention over a sequence sharded across the ranks of ``group``; call on every rank.
 
@@ -470,6 +539,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         layout: ``"contiguous"`` or ``"zigzag"`` (balanced causal work; the local length must
             be even).
         block_q, block_k: tile sizes of the tiled engine (default: its own choice).
+        backend: what computes each step (:data:`BACKENDS`): ``"triton"`` (fused kernels; CPU
+            tensors through the Triton interpreter), ``"tiled"``, or ``"auto"``: triton for
+            CUDA tensors it supports (float32/float16/bfloat16, head dims ≤ 256), else tiled.
         stats: a :class:`RingStats` to fill with this rank's computed tiles and traffic.
         backward_timeout: seconds the backward waits for every other rank to reach it (default
             ``None``: :data:`BACKWARD_TIMEOUT`, read at each call).
@@ -484,14 +556,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     comm = RingComm(group)
     if backward_timeout is None:
         backward_timeout = BACKWARD_TIMEOUT
-    local, fitted, space = _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout,
-                                     comm)
+    local, fitted, space, step_backend = _validate(q, k, v, mask, scale, layout, return_lse,
+                                                   backward_timeout, backend, comm)
     stats = stats if stats is not None else RingStats()
     stats.rank, stats.world_size, stats.layout = comm.rank, comm.world_size, layout
     stats.tiles_per_step, stats.pairs_computed, stats.pairs_skipped = [], 0, 0
     stats.backward_tiles, stats.bytes_sent = 0, 0
     steps = _plan_steps(fitted, space, local.scale, local.q.shape[2], local.k.shape[2], comm,
-                        layout, uses_fused_kernel(local.q, local.v, 0.0), block_q, block_k, stats)
+                        layout, step_backend, uses_fused_kernel(local.q, local.v, 0.0), block_q,
+                        block_k, stats)
     out, lse = _RingAttention.apply(local.q, local.k, local.v,
                                     _Ring(comm, steps, stats, float(backward_timeout)))
     out = restore(out, local)

@@ -502,9 +502,16 @@ def layout(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> Layout:
 
 def make_plan(inputs: Inputs, options: TritonOptions = TritonOptions()) -> Plan:
     """The plan of one call: its scale, mode and options, and the mask's (cached) layout."""
+    return build_plan(inputs.mask, inputs.space, inputs.scale, options)
+
+
+def build_plan(mask: Optional[Mask], space: MaskSpace, scale: float,
+               options: TritonOptions = TritonOptions()) -> Plan:
+    """The plan of attention under ``mask`` over ``space`` (``[B, H, Tq, Tk]``) with ``scale``
+    (ring attention's steps build theirs from a window of the whole mask)."""
     interpret = interpreting()
     tiles = options.tiles or (INTERPRETER_TILES if interpret else GPU_TILES)
-    return Plan(inputs.scale, interpret, tiles, layout(inputs.mask, inputs.space, tiles), options)
+    return Plan(scale, interpret, tiles, layout(mask, space, tiles), options)
 
 
 def stores_ds(q: torch.Tensor, plan: Plan) -> bool:
