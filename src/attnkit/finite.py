@@ -67,20 +67,21 @@ def checked(inputs: Inputs) -> bool:
 
 
 def suspect(inputs: Inputs, out: torch.Tensor, lse: Optional[torch.Tensor]) -> bool:
-    """Whether q, ``out``, ``lse`` (or K/V, see :data:`KV_CHECK_MIN_ROWS`) hold NaN/inf, so the
-    call must be recomputed on cleaned inputs. NaN and ±inf propagate into a sum (a finite
-    tensor whose sum overflows only costs a recomputation that finds nothing to clean); the
-    LSE enters clamped at 0, since its −inf (a fully masked row) is no problem. Small calls
-    sum one concatenation (one reduction instead of one per tensor: their cost is the number
-    of operations); either way one host read."""
+    """Whether the call must be recomputed on cleaned inputs: q, K and V hold NaN/inf, or,
+    where K/V are not summed (:data:`KV_CHECK_MIN_ROWS`), q, ``out`` or ``lse`` do (a
+    non-finite K/V value a row reads shows in its out or LSE). With every input finite the
+    results need no look: a recomputation would find nothing to clean. NaN and ±inf propagate
+    into a sum (a finite tensor whose sum overflows only costs a recomputation that finds
+    nothing to clean); the LSE enters clamped at 0, since its −inf (a fully masked row) is no
+    problem. Small calls sum one concatenation (one reduction instead of one per tensor: their
+    cost is the number of operations); either way one host read."""
     dtype = torch.float64 if inputs.q.dtype == torch.float64 else torch.float32
     k, v = inputs.k, inputs.v
     with torch.no_grad() if inputs.need_grad else contextlib.nullcontext():
-        parts = [inputs.q, out]
         if inputs.q.shape[2] >= KV_CHECK_MIN_ROWS or max(k.numel(), v.numel()) <= KV_CHECK_MAX_ELEMENTS:
-            parts += [k, v]
-        if lse is not None:
-            parts.append(lse.clamp(min=0))
+            parts = [inputs.q, k, v]
+        else:
+            parts = [inputs.q, out] + ([] if lse is None else [lse.clamp(min=0)])
         if sum(p.numel() for p in parts) <= SMALL_CALL_ELEMENTS:
             return not math.isfinite(torch.cat([p.reshape(-1) for p in parts]).sum(dtype=dtype).item())
         return not all(map(math.isfinite, torch.stack([p.sum(dtype=dtype) for p in parts]).tolist()))
