@@ -20,9 +20,10 @@ from . import launch
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: launch.Plan,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             mods: launch.ScoreMods = launch.NO_MODS) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [B, H, Tq, Dk]``, ``k [B, Hkv, Tk, Dk]``, ``v [B, Hkv, Tk, Dv]`` → ``out [B, H, Tq, Dv]``
-    (q's dtype) and ``lse [B, H, Tq]`` (float32, natural log, −inf on fully masked rows)."""
+    (q's dtype) and ``lse [B, H, Tq]`` (float32, natural log, −inf on fully masked rows), the
+    scores modified by ``mods``."""
     batch, heads, q_len, _ = q.shape
     out = torch.empty(batch, heads, q_len, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
@@ -30,16 +31,20 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: launch.Pla
         return out, lse.fill_(float("-inf"))
     if k.shape[2] == 0:  # no keys at all: every row is fully masked
         return out.zero_(), lse.fill_(float("-inf"))
-    launch.forward_call(q, k, v, out, lse, plan).run(plan)
+    launch.forward_call(q, k, v, out, lse, plan, mods).run(plan)
     return out, lse
 
 
 def _backward(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, plan: launch.Plan,
+              mods: launch.ScoreMods = launch.NO_MODS, dslope: Optional[torch.Tensor] = None,
+              ddiag: Optional[torch.Tensor] = None,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``dq [B, H, Tq, Dk]``, ``dk [B, Hkv, Tk, Dk]``, ``dv [B, Hkv, Tk, Dv]``, recomputed
     from (q, k, v, out, lse). ``dlse [B, H, Tq]`` (or ``None``) is the gradient of the LSE: since
-    ∂lse/∂s = p, it enters as ``Δ − dlse`` in ``ds = p ∘ (dp − Δ)``."""
+    ∂lse/∂s = p, it enters as ``Δ − dlse`` in ``ds = p ∘ (dp − Δ)``. The gradients of the
+    modifiers' ALiBi slopes and relative-bias vector are added into ``dslope`` and ``ddiag``
+    (float32 zeros shaped as ``mods.slopes`` and ``mods.diag``; ``None``: not wanted)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -50,14 +55,15 @@ def _backward(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor,
     lse2 = torch.empty_like(delta)
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    if launch.stores_ds(q, plan):  # statistics, dK/dV storing dS, dQ = dS·K
+    if launch.stores_ds(q, plan, mods):  # statistics, dK/dV storing dS, dQ = dS·K
         ds = launch.ds_buffer(q, plan)
         launch.stats_call(out, dout, lse, dlse, lse2, delta, plan).run(plan)
         launch.dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan, ds).run(plan)
         launch.dq_stored_call(q, k, v, ds, dq, plan).run(plan)
     else:
-        launch.dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, dq, plan).run(plan)
-        launch.dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan).run(plan)
+        launch.dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, dq, plan, mods, dslope,
+                       ddiag).run(plan)
+        launch.dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan, mods=mods).run(plan)
     return dq, dk, dv
 
 

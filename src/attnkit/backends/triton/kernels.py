@@ -22,6 +22,12 @@ tensors), never imported by name: Triton decides at decoration time which one it
   offsets against per-tile scalars (:func:`_allowed`), which the compiler folds into each
   thread's constant offsets. ``BOUNDS``: a length is not a multiple of the sparse blocks (the
   host marks ragged blocks PARTIAL, so FULL tiles never check bounds).
+- **Score modifiers** (:data:`~attnkit.backends.triton.launch.ModArgs`, one argument ``mods``)
+  run in every tile, FULL ones too, on the scaled scores in natural units before the mask:
+  a soft cap ``cap·tanh(s/cap)``, ALiBi ``slope·(k − q − shift)`` computed from positions, and
+  a per-head bias by relative position ``k − q`` read from a vector (a relative-position
+  table already looked up per distance, O(Tq + Tk)). The dQ kernel adds their parameters'
+  gradients by atomics: one per tile for the slope, one per score for the vector.
 - **TMA** (``TMA`` from the config, ``TMA_OK`` from the host): walked tiles come by tensor
   descriptors made in the kernel (they zero-fill past the ends), else by pointers.
 - Head dims are padded to powers of two (``DK_PAD``/``DV_PAD``; ``EVEN_*``: no padding).
@@ -42,9 +48,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 # ``tl.constexpr``; inside, each pass hands its tiles one tuple of what they share.
 Common = namedtuple("Common", [
     "b", "h", "q_len", "kv_len", "head_dk", "head_dv", "qk_scale", "mask", "own", "offs_dk",
-    "offs_dv", "BOUNDS", "EVEN_DK", "EVEN_DV", "PRECISION", "UPCAST", "USE_TMA"])
+    "offs_dv", "BOUNDS", "EVEN_DK", "EVEN_DV", "PRECISION", "UPCAST", "USE_TMA", "mods"])
 """What every tile of a program needs: its (batch, head), sizes, the base-2 scale, the mask
-program and its own rows' part (:func:`_own_rows`), head-dim offsets and switches."""
+program and its own rows' part (:func:`_own_rows`), head-dim offsets and switches, and the
+score modifiers."""
 
 Walked = namedtuple("Walked", ["src", "s_t", "s_d", "length", "dim"])
 """A walked tensor of one head: a pointer base with row/column strides, or a TMA descriptor.
@@ -68,6 +75,21 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in float32 (the interpreter has no libdevice tanh): an odd Taylor polynomial
+    below 1/4 (no cancellation near 0; error below 1e-10 there), ``(1 − e)/(1 + e)`` with
+    ``e = exp(−2|x|)`` above, the sign restored."""
+    a = tl.abs(x)
+    a2 = a * a
+    small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (
+        62.0 / 2835.0 + a2 * (-1382.0 / 155925.0))))))
+    e = tl.math.exp2(a * (-2.0 * LOG2E))
+    large = (1.0 - e) / (1.0 + e)
+    t = tl.where(a < 0.25, small, large)
+    return tl.where(x < 0.0, -t, t)
 
 
 @triton.jit
@@ -330,14 +352,53 @@ def _masked(s, q_start, k_start, c, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def _relative(s, q_start, k_start, TRANSPOSED: tl.constexpr):
+    """Key minus query position of every entry of a tile shaped as ``s`` (``[M, N]``,
+    TRANSPOSED ``[N, M]``) → int32, ``s``'s shape."""
+    if TRANSPOSED:
+        rel = (k_start + tl.arange(0, s.shape[0]))[:, None] - (q_start + tl.arange(0, s.shape[1]))[None, :]
+    else:
+        rel = (k_start + tl.arange(0, s.shape[1]))[None, :] - (q_start + tl.arange(0, s.shape[0]))[:, None]
+    return rel
+
+
+@triton.jit
+def _modified(s, q_start, k_start, c, TRANSPOSED: tl.constexpr):
+    """Raw scores ``s`` (unscaled ``q·kᵀ``) → the modified scores in base 2, and the soft
+    cap's derivative ``1 − tanh²`` (1.0 without one): scale, cap, ALiBi, relative bias."""
+    s = s * (c.qk_scale * LN2)
+    slope_of = 1.0
+    if c.mods.HAS_CAP:
+        t = _tanh(s / c.mods.cap)
+        s = c.mods.cap * t
+        slope_of = 1.0 - t * t
+    if c.mods.HAS_ALIBI or c.mods.HAS_DIAG:
+        rel = _relative(s, q_start, k_start, TRANSPOSED)
+        if c.mods.HAS_ALIBI:
+            slope = tl.load(c.mods.slopes + c.b * c.mods.s_slopes[0] + c.h * c.mods.s_slopes[1])
+            s = s + slope.to(tl.float32) * (rel - c.mods.shift).to(tl.float32)
+        if c.mods.HAS_DIAG:
+            at = rel + c.mods.diag_off
+            s = s + tl.load(c.mods.diag + c.h * c.mods.s_diag[0] + at * c.mods.s_diag[1],
+                            mask=(at >= 0) & (at < c.mods.diag_len), other=0.0).to(tl.float32)
+    return s * LOG2E, slope_of
+
+
+@triton.jit
 def _scores(x, y, q_start, k_start, c, partial, TRANSPOSED: tl.constexpr):
     """Base-2 scores ``x @ yᵀ · qk_scale`` of query rows from ``q_start`` and key rows from
     ``k_start`` (``x`` = q ``[M, D]``, ``y`` = k ``[N, D]`` → ``[M, N]``; TRANSPOSED: ``x`` = k,
-    ``y`` = q → ``[N, M]``), through :func:`_masked` when ``partial``. Without a bias the mask
-    only selects, so it applies to the raw scores and the scale comes last (the caller's
-    ``exp2(s2 − lse)`` is then one FMA per score, as in FULL tiles)."""
+    ``y`` = q → ``[N, M]``), modified (:func:`_modified`), through :func:`_masked` when
+    ``partial``; and the soft cap's derivative (1.0 without one). Without a bias or modifier
+    the mask only selects, so it applies to the raw scores and the scale comes last (the
+    caller's ``exp2(s2 − lse)`` is then one FMA per score, as in FULL tiles)."""
     s = _dot(x, tl.trans(y), c.PRECISION, c.UPCAST)
-    if c.mask.HAS_BIAS:
+    slope_of = 1.0
+    if c.mods.ANY:
+        s, slope_of = _modified(s, q_start, k_start, c, TRANSPOSED)
+        if partial:
+            s = _masked(s, q_start, k_start, c, TRANSPOSED)
+    elif c.mask.HAS_BIAS:
         s = s * c.qk_scale
         if partial:
             s = _masked(s, q_start, k_start, c, TRANSPOSED)
@@ -345,7 +406,7 @@ def _scores(x, y, q_start, k_start, c, partial, TRANSPOSED: tl.constexpr):
         if partial:
             s = _masked(s, q_start, k_start, c, TRANSPOSED)
         s = s * c.qk_scale
-    return s
+    return s, slope_of
 
 
 # ---- forward ----------------------------------------------------------------------------------
@@ -366,8 +427,8 @@ def _fwd_tile(state, c, ctx, t, start_n, partial, MAY_PARTIAL: tl.constexpr):
     bounded: tl.constexpr = c.BOUNDS and MAY_PARTIAL
     k = _load_walked(ctx.k, start_n, offs_n, c.offs_dk, bounded, c.EVEN_DK, c.USE_TMA)  # [N, DK]
     v = _load_walked(ctx.v, start_n, offs_n, c.offs_dv, bounded, c.EVEN_DV, c.USE_TMA)  # [N, DV]
-    if c.mask.HAS_BIAS:  # scaled scores, bias added in base 2
-        s2 = _scores(ctx.q, k, ctx.q_start, start_n, c, partial, False)
+    if c.mask.HAS_BIAS or c.mods.ANY:  # scaled (and modified) scores, bias added in base 2
+        s2, _ = _scores(ctx.q, k, ctx.q_start, start_n, c, partial, False)
         m_new = tl.maximum(m_i, tl.max(s2, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s2 - m_sub[:, None])
@@ -388,7 +449,7 @@ def _fwd_tile(state, c, ctx, t, start_n, partial, MAY_PARTIAL: tl.constexpr):
 
 @triton.jit(do_not_specialize=SIZES)
 def attn_fwd(Q, K, V, Out, Lse, s_q, s_k, s_v, s_out, s_lse,
-             heads, group, q_len, kv_len, head_dk, head_dv, qk_scale, lists, mask, TUNE_KEY,
+             heads, group, q_len, kv_len, head_dk, head_dv, qk_scale, lists, mask, mods, TUNE_KEY,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_Q: tl.constexpr,
              SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
              EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
@@ -414,7 +475,7 @@ def attn_fwd(Q, K, V, Out, Lse, s_q, s_k, s_v, s_out, s_lse,
     m_i, l_i, acc = _walk(
         _fwd_tile, state, Common(b, h, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own,
                                  offs_dk, offs_dv, BOUNDS, EVEN_DK, EVEN_DV, PRECISION, UPCAST,
-                                 USE_TMA),
+                                 USE_TMA, mods),
         FwdCtx(q, q_start, k, v, BLOCK_N), lists, b, h, q_start // SPARSE_Q, SPARSE_K, BLOCK_N,
         ONE_LOOP, False)
     empty = l_i == 0.0  # no allowed key: output 0, LSE -inf
@@ -459,17 +520,28 @@ def _dq_tile(dq, c, ctx, t, start_n, partial, MAY_PARTIAL: tl.constexpr):
     bounded: tl.constexpr = c.BOUNDS and MAY_PARTIAL
     k = _load_walked(ctx.k, start_n, offs_n, c.offs_dk, bounded, c.EVEN_DK, c.USE_TMA)  # [N, DK]
     v = _load_walked(ctx.v, start_n, offs_n, c.offs_dv, bounded, c.EVEN_DV, c.USE_TMA)  # [N, DV]
-    s2 = _scores(ctx.q, k, ctx.q_start, start_n, c, partial, False)  # [M, N]
+    s2, slope_of = _scores(ctx.q, k, ctx.q_start, start_n, c, partial, False)  # [M, N]
     p = tl.math.exp2(s2 - ctx.lse2[:, None])
     dp = _dot(ctx.do, tl.trans(v), c.PRECISION, c.UPCAST)  # [M, N]
-    ds = p * (dp - ctx.delta[:, None])
+    ds = p * (dp - ctx.delta[:, None])  # the gradient of the modified scores
+    if c.mods.GRAD_SLOPE or c.mods.GRAD_DIAG:
+        rel = _relative(ds, ctx.q_start, start_n, False)
+        if c.mods.GRAD_SLOPE:  # d slope = Σ ds · (k − q − shift)
+            tl.atomic_add(c.mods.dslope + c.b * c.mods.s_dslope[0] + c.h * c.mods.s_dslope[1],
+                          tl.sum(tl.sum(ds * (rel - c.mods.shift).to(tl.float32), 1), 0))
+        if c.mods.GRAD_DIAG:  # d vector[k − q] = Σ ds along the diagonal
+            at = rel + c.mods.diag_off
+            tl.atomic_add(c.mods.ddiag + c.h * c.mods.s_ddiag[0] + at * c.mods.s_ddiag[1], ds,
+                          mask=(at >= 0) & (at < c.mods.diag_len) & (ds != 0.0))
+    if c.mods.HAS_CAP:
+        ds = ds * slope_of
     return dq + _dot(ds.to(k.dtype), k, c.PRECISION, c.UPCAST)
 
 
 @triton.jit(do_not_specialize=SIZES)
 def attn_bwd_dq(Q, K, V, dOut, Out, Lse, dLse, Lse2, Delta, dQ, s_q, s_k, s_v, s_dout, s_out, s_dq,
                 heads, group, q_len, kv_len, head_dk, head_dv, qk_scale, sm_scale, lists, mask,
-                TUNE_KEY, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_Q: tl.constexpr,
+                mods, TUNE_KEY, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_Q: tl.constexpr,
                 SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                 EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
                 UPCAST: tl.constexpr, ONE_LOOP: tl.constexpr, TMA: tl.constexpr,
@@ -493,7 +565,7 @@ def attn_bwd_dq(Q, K, V, dOut, Out, Lse, dLse, Lse2, Delta, dQ, s_q, s_k, s_v, s
     own = _own_rows(offs_m, b, q_len, mask, False)
     dq = _walk(_dq_tile, tl.zeros([BLOCK_M, DK_PAD], dtype=tl.float32),
                Common(b, h, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, offs_dk,
-                      offs_dv, BOUNDS, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA),
+                      offs_dv, BOUNDS, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA, mods),
                DqCtx(q, do, lse2, delta, q_start, k, v, BLOCK_N), lists, b, h,
                q_start // SPARSE_Q, SPARSE_K, BLOCK_N, ONE_LOOP, True)
     _store_tile(dQ + b * s_dq[0] + h * s_dq[1], offs_m, offs_dk, s_dq, q_len, head_dk,
@@ -534,11 +606,14 @@ def _dkdv_tile(state, c, ctx, t, start_m, partial, MAY_PARTIAL: tl.constexpr):
     else:
         lse2 = tl.load(ctx.lse2 + offs_m)
         delta = tl.load(ctx.delta + offs_m)
-    s2_t = _scores(ctx.k, q, start_m, ctx.k_start, c, partial, True)  # [N, M]
+    s2_t, slope_of = _scores(ctx.k, q, start_m, ctx.k_start, c, partial, True)  # [N, M]
     p_t = tl.math.exp2(s2_t - lse2[None, :])
     dv += _dot(p_t.to(do.dtype), do, c.PRECISION, c.UPCAST)
     dp_t = _dot(ctx.v, tl.trans(do), c.PRECISION, c.UPCAST)  # [N, M]
-    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if c.mods.HAS_CAP:
+        ds_t = ds_t * slope_of
+    ds_t = ds_t.to(q.dtype)
     if ctx.stored.STORE:
         at = _ds_at(ctx, t, start_m)
         if ctx.stored.BY_TMA:
@@ -555,7 +630,7 @@ def _dkdv_tile(state, c, ctx, t, start_m, partial, MAY_PARTIAL: tl.constexpr):
 @triton.jit(do_not_specialize=SIZES + ["heads_kv"])
 def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV, s_q, s_k, s_v, s_dout, s_dk, s_dv,
                   heads, heads_kv, group, q_len, kv_len, head_dk, head_dv, qk_scale, sm_scale,
-                  lists, mask, stored, TUNE_KEY,
+                  lists, mask, mods, stored, TUNE_KEY,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_Q: tl.constexpr,
                   SPARSE_K: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
                   EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
@@ -595,7 +670,7 @@ def attn_bwd_dkdv(Q, K, V, dOut, Lse2, Delta, dK, dV, s_q, s_k, s_v, s_dout, s_d
         ds_head = (b * stored.s_ds[0] + h * stored.s_ds[1] + (k_start % SPARSE_K) * SPARSE_Q)
         state = _walk(_dkdv_tile, state,
                       Common(b, h, q_len, kv_len, head_dk, head_dv, qk_scale, mask, own, offs_dk,
-                             offs_dv, BOUNDS, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA),
+                             offs_dv, BOUNDS, EVEN_DK, EVEN_DV, PRECISION, UPCAST, USE_TMA, mods),
                       DkdvCtx(k, v, k_start, q, do, lse2, delta, stored, ds_dst, ds_head,
                               slot_row, BLOCK_M, SPARSE_Q),
                       lists, b, h, col, SPARSE_Q, BLOCK_M, ONE_LOOP, True)
@@ -673,7 +748,7 @@ def attn_bwd_dq_stored(K, dQ, s_k, s_dq, heads, group, q_len, kv_len, head_dk, h
                   + tl.arange(0, BLOCK_M)[None, :])
     dq = _walk(_dq_stored_tile, tl.zeros([BLOCK_M, DK_PAD], dtype=tl.float32),
                Common(b, h, q_len, kv_len, head_dk, head_dv, 0.0, None, None, offs_dk, offs_dk,
-                      BOUNDS, EVEN_DK, EVEN_DK, PRECISION, UPCAST, USE_TMA),
+                      BOUNDS, EVEN_DK, EVEN_DK, PRECISION, UPCAST, USE_TMA, None),
                DqStoredCtx(k, ds_src, ds_at, s[3], BLOCK_N, SPARSE_Q, SPARSE_K), lists, b, h,
                row, SPARSE_K, BLOCK_N, True, False)
     tl.store(_tile_ptrs(dQ + b * s_dq[0] + h * s_dq[1], offs_m, offs_dk, s_dq[2], s_dq[3]),

@@ -216,6 +216,10 @@ MaskArgs = namedtuple("MaskArgs", [
 Lists = namedtuple("Lists", ["num_partial", "num_full", "index", "s_n", "s_i",
                              "PARTIAL_STRIDED", "FULL_STRIDED"])
 Stored = namedtuple("Stored", ["ds", "slots", "s_ds", "rows", "STORE", "BY_TMA"])
+ModArgs = namedtuple("ModArgs", [
+    "cap", "slopes", "s_slopes", "shift", "diag", "s_diag", "diag_off", "diag_len", "dslope",
+    "s_dslope", "ddiag", "s_ddiag", "HAS_CAP", "HAS_ALIBI", "HAS_DIAG", "GRAD_SLOPE",
+    "GRAD_DIAG", "ANY"])
 """Kernel arguments, one tuple each; upper-case fields are ``tl.constexpr``. ``MaskArgs``
 (:meth:`MaskProgram.args`): the band bounds, lengths ``[B]`` with their batch stride,
 documents (ids ``[B, T]`` or ranges ``[B, T, 2]``) with ``(batch, position)`` strides, the
@@ -223,7 +227,48 @@ dense int8 and bias views with their four strides; unused tensors are placeholde
 ``Lists`` (:meth:`BlockLists.args`): counts ``[B, H, R]`` and entries ``[B, H, R, C]`` with
 their strides. ``Stored`` (:func:`_stored`): the dS buffer (:func:`ds_buffer`), the slots
 (:attr:`Layout.slots`), the buffer's first four strides and its size over ``SPARSE_Q``,
-whether dK/dV stores dS and by TMA."""
+whether dK/dV stores dS and by TMA. ``ModArgs`` (:meth:`ScoreMods.args`): the score
+modifiers and, for dQ, the buffers their parameters' gradients are added into."""
+
+
+@dataclass(frozen=True)
+class ScoreMods:
+    """Score modifiers as the kernels apply them, to the scaled scores ``s`` (natural units)
+    of query ``q`` and key ``k`` (local positions), in this order: ``cap·tanh(s/cap)``
+    (``cap``), ``+ slopes[b, h]·(k − q − shift)`` (``slopes`` float ``[1|B, H]``), ``+
+    diag[h, k − q + diag_off]`` (``diag`` float ``[H, L]``: a relative-position bias looked up
+    per distance; distances outside ``[0, L)`` add 0). Their gradients (:func:`dq_call`):
+    ``dslope`` shaped as ``slopes`` and ``ddiag`` as ``diag``, float32, added into."""
+
+    cap: Optional[float] = None
+    slopes: Optional[torch.Tensor] = None
+    shift: int = 0
+    diag: Optional[torch.Tensor] = None
+    diag_off: int = 0
+
+    @property
+    def any(self) -> bool:
+        return self.cap is not None or self.slopes is not None or self.diag is not None
+
+    def flags(self) -> tuple[bool, bool, bool]:
+        return self.cap is not None, self.slopes is not None, self.diag is not None
+
+    def args(self, placeholder: torch.Tensor, dslope: Optional[torch.Tensor] = None,
+             ddiag: Optional[torch.Tensor] = None) -> ModArgs:
+        """The kernels' :data:`ModArgs`; unused tensors are ``placeholder`` with zero strides."""
+        import triton.language as tl
+
+        def given(t):  # a dim of size 1 is broadcast (slopes [1, H] over the batch)
+            return (placeholder, (0, 0)) if t is None else (
+                t, tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride())))
+        diag_len = 0 if self.diag is None else self.diag.shape[-1]
+        return ModArgs(float(self.cap or 0.0), *given(self.slopes), self.shift, *given(self.diag),
+                       self.diag_off, diag_len, *given(dslope), *given(ddiag),
+                       *(tl.constexpr(flag) for flag in (*self.flags(), dslope is not None,
+                                                         ddiag is not None, self.any)))
+
+
+NO_MODS = ScoreMods()
 
 
 @dataclass
@@ -514,8 +559,11 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, scale: float,
     return Plan(scale, interpret, tiles, layout(mask, space, tiles), options)
 
 
-def stores_ds(q: torch.Tensor, plan: Plan) -> bool:
-    """Whether this backward stores dS (:attr:`TritonOptions.backward`)."""
+def stores_ds(q: torch.Tensor, plan: Plan, mods: "ScoreMods" = None) -> bool:
+    """Whether this backward stores dS (:attr:`TritonOptions.backward`); never with score
+    modifiers (:class:`ScoreMods`: dQ adds their parameters' gradients as it recomputes)."""
+    if mods is not None and mods.any:
+        return False
     if plan.options.backward != "auto":
         return plan.options.backward == "stored_ds"
     sparse = 2 * plan.layout.slots[1] <= plan.codes.shape[-1]
@@ -732,26 +780,30 @@ def _has_tma(device: torch.device, interpret: bool) -> bool:
     return interpret or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def forward_call(q, k, v, out, lse, plan: Plan) -> Call:
+def forward_call(q, k, v, out, lse, plan: Plan, mods: ScoreMods = NO_MODS) -> Call:
     """The forward filling ``out [B, H, Tq, Dv]`` and ``lse [B, H, Tq]`` (float32)."""
     call = _template(plan, "attn_fwd", dict(Q=q, K=k, V=v, Out=out, Lse=lse),
                      lambda: _common(q, k, v, plan), _grid(q.shape[2], "BLOCK_M", q.shape[0] * q.shape[1]),
-                     plan.tiles.fwd)
-    return _per_call(call, TMA_OK=_tma_ok(plan, k, v))
+                     plan.tiles.fwd, extra=(mods.flags(),))
+    return _per_call(call, TMA_OK=_tma_ok(plan, k, v), mods=mods.args(plan.rows.num_partial))
 
 
-def dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, dq, plan: Plan) -> Call:
+def dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, dq, plan: Plan,
+            mods: ScoreMods = NO_MODS, dslope: Optional[torch.Tensor] = None,
+            ddiag: Optional[torch.Tensor] = None) -> Call:
     """dQ ``[B, H, Tq, Dk]``, and first the row statistics for :func:`dkdv_call`: ``delta
     [B, H, Tq]`` = rowsum(dout ∘ out) − ``dlse`` (``None``: no LSE gradient) and ``lse2`` =
     ``lse`` in base 2 (``+inf`` where ``-inf``); ``lse``, ``dlse``, ``lse2``, ``delta``:
-    float32, contiguous."""
+    float32, contiguous. The modifiers' gradients are added into ``dslope``/``ddiag``
+    (:class:`ScoreMods`; ``None``: not wanted)."""
     tensors = dict(Q=q, K=k, V=v, dOut=dout, Out=out, Lse=lse, dLse=lse if dlse is None else dlse,
                    Lse2=lse2, Delta=delta, dQ=dq)
     call = _template(plan, "attn_bwd_dq", tensors, lambda: dict(_common(q, k, v, plan),
                                                                  HAS_DLSE=dlse is not None),
                      _grid(q.shape[2], "BLOCK_M", q.shape[0] * q.shape[1]), plan.tiles.dq,
-                     extra=(dlse is not None,))
-    return _per_call(call, TMA_OK=_tma_ok(plan, k, v))
+                     extra=(dlse is not None, mods.flags(), dslope is not None, ddiag is not None))
+    return _per_call(call, TMA_OK=_tma_ok(plan, k, v),
+                     mods=mods.args(plan.rows.num_partial, dslope, ddiag))
 
 
 def _stored(plan: Plan, ds: Optional[torch.Tensor]) -> Stored:
@@ -766,7 +818,7 @@ def _stored(plan: Plan, ds: Optional[torch.Tensor]) -> Stored:
 
 
 def dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan: Plan,
-              ds: Optional[torch.Tensor] = None) -> Call:
+              ds: Optional[torch.Tensor] = None, mods: ScoreMods = NO_MODS) -> Call:
     """dK ``[B, Hkv, Tk, Dk]`` and dV ``[B, Hkv, Tk, Dv]`` from the row statistics ``lse2``,
     ``delta`` (written before it), and given ``ds`` (:func:`ds_buffer`) every tile's dS there.
     Storing dS changes which config is fastest: its own tunings (bit 30 of ``TUNE_KEY``)."""
@@ -776,9 +828,9 @@ def dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan: Plan,
     call = _template(plan, "attn_bwd_dkdv", dict(Q=q, K=k, V=v, dOut=dout, Lse2=lse2, Delta=delta,
                                                  dK=dk, dV=dv),
                      build, _grid(k.shape[2], "BLOCK_N", k.shape[0] * k.shape[1]), plan.tiles.dkdv,
-                     extra=(None if ds is None else (ds.shape, ds.dtype),))
+                     extra=(None if ds is None else (ds.shape, ds.dtype), mods.flags()))
     # with GQA the kernel would remake the descriptors per query head: pointers there
-    return _per_call(call, stored=_stored(plan, ds),
+    return _per_call(call, stored=_stored(plan, ds), mods=mods.args(plan.rows.num_partial),
                      TMA_OK=q.shape[1] == k.shape[1] and _tma_ok(plan, q, dout, lse2, delta))
 
 
