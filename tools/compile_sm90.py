@@ -1,7 +1,8 @@
 """Build the triton backend's kernels for sm90 without a GPU and report what ptxas made of them.
 
     python tools/compile_sm90.py [--dims 64,128,256] [--mask causal|window|documents]
-                                 [--only attn_fwd,...] [--out results/]
+                                 [--mods softcap|alibi|relative|all] [--only attn_fwd,...]
+                                 [--out results/]
 
 For each kernel (forward; dQ; dK/dV; dK/dV storing dS; dQ from stored dS; the statistics) and
 each autotune candidate of its head-dim bucket (``launch.CONFIGS``), and for the split-key
@@ -69,8 +70,27 @@ def sass_loops(compiled) -> Optional[list[int]]:
     return loop_sizes(listing.stdout) if listing.returncode == 0 else None
 
 
-def calls(d: int, mask_name: str) -> dict:
-    """The launches of one forward and backward (both backwards) at head dim ``d``."""
+MODS = ("", "softcap", "alibi", "relative", "all")
+"""``--mods`` choices: the score modifiers the kernels are built with (``all``: the three, the
+slopes' and the relative vector's gradients in dQ); with any, no stored-dS kernels."""
+
+
+def score_mods(name: str, heads: int, length: int):
+    """``launch.ScoreMods`` for ``--mods name`` over ``heads`` heads and ``length`` positions,
+    and dQ's gradient buffers ``(dslope, ddiag)``."""
+    from attnkit.backends.triton import launch
+
+    on = {kind: name in (kind, "all") for kind in ("softcap", "alibi", "relative")}
+    slopes = torch.zeros(1, heads) if on["alibi"] else None
+    diag = torch.zeros(heads, 2 * length - 1) if on["relative"] else None
+    mods = launch.ScoreMods(30.0 if on["softcap"] else None, slopes, 0, diag, length - 1)
+    grads = [None if t is None else torch.zeros_like(t) for t in (slopes, diag)]
+    return mods, grads
+
+
+def calls(d: int, mask_name: str, mods_name: str = "") -> dict:
+    """The launches of one forward and backward (both backwards; with ``mods_name``, the
+    recomputing one) at head dim ``d``."""
     import attnkit as ak
     from attnkit.backends.triton import launch
     from attnkit.inputs import validate
@@ -81,12 +101,15 @@ def calls(d: int, mask_name: str) -> dict:
     plan = launch.make_plan(validate(q, q, q, mask))
     lse, delta = torch.zeros(1, 2, 512), torch.zeros(1, 2, 512)
     ds = launch.ds_buffer(q, plan)
-    made = {"attn_fwd": launch.forward_call(q, q, q, q, lse, plan),
-            "attn_bwd_dq": launch.dq_call(q, q, q, q, q, lse, None, lse, delta, q, plan),
-            "attn_bwd_dkdv": launch.dkdv_call(q, q, q, q, lse, delta, q, q, plan),
-            "attn_bwd_dkdv+ds": launch.dkdv_call(q, q, q, q, lse, delta, q, q, plan, ds),
-            "attn_bwd_dq_stored": launch.dq_stored_call(q, q, q, ds, q, plan),
-            "attn_bwd_stats": launch.stats_call(q, q, lse, None, lse, delta, plan)}
+    mods, (dslope, ddiag) = score_mods(mods_name, 2, 512)
+    made = {"attn_fwd": launch.forward_call(q, q, q, q, lse, plan, mods),
+            "attn_bwd_dq": launch.dq_call(q, q, q, q, q, lse, None, lse, delta, q, plan, mods,
+                                          dslope, ddiag),
+            "attn_bwd_dkdv": launch.dkdv_call(q, q, q, q, lse, delta, q, q, plan, mods=mods)}
+    if not mods.any:
+        made.update({"attn_bwd_dkdv+ds": launch.dkdv_call(q, q, q, q, lse, delta, q, q, plan, ds),
+                     "attn_bwd_dq_stored": launch.dq_stored_call(q, q, q, ds, q, plan),
+                     "attn_bwd_stats": launch.stats_call(q, q, lse, None, lse, delta, plan)})
     # as on sm90 (CPU tensors here): TMA allowed for the +tma candidates and the dS stores
     import triton.language as tl
     for call in made.values():
@@ -174,6 +197,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", default="64,128,256")
     parser.add_argument("--mask", choices=MASKS, default="causal")
+    parser.add_argument("--mods", choices=MODS, default="", help="score modifiers to build with")
     parser.add_argument("--only", default="", help="kernels to build, comma separated")
     parser.add_argument("--out", default=str(REPO / "results"))
     args = parser.parse_args(argv)
@@ -188,7 +212,7 @@ def main(argv=None) -> int:
     rows = []
     print("kernel               D   BM  BN  w s walk          KiB  regs  spill  fits wgmma loops")
     for d in (int(x) for x in args.dims.split(",")):
-        for label, call in calls(d, args.mask).items():
+        for label, call in calls(d, args.mask, args.mods).items():
             if only and label not in only:
                 continue
             fn = getattr(launch.kernels(), call.name)
@@ -210,7 +234,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "compile_sm90.json").write_text(json.dumps(
         {"triton": triton.__version__, "target": "sm90 (offline, no device)", "mask": args.mask,
-         "rows": rows}, indent=1))
+         "mods": args.mods, "rows": rows}, indent=1))
     return 1 if failures else 0
 
 
