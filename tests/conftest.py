@@ -466,3 +466,17 @@ def walk_options(walk: str, sparse: int, block: int, **more):
     return launch.TritonOptions(walk=walk, tiles=launch.Tiles(
         sparse_q=sparse, sparse_k=sparse, fwd=(block, block), dkdv=(block, block),
         dq=(block, block)), **more)
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """Counts the calls that validate (the others were answered by ``attnkit.api.CALLS``)."""
+    from attnkit import api
+    monkeypatch.setattr(api, "CALLS", type(api.CALLS)())
+    count, real = [], api.validate
+
+    def counted(*args, **kwargs):
+        count.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(api, "validate", counted)
+    return count

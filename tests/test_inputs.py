@@ -222,20 +222,6 @@ def test_valid_edge_inputs_do_not_raise():
 
 # ---- the call cache: validation and dispatch once per signature ---------------------------------
 
-@pytest.fixture
-def validations(monkeypatch):
-    """Counts the calls that validate (the others were answered by ``attnkit.api.CALLS``)."""
-    from attnkit import api
-    monkeypatch.setattr(api, "CALLS", type(api.CALLS)())
-    count, real = [], api.validate
-
-    def counted(*args, **kwargs):
-        count.append(1)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(api, "validate", counted)
-    return count
-
-
 def test_repeated_calls_validate_once(validations):
     """Identical calls (new tensors of the same signature) validate and dispatch once, with the
     same results as a validated call; a mask object equal by value (a band) hits too."""

@@ -2,19 +2,22 @@
 
     import attnkit as ak
     out = ak.attention(q, k, v, mask=ak.causal())
+    out = ak.attention(q, k, v, mask=ak.causal() & ak.softcap(30.0))   # a score modifier
 """
 
-from . import masks
+from . import masks, modifiers
 from .api import AttentionResult, attention, available_backends, explain_dispatch
 from .dispatch import use_backend
 from .masks import bias, causal, dense, documents, from_function, padding, sliding_window
+from .modifiers import alibi, relative_bias, score_function, sinks, softcap, t5_buckets
 
 __version__ = "0.1.0"
 
 __all__ = [
     "attention", "AttentionResult", "available_backends", "explain_dispatch", "use_backend",
-    "masks", "nn", "causal", "sliding_window",
-    "padding", "documents", "dense", "bias", "from_function", "__version__",
+    "masks", "modifiers", "nn", "causal", "sliding_window",
+    "padding", "documents", "dense", "bias", "from_function",
+    "softcap", "alibi", "relative_bias", "sinks", "score_function", "t5_buckets", "__version__",
 ]
 
 

@@ -19,8 +19,10 @@ class AttentionResult(NamedTuple):
     """What ``attention(..., return_lse=True / return_weights=True)`` returns.
 
     ``out [..., Hq, Tq, Dv]`` in the input dtype; ``lse [..., Hq, Tq]`` natural-log
-    log-sum-exp of the masked scaled scores (float32, float64 for float64 input; −inf on a
-    fully masked row) or ``None``; ``weights [..., Hq, Tq, Tk]`` (before dropout) or ``None``.
+    log-sum-exp of the masked scaled scores, after any score modifiers and with sinks in the
+    sum (float32, float64 for float64 input; −inf on a fully masked row without a sink) or
+    ``None``; ``weights [..., Hq, Tq, Tk]`` (before dropout; with sinks a row sums to less
+    than 1) or ``None``.
     """
 
     out: torch.Tensor
@@ -77,7 +79,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Args:
         mask: an attnkit mask (``causal()``, ``padding(...)``, combined with ``& | ~``), a bool
             tensor (True = may attend) or a float tensor added to the scores, broadcastable
-            to ``[..., Hq, Tq, Tk]``.
+            to ``[..., Hq, Tq, Tk]``. Score modifiers join it by ``&`` (``softcap``, ``alibi``,
+            ``relative_bias``, ``sinks``, ``score_function``; see :mod:`attnkit.modifiers`
+            for the order in which they apply).
         scale: multiplies the scores; default ``1/sqrt(Dk)``. A temperature τ is
             ``scale=1/(τ·sqrt(Dk))``.
         dropout_p: dropout on the attention weights (rescaled by ``1/(1-p)``); reproducible
@@ -92,8 +96,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     own accumulation dtypes).
 
     A query row whose keys are all masked gets output 0 and LSE −inf (never NaN), and zero
-    gradients. NaN/inf in K/V where the mask excludes them never reaches a row; in q or in
-    keys a row may attend, they make that row NaN (see :mod:`attnkit.finite`).
+    gradients (with ``sinks``: output 0, LSE sink_h). NaN/inf in K/V where the mask excludes
+    them never reaches a row; in q or in keys a row may attend, they make that row NaN (see
+    :mod:`attnkit.finite`).
     """
     device = q.device.type if isinstance(q, torch.Tensor) else "cpu"
     autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
@@ -128,6 +133,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 result = chosen.forward(cleaned.inputs)
                 result = result._replace(**{name: finite.poison(getattr(result, name), cleaned.rows)
                                             for name in ("out", "lse", "weights")})
+    if inputs.modifiers is not None and inputs.modifiers.sinks is not None:
+        # one place for every backend: the result merged with an empty one of LSE sink_h
+        result = result._replace(**dict(zip(("out", "lse", "weights"), inputs.modifiers.sinks.join(
+            result.out, result.lse, result.weights))))
     if inputs.need_grad and not chosen.DOUBLE_BACKWARD and not torch.compiler.is_compiling():
         dispatch.refuse_double_backward(result, chosen.NAME)
     out = restore(result.out, inputs)

@@ -193,6 +193,12 @@ def attention(q, k, v, mask: Mask, *, scale, dropout_p, backend, return_lse, ret
         raise ValueError(f"attnkit under torch.compile: dropout_p={dropout_p} with mask {mask!r} "
                          f"is not supported inside a compiled region; apply dropout to the "
                          f"output instead, or call attention outside torch.compile")
+    if mask.modifies:
+        raise ValueError(f"attnkit under torch.compile: score modifiers (softcap, alibi, "
+                         f"relative_bias, sinks, score_function) in mask {mask!r} are not "
+                         f"supported inside a compiled region (the compiled backward gives no "
+                         f"gradient to their tensors); call attention outside torch.compile, "
+                         f"e.g. in a function decorated with @torch.compiler.disable")
     rows = q.shape[:-2]
     batch = 1 if q.dim() == 2 else rows[0] if q.dim() == 3 else math.prod(rows[:-1])
     heads = 1 if q.dim() < 4 else rows[-1]

@@ -32,7 +32,8 @@ AUTO_RULES = (
     "than triton there; auto costs only dispatch overhead), no dropout, no weights, no "
     "differentiated LSE",
     "tiled: every other mask (skipping empty tiles beats torch with a dense mask, measured in "
-    "docs/BENCHMARKS.md), dropout, weights without autograd; O(T) memory",
+    "docs/BENCHMARKS.md), dropout, weights without autograd, score modifiers (softcap, alibi, "
+    "relative_bias, score_function; sinks run on any backend that returns an LSE); O(T) memory",
     "reference: whatever is left (returned weights with autograd); float64, O(Tq*Tk) memory",
 )
 """Human-readable dispatch rules, shown by ``attnkit info``."""

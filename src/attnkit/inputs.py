@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from .masks import Band, Mask, MaskSpace, as_mask
+from .modifiers import Modifiers, split
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -42,6 +43,9 @@ class Inputs:
     transformed: bool = False
     """The call runs under a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, …): its
     tensors are functorch wrappers."""
+    modifiers: Optional[Modifiers] = None
+    """The score modifiers (softcap, alibi, …) taken out of the caller's mask, or ``None``;
+    ``mask`` then holds only what says which keys count (see :mod:`attnkit.modifiers`)."""
 
     @property
     def space(self) -> MaskSpace:
@@ -54,9 +58,15 @@ class Inputs:
         return [] if self.mask is None else self.mask.biases()
 
     @property
+    def modifier_tensors(self) -> tuple:
+        """The modifiers' tensors (slopes, tables, sink logits, what score functions read)."""
+        return () if self.modifiers is None else self.modifiers.tensors
+
+    @property
     def grad_tensors(self) -> tuple:
-        """Every tensor a gradient can flow to: q, k, v and the mask's biases."""
-        return (self.q, self.k, self.v, *self.biases)
+        """Every tensor a gradient can flow to: q, k, v, the mask's biases and the modifiers'
+        tensors."""
+        return (self.q, self.k, self.v, *self.biases, *self.modifier_tensors)
 
     @property
     def group_size(self) -> int:
@@ -68,6 +78,8 @@ class Inputs:
         lines = [f"  {name}: shape {tuple(t.shape)}, {t.dtype}, {t.device}"
                  for name, t in (("q", self.q), ("k", self.k), ("v", self.v))]
         lines.append(f"  mask: {self.mask!r}, scale={self.scale:g}, dropout_p={self.dropout_p}")
+        if self.modifiers is not None:
+            lines.append(f"  modifiers: {self.modifiers!r}")
         return "\n".join(lines)
 
 
@@ -168,10 +180,17 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
-    mask = as_mask(mask)
+    mask, modifiers = split(as_mask(mask))
+    # sinks join the finished result through its LSE (modifiers.Sinks.join): the call needs one
+    need_lse = need_lse or (modifiers is not None and modifiers.sinks is not None)
     inputs = Inputs(q=q4, k=k4, v=v4, mask=mask, scale=float(scale), dropout_p=float(dropout_p),
                     generator=generator, batch_shape=batch_shape, input_rank=rank,
-                    need_weights=need_weights, need_lse=need_lse)
+                    need_weights=need_weights, need_lse=need_lse, modifiers=modifiers)
+    if modifiers is not None:
+        problems = modifiers.check(inputs.space)
+        if problems:
+            raise ValueError("score modifiers do not fit the inputs:\n  " + "\n  ".join(problems)
+                             + f"\nInputs (normalised to [B, H, T, D]):\n{inputs.describe()}")
     if mask is not None:
         mask = _fit_mask(mask, inputs)
         inputs.mask = mask
@@ -197,11 +216,13 @@ LAST_QUERY_CAUSAL = Band(None, 0, "bottom_right")
 class CallCache:
     """Validated calls by signature, so a model's many identical small calls validate (and pick
     a backend) once: the tensors' shapes, strides, dtypes, devices and ``requires_grad``, grad
-    mode, the mask's :meth:`~attnkit.masks.Mask.cache_key` (tensors by identity and version),
-    and every other argument. A hit rebuilds the :class:`Inputs` from the current tensors with
-    the remembered layout, mask and choice, and skips the checks that gave the same answer
+    mode, the mask's :meth:`~attnkit.masks.Mask.cache_key` (tensors by identity and version;
+    score modifiers in it too, their tensors with ``requires_grad``), and every other
+    argument. A hit rebuilds the :class:`Inputs` from the current tensors with the remembered
+    layout, mask, modifiers and choice, and skips the checks that gave the same answer
     before. Calls that cannot be keyed are never cached: masks without a cache key (``dense``,
-    ``bias``, ``from_function``, tensors), dropout, ``torch.func`` wrappers, compiled graphs."""
+    ``bias``, ``from_function``, ``score_function``, ``relative_bias`` with a bucket function,
+    tensors), dropout, ``torch.func`` wrappers, compiled graphs."""
 
     def __init__(self, entries: int = 256):
         self.entries = entries
@@ -227,7 +248,7 @@ class CallCache:
         rank, batch = t.input_rank, t.batch_shape
         return Inputs(_bhtd(q, rank, batch), _bhtd(k, rank, batch), _bhtd(v, rank, batch), t.mask,
                       t.scale, t.dropout_p, t.generator, batch, rank, t.need_weights, t.need_lse,
-                      t.need_grad, t.bias_grad, t.transformed), choice
+                      t.need_grad, t.bias_grad, t.transformed, t.modifiers), choice
 
     @staticmethod
     def _signature(q, k, v, mask, options: tuple) -> tuple[Optional[tuple], list]:

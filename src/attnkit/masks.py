@@ -107,6 +107,11 @@ class Mask:
     """True when evaluating the mask calls user code (``from_function``): a compiled graph
     evaluates such a mask once into a dense one."""
 
+    modifies: bool = False
+    """True when the mask is or holds a score modifier (:mod:`attnkit.modifiers`: ``softcap``,
+    ``alibi``, …), which changes scores instead of choosing keys; validation takes modifiers
+    out of the mask, so backends never see one here."""
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         MASK_TYPES[cls.__name__] = cls
@@ -1285,6 +1290,7 @@ class _Combined(Mask):
     def __init__(self, *parts: Mask):
         self.parts = parts
         self.has_bias = any(p.has_bias for p in parts)
+        self.modifies = any(p.modifies for p in parts)
 
     def _min_batch(self):
         return max(p._min_batch() for p in self.parts)
@@ -1357,6 +1363,9 @@ class _Or(_Combined):
         if self.has_bias:
             raise TypeError("a bias mask can only be combined with &: '|' has no meaning for "
                             "additive biases")
+        if self.modifies:
+            raise TypeError(f"a score modifier ({_modifier_in(parts)!r}) can only be combined "
+                            f"with &: '|' has no meaning for a change of the scores")
 
     def tile(self, q_idx, kv_idx, space):
         a, b = (p.tile(q_idx, kv_idx, space) for p in self.parts)
@@ -1375,6 +1384,9 @@ class _Not(_Combined):
         super().__init__(part)
         if self.has_bias:
             raise TypeError("a bias mask cannot be inverted with ~: it is additive, not boolean")
+        if self.modifies:
+            raise TypeError(f"a score modifier ({_modifier_in([part])!r}) cannot be inverted "
+                            f"with ~: it changes scores, it does not choose keys")
 
     def tile(self, q_idx, kv_idx, space):
         return ~self.parts[0].tile(q_idx, kv_idx, space)
@@ -1384,6 +1396,11 @@ class _Not(_Combined):
 
     def __repr__(self):
         return f"~{self.parts[0]!r}"
+
+
+def _modifier_in(parts) -> Mask:
+    """The first score modifier among the leaves of ``parts`` (for error messages)."""
+    return next(leaf for part in parts for leaf in part.leaves() if leaf.modifies)
 
 
 def as_mask(mask) -> Optional[Mask]:

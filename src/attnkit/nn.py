@@ -562,6 +562,10 @@ class AdditiveAttention(nn.Module):
         if not isinstance(mask, Mask):
             raise TypeError(f"mask must be a bool tensor (True = may attend), a float bias or an "
                             f"attnkit mask, got {type(mask).__name__}")
+        if mask.modifies:
+            raise TypeError(f"mask {mask!r} holds a score modifier (softcap, alibi, …): they "
+                            f"change scaled dot-product scores, and additive attention has "
+                            f"none; pass the masks alone")
         space = MaskSpace(batch=batch, heads=1, q_len=q_len, kv_len=kv_len, device=device)
         problems = mask.check(space)
         if problems:

@@ -42,6 +42,10 @@ class Backend:
     """Has :meth:`backward`: gradients from the saved output and LSE, called outside autograd
     (a compiled graph's opaque backward)."""
     MAX_HEAD_DIM: Optional[int] = None
+    SCORE_MODIFIERS: tuple[str, ...] = ()
+    """The score modifiers it applies (``"softcap"``, ``"alibi"``, ``"relative_bias"``,
+    ``"score_function"``; see :mod:`attnkit.modifiers`). Sinks are not listed: every backend
+    that returns an LSE runs them (they join its result after the call)."""
     DESCRIPTION: str = ""
 
     def unavailable_reason(self) -> Optional[str]:
@@ -77,6 +81,9 @@ class Backend:
         head_dim = max(inputs.q.shape[-1], inputs.v.shape[-1])
         if self.MAX_HEAD_DIM is not None and head_dim > self.MAX_HEAD_DIM:
             reasons.append(f"head dim {head_dim} > {self.MAX_HEAD_DIM} (not supported by {name})")
+        if inputs.modifiers is not None:
+            reasons.extend(f"{kind} (not supported by {name})" for kind in inputs.modifiers.kinds()
+                           if kind not in self.SCORE_MODIFIERS)
         reasons.extend(self.extra_reasons(inputs))
         return reasons
 

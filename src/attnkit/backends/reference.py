@@ -4,11 +4,14 @@ This is the definition the other backends are tested against, written as the mat
 
     scores = q @ kᵀ                     [B, Hq, Tq, Tk]
     scaled = scores * scale
-    masked = scaled + bias, −inf where the mask forbids
+    modified = softcap(scaled) + bias + alibi + relative, then score functions
+               (attnkit.modifiers.Modifiers.apply; scaled + bias without modifiers)
+    masked = modified, −inf where the mask forbids
     weights, lse = stable softmax(masked)   (a fully masked row: weights 0, lse −inf)
     out = dropout(weights) @ v          [B, Hq, Tq, Dv]
 
-It costs O(Tq·Tk) memory per head and computes in float64 whatever the input dtype.
+It costs O(Tq·Tk) memory per head and computes in float64 whatever the input dtype. Sinks
+join the result after any backend (``attnkit.modifiers.Sinks.join``), this one included.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ class Steps(NamedTuple):
 
     scores: torch.Tensor  # [B, Hq, Tq, Tk]  q @ kᵀ
     scaled: torch.Tensor  # [B, Hq, Tq, Tk]  scores * scale
+    modified: torch.Tensor  # [B|Bm, Hq|Hm, Tq, Tk]  scaled + bias, through the score modifiers
     allowed: Optional[torch.Tensor]  # [Bm, Hm, Tq, Tk] bool, or None without a mask
-    masked: torch.Tensor  # [B, Hq, Tq, Tk]  scaled + bias, −inf where masked
+    masked: torch.Tensor  # [B, Hq, Tq, Tk]  modified, −inf where masked
     weights: torch.Tensor  # [B, Hq, Tq, Tk]  softmax rows (0 on fully masked rows)
     lse: torch.Tensor  # [B, Hq, Tq]
     out: torch.Tensor  # [B, Hq, Tq, Dv]
@@ -63,7 +67,16 @@ def steps(inputs: Inputs) -> Steps:
         space = inputs.space
         allowed = inputs.mask.to_dense(space)  # [Bm, Hm, Tq, Tk]
         bias = inputs.mask.dense_bias(space)
-    masked = scaled if bias is None else scaled + bias.to(torch.float64)
+    if bias is not None:
+        bias = bias.to(torch.float64)
+    modifiers = inputs.modifiers
+    if modifiers is not None and modifiers.changes_scores:
+        space = inputs.space
+        modified = modifiers.apply(scaled, torch.arange(space.q_len, device=q.device),
+                                   torch.arange(space.kv_len, device=q.device), space, bias)
+    else:
+        modified = scaled if bias is None else scaled + bias
+    masked = modified
     if allowed is not None:
         masked = masked.masked_fill(~allowed, float("-inf"))
     weights, lse = masked_softmax(masked, None)
@@ -76,11 +89,12 @@ def steps(inputs: Inputs) -> Steps:
     poisoned = ((grouped_matmul(seen, bad_kv.to(q.dtype), heads_kv) > 0)
                 | (bad_q & (seen.sum(-1, keepdim=True) > 0)))[..., 0]  # [B, Hq, Tq]
     out, weights, lse = (poison(t, poisoned) for t in (out, weights, lse))
-    return Steps(scores, scaled, allowed, masked, weights, lse, out)
+    return Steps(scores, scaled, modified, allowed, masked, weights, lse, out)
 
 
 class ReferenceBackend(Backend):
     NAME = "reference"
+    SCORE_MODIFIERS = ("softcap", "alibi", "relative_bias", "score_function")
     SUPPORTS_BIAS_GRAD = SUPPORTS_FUNC = DOUBLE_BACKWARD = True
     DESCRIPTION = "float64, materialised O(Tq·Tk), keeps every step; the definition others are tested against"
 

@@ -24,6 +24,13 @@ GQA keeps K/V un-repeated: a query block of all G heads sharing one K/V head is 
 ``[B, Hkv, G·n, D]`` so one batched matmul serves the whole group; a run executes once per
 member of the group instead (query heads ``g, g+G, …`` against all K/V heads).
 
+Score modifiers (``softcap``, ``alibi``, ``relative_bias``, ``score_function``;
+:mod:`attnkit.modifiers`) run on the matmul path only (the fused kernel takes no change of its
+scores): each tile's scores go through :meth:`Modifiers.apply` at the tile's global positions,
+and the backward recomputes that per tile with autograd enabled locally
+(``torch.autograd.grad`` of the tile gives dS before the modifiers and the gradients of their
+tensors, accumulated over tiles). Nothing of size Tq×Tk is built for them either.
+
 Positions may be offset (``q_offset``, ``kv_offset``: global positions of the first local
 query/key) so one shard of a longer sequence is computed against another with the global mask,
 as ring attention does.
@@ -44,6 +51,7 @@ import torch
 
 from ..inputs import Inputs
 from ..masks import EMPTY, FULL, Mask, MaskCache, MaskSpace
+from ..modifiers import Modifiers
 from ..numerics import accum_dtype, additive_mask
 from .base import Backend, BackendOutput
 from .reference import steps
@@ -356,6 +364,13 @@ class Problem:
     plan: Plan
     dropout_p: float = 0.0
     seed: int = 0
+    modifiers: Optional[Modifiers] = None
+    """Score modifiers applied per tile (needs a plan without the fused kernel); sinks are not
+    the engine's: they join its result (``Sinks.join``)."""
+
+    @property
+    def modifies_scores(self) -> bool:
+        return self.modifiers is not None and self.modifiers.changes_scores
 
 
 def _grouped(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
@@ -490,18 +505,24 @@ class TileMask(NamedTuple):
     forbidden, + bias) with per-row "has a key" flags ``[Bm, Hkv|1, G·n]``; or, when the tile is
     exactly a lower triangle on its own diagonal, ``causal=True`` and nothing materialised; or,
     for a staircase run in strips (see :func:`_staircase_strips`), ``strips``.
-    ``has_key`` is ``None`` when every row has a key."""
+    ``has_key`` is ``None`` when every row has a key. With score modifiers (matmul path only)
+    every segment has one: ``scores`` (:class:`TileScores`) changes its scores first, and
+    ``additive`` (``None`` on a full segment) holds only 0/−inf, the bias being in ``scores``."""
 
     additive: Optional[torch.Tensor]
     has_key: Optional[torch.Tensor]
     causal: bool = False
     strips: Optional[tuple] = None
+    scores: Optional["TileScores"] = None
 
 
 def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q: int,
-                  heads_kv: int, dtype: torch.dtype, fused: bool) -> TileMask:
+                  heads_kv: int, dtype: torch.dtype, fused: bool, with_bias: bool = True,
+                  ) -> TileMask:
     """Evaluate the mask on one segment (see :class:`TileMask`). The fused kernel's
-    ``is_causal`` is used only for a positive scale (it gives NaN for a scale ≤ 0)."""
+    ``is_causal`` is used only for a positive scale (it gives NaN for a scale ≤ 0). Without
+    ``with_bias`` the additive tile leaves out the mask's bias (score modifiers add it among
+    theirs, see :class:`TileScores`)."""
     n = rows[1] - rows[0]
     group = heads_q // heads_kv
     if fused and seg.structure is not None:  # a known staircase: nothing to evaluate
@@ -523,7 +544,7 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
         return t.reshape(t.shape[0], heads_kv, group * n, t.shape[-1])
 
     allowed = grouped(problem.mask.tile(q_idx, kv_idx, problem.space))
-    values = problem.mask.tile_bias(q_idx, kv_idx, problem.space)
+    values = problem.mask.tile_bias(q_idx, kv_idx, problem.space) if with_bias else None
     span = seg.stop - seg.start
     if fused and group == 1 and values is None and n == span and problem.scale > 0:
         # The diagonal tile of a causal mask: the fused kernel's is_causal skips its upper half.
@@ -531,6 +552,79 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
             return TileMask(None, None, causal=True)
     additive = additive_mask(allowed, None if values is None else grouped(values), dtype)
     return TileMask(additive, allowed.any(dim=-1))
+
+
+class Traced(NamedTuple):
+    """One tile's modified scores with their graph (:meth:`TileScores.trace`): ``raw`` (the
+    scaled scores, a leaf), ``biased`` (after softcap and the additive biases) and ``final``
+    (after the score functions), each ``[B, Hq, n, span]``."""
+
+    raw: torch.Tensor
+    biased: torch.Tensor
+    final: torch.Tensor
+
+
+class TileScores(NamedTuple):
+    """The score modifiers of one segment: ``modifiers`` at queries ``q_idx`` and keys
+    ``kv_idx`` (global positions) of ``space``, with the mask's bias tile ``bias [Bm, Hm, n,
+    span]`` (or ``None``), which joins the modifiers' own biases. Scores come in the engine's
+    ``[B, Hkv, G·n, span]`` layout; the modifiers see them per query head, ``[B, Hq, n, span]``."""
+
+    modifiers: Modifiers
+    q_idx: torch.Tensor
+    kv_idx: torch.Tensor
+    space: MaskSpace
+    bias: Optional[torch.Tensor]
+    heads_q: int
+
+    def apply(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scaled scores ``[B, Hkv, G·n, span]`` → the modified scores, same layout (a new
+        tensor, before masking)."""
+        per_head = _ungrouped(scores, self.heads_q)  # [B, Hq, n, span]
+        modified = self.modifiers.apply(per_head, self.q_idx, self.kv_idx, self.space, self.bias)
+        return _grouped(modified.contiguous(), scores.shape[1])
+
+    def trace(self, scores: torch.Tensor) -> Traced:
+        """:meth:`apply` recorded by autograd from a leaf copy of ``scores [B, Hkv, G·n,
+        span]``, for :meth:`grads`."""
+        with torch.enable_grad():
+            raw = _ungrouped(scores, self.heads_q).detach().requires_grad_()  # [B, Hq, n, span]
+            modifiers = self.modifiers
+            biased = modifiers.add_biases(modifiers.cap(raw), self.q_idx, self.kv_idx, self.space,
+                                          self.bias)
+            return Traced(raw, biased, modifiers.call_functions(biased, self.q_idx, self.kv_idx))
+
+    def grads(self, traced: Traced, grad_final: torch.Tensor, params: Sequence[torch.Tensor],
+              want_biased: bool) -> tuple:
+        """Backward of :meth:`trace` for ``grad_final`` (dS of the final scores, ``[B, Hkv,
+        G·n, span]``) → ``(grad_raw [B, Hkv, G·n, span], grad_biased [B, Hq, n, span] or
+        None, [d param or None for each of params])``. ``grad_biased`` (``want_biased``): the
+        gradient where biases are added (the mask's bias gets it)."""
+        heads_kv = grad_final.shape[1]
+        grad_final = _ungrouped(grad_final, self.heads_q)
+        modifiers = self.modifiers
+        if modifiers.softcap is None and not modifiers.functions and not params:
+            return _grouped(grad_final, heads_kv), grad_final if want_biased else None, []
+        if not traced.final.requires_grad:  # score functions that ignore the scores
+            return _grouped(torch.zeros_like(grad_final), heads_kv), None, [None] * len(params)
+        wanted = [traced.raw, traced.biased, *params]
+        found = torch.autograd.grad(traced.final, wanted, grad_final, allow_unused=True)
+        grad_raw = found[0] if found[0] is not None else torch.zeros_like(traced.raw)
+        return _grouped(grad_raw, heads_kv), found[1] if want_biased else None, list(found[2:])
+
+
+def _tile_scores(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q: int,
+                 ) -> Optional[TileScores]:
+    """The :class:`TileScores` of one segment, or ``None`` when nothing changes scores."""
+    if not problem.modifies_scores:
+        return None
+    device = problem.space.device
+    q_idx = torch.arange(problem.q_offset + rows[0], problem.q_offset + rows[1], device=device)
+    kv_idx = torch.arange(problem.kv_offset + seg.start, problem.kv_offset + seg.stop, device=device)
+    bias = None
+    if seg.partial and problem.mask is not None and problem.mask.has_bias:
+        bias = problem.mask.tile_bias(q_idx, kv_idx, problem.space)  # [Bm, Hm, n, span]
+    return TileScores(problem.modifiers, q_idx, kv_idx, problem.space, bias, heads_q)
 
 
 def _dropout_keep(problem: Problem, block_row: int, seg: Segment, shape, device) -> torch.Tensor:
@@ -584,6 +678,8 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
             lse = lse.masked_fill(~tile.has_key, float("-inf"))
         return out, lse
     scores = (q_block * scale) @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
+    if tile is not None and tile.scores is not None:
+        scores = tile.scores.apply(scores)  # softcap, biases, score functions
     if additive is not None:
         scores.add_(additive)
     row_max = scores.amax(dim=-1)  # [B, Hkv, G·n]
@@ -612,12 +708,17 @@ def _bounded(segments, rows_of_work: int, block_k: int, fused: bool):
 
 
 def _segment_inputs(problem, work, q_block, keys, values, block, rows, seg, fused):
-    """A segment's keys and values (in ``work``'s layout), mask and dropout keep-mask."""
+    """A segment's keys and values (in ``work``'s layout), mask (with the score modifiers:
+    see :class:`TileMask`) and dropout keep-mask."""
     heads_kv = keys.shape[1]
     k_seg, v_seg = work.take(keys, seg.start, seg.stop), work.take(values, seg.start, seg.stop)
     tile = keep = None
+    modified = _tile_scores(problem, rows, seg, work.mask_heads)
     if seg.partial:
-        tile = _segment_mask(problem, rows, seg, work.mask_heads, heads_kv, keys.dtype, fused)
+        tile = _segment_mask(problem, rows, seg, work.mask_heads, heads_kv, keys.dtype, fused,
+                             with_bias=modified is None)
+    if modified is not None:
+        tile = (tile or TileMask(None, None))._replace(scores=modified)
     if problem.dropout_p > 0:
         shape = (*q_block.shape[:3], seg.stop - seg.start)
         keep = _dropout_keep(problem, block, seg, shape, keys.device)
@@ -661,6 +762,8 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
     heads_kv, dv = k.shape[1], v.shape[-1]
     acc = accum_dtype(q.dtype)
     fused = problem.plan.fused
+    if fused and problem.modifies_scores:
+        raise ValueError("tiled_forward: score modifiers need a plan built with fused=False")
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)  # no copy when already acc
     out = torch.empty(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
     lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
@@ -707,31 +810,34 @@ def _write_or_add(dest: torch.Tensor, value: torch.Tensor, write: bool) -> None:
 
 def _segment_grads(q_block, k_seg, v_seg, do_block, lse_block, tile: Optional[TileMask], scale,
                    fused, *, out_block=None, delta_block=None, keep=None, dropout_p=0.0,
-                   want_grad_scores=False):
+                   want_grad_scores=False, params=()):
     """Gradients of one query block over one key segment, as ``(rows, keys, dq, dk, dv,
-    grad_scores)`` pieces, the backward of :func:`_segment_pieces`: the strips of a staircase
-    (``rows``/``keys``: slices of the block's rows and the segment's keys), else one piece with
-    ``rows = keys = slice(None)``. ``q_block [B, Hkv, G·n, Dk]``, ``do_block [B, Hkv, G·n, Dv]``,
+    grad_scores, param_grads)`` pieces, the backward of :func:`_segment_pieces`: the strips of
+    a staircase (``rows``/``keys``: slices of the block's rows and the segment's keys), else
+    one piece with ``rows = keys = slice(None)``. ``q_block [B, Hkv, G·n, Dk]``, ``do_block
+    [B, Hkv, G·n, Dv]``,
     ``lse_block [B, Hkv, G·n]`` (+inf on rows with no key), ``k_seg/v_seg [B, Hkv, span, D]``
     (or the ``[count, B·Hkv, ...]`` views of a run) → ``dq [B, Hkv, rows, Dk]``, ``dk/dv [B,
     Hkv, keys, D]``. The fused kernel needs ``out_block [B, Hkv, G·n, Dv]``; the matmul path
     needs ``delta_block [B, Hkv, G·n]`` (see :func:`_segment_backward_matmul`) and gives
-    ``grad_scores`` (dS) with ``want_grad_scores``, else ``None``."""
+    ``grad_scores`` (dS) with ``want_grad_scores``, else ``None``, and ``param_grads``: the
+    gradients of the score modifiers' tensors ``params`` (``None`` where unused; empty
+    without modifiers)."""
     if fused and tile is not None and tile.strips is not None:
         for rows, keys, strip_mask in tile.strips:
             yield (rows, keys, *_segment_backward_fused(
                 q_block[:, :, rows], k_seg[:, :, keys], v_seg[:, :, keys], do_block[:, :, rows],
-                out_block[:, :, rows], lse_block[:, :, rows], scale, additive=strip_mask), None)
+                out_block[:, :, rows], lse_block[:, :, rows], scale, additive=strip_mask), None, [])
         return
     additive = tile.additive if tile is not None else None
     if fused:
         yield (slice(None), slice(None), *_segment_backward_fused(
             q_block, k_seg, v_seg, do_block, out_block, lse_block, scale,
-            causal=tile is not None and tile.causal, additive=additive), None)
+            causal=tile is not None and tile.causal, additive=additive), None, [])
         return
     yield (slice(None), slice(None), *_segment_backward_matmul(
         q_block, k_seg, v_seg, do_block, lse_block, delta_block, additive, scale, keep, dropout_p,
-        want_grad_scores))
+        want_grad_scores, tile.scores if tile is not None else None, params))
 
 
 def _segment_backward_fused(q_block, k_seg, v_seg, do_block, out_block, lse_block, scale, *,
@@ -745,14 +851,25 @@ def _segment_backward_fused(q_block, k_seg, v_seg, do_block, out_block, lse_bloc
 
 def _segment_backward_matmul(q_block, k_seg, v_seg, do_block, lse_block, delta_block,
                              additive: Optional[torch.Tensor], scale, keep=None, dropout_p=0.0,
-                             want_grad_scores=False):
+                             want_grad_scores=False, modified: Optional[TileScores] = None,
+                             params: Sequence[torch.Tensor] = ()):
     """One piece of :func:`_segment_grads` by matmuls, the scores ``[B, Hkv, G·n, span]``
     recomputed from ``lse_block [B, Hkv, G·n]``: ``dS = P ∘ (dP − Δ)`` with ``delta_block [B,
-    Hkv, G·n]`` = Δ (``rowsum(dO ∘ O)``, less ``grad_lse``) → ``(dq, dk, dv, grad_scores)``,
-    ``grad_scores`` = dS ``[B, Hkv, G·n, span]`` with ``want_grad_scores``, else ``None``.
-    ``keep [B, Hkv, G·n, span]``: the dropout keep-mask of the forward, if any."""
+    Hkv, G·n]`` = Δ (``rowsum(dO ∘ O)``, less ``grad_lse``) → ``(dq, dk, dv, grad_scores,
+    param_grads)``, ``grad_scores`` = dS ``[B, Hkv, G·n, span]`` with ``want_grad_scores``,
+    else ``None``. ``keep [B, Hkv, G·n, span]``: the dropout keep-mask of the forward, if any.
+
+    ``modified``: the segment's score modifiers, recomputed under autograd (:meth:`TileScores.
+    trace`): dS then goes back through them to the raw scores (for dQ/dK), ``grad_scores`` is
+    the gradient where biases are added, and ``param_grads`` those of ``params``."""
     q_scaled = q_block * scale
     scores = q_scaled @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
+    traced = None
+    if modified is not None:
+        traced = modified.trace(scores)
+        # a copy to work on in place (autograd may have saved `final` itself)
+        scores = _grouped(traced.final.detach().clone(memory_format=torch.contiguous_format),
+                          scores.shape[1])
     if additive is not None:
         scores.add_(additive)
     probs = scores.sub_(lse_block[..., None]).exp_()  # softmax weights, recomputed
@@ -763,13 +880,20 @@ def _segment_backward_matmul(q_block, k_seg, v_seg, do_block, lse_block, delta_b
         grad_probs.masked_fill_(~keep, 0.0).div_(1.0 - dropout_p)
     dv = kept.transpose(-1, -2) @ do_block  # [B, Hkv, span, Dv]
     grad_scores = grad_probs.sub_(delta_block[..., None]).mul_(probs)  # dS = P ∘ (dP − Δ)
+    grad_biased, param_grads = grad_scores, []
+    if traced is not None:  # dS through the modifiers: to the raw scores, biases and params
+        grad_scores, grad_biased, param_grads = modified.grads(traced, grad_scores, params,
+                                                               want_grad_scores)
+        if grad_biased is not None:
+            grad_biased = _grouped(grad_biased, grad_scores.shape[1])
     dq = (grad_scores @ k_seg).mul_(scale)  # [B, Hkv, G·n, Dk]
     dk = grad_scores.transpose(-1, -2) @ q_scaled  # [B, Hkv, span, Dk]
-    return dq, dk, dv, grad_scores if want_grad_scores else None
+    return dq, dk, dv, grad_biased if want_grad_scores else None, param_grads
 
 
 def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
                    accumulate: bool = False, dbias: Sequence[Optional[torch.Tensor]] = (),
+                   dparams: Sequence[Optional[torch.Tensor]] = (),
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward pass, recomputing tiles. ``grad_out [B, Hq, Tq, Dv]``, ``grad_lse [B, Hq, Tq]``
     or ``None`` → ``(dq, dk, dv)`` in the input dtypes, or with ``accumulate`` in the
@@ -779,7 +903,11 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
     ``dbias``: one accumulator per bias of the mask (``problem.mask.biases()``, same shapes,
     accumulation dtype) or ``None`` where no gradient is wanted; each gets ``dBias = dS`` (the
     scores' gradient) summed over the bias's broadcast dims, tile by tile. Needs a plan
-    without the fused kernel (which never forms dS)."""
+    without the fused kernel (which never forms dS).
+
+    ``dparams``: one accumulator per tensor of the score modifiers (``problem.modifiers.
+    tensors``, same shapes) or ``None`` where no gradient is wanted; each gets its gradient
+    summed over the tiles."""
     batch, heads_q, tq, _ = q.shape
     heads_kv = k.shape[1]
     acc = accum_dtype(q.dtype)
@@ -787,6 +915,8 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
     wanted = [(t, d) for t, d in zip(_biases(problem.mask), dbias) if d is not None]
     if wanted and fused:
         raise ValueError("tiled_backward: dbias needs a plan built with fused=False")
+    modifier_tensors = problem.modifiers.tensors if problem.modifiers is not None else ()
+    params = [(t, d) for t, d in zip(modifier_tensors, dparams) if d is not None]
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)
     grad_out, out = grad_out.to(acc), out.to(acc)
     if not fused:  # the fused kernel forms rowsum(dO ∘ O) itself
@@ -816,16 +946,21 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
                             problem.plan.block_k, fused):
             k_seg, v_seg, tile, keep = _segment_inputs(problem, work, q_block, keys, values,
                                                        group.block, group.rows, seg, fused)
-            for rows, piece_keys, dq_piece, dk_piece, dv_piece, grad_scores in _segment_grads(
+            for (rows, piece_keys, dq_piece, dk_piece, dv_piece, grad_scores,
+                 param_grads) in _segment_grads(
                     q_block, k_seg, v_seg, do_block, lse_block, tile, problem.scale, fused,
                     out_block=out_block, delta_block=delta_block, keep=keep,
-                    dropout_p=problem.dropout_p, want_grad_scores=bool(wanted)):
+                    dropout_p=problem.dropout_p, want_grad_scores=bool(wanted),
+                    params=[t for t, _ in params]):
                 key_range = range(seg.start, seg.stop)[piece_keys]
                 _write_or_add(dq_block[:, :, rows], dq_piece, first)
                 work.add(dk, key_range.start, key_range.stop, dk_piece)
                 work.add(dv, key_range.start, key_range.stop, dv_piece)
                 if grad_scores is not None:
                     _add_bias_grad(wanted, _ungrouped(grad_scores, heads_q), group.rows, seg)
+                for (_, total), grad in zip(params, param_grads):
+                    if grad is not None:
+                        total += grad
             first = False
         if not work.views:
             work.put(dq, start, stop, dq_block)
@@ -848,12 +983,14 @@ def _add_bias_grad(wanted, grad_scores: torch.Tensor, rows: tuple[int, int], seg
 
 
 class _TiledAttention(torch.autograd.Function):
-    """``(q, k, v, problem, *biases) → (out, lse)``; the biases (``problem.mask.biases()``) are
-    inputs so that a learnable bias gets its gradient. Its backward is differentiable through
-    the float64 reference when ``create_graph=True`` (double backward)."""
+    """``(q, k, v, problem, *tensors) → (out, lse)``; ``tensors`` are the mask's biases
+    (``problem.mask.biases()``) then the score modifiers' tensors (``problem.modifiers.tensors``),
+    inputs so that a learnable bias, ALiBi slopes, a relative table or what a score function
+    reads gets its gradient. Its backward is differentiable through the float64 reference
+    when ``create_graph=True`` (double backward)."""
 
     @staticmethod
-    def forward(q, k, v, problem: Problem, *biases):
+    def forward(q, k, v, problem: Problem, *tensors):
         return tiled_forward(q, k, v, problem)
 
     @staticmethod
@@ -867,27 +1004,39 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         problem = ctx.problem
-        biases = _biases(problem.mask)
-        wants_bias = ctx.needs_input_grad[4:]
+        biases, params = _biases(problem.mask), _modifier_tensors(problem)
+        wants = ctx.needs_input_grad[4:]
+        wants_bias, wants_param = wants[:len(biases)], wants[len(biases):]
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         if torch.is_grad_enabled():  # create_graph=True: the backward itself is differentiated
-            grads = _differentiable_grads(q, k, v, biases, problem, grad_out, grad_lse,
-                                          ctx.needs_input_grad)
+            grads = _differentiable_grads(q, k, v, [*biases, *params], problem, grad_out,
+                                          grad_lse, ctx.needs_input_grad)
             return (*grads[:3], None, *grads[3:])
         acc = accum_dtype(q.dtype)
         dbias = [torch.zeros(t.shape, dtype=acc, device=t.device) if want else None
                  for t, want in zip(biases, wants_bias)]
+        dparams = [torch.zeros(t.shape, dtype=accum_dtype(t.dtype), device=t.device) if want
+                   else None for t, want in zip(params, wants_param)]
         with torch.autocast(q.device.type, enabled=False):  # a backward run inside autocast
-            dq, dk, dv = tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem, dbias=dbias)
-        return dq, dk, dv, None, *(None if d is None else d.to(t.dtype) for d, t in zip(dbias, biases))
+            dq, dk, dv = tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem,
+                                        dbias=dbias, dparams=dparams)
+        return (dq, dk, dv, None,
+                *(None if d is None else d.to(t.dtype) for d, t in zip([*dbias, *dparams],
+                                                                       [*biases, *params])))
 
 
-def _differentiable_grads(q, k, v, biases, problem: Problem, grad_out, grad_lse, needed):
-    """The gradients of q, k, v and the biases, recorded for a further backward: the float64
-    reference recomputed with autograd (O(Tq·Tk) memory, for double backward only)."""
+def _modifier_tensors(problem: Problem) -> tuple:
+    """The score modifiers' tensors of ``problem`` (see :class:`~attnkit.modifiers.Modifiers`)."""
+    return problem.modifiers.tensors if problem.modifiers is not None else ()
+
+
+def _differentiable_grads(q, k, v, tensors, problem: Problem, grad_out, grad_lse, needed):
+    """The gradients of q, k, v and ``tensors`` (the biases, then the modifiers' tensors),
+    recorded for a further backward: the float64 reference recomputed with autograd
+    (O(Tq·Tk) memory, for double backward only)."""
     inputs = Inputs(q=q, k=k, v=v, mask=problem.mask, scale=problem.scale, dropout_p=0.0,
-                    generator=None, batch_shape=(), input_rank=4)
+                    generator=None, batch_shape=(), input_rank=4, modifiers=problem.modifiers)
     if problem.dropout_p > 0 or problem.q_offset or problem.kv_offset or inputs.space != problem.space:
         raise RuntimeError("double backward (create_graph=True) through tiled attention needs "
                            "dropout_p=0 and unsharded positions: use backend='reference'")
@@ -896,7 +1045,7 @@ def _differentiable_grads(q, k, v, biases, problem: Problem, grad_out, grad_lse,
     if grad_lse is not None:
         outputs.append(result.lse)
         grads.append(grad_lse.to(result.lse.dtype))
-    wanted = [t for t, need in zip((q, k, v, *biases), (*needed[:3], *needed[4:])) if need]
+    wanted = [t for t, need in zip((q, k, v, *tensors), (*needed[:3], *needed[4:])) if need]
     found = iter(torch.autograd.grad(outputs, wanted, grads, create_graph=True, allow_unused=True))
     return [next(found) if need else None for need in (*needed[:3], *needed[4:])]
 
@@ -906,6 +1055,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
                     kv_offset: int = 0, dropout_p: float = 0.0, seed: int = 0,
                     block_q: Optional[int] = None, block_k: int = BLOCK_K,
                     options: TiledOptions = TiledOptions(),
+                    modifiers: Optional[Modifiers] = None,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable tiled attention on ``[B, H, T, D]`` tensors → ``(out, lse)``.
 
@@ -913,16 +1063,20 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
     sequence described by ``space`` (default: these tensors alone), and ``mask`` is evaluated
     at those global positions. Inputs are not validated: call through ``attention()`` unless
     you build :class:`~attnkit.inputs.Inputs` yourself (ring attention does). ``options``:
-    how the engine schedules its tiles (see :class:`TiledOptions`).
+    how the engine schedules its tiles (see :class:`TiledOptions`). ``modifiers``: score
+    modifiers applied per tile (matmul path; sinks are not applied here: join them to the
+    result with :meth:`~attnkit.modifiers.Sinks.join`).
     """
     batch, heads_q, tq, _ = q.shape
     tk = k.shape[2]
     space = space or MaskSpace(batch, heads_q, tq, tk, q.device)
+    modifies = modifiers is not None and modifiers.changes_scores
     plan = make_plan(mask, space, batch=batch, heads=heads_q, q_offset=q_offset, q_count=tq,
                      kv_offset=kv_offset, kv_count=tk, block_q=block_q, block_k=block_k,
-                     fused=uses_fused_kernel(q, v, dropout_p, options), options=options)
-    problem = Problem(mask, scale, space, q_offset, kv_offset, plan, dropout_p, seed)
-    return _TiledAttention.apply(q, k, v, problem, *_biases(mask))
+                     fused=uses_fused_kernel(q, v, dropout_p, options) and not modifies,
+                     options=options)
+    problem = Problem(mask, scale, space, q_offset, kv_offset, plan, dropout_p, seed, modifiers)
+    return _TiledAttention.apply(q, k, v, problem, *_biases(mask), *_modifier_tensors(problem))
 
 
 def _biases(mask: Optional[Mask]) -> list:
@@ -948,9 +1102,13 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
         for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
                             problem.plan.block_k, False):
             scores = q_block @ keys[:, :, seg.start:seg.stop].transpose(-1, -2)
+            modified = _tile_scores(problem, group.rows, seg, heads_q)
+            if modified is not None:
+                with torch.no_grad():
+                    scores = modified.apply(scores)  # softcap, biases, score functions
             if seg.partial:
                 scores.add_(_segment_mask(problem, group.rows, seg, heads_q, heads_kv, acc,
-                                          False).additive)
+                                          False, with_bias=modified is None).additive)
             work.put(weights[..., seg.start:seg.stop], start, stop,
                      scores.sub_(lse_block).exp_().to(q.dtype))
     return weights
@@ -962,6 +1120,7 @@ class TiledBackend(Backend):
 
     NAME = "tiled"
     SUPPORTS_BIAS_GRAD = DOUBLE_BACKWARD = LSE_BACKWARD = True
+    SCORE_MODIFIERS = ("softcap", "alibi", "relative_bias", "score_function")
     DESCRIPTION = ("online-softmax tiles in PyTorch: O(T) memory, EMPTY tiles skipped, FULL tiles "
                    "unmasked; backward recomputes tiles")
 
@@ -969,10 +1128,18 @@ class TiledBackend(Backend):
         self.options = options
 
     def extra_reasons(self, inputs: Inputs) -> list[str]:
+        reasons = []
         if inputs.need_weights and inputs.need_grad:
-            return ["return_weights with autograd (not supported by tiled: weights are rebuilt "
-                    "without a graph)"]
-        return []
+            reasons.append("return_weights with autograd (not supported by tiled: weights are "
+                           "rebuilt without a graph)")
+        if inputs.modifiers is not None and inputs.modifiers.functions:
+            hidden = inputs.modifiers.hidden_tensors(inputs.space, accum_dtype(inputs.q.dtype))
+            if hidden:
+                reasons.append(f"a score_function reading {hidden} tensor(s) that require grad "
+                               f"outside its closure, defaults, named globals and modules (not "
+                               f"supported by tiled: it could not give them their gradient; "
+                               f"list them in score_function(fn, tensors=[...]))")
+        return reasons
 
     def forward(self, inputs: Inputs) -> BackendOutput:
         seed = 0
@@ -980,7 +1147,8 @@ class TiledBackend(Backend):
             seed = int(torch.randint(0, 2**62, (1,), generator=inputs.generator,
                                      device=inputs.generator.device if inputs.generator else "cpu"))
         problem = _problem(inputs, seed, self.options)
-        out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v, problem, *inputs.biases)
+        out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v, problem, *inputs.biases,
+                                         *inputs.modifier_tensors)
         weights = tiled_weights(inputs.q, inputs.k, lse, problem) if inputs.need_weights else None
         return BackendOutput(out, lse, weights)
 
@@ -988,6 +1156,10 @@ class TiledBackend(Backend):
         if inputs.dropout_p > 0:
             raise ValueError("tiled backward outside autograd needs dropout_p=0 (the forward's "
                              "dropout seed is not kept)")
+        if inputs.modifiers is not None:
+            raise ValueError("tiled backward outside autograd takes no score modifiers (it "
+                             "returns no gradient for their tensors, and sinks change the "
+                             "saved out/lse): differentiate attention() with autograd")
         q = inputs.q
         dbias = [torch.zeros(t.shape, dtype=accum_dtype(q.dtype), device=t.device) if want else None
                  for t, want in zip(inputs.biases, want_bias)]
@@ -1001,11 +1173,15 @@ def _problem(inputs: Inputs, seed: int, options: TiledOptions,
              bias_grad: Optional[bool] = None) -> Problem:
     """The tiled problem (plan included, built with ``options``) of a whole ``attention`` call;
     ``bias_grad`` (default: ``inputs.bias_grad``) takes the matmul path, which forms dS for
-    dBias."""
+    dBias; so do score modifiers, which the fused kernel cannot apply (sinks excepted: they
+    are not the engine's)."""
     batch, heads_q, tq, _ = inputs.q.shape
     space = inputs.space
     bias_grad = inputs.bias_grad if bias_grad is None else bias_grad
-    fused = uses_fused_kernel(inputs.q, inputs.v, inputs.dropout_p, options) and not bias_grad
+    modifies = inputs.modifiers is not None and inputs.modifiers.changes_scores
+    fused = (uses_fused_kernel(inputs.q, inputs.v, inputs.dropout_p, options)
+             and not bias_grad and not modifies)
     plan = make_plan(inputs.mask, space, batch=batch, heads=heads_q, q_offset=0, q_count=tq,
                      kv_offset=0, kv_count=space.kv_len, fused=fused, options=options)
-    return Problem(inputs.mask, inputs.scale, space, 0, 0, plan, inputs.dropout_p, seed)
+    return Problem(inputs.mask, inputs.scale, space, 0, 0, plan, inputs.dropout_p, seed,
+                   inputs.modifiers)

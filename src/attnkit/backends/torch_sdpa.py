@@ -39,6 +39,12 @@ def dense_bias(inputs: Inputs) -> tuple[Optional[torch.Tensor], Optional[torch.T
     return additive_mask(allowed, values, inputs.q.dtype), allowed.any(dim=-1, keepdim=True)
 
 
+def _lse_use(inputs: Inputs) -> str:
+    """What asks for the LSE, in reasons: the caller, or sinks (which join through it)."""
+    sinks = inputs.modifiers is not None and inputs.modifiers.sinks is not None
+    return "return_lse=True or sinks (they join through the LSE)" if sinks else "return_lse=True"
+
+
 class TorchBackend(Backend):
     NAME = "torch"
     SUPPORTS_DROPOUT = False  # torch's dropout cannot follow attnkit's generator contract
@@ -50,8 +56,9 @@ class TorchBackend(Backend):
         if inputs.k.shape[2] == 0 or inputs.q.shape[2] == 0:
             reasons.append("an empty sequence, Tq=0 or Tk=0 (not supported by torch: its kernel "
                            "crashes)")
+        lse_use = _lse_use(inputs)
         if inputs.need_lse and not _fused_cpu(inputs):
-            reasons.append("return_lse needs the CPU fused kernel with Dk == Dv "
+            reasons.append(f"{lse_use} needs the CPU fused kernel with Dk == Dv "
                            "(not supported by torch)")
         limit = torch.finfo(inputs.q.dtype).max
         for values in inputs.biases:  # the kernel takes the bias in q's dtype
@@ -63,7 +70,7 @@ class TorchBackend(Backend):
         if inputs.need_lse and inputs.need_grad:
             # torch's kernel marks its LSE output non-differentiable: returning it would
             # silently drop the LSE's part of the gradient.
-            reasons.append("return_lse=True with inputs that require grad: torch's kernel gives "
+            reasons.append(f"{lse_use} with inputs that require grad: torch's kernel gives "
                            "no gradient for the LSE (not supported by torch)")
         return reasons
 

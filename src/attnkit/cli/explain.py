@@ -21,6 +21,7 @@ from rich.markup import escape
 from ..backends.reference import Steps, steps
 from ..inputs import Inputs, validate
 from ..masks import causal
+from ..modifiers import alibi, softcap
 
 from ._common import (UsageError, agg_figure, check_output, fmt_number, matrix_table,
                       save_figure)
@@ -68,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "for the built-in example, off for your own inputs")
     parser.add_argument("--scale", type=float, default=None,
                         help="multiply the scores by this (default 1/sqrt(Dk))")
+    parser.add_argument("--softcap", type=float, default=None, metavar="C",
+                        help="soft-cap the scaled scores, s -> C*tanh(s/C) (a score modifier, "
+                             "shown as step 3b)")
+    parser.add_argument("--alibi", type=float, default=None, metavar="SLOPE",
+                        help="add the ALiBi bias SLOPE*(j - i) to the scores (a score modifier, "
+                             "shown as step 3b)")
     parser.add_argument("--plot", metavar="PATH", default=None,
                         help="write a heatmap PNG of the attention weights to PATH")
 
@@ -125,11 +132,14 @@ def parse_matrix(text: str) -> torch.Tensor:
 
 
 def build_inputs(q=None, k=None, v=None, *, causal_mask: Optional[bool] = None,
-                 scale: Optional[float] = None) -> tuple[Inputs, bool]:
+                 scale: Optional[float] = None, softcap_at: Optional[float] = None,
+                 alibi_slope: Optional[float] = None) -> tuple[Inputs, bool]:
     """Validated inputs for explain, and whether they are exactly seed 004's Example 2.
 
     ``q``/``k``/``v`` are tensors or ``None``: all ``None`` means the built-in example (causal
     unless ``causal_mask=False``); ``k`` defaults to ``q`` and ``v`` to ``k`` (self-attention).
+    ``softcap_at`` / ``alibi_slope``: score modifiers (:func:`attnkit.softcap`,
+    :func:`attnkit.alibi` with one slope for the one head).
     """
     use_example = q is None and k is None and v is None
     if use_example:
@@ -140,10 +150,17 @@ def build_inputs(q=None, k=None, v=None, *, causal_mask: Optional[bool] = None,
         q = q if q is not None else (k if k is not None else v)
         k = k if k is not None else q
         v = v if v is not None else k
-    mask = causal() if causal_mask else None
+    parts = [causal()] if causal_mask else []
+    if softcap_at is not None:
+        parts.append(softcap(softcap_at))
+    if alibi_slope is not None:
+        parts.append(alibi(torch.tensor([alibi_slope], dtype=torch.float64)))
+    mask = None
+    for part in parts:
+        mask = part if mask is None else mask & part
     inputs = validate(q, k, v, mask, scale=scale)
     example = torch.tensor(EXAMPLE_QKV, dtype=torch.float64)
-    is_seed_example = (bool(causal_mask) and all(t.shape == example.shape and torch.equal(t, example)
+    is_seed_example = (bool(causal_mask) and len(parts) == 1 and all(t.shape == example.shape and torch.equal(t, example)
                                                  for t in (q.double(), k.double(), v.double()))
                        and math.isclose(inputs.scale, 1 / math.sqrt(2), rel_tol=1e-12))
     return inputs, is_seed_example
@@ -231,9 +248,25 @@ def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
         f"unit-variance entries (Var(q·k) = d_k)")
     console.print(matrix_table(result.scaled[b, h], row_name="i"))
 
+    modifiers = inputs.modifiers
+    if modifiers is not None and modifiers.changes_scores:
+        console.rule("[bold]" + escape(f"3b. Modified  ({modifiers!r})"))
+        steps_text = []
+        if modifiers.softcap is not None:
+            cap = modifiers.softcap.cap
+            steps_text.append(f"softcap: s → {cap:g}·tanh(s / {cap:g}) (within ±{cap:g})")
+        for part in modifiers.alibi:
+            steps_text.append(f"alibi: + slope·(j − i), slope {part.slopes.flatten()[h].item():g}")
+        say("; then ".join(steps_text) + "  (score modifiers, in their order: softcap, "
+            "additive biases, score functions)")
+        console.print(matrix_table(result.modified[min(b, result.modified.shape[0] - 1),
+                                                   min(h, result.modified.shape[1] - 1)],
+                                   row_name="i"))
+
     console.rule("[bold]4. Masked  (−inf where a query may not attend)")
+    source = "modified" if modifiers is not None and modifiers.changes_scores else "scaled"
     if result.allowed is None:
-        say("no mask: every query sees every key (masked = scaled)")
+        say(f"no mask: every query sees every key (masked = {source})")
     else:
         allowed = result.allowed[min(b, result.allowed.shape[0] - 1), min(h, result.allowed.shape[1] - 1)]
         say(f"mask: {describe_mask(inputs.mask)}  (█ may attend, ░ masked):")
@@ -301,7 +334,8 @@ def run(args: argparse.Namespace, console) -> int:
         except ValueError as error:
             raise UsageError(f"--{name}: {error}") from None
     try:
-        inputs, is_seed_example = build_inputs(**tensors, causal_mask=args.causal, scale=args.scale)
+        inputs, is_seed_example = build_inputs(**tensors, causal_mask=args.causal, scale=args.scale,
+                                               softcap_at=args.softcap, alibi_slope=args.alibi)
     except (ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
     if args.plot:
