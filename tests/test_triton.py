@@ -681,3 +681,92 @@ def test_decoding_steps_with_per_query_key_runs(case, gen):
     truth = ak.attention(q.double(), k.double(), v.double(), mask, backend="reference", return_lse=True)
     torch.testing.assert_close(got.out.double(), truth.out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.lse.double(), truth.lse, rtol=1e-5, atol=1e-5)
+
+
+# ---- score modifiers --------------------------------------------------------------------------------
+
+def _modified_math(q, k, v, mask, dtype):
+    """out, lse of attention under ``mask`` (masks and score modifiers) in ``dtype``, the
+    modifiers applied by their one definition (``Modifiers.apply``) on the whole score matrix,
+    sinks joined; differentiable. A fully masked row has out 0 and LSE −inf (before sinks)."""
+    inputs = validate(q, k, v, mask)
+    space = inputs.space
+    q, k, v = (t.to(dtype) for t in (inputs.q, inputs.k, inputs.v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) * inputs.scale
+    q_idx, kv_idx = torch.arange(space.q_len), torch.arange(space.kv_len)
+    scores = inputs.modifiers.apply(scores, q_idx, kv_idx, space)
+    if inputs.mask is not None:
+        scores = scores.masked_fill(~inputs.mask.to_dense(space), float("-inf"))
+    empty = torch.isneginf(scores).all(-1, keepdim=True)
+    weights = torch.softmax(scores.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    out, lse = weights @ v, torch.logsumexp(scores, -1)
+    if inputs.modifiers.sinks is not None:
+        out, lse, _ = inputs.modifiers.sinks.join(out, lse)
+    return out, lse
+
+
+MODIFIER_CASES = {
+    # name: (dtype, build(slopes [H], table [H, 32], Tq, Tk) -> mask)
+    "softcap&causal": (torch.float32, lambda s, t, tq, tk: ak.causal() & ak.softcap(3.0)),
+    "alibi&causal_bottom_right": (torch.float32, lambda s, t, tq, tk: (
+        ak.causal("bottom_right") & ak.alibi(s, align="bottom_right"))),
+    "relative&documents": (torch.float32, lambda s, t, tq, tk: (
+        ak.documents(torch.arange(tq) // 9, torch.arange(tk) // 16) & ak.relative_bias(t))),
+    "alibi_per_batch&padding": (torch.float32, lambda s, t, tq, tk: (
+        ak.padding(kv_lengths=[0, tk - 7]) & ak.alibi(torch.stack([s, s.flip(0)])))),
+    "all&sinks&window": (torch.float32, lambda s, t, tq, tk: (
+        ak.sliding_window(20, 3) & ak.softcap(3.0) & ak.alibi(s) & ak.relative_bias(t)
+        & ak.sinks(torch.linspace(-1, 1, 4)))),
+    "softcap&alibi_bf16": (torch.bfloat16, lambda s, t, tq, tk: ak.causal() & ak.softcap(3.0) & ak.alibi(s)),
+}
+
+
+@pytest.mark.parametrize("name", MODIFIER_CASES)
+def test_score_modifiers(name, gen):
+    """Softcap, ALiBi (both alignments, per head or per batch and head) and relative biases in
+    the kernels, with masks, GQA, Tq ≠ Tk, an empty batch element and sinks: out, LSE, dq, dk,
+    dv and the slopes' and table's gradients against float64 by the 2× rule."""
+    dtype, build = MODIFIER_CASES[name]
+    q, k, v = make_qkv(2, 4, 2, 40, 72, 16, 16, dtype, gen)
+    q = q * 3  # scores large enough for the soft cap to bend them
+    slopes = torch.rand(4, generator=gen, dtype=torch.float64) * 0.3
+    table = torch.randn(4, 32, generator=gen, dtype=torch.float64)
+    dout = torch.randn(2, 4, 40, 16, generator=gen, dtype=torch.float64)
+    dlse = torch.randn(2, 4, 40, generator=gen, dtype=torch.float64)
+
+    def run(how, param_dtype):
+        leaves = [t.detach().to(param_dtype if how != "triton" else dtype).requires_grad_()
+                  for t in (q, k, v)]
+        params = [t.to(param_dtype).requires_grad_() for t in (slopes, table)]
+        mask = build(*params, 40, 72)
+        if how == "triton":
+            result = ak.attention(*leaves, mask, backend="triton", return_lse=True)
+            out, lse = result.out, result.lse
+        else:
+            out, lse = _modified_math(*leaves, mask, param_dtype)
+        finite = torch.isfinite(lse)
+        loss = (out.double() * dout).sum() + torch.where(finite, lse.double(), 0.0).mul(dlse).sum()
+        used = [t for t in (*leaves, *params)]
+        grads = torch.autograd.grad(loss, used, allow_unused=True)
+        return [out, lse, *(torch.zeros_like(t) if g is None else g for t, g in zip(used, grads))]
+
+    got, truth, plain = run("triton", torch.float32), run("truth", torch.float64), run("plain", dtype)
+    for label, x, t, p in zip(("out", "lse", "dq", "dk", "dv", "dslopes", "dtable"), got, truth, plain):
+        assert not torch.isnan(x).any(), f"{label} has NaN"
+        assert_within_2x(label, x.to(t.dtype) if label in ("dslopes", "dtable") else x, t, p.to(t.dtype)
+                         if label in ("dslopes", "dtable") else p, dtype)
+
+
+def test_modifiers_the_kernels_do_not_run_are_refused(gen):
+    """Score functions and two ALiBi parts are stated as reasons (auto then runs tiled); the
+    decoding kernel takes no modifier."""
+    q, k, v = make_qkv(1, 2, 1, 2, 64, 16, 16, torch.float32, gen)
+    function = ak.score_function(lambda s, b, h, i, j: s * 0.5)
+    reasons = TritonBackend().not_supported_reasons(validate(q, k, v, ak.causal() & function))
+    assert any("score_function (not supported by triton)" in r for r in reasons)
+    twice = ak.alibi(torch.ones(2)) & ak.alibi(torch.ones(2))
+    assert any("2 alibi modifiers" in r for r in TritonBackend().not_supported_reasons(validate(q, k, v, twice)))
+    assert launch.decode_form(validate(q, k, v, ak.softcap(5.0))) is None
+    assert launch.decode_form(validate(q, k, v, ak.sinks(torch.zeros(2)))) is not None

@@ -68,24 +68,51 @@ def _backward(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor,
 
 
 class _TritonAttention(torch.autograd.Function):
-    """Differentiable in q, k, v (the mask and its bias are constants)."""
+    """Differentiable in q, k, v and the modifiers' ALiBi ``slopes [1|B, H]`` and relative-bias
+    vector ``diag [H, Tq + Tk − 1]`` (the mask and its bias are constants); ``cap``, ``shift``:
+    the rest of :class:`launch.ScoreMods`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan):
+    def forward(ctx, q, k, v, plan, cap=None, shift=0, slopes=None, diag=None):
         # an unused lse gives dlse None, not a zero tensor to fill and subtract on every backward
         ctx.set_materialize_grads(False)
-        out, lse = _forward(q, k, v, plan)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
+        mods = launch.ScoreMods(cap, slopes, shift, diag, q.shape[2] - 1)
+        out, lse = _forward(q, k, v, plan, mods)
+        ctx.save_for_backward(q, k, v, out, lse, slopes, diag)
+        ctx.plan, ctx.cap, ctx.shift = plan, cap, shift
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, slopes, diag = ctx.saved_tensors
         if dout is None:  # only the lse was used
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, ctx.plan)
-        return dq, dk, dv, None
+        want_slopes, want_diag = ctx.needs_input_grad[6:8]
+        dslope, ddiag = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) if want else None
+                         for t, want in ((slopes, want_slopes), (diag, want_diag)))
+        mods = launch.ScoreMods(ctx.cap, slopes, ctx.shift, diag, q.shape[2] - 1)
+        dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, ctx.plan, mods, dslope, ddiag)
+        return (dq, dk, dv, None, None, None, None if dslope is None else dslope.to(slopes.dtype),
+                None if ddiag is None else ddiag.to(diag.dtype))
+
+
+def score_mods(inputs: Inputs) -> dict:
+    """The keyword arguments of :class:`_TritonAttention` for ``inputs.modifiers``: ``cap``,
+    ALiBi's ``slopes [1|B, H]`` and ``shift``, and ``diag [H, Tq + Tk − 1]``, the relative
+    biases looked up once per distance ``k − q`` (differentiable in their tables)."""
+    modifiers = inputs.modifiers
+    if modifiers is None or not modifiers.changes_scores:
+        return {}
+    heads, q_len, kv_len = inputs.q.shape[1], inputs.q.shape[2], inputs.k.shape[2]
+    found = dict(cap=None if modifiers.softcap is None else modifiers.softcap.cap)
+    if modifiers.alibi:
+        (alibi,) = modifiers.alibi
+        found.update(slopes=alibi.slopes.reshape(-1, heads),
+                     shift=kv_len - q_len if alibi.align == "bottom_right" else 0)
+    if modifiers.relative:
+        distance = torch.arange(1 - q_len, kv_len, device=inputs.q.device)[None]  # [1, Tq + Tk − 1]
+        found["diag"] = sum(part.table[:, part.bucket_ids(distance)[0]] for part in modifiers.relative)
+    return found
 
 
 def torch_is_faster(inputs: Inputs) -> bool:
@@ -119,6 +146,7 @@ class TritonBackend(Backend):
     SUPPORTS_BIAS = True
     LSE_BACKWARD = True
     MAX_HEAD_DIM = 256
+    SCORE_MODIFIERS = ("softcap", "alibi", "relative_bias")
     DESCRIPTION = ("fused Triton kernels (online softmax, block-sparse masks, GQA, LSE); "
                    "CPU tensors run through the Triton interpreter (TRITON_INTERPRET=1)")
 
@@ -134,6 +162,9 @@ class TritonBackend(Backend):
 
     def extra_reasons(self, inputs: Inputs) -> list[str]:
         reasons = []
+        if inputs.modifiers is not None and len(inputs.modifiers.alibi) > 1:
+            reasons.append(f"{len(inputs.modifiers.alibi)} alibi modifiers (not supported by "
+                           f"triton: its kernels add one; sum their slopes into one alibi)")
         if inputs.scale <= 0:
             reasons.append(f"scale={inputs.scale:g} <= 0 (not supported by triton: its kernels "
                            f"give NaN there)")
@@ -157,7 +188,9 @@ class TritonBackend(Backend):
         if form is not None:  # a decoding step: the split-key kernel
             return BackendOutput(*launch.decode(inputs, *form, self.options), None)
         plan = launch.make_plan(inputs, self.options)
-        out, lse = _TritonAttention.apply(inputs.q, inputs.k, inputs.v, plan)
+        mods = score_mods(inputs)
+        out, lse = _TritonAttention.apply(inputs.q, inputs.k, inputs.v, plan, mods.get("cap"),
+                                          mods.get("shift", 0), mods.get("slopes"), mods.get("diag"))
         return BackendOutput(out, lse, None)
 
     def backward(self, inputs, out, lse, dout, dlse, want_bias):

@@ -866,8 +866,10 @@ def decode_form(inputs: Inputs) -> Optional[tuple[Optional[torch.Tensor], bool,
     :data:`DECODE_MAX_ROWS` query rows per kv head against at least 4× as many keys, and a mask
     whose parts are bottom-right causal, lengths of the keys, or one mask of per-query key runs
     (``ranges [B, Tq, 2]``: a :class:`~attnkit.masks.Structure`; per-sequence causal, left
-    padding, causal documents); else ``None``."""
+    padding, causal documents), no score modifier but sinks; else ``None``."""
     q, k = inputs.q, inputs.k
+    if inputs.modifiers is not None and inputs.modifiers.changes_scores:
+        return None
     if (inputs.need_grad or q.shape[2] > DECODE_MAX_QUERIES or k.shape[2] < 4 * q.shape[2]
             or inputs.group_size * q.shape[2] > DECODE_MAX_ROWS or not (q.shape[2] and k.shape[2])):
         return None
