@@ -31,7 +31,7 @@ from attnkit.distributed import PeakMemory, RingStats, ring_attention, shard, sp
 WORLD_SIZES = (1, 2, 3, 4)
 LAYOUTS = ("contiguous", "zigzag")
 MASKS = ("none", "causal", "causal_cross", "causal_bottom_right", "documents&causal", "padding",
-         "window", "dense", "bool_tensor", "bias&causal")
+         "window", "dense", "bool_tensor", "bias&causal", "sinks&padding")
 FP32_MASKS = ("none", "causal", "causal_bottom_right", "documents&causal", "padding", "window")
 BF16_MASKS = ("causal", "padding")  # low precision: the engine's matmul path, fp32 merging
 CHUNK = 8  # rows per zigzag chunk: the global sequence is 2P chunks
@@ -100,6 +100,8 @@ def _mask(kind: str, tq: int, tk: int, batch: int, gen: torch.Generator):
         return torch.rand(tq, tk, generator=gen) < 0.6
     if kind == "bias&causal":
         return ak.bias(torch.randn(batch, 1, tq, tk, generator=gen, dtype=torch.float64)) & ak.causal()
+    if kind == "sinks&padding":  # batch 0 has no keys: its rows put their weight on the sinks
+        return ak.sinks(torch.linspace(-1.0, 1.0, 4)) & ak.padding(kv_lengths=[0, tk - 3])
     raise KeyError(kind)
 
 
@@ -112,7 +114,7 @@ def _plain_math(q, k, v, mask, scale):
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, Hq, Tk, D]
     scores = q @ k.transpose(-1, -2) * scale  # [B, Hq, Tq, Tk]
     allowed = torch.ones(1, 1, tq, tk, dtype=torch.bool)
-    mask = ak.masks.as_mask(mask)  # a tensor passed as mask=
+    mask, modifiers = ak.modifiers.split(ak.masks.as_mask(mask))  # a tensor passed as mask=
     if mask is not None:
         space = ak.masks.MaskSpace(batch, heads, tq, tk)
         allowed = mask.to_dense(space)
@@ -124,6 +126,9 @@ def _plain_math(q, k, v, mask, scale):
     scores = scores.masked_fill(~allowed | empty, float("-inf")).masked_fill(empty, 0.0)
     weights = torch.softmax(scores, -1).masked_fill(empty, 0.0)
     lse = torch.logsumexp(scores, -1).masked_fill(empty[..., 0], float("-inf"))
+    if modifiers is not None:
+        out, lse, _ = modifiers.sinks.join(weights @ v, lse)
+        return out, lse
     return weights @ v, lse
 
 
@@ -205,6 +210,9 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
         assert err <= bound, f"rank {rank}: {name} error {err:.3g} > {bound:.3g}"
     if case["mask"] == "padding":  # batch 0 has no keys: exactly 0 out, −inf lse, 0 grads
         assert (out[0] == 0).all() and torch.isneginf(lse[0]).all() and (local[0].grad[0] == 0).all()
+    if case["mask"] == "sinks&padding":  # batch 0: out 0 and the sink's logit as LSE
+        assert (out[0] == 0).all() and torch.equal(lse[0], torch.linspace(-1.0, 1.0, 4)[:, None]
+                                                    .to(lse.dtype).expand_as(lse[0]))
     if case["mask"] == "none":
         assert stats.pairs_skipped == 0
     return dict(tiles=stats.forward_tiles, backward_tiles=stats.backward_tiles)
@@ -236,6 +244,9 @@ def _error_cases(rank: int, world: int) -> dict:
 
     def zigzag_odd(r):
         return tensors(15), dict(layout="zigzag")
+
+    def softcap(r):
+        return tensors(16), dict(mask=ak.causal() & ak.softcap(5.0))
 
     def wrong_dtype_on_one_rank(r):
         q, k, v = tensors(16)
@@ -308,6 +319,8 @@ def _error_cases(rank: int, world: int) -> dict:
         seconds["local_ids"] = _expect_error(rank, world, local_document_ids, ValueError,
                                              ["global positions", str(16 * world)])
     seconds["zigzag_odd"] = _expect_error(rank, world, zigzag_odd, ValueError, ["even"])
+    seconds["softcap"] = _expect_error(rank, world, softcap, ValueError,
+                                       ["no score modifier but sinks", "softcap"])
     seconds["bad_layout"] = _expect_error(rank, world, bad_layout, ValueError, ["striped"])
     return seconds
 

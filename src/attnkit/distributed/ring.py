@@ -42,6 +42,7 @@ from ..backends.triton import backend as triton_steps
 from ..backends.triton import launch
 from ..inputs import Inputs, restore, validate
 from ..masks import Mask, MaskSpace, as_mask, digest
+from ..modifiers import Sinks
 from ..numerics import accum_dtype, merge
 from .comm import RingComm
 from .window import window
@@ -469,11 +470,12 @@ def _step_backend(backend: str, local: Inputs) -> str:
 
 
 def _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout, backend,
-              comm: RingComm) -> tuple[Inputs, Optional[Mask], MaskSpace, str]:
+              comm: RingComm) -> tuple[Inputs, Optional[Mask], MaskSpace, str, Optional[Sinks]]:
     """Check this rank's shards, then that all ranks agree; raise the same error on every rank.
 
     Returns the local :class:`Inputs` (``[B, H, T/P, D]`` views), the mask fitted to the whole
-    sequence, the global :class:`MaskSpace` and the steps' backend (``"tiled"``/``"triton"``).
+    sequence, the global :class:`MaskSpace`, the steps' backend (``"tiled"``/``"triton"``) and
+    the mask's sinks (or ``None``).
     """
     failure, result = None, None
     try:
@@ -498,7 +500,12 @@ def _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout, backen
             raise ValueError("ring_attention takes a bias as a constant and gives it no gradient; "
                              "detach it (bias.detach()) or use attention() on one device, whose "
                              "tiled and reference backends give dBias")
-        result = (local, whole.mask, whole.space, _step_backend(backend, local))
+        if whole.modifiers is not None and whole.modifiers.changes_scores:
+            raise ValueError(f"ring_attention runs no score modifier but sinks (got "
+                             f"{', '.join(whole.modifiers.kinds())}): use attention() on one "
+                             f"device, or leave them out of the mask")
+        result = (local, whole.mask, whole.space, _step_backend(backend, local),
+                  None if whole.modifiers is None else whole.modifiers.sinks)
     except (TypeError, ValueError) as error:
         failure = (type(error).__name__, str(error))
     everyone = comm.all_gather_object((failure, _signature(q, k, v, mask, layout, scale)))
@@ -534,7 +541,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Args:
         mask: the mask of the WHOLE sequence, as given to ``attention`` (causal in both
             alignments, documents, padding, sliding window, dense/bias tensors of the global
-            size, and their combinations); every rank passes the same one.
+            size, and their combinations; of the score modifiers, ``sinks``); every rank
+            passes the same one.
         group: the process group (default: the world); its timeout bounds every wait.
         layout: ``"contiguous"`` or ``"zigzag"`` (balanced causal work; the local length must
             be even).
@@ -556,8 +564,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     comm = RingComm(group)
     if backward_timeout is None:
         backward_timeout = BACKWARD_TIMEOUT
-    local, fitted, space, step_backend = _validate(q, k, v, mask, scale, layout, return_lse,
-                                                   backward_timeout, backend, comm)
+    local, fitted, space, step_backend, sinks = _validate(q, k, v, mask, scale, layout, return_lse,
+                                                          backward_timeout, backend, comm)
     stats = stats if stats is not None else RingStats()
     stats.rank, stats.world_size, stats.layout = comm.rank, comm.world_size, layout
     stats.tiles_per_step, stats.pairs_computed, stats.pairs_skipped = [], 0, 0
@@ -567,6 +575,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         block_k, stats)
     out, lse = _RingAttention.apply(local.q, local.k, local.v,
                                     _Ring(comm, steps, stats, float(backward_timeout)))
+    if sinks is not None:  # in every row's denominator: joined to the finished rows
+        out, lse, _ = sinks.join(out, lse)
     out = restore(out, local)
     if not return_lse:
         return out
