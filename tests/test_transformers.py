@@ -366,20 +366,61 @@ def test_sentence_transformers_embeddings_match_eager(tmp_path, captured, paddin
         assert (cosine(mine, alone) >= 0.99999).all(), cosine(mine, alone)
 
 
-# ---- features attnkit does not compute ------------------------------------------------------
-def test_logit_softcapping_raises():
-    config = transformers.Gemma2Config(head_dim=16, attn_logit_softcapping=50.0, sliding_window=4,
+# ---- score modifiers: softcapping and sinks ----------------------------------------------------
+def _against_float64_eager(config, seq: int = 10) -> None:
+    """attnkit's logits within 2× float32 eager's error of float64 eager (plus a floor), on
+    a padded batch."""
+    models = _models(config, impls=("eager", "attnkit"))
+    truth = copy.deepcopy(models["eager"]).double()
+    ids, mask = _batch("right", seq=seq)
+    with torch.no_grad():
+        exact = truth(input_ids=ids, attention_mask=mask).logits
+        eager, mine = (models[impl](input_ids=ids, attention_mask=mask).logits
+                       for impl in ("eager", "attnkit"))
+    real = mask.bool()
+    bound = (2 * (eager.double() - exact)[real].abs().max().item()
+             + 16 * torch.finfo(F32).eps * exact[real].abs().max().item())
+    assert (mine.double() - exact)[real].abs().max().item() <= bound
+
+
+def test_logit_softcapping_runs_as_softcap():
+    """Gemma 2's attn_logit_softcapping (small here, so it bends the scores) becomes
+    ``ak.softcap``: logits as eager's."""
+    config = transformers.Gemma2Config(head_dim=16, attn_logit_softcapping=1.5, sliding_window=64,
                                        **_common())
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
-    ids, mask = _batch("none", seq=6)
-    with pytest.raises(NotImplementedError, match="softcapping"):
-        model(input_ids=ids, attention_mask=mask)
+    _against_float64_eager(config)
 
 
-def test_attention_sinks_raise():
+def test_attention_sinks_run_as_sinks():
+    """gpt-oss's learned sinks (``s_aux=module.sinks``) become ``ak.sinks``: the output and
+    the returned weights as gpt-oss's own eager attention gives them (float64 the truth,
+    float32 eager the yardstick), under a causal mask with a padded batch row."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups = 2
+    module.sinks = torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(3)))
+    q, k, v = (_rand(2, heads, 7, 8, seed=seed).to(F32) for heads, seed in ((4, 0), (2, 1), (2, 2)))
+    allowed = torch.ones(7, 7, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
+    allowed[1, :, :, 5:] = False  # batch row 1: two padded keys
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(F32).min)
+    mine, mine_weights = ak_hf.attention_forward(module, q, k, v, allowed, scaling=8 ** -0.5,
+                                                 s_aux=module.sinks, output_attentions=True)
+    eager = eager_attention_forward(module, q, k, v, additive, scaling=8 ** -0.5)
+    module.double()
+    exact = eager_attention_forward(module, q.double(), k.double(), v.double(),
+                                    additive.double(), scaling=8 ** -0.5)
+    for got, plain, truth in zip((mine, mine_weights), eager, exact):
+        bound = (2 * (plain.double() - truth).abs().max().item()
+                 + 16 * torch.finfo(F32).eps * truth.abs().max().item())
+        assert (got.double() - truth).abs().max().item() <= bound
+    assert (mine_weights.sum(-1) < 1).all()  # a share of every row went to its sink
+
+
+def test_sparse_index_selections_raise():
     q = _rand(1, 4, 3, 8)
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        ak_hf.attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="selected key indices"):
+        ak_hf.attention_forward(torch.nn.Module(), q, q, q, None, indices=torch.zeros(3))
 
 
 # ---- the attention function called directly --------------------------------------------------

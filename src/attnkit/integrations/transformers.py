@@ -48,8 +48,9 @@ block-wise overlays, a renamed function in another transformers release) becomes
 of the boolean mask transformers itself builds for ``"sdpa"``: exact, at ``O(B·Tq·Tk)``
 memory (the ``attnkit`` logger says so at DEBUG level).
 
-Features attnkit does not compute raise ``NotImplementedError`` naming them: logit
-softcapping (Gemma 2's ``attn_logit_softcapping``), learned attention sinks (gpt-oss),
+Logit softcapping (Gemma 2's ``attn_logit_softcapping``, the call's ``softcap=``) runs as
+``attnkit.softcap``, learned attention sinks (gpt-oss's ``s_aux=``, ``sinks=``) as
+``attnkit.sinks``. Features attnkit does not compute raise ``NotImplementedError`` naming them:
 sparse-attention index selections. Dropout in training is attnkit's ``dropout_p``.
 """
 
@@ -81,9 +82,6 @@ NAME = "attnkit"
 _log = logging.getLogger("attnkit")
 
 _UNSUPPORTED = {
-    "softcap": "attention logit softcapping (e.g. Gemma 2's attn_logit_softcapping)",
-    "s_aux": "learned attention sinks (e.g. gpt-oss)",
-    "sinks": "learned attention sinks",
     "indices": "sparse attention over selected key indices",
     "block_indices": "sparse attention over selected key blocks",
 }
@@ -356,10 +354,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     multiplies the scores (default ``1/sqrt(D)``); ``dropout`` is the dropout probability on
     the weights. ``position_bias [B|1, Hq|1, Tq, Tk]`` is added to the scaled scores. With no
     mask, ``cu_seq_lens_q``/``cu_seq_lens_k`` (packed sequences in one row) keep the
-    sequences apart.
+    sequences apart. ``softcap`` (a float) caps the scaled scores (:func:`attnkit.softcap`);
+    ``s_aux`` or ``sinks`` (``[Hq]``) are per-head sink logits (:func:`attnkit.sinks`).
 
-    Raises ``NotImplementedError`` for logit softcapping, attention sinks and sparse index
-    selections (see :data:`_UNSUPPORTED`).
+    Raises ``NotImplementedError`` for sparse index selections (see :data:`_UNSUPPORTED`).
     """
     for name, feature in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
@@ -393,6 +391,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:
         mask = ak.bias(position_bias) if mask is None else ak.bias(position_bias) & mask
+    modifiers = []
+    if kwargs.get("softcap") is not None:
+        modifiers.append(ak.softcap(float(kwargs["softcap"])))
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None:
+        modifiers.append(ak.sinks(sinks))
+    for modifier in modifiers:
+        mask = modifier if mask is None else mask & modifier
     weights_wanted = bool(kwargs.get("output_attentions", False))
     result = ak.attention(query, key, value, mask, scale=scaling, dropout_p=dropout,
                           return_weights=weights_wanted)
