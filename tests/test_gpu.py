@@ -73,9 +73,11 @@ NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
 # ---- the truth -----------------------------------------------------------------------------------
-def attention_math(q, k, v, dout, allowed, bias, scale: float, dtype: torch.dtype) -> list[torch.Tensor]:
+def attention_math(q, k, v, dout, allowed, bias, scale: float, dtype: torch.dtype,
+                   cap: Optional[float] = None) -> list[torch.Tensor]:
     """softmax(q kᵀ·scale + bias, masked) v and its gradients computed in ``dtype``, one
-    (batch, head) at a time. q ``[B, H, Tq, Dk]``, k ``[B, Hkv, Tk, Dk]``, v ``[B, Hkv, Tk, Dv]``,
+    (batch, head) at a time; with ``cap``, the scaled scores soft-capped (``cap·tanh(s/cap)``)
+    before the bias. q ``[B, H, Tq, Dk]``, k ``[B, Hkv, Tk, Dk]``, v ``[B, Hkv, Tk, Dv]``,
     dout ``[B, H, Tq, Dv]``; ``allowed`` (bool) and ``bias`` broadcastable to ``[B, H, Tq, Tk]``
     or ``None``. Returns out, lse ``[B, H, Tq]``, dq, dk, dv; a fully masked row has out 0,
     LSE −inf and zero gradients."""
@@ -89,6 +91,10 @@ def attention_math(q, k, v, dout, allowed, bias, scale: float, dtype: torch.dtyp
             g = h // group
             qh, kh, vh, doh = (t.to(dtype) for t in (q[b, h], k[b, g], v[b, g], dout[b, h]))
             s = (qh @ kh.T) * scale
+            capped = None
+            if cap is not None:
+                capped = torch.tanh(s / cap)
+                s = cap * capped
             if bias is not None:
                 s = s + bias.expand(full)[b, h].to(dtype)
             if allowed is not None:
@@ -100,6 +106,8 @@ def attention_math(q, k, v, dout, allowed, bias, scale: float, dtype: torch.dtyp
             lse[b, h] = (m + total.log())[:, 0]
             out[b, h] = p @ vh
             ds = p * (doh @ vh.T - (doh * out[b, h]).sum(-1, keepdim=True))
+            if capped is not None:
+                ds = ds * (1 - capped * capped)
             dq[b, h] = (ds @ kh) * scale
             dk[b, g] += (ds.T @ qh) * scale
             dv[b, g] += p.T @ doh
@@ -131,11 +139,12 @@ class Case:
     """Inputs, a mask and its independent dense form, with the float64 truth and the same math
     in the inputs' dtype (the yardstick), computed once for every run compared with them."""
 
-    def __init__(self, label: str, inputs: list[torch.Tensor], mask, allowed=None, bias=None):
+    def __init__(self, label: str, inputs: list[torch.Tensor], mask, allowed=None, bias=None,
+                 cap: Optional[float] = None):
         self.label, self.inputs, self.mask = label, inputs, mask
         scale = 1 / math.sqrt(inputs[0].shape[-1])
-        self.truth = attention_math(*inputs, allowed, bias, scale, torch.float64)
-        self.plain = attention_math(*inputs, allowed, bias, scale, inputs[0].dtype)
+        self.truth = attention_math(*inputs, allowed, bias, scale, torch.float64, cap)
+        self.plain = attention_math(*inputs, allowed, bias, scale, inputs[0].dtype, cap)
 
     def problems(self, got: list[torch.Tensor], how: str) -> list[str]:
         """What is wrong with ``got`` (out, lse, dq, dk, dv), one line each."""
@@ -352,6 +361,47 @@ def test_ring_steps():
                 grads[1][:, :, rows[b]] += dk
                 grads[2][:, :, rows[b]] += dv
         found += case.problems([out, lse, *grads], "ring steps")
+    assert not found, "\n".join(found)
+
+
+@gpu
+def test_score_modifiers():
+    """Softcap, ALiBi (bottom-right, GQA, Tq ≠ Tk) and a T5 relative bias in the compiled
+    kernels, bf16, with causal and documents masks: out, LSE, dq, dk, dv against float64 math
+    with the same modifiers written out (the biases as dense ``[H, Tq, Tk]`` tensors)."""
+    gen = torch.Generator().manual_seed(5)
+    slopes = (torch.rand(HEADS, generator=gen) * 0.1).to(DEVICE)
+    table = torch.randn(HEADS, 32, generator=gen).to(DEVICE)
+    tq, tk = RAGGED
+    found = []
+    for label, (lq, lk), cap, use_alibi, use_table in (
+            ("softcap&causal", (N, N), 20.0, False, False),
+            ("alibi bottom-right GQA", (tq, tk), None, True, False),
+            ("relative&documents", (N, N), None, False, True),
+            ("softcap&alibi&relative&causal", (N, N), 20.0, True, True)):
+        i, j = positions(lq, lk)
+        heads_kv = HEADS // 2 if "GQA" in label else HEADS
+        shift = lk - lq if "bottom-right" in label else 0
+        mask = ak.causal("bottom_right") if "bottom-right" in label else ak.causal()
+        allowed = j <= i + shift
+        if label.startswith("relative"):
+            ids = sorted_ids(N, 6, gen)
+            mask, allowed = ak.documents(ids), ids[:, None] == ids[None, :]
+        bias = torch.zeros(HEADS, lq, lk, device=DEVICE)
+        if use_alibi:
+            mask = mask & ak.alibi(slopes, align="bottom_right" if shift else "top_left")
+            bias = bias + slopes[:, None, None] * (j - i - shift)
+        if use_table:
+            mask = mask & ak.relative_bias(table)
+            bias = bias + table[:, ak.t5_buckets(j - i, 32)]
+        if cap is not None:
+            mask = mask & ak.softcap(cap)
+        inputs = make_inputs(BATCH, HEADS, heads_kv, lq, lk, D, torch.bfloat16, lq)
+        case = Case(label, inputs, mask, allowed, bias[None], cap)
+        try:
+            found += case.problems(run(options(candidate=0), *inputs, mask), "candidate 0")
+        except Exception as error:  # noqa: BLE001 - listed with the rest
+            found.append(f"{label}: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}")
     assert not found, "\n".join(found)
 
 
