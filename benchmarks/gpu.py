@@ -27,6 +27,9 @@ compile) and SDPA with a dense bool mask; ``--dry-run`` leaves out those that ne
 - Ring steps (``--ring NxP``, run second): one rank's step of causal ring attention, on the
   fused triton kernels against the tiled engine's step they replace (the diagonal step and a
   full one), µs, TFLOP/s and the ratio, outputs compared first.
+- Score modifiers (``--mods``, run third): causal attention with ALiBi or a softcap at
+  ``--mods-length``, the triton kernels against FlexAttention compiled with the same
+  ``score_mod``, TFLOP/s and the ratio, each row checked first.
 - ``--profile``: each kernel's device time in one forward+backward (``torch.profiler``).
   ``--budget SECONDS``: no workload after the first starts past it.
 
@@ -87,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-lengths", default="4096,16384,131072")
     p.add_argument("--ring", default="16384x4", help="ring-step rows, NxP: the global length and "
                    "the ranks (one step of one rank, causal; '' for none)")
+    p.add_argument("--mods", default="alibi,softcap", help="score-modifier rows under causal "
+                   "masking at --mods-length ('' for none)")
+    p.add_argument("--mods-length", type=int, default=8192)
     p.add_argument("--out", default=None, help="folder for the JSON (default: $OUT, else results/)")
     args = p.parse_args(argv)
     for name, allowed in (("masks", MASKS), ("competitors", COMPETITORS), ("modes", ("fwd", "fwd+bwd"))):
@@ -98,6 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.masked_length, args.span = 64, 16
         args.decode, args.decode_lengths = "1x1,2x4", "96"
         args.ring = "128x2"
+        args.mods_length = 64
     return args
 
 
@@ -501,6 +508,86 @@ def ring_rows(args, device, dtype, bench) -> list[dict]:
     return rows
 
 
+def modifier_rows(args, device, dtype, bench) -> list[dict]:
+    """Causal attention with a score modifier (``--mods``: ALiBi with the paper's slopes, or a
+    softcap of 30) at N = ``--mods-length``, B = tokens / N, H = hidden / D: ``attention``
+    (the triton kernels) against FlexAttention compiled with the same ``score_mod`` and a
+    causal block mask (on CUDA), forward and forward+backward, TFLOP/s (causal ½) and the
+    ratio. Each row is checked first: out and dq against float32 math with the modifier (one
+    head at a time), relative error ≤ 2e-2."""
+    import attnkit as ak
+
+    rows = []
+    n, d = args.mods_length, int(args.dims.split(",")[0])
+    batch, heads = max(1, args.tokens // n), max(1, args.hidden // d)
+    slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], device=device)
+    pos = torch.arange(n, device=device)
+    for name in filter(None, args.mods.split(",")):
+        if name == "alibi":
+            mask = ak.causal() & ak.alibi(slopes)
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + slopes[h] * (kv_idx - q_idx)
+
+            def modify(scores, h):  # [B, 1, N, N] of head h
+                return scores + slopes[h] * (pos[None, :] - pos[:, None])
+        elif name == "softcap":
+            mask = ak.causal() & ak.softcap(30.0)
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return 30.0 * torch.tanh(score / 30.0)
+
+            def modify(scores, h):
+                return 30.0 * torch.tanh(scores / 30.0)
+        else:
+            raise ValueError(f"--mods: unknown {name!r}; choose from alibi,softcap")
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v, dout = (torch.randn(batch, heads, n, d, device=device, dtype=dtype, generator=gen)
+                         for _ in range(4))
+        fns = {"attnkit-triton": lambda q, k, v: ak.attention(q, k, v, mask, backend="triton")}
+        if device.type == "cuda":
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            block = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, n, n,
+                                      device=device)
+            flex = torch.compile(flex_attention)
+            fns["flex-compiled"] = lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=block)
+        truth_out, truth_dq = [], []
+        for h in range(heads):  # float32 math with the modifier, one head at a time
+            qh, kh, vh = (t[:, h:h + 1].float().requires_grad_() for t in (q, k, v))
+            scores = modify((qh @ kh.transpose(-1, -2)) * d ** -0.5, h)
+            scores = scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+            o = torch.softmax(scores, -1) @ vh
+            truth_out.append(o.detach())
+            truth_dq.append(torch.autograd.grad(o, qh, dout[:, h:h + 1].float())[0])
+        errors = {}
+        for label, fn in fns.items():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves)
+            dq, = torch.autograd.grad(out, leaves[:1], dout)
+            errors[label] = max(relative_error(out, torch.cat(truth_out, 1)),
+                                relative_error(dq, torch.cat(truth_dq, 1)))
+        row = dict(modifier=name, n=n, d=d, batch=batch, heads=heads, errors=errors,
+                   ok=all(e <= 2e-2 for e in errors.values()))
+        flops = 4 * batch * heads * n * n * d * 0.5
+        for mode in args.modes.split(","):
+            for label, fn in fns.items():
+                run = step(fn, mode, *(t.detach().requires_grad_(mode == "fwd+bwd")
+                                       for t in (q, k, v)), dout)
+                try:
+                    ms = bench(run)
+                    row[f"{label} {mode}"] = flops * (3.5 if mode == "fwd+bwd" else 1.0) / ms / 1e9
+                except Exception as error:  # noqa: BLE001 - a competitor that cannot run this
+                    row[f"{label} {mode}"] = describe(error)
+            mine, theirs = row.get(f"attnkit-triton {mode}"), row.get(f"flex-compiled {mode}")
+            if isinstance(mine, float) and isinstance(theirs, float):
+                row[f"vs flex {mode}"] = mine / theirs
+        rows.append(row)
+        cells = "  ".join(f"{key} {value:.3g}" for key, value in row.items()
+                          if isinstance(value, float) and key != "n")
+        print(f"causal&{name} D{d} N{n} {'ok' if row['ok'] else 'WRONG'}  TFLOP/s {cells}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     started = time.perf_counter()
     args = parse_args(argv)
@@ -523,18 +610,21 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = "dry_run" if args.dry_run else datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
     path = out_dir / f"gpu_bench_{stamp}.json"
-    checks, results, skipped, profiles, decode, ring = [], [], [], {}, [], []
+    checks, results, skipped, profiles, decode, ring, mods = [], [], [], {}, [], [], []
 
     def save() -> None:  # after every workload: a run cut short keeps what it measured
         info["elapsed_s"] = time.perf_counter() - started
         path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
                                     "results": results, "profiles": profiles,
-                                    "decode": decode, "ring": ring}, indent=1))
+                                    "decode": decode, "ring": ring, "mods": mods}, indent=1))
     if args.decode:  # first: a few seconds, and what no other run measures
         decode += decode_rows(args, device, dtype, bench)
         save()
     if args.ring:
         ring += ring_rows(args, device, dtype, bench)
+        save()
+    if args.mods:
+        mods += modifier_rows(args, device, dtype, bench)
         save()
     for index, w in enumerate(workloads(args)):
         if index and args.budget is not None and time.perf_counter() - started > args.budget:
@@ -553,7 +643,8 @@ def main(argv=None) -> int:
     print(f"JSON: {path}")
     failed = [f"{c['workload']} ({c['backend']})" for c in checks if not c["ok"]] + [
         f"decode B{r['batch']} Tq{r['q_len']} Tk{r['kv_len']}" for r in decode if not r["ok"]] + [
-        f"ring N{r['n']} P{r['world']} {r['step']}" for r in ring if not r["ok"]]
+        f"ring N{r['n']} P{r['world']} {r['step']}" for r in ring if not r["ok"]] + [
+        f"causal&{r['modifier']} N{r['n']}" for r in mods if not r["ok"]]
     if failed:
         print(f"CORRECTNESS FAILED for {', '.join(failed)}: their timings are not to be trusted")
     return 1 if failed else 0

@@ -168,6 +168,10 @@ def test_dry_run(bench, tmp_path, capsys):
     assert [(r["step"], r["n"], r["world"]) for r in saved["ring"]] == [("diagonal", 128, 2), ("below", 128, 2)]
     assert all(r["ok"] and r[f"{name} {mode}"]["us"] > 0 and r[f"speedup {mode}"] > 0
                for r in saved["ring"] for name in ("triton", "tiled") for mode in ("fwd", "fwd+bwd"))
+    # score modifiers: the triton kernels checked against float32 math with the modifier, timed
+    assert [r["modifier"] for r in saved["mods"]] == ["alibi", "softcap"]
+    assert all(r["ok"] and r["attnkit-triton fwd"] > 0 and r["attnkit-triton fwd+bwd"] > 0
+               for r in saved["mods"])
     rows = {(r["workload"], r["backend"], r["mode"]): r for r in saved["results"]}
     assert len(rows) == len(saved["results"]) == 4 * 6 * 2
     for (workload, backend, mode), r in rows.items():
