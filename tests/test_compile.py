@@ -121,6 +121,30 @@ def test_learnable_bias_gets_its_gradient_when_compiled():
         torch.testing.assert_close(got, want)
 
 
+def test_score_modifiers_compile_with_their_gradients():
+    """Softcap, ALiBi, a T5 relative bias and sinks under causal masking: one graph, out and
+    LSE as eager, and the gradients of q, k, v, the slopes, the table and the sink logits."""
+    gen = torch.Generator().manual_seed(7)
+    slopes = (torch.rand(H, generator=gen) * 0.3).requires_grad_()
+    table = torch.randn(H, 32, generator=gen, requires_grad=True)
+    sinks = torch.randn(H, generator=gen, requires_grad=True)
+
+    def fn(q, k, v):
+        mask = (ak.causal() & ak.softcap(2.0) & ak.alibi(slopes) & ak.relative_bias(table)
+                & ak.sinks(sinks))
+        result = ak.attention(q, k, v, mask, return_lse=True)
+        return result.out.sum(-1) + result.lse
+
+    q, k, v = _qkv(11)
+    assert _breaks(fn, q, k, v) == 0
+    tensors = [q, k, v, slopes, table, sinks]
+    out, grads = _run(torch.compile(fn, backend="aot_eager", fullgraph=True), tensors)
+    expected, expected_grads = _run(fn, tensors)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 def test_weights_and_unbatched_inputs_when_compiled():
     q, k, v = (t.detach() for t in _qkv(4, (T, D)))
     window = ak.sliding_window(7)

@@ -544,12 +544,14 @@ def test_errors_name_shapes_and_fixes(gen):
         ak.attention(q, k, v, bad_buckets, backend="tiled")
 
 
-def test_compiled_region_refuses_modifiers(gen):
+def test_compiled_region_refuses_modifiers_that_call_python(gen):
     from attnkit import compiled
     q, k, v = make_qkv(gen, tq=5, tk=5)
-    with pytest.raises(ValueError, match="score modifiers .* not supported inside a compiled region"):
-        compiled.attention(q, k, v, ak.causal() & ak.softcap(3.0), scale=None, dropout_p=0.0,
-                           backend="auto", return_lse=False, return_weights=False)
+    for modifier in (ak.score_function(lambda s, b, h, i, j: s * 0.5),
+                     ak.relative_bias(torch.ones(4, 8), buckets=lambda r: r.clamp(0, 7))):
+        with pytest.raises(ValueError, match="calls Python code"):
+            compiled.attention(q, k, v, ak.causal() & modifier, scale=None, dropout_p=0.0,
+                               backend="auto", return_lse=False, return_weights=False)
 
 
 # ---- dispatch -------------------------------------------------------------------------------------
@@ -561,10 +563,12 @@ def test_auto_picks_a_backend_that_runs_it(name, gen):
     picked = ak.explain_dispatch(q, k, v, mask)
     assert picked.backend in ("tiled", "reference"), picked  # params require grad: not torch
     inputs = validate(q, k, v, mask)
+    kernels = ("softcap", "alibi", "relative_bias")  # the triton kernels run these
     for kind in inputs.modifiers.kinds():
         for backend in ("torch", "triton"):
-            assert f"{kind} (not supported by {backend})" in \
-                dispatch.BACKENDS[backend].not_supported_reasons(inputs)
+            reasons = dispatch.BACKENDS[backend].not_supported_reasons(inputs)
+            assert (f"{kind} (not supported by {backend})" in reasons) == (
+                backend == "torch" or kind not in kernels), (kind, backend, reasons)
     out = ak.attention(q, k, v, mask)
     torch.testing.assert_close(out, ak.attention(q, k, v, mask, backend="reference"),
                                rtol=1e-5, atol=1e-5)

@@ -7,8 +7,11 @@ the mask to a *spec* (a string naming its classes and constant parameters) plus 
 and calls the custom operator ``attnkit::attention``, which rebuilds the mask and runs the
 eager :func:`attnkit.attention` on real tensors; ``attnkit::attention_backward`` gives the
 gradients from the saved output and LSE through a backend's own backward (``tiled`` or
-``triton``: no recomputed forward). Fake-tensor implementations give the output shapes, so
-the graph around the call compiles in one piece, forward and backward.
+``triton``: no recomputed forward); with score modifiers (softcap, ALiBi, T5 relative biases,
+sinks) it differentiates the eager call again (``torch.func.vjp``), which gives their tensors'
+gradients too, on the reference backend (Tq×Tk memory in that backward).
+Fake-tensor implementations give the output shapes, so the graph around the call compiles in
+one piece, forward and backward.
 
 No mask and top-left causal are traced directly (torch's fused kernel is inlined there).
 """
@@ -103,7 +106,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list
     from .api import attention as eager
 
     mask = unflatten(spec, tensors)
-    if trainable:
+    if trainable and not mask.modifies:
         backend = _engine(q, k, v, mask, scale, backend, need_weights)[1].NAME
     result = eager(q, k, v, mask, scale=scale, backend=backend, return_lse=True,
                    return_weights=need_weights)
@@ -129,6 +132,9 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
                            "return_weights=True are not differentiable there; differentiate "
                            "out/lse, or run eagerly")
     mask = unflatten(spec, tensors)
+    if mask.modifies:
+        return _recomputed_grads(dout, dlse, q, k, v, tensors, wanted, spec, scale, backend,
+                                 need_weights)
     inputs, chosen = _engine(q, k, v, mask, scale, backend, need_weights)
     rows = inputs.q.shape[:3]
     wanted_by_id = {id(t): want for t, want in zip(tensors, wanted)}
@@ -140,6 +146,33 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
     extra = [_like(by_id[id(t)], t) if want and by_id.get(id(t)) is not None
              else torch.zeros_like(t) if want else t.new_empty(0)
              for t, want in zip(tensors, wanted)]
+    return [_like(dq, q), _like(dk, k), _like(dv, v), *extra]
+
+
+def _recomputed_grads(dout, dlse, q, k, v, tensors, wanted, spec, scale, backend,
+                      need_weights) -> list[torch.Tensor]:
+    """The gradients of a call with score modifiers: its eager forward again, differentiated
+    by ``torch.func.vjp`` (an operator's implementation runs below autograd, where only a
+    functorch transform differentiates), the mask rebuilt around the differentiated tensors;
+    as :func:`_backward_op` returns them. Under the transform ``auto`` takes the reference
+    backend: this backward holds the Tq×Tk scores."""
+    from .api import attention as eager
+
+    learnable = [i for i, want in enumerate(wanted) if want]
+
+    def forward(q, k, v, *chosen):
+        own = list(tensors)
+        for i, t in zip(learnable, chosen):
+            own[i] = t
+        result = eager(q, k, v, unflatten(spec, own), scale=scale, backend=backend,
+                       return_lse=True, return_weights=need_weights)
+        return result.out, result.lse
+
+    (_, lse), vjp = torch.func.vjp(forward, q, k, v, *(tensors[i] for i in learnable))
+    dq, dk, dv, *found = vjp((dout, torch.zeros_like(lse) if dlse is None else dlse))
+    by_index = dict(zip(learnable, found))
+    extra = [_like(by_index[i], t) if want else t.new_empty(0)
+             for i, (t, want) in enumerate(zip(tensors, wanted))]
     return [_like(dq, q), _like(dk, k), _like(dv, v), *extra]
 
 
@@ -193,12 +226,14 @@ def attention(q, k, v, mask: Mask, *, scale, dropout_p, backend, return_lse, ret
         raise ValueError(f"attnkit under torch.compile: dropout_p={dropout_p} with mask {mask!r} "
                          f"is not supported inside a compiled region; apply dropout to the "
                          f"output instead, or call attention outside torch.compile")
-    if mask.modifies:
-        raise ValueError(f"attnkit under torch.compile: score modifiers (softcap, alibi, "
-                         f"relative_bias, sinks, score_function) in mask {mask!r} are not "
-                         f"supported inside a compiled region (the compiled backward gives no "
-                         f"gradient to their tensors); call attention outside torch.compile, "
-                         f"e.g. in a function decorated with @torch.compiler.disable")
+    code = [leaf for leaf in mask.leaves() if leaf.modifies
+            and (leaf.kind == "score_function" or getattr(leaf, "buckets", None) is not None)]
+    if code:
+        raise ValueError(f"attnkit under torch.compile: {', '.join(map(repr, code))} in mask "
+                         f"{mask!r} calls Python code, which a compiled region cannot hand to "
+                         f"attnkit's operator; call attention outside torch.compile (e.g. in a "
+                         f"function decorated with @torch.compiler.disable), or use T5's "
+                         f"bucketing (buckets=None)")
     rows = q.shape[:-2]
     batch = 1 if q.dim() == 2 else rows[0] if q.dim() == 3 else math.prod(rows[:-1])
     heads = 1 if q.dim() < 4 else rows[-1]
