@@ -39,6 +39,10 @@ from collections import namedtuple
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+"""Whether this copy of the module is the interpreter's (``launch.kernels`` loads one per mode)."""
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -79,9 +83,11 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _tanh(x):
-    """tanh in float32 (the interpreter has no libdevice tanh): an odd Taylor polynomial
-    below 1/4 (no cancellation near 0; error below 1e-10 there), ``(1 − e)/(1 + e)`` with
-    ``e = exp(−2|x|)`` above, the sign restored."""
+    """tanh in float32: libdevice's when compiled; interpreted (no libdevice tanh there), an
+    odd Taylor polynomial below 1/4 (no cancellation near 0; error below 1e-10 there),
+    ``(1 − e)/(1 + e)`` with ``e = exp(−2|x|)`` above, the sign restored."""
+    if not INTERPRETED:
+        return libdevice.tanh(x)
     a = tl.abs(x)
     a2 = a * a
     small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (
