@@ -217,13 +217,18 @@ def make_fn(name: str, w: Workload, device, flex_masks: str = "all") -> tuple[Op
 
 
 # ---- correctness at full size ------------------------------------------------------------------------
-def reference(q, k, v, dout, allowed: Optional[torch.Tensor], scale: float) -> list[torch.Tensor]:
+def reference(q, k, v, dout, allowed: Optional[torch.Tensor], scale: float,
+              modify: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None) -> list[torch.Tensor]:
     """float32 math, one head at a time, for ``q, k, v, dout [B, H, N, D]`` and ``allowed
-    [N, N]``: ``out [B, H, N, D], lse [B, H, N], dq, dk, dv [B, H, N, D]`` (float32)."""
+    [N, N]``: ``out [B, H, N, D], lse [B, H, N], dq, dk, dv [B, H, N, D]`` (float32).
+    ``modify(scores, h)``: a score modifier applied to head ``h``'s scaled scores before the
+    mask."""
     parts: list[list[torch.Tensor]] = [[] for _ in range(5)]
     for h in range(q.shape[1]):
         qh, kh, vh = (t[:, h:h + 1].detach().float().requires_grad_() for t in (q, k, v))
         scores = (qh @ kh.transpose(-1, -2)) * scale
+        if modify is not None:
+            scores = modify(scores, h)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         out = torch.softmax(scores, -1) @ vh
@@ -551,21 +556,14 @@ def modifier_rows(args, device, dtype, bench) -> list[dict]:
                                       device=device)
             flex = torch.compile(flex_attention)
             fns["flex-compiled"] = lambda q, k, v: flex(q, k, v, score_mod=score_mod, block_mask=block)
-        truth_out, truth_dq = [], []
-        for h in range(heads):  # float32 math with the modifier, one head at a time
-            qh, kh, vh = (t[:, h:h + 1].float().requires_grad_() for t in (q, k, v))
-            scores = modify((qh @ kh.transpose(-1, -2)) * d ** -0.5, h)
-            scores = scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
-            o = torch.softmax(scores, -1) @ vh
-            truth_out.append(o.detach())
-            truth_dq.append(torch.autograd.grad(o, qh, dout[:, h:h + 1].float())[0])
+        truth_out, _, truth_dq, _, _ = reference(q, k, v, dout, pos[None, :] <= pos[:, None],
+                                                 d ** -0.5, modify)
         errors = {}
         for label, fn in fns.items():
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             out = fn(*leaves)
             dq, = torch.autograd.grad(out, leaves[:1], dout)
-            errors[label] = max(relative_error(out, torch.cat(truth_out, 1)),
-                                relative_error(dq, torch.cat(truth_dq, 1)))
+            errors[label] = max(relative_error(out, truth_out), relative_error(dq, truth_dq))
         row = dict(modifier=name, n=n, d=d, batch=batch, heads=heads, errors=errors,
                    ok=all(e <= 2e-2 for e in errors.values()))
         flops = 4 * batch * heads * n * n * d * 0.5
