@@ -388,9 +388,9 @@ def test_position_vector_matches_the_tiles(gen):
     give: ALiBi with [H] and [B, H] slopes, top-left and bottom-right, T5 and custom buckets,
     summed."""
     space = ak.masks.MaskSpace(batch=2, heads=3, q_len=7, kv_len=11)
+    clamped = ak.relative_bias(_rand(gen, 3, 5), buckets=lambda r: r.clamp(-2, 2) + 2)
     mask = (ak.alibi(_rand(gen, 3)) & ak.alibi(_rand(gen, 2, 3), "bottom_right")
-            & ak.relative_bias(_rand(gen, 3, 8)) & ak.relative_bias(_rand(gen, 3, 5),
-                                                                    buckets=lambda r: r.clamp(-2, 2) + 2))
+            & ak.relative_bias(_rand(gen, 3, 8)) & clamped)
     _, modifiers = ak.modifiers.split(mask)
     vector = modifiers.position_bias(space, torch.float64)  # [B, H, Tq + Tk − 1]
     assert vector.shape == (2, 3, 7 + 11 - 1)

@@ -527,8 +527,8 @@ class Modifiers:
     def position_bias(self, space: MaskSpace, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """The ALiBi and relative biases together, once per relative position: ``[1|B, H,
         Tq + Tk − 1]`` in ``dtype`` (contiguous), entry ``e`` the bias of key j for query i
-        where ``j − i = e − (Tq − 1)`` (``Tq``, ``Tk``: ``space``'s global lengths), so a tile's
-        bias is read from it without a ``Tq × Tk`` tensor. ``None`` without ALiBi or
+        where ``j − i = e − (Tq − 1)`` (``Tq``, ``Tk``: ``space``'s global lengths), so a
+        tile's bias is read from it without a ``Tq × Tk`` tensor. ``None`` without ALiBi or
         relative biases. Differentiable in the slopes and tables."""
         parts = (*self.alibi, *self.relative)
         if not parts:

@@ -33,10 +33,10 @@ Score modifiers (:mod:`attnkit.modifiers`), in the order :meth:`Modifiers.apply`
   reverse order (K and V reversed once per call, O(T·D)), so that its bias is a view of the
   reversed vector with unit strides (nothing built; see :class:`Positions`); strips, causal
   squares and additive tiles get the bias added (at most a tile); runs execute block by block
-  (reversed keys do not shift with a run's blocks). The backward is torch's fused one, unless the slopes or tables need
-  gradients or the biases span more than :data:`WIDE_BIAS`: then the matmul path, which forms
-  dS, sums it along diagonals into the vector's gradient, and the slopes' and tables' come
-  from the vector's construction.
+  (reversed keys do not shift with a run's blocks). The backward is torch's fused one,
+  unless the slopes or tables need gradients or the biases span more than :data:`WIDE_BIAS`:
+  then the matmul path, which forms dS, sums it along diagonals into the vector's gradient,
+  and the slopes' and tables' come from the vector's construction.
 - Softcap and score functions run on the matmul path (the fused kernel takes no change of its
   scores): the softcap with its derivative written out (``dS · (1 − tanh²)``), score functions
   recomputed per tile with autograd enabled locally (``torch.autograd.grad`` of the tile gives
@@ -567,12 +567,12 @@ class Positions(NamedTuple):
     values: Optional[torch.Tensor] = None
 
 
-def _positions(problem: Problem, dtype: torch.dtype, fused: bool, keys: torch.Tensor,
-               values: torch.Tensor, vector: Optional[torch.Tensor] = None,
-               ) -> Optional[Positions]:
-    """The :class:`Positions` of a call (reversed keys and values only with ``fused``), or
-    ``None`` without ALiBi and relative biases. ``vector``: the position vector, when the
-    caller has it already."""
+def _positions(problem: Problem, dtype: torch.dtype, fused: bool = False,
+               keys: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None,
+               vector: Optional[torch.Tensor] = None) -> Optional[Positions]:
+    """The :class:`Positions` of a call (with ``fused``, ``keys`` and ``values`` ``[B, Hkv,
+    Tk, D]`` reversed too), or ``None`` without ALiBi and relative biases. ``vector``: the
+    position vector, when the caller has it already."""
     vector = problem.position_vector(dtype) if vector is None else vector
     if vector is None or not fused:
         return None if vector is None else Positions(vector)
@@ -854,9 +854,10 @@ def fused_kernel_takes(modifiers: Optional[Modifiers]) -> bool:
 def _segment_pieces(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
                     dropout_p=0.0):
     """Attention of one query block over one key segment, as ``(rows, out, lse)`` pieces (the
-    strips of a staircase, else one piece with ``rows = slice(None)``), each normalised over the
-    segment alone. ``q_block [B, Hkv, G·n, Dk]``, ``k_seg/v_seg [B, Hkv, span, D]`` → ``out
-    [B, Hkv, rows, Dv]``, ``lse [B, Hkv, rows]``."""
+    strips of a staircase; the rows of each stacked query head for position biases read as
+    views, the keys then last to first; else one piece with ``rows = slice(None)``), each
+    normalised over the segment alone. ``q_block [B, Hkv, G·n, Dk]``, ``k_seg/v_seg [B, Hkv,
+    span, D]`` → ``out [B, Hkv, rows, Dv]``, ``lse [B, Hkv, rows]``."""
     if fused and tile is not None and tile.strips is not None:
         for rows, keys, strip_mask in tile.strips:
             yield (rows, *torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -1056,8 +1057,10 @@ def _segment_grads(q_block, k_seg, v_seg, do_block, lse_block, tile: Optional[Ti
                    want_grad_scores=False, params=()):
     """Gradients of one query block over one key segment, as ``(rows, keys, dq, dk, dv,
     grad_scores, param_grads)`` pieces, the backward of :func:`_segment_pieces`: the strips of
-    a staircase (``rows``/``keys``: slices of the block's rows and the segment's keys), else
-    one piece with ``rows = keys = slice(None)``. ``q_block [B, Hkv, G·n, Dk]``, ``do_block
+    a staircase (``rows``/``keys``: slices of the block's rows and the segment's keys); the
+    rows of each stacked query head for position biases read as views (``keys = slice(None)``,
+    dK/dV in the reversed key order of ``k_seg``); else one piece with ``rows = keys =
+    slice(None)``. ``q_block [B, Hkv, G·n, Dk]``, ``do_block
     [B, Hkv, G·n, Dv]``,
     ``lse_block [B, Hkv, G·n]`` (+inf on rows with no key), ``k_seg/v_seg [B, Hkv, span, D]``
     (or the ``[count, B·Hkv, ...]`` views of a run) → ``dq [B, Hkv, rows, Dk]``, ``dk/dv [B,
@@ -1438,7 +1441,7 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
     weights = torch.zeros(batch, heads_q, tq, tk, dtype=q.dtype, device=q.device)
     queries, keys = q.detach().to(acc), k.detach().to(acc)
     lse_safe = torch.where(torch.isneginf(lse), float("inf"), lse.detach().to(acc))
-    positions = _positions(problem, acc, False, keys, keys)
+    positions = _positions(problem, acc)
     work = _BlockWork(heads_q, heads_kv)
     for group in problem.plan.groups(tq):
         start, stop = group.rows
