@@ -31,7 +31,9 @@ from attnkit.distributed import PeakMemory, RingStats, ring_attention, shard, sp
 WORLD_SIZES = (1, 2, 3, 4)
 LAYOUTS = ("contiguous", "zigzag")
 MASKS = ("none", "causal", "causal_cross", "causal_bottom_right", "documents&causal", "padding",
-         "window", "dense", "bool_tensor", "bias&causal", "sinks&padding")
+         "window", "dense", "bool_tensor", "bias&causal", "sinks&padding", "alibi&causal",
+         "softcap&relative&documents")
+MODIFIED = ("alibi&causal", "softcap&relative&documents")  # with learnable modifiers
 FP32_MASKS = ("none", "causal", "causal_bottom_right", "documents&causal", "padding", "window")
 BF16_MASKS = ("causal", "padding")  # low precision: the engine's matmul path, fp32 merging
 CHUNK = 8  # rows per zigzag chunk: the global sequence is 2P chunks
@@ -105,6 +107,16 @@ def _mask(kind: str, tq: int, tk: int, batch: int, gen: torch.Generator):
     raise KeyError(kind)
 
 
+def _modified_mask(kind: str, tq: int, params: list) -> object:
+    """A MODIFIED mask over ``tq`` queries around the learnable ``params`` (slopes [H], table
+    [H, 32]): bottom-right causal ALiBi (Tk ≠ Tq), or documents with a softcap and a T5
+    relative bias."""
+    slopes, table = params
+    if kind == "alibi&causal":
+        return ak.causal("bottom_right") & ak.alibi(slopes, align="bottom_right")
+    return ak.documents(torch.arange(tq) // 7) & ak.softcap(2.0) & ak.relative_bias(table)
+
+
 def _plain_math(q, k, v, mask, scale):
     """Plain PyTorch math in q's dtype on the whole sequence (the yardstick of the 2× rule):
     ``(out, lse)``, differentiable; a row with no key gives out 0, lse −inf, zero gradients."""
@@ -115,6 +127,9 @@ def _plain_math(q, k, v, mask, scale):
     scores = q @ k.transpose(-1, -2) * scale  # [B, Hq, Tq, Tk]
     allowed = torch.ones(1, 1, tq, tk, dtype=torch.bool)
     mask, modifiers = ak.modifiers.split(ak.masks.as_mask(mask))  # a tensor passed as mask=
+    if modifiers is not None and modifiers.changes_scores:
+        space = ak.masks.MaskSpace(batch, heads, tq, tk)
+        scores = modifiers.apply(scores, torch.arange(tq), torch.arange(tk), space)
     if mask is not None:
         space = ak.masks.MaskSpace(batch, heads, tq, tk)
         allowed = mask.to_dense(space)
@@ -126,7 +141,7 @@ def _plain_math(q, k, v, mask, scale):
     scores = scores.masked_fill(~allowed | empty, float("-inf")).masked_fill(empty, 0.0)
     weights = torch.softmax(scores, -1).masked_fill(empty, 0.0)
     lse = torch.logsumexp(scores, -1).masked_fill(empty[..., 0], float("-inf"))
-    if modifiers is not None:
+    if modifiers is not None and modifiers.sinks is not None:
         out, lse, _ = modifiers.sinks.join(weights @ v, lse)
         return out, lse
     return weights @ v, lse
@@ -155,27 +170,42 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
     batch, heads, heads_kv, dk = 2, 4, case.get("heads_kv", 2), 8
     dv = case.get("dv", dk)
     tq = 2 * world * CHUNK
-    tk = 3 * world * CHUNK if case["mask"] in ("causal_cross", "causal_bottom_right") else tq
+    tk = 3 * world * CHUNK if case["mask"] in ("causal_cross", "causal_bottom_right", "alibi&causal") else tq
     q = torch.randn(batch, heads, tq, dk, generator=gen, dtype=torch.float64)
     k = torch.randn(batch, heads_kv, tk, dk, generator=gen, dtype=torch.float64)
     v = torch.randn(batch, heads_kv, tk, dv, generator=gen, dtype=torch.float64)
     grad_out = torch.randn(batch, heads, tq, dv, generator=gen, dtype=torch.float64)
     grad_lse = torch.randn(batch, heads, tq, generator=gen, dtype=torch.float64) if case.get("lse_loss") else None
-    mask = _mask(case["mask"], tq, tk, batch, gen)
+    modified = case["mask"] in MODIFIED
+    params = [torch.rand(heads, generator=gen, dtype=torch.float64) * 0.3,
+              torch.randn(heads, 32, generator=gen, dtype=torch.float64)]
+
+    def masked(params_dtype):  # the mask, around learnable copies of the modifiers' tensors
+        if not modified:
+            return _mask(case["mask"], tq, tk, batch, torch.Generator().manual_seed(tq)), []
+        leaves = [p.detach().to(params_dtype, copy=True).requires_grad_() for p in params]
+        used = leaves[:1] if case["mask"] == "alibi&causal" else leaves[1:]
+        return _modified_mask(case["mask"], tq, leaves), used
+
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # the inputs; truth is float64 of these
     scale = 1 / math.sqrt(dk)
 
     whole = [t.detach().double().clone().requires_grad_() for t in (q, k, v)]
+    mask, truth_params = masked(torch.float64)
     truth = ak.attention(*whole, mask, backend="reference", return_lse=True)
     _loss(truth.out, truth.lse, grad_out, grad_lse).backward()
     truths = dict(out=truth.out, lse=truth.lse, dq=whole[0].grad, dk=whole[1].grad, dv=whole[2].grad)
+    truths.update((f"d{i}", p.grad) for i, p in enumerate(truth_params))
     plains = None
     if dtype != torch.float64:
         plain_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        plain_out, plain_lse = _plain_math(*plain_in, mask, scale)
+        plain_mask, plain_params = masked(dtype)
+        plain_out, plain_lse = _plain_math(*plain_in, plain_mask, scale)
         _loss(plain_out, plain_lse, grad_out.to(dtype), None if grad_lse is None else grad_lse.to(dtype)).backward()
         plains = dict(out=plain_out, lse=plain_lse, dq=plain_in[0].grad, dk=plain_in[1].grad,
                       dv=plain_in[2].grad)
+        plains.update((f"d{i}", p.grad) for i, p in enumerate(plain_params))
+    mask, ring_params = masked(torch.float32 if dtype != torch.float64 else dtype)
 
     local = [shard(t, rank, world, layout).requires_grad_() for t in (q, k, v)]
     stats = RingStats()
@@ -192,17 +222,23 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
     _loss(out, lse, shard(grad_out, rank, world, layout).to(dtype),
           None if grad_lse is None else shard(grad_lse, rank, world, layout, dim=-1).to(dtype)).backward()
     actuals = dict(out=out, lse=lse, dq=local[0].grad, dk=local[1].grad, dv=local[2].grad)
+    for i, p in enumerate(ring_params):  # each rank has its queries' share: summed over the group
+        total = p.grad.clone()
+        torch.distributed.all_reduce(total)
+        actuals[f"d{i}"] = total
 
     for name, actual in actuals.items():
         dim = -1 if name == "lse" else -2
-        truth_shard = shard(truths[name], rank, world, layout, dim=dim)
+        whole_tensor = name.startswith("d") and name[1:].isdigit()
+        truth_shard = truths[name] if whole_tensor else shard(truths[name], rank, world, layout, dim=dim)
         assert actual.shape == truth_shard.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(truth_shard.shape)}"
         assert not torch.isnan(actual).any(), f"{name} has NaN"
         err = _errors(actual, truth_shard)
         if dtype == torch.float64:
             bound = 1e-9
         else:
-            plain_err = _errors(shard(plains[name], rank, world, layout, dim=dim), truth_shard)
+            plain = plains[name] if whole_tensor else shard(plains[name], rank, world, layout, dim=dim)
+            plain_err = _errors(plain, truth_shard)
             finite = truth_shard.detach()[torch.isfinite(truth_shard)]
             ulps = 8 if dtype == torch.float32 else 1
             floor = ulps * torch.finfo(dtype).eps * max(1.0, float(finite.abs().max()) if finite.numel() else 0.0)
@@ -245,8 +281,8 @@ def _error_cases(rank: int, world: int) -> dict:
     def zigzag_odd(r):
         return tensors(15), dict(layout="zigzag")
 
-    def softcap(r):
-        return tensors(16), dict(mask=ak.causal() & ak.softcap(5.0))
+    def score_function(r):
+        return tensors(16), dict(mask=ak.causal() & ak.score_function(lambda s, b, h, i, j: s))
 
     def wrong_dtype_on_one_rank(r):
         q, k, v = tensors(16)
@@ -319,8 +355,8 @@ def _error_cases(rank: int, world: int) -> dict:
         seconds["local_ids"] = _expect_error(rank, world, local_document_ids, ValueError,
                                              ["global positions", str(16 * world)])
     seconds["zigzag_odd"] = _expect_error(rank, world, zigzag_odd, ValueError, ["even"])
-    seconds["softcap"] = _expect_error(rank, world, softcap, ValueError,
-                                       ["no score modifier but sinks", "softcap"])
+    seconds["score_function"] = _expect_error(rank, world, score_function, ValueError,
+                                              ["not score_function"])
     seconds["bad_layout"] = _expect_error(rank, world, bad_layout, ValueError, ["striped"])
     return seconds
 

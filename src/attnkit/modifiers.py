@@ -25,7 +25,9 @@ sink)`` by :func:`attnkit.numerics.merge`, once, for every backend, and autograd
 gradients of out, LSE and the sink logits.
 
 Positions are global (as for masks): a tile of queries ``q_idx`` against keys ``kv_idx`` is
-evaluated from its indices, never from a ``Tq × Tk`` tensor.
+evaluated from its indices, never from a ``Tq × Tk`` tensor. ALiBi and relative biases depend
+on ``j − i`` alone: :meth:`Modifiers.position_bias` gives them once per relative position
+(``Tq + Tk − 1`` values per head), from which a backend reads any tile's.
 """
 
 from __future__ import annotations
@@ -177,6 +179,14 @@ class Alibi(Modifier):
         slopes = self.slopes.to(dtype).reshape(-1, space.heads)[:, :, None, None]  # [1|B, H, 1, 1]
         return slopes * distance
 
+    def by_distance(self, relative: torch.Tensor, space: MaskSpace, dtype: torch.dtype,
+                    ) -> torch.Tensor:
+        """The bias of each relative position ``j − i`` in ``relative [L]`` (long) →
+        ``[1|B, H, L]`` in ``dtype``: the values :meth:`values` gives at those distances."""
+        shift = space.kv_len - space.q_len if self.align == "bottom_right" else 0
+        distance = (relative - shift).to(dtype)  # [L]
+        return self.slopes.to(dtype).reshape(-1, space.heads)[:, :, None] * distance
+
     def __repr__(self):
         return f"alibi(slopes {list(self.slopes.shape)}, align={self.align!r})"
 
@@ -295,6 +305,13 @@ class RelativeBias(Modifier):
         """The bias of one tile at global positions → ``[1, H, tq, tk]`` in ``dtype``."""
         ids = self.bucket_ids(kv_idx[None, :] - q_idx[:, None])  # [tq, tk]
         return self.table.to(dtype)[:, ids][None]  # [1, H, tq, tk]
+
+    def by_distance(self, relative: torch.Tensor, space: MaskSpace, dtype: torch.dtype,
+                    ) -> torch.Tensor:
+        """The bias of each relative position ``j − i`` in ``relative [L]`` (long) → ``[1, H,
+        L]`` in ``dtype`` (the bucket function sees them as one row, ``[1, L]``)."""
+        ids = self.bucket_ids(relative[None, :])[0]  # [L]
+        return self.table.to(dtype)[:, ids][None]  # [1, H, L]
 
     def __repr__(self):
         name = "t5" if self.buckets is None else getattr(self.buckets, "__name__", "fn")
@@ -491,6 +508,37 @@ class Modifiers:
     def changes_scores(self) -> bool:
         """Whether anything but sinks is present: the scores themselves change."""
         return bool(self.softcap or self.alibi or self.relative or self.functions)
+
+    @property
+    def by_position(self) -> bool:
+        """Whether the scores change by ALiBi and relative biases alone: an additive bias that
+        depends on ``j − i`` only (see :meth:`position_bias`), nothing else."""
+        return bool(self.alibi or self.relative) and self.softcap is None and not self.functions
+
+    @property
+    def position_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors of the ALiBi and relative biases (slopes, tables), each once."""
+        found: dict[int, torch.Tensor] = {}
+        for part in (*self.alibi, *self.relative):
+            for t in part.tensors():
+                found.setdefault(id(t), t)
+        return tuple(found.values())
+
+    def position_bias(self, space: MaskSpace, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The ALiBi and relative biases together, once per relative position: ``[1|B, H,
+        Tq + Tk − 1]`` in ``dtype`` (contiguous), entry ``e`` the bias of key j for query i
+        where ``j − i = e − (Tq − 1)`` (``Tq``, ``Tk``: ``space``'s global lengths), so a
+        tile's bias is read from it without a ``Tq × Tk`` tensor. ``None`` without ALiBi or
+        relative biases. Differentiable in the slopes and tables."""
+        parts = (*self.alibi, *self.relative)
+        if not parts:
+            return None
+        relative = torch.arange(-(space.q_len - 1), space.kv_len, device=space.device)  # [L]
+        total = None
+        for part in parts:
+            values = part.by_distance(relative, space, dtype)  # [1|B, H, L]
+            total = values if total is None else total + values
+        return total.contiguous()
 
     def kinds(self) -> list[str]:
         """The kinds present that change scores (``["softcap", "alibi"]``), for reasons."""

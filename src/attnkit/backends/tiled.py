@@ -24,12 +24,26 @@ GQA keeps K/V un-repeated: a query block of all G heads sharing one K/V head is 
 ``[B, Hkv, G·n, D]`` so one batched matmul serves the whole group; a run executes once per
 member of the group instead (query heads ``g, g+G, …`` against all K/V heads).
 
-Score modifiers (``softcap``, ``alibi``, ``relative_bias``, ``score_function``;
-:mod:`attnkit.modifiers`) run on the matmul path only (the fused kernel takes no change of its
-scores): each tile's scores go through :meth:`Modifiers.apply` at the tile's global positions,
-and the backward recomputes that per tile with autograd enabled locally
-(``torch.autograd.grad`` of the tile gives dS before the modifiers and the gradients of their
-tensors, accumulated over tiles). Nothing of size Tq×Tk is built for them either.
+Score modifiers (:mod:`attnkit.modifiers`), in the order :meth:`Modifiers.apply` defines:
+
+- ALiBi and relative biases depend on ``j − i`` alone: each call builds them once, one vector
+  per head over the relative positions (O((Tq + Tk)·H), :meth:`Modifiers.position_bias`), and
+  every tile reads its bias from it. Alone (no softcap, no score function) they go through
+  the fused kernel as its additive mask: a segment without element mask runs over its keys in
+  reverse order (K and V reversed once per call, O(T·D)), so that its bias is a view of the
+  reversed vector with unit strides (nothing built; see :class:`Positions`); strips, causal
+  squares and additive tiles get the bias added (at most a tile); runs execute block by block
+  (reversed keys do not shift with a run's blocks). The backward is torch's fused one,
+  unless the slopes or tables need gradients or the biases span more than :data:`WIDE_BIAS`:
+  then the matmul path, which forms dS, sums it along diagonals into the vector's gradient,
+  and the slopes' and tables' come from the vector's construction.
+- Softcap and score functions run on the matmul path (the fused kernel takes no change of its
+  scores): the softcap with its derivative written out (``dS · (1 − tanh²)``), score functions
+  recomputed per tile with autograd enabled locally (``torch.autograd.grad`` of the tile gives
+  dS before them and the gradients of the tensors they read, accumulated over tiles).
+
+Nothing of size Tq×Tk is built for them either. The matmul path exponentiates in base 2 and
+counts weights below ``2^FLUSH_BELOW`` as 0, so that no tile holds subnormal floats.
 
 Positions may be offset (``q_offset``, ``kv_offset``: global positions of the first local
 query/key) so one shard of a longer sequence is computed against another with the global mask,
@@ -64,6 +78,29 @@ TILE_ELEMENTS = 1 << 21
 
 FUSED_BLOCK_Q = 256
 """Query rows per block when tiles go through torch's fused CPU kernel."""
+
+MODIFIED_TILE_KEYS = 1024
+"""Keys per tile that the matmul path sizes its query blocks for when softcap or score
+functions run on it (:func:`choose_block_q`): taller tiles than its default measured faster
+in their backward."""
+
+FLUSH_BELOW = -100.0
+"""The matmul path counts a weight below ``2^FLUSH_BELOW`` of its row's largest (forward) or
+of its row's sum (backward) as 0, so that no tile holds subnormal floats (CPUs take a slow
+path on them, and ALiBi makes long runs of keys decay through that range). float32 resolves
+``2^-24`` of a row: such a key changes no result unless its value is ``2^76`` times the
+others'."""
+
+WIDE_BIAS = 64.0
+"""Position biases (ALiBi, relative) whose values span more than this take the matmul path's
+backward even on a fused plan: torch's fused backward then forms subnormal weights (keys about
+``e^-87`` below their row's sum), on which CPUs take a slow path; the matmul path flushes them
+(:data:`FLUSH_BELOW`)."""
+
+LOG2E = 1.4426950408889634
+"""``exp(x) = exp2(x · log2 e)``: the matmul path exponentiates in base 2, because torch's CPU
+``exp`` takes a slow path for arguments below about −87 (where ALiBi puts far keys) and
+``exp2`` does not."""
 
 
 @dataclass(frozen=True)
@@ -142,12 +179,14 @@ class Plan:
     runs: tuple[tuple[int, int, int], ...] = ()
     options: TiledOptions = TiledOptions()
 
-    def groups(self, tq: int, *, runs: bool = False, shared_prefix: bool = False):
-        """Yield :class:`Group` s for execution. With ``runs``, each run is one group. With the
-        fused kernel, consecutive query blocks (outside runs) whose segments are identical and
-        all FULL run as one call (a dense row range is a single kernel launch); with
-        ``shared_prefix``, consecutive blocks that start with the same FULL keys run those as one
-        call too (see :meth:`_shared_prefix`); otherwise one query block at a time."""
+    def groups(self, tq: int, *, runs: bool = False, shared_prefix: bool = False,
+               dense: bool = False):
+        """Yield :class:`Group` s for execution. With ``runs``, each run is one group. With
+        ``dense`` (the fused kernel executes: it tiles internally), consecutive query blocks
+        (outside runs) whose segments are identical and all FULL run as one call (a dense row
+        range is a single kernel launch); with ``shared_prefix``, consecutive blocks that start
+        with the same FULL keys run those as one call too (see :meth:`_shared_prefix`);
+        otherwise one query block at a time."""
         in_run = {}
         if runs:
             for first, step, count in self.runs:
@@ -162,7 +201,7 @@ class Plan:
                 i += 1
                 continue
             end = i + 1
-            if self.fused and not any(s.partial for s in self.rows[i]):
+            if dense and not any(s.partial for s in self.rows[i]):
                 while (end < len(self.rows) and end not in in_run
                        and self.rows[end] == self.rows[i]):
                     end += 1
@@ -231,10 +270,10 @@ def _find_runs(rows: list, block_q: int, q_count: int) -> tuple[tuple[int, int, 
     return tuple(sorted(runs))
 
 
-def choose_block_q(rows_of_work: int, kv_len: int) -> int:
-    """Query rows per block so that one tile ``[rows_of_work · block_q, kv_len]`` fits
-    ``TILE_ELEMENTS`` (a power of two in [16, 512])."""
-    per_row = max(1, rows_of_work * min(kv_len, 4096))
+def choose_block_q(rows_of_work: int, kv_len: int, max_keys: int = 4096) -> int:
+    """Query rows per block so that one tile ``[rows_of_work · block_q, min(kv_len,
+    max_keys)]`` fits ``TILE_ELEMENTS`` (a power of two in [16, 512])."""
+    per_row = max(1, rows_of_work * min(kv_len, max_keys))
     block = 1 << max(4, min(9, int(math.log2(max(1, TILE_ELEMENTS // per_row)))))
     return block
 
@@ -365,12 +404,21 @@ class Problem:
     dropout_p: float = 0.0
     seed: int = 0
     modifiers: Optional[Modifiers] = None
-    """Score modifiers applied per tile (needs a plan without the fused kernel); sinks are not
-    the engine's: they join its result (``Sinks.join``)."""
+    """Score modifiers applied per tile (a plan with the fused kernel takes ALiBi and relative
+    biases alone, see :meth:`Modifiers.by_position`); sinks are not the engine's: they join
+    its result (``Sinks.join``)."""
 
     @property
     def modifies_scores(self) -> bool:
         return self.modifiers is not None and self.modifiers.changes_scores
+
+    def position_vector(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The ALiBi and relative biases by relative position, ``[1|B, H, Tq + Tk − 1]`` in
+        ``dtype`` without a graph (see :meth:`Modifiers.position_bias`), or ``None``."""
+        if self.modifiers is None:
+            return None
+        with torch.no_grad():
+            return self.modifiers.position_bias(self.space, dtype)
 
 
 def _grouped(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
@@ -403,6 +451,10 @@ class _BlockWork:
 
     def add(self, dest: torch.Tensor, start: int, stop: int, value: torch.Tensor) -> None:
         dest[:, :, start:stop].add_(value)  # in place: `+=` on a slice copies back
+
+    def positions(self, vector: torch.Tensor, batch: int) -> torch.Tensor:
+        """A position vector ``[1|B, Hq, L]`` in this layout: ``[1|B, Hkv, G, L]``."""
+        return vector.view(vector.shape[0], self.heads_kv, -1, vector.shape[-1])
 
 
 def _run_view(x: torch.Tensor, start: int, step: int, count: int, width: int, head: int = 0,
@@ -500,20 +552,122 @@ def _staircase_strips(structure: str, n: int, width: int, strip: int, dtype: tor
     return tuple(strips)
 
 
+class Positions(NamedTuple):
+    """A call's position biases (ALiBi, relative): ``vector [1|B, Hq, L]``, the bias of each
+    relative position (:meth:`Problem.position_vector`), and, for the fused kernel,
+    ``backwards`` (the vector reversed along L) with ``keys``/``values`` ``[B, Hkv, Tk, D]``
+    in reverse order: a segment without element mask runs over its keys last to first, so
+    its bias is a view of ``backwards`` with unit strides (:meth:`PositionTile.backwards`),
+    and a causal row meets its nearest keys first (torch's CPU kernel slows down when a
+    row's running maximum keeps climbing by much, as ALiBi makes it over keys in order)."""
+
+    vector: torch.Tensor
+    backwards: Optional[torch.Tensor] = None
+    keys: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+
+
+def _positions(problem: Problem, dtype: torch.dtype, fused: bool = False,
+               keys: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None,
+               vector: Optional[torch.Tensor] = None) -> Optional[Positions]:
+    """The :class:`Positions` of a call (with ``fused``, ``keys`` and ``values`` ``[B, Hkv,
+    Tk, D]`` reversed too), or ``None`` without ALiBi and relative biases. ``vector``: the
+    position vector, when the caller has it already."""
+    vector = problem.position_vector(dtype) if vector is None else vector
+    if vector is None or not fused:
+        return None if vector is None else Positions(vector)
+    return Positions(vector, vector.flip(-1), keys.flip(2), values.flip(2))
+
+
+class PositionTile(NamedTuple):
+    """The ALiBi and relative biases of one segment, read from the call's vectors by relative
+    position (:class:`Positions`), never built as a ``Tq × Tk`` tensor. ``vector`` and
+    ``reverse`` ``[V0, V1, G, L]``: the vector and its reverse in the work's layout (see
+    ``_BlockWork.positions``), G query heads stacked as rows of ``rows`` each; ``first``: the
+    index in ``vector`` of row 0's bias for key 0 (row i's bias for key j is at ``first + j −
+    i``); ``span``: the keys."""
+
+    vector: torch.Tensor
+    reverse: Optional[torch.Tensor]
+    first: int
+    rows: int
+    span: int
+
+    def natural(self, rows: slice = slice(None), keys: slice = slice(None)) -> torch.Tensor:
+        """The bias of rows ``rows`` (of each head's ``rows``) and keys ``keys``, built:
+        ``[V0, V1, G·r, k]``. Read as a view with rows reversed (row r is query row ``rows −
+        1 − r``, entry ``(r, j)`` at ``first − (rows − 1) + r + j``), then put in order."""
+        v, n = self.vector, self.rows
+        start, stop, _ = rows.indices(n)
+        skewed = v.as_strided((*v.shape[:3], n, self.span), (*v.stride()[:3], 1, 1),
+                              v.storage_offset() + self.first - (n - 1))  # [V0, V1, G, n, span]
+        return skewed[..., n - stop:n - start, keys].flip(3).flatten(2, 3)  # [V0, V1, G·r, k]
+
+    def backwards(self, member: int) -> torch.Tensor:
+        """The bias of head ``member`` (of the G stacked) with the keys in reverse order, as a
+        view ``[V0, V1, rows, span]`` of the reversed vector: key ``j'`` is key ``span − 1 −
+        j'``, so entry ``(i, j')`` is ``reverse[L − first − span + i + j']``, strides 1 and 1
+        (which torch's fused kernel takes as its additive mask as is)."""
+        v = self.reverse
+        return v.as_strided((v.shape[0], v.shape[1], self.rows, self.span),
+                            (v.stride(0), v.stride(1), 1, 1),
+                            v.storage_offset() + member * v.stride(2)
+                            + v.shape[-1] - self.first - self.span)
+
+
+def _spread(vector: torch.Tensor) -> float:
+    """The largest range (max − min) of a position vector ``[1|B, Hq, L]`` over one head."""
+    if vector.shape[-1] == 0:
+        return 0.0
+    return float((vector.amax(-1) - vector.amin(-1)).max())
+
+
+def _position_tile(problem: Problem, work, positions: Optional[Positions], batch: int,
+                   rows: tuple[int, int], seg: Segment) -> Optional[PositionTile]:
+    """The :class:`PositionTile` of query rows ``rows`` (local) over segment ``seg``, or
+    ``None`` without position biases."""
+    if positions is None:
+        return None
+    first = (problem.kv_offset + seg.start) - (problem.q_offset + rows[0]) + problem.space.q_len - 1
+    reverse = None if positions.backwards is None else work.positions(positions.backwards, batch)
+    return PositionTile(work.positions(positions.vector, batch), reverse, first, rows[1] - rows[0],
+                        seg.stop - seg.start)
+
+
+def _with_positions(tile: Optional["TileMask"], positions: PositionTile) -> "TileMask":
+    """A fused segment's mask with the position biases joined: a segment without element mask
+    keeps them as :class:`PositionTile` (read as views, its keys in reverse order); a strip, a
+    causal square or an additive tile gets them added to its additive mask (built, at most a
+    tile)."""
+    if tile is None:
+        return TileMask(None, None, positions=positions)
+    if tile.strips is not None:
+        return tile._replace(strips=tuple((rows, keys, additive + positions.natural(rows, keys))
+                                          for rows, keys, additive in tile.strips))
+    if tile.causal:
+        lower = _lower_triangle(positions.rows, positions.vector.device)
+        return TileMask(positions.natural().masked_fill_(~lower, float("-inf")), None)
+    return tile._replace(additive=tile.additive + positions.natural())
+
+
 class TileMask(NamedTuple):
     """How one PARTIAL segment is masked: an additive tile ``[Bm, Hkv|1, G·n, span]`` (−inf where
     forbidden, + bias) with per-row "has a key" flags ``[Bm, Hkv|1, G·n]``; or, when the tile is
     exactly a lower triangle on its own diagonal, ``causal=True`` and nothing materialised; or,
     for a staircase run in strips (see :func:`_staircase_strips`), ``strips``.
-    ``has_key`` is ``None`` when every row has a key. With score modifiers (matmul path only)
-    every segment has one: ``scores`` (:class:`TileScores`) changes its scores first, and
-    ``additive`` (``None`` on a full segment) holds only 0/−inf, the bias being in ``scores``."""
+    ``has_key`` is ``None`` when every row has a key. On the matmul path with score modifiers
+    every segment has one: ``scores`` (:class:`TileScores`) changes its scores first (before
+    the mask's bias too when it holds score functions; ``additive`` then holds only 0/−inf).
+    With the fused kernel, position biases (ALiBi, relative) are in ``additive`` or the strips,
+    or, on a segment without element mask, in ``positions``: its keys and values then come in
+    reverse order, and the bias is read as views (:meth:`PositionTile.backwards`)."""
 
     additive: Optional[torch.Tensor]
     has_key: Optional[torch.Tensor]
     causal: bool = False
     strips: Optional[tuple] = None
     scores: Optional["TileScores"] = None
+    positions: Optional[PositionTile] = None
 
 
 def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q: int,
@@ -565,10 +719,15 @@ class Traced(NamedTuple):
 
 
 class TileScores(NamedTuple):
-    """The score modifiers of one segment: ``modifiers`` at queries ``q_idx`` and keys
-    ``kv_idx`` (global positions) of ``space``, with the mask's bias tile ``bias [Bm, Hm, n,
-    span]`` (or ``None``), which joins the modifiers' own biases. Scores come in the engine's
-    ``[B, Hkv, G·n, span]`` layout; the modifiers see them per query head, ``[B, Hq, n, span]``."""
+    """The score modifiers of one segment on the matmul path: ``modifiers`` at queries
+    ``q_idx`` and keys ``kv_idx`` (global positions) of ``space``, the position biases
+    ``positions`` (:class:`PositionTile`, or ``None`` without ALiBi and relative biases) and,
+    only when score functions follow, the mask's bias tile ``bias [Bm, Hm, n, span]`` (without
+    them it is in the additive mask). Scores come in the engine's ``[B, Hkv, G·n, span]``
+    layout; score functions see them per query head, ``[B, Hq, n, span]``.
+
+    Softcap and position biases have hand-written derivatives (:func:`_segment_backward_matmul`);
+    score functions are differentiated by autograd (:meth:`trace`, :meth:`grads`)."""
 
     modifiers: Modifiers
     q_idx: torch.Tensor
@@ -576,55 +735,89 @@ class TileScores(NamedTuple):
     space: MaskSpace
     bias: Optional[torch.Tensor]
     heads_q: int
+    positions: Optional[PositionTile] = None
+
+    @property
+    def traced(self) -> bool:
+        """Whether the backward goes through autograd (score functions are present)."""
+        return bool(self.modifiers.functions)
+
+    @property
+    def capped_alone(self) -> bool:
+        """Whether a softcap is all there is (no position biases, no score functions)."""
+        return (self.modifiers.softcap is not None and self.positions is None
+                and not self.modifiers.functions)
+
+    def query_scale(self, scale: float) -> float:
+        """What :meth:`apply` takes the queries scaled by: ``scale / cap`` with a softcap (the
+        division folded into the queries), else ``scale``."""
+        softcap = self.modifiers.softcap
+        return scale if softcap is None else scale / softcap.cap
 
     def apply(self, scores: torch.Tensor) -> torch.Tensor:
-        """Scaled scores ``[B, Hkv, G·n, span]`` → the modified scores, same layout (a new
-        tensor, before masking)."""
+        """Scores ``q·kᵀ·query_scale(scale)`` ``[B, Hkv, G·n, span]`` (overwritten) → the
+        modified scores, same layout, before masking."""
+        softcap = self.modifiers.softcap
+        if softcap is not None:
+            scores.tanh_().mul_(softcap.cap)
+        if self.positions is not None:
+            scores.add_(self.positions.natural())
+        if not self.modifiers.functions:
+            return scores
         per_head = _ungrouped(scores, self.heads_q)  # [B, Hq, n, span]
-        modified = self.modifiers.apply(per_head, self.q_idx, self.kv_idx, self.space, self.bias)
+        if self.bias is not None:
+            per_head = per_head + self.bias.to(per_head.dtype)
+        modified = self.modifiers.call_functions(per_head, self.q_idx, self.kv_idx)
         return _grouped(modified.contiguous(), scores.shape[1])
 
     def trace(self, scores: torch.Tensor) -> Traced:
-        """:meth:`apply` recorded by autograd from a leaf copy of ``scores [B, Hkv, G·n,
-        span]``, for :meth:`grads`."""
+        """:meth:`apply` recorded by autograd from a leaf copy of the scaled scores ``q·kᵀ·scale
+        [B, Hkv, G·n, span]`` (not divided by the cap: :meth:`Modifiers.cap` divides), for
+        :meth:`grads`."""
         with torch.enable_grad():
             raw = _ungrouped(scores, self.heads_q).detach().requires_grad_()  # [B, Hq, n, span]
-            modifiers = self.modifiers
-            biased = modifiers.add_biases(modifiers.cap(raw), self.q_idx, self.kv_idx, self.space,
-                                          self.bias)
-            return Traced(raw, biased, modifiers.call_functions(biased, self.q_idx, self.kv_idx))
+            biased = self.modifiers.cap(raw)
+            if self.positions is not None:
+                biased = biased + _ungrouped(self.positions.natural(), self.heads_q)
+            if self.bias is not None:
+                biased = biased + self.bias.to(biased.dtype)
+            return Traced(raw, biased, self.modifiers.call_functions(biased, self.q_idx,
+                                                                     self.kv_idx))
 
     def grads(self, traced: Traced, grad_final: torch.Tensor, params: Sequence[torch.Tensor],
               want_biased: bool) -> tuple:
         """Backward of :meth:`trace` for ``grad_final`` (dS of the final scores, ``[B, Hkv,
         G·n, span]``) → ``(grad_raw [B, Hkv, G·n, span], grad_biased [B, Hq, n, span] or
         None, [d param or None for each of params])``. ``grad_biased`` (``want_biased``): the
-        gradient where biases are added (the mask's bias gets it)."""
+        gradient where biases are added (the mask's bias and the position biases get it);
+        ``params`` get what flows to them through the score functions."""
         heads_kv = grad_final.shape[1]
         grad_final = _ungrouped(grad_final, self.heads_q)
-        modifiers = self.modifiers
-        if modifiers.softcap is None and not modifiers.functions and not params:
-            return _grouped(grad_final, heads_kv), grad_final if want_biased else None, []
         if not traced.final.requires_grad:  # score functions that ignore the scores
-            return _grouped(torch.zeros_like(grad_final), heads_kv), None, [None] * len(params)
+            zeros = torch.zeros_like(grad_final)
+            return (_grouped(zeros, heads_kv), zeros if want_biased else None,
+                    [None] * len(params))
         wanted = [traced.raw, traced.biased, *params]
         found = torch.autograd.grad(traced.final, wanted, grad_final, allow_unused=True)
         grad_raw = found[0] if found[0] is not None else torch.zeros_like(traced.raw)
-        return _grouped(grad_raw, heads_kv), found[1] if want_biased else None, list(found[2:])
+        grad_biased = found[1] if found[1] is not None else torch.zeros_like(traced.raw)
+        return _grouped(grad_raw, heads_kv), grad_biased if want_biased else None, list(found[2:])
 
 
 def _tile_scores(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q: int,
-                 ) -> Optional[TileScores]:
-    """The :class:`TileScores` of one segment, or ``None`` when nothing changes scores."""
+                 positions: Optional[PositionTile] = None) -> Optional[TileScores]:
+    """The :class:`TileScores` of one segment on the matmul path, or ``None`` when nothing
+    changes scores."""
     if not problem.modifies_scores:
         return None
     device = problem.space.device
     q_idx = torch.arange(problem.q_offset + rows[0], problem.q_offset + rows[1], device=device)
     kv_idx = torch.arange(problem.kv_offset + seg.start, problem.kv_offset + seg.stop, device=device)
     bias = None
-    if seg.partial and problem.mask is not None and problem.mask.has_bias:
+    if (problem.modifiers.functions and seg.partial and problem.mask is not None
+            and problem.mask.has_bias):
         bias = problem.mask.tile_bias(q_idx, kv_idx, problem.space)  # [Bm, Hm, n, span]
-    return TileScores(problem.modifiers, q_idx, kv_idx, problem.space, bias, heads_q)
+    return TileScores(problem.modifiers, q_idx, kv_idx, problem.space, bias, heads_q, positions)
 
 
 def _dropout_keep(problem: Problem, block_row: int, seg: Segment, shape, device) -> torch.Tensor:
@@ -650,20 +843,42 @@ def uses_fused_kernel(q: torch.Tensor, v: torch.Tensor, dropout_p: float,
             and q.shape[-1] == v.shape[-1] and dropout_p == 0 and options.fused_tiles)
 
 
+def fused_kernel_takes(modifiers: Optional[Modifiers]) -> bool:
+    """Whether tiles with these score modifiers can go through torch's fused kernel: none that
+    change scores, or ALiBi and relative biases alone (:attr:`Modifiers.by_position`), passed
+    as its additive mask. Softcap and score functions change the scores themselves, which the
+    kernel cannot: they take the matmul path."""
+    return modifiers is None or not modifiers.changes_scores or modifiers.by_position
+
+
 def _segment_pieces(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
                     dropout_p=0.0):
     """Attention of one query block over one key segment, as ``(rows, out, lse)`` pieces (the
-    strips of a staircase, else one piece with ``rows = slice(None)``), each normalised over the
-    segment alone. ``q_block [B, Hkv, G·n, Dk]``, ``k_seg/v_seg [B, Hkv, span, D]`` → ``out
-    [B, Hkv, rows, Dv]``, ``lse [B, Hkv, rows]``."""
+    strips of a staircase; the rows of each stacked query head for position biases read as
+    views, the keys then last to first; else one piece with ``rows = slice(None)``), each
+    normalised over the segment alone. ``q_block [B, Hkv, G·n, Dk]``, ``k_seg/v_seg [B, Hkv,
+    span, D]`` → ``out [B, Hkv, rows, Dv]``, ``lse [B, Hkv, rows]``."""
     if fused and tile is not None and tile.strips is not None:
         for rows, keys, strip_mask in tile.strips:
             yield (rows, *torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q_block[:, :, rows], k_seg[:, :, keys], v_seg[:, :, keys], 0.0, False,
                 attn_mask=strip_mask, scale=scale))
         return
+    if fused and tile is not None and tile.positions is not None:
+        # keys in reverse order (see Positions), the bias a view; one call per stacked head
+        for member, rows in enumerate(_member_rows(tile.positions)):
+            yield (rows, *torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q_block[:, :, rows], k_seg, v_seg, 0.0, False,
+                attn_mask=tile.positions.backwards(member), scale=scale))
+        return
     yield (slice(None), *_segment_forward(q_block, k_seg, v_seg, tile, scale, fused, keep,
                                           dropout_p))
+
+
+def _member_rows(positions: PositionTile) -> list[slice]:
+    """The rows of each of the G query heads stacked in a block (``[B, Hkv, G·n, ...]``)."""
+    n = positions.rows
+    return [slice(g * n, (g + 1) * n) for g in range(positions.vector.shape[2])]
 
 
 def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
@@ -677,21 +892,36 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
         if additive is not None and tile.has_key is not None:  # out 0 but lse 0 on rows with no key
             lse = lse.masked_fill(~tile.has_key, float("-inf"))
         return out, lse
-    scores = (q_block * scale) @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
-    if tile is not None and tile.scores is not None:
-        scores = tile.scores.apply(scores)  # softcap, biases, score functions
+    modified = tile.scores if tile is not None else None
+    query_scale = scale if modified is None else modified.query_scale(scale)
+    scores = (q_block * query_scale) @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
+    units = 1.0  # what one unit of `scores` is worth in scores
+    if modified is not None and additive is None and modified.capped_alone:
+        scores.tanh_()  # the cap's factor joins the exponent's below
+        units = modified.modifiers.softcap.cap
+    elif modified is not None:
+        scores = modified.apply(scores)  # softcap, biases, score functions
     if additive is not None:
         scores.add_(additive)
     row_max = scores.amax(dim=-1)  # [B, Hkv, G·n]
     safe_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
-    probs = scores.sub_(safe_max[..., None]).exp_()
+    probs = _exp_(scores.sub_(safe_max[..., None]), units)
     row_sum = probs.sum(dim=-1)
     if keep is not None:
         probs.masked_fill_(~keep, 0.0).div_(1.0 - dropout_p)
     empty = row_sum == 0
     out = (probs @ v_seg) / torch.where(empty, 1.0, row_sum)[..., None]
-    lse = torch.where(empty, float("-inf"), safe_max + torch.log(torch.where(empty, 1.0, row_sum)))
+    lse = torch.where(empty, float("-inf"),
+                      safe_max * units + torch.log(torch.where(empty, 1.0, row_sum)))
     return out, lse
+
+
+def _exp_(x: torch.Tensor, units: float = 1.0) -> torch.Tensor:
+    """``exp(x · units)`` in place of scores less their row's maximum or LSE (``x ≤ 0``), as
+    ``exp2(x · units · log2 e)`` (see :data:`LOG2E`), with weights below ``2^FLUSH_BELOW``
+    made exactly 0."""
+    return torch.nn.functional.threshold_(x.mul_(units * LOG2E), FLUSH_BELOW,
+                                          float("-inf")).exp2_()
 
 
 def _bounded(segments, rows_of_work: int, block_k: int, fused: bool):
@@ -707,18 +937,27 @@ def _bounded(segments, rows_of_work: int, block_k: int, fused: bool):
             yield Segment(start, min(start + max_span, seg.stop), seg.partial)
 
 
-def _segment_inputs(problem, work, q_block, keys, values, block, rows, seg, fused):
-    """A segment's keys and values (in ``work``'s layout), mask (with the score modifiers:
-    see :class:`TileMask`) and dropout keep-mask."""
-    heads_kv = keys.shape[1]
-    k_seg, v_seg = work.take(keys, seg.start, seg.stop), work.take(values, seg.start, seg.stop)
+def _segment_inputs(problem, work, q_block, keys, values, block, rows, seg, fused,
+                    positions: Optional[Positions] = None):
+    """A segment's keys and values (in ``work``'s layout; in reverse order when the mask has
+    ``positions``, see :class:`Positions`), mask (with the score modifiers: see
+    :class:`TileMask`; ``positions``: the call's position biases) and dropout keep-mask."""
+    heads_kv, kv_len = keys.shape[1], keys.shape[2]
     tile = keep = None
-    modified = _tile_scores(problem, rows, seg, work.mask_heads)
+    position_tile = _position_tile(problem, work, positions, keys.shape[0], rows, seg)
+    modified = None if fused else _tile_scores(problem, rows, seg, work.mask_heads, position_tile)
     if seg.partial:
         tile = _segment_mask(problem, rows, seg, work.mask_heads, heads_kv, keys.dtype, fused,
-                             with_bias=modified is None)
+                             with_bias=modified is None or not modified.traced)
     if modified is not None:
         tile = (tile or TileMask(None, None))._replace(scores=modified)
+    elif position_tile is not None:
+        tile = _with_positions(tile, position_tile)
+    if tile is not None and tile.positions is not None:  # keys last to first
+        k_seg = work.take(positions.keys, kv_len - seg.stop, kv_len - seg.start)
+        v_seg = work.take(positions.values, kv_len - seg.stop, kv_len - seg.start)
+    else:
+        k_seg, v_seg = work.take(keys, seg.start, seg.stop), work.take(values, seg.start, seg.stop)
     if problem.dropout_p > 0:
         shape = (*q_block.shape[:3], seg.stop - seg.start)
         keep = _dropout_keep(problem, block, seg, shape, keys.device)
@@ -737,15 +976,16 @@ def _merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 
 def _schedule(problem: Problem, tq: int, heads_q: int, heads_kv: int, fused: bool,
-              tensors: tuple):
+              tensors: tuple, positions: Optional[Positions] = None):
     """Yield ``(group, work)``: the plan's groups, each with where it reads and writes. Runs
-    execute as one group (:class:`_RunWork`; G times with GQA) when the fused kernel serves them
-    and every tensor the pass views fits :func:`_run_view`; otherwise block by block."""
+    execute as one group (:class:`_RunWork`; G times with GQA) when the fused kernel serves them,
+    every tensor the pass views fits :func:`_run_view` and there are no ``positions`` (their
+    reversed keys shift against the blocks of a run); otherwise block by block."""
     block_work = _BlockWork(heads_q, heads_kv)
-    runs = fused and _runs_fit(*tensors)
+    runs = fused and positions is None and _runs_fit(*tensors)
     shared_prefix = fused and heads_q == heads_kv  # results are then written in place
     group_size = heads_q // heads_kv
-    for group in problem.plan.groups(tq, runs=runs, shared_prefix=shared_prefix):
+    for group in problem.plan.groups(tq, runs=runs, shared_prefix=shared_prefix, dense=fused):
         if group.count == 1:
             yield group, block_work
         else:
@@ -762,12 +1002,15 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
     heads_kv, dv = k.shape[1], v.shape[-1]
     acc = accum_dtype(q.dtype)
     fused = problem.plan.fused
-    if fused and problem.modifies_scores:
-        raise ValueError("tiled_forward: score modifiers need a plan built with fused=False")
+    if fused and problem.modifies_scores and not problem.modifiers.by_position:
+        raise ValueError("tiled_forward: softcap and score functions need a plan built with "
+                         "fused=False (the fused kernel takes ALiBi and relative biases alone)")
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)  # no copy when already acc
+    positions = _positions(problem, acc, fused, keys, values)
     out = torch.empty(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
     lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
-    for group, work in _schedule(problem, tq, heads_q, heads_kv, fused, (queries, keys, values)):
+    for group, work in _schedule(problem, tq, heads_q, heads_kv, fused, (queries, keys, values),
+                                 positions):
         start, stop = group.rows
         q_block = work.take(queries, start, stop)  # [B, Hkv, G·n, Dk] or [count, B·Hkv, n, Dk]
         direct = out.dtype == acc and work.views
@@ -778,7 +1021,8 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
         for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
                             problem.plan.block_k, fused):
             k_seg, v_seg, tile, keep = _segment_inputs(problem, work, q_block, keys, values,
-                                                       group.block, group.rows, seg, fused)
+                                                       group.block, group.rows, seg, fused,
+                                                       positions)
             for rows, seg_out, seg_lse in _segment_pieces(q_block, k_seg, v_seg, tile,
                                                           problem.scale, fused, keep,
                                                           problem.dropout_p):
@@ -813,8 +1057,10 @@ def _segment_grads(q_block, k_seg, v_seg, do_block, lse_block, tile: Optional[Ti
                    want_grad_scores=False, params=()):
     """Gradients of one query block over one key segment, as ``(rows, keys, dq, dk, dv,
     grad_scores, param_grads)`` pieces, the backward of :func:`_segment_pieces`: the strips of
-    a staircase (``rows``/``keys``: slices of the block's rows and the segment's keys), else
-    one piece with ``rows = keys = slice(None)``. ``q_block [B, Hkv, G·n, Dk]``, ``do_block
+    a staircase (``rows``/``keys``: slices of the block's rows and the segment's keys); the
+    rows of each stacked query head for position biases read as views (``keys = slice(None)``,
+    dK/dV in the reversed key order of ``k_seg``); else one piece with ``rows = keys =
+    slice(None)``. ``q_block [B, Hkv, G·n, Dk]``, ``do_block
     [B, Hkv, G·n, Dv]``,
     ``lse_block [B, Hkv, G·n]`` (+inf on rows with no key), ``k_seg/v_seg [B, Hkv, span, D]``
     (or the ``[count, B·Hkv, ...]`` views of a run) → ``dq [B, Hkv, rows, Dk]``, ``dk/dv [B,
@@ -828,6 +1074,13 @@ def _segment_grads(q_block, k_seg, v_seg, do_block, lse_block, tile: Optional[Ti
             yield (rows, keys, *_segment_backward_fused(
                 q_block[:, :, rows], k_seg[:, :, keys], v_seg[:, :, keys], do_block[:, :, rows],
                 out_block[:, :, rows], lse_block[:, :, rows], scale, additive=strip_mask), None, [])
+        return
+    if fused and tile is not None and tile.positions is not None:  # keys reversed, as forward
+        for member, rows in enumerate(_member_rows(tile.positions)):
+            yield (rows, slice(None), *_segment_backward_fused(
+                q_block[:, :, rows], k_seg, v_seg, do_block[:, :, rows], out_block[:, :, rows],
+                lse_block[:, :, rows], scale, additive=tile.positions.backwards(member)),
+                None, [])
         return
     additive = tile.additive if tile is not None else None
     if fused:
@@ -856,23 +1109,42 @@ def _segment_backward_matmul(q_block, k_seg, v_seg, do_block, lse_block, delta_b
     """One piece of :func:`_segment_grads` by matmuls, the scores ``[B, Hkv, G·n, span]``
     recomputed from ``lse_block [B, Hkv, G·n]``: ``dS = P ∘ (dP − Δ)`` with ``delta_block [B,
     Hkv, G·n]`` = Δ (``rowsum(dO ∘ O)``, less ``grad_lse``) → ``(dq, dk, dv, grad_scores,
-    param_grads)``, ``grad_scores`` = dS ``[B, Hkv, G·n, span]`` with ``want_grad_scores``,
-    else ``None``. ``keep [B, Hkv, G·n, span]``: the dropout keep-mask of the forward, if any.
+    param_grads)``, ``grad_scores`` = dS ``[B, Hkv, G·n, span]`` where biases are added, with
+    ``want_grad_scores``, else ``None``. ``keep [B, Hkv, G·n, span]``: the dropout keep-mask
+    of the forward, if any.
 
-    ``modified``: the segment's score modifiers, recomputed under autograd (:meth:`TileScores.
-    trace`): dS then goes back through them to the raw scores (for dQ/dK), ``grad_scores`` is
-    the gradient where biases are added, and ``param_grads`` those of ``params``."""
+    ``modified``: the segment's score modifiers, recomputed. Softcap's derivative is written
+    out (``dS_raw = dS · (1 − tanh²(s/c))``) and position biases pass dS on unchanged; score
+    functions go through autograd (:meth:`TileScores.trace`), which also gives
+    ``param_grads``, what reaches ``params`` through them (empty without functions)."""
     q_scaled = q_block * scale
-    scores = q_scaled @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
-    traced = None
-    if modified is not None:
+    by_autograd = modified is not None and modified.traced
+    softcap = None if modified is None or by_autograd else modified.modifiers.softcap
+    if softcap is not None:
+        scores = (q_block * modified.query_scale(scale)) @ k_seg.transpose(-1, -2)  # s / cap
+    else:
+        scores = q_scaled @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
+    traced = tanh = None
+    units, joined = 1.0, False  # units: what one unit of `scores` is worth
+    if by_autograd:
         traced = modified.trace(scores)
         # a copy to work on in place (autograd may have saved `final` itself)
         scores = _grouped(traced.final.detach().clone(memory_format=torch.contiguous_format),
                           scores.shape[1])
-    if additive is not None:
-        scores.add_(additive)
-    probs = scores.sub_(lse_block[..., None]).exp_()  # softmax weights, recomputed
+    elif softcap is not None:
+        tanh = scores.tanh_()  # kept for the cap's derivative
+        if additive is None and modified.capped_alone:  # the cap's factor joins the exponent's
+            scores = torch.sub(tanh, lse_block[..., None] / softcap.cap)  # (s − lse) / cap
+            units, joined = softcap.cap, True
+        else:
+            scores = tanh * softcap.cap
+    if modified is not None and not by_autograd and modified.positions is not None:
+        scores.add_(modified.positions.natural())
+    if not joined:
+        if additive is not None:
+            scores.add_(additive)
+        scores.sub_(lse_block[..., None])
+    probs = _exp_(scores, units)  # softmax weights, recomputed
     grad_probs = do_block @ v_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
     kept = probs
     if keep is not None:
@@ -881,14 +1153,33 @@ def _segment_backward_matmul(q_block, k_seg, v_seg, do_block, lse_block, delta_b
     dv = kept.transpose(-1, -2) @ do_block  # [B, Hkv, span, Dv]
     grad_scores = grad_probs.sub_(delta_block[..., None]).mul_(probs)  # dS = P ∘ (dP − Δ)
     grad_biased, param_grads = grad_scores, []
-    if traced is not None:  # dS through the modifiers: to the raw scores, biases and params
+    if traced is not None:  # dS through the score functions: to the raw scores, biases, params
         grad_scores, grad_biased, param_grads = modified.grads(traced, grad_scores, params,
                                                                want_grad_scores)
         if grad_biased is not None:
             grad_biased = _grouped(grad_biased, grad_scores.shape[1])
+    elif tanh is not None:  # through the cap, in tanh's buffer: dS · (1 − tanh²)
+        grad_scores = tanh.square_().neg_().add_(1.0).mul_(grad_biased)
     dq = (grad_scores @ k_seg).mul_(scale)  # [B, Hkv, G·n, Dk]
     dk = grad_scores.transpose(-1, -2) @ q_scaled  # [B, Hkv, span, Dk]
     return dq, dk, dv, grad_biased if want_grad_scores else None, param_grads
+
+
+def _add_position_grad(grad_vector: torch.Tensor, grad_scores: torch.Tensor, first: int) -> None:
+    """Add one segment's score gradient ``[B, Hq, n, span]`` (where biases are added) into the
+    position vector's gradient ``[1|B, Hq, L]``, summed along each diagonal ``j − i``: row i's
+    key j goes to index ``first + j − i`` (``first``: see :class:`PositionTile`). The rows
+    are laid out skewed in a zero buffer ``[B, Hq, n, n + span]`` (one spare column keeps
+    them apart) so that each diagonal becomes a column, then summed over the rows."""
+    batch, heads, n, span = grad_scores.shape
+    width = n + span
+    skewed = grad_scores.new_zeros(batch, heads, n, width)
+    skewed.as_strided((batch, heads, n, span), (heads * n * width, n * width, width - 1, 1),
+                      n - 1).copy_(grad_scores)  # row i, key j → column j − i + n − 1
+    sums = skewed.sum(2)[..., :width - 1]  # [B, Hq, n + span − 1]
+    if grad_vector.shape[0] == 1:
+        sums = sums.sum(0, keepdim=True)
+    grad_vector[..., first - (n - 1):first + span] += sums
 
 
 def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
@@ -907,17 +1198,30 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
 
     ``dparams``: one accumulator per tensor of the score modifiers (``problem.modifiers.
     tensors``, same shapes) or ``None`` where no gradient is wanted; each gets its gradient
-    summed over the tiles."""
+    summed over the tiles. ALiBi slopes and relative tables get theirs from the gradient of
+    the position vector (:meth:`Problem.position_vector`, dS summed along diagonals, see
+    :func:`_add_position_grad`), which the matmul path forms: with them a fused plan runs its
+    backward by matmuls, as it does for a differentiated LSE."""
     batch, heads_q, tq, _ = q.shape
-    heads_kv = k.shape[1]
+    heads_kv, tk = k.shape[1], k.shape[2]
     acc = accum_dtype(q.dtype)
-    fused = problem.plan.fused and grad_lse is None
     wanted = [(t, d) for t, d in zip(_biases(problem.mask), dbias) if d is not None]
-    if wanted and fused:
-        raise ValueError("tiled_backward: dbias needs a plan built with fused=False")
     modifier_tensors = problem.modifiers.tensors if problem.modifiers is not None else ()
     params = [(t, d) for t, d in zip(modifier_tensors, dparams) if d is not None]
+    by_position = {id(t) for t in problem.modifiers.position_tensors} if params else set()
+    slopes_or_tables = any(id(t) in by_position for t, _ in params)
+    fused = problem.plan.fused and grad_lse is None and not slopes_or_tables
+    if wanted and fused:
+        raise ValueError("tiled_backward: dbias needs a plan built with fused=False")
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)
+    vector = problem.position_vector(acc)  # [1|B, Hq, Tq + Tk − 1] or None
+    if fused and vector is not None and _spread(vector) > WIDE_BIAS:
+        fused = False  # subnormal weights in torch's fused backward: see WIDE_BIAS
+    positions = _positions(problem, acc, fused, keys, values, vector)
+    # the position vector's gradient [1|B, Hq, L], for the slopes and tables: in float64, as
+    # the sum over every tile of terms of both signs (each row's dS sums to its dLSE)
+    grad_vector = (torch.zeros_like(positions.vector, dtype=torch.float64) if slopes_or_tables
+                   else None)
     grad_out, out = grad_out.to(acc), out.to(acc)
     if not fused:  # the fused kernel forms rowsum(dO ∘ O) itself
         delta = (grad_out * out).sum(dim=-1)  # [B, Hq, Tq]  rowsum(dO ∘ O)
@@ -927,8 +1231,12 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
     dq = torch.empty_like(queries)  # every query block writes its rows below
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    # dK/dV of segments run with their keys reversed (see Positions), in that order
+    reversed_dk, reversed_dv = ((torch.zeros_like(dk), torch.zeros_like(dv))
+                                if positions is not None and positions.keys is not None
+                                else (None, None))
     viewed = (queries, keys, values, grad_out, out, lse_safe, dq, dk, dv)
-    for group, work in _schedule(problem, tq, heads_q, heads_kv, fused, viewed):
+    for group, work in _schedule(problem, tq, heads_q, heads_kv, fused, viewed, positions):
         start, stop = group.rows
         if not group.segments:
             dq[:, :, start:stop] = 0
@@ -945,28 +1253,57 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
         for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
                             problem.plan.block_k, fused):
             k_seg, v_seg, tile, keep = _segment_inputs(problem, work, q_block, keys, values,
-                                                       group.block, group.rows, seg, fused)
+                                                       group.block, group.rows, seg, fused,
+                                                       positions)
+            backwards = tile is not None and tile.positions is not None
             for (rows, piece_keys, dq_piece, dk_piece, dv_piece, grad_scores,
                  param_grads) in _segment_grads(
                     q_block, k_seg, v_seg, do_block, lse_block, tile, problem.scale, fused,
                     out_block=out_block, delta_block=delta_block, keep=keep,
-                    dropout_p=problem.dropout_p, want_grad_scores=bool(wanted),
+                    dropout_p=problem.dropout_p,
+                    want_grad_scores=bool(wanted) or grad_vector is not None,
                     params=[t for t, _ in params]):
-                key_range = range(seg.start, seg.stop)[piece_keys]
                 _write_or_add(dq_block[:, :, rows], dq_piece, first)
-                work.add(dk, key_range.start, key_range.stop, dk_piece)
-                work.add(dv, key_range.start, key_range.stop, dv_piece)
+                if backwards:  # the segment's keys, last to first
+                    work.add(reversed_dk, tk - seg.stop, tk - seg.start, dk_piece)
+                    work.add(reversed_dv, tk - seg.stop, tk - seg.start, dv_piece)
+                else:
+                    key_range = range(seg.start, seg.stop)[piece_keys]
+                    work.add(dk, key_range.start, key_range.stop, dk_piece)
+                    work.add(dv, key_range.start, key_range.stop, dv_piece)
                 if grad_scores is not None:
-                    _add_bias_grad(wanted, _ungrouped(grad_scores, heads_q), group.rows, seg)
+                    per_head = _ungrouped(grad_scores, heads_q)  # [B, Hq, n, span]
+                    _add_bias_grad(wanted, per_head, group.rows, seg)
+                    if grad_vector is not None:
+                        _add_position_grad(grad_vector, per_head, tile.scores.positions.first)
                 for (_, total), grad in zip(params, param_grads):
                     if grad is not None:
                         total += grad
             first = False
         if not work.views:
             work.put(dq, start, stop, dq_block)
+    if reversed_dk is not None:
+        dk.add_(reversed_dk.flip(2))
+        dv.add_(reversed_dv.flip(2))
+    if grad_vector is not None:
+        _add_position_param_grads(problem, grad_vector, [(t, d) for t, d in params
+                                                         if id(t) in by_position])
     if accumulate:
         return dq, dk, dv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _add_position_param_grads(problem: Problem, grad_vector: torch.Tensor, params: list) -> None:
+    """Add the slopes' and tables' gradients into their accumulators (``params``: ``(tensor,
+    accumulator)`` pairs) from the position vector's gradient ``[1|B, Hq, L]``: autograd
+    through the vector's construction, O((Tq + Tk)·H)."""
+    with torch.enable_grad():
+        vector = problem.modifiers.position_bias(problem.space, grad_vector.dtype)
+        found = torch.autograd.grad(vector, [t for t, _ in params], grad_vector,
+                                    allow_unused=True)
+    for (_, total), grad in zip(params, found):
+        if grad is not None:
+            total += grad
 
 
 def _add_bias_grad(wanted, grad_scores: torch.Tensor, rows: tuple[int, int], seg: Segment) -> None:
@@ -1064,19 +1401,29 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
     at those global positions. Inputs are not validated: call through ``attention()`` unless
     you build :class:`~attnkit.inputs.Inputs` yourself (ring attention does). ``options``:
     how the engine schedules its tiles (see :class:`TiledOptions`). ``modifiers``: score
-    modifiers applied per tile (matmul path; sinks are not applied here: join them to the
-    result with :meth:`~attnkit.modifiers.Sinks.join`).
+    modifiers applied per tile (ALiBi and relative biases alone on the fused kernel too, see
+    :func:`fused_kernel_takes`; sinks are not applied here: join them to the result with
+    :meth:`~attnkit.modifiers.Sinks.join`).
     """
     batch, heads_q, tq, _ = q.shape
     tk = k.shape[2]
     space = space or MaskSpace(batch, heads_q, tq, tk, q.device)
-    modifies = modifiers is not None and modifiers.changes_scores
+    fused = uses_fused_kernel(q, v, dropout_p, options) and fused_kernel_takes(modifiers)
     plan = make_plan(mask, space, batch=batch, heads=heads_q, q_offset=q_offset, q_count=tq,
-                     kv_offset=kv_offset, kv_count=tk, block_q=block_q, block_k=block_k,
-                     fused=uses_fused_kernel(q, v, dropout_p, options) and not modifies,
-                     options=options)
+                     kv_offset=kv_offset, kv_count=tk,
+                     block_q=block_q or _modified_block_q(modifiers, fused, batch * heads_q, tk),
+                     block_k=block_k, fused=fused, options=options)
     problem = Problem(mask, scale, space, q_offset, kv_offset, plan, dropout_p, seed, modifiers)
     return _TiledAttention.apply(q, k, v, problem, *_biases(mask), *_modifier_tensors(problem))
+
+
+def _modified_block_q(modifiers: Optional[Modifiers], fused: bool, rows_of_work: int,
+                      kv_len: int) -> Optional[int]:
+    """The query block of a matmul plan with score modifiers (see :data:`MODIFIED_TILE_KEYS`),
+    or ``None``: the plan's default."""
+    if fused or modifiers is None or not modifiers.changes_scores:
+        return None
+    return choose_block_q(rows_of_work, kv_len, MODIFIED_TILE_KEYS)
 
 
 def _biases(mask: Optional[Mask]) -> list:
@@ -1092,8 +1439,9 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
     heads_kv, tk = k.shape[1], k.shape[2]
     acc = accum_dtype(q.dtype)
     weights = torch.zeros(batch, heads_q, tq, tk, dtype=q.dtype, device=q.device)
-    queries, keys = q.detach().to(acc) * problem.scale, k.detach().to(acc)
+    queries, keys = q.detach().to(acc), k.detach().to(acc)
     lse_safe = torch.where(torch.isneginf(lse), float("inf"), lse.detach().to(acc))
+    positions = _positions(problem, acc)
     work = _BlockWork(heads_q, heads_kv)
     for group in problem.plan.groups(tq):
         start, stop = group.rows
@@ -1101,16 +1449,19 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
         lse_block = work.take(lse_safe, start, stop)[..., None]  # [B, Hkv, G·n, 1]
         for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
                             problem.plan.block_k, False):
-            scores = q_block @ keys[:, :, seg.start:seg.stop].transpose(-1, -2)
-            modified = _tile_scores(problem, group.rows, seg, heads_q)
+            position_tile = _position_tile(problem, work, positions, batch, group.rows, seg)
+            modified = _tile_scores(problem, group.rows, seg, heads_q, position_tile)
+            query_scale = problem.scale if modified is None else modified.query_scale(problem.scale)
+            scores = (q_block * query_scale) @ keys[:, :, seg.start:seg.stop].transpose(-1, -2)
             if modified is not None:
                 with torch.no_grad():
                     scores = modified.apply(scores)  # softcap, biases, score functions
             if seg.partial:
+                with_bias = modified is None or not modified.traced
                 scores.add_(_segment_mask(problem, group.rows, seg, heads_q, heads_kv, acc,
-                                          False, with_bias=modified is None).additive)
+                                          False, with_bias=with_bias).additive)
             work.put(weights[..., seg.start:seg.stop], start, stop,
-                     scores.sub_(lse_block).exp_().to(q.dtype))
+                     _exp_(scores.sub_(lse_block)).to(q.dtype))
     return weights
 
 
@@ -1173,15 +1524,16 @@ def _problem(inputs: Inputs, seed: int, options: TiledOptions,
              bias_grad: Optional[bool] = None) -> Problem:
     """The tiled problem (plan included, built with ``options``) of a whole ``attention`` call;
     ``bias_grad`` (default: ``inputs.bias_grad``) takes the matmul path, which forms dS for
-    dBias; so do score modifiers, which the fused kernel cannot apply (sinks excepted: they
-    are not the engine's)."""
+    dBias; so do softcap and score functions, which the fused kernel cannot apply (see
+    :func:`fused_kernel_takes`)."""
     batch, heads_q, tq, _ = inputs.q.shape
     space = inputs.space
     bias_grad = inputs.bias_grad if bias_grad is None else bias_grad
-    modifies = inputs.modifiers is not None and inputs.modifiers.changes_scores
     fused = (uses_fused_kernel(inputs.q, inputs.v, inputs.dropout_p, options)
-             and not bias_grad and not modifies)
+             and not bias_grad and fused_kernel_takes(inputs.modifiers))
     plan = make_plan(inputs.mask, space, batch=batch, heads=heads_q, q_offset=0, q_count=tq,
-                     kv_offset=0, kv_count=space.kv_len, fused=fused, options=options)
+                     kv_offset=0, kv_count=space.kv_len, fused=fused, options=options,
+                     block_q=_modified_block_q(inputs.modifiers, fused, batch * heads_q,
+                                               space.kv_len))
     return Problem(inputs.mask, inputs.scale, space, 0, 0, plan, inputs.dropout_p, seed,
                    inputs.modifiers)

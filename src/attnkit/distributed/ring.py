@@ -29,6 +29,7 @@ GPUs, not tested there (see docs/DISTRIBUTED.md).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -42,7 +43,7 @@ from ..backends.triton import backend as triton_steps
 from ..backends.triton import launch
 from ..inputs import Inputs, restore, validate
 from ..masks import Mask, MaskSpace, as_mask, digest
-from ..modifiers import Sinks
+from ..modifiers import Modifiers
 from ..numerics import accum_dtype, merge
 from .comm import RingComm
 from .window import window
@@ -176,32 +177,60 @@ class RingStats:
     bytes_sent: int = 0
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """A ring call's score modifiers (softcap, ALiBi, relative biases; sinks join after the
+    ring) as its steps take them. ``params``: the tensors the ring differentiates (the
+    autograd inputs of its steps, ``None`` entries allowed): for triton steps ALiBi's ``slopes
+    [1|B, H]`` and the relative biases per distance ``diag [H, Tq + Tk − 1]`` (over the whole
+    sequence; :func:`~attnkit.backends.triton.backend.score_mods`), with ``cap`` and ``shift``;
+    for tiled steps the modifiers' own tensors (``modifiers.tensors``), ``modifiers`` applied
+    per tile at global positions."""
+
+    params: tuple
+    modifiers: Optional[Modifiers] = None
+    cap: Optional[float] = None
+    shift: int = 0
+
+
+NO_SCORING = Scoring(())
+
+
 class _TiledStep:
     """A step's pair on the tiled engine, its ``problem`` at global offsets."""
 
     def __init__(self, problem: Problem):
         self.problem = problem
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, params):
         return tiled_forward(q, k, v, self.problem)
 
-    def backward(self, q, k, v, out, lse, grad_out, grad_lse):
+    def backward(self, q, k, v, out, lse, grad_out, grad_lse, params, dparams):
         # fp32 parts for fp16/bf16: rounded once, at the end
-        return tiled_backward(q, k, v, out, lse, grad_out, grad_lse, self.problem, accumulate=True)
+        return tiled_backward(q, k, v, out, lse, grad_out, grad_lse, self.problem, accumulate=True,
+                              dparams=dparams)
 
 
 class _TritonStep:
-    """A step's pair on the fused triton kernels, ``plan`` built from the mask's window. Its
-    parts come in the inputs' dtype (fp16/bf16 parts are rounded before the fp32 merge)."""
+    """A step's pair on the fused triton kernels, ``plan`` built from the mask's window, the
+    modifiers moved there too (``cap``; ALiBi's ``shift`` and the relative vector's offset at
+    local positions). Its parts come in the inputs' dtype (fp16/bf16 parts are rounded before
+    the fp32 merge)."""
 
-    def __init__(self, plan: launch.Plan):
-        self.plan = plan
+    def __init__(self, plan: launch.Plan, cap: Optional[float], shift: int, diag_off: int):
+        self.plan, self.cap, self.shift, self.diag_off = plan, cap, shift, diag_off
 
-    def forward(self, q, k, v):
-        return triton_steps._forward(q, k, v, self.plan)
+    def _mods(self, params) -> launch.ScoreMods:
+        slopes, diag = params if params else (None, None)
+        return launch.ScoreMods(self.cap, slopes, self.shift, diag, self.diag_off)
 
-    def backward(self, q, k, v, out, lse, grad_out, grad_lse):
-        return triton_steps._backward(grad_out, grad_lse, q, k, v, out, lse.contiguous(), self.plan)
+    def forward(self, q, k, v, params):
+        return triton_steps._forward(q, k, v, self.plan, self._mods(params))
+
+    def backward(self, q, k, v, out, lse, grad_out, grad_lse, params, dparams):
+        dslope, ddiag = dparams if dparams else (None, None)
+        return triton_steps._backward(grad_out, grad_lse, q, k, v, out, lse.contiguous(), self.plan,
+                                      self._mods(params), dslope, ddiag)
 
 
 @dataclass(frozen=True)
@@ -225,26 +254,32 @@ class _Ring:
 
 def pair_step(backend: str, mask: Optional[Mask], space: MaskSpace, scale: float, q_run: Piece,
               kv_run: Piece, fused: bool = False, block_q: Optional[int] = None,
-              block_k: Optional[int] = None) -> tuple[Union[_TiledStep, _TritonStep], int]:
-    """The computation of queries ``q_run`` against keys ``kv_run`` under ``mask`` over the
-    global ``space`` on ``backend`` (``"tiled"`` or ``"triton"``), and the tiles it computes
-    (0: the mask empties the pair). ``fused``, ``block_q``, ``block_k``: the tiled engine's."""
+              block_k: Optional[int] = None, scoring: Scoring = NO_SCORING,
+              ) -> tuple[Union[_TiledStep, _TritonStep], int]:
+    """The computation of queries ``q_run`` against keys ``kv_run`` under ``mask`` (and the
+    modifiers of ``scoring``) over the global ``space`` on ``backend`` (``"tiled"`` or
+    ``"triton"``), and the tiles it computes (0: the mask empties the pair). ``fused``,
+    ``block_q``, ``block_k``: the tiled engine's."""
+    moved = kv_run.global_start - q_run.global_start  # local k − q plus this is the global one
     if backend == "triton":
         local_mask, local_space = window(mask, space, q_run.global_start, q_run.count,
                                          kv_run.global_start, kv_run.count)
         plan = launch.build_plan(local_mask, local_space, scale)
-        return _TritonStep(plan), plan.rows.visited()
+        step = _TritonStep(plan, scoring.cap, scoring.shift - moved, space.q_len - 1 + moved)
+        return step, plan.rows.visited()
     plan = make_plan(mask, space, batch=space.batch, heads=space.heads,
                      q_offset=q_run.global_start, q_count=q_run.count,
                      kv_offset=kv_run.global_start, kv_count=kv_run.count,
-                     block_q=block_q, block_k=block_k or BLOCK_K, fused=fused)
-    problem = Problem(mask, scale, space, q_run.global_start, kv_run.global_start, plan)
+                     block_q=block_q, block_k=block_k or BLOCK_K,
+                     fused=fused and scoring.modifiers is None)
+    problem = Problem(mask, scale, space, q_run.global_start, kv_run.global_start, plan,
+                      modifiers=scoring.modifiers)
     return _TiledStep(problem), plan.tiles_computed()
 
 
 def _plan_steps(mask: Optional[Mask], space: MaskSpace, scale: float, local_q: int, local_kv: int,
                 comm: RingComm, layout: str, backend: str, fused: bool, block_q: Optional[int],
-                block_k: Optional[int], stats: RingStats) -> list[list[_Pair]]:
+                block_k: Optional[int], stats: RingStats, scoring: Scoring) -> list[list[_Pair]]:
     """Every step's non-empty pairs (from the mask's block map at global positions)."""
     rank, world = comm.rank, comm.world_size
     q_runs = pieces(local_q, rank, world, layout)
@@ -255,7 +290,7 @@ def _plan_steps(mask: Optional[Mask], space: MaskSpace, scale: float, local_q: i
         for q_run in q_runs:
             for kv_run in kv_runs:
                 step, count = pair_step(backend, mask, space, scale, q_run, kv_run, fused, block_q,
-                                        block_k)
+                                        block_k, scoring)
                 if count == 0:
                     stats.pairs_skipped += 1
                     continue
@@ -270,7 +305,7 @@ def _plan_steps(mask: Optional[Mask], space: MaskSpace, scale: float, local_q: i
 
 # ---- forward and backward ---------------------------------------------------------------------
 
-def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring,
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, params: tuple,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [B, Hq, Tq/P, Dk]``, ``k [B, Hkv, Tk/P, Dk]``, ``v [B, Hkv, Tk/P, Dv]`` (this rank's
     shards) → ``out [B, Hq, Tq/P, Dv]`` (q's dtype) and ``lse [B, Hq, Tq/P]`` (fp32/fp64) over
@@ -288,7 +323,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
         for pair in pairs:
             rows = pair.q.rows
             part_out, part_lse = pair.step.forward(q[:, :, rows], keys[:, :, pair.kv.rows],
-                                                   values[:, :, pair.kv.rows])
+                                                   values[:, :, pair.kv.rows], params)
             out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
                                                      part_out, part_lse)
         if transfer is not None:
@@ -298,10 +333,12 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
     return out.to(q.dtype), lse
 
 
-def _ring_backward(q, k, v, out, lse, grad_out, grad_lse, ring: _Ring,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ring_backward(q, k, v, out, lse, grad_out, grad_lse, ring: _Ring, params: tuple,
+                   dparams: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of this rank's shards. ``out``/``lse`` are the final forward results of this
-    rank's queries, ``grad_out [B, Hq, Tq/P, Dv]``, ``grad_lse [B, Hq, Tq/P]`` or ``None``.
+    rank's queries, ``grad_out [B, Hq, Tq/P, Dv]``, ``grad_lse [B, Hq, Tq/P]`` or ``None``;
+    the modifiers' ``params`` get this rank's queries' share of their gradients added into
+    ``dparams`` (fp32 accumulators, ``None`` where unwanted).
 
     K/V go around the ring as in the forward pass; with them travel the dK/dV sums of their
     owner (fp32, fp64 for fp64), to which each rank adds its queries' contribution. After P
@@ -321,7 +358,7 @@ def _ring_backward(q, k, v, out, lse, grad_out, grad_lse, ring: _Ring,
             dq_part, dk_part, dv_part = pair.step.backward(
                 q[:, :, rows], keys[:, :, kv_rows], values[:, :, kv_rows], out[:, :, rows],
                 lse[:, :, rows], grad_out[:, :, rows],
-                None if grad_lse is None else grad_lse[:, :, rows])
+                None if grad_lse is None else grad_lse[:, :, rows], params, dparams)
             dq[:, :, rows] += dq_part
             contributions.append((kv_rows, dk_part, dv_part))
         if grads_transfer is None:  # step 0: this rank starts the sums of its own K/V
@@ -344,29 +381,36 @@ def _ring_backward(q, k, v, out, lse, grad_out, grad_lse, ring: _Ring,
 
 
 class _RingAttention(torch.autograd.Function):
+    """Differentiable in q, k, v and the modifiers' ``params`` (:class:`Scoring`; each rank
+    gets its own queries' share of their gradients)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring):
+    def forward(ctx, q, k, v, ring: _Ring, *params):
         ctx.set_materialize_grads(False)  # an unused lse gives grad_lse None, not zeros
         k, v = k.contiguous(), v.contiguous()  # they are sent as they are
         sent = ring.comm.bytes_sent
-        out, lse = _ring_forward(q, k, v, ring)
+        out, lse = _ring_forward(q, k, v, ring, params)
         ring.stats.bytes_sent += ring.comm.bytes_sent - sent
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *params)
         ctx.ring = ring
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *params = ctx.saved_tensors
         ring = ctx.ring
         _check_everyone_backpropagates(ring, q.device)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
+        dparams = [torch.zeros(p.shape, dtype=accum_dtype(p.dtype), device=p.device) if want
+                   else None for p, want in zip(params, ctx.needs_input_grad[4:])]
         sent = ring.comm.bytes_sent
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, grad_out, grad_lse, ring)
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, grad_out, grad_lse, ring, tuple(params),
+                                    dparams)
         ring.stats.bytes_sent += ring.comm.bytes_sent - sent
         ring.stats.backward_tiles = ring.stats.forward_tiles
-        return dq, dk, dv, None
+        return (dq, dk, dv, None, *(None if d is None else d.to(p.dtype)
+                                    for d, p in zip(dparams, params)))
 
 
 def _check_everyone_backpropagates(ring: _Ring, device: torch.device) -> None:
@@ -470,12 +514,12 @@ def _step_backend(backend: str, local: Inputs) -> str:
 
 
 def _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout, backend,
-              comm: RingComm) -> tuple[Inputs, Optional[Mask], MaskSpace, str, Optional[Sinks]]:
+              comm: RingComm) -> tuple[Inputs, Optional[Mask], MaskSpace, str, Inputs]:
     """Check this rank's shards, then that all ranks agree; raise the same error on every rank.
 
     Returns the local :class:`Inputs` (``[B, H, T/P, D]`` views), the mask fitted to the whole
     sequence, the global :class:`MaskSpace`, the steps' backend (``"tiled"``/``"triton"``) and
-    the mask's sinks (or ``None``).
+    the whole sequence's :class:`Inputs` (stand-in tensors; its modifiers).
     """
     failure, result = None, None
     try:
@@ -500,12 +544,15 @@ def _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout, backen
             raise ValueError("ring_attention takes a bias as a constant and gives it no gradient; "
                              "detach it (bias.detach()) or use attention() on one device, whose "
                              "tiled and reference backends give dBias")
-        if whole.modifiers is not None and whole.modifiers.changes_scores:
-            raise ValueError(f"ring_attention runs no score modifier but sinks (got "
-                             f"{', '.join(whole.modifiers.kinds())}): use attention() on one "
-                             f"device, or leave them out of the mask")
-        result = (local, whole.mask, whole.space, _step_backend(backend, local),
-                  None if whole.modifiers is None else whole.modifiers.sinks)
+        if whole.modifiers is not None and whole.modifiers.functions:
+            raise ValueError("ring_attention runs softcap, alibi, relative_bias and sinks, not "
+                             "score_function: use attention() on one device, or leave it out "
+                             "of the mask")
+        step_backend = _step_backend(backend, local)
+        if step_backend == "triton" and whole.modifiers is not None and len(whole.modifiers.alibi) > 1:
+            raise ValueError("ring_attention on triton steps takes one alibi modifier: sum the "
+                             "slopes into one")
+        result = (local, whole.mask, whole.space, step_backend, whole)
     except (TypeError, ValueError) as error:
         failure = (type(error).__name__, str(error))
     everyone = comm.all_gather_object((failure, _signature(q, k, v, mask, layout, scale)))
@@ -519,6 +566,21 @@ def _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout, backen
     if disagreement:
         raise ValueError(disagreement)
     return result
+
+
+def _scoring(whole: Inputs, step_backend: str) -> Scoring:
+    """The :class:`Scoring` of a call whose whole-sequence inputs are ``whole``."""
+    modifiers = whole.modifiers
+    if modifiers is None or not modifiers.changes_scores:
+        return NO_SCORING
+    if step_backend == "triton":
+        found = triton_steps.score_mods(whole)
+        return Scoring((found.get("slopes"), found.get("diag")), cap=found.get("cap"),
+                       shift=found.get("shift", 0))
+    sink = [] if modifiers.sinks is None else [modifiers.sinks.logits]
+    tensors = tuple(t for t in modifiers.tensors if not any(t is s for s in sink))
+    own = dataclasses.replace(modifiers, sinks=None, tensors=tensors)
+    return Scoring(tensors, modifiers=own)
 
 
 # ---- the public function ----------------------------------------------------------------------
@@ -541,8 +603,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Args:
         mask: the mask of the WHOLE sequence, as given to ``attention`` (causal in both
             alignments, documents, padding, sliding window, dense/bias tensors of the global
-            size, and their combinations; of the score modifiers, ``sinks``); every rank
-            passes the same one.
+            size, and their combinations; and the score modifiers ``softcap``, ``alibi``,
+            ``relative_bias`` and ``sinks``, at global positions); every rank passes the same
+            one. A modifier's tensors get each rank's queries' share of their gradient (sum
+            it over the group, as for any replicated parameter).
         group: the process group (default: the world); its timeout bounds every wait.
         layout: ``"contiguous"`` or ``"zigzag"`` (balanced causal work; the local length must
             be even).
@@ -564,17 +628,20 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     comm = RingComm(group)
     if backward_timeout is None:
         backward_timeout = BACKWARD_TIMEOUT
-    local, fitted, space, step_backend, sinks = _validate(q, k, v, mask, scale, layout, return_lse,
+    local, fitted, space, step_backend, whole = _validate(q, k, v, mask, scale, layout, return_lse,
                                                           backward_timeout, backend, comm)
+    scoring = _scoring(whole, step_backend)
     stats = stats if stats is not None else RingStats()
     stats.rank, stats.world_size, stats.layout = comm.rank, comm.world_size, layout
     stats.tiles_per_step, stats.pairs_computed, stats.pairs_skipped = [], 0, 0
     stats.backward_tiles, stats.bytes_sent = 0, 0
     steps = _plan_steps(fitted, space, local.scale, local.q.shape[2], local.k.shape[2], comm,
                         layout, step_backend, uses_fused_kernel(local.q, local.v, 0.0), block_q,
-                        block_k, stats)
+                        block_k, stats, scoring)
     out, lse = _RingAttention.apply(local.q, local.k, local.v,
-                                    _Ring(comm, steps, stats, float(backward_timeout)))
+                                    _Ring(comm, steps, stats, float(backward_timeout)),
+                                    *scoring.params)
+    sinks = None if whole.modifiers is None else whole.modifiers.sinks
     if sinks is not None:  # in every row's denominator: joined to the finished rows
         out, lse, _ = sinks.join(out, lse)
     out = restore(out, local)
