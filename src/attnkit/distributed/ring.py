@@ -197,15 +197,16 @@ NO_SCORING = Scoring(())
 
 
 class _TiledStep:
-    """A step's pair on the tiled engine, its ``problem`` at global offsets."""
+    """A step's pair on the tiled engine, its ``problem`` at global offsets (with the
+    modifiers' own tensors: ``params`` are not read, ``dparams`` get their gradients)."""
 
     def __init__(self, problem: Problem):
         self.problem = problem
 
-    def forward(self, q, k, v, params):
+    def forward(self, q, k, v, params=()):
         return tiled_forward(q, k, v, self.problem)
 
-    def backward(self, q, k, v, out, lse, grad_out, grad_lse, params, dparams):
+    def backward(self, q, k, v, out, lse, grad_out, grad_lse, params=(), dparams=()):
         # fp32 parts for fp16/bf16: rounded once, at the end
         return tiled_backward(q, k, v, out, lse, grad_out, grad_lse, self.problem, accumulate=True,
                               dparams=dparams)
@@ -224,10 +225,10 @@ class _TritonStep:
         slopes, diag = params if params else (None, None)
         return launch.ScoreMods(self.cap, slopes, self.shift, diag, self.diag_off)
 
-    def forward(self, q, k, v, params):
+    def forward(self, q, k, v, params=()):
         return triton_steps._forward(q, k, v, self.plan, self._mods(params))
 
-    def backward(self, q, k, v, out, lse, grad_out, grad_lse, params, dparams):
+    def backward(self, q, k, v, out, lse, grad_out, grad_lse, params=(), dparams=()):
         dslope, ddiag = dparams if dparams else (None, None)
         return triton_steps._backward(grad_out, grad_lse, q, k, v, out, lse.contiguous(), self.plan,
                                       self._mods(params), dslope, ddiag)
@@ -432,9 +433,10 @@ def _check_everyone_backpropagates(ring: _Ring, device: torch.device) -> None:
 
 def _whole(t: torch.Tensor, world_size: int) -> torch.Tensor:
     """A stand-in for the whole sequence of ``t`` (``[..., T/P, D]`` → ``[..., T, D]``) that holds
-    no memory: one element, expanded. Only its shape, dtype and device are looked at."""
+    one row: ``D`` zeros, expanded (unit stride along D, so that validation keeps it a view
+    instead of copying it whole). Only its shape, dtype and device are looked at."""
     shape = (*t.shape[:-2], t.shape[-2] * world_size, t.shape[-1])
-    return torch.empty((), dtype=t.dtype, device=t.device).expand(shape)
+    return torch.zeros(t.shape[-1], dtype=t.dtype, device=t.device).expand(shape)
 
 
 _AGREEMENT = {
