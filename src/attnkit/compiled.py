@@ -7,9 +7,10 @@ the mask to a *spec* (a string naming its classes and constant parameters) plus 
 and calls the custom operator ``attnkit::attention``, which rebuilds the mask and runs the
 eager :func:`attnkit.attention` on real tensors; ``attnkit::attention_backward`` gives the
 gradients from the saved output and LSE through a backend's own backward (``tiled`` or
-``triton``: no recomputed forward); with score modifiers (softcap, ALiBi, T5 relative biases,
-sinks) it differentiates the eager call again (``torch.func.vjp``), which gives their tensors'
-gradients too, on the reference backend (Tq×Tk memory in that backward).
+``triton``: no recomputed forward, O(T) memory), score modifiers (softcap, ALiBi, T5 relative
+biases) included, with the gradients of their slopes and tables. Sinks stay outside the
+operator: it returns the result without them, and :meth:`~attnkit.modifiers.Sinks.join`
+runs in the graph, so autograd differentiates it.
 Fake-tensor implementations give the output shapes, so the graph around the call compiles in
 one piece, forward and backward.
 
@@ -21,11 +22,13 @@ from __future__ import annotations
 import ast
 import functools
 import math
+import operator
 from typing import Optional, Sequence
 
 import torch
 
 from .masks import MASK_TYPES, Mask, MaskSpace, dense
+from .modifiers import Sinks
 
 
 def _encode(value, tensors: list, space: MaskSpace):
@@ -106,7 +109,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list
     from .api import attention as eager
 
     mask = unflatten(spec, tensors)
-    if trainable and not mask.modifies:
+    if trainable:
         backend = _engine(q, k, v, mask, scale, backend, need_weights)[1].NAME
     result = eager(q, k, v, mask, scale=scale, backend=backend, return_lse=True,
                    return_weights=need_weights)
@@ -132,47 +135,20 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
                            "return_weights=True are not differentiable there; differentiate "
                            "out/lse, or run eagerly")
     mask = unflatten(spec, tensors)
-    if mask.modifies:
-        return _recomputed_grads(dout, dlse, q, k, v, tensors, wanted, spec, scale, backend,
-                                 need_weights)
     inputs, chosen = _engine(q, k, v, mask, scale, backend, need_weights)
     rows = inputs.q.shape[:3]
     wanted_by_id = {id(t): want for t, want in zip(tensors, wanted)}
-    biases = mask.biases()  # the caller's tensors, in the order of inputs.biases (fitted copies)
-    dq, dk, dv, dbias = chosen.backward(
+    biases = [] if mask is None else mask.biases()  # the caller's tensors, in the order of
+    # inputs.biases (fitted copies); the modifiers' are the caller's own
+    params = inputs.modifiers.tensors if inputs.modifiers is not None else ()
+    dq, dk, dv, dbias, dparams = chosen.backward(
         inputs, out.reshape(*rows, -1), lse.reshape(rows), dout.reshape(*rows, -1),
-        None if dlse is None else dlse.reshape(rows), [wanted_by_id[id(t)] for t in biases])
-    by_id = {id(t): d for t, d in zip(biases, dbias)}
+        None if dlse is None else dlse.reshape(rows), [wanted_by_id[id(t)] for t in biases],
+        [wanted_by_id.get(id(t), False) for t in params])
+    by_id = {id(t): d for t, d in zip([*biases, *params], [*dbias, *dparams])}
     extra = [_like(by_id[id(t)], t) if want and by_id.get(id(t)) is not None
              else torch.zeros_like(t) if want else t.new_empty(0)
              for t, want in zip(tensors, wanted)]
-    return [_like(dq, q), _like(dk, k), _like(dv, v), *extra]
-
-
-def _recomputed_grads(dout, dlse, q, k, v, tensors, wanted, spec, scale, backend,
-                      need_weights) -> list[torch.Tensor]:
-    """The gradients of a call with score modifiers: its eager forward again, differentiated
-    by ``torch.func.vjp`` (an operator's implementation runs below autograd, where only a
-    functorch transform differentiates), the mask rebuilt around the differentiated tensors;
-    as :func:`_backward_op` returns them. Under the transform ``auto`` takes the reference
-    backend: this backward holds the Tq×Tk scores."""
-    from .api import attention as eager
-
-    learnable = [i for i, want in enumerate(wanted) if want]
-
-    def forward(q, k, v, *chosen):
-        own = list(tensors)
-        for i, t in zip(learnable, chosen):
-            own[i] = t
-        result = eager(q, k, v, unflatten(spec, own), scale=scale, backend=backend,
-                       return_lse=True, return_weights=need_weights)
-        return result.out, result.lse
-
-    (_, lse), vjp = torch.func.vjp(forward, q, k, v, *(tensors[i] for i in learnable))
-    dq, dk, dv, *found = vjp((dout, torch.zeros_like(lse) if dlse is None else dlse))
-    by_index = dict(zip(learnable, found))
-    extra = [_like(by_index[i], t) if want else t.new_empty(0)
-             for i, (t, want) in enumerate(zip(tensors, wanted))]
     return [_like(dq, q), _like(dk, k), _like(dv, v), *extra]
 
 
@@ -237,8 +213,34 @@ def attention(q, k, v, mask: Mask, *, scale, dropout_p, backend, return_lse, ret
     rows = q.shape[:-2]
     batch = 1 if q.dim() == 2 else rows[0] if q.dim() == 3 else math.prod(rows[:-1])
     heads = 1 if q.dim() < 4 else rows[-1]
-    spec, tensors = flatten(mask, MaskSpace(batch, heads, q.shape[-2], k.shape[-2], q.device))
+    space = MaskSpace(batch, heads, q.shape[-2], k.shape[-2], q.device)
+    mask, sinks = _without_sinks(mask, space)
+    spec, tensors = flatten(mask, space)
     trainable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))
     out, lse, weights = _forward_op(q, k, v, tensors, spec, scale, backend, bool(return_weights),
-                                    bool(return_lse), trainable)
+                                    bool(return_lse or sinks is not None), trainable)
+    if sinks is not None:  # in the graph: autograd differentiates it, logits included
+        joined = sinks.join(out.reshape(batch, heads, *out.shape[-2:]),
+                            lse.reshape(batch, heads, -1),
+                            weights.reshape(batch, heads, *weights.shape[-2:])
+                            if return_weights else None)
+        out, lse = joined[0].reshape(out.shape), joined[1].reshape(lse.shape)
+        weights = joined[2].reshape(weights.shape) if return_weights else weights
     return out, (lse if return_lse else None), (weights if return_weights else None)
+
+
+def _without_sinks(mask: Mask, space: MaskSpace) -> tuple[Optional[Mask], Optional[Sinks]]:
+    """``mask`` without its sinks (``None`` when nothing else is left), and the sinks (or
+    ``None``), checked against ``space``."""
+    leaves = mask.leaves()
+    found = [leaf for leaf in leaves if isinstance(leaf, Sinks)]
+    if not found:
+        return mask, None
+    if len(found) > 1:
+        raise ValueError(f"mask holds {len(found)} sinks modifiers ({', '.join(map(repr, found))}): "
+                         f"use one")
+    problems = found[0].check(space)
+    if problems:
+        raise ValueError(f"attnkit under torch.compile: {'; '.join(problems)}")
+    rest = [leaf for leaf in leaves if leaf is not found[0]]
+    return (functools.reduce(operator.and_, rest) if rest else None), found[0]

@@ -32,6 +32,8 @@ on ``j − i`` alone: :meth:`Modifiers.position_bias` gives them once per relati
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import inspect
 import math
@@ -552,6 +554,44 @@ class Modifiers:
     def check(self, space: MaskSpace) -> list[str]:
         """Problems fitting the modifiers to ``space`` (shapes against H and B, devices)."""
         return [problem for m in self.parts() for problem in m.check(space)]
+
+    def pull_back(self, build: Callable[["Modifiers"], Sequence[torch.Tensor]],
+                  grads: Sequence[Optional[torch.Tensor]], wanted: Sequence[bool],
+                  ) -> list[Optional[torch.Tensor]]:
+        """The gradients of :attr:`tensors` through ``build`` (modifiers → tensors, e.g. the
+        position vector), given ``grads``, those of its outputs (``None``: zero); ``None``
+        where not ``wanted``. By ``torch.func.vjp``, which differentiates below autograd too
+        (inside a custom operator); the cost is ``build``'s own, O((Tq + Tk)·H) for position
+        biases. Tensors that score functions read are not rebuilt: they get zeros."""
+        chosen = [i for i, want in enumerate(wanted) if want]
+        if not chosen:
+            return [None] * len(self.tensors)
+
+        def rebuilt(*new):
+            return tuple(build(self._swapped({id(self.tensors[i]): t for i, t in zip(chosen, new)})))
+
+        outputs, vjp = torch.func.vjp(rebuilt, *(self.tensors[i] for i in chosen))
+        found = dict(zip(chosen, vjp(tuple(torch.zeros_like(o) if g is None else g.to(o.dtype)
+                                           for o, g in zip(outputs, grads)))))
+        return [found.get(i) for i in range(len(self.tensors))]
+
+    def _swapped(self, swap: dict) -> "Modifiers":
+        """These modifiers with the tensors in ``swap`` (``id(old) → new``) replaced in the
+        ALiBi, relative-bias and sink parts."""
+        def part(p):
+            names = [name for name, value in vars(p).items()
+                     if isinstance(value, torch.Tensor) and id(value) in swap]
+            if not names:
+                return p
+            p = copy.copy(p)
+            for name in names:
+                setattr(p, name, swap[id(getattr(p, name))])
+            return p
+
+        return dataclasses.replace(
+            self, alibi=tuple(map(part, self.alibi)), relative=tuple(map(part, self.relative)),
+            sinks=None if self.sinks is None else part(self.sinks),
+            tensors=tuple(swap.get(id(t), t) for t in self.tensors))
 
     # ---- the definition: scale → softcap → additive biases → score functions --------------
     def cap(self, scores: torch.Tensor) -> torch.Tensor:

@@ -101,9 +101,27 @@ class Backend:
         raise NotImplementedError
 
     def backward(self, inputs: Inputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                 dlse: Optional[torch.Tensor], want_bias: Sequence[bool]) -> tuple:
+                 dlse: Optional[torch.Tensor], want_bias: Sequence[bool],
+                 want_params: Sequence[bool] = ()) -> tuple:
         """Gradients of a :meth:`forward` from its ``out [B, Hq, Tq, Dv]`` and ``lse [B, Hq, Tq]``
-        and their upstream gradients (``dlse`` may be ``None``) → ``(dq, dk, dv, dbiases)``;
-        ``want_bias`` and ``dbiases`` have one entry per ``inputs.biases`` (``None`` where no
-        gradient is wanted). Backends with ``LSE_BACKWARD``."""
+        and their upstream gradients (``dlse`` may be ``None``) → ``(dq, dk, dv, dbiases,
+        dparams)``; ``want_bias`` and ``dbiases`` have one entry per ``inputs.biases``,
+        ``want_params`` and ``dparams`` one per tensor of the score modifiers
+        (``inputs.modifiers.tensors``; ``None`` where no gradient is wanted). Score modifiers
+        but sinks and score functions (:func:`check_backward_modifiers`). Backends with
+        ``LSE_BACKWARD``; it works below autograd too (inside a custom operator)."""
         raise NotImplementedError(f"backend {self.NAME!r} has no separate backward")
+
+
+def check_backward_modifiers(inputs: Inputs, backend: str) -> None:
+    """Raise ``ValueError`` for score modifiers that :meth:`Backend.backward` cannot take:
+    sinks (they change the saved out/lse: join them after, :meth:`~attnkit.modifiers.Sinks.
+    join`, and differentiate that) and score functions (their gradient needs autograd)."""
+    modifiers = inputs.modifiers
+    if modifiers is None:
+        return
+    if modifiers.sinks is not None or modifiers.functions:
+        raise ValueError(f"{backend} backward outside autograd takes no sinks and no "
+                         f"score_function (got {', '.join(m.kind for m in modifiers.parts())}): "
+                         f"join sinks to the result after the call (Sinks.join), or "
+                         f"differentiate attention() with autograd")

@@ -67,7 +67,7 @@ from ..inputs import Inputs
 from ..masks import EMPTY, FULL, Mask, MaskCache, MaskSpace
 from ..modifiers import Modifiers
 from ..numerics import accum_dtype, additive_mask
-from .base import Backend, BackendOutput
+from .base import Backend, BackendOutput, check_backward_modifiers
 from .reference import steps
 
 BLOCK_K = 128
@@ -1295,15 +1295,16 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
 
 def _add_position_param_grads(problem: Problem, grad_vector: torch.Tensor, params: list) -> None:
     """Add the slopes' and tables' gradients into their accumulators (``params``: ``(tensor,
-    accumulator)`` pairs) from the position vector's gradient ``[1|B, Hq, L]``: autograd
-    through the vector's construction, O((Tq + Tk)·H)."""
-    with torch.enable_grad():
-        vector = problem.modifiers.position_bias(problem.space, grad_vector.dtype)
-        found = torch.autograd.grad(vector, [t for t, _ in params], grad_vector,
-                                    allow_unused=True)
-    for (_, total), grad in zip(params, found):
-        if grad is not None:
-            total += grad
+    accumulator)`` pairs) from the position vector's gradient ``[1|B, Hq, L]``, through the
+    vector's construction (:meth:`Modifiers.pull_back`, O((Tq + Tk)·H))."""
+    modifiers = problem.modifiers
+    wanted = {id(t) for t, _ in params}
+    found = modifiers.pull_back(lambda m: (m.position_bias(problem.space, grad_vector.dtype),),
+                                (grad_vector,), [id(t) in wanted for t in modifiers.tensors])
+    by_id = {id(t): grad for t, grad in zip(modifiers.tensors, found)}
+    for tensor, total in params:
+        if by_id.get(id(tensor)) is not None:
+            total += by_id[id(tensor)]
 
 
 def _add_bias_grad(wanted, grad_scores: torch.Tensor, rows: tuple[int, int], seg: Segment) -> None:
@@ -1503,21 +1504,23 @@ class TiledBackend(Backend):
         weights = tiled_weights(inputs.q, inputs.k, lse, problem) if inputs.need_weights else None
         return BackendOutput(out, lse, weights)
 
-    def backward(self, inputs, out, lse, dout, dlse, want_bias):
+    def backward(self, inputs, out, lse, dout, dlse, want_bias, want_params=()):
         if inputs.dropout_p > 0:
             raise ValueError("tiled backward outside autograd needs dropout_p=0 (the forward's "
                              "dropout seed is not kept)")
-        if inputs.modifiers is not None:
-            raise ValueError("tiled backward outside autograd takes no score modifiers (it "
-                             "returns no gradient for their tensors, and sinks change the "
-                             "saved out/lse): differentiate attention() with autograd")
+        check_backward_modifiers(inputs, self.NAME)
         q = inputs.q
         dbias = [torch.zeros(t.shape, dtype=accum_dtype(q.dtype), device=t.device) if want else None
                  for t, want in zip(inputs.biases, want_bias)]
+        params = inputs.modifiers.tensors if inputs.modifiers is not None else ()
+        dparams = [torch.zeros(t.shape, dtype=accum_dtype(t.dtype), device=t.device) if want
+                   else None for t, want in zip(params, want_params)]
         dq, dk, dv = tiled_backward(q, inputs.k, inputs.v, out, lse, dout, dlse,
                                     _problem(inputs, 0, self.options, bias_grad=any(want_bias)),
-                                    dbias=dbias)
-        return dq, dk, dv, dbias
+                                    dbias=dbias, dparams=dparams)
+        dparams += [None] * (len(params) - len(dparams))
+        return dq, dk, dv, dbias, [None if d is None else d.to(t.dtype)
+                                   for d, t in zip(dparams, params)]
 
 
 def _problem(inputs: Inputs, seed: int, options: TiledOptions,

@@ -8,6 +8,7 @@ states what it supports. Nothing imports triton until a kernel is launched (or u
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 from typing import Optional
@@ -15,7 +16,7 @@ from typing import Optional
 import torch
 
 from ...inputs import Inputs
-from ..base import Backend, BackendOutput
+from ..base import Backend, BackendOutput, check_backward_modifiers
 from . import launch
 
 
@@ -193,7 +194,24 @@ class TritonBackend(Backend):
                                           mods.get("shift", 0), mods.get("slopes"), mods.get("diag"))
         return BackendOutput(out, lse, None)
 
-    def backward(self, inputs, out, lse, dout, dlse, want_bias):
+    def backward(self, inputs, out, lse, dout, dlse, want_bias, want_params=()):
+        check_backward_modifiers(inputs, self.NAME)
+        params = inputs.modifiers.tensors if inputs.modifiers is not None else ()
+        wanted = [*want_params, *[False] * (len(params) - len(want_params))]
+        with torch.no_grad():
+            found = score_mods(inputs)
+        # the kernels' gradients of ALiBi's slopes and the relative vector, then the tensors'
+        names = [name for name in ("slopes", "diag") if found.get(name) is not None] if any(wanted) else []
+        grads = {name: torch.zeros(found[name].shape, dtype=torch.float32, device=inputs.q.device)
+                 for name in names}
+        mods = launch.ScoreMods(found.get("cap"), found.get("slopes"), found.get("shift", 0),
+                                found.get("diag"), inputs.q.shape[2] - 1)
         dq, dk, dv = _backward(dout, dlse, inputs.q, inputs.k, inputs.v, out, lse,
-                               launch.make_plan(inputs, self.options))
-        return dq, dk, dv, [None] * len(inputs.biases)
+                               launch.make_plan(inputs, self.options), mods, grads.get("slopes"),
+                               grads.get("diag"))
+        dparams = [None] * len(params)
+        if names:
+            dparams = inputs.modifiers.pull_back(
+                lambda m: [score_mods(dataclasses.replace(inputs, modifiers=m))[name] for name in names],
+                [grads[name] for name in names], wanted)
+        return dq, dk, dv, [None] * len(inputs.biases), dparams
