@@ -44,11 +44,17 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def masks(batch: int, length: int) -> dict:
-    """The benchmark's masks: FlexAttention-style workloads at this length."""
+def masks(batch: int, length: int, heads: int) -> dict:
+    """The benchmark's masks: FlexAttention-style workloads at this length, and causal masking
+    with score modifiers as models use them (Gemma 2's softcap 50, ALiBi's slopes
+    ``2^(−8h/H)``, gpt-oss's sinks)."""
     lengths = torch.tensor([length * 3 // 4, length])[:batch]
     ids = torch.arange(length) // max(1, length // 8)
+    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads)
     return {
+        "causal&softcap": ak.causal() & ak.softcap(50.0),
+        "causal&alibi": ak.causal() & ak.alibi(slopes),
+        "causal&sinks": ak.causal() & ak.sinks(torch.zeros(heads)),
         "none": None,
         "causal": ak.causal(),
         "window": ak.sliding_window(length // 8),
@@ -92,7 +98,7 @@ def main(argv=None) -> None:
 
     step = training_step(loss_of)
     rows = []
-    workloads = masks(args.batch, args.length)
+    workloads = masks(args.batch, args.length, args.heads)
     for name in args.masks.split(","):
         mask = workloads[name]
         torch._dynamo.reset()
