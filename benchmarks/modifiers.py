@@ -3,6 +3,7 @@ against the alternatives.
 
     PYTHONPATH=src python benchmarks/modifiers.py            # table; JSON to $OUT or results/
     PYTHONPATH=src python benchmarks/modifiers.py --quick    # a smoke run: the figures mean nothing
+    PYTHONPATH=src python benchmarks/modifiers.py --decode   # few queries, no mask: tiled vs torch
 
 - **Time** (float32, B1 H8 D64, N 4096 and 8192; forward, and forward+backward of q, k and v):
   ``attention(q, k, v, causal() & alibi(slopes))``, ``causal() & relative_bias(table)`` and
@@ -203,11 +204,46 @@ def memory_rows(lengths: list[int]) -> list[dict]:
     return rows
 
 
+def decode_rows(key_lengths: list[int], query_counts: list[int], repeats: int) -> list[dict]:
+    """Few queries against many keys, no mask (a decoding step, or a short chunk of one), with
+    ALiBi (bottom-right) or a T5 relative bias, fixed: the tiled engine against the torch
+    backend (the bias built), and what ``auto`` picks. B1 H8 D64, float32, forward."""
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    modifiers = {"alibi": ak.alibi(alibi_slopes(HEADS), "bottom_right"),
+                 "relative": ak.relative_bias(relative_table(HEADS))}
+    for kind, modifier in modifiers.items():
+        for tk in key_lengths:
+            for tq in query_counts:
+                q = torch.randn(1, HEADS, tq, DIM, generator=gen)
+                k, v = (torch.randn(1, HEADS, tk, DIM, generator=gen) for _ in range(2))
+                calls = {b: (lambda b=b: ak.attention(q, k, v, modifier, backend=b))
+                         for b in ("tiled", "torch")}
+                diff = float((calls["tiled"]() - calls["torch"]()).abs().max())
+                times = {b: [] for b in calls}
+                for _ in range(repeats):
+                    for b, call in calls.items():
+                        start = time.perf_counter()
+                        call()
+                        times[b].append(time.perf_counter() - start)
+                us = {b: statistics.median(t) * 1e6 for b, t in times.items()}
+                picked = ak.explain_dispatch(q, k, v, modifier).backend
+                rows.append(dict(modifier=kind, tq=tq, tk=tk, us=us, auto=picked, diff=diff,
+                                 torch_speedup=us["tiled"] / us["torch"]))
+                print(f"decode {kind:8s} Tq {tq:4d} Tk {tk:5d}  tiled {us['tiled']:8.0f} us  "
+                      f"torch {us['torch']:8.0f} us  torch/tiled speed "
+                      f"{us['tiled'] / us['torch']:5.2f}x  auto: {picked}  diff {diff:.1e}",
+                      flush=True)
+    return rows
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the script only")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results"))
+    parser.add_argument("--decode", action="store_true",
+                        help="only the decoding rows (few queries, no mask): tiled against torch")
     args = parser.parse_args(argv)
     lengths, repeats, memory_n = (([256], 2, [1024]) if args.quick
                                   else ([4096, 8192], args.repeats, [8192, 16384]))
@@ -216,10 +252,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             "threads": torch.get_num_threads(), "quick": args.quick, "repeats": repeats,
             "command": " ".join(["python", "benchmarks/modifiers.py", *(argv or sys.argv[1:])])}
     print(f"{info['date']}  torch {info['torch']}  {info['threads']} threads", flush=True)
-    result = {"info": info, "time": time_rows(lengths, repeats), "memory": memory_rows(memory_n)}
+    if args.decode:
+        keys, queries = ([256], [1, 32]) if args.quick else ([2048, 8192], [1, 4, 16, 64, 256])
+        result = {"info": info, "decode": decode_rows(keys, queries, max(repeats, 3) * 4)}
+        name = "modifiers_decode"
+    else:
+        result = {"info": info, "time": time_rows(lengths, repeats),
+                  "memory": memory_rows(memory_n)}
+        name = "modifiers"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / ("modifiers_quick.json" if args.quick else "modifiers.json")
+    path = out / (f"{name}_quick.json" if args.quick else f"{name}.json")
     path.write_text(json.dumps(result, indent=1))
     print(f"JSON: {path}")
     return 0

@@ -702,12 +702,12 @@ def test_auto_picks_a_backend_that_runs_it(name, gen):
     picked = ak.explain_dispatch(q, k, v, mask)
     assert picked.backend in ("tiled", "reference"), picked  # params require grad: not torch
     inputs = validate(q, k, v, mask)
-    kernels = ("softcap", "alibi", "relative_bias")  # the triton kernels run these
+    runs = {"triton": ("softcap", "alibi", "relative_bias"), "torch": ("alibi", "relative_bias")}
     for kind in inputs.modifiers.kinds():
         for backend in ("torch", "triton"):
             reasons = dispatch.BACKENDS[backend].not_supported_reasons(inputs)
             assert (f"{kind} (not supported by {backend})" in reasons) == (
-                backend == "torch" or kind not in kernels), (kind, backend, reasons)
+                kind not in runs[backend]), (kind, backend, reasons)
     out = ak.attention(q, k, v, mask)
     torch.testing.assert_close(out, ak.attention(q, k, v, mask, backend="reference"),
                                rtol=1e-5, atol=1e-5)
@@ -719,6 +719,55 @@ def test_sinks_need_an_lse_with_gradients_from_torch(gen):
     reasons = dispatch.BACKENDS["torch"].not_supported_reasons(validate(q.requires_grad_(), k, v, mask))
     assert any("sinks" in r and "no gradient for the LSE" in r for r in reasons), reasons
     assert ak.explain_dispatch(q, k, v, mask).backend == "tiled"
+
+
+POSITION_CASES = ["alibi&causal", "alibi_bottom_right", "alibi&documents", "relative&padding",
+                  "relative_custom&window"]
+
+
+@pytest.mark.parametrize("name", POSITION_CASES)
+def test_torch_runs_constant_position_biases(name, gen):
+    """The torch backend builds ALiBi and relative biases (constant slopes and tables) into
+    its bias: out, LSE and q/k/v gradients within the 2x rule (GQA, Tq ≠ Tk, per-batch
+    slopes, fully masked rows)."""
+    q, k, v = make_qkv(gen)
+    mask, truth, params = make_case(name, gen)
+    for t in params:
+        t.requires_grad_(False)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ak.attention(*leaves, mask, scale=SCALE, backend="torch")
+    cotangent = _cotangent(out.shape)
+    grads = torch.autograd.grad(_loss(out, None, cotangent, with_lse=False), leaves)
+    lse = ak.attention(q, k, v, mask, scale=SCALE, backend="torch", return_lse=True).lse
+    assert_like_truth(out, lse, grads, q, k, v, truth, [], cotangent, with_lse=False)
+
+
+def test_auto_sends_decoding_steps_with_position_biases_to_torch(gen):
+    """No mask and at most POSITION_BIAS_QUERIES queries (a decoding step): torch, which
+    builds the small bias; more queries, a mask, or learnable slopes: tiled, with reasons."""
+    from attnkit.backends.torch_sdpa import POSITION_BIAS_QUERIES
+
+    slopes, table = torch.rand(H) * 0.5, torch.randn(H, 32)
+    for modifier in (ak.alibi(slopes, "bottom_right"), ak.relative_bias(table),
+                     ak.alibi(slopes, "bottom_right") & ak.sinks(torch.zeros(H))):
+        q, k, v = make_qkv(gen, tq=1, tk=300)
+        assert ak.explain_dispatch(q, k, v, ak.causal("bottom_right") & modifier).backend == "torch"
+        torch.testing.assert_close(ak.attention(q, k, v, modifier),
+                                   ak.attention(q, k, v, modifier, backend="reference"),
+                                   rtol=1e-5, atol=1e-5)
+        q, k, v = make_qkv(gen, tq=POSITION_BIAS_QUERIES + 1, tk=300)
+        picked = ak.explain_dispatch(q, k, v, modifier)
+        assert picked.backend == "tiled" and "materialised" in picked.reasons["torch"][0], picked
+        picked = ak.explain_dispatch(q, k, v, ak.padding(kv_lengths=[200, 300]) & modifier)
+        assert picked.backend == "tiled", picked
+    q, k, v = make_qkv(gen, tq=1, tk=300)
+    learned = ak.alibi(slopes.clone().requires_grad_())
+    reasons = dispatch.BACKENDS["torch"].not_supported_reasons(validate(q, k, v, learned))
+    assert any("require grad" in r for r in reasons), reasons
+    far = ak.alibi(torch.full((H,), 300.0))  # 300 · 299 > float16's largest, 65504
+    reasons = dispatch.BACKENDS["torch"].not_supported_reasons(
+        validate(*(t.half() for t in (q, k, v)), far))
+    assert any("float16's range" in r for r in reasons), reasons
 
 
 # ---- the call cache -------------------------------------------------------------------------------

@@ -4,6 +4,10 @@ On CPU with Dk == Dv it calls the fused flash kernel directly, which also return
 Masks: none and top-left causal go in as ``is_causal``; any other boolean/bias mask is
 materialised once as an additive bias (O(Tq·Tk) memory). Rows with no allowed key are
 zeroed and given LSE −inf afterwards, so the contract holds whatever the kernel does there.
+ALiBi and relative biases with constant slopes and tables join that bias, read from one
+vector per head by relative position (:meth:`~attnkit.modifiers.Modifiers.position_bias`):
+``auto`` takes them here only without a mask and for few queries (a decoding step), where the
+bias is small.
 """
 
 from __future__ import annotations
@@ -30,13 +34,42 @@ def is_plain_causal(mask, scale: float = 1.0) -> bool:
     return mask is not None and mask.band() == CAUSAL and scale > 0
 
 
+POSITION_BIAS_QUERIES = 16
+"""``auto`` runs ALiBi and relative biases here only without a mask and for at most this many
+queries (decoding steps): their bias ``[1|B, H, Tq, Tk]`` is built, which for more queries
+measured slower than the tiled engine's reading it by position (docs/BENCHMARKS.md)."""
+
+
 def dense_bias(inputs: Inputs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """The mask as an additive bias in q's dtype ``[Bm, Hm, Tq, Tk]`` (−inf where forbidden),
-    and the per-row "has an allowed key" flags ``[Bm, Hm, Tq, 1]``."""
+    """The mask (and the position biases, see :func:`position_bias`) as an additive bias in
+    q's dtype ``[Bm, Hm, Tq, Tk]`` (−inf where forbidden), and the per-row "has an allowed
+    key" flags ``[Bm, Hm, Tq, 1]`` (``None`` without a mask)."""
     space = inputs.space
+    positions = position_bias(inputs)
+    if inputs.mask is None:
+        return positions.to(inputs.q.dtype), None
     allowed = inputs.mask.to_dense(space)
     values = inputs.mask.dense_bias(space)
+    if positions is not None:
+        values = positions if values is None else values + positions
     return additive_mask(allowed, values, inputs.q.dtype), allowed.any(dim=-1, keepdim=True)
+
+
+def position_bias(inputs: Inputs) -> Optional[torch.Tensor]:
+    """The ALiBi and relative biases of the call, built: ``[1|B, H, Tq, Tk]`` in the
+    accumulation dtype (entry ``(i, j)`` read from the vector by relative position at ``j − i
+    + Tq − 1``), or ``None`` without them."""
+    if inputs.modifiers is None:
+        return None
+    space = inputs.space
+    with torch.no_grad():
+        vector = inputs.modifiers.position_bias(space, accum_dtype(inputs.q.dtype))
+    if vector is None:
+        return None
+    device = vector.device
+    index = (torch.arange(space.kv_len, device=device)[None, :]
+             - torch.arange(space.q_len, device=device)[:, None] + (space.q_len - 1))
+    return vector[..., index]  # [1|B, H, Tq, Tk]
 
 
 def _lse_use(inputs: Inputs) -> str:
@@ -49,7 +82,9 @@ class TorchBackend(Backend):
     NAME = "torch"
     SUPPORTS_DROPOUT = False  # torch's dropout cannot follow attnkit's generator contract
     SUPPORTS_WEIGHTS = False
-    DESCRIPTION = "torch's fused SDPA kernel; masks other than causal are materialised as a bias"
+    SCORE_MODIFIERS = ("alibi", "relative_bias")
+    DESCRIPTION = ("torch's fused SDPA kernel; masks other than causal, ALiBi and relative "
+                   "biases are materialised as a bias")
 
     def extra_reasons(self, inputs: Inputs) -> list[str]:
         reasons = []
@@ -67,6 +102,18 @@ class TorchBackend(Backend):
                 reasons.append(f"a bias beyond {inputs.q.dtype}'s range (|bias| > {limit:g}) "
                                f"(not supported by torch: its kernel takes the bias in "
                                f"{inputs.q.dtype}, where it would overflow)")
+        if (inputs.modifiers is not None and inputs.modifiers.by_position
+                and torch.finfo(inputs.q.dtype).max < torch.finfo(torch.float32).max):
+            largest = float(position_bias(inputs).abs().max()) if inputs.q.numel() else 0.0
+            if largest > limit:
+                reasons.append(f"alibi or relative_bias values beyond {inputs.q.dtype}'s range "
+                               f"(|bias| up to {largest:g} > {limit:g}) (not supported by "
+                               f"torch: its kernel takes the bias in {inputs.q.dtype})")
+        if inputs.modifiers is not None and any(t.requires_grad for t in
+                                                inputs.modifiers.position_tensors):
+            reasons.append("alibi or relative_bias tensors that require grad (not supported by "
+                           "torch: it takes their bias as a constant; tiled and reference give "
+                           "their gradients)")
         if inputs.need_lse and inputs.need_grad:
             # torch's kernel marks its LSE output non-differentiable: returning it would
             # silently drop the LSE's part of the gradient.
@@ -76,16 +123,23 @@ class TorchBackend(Backend):
 
     def auto_reasons(self, inputs: Inputs) -> list[str]:
         mask = inputs.mask
-        if mask is not None and not is_plain_causal(mask, inputs.scale):
+        positions = inputs.modifiers is not None and inputs.modifiers.by_position
+        if mask is not None and (positions or not is_plain_causal(mask, inputs.scale)):
             return ["mask would be materialised as a dense Tq×Tk bias (auto prefers tiled, which "
                     "skips empty tiles: measured faster, see docs/BENCHMARKS.md)"]
+        if positions and inputs.q.shape[2] > POSITION_BIAS_QUERIES:
+            return [f"alibi or relative_bias over Tq={inputs.q.shape[2]} > "
+                    f"{POSITION_BIAS_QUERIES} queries would be materialised as a Tq×Tk bias "
+                    f"(auto prefers tiled, which reads it by position: measured faster, see "
+                    f"docs/BENCHMARKS.md)"]
         return []
 
     def forward(self, inputs: Inputs) -> BackendOutput:
         q, k, v, mask = inputs.q, inputs.k, inputs.v, inputs.mask
-        is_causal = is_plain_causal(mask, inputs.scale)
+        positions = inputs.modifiers is not None and inputs.modifiers.by_position
+        is_causal = is_plain_causal(mask, inputs.scale) and not positions
         additive = row_ok = None
-        if mask is not None and not is_causal:
+        if (mask is not None and not is_causal) or positions:
             additive, row_ok = dense_bias(inputs)
         if _fused_cpu(inputs) and inputs.need_lse:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
