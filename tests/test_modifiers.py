@@ -770,6 +770,22 @@ def test_auto_sends_decoding_steps_with_position_biases_to_torch(gen):
     assert any("float16's range" in r for r in reasons), reasons
 
 
+def test_decoding_loop_with_position_biases_over_a_growing_cache(gen):
+    """Token by token over a growing K/V (the call cache keys such steps without the key
+    length): every step equals the reference with the bias at its own positions."""
+    slopes, table = torch.rand(H) * 0.5, torch.randn(H, 32)
+    for modifier in (ak.causal("bottom_right") & ak.alibi(slopes, "bottom_right"),
+                     ak.relative_bias(table) & ak.sinks(torch.zeros(H))):
+        k = v = torch.zeros(1, H, 0, D)
+        for _ in range(20):
+            k = torch.cat([k, torch.randn(1, H, 1, D, generator=gen)], 2)
+            v = torch.cat([v, torch.randn(1, H, 1, D, generator=gen)], 2)
+            q = torch.randn(1, H, 1, D, generator=gen)
+            torch.testing.assert_close(ak.attention(q, k, v, modifier),
+                                       ak.attention(q, k, v, modifier, backend="reference"),
+                                       rtol=1e-5, atol=1e-6)
+
+
 # ---- the call cache -------------------------------------------------------------------------------
 
 def test_call_cache_sees_modifier_changes(gen, validations):
