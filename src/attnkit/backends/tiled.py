@@ -569,12 +569,14 @@ class Positions(NamedTuple):
 
 def _positions(problem: Problem, dtype: torch.dtype, fused: bool = False,
                keys: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None,
-               vector: Optional[torch.Tensor] = None) -> Optional[Positions]:
-    """The :class:`Positions` of a call (with ``fused``, ``keys`` and ``values`` ``[B, Hkv,
-    Tk, D]`` reversed too), or ``None`` without ALiBi and relative biases. ``vector``: the
-    position vector, when the caller has it already."""
+               vector: Optional[torch.Tensor] = None, rows: int = 0) -> Optional[Positions]:
+    """The :class:`Positions` of a call, or ``None`` without ALiBi and relative biases.
+    ``vector``: the position vector, when the caller has it already. With ``fused``,
+    ``keys`` and ``values`` ``[B, Hkv, Tk, D]`` are reversed too when the call has at least
+    ``Dk + Dv`` query ``rows`` per K/V head (G·Tq): building every segment's bias then costs
+    more than reversing K/V once (a decoding step builds its small bias instead)."""
     vector = problem.position_vector(dtype) if vector is None else vector
-    if vector is None or not fused:
+    if vector is None or not fused or rows < keys.shape[-1] + values.shape[-1]:
         return None if vector is None else Positions(vector)
     return Positions(vector, vector.flip(-1), keys.flip(2), values.flip(2))
 
@@ -636,11 +638,13 @@ def _position_tile(problem: Problem, work, positions: Optional[Positions], batch
 
 def _with_positions(tile: Optional["TileMask"], positions: PositionTile) -> "TileMask":
     """A fused segment's mask with the position biases joined: a segment without element mask
-    keeps them as :class:`PositionTile` (read as views, its keys in reverse order); a strip, a
-    causal square or an additive tile gets them added to its additive mask (built, at most a
-    tile)."""
+    keeps them as :class:`PositionTile` when the call's keys are reversed (read as views, its
+    keys in reverse order, see :func:`_positions`), else gets them built; a strip, a causal
+    square or an additive tile gets them added to its additive mask (built, at most a tile)."""
     if tile is None:
-        return TileMask(None, None, positions=positions)
+        if positions.reverse is not None:
+            return TileMask(None, None, positions=positions)
+        return TileMask(positions.natural(), None)
     if tile.strips is not None:
         return tile._replace(strips=tuple((rows, keys, additive + positions.natural(rows, keys))
                                           for rows, keys, additive in tile.strips))
@@ -1006,7 +1010,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
         raise ValueError("tiled_forward: softcap and score functions need a plan built with "
                          "fused=False (the fused kernel takes ALiBi and relative biases alone)")
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)  # no copy when already acc
-    positions = _positions(problem, acc, fused, keys, values)
+    positions = _positions(problem, acc, fused, keys, values, rows=heads_q // heads_kv * tq)
     out = torch.empty(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
     lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
     for group, work in _schedule(problem, tq, heads_q, heads_kv, fused, (queries, keys, values),
@@ -1217,7 +1221,8 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
     vector = problem.position_vector(acc)  # [1|B, Hq, Tq + Tk − 1] or None
     if fused and vector is not None and _spread(vector) > WIDE_BIAS:
         fused = False  # subnormal weights in torch's fused backward: see WIDE_BIAS
-    positions = _positions(problem, acc, fused, keys, values, vector)
+    positions = _positions(problem, acc, fused, keys, values, vector,
+                           rows=heads_q // heads_kv * tq)
     # the position vector's gradient [1|B, Hq, L], for the slopes and tables: in float64, as
     # the sum over every tile of terms of both signs (each row's dS sums to its dLSE)
     grad_vector = (torch.zeros_like(positions.vector, dtype=torch.float64) if slopes_or_tables

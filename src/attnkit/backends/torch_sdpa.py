@@ -34,10 +34,11 @@ def is_plain_causal(mask, scale: float = 1.0) -> bool:
     return mask is not None and mask.band() == CAUSAL and scale > 0
 
 
-POSITION_BIAS_QUERIES = 16
+POSITION_BIAS_QUERIES = 4
 """``auto`` runs ALiBi and relative biases here only without a mask and for at most this many
-queries (decoding steps): their bias ``[1|B, H, Tq, Tk]`` is built, which for more queries
-measured slower than the tiled engine's reading it by position (docs/BENCHMARKS.md)."""
+queries (decoding steps), where the same fused kernel call costs less here than through the
+tiled engine; from about 16 queries on the two are level, and with many queries the tiled
+engine, which reads the bias by position, is faster (docs/BENCHMARKS.md)."""
 
 
 def dense_bias(inputs: Inputs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
