@@ -770,6 +770,26 @@ def test_auto_sends_decoding_steps_with_position_biases_to_torch(gen):
     assert any("float16's range" in r for r in reasons), reasons
 
 
+@pytest.mark.parametrize("tq", [1, 3, 40])
+def test_tiled_position_biases_with_few_and_many_query_rows(tq, gen):
+    """The tiled engine's two ways with ALiBi and a relative bias on the fused kernel: few
+    query rows per K/V head build their bias, many reverse K/V and read it as views; out and
+    the q, k, v, slope and table gradients equal the reference's, GQA and Tq ≠ Tk."""
+    q, k, v = make_qkv(gen, tq=tq, tk=70)
+    for learned in (False, True):
+        slopes = torch.rand(H, generator=gen).mul_(0.5).requires_grad_(learned)
+        table = torch.randn(H, 32, generator=gen).requires_grad_(learned)
+        mask = ak.alibi(slopes, "bottom_right") & ak.relative_bias(table)
+        found = []
+        for backend in ("tiled", "reference"):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = ak.attention(*leaves, mask, backend=backend)
+            wrt = [*leaves, *([slopes, table] if learned else [])]
+            found.append([out, *torch.autograd.grad((out * out).sum(), wrt)])
+        for got, want in zip(*found):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_decoding_loop_with_position_biases_over_a_growing_cache(gen):
     """Token by token over a growing K/V (the call cache keys such steps without the key
     length): every step equals the reference with the bias at its own positions."""
