@@ -73,6 +73,12 @@ def position_bias(inputs: Inputs) -> Optional[torch.Tensor]:
     return vector[..., index]  # [1|B, H, Tq, Tk]
 
 
+def _position_biased(inputs: Inputs) -> bool:
+    """Whether the call's scores change by ALiBi and relative biases alone (which this backend
+    builds into its bias)."""
+    return inputs.modifiers is not None and inputs.modifiers.by_position
+
+
 def _lse_use(inputs: Inputs) -> str:
     """What asks for the LSE, in reasons: the caller, or sinks (which join through it)."""
     sinks = inputs.modifiers is not None and inputs.modifiers.sinks is not None
@@ -103,9 +109,11 @@ class TorchBackend(Backend):
                 reasons.append(f"a bias beyond {inputs.q.dtype}'s range (|bias| > {limit:g}) "
                                f"(not supported by torch: its kernel takes the bias in "
                                f"{inputs.q.dtype}, where it would overflow)")
-        if (inputs.modifiers is not None and inputs.modifiers.by_position
+        if (_position_biased(inputs)
                 and torch.finfo(inputs.q.dtype).max < torch.finfo(torch.float32).max):
-            largest = float(position_bias(inputs).abs().max()) if inputs.q.numel() else 0.0
+            # every relative position occurs in the built bias: the vector's extremes are its
+            vector = inputs.modifiers.position_bias(inputs.space, torch.float32)
+            largest = float(vector.detach().abs().max()) if vector.numel() else 0.0
             if largest > limit:
                 reasons.append(f"alibi or relative_bias values beyond {inputs.q.dtype}'s range "
                                f"(|bias| up to {largest:g} > {limit:g}) (not supported by "
@@ -124,7 +132,7 @@ class TorchBackend(Backend):
 
     def auto_reasons(self, inputs: Inputs) -> list[str]:
         mask = inputs.mask
-        positions = inputs.modifiers is not None and inputs.modifiers.by_position
+        positions = _position_biased(inputs)
         if mask is not None and (positions or not is_plain_causal(mask, inputs.scale)):
             return ["mask would be materialised as a dense Tq×Tk bias (auto prefers tiled, which "
                     "skips empty tiles: measured faster, see docs/BENCHMARKS.md)"]
@@ -137,7 +145,7 @@ class TorchBackend(Backend):
 
     def forward(self, inputs: Inputs) -> BackendOutput:
         q, k, v, mask = inputs.q, inputs.k, inputs.v, inputs.mask
-        positions = inputs.modifiers is not None and inputs.modifiers.by_position
+        positions = _position_biased(inputs)
         is_causal = is_plain_causal(mask, inputs.scale) and not positions
         additive = row_ok = None
         if (mask is not None and not is_causal) or positions:
