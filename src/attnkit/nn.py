@@ -50,8 +50,12 @@ class MHAOutput(NamedTuple):
 
 class _Store:
     """The buffers a chain of caches writes into: ``keys``/``values [B, Hkv, capacity, D]`` and
-    how many positions the latest cache of the chain has ``filled`` (an older cache that is
-    extended again gets a copy instead, so no cache ever sees its positions overwritten)."""
+    the ``generation`` of the latest cache of the chain (each cache written into the store
+    numbers one more). Only that cache is extended in place, and only past each sequence's own
+    length, where no cache of the chain holds a real position (older caches may show those
+    slots as padding). Any other cache is extended into a copy, so no real position of a cache
+    ever changes, however many branches grow from one cache (beam search).
+    """
 
     def __init__(self, like_keys: torch.Tensor, like_values: torch.Tensor, capacity: int):
         batch, heads, _, _ = like_keys.shape
@@ -59,7 +63,7 @@ class _Store:
         # every step the non-finite check's recomputation (docs/NUMERICS.md)
         self.keys = like_keys.new_zeros(batch, heads, capacity, like_keys.shape[-1])
         self.values = like_values.new_zeros(batch, heads, capacity, like_values.shape[-1])
-        self.filled = 0
+        self.generation = 0
 
     @property
     def capacity(self) -> int:
@@ -79,8 +83,10 @@ class KVCache:
     Immutable to its users: :meth:`append` returns a new cache. It writes in place into the
     buffers it shares with this one while there is room and this is the latest cache of its
     chain, so decoding T tokens copies each once (the buffers grow geometrically, or hold
-    ``capacity`` positions from the start); extending an older cache again (beam search)
-    copies it first, so no cache's contents ever change.
+    ``capacity`` positions from the start); extending an older cache again (beam search,
+    speculative decoding) copies it first, so no cache's real positions ever change. With
+    per-sequence ``lengths``, a sequence's positions past ``lengths[b]`` are padding, which
+    :meth:`mask` excludes; a later append of the chain may write there.
     """
 
     keys: Optional[torch.Tensor] = None
@@ -90,6 +96,7 @@ class KVCache:
     appended: Optional[torch.Tensor] = None
     capacity: Optional[int] = None
     _store: Optional[_Store] = field(default=None, repr=False, compare=False)
+    _generation: int = field(default=0, repr=False, compare=False)
 
     def __post_init__(self):
         if (self.keys is None) != (self.values is None):
@@ -118,16 +125,7 @@ class KVCache:
         positions of sequence b are real (a right-padded chunk); they go right after that
         sequence's own tokens, and the cache keeps per-sequence :attr:`lengths` from then on.
         """
-        if self.keys is not None:
-            if (self.keys.shape[:2] != keys.shape[:2] or self.keys.shape[-1] != keys.shape[-1]
-                    or self.values.shape[-1] != values.shape[-1]):
-                raise ValueError(f"new keys {tuple(keys.shape)} / values {tuple(values.shape)} do "
-                                 f"not continue the cache (keys {tuple(self.keys.shape)}, values "
-                                 f"{tuple(self.values.shape)}): batch size, KV heads and head dim "
-                                 f"must match. Start a new cache with KVCache.empty() for a new batch")
-            if self.keys.dtype != keys.dtype or self.keys.device != keys.device:
-                raise ValueError(f"new keys are {keys.dtype} on {keys.device} but the cache holds "
-                                 f"{self.keys.dtype} on {self.keys.device}: decode in one dtype/device")
+        self._check_step(keys, values)
         batch, new = keys.shape[0], keys.shape[2]
         if lengths is None and self.lengths is None:
             store = self._room(keys, values, self.length + new)
@@ -162,7 +160,7 @@ class KVCache:
         this is the latest cache of its chain and it has room; else a new one (geometric growth,
         or ``capacity``) with this cache copied in."""
         store = self._store
-        if store is not None and store.filled == self.length and store.capacity >= needed:
+        if store is not None and store.generation == self._generation and store.capacity >= needed:
             return store
         capacity = max(needed, self.capacity or 0, 2 * (store.capacity if store is not None else 0))
         fresh = _Store(keys, values, capacity)
@@ -173,16 +171,67 @@ class KVCache:
 
     def _extended(self, store: _Store, length: int, lengths: Optional[torch.Tensor],
                   appended: Optional[torch.Tensor]) -> "KVCache":
-        store.filled = length
+        store.generation += 1  # the new cache is the latest of the chain
         return KVCache(store.keys[:, :, :length], store.values[:, :, :length], length, lengths,
-                       appended, self.capacity, store)
+                       appended, self.capacity, store, store.generation)
+
+    def _check_step(self, keys, values) -> None:
+        """Raise unless ``keys``/``values`` are one step ``[B, Hkv, t, D]`` that continues
+        this cache (the same B, Hkv, head dims, dtype and device)."""
+        for name, t in (("keys", keys), ("values", values)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"KVCache.append takes keys and values as torch.Tensors "
+                                f"[B, Hkv, t, D], got {type(t).__name__} for {name}: convert "
+                                f"with torch.as_tensor({name})")
+        where = LazyText(lambda: f"keys {tuple(keys.shape)} {keys.dtype} {keys.device}, values "
+                                 f"{tuple(values.shape)} {values.dtype} {values.device}")
+        if keys.dim() != 4 or values.dim() != 4:
+            raise ValueError(f"KVCache.append takes keys and values [B, Hkv, t, D] (4-D), got "
+                             f"{where}: add the head dim of one head with .unsqueeze(1), or "
+                             f"transpose [B, t, Hkv, D] with .transpose(1, 2)")
+        if keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"keys and values must match in B, Hkv and t (all dims but the "
+                             f"head dim), got {where}")
+        if not keys.is_floating_point() or keys.dtype != values.dtype:
+            raise TypeError(f"keys and values must share one floating-point dtype, got {where}: "
+                            f"cast them, e.g. values.to(keys.dtype)")
+        if keys.device != values.device:
+            raise ValueError(f"keys and values must be on one device, got {where}: move them "
+                             f"with .to(keys.device)")
+        if self.keys is None:
+            return
+        if (self.keys.shape[:2] != keys.shape[:2] or self.keys.shape[-1] != keys.shape[-1]
+                or self.values.shape[-1] != values.shape[-1]):
+            raise ValueError(f"new {where} do not continue the cache (keys "
+                             f"{tuple(self.keys.shape)}, values {tuple(self.values.shape)}): batch "
+                             f"size, KV heads and head dims must match. Start a new cache with "
+                             f"KVCache.empty() for a new batch")
+        if self.keys.dtype != keys.dtype or self.keys.device != keys.device:
+            raise ValueError(f"new keys are {keys.dtype} on {keys.device} but the cache holds "
+                             f"{self.keys.dtype} on {self.keys.device}: decode in one dtype/device")
 
     @staticmethod
     def _new_lengths(lengths, batch: int, new: int, device) -> torch.Tensor:
+        """``lengths`` (ints ``[B]``, a tensor or a list) as a long tensor on ``device``, or
+        ``new`` for every sequence when ``None``."""
         if lengths is None:
             return torch.full((batch,), new, dtype=torch.long, device=device)
-        lengths = torch.as_tensor(lengths, device=device)
-        if lengths.dtype.is_floating_point or lengths.shape != (batch,):
+        given = lengths
+        try:
+            lengths = torch.as_tensor(lengths, device=device)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"lengths must be integers [B] = [{batch}] (real new positions per "
+                            f"sequence), a tensor or a list, got {type(given).__name__} "
+                            f"{given!r:.60}") from None
+        if lengths.dtype == torch.bool:
+            raise TypeError(f"lengths must be integers [B] = [{batch}] (real new positions per "
+                            f"sequence), got torch.bool {tuple(lengths.shape)}: for a [B, t] mask "
+                            f"of real positions pass its counts, real.sum(-1)")
+        if lengths.is_floating_point() or lengths.is_complex():
+            raise TypeError(f"lengths must be integers [B] = [{batch}] (real new positions per "
+                            f"sequence), got {lengths.dtype} {tuple(lengths.shape)}: convert with "
+                            f"lengths.long()")
+        if lengths.shape != (batch,):
             raise ValueError(f"lengths must be integers [B] = [{batch}] (real new positions per "
                              f"sequence), got {lengths.dtype} {tuple(lengths.shape)}")
         if bool(((lengths < 0) | (lengths > new)).any()):

@@ -1,0 +1,150 @@
+"""KVCache branching (beam search, speculative decoding): extending one cache several times.
+
+Every cache :meth:`KVCache.append` gives out keeps its own keys and values however its parent,
+its siblings and its descendants are extended later. Expected contents are built here
+independently, per sequence, by concatenating the real rows each append contributed; a
+cache's padded positions (past ``lengths[b]``) hold no promise and are not compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+
+from attnkit.nn import KVCache
+
+BATCH, HEADS, DK, DV = 3, 2, 4, 3
+
+
+@dataclass
+class Expected:
+    """What a cache must hold: per sequence b, ``keys[b] [Hkv, n_b, Dk]``, ``values[b]
+    [Hkv, n_b, Dv]``, and whether it has per-sequence lengths."""
+
+    keys: list
+    values: list
+    ragged: bool
+
+    @classmethod
+    def empty(cls) -> "Expected":
+        return cls([torch.zeros(HEADS, 0, DK)] * BATCH, [torch.zeros(HEADS, 0, DV)] * BATCH, False)
+
+    def extended(self, keys: torch.Tensor, values: torch.Tensor,
+                 lengths: Optional[list]) -> "Expected":
+        new = [keys.shape[2] if lengths is None else n for n in (lengths or [None] * BATCH)]
+        return Expected([torch.cat([self.keys[b], keys[b, :, :new[b]]], 1) for b in range(BATCH)],
+                        [torch.cat([self.values[b], values[b, :, :new[b]]], 1) for b in range(BATCH)],
+                        self.ragged or lengths is not None)
+
+    @property
+    def sizes(self) -> list:
+        return [k.shape[1] for k in self.keys]
+
+
+def _check(cache: KVCache, expected: Expected, name: str) -> None:
+    sizes = expected.sizes
+    assert cache.length == max(sizes), name
+    if expected.ragged:
+        assert cache.lengths.tolist() == sizes, name
+    else:
+        assert cache.lengths is None, name
+    for b, n in enumerate(sizes):
+        assert torch.equal(cache.keys[b, :, :n], expected.keys[b]), f"{name}: keys of sequence {b}"
+        assert torch.equal(cache.values[b, :, :n], expected.values[b]), f"{name}: values of sequence {b}"
+
+
+class Tree:
+    """Caches and what each must hold; new steps draw distinct random keys and values."""
+
+    def __init__(self):
+        self.gen = torch.Generator().manual_seed(0)
+        self.nodes: list[tuple[str, KVCache, Expected]] = []
+
+    def append(self, name: str, parent: tuple, t: int, lengths: Optional[list]) -> tuple:
+        _, cache, expected = parent
+        keys = torch.randn(BATCH, HEADS, t, DK, generator=self.gen)
+        values = torch.randn(BATCH, HEADS, t, DV, generator=self.gen)
+        node = (name, cache.append(keys, values, None if lengths is None else torch.tensor(lengths)),
+                expected.extended(keys, values, lengths))
+        self.nodes.append(node)
+        return node
+
+    def check(self) -> None:
+        for name, cache, expected in self.nodes:
+            if cache.length:
+                _check(cache, expected, name)
+
+
+CHAINS = {  # (t, lengths or None) per append, from an empty cache
+    "ragged": [(6, [6, 2, 4]), (2, [0, 2, 1]), (1, [1, 1, 0]), (3, [0, 3, 2]), (1, [0, 0, 1])],
+    "full": [(4, None), (1, None), (2, None), (1, None)],
+    "mixed": [(4, None), (2, [0, 2, 1]), (1, None), (3, [0, 3, 2]), (1, [1, 0, 0])],
+}
+
+
+def _children(sizes: list, mode: str) -> list:
+    """Pairs of appends to branch with: ragged ones where the longest sequence does not grow
+    (the others write inside the parent's length) and ones where all grow; full ones; and,
+    mixing, one of each in both orders."""
+    longest = max(sizes)
+    shorter = [[0 if n == longest else grow for n in sizes] for grow in (1, 2)]
+    pairs = {"ragged": [(2, shorter[0], 2, shorter[1]), (2, [1, 2, 1], 2, [2, 1, 2])],
+             "full": [(1, None, 2, None)],
+             "mixed": [(2, shorter[0], 1, None), (1, None, 2, shorter[1])]}
+    return pairs[mode]
+
+
+@pytest.mark.parametrize("mode", list(CHAINS))
+def test_branching_at_every_cache_of_a_chain_keeps_every_cache(mode):
+    """For each cache of a decoding chain (ragged, full or mixed appends), two appends with
+    different keys and lengths, then one more on each child: every cache ever given out (the
+    chain, the parent, both children, the grandchildren) still holds exactly its own keys and
+    values. The chain itself writes in place into one buffer; the first child of the chain's
+    last cache does too, and the second child gets its own."""
+    for parent_index in range(len(CHAINS[mode]) + 1):
+        for t_a, lengths_a, t_b, lengths_b in _children_for(mode, parent_index):
+            tree = Tree()
+            node = ("empty", KVCache.empty(capacity=64), Expected.empty())
+            chain = [node]
+            for step, (t, lengths) in enumerate(CHAINS[mode]):
+                node = tree.append(f"chain[{step + 1}]", node, t, lengths)
+                chain.append(node)
+            assert len({id(c._store) for _, c, _ in chain[1:]}) == 1  # in place all along
+            parent = chain[parent_index]
+            where = f"{mode}, branch at chain[{parent_index}] with {lengths_a} then {lengths_b}"
+            a = tree.append(f"{where}: first child", parent, t_a, lengths_a)
+            b = tree.append(f"{where}: second child", parent, t_b, lengths_b)
+            tree.check()
+            assert b[1]._store is not a[1]._store
+            if parent is chain[-1]:
+                assert a[1]._store is parent[1]._store  # the latest cache extends in place
+            tree.append(f"{where}: first grandchild", a, 1, None if lengths_a is None else [1, 0, 1])
+            tree.append(f"{where}: second grandchild", b, 2, None if lengths_b is None else [0, 2, 1])
+            tree.check()
+            if parent_index:
+                _check(parent[1], parent[2], f"{where}: parent")
+
+
+def _children_for(mode: str, parent_index: int) -> list:
+    """:func:`_children` for the cache after the first ``parent_index`` appends of the chain."""
+    sizes = [0] * BATCH
+    for t, lengths in CHAINS[mode][:parent_index]:
+        sizes = [n + (t if lengths is None else grow) for n, grow in zip(sizes, lengths or sizes)]
+    return _children(sizes, mode)
+
+
+def test_branches_of_a_ragged_cache_where_only_short_sequences_grow():
+    """The smallest branching case: sequence 0 is the longest and stays so, sequence 1 grows
+    by one in both branches, into the same slot of the shared buffer."""
+    parent = KVCache.empty().append(torch.zeros(2, 1, 5, 2), torch.zeros(2, 1, 5, 2),
+                                    lengths=torch.tensor([5, 3]))
+    left = parent.append(torch.ones(2, 1, 1, 2), torch.ones(2, 1, 1, 2), lengths=torch.tensor([0, 1]))
+    right = parent.append(torch.full((2, 1, 1, 2), 2.0), torch.full((2, 1, 1, 2), 2.0),
+                          lengths=torch.tensor([0, 1]))
+    assert left.lengths.tolist() == right.lengths.tolist() == [5, 4]
+    assert bool((left.keys[1, 0, 3] == 1).all()) and bool((left.values[1, 0, 3] == 1).all())
+    assert bool((right.keys[1, 0, 3] == 2).all()) and bool((right.values[1, 0, 3] == 2).all())
+    assert parent.lengths.tolist() == [5, 3] and bool((parent.keys[:, :, :3] == 0).all())
