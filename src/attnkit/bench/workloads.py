@@ -173,7 +173,7 @@ class Workload:
 
 
 def standard_workloads() -> list[Workload]:
-    """The workloads of issue 3: dense and causal at B1 H8 N2048 D64; sliding window 512,
+    """The standard workloads: dense and causal at B1 H8 N2048 D64; sliding window 512,
     packed causal documents of 512, and causal with 3/4 of the sequence real (padding), each at
     B1 H4 N8192 D64; all fp32."""
     n = 8192

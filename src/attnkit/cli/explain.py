@@ -1,9 +1,8 @@
 """``attnkit explain``: the reference computation, step by step, on small matrices.
 
-With no inputs it runs Example 2 of seed document 004 (Q = K = V = [[1,0],[2,0],[3,0]],
-d_k = 2, causal) and compares the seed's printed numbers with the computed ones: the seed's
-row 2 (A[2] = [0.063, 0.262, 0.675], O[2] = [2.612, 0]) is wrong; the computed values are
-softmax([2.121, 4.243, 6.364]) ≈ [0.0127, 0.1057, 0.8816] and O[2] ≈ [2.869, 0].
+With no inputs it runs a classic 3-token example of causal self-attention: Q = K = V =
+[[1,0],[2,0],[3,0]], d_k = 2, scale 1/√2. Its last row is softmax([2.121, 4.243, 6.364]) ≈
+[0.0127, 0.1057, 0.8816], so O[2] ≈ [2.869, 0].
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -26,37 +25,11 @@ from ..modifiers import alibi, softcap
 from ._common import (UsageError, agg_figure, check_output, fmt_number, matrix_table,
                       save_figure)
 
-HELP = "print the attention computation step by step (default: seed 004's causal example)"
+HELP = ("print the attention computation step by step (default: a 3-token causal example, "
+        "Q = K = V = [[1,0],[2,0],[3,0]])")
 
 EXAMPLE_QKV = [[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]]
-"""Seed 004, Example 2: Q = K = V (3 positions, d_k = 2), causal mask, scale 1/√2."""
-
-SEED_PRINTED = {
-    "S (scaled scores)": [[0.707, 1.414, 2.121], [1.414, 2.828, 4.243], [2.121, 4.243, 6.364]],
-    "A[0]": [1.0, 0.0, 0.0],
-    "A[1]": [0.196, 0.804, 0.0],
-    "A[2]": [0.063, 0.262, 0.675],
-    "O[0]": [1.0, 0.0],
-    "O[1]": [1.804, 0.0],
-    "O[2]": [2.612, 0.0],
-}
-"""The values seed document 004 prints for Example 2 (3 decimals), checked against the computation."""
-
-SEED_TOLERANCE = 0.005
-"""A printed 3-decimal value differing from the computed one by more than this is flagged."""
-
-
-class SeedDifference(NamedTuple):
-    """One printed quantity of the seed example next to its computed value."""
-
-    name: str
-    printed: list
-    computed: list
-    max_abs_diff: float
-
-    @property
-    def wrong(self) -> bool:
-        return self.max_abs_diff > SEED_TOLERANCE
+"""The built-in example: Q = K = V (3 positions, d_k = 2), causal mask, scale 1/√2."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,16 +106,16 @@ def parse_matrix(text: str) -> torch.Tensor:
 
 def build_inputs(q=None, k=None, v=None, *, causal_mask: Optional[bool] = None,
                  scale: Optional[float] = None, softcap_at: Optional[float] = None,
-                 alibi_slope: Optional[float] = None) -> tuple[Inputs, bool]:
-    """Validated inputs for explain, and whether they are exactly seed 004's Example 2.
+                 alibi_slope: Optional[float] = None) -> Inputs:
+    """Validated inputs for explain.
 
-    ``q``/``k``/``v`` are tensors or ``None``: all ``None`` means the built-in example (causal
-    unless ``causal_mask=False``); ``k`` defaults to ``q`` and ``v`` to ``k`` (self-attention).
-    ``softcap_at`` / ``alibi_slope``: score modifiers (:func:`attnkit.softcap`,
-    :func:`attnkit.alibi` with one slope for the one head).
+    ``q``/``k``/``v`` are tensors ``[T, D]`` or ``None``: all ``None`` means the built-in
+    example :data:`EXAMPLE_QKV` (causal unless ``causal_mask=False``); ``k`` defaults to ``q``
+    and ``v`` to ``k`` (self-attention). ``softcap_at`` / ``alibi_slope``: score modifiers
+    (:func:`attnkit.softcap`, :func:`attnkit.alibi` with one slope for the one head). Raises
+    ``ValueError`` for a non-finite ALiBi slope and for whatever ``inputs.validate`` refuses.
     """
-    use_example = q is None and k is None and v is None
-    if use_example:
+    if q is None and k is None and v is None:
         q = torch.tensor(EXAMPLE_QKV, dtype=torch.float64)  # [3, 2]
         k, v = q.clone(), q.clone()
         causal_mask = True if causal_mask is None else causal_mask
@@ -154,30 +127,37 @@ def build_inputs(q=None, k=None, v=None, *, causal_mask: Optional[bool] = None,
     if softcap_at is not None:
         parts.append(softcap(softcap_at))
     if alibi_slope is not None:
+        if not math.isfinite(alibi_slope):
+            raise ValueError(f"--alibi {alibi_slope:g}: the ALiBi slope must be a finite number "
+                             f"(the bias added to score (i, j) is slope·(j − i)), e.g. --alibi 0.5")
         parts.append(alibi(torch.tensor([alibi_slope], dtype=torch.float64)))
     mask = None
     for part in parts:
         mask = part if mask is None else mask & part
-    inputs = validate(q, k, v, mask, scale=scale)
-    example = torch.tensor(EXAMPLE_QKV, dtype=torch.float64)
-    is_seed_example = (bool(causal_mask) and len(parts) == 1 and all(t.shape == example.shape and torch.equal(t, example)
-                                                 for t in (q.double(), k.double(), v.double()))
-                       and math.isclose(inputs.scale, 1 / math.sqrt(2), rel_tol=1e-12))
-    return inputs, is_seed_example
+    return validate(q, k, v, mask, scale=scale)
 
 
-def seed_differences(result: Steps) -> list[SeedDifference]:
-    """Compare seed 004's printed Example 2 values with the computed ``result`` (of that example)."""
-    computed = {"S (scaled scores)": result.scaled[0, 0]}  # [3, 3]
-    for i in range(3):
-        computed[f"A[{i}]"] = result.weights[0, 0, i]  # [3]
-        computed[f"O[{i}]"] = result.out[0, 0, i]  # [2]
-    rows = []
-    for name, printed in SEED_PRINTED.items():
-        value = computed[name]
-        diff = (value - torch.tensor(printed, dtype=torch.float64)).abs().max().item()
-        rows.append(SeedDifference(name, printed, value.tolist(), diff))
-    return rows
+def describe_example(inputs: Inputs) -> str:
+    """One line showing the built-in example's inputs and what applies to them (mask, scale,
+    score modifiers)."""
+    parts = ["Q = K = V = [[1,0],[2,0],[3,0]] (3 positions, d_k = 2)"]
+    parts.append("causal mask" if inputs.mask is not None else "no mask")
+    if not math.isclose(inputs.scale, 1 / math.sqrt(2), rel_tol=1e-12):
+        parts.append(f"scale {inputs.scale:g}")
+    if inputs.modifiers is not None and inputs.modifiers.changes_scores:
+        parts.append(_modifier_names(inputs.modifiers, 0))
+    return ", ".join(parts) + "; computed by the float64 reference backend"
+
+
+def _modifier_names(modifiers, head: int) -> str:
+    """The score modifiers explain builds, with their values for query head ``head``:
+    e.g. ``softcap 2, ALiBi slope 0.5``."""
+    names = []
+    if modifiers.softcap is not None:
+        names.append(f"softcap {modifiers.softcap.cap:g}")
+    for part in modifiers.alibi:
+        names.append(f"ALiBi slope {part.slopes.flatten()[head].item():g}")
+    return ", ".join(names)
 
 
 def plot_weights(weights: torch.Tensor, allowed: Optional[torch.Tensor], path, *,
@@ -250,7 +230,7 @@ def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
 
     modifiers = inputs.modifiers
     if modifiers is not None and modifiers.changes_scores:
-        console.rule("[bold]" + escape(f"3b. Modified  ({modifiers!r})"))
+        console.rule("[bold]" + escape(f"3b. Modified  ({_modifier_names(modifiers, h)})"))
         steps_text = []
         if modifiers.softcap is not None:
             cap = modifiers.softcap.cap
@@ -292,40 +272,6 @@ def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
     say("  " + "   ".join(f"LSE[{i}] = {fmt_number(x)}" for i, x in enumerate(lse.tolist())))
 
 
-def _show(values, digits: Optional[int] = None) -> str:
-    """A (nested) list of numbers as text: ``digits`` decimals, or as given (``:g``) when None."""
-    if isinstance(values, list):
-        return "[" + ", ".join(_show(v, digits) for v in values) + "]"
-    return f"{values:g}" if digits is None else fmt_number(values, digits)
-
-
-def _print_seed_note(console, result: Steps) -> list[SeedDifference]:
-    """Table of the seed's printed Example 2 values against the computed ones, and a note."""
-    from rich.table import Table
-
-    rows = seed_differences(result)
-    console.rule("[bold]Seed document 004, Example 2: printed vs computed")
-    table = Table(show_edge=False, pad_edge=False)
-    for column in ("quantity", "seed printed", "computed", "max |diff|", "verdict"):
-        table.add_column(column)
-    for row in rows:
-        verdict = "[red]DIFFERS (seed is wrong)" if row.wrong else "[green]agrees"
-        table.add_row(escape(row.name), _show(row.printed), _show(row.computed, 4),
-                      f"{row.max_abs_diff:.4f}", verdict)
-    console.print(table)
-    wrong = [row for row in rows if row.wrong]
-    if not wrong:
-        console.print("The seed's printed values agree with the computation.")
-        return rows
-    console.print(escape(f"Note: the seed's printed {', '.join(r.name for r in wrong)} differ from "
-                         f"the computed values by more than {SEED_TOLERANCE} (the slack of 3-decimal "
-                         f"rounding); the computed values above are the correct ones."))
-    for row in wrong:
-        console.print(escape(f"  {row.name}: seed prints {_show(row.printed)}, computed "
-                             f"{_show(row.computed, 4)}"))
-    return rows
-
-
 def run(args: argparse.Namespace, console) -> int:
     tensors = {}
     for name in ("q", "k", "v"):
@@ -334,24 +280,23 @@ def run(args: argparse.Namespace, console) -> int:
         except ValueError as error:
             raise UsageError(f"--{name}: {error}") from None
     try:
-        inputs, is_seed_example = build_inputs(**tensors, causal_mask=args.causal, scale=args.scale,
-                                               softcap_at=args.softcap, alibi_slope=args.alibi)
+        inputs = build_inputs(**tensors, causal_mask=args.causal, scale=args.scale,
+                              softcap_at=args.softcap, alibi_slope=args.alibi)
     except (ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
     if args.plot:
         check_output("--plot", args.plot)
     result = steps(inputs)
-    if is_seed_example:
-        console.print("[bold]Seed document 004, Example 2[/bold]: Q = K = V = [[1,0],[2,0],[3,0]], "
-                      "d_k = 2, causal mask, computed by the float64 reference backend")
+    if all(tensor is None for tensor in tensors.values()):
+        console.print("[bold]Built-in example[/bold]: a classic 3-token example of scaled "
+                      "dot-product attention (give --q/--k/--v for your own inputs)")
+        console.print(escape(describe_example(inputs)))
     batch, heads = inputs.q.shape[:2]
     for b in range(batch):
         for h in range(heads):
             if batch * heads > 1:
                 console.rule(f"[bold magenta]batch {b}, head {h}")
             _print_head(console, result, inputs, b, h)
-    if is_seed_example:
-        _print_seed_note(console, result)
     if args.plot:
         allowed = None
         if result.allowed is not None:
