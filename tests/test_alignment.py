@@ -100,7 +100,7 @@ def padding_of(q_runs, kv_runs, tq, tk, form):
     if form == "masks":
         def real(runs, width):
             return torch.tensor([[s <= t < e for t in range(width)] for s, e in runs])
-        return ak.padding(q_mask=real(q_runs, tq), kv_mask=real(kv_runs, tk))
+        return ak.padding(q_mask=real(q_runs, tq), kv_mask=real(kv_runs, tk), allow_empty_rows=True)
     return ak.padding(q_lengths=[e - s for s, e in q_runs], kv_lengths=[e - s for s, e in kv_runs],
                       q_starts=[s for s, _ in q_runs], kv_starts=[s for s, _ in kv_runs])
 
@@ -501,7 +501,7 @@ def test_docstring_pictures_of_the_new_forms():
         "█░░░░░░\n██░░░░░\n░░░█░░░\n░░░██░░\n░░░███░")
     assert ak.documents(q_ids, kv_ids, causal="bottom_right").draw(5, 7) == (
         "██░░░░░\n███░░░░\n░░░██░░\n░░░███░\n░░░████")
-    assert repr(mask) == ("causal(align='bottom_right', sequences=padding(q_lengths=[3, 2], "
+    assert repr(mask) == ("causal('bottom_right', sequences=padding(q_lengths=[3, 2], "
                           "kv_lengths=[5, 3], kv_starts=[0, 2]))")
 
 

@@ -1,5 +1,5 @@
 """``attnkit.attention`` against an independent float64 computation, per backend, dtype, shape
-and mask; refusals, scale, dropout, and the worked examples of the seed documents."""
+and mask; refusals, scale, dropout, and classic worked examples computed by hand."""
 
 from __future__ import annotations
 
@@ -224,18 +224,18 @@ def test_dropout_mean_matches_expectation(p, gen):
     assert (deviation <= 5 * sigma).all(), f"max deviation in σ: {float((deviation / sigma).max()):.2f}"
 
 
-# ---- the worked examples of the seed documents ---------------------------------------------------
+# ---- classic worked examples, computed by hand ---------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_seed_004_example_2_causal(backend):
+def test_three_token_causal_example(backend):
     """Q = K = V = [[1,0],[2,0],[3,0]], causal, d_k = 2. Scores S = Q Kᵀ/√2:
     row 1: [√2, 2√2] = [1.41421, 2.82843]; e^1.41421 = 4.11325, e^2.82843 = 16.91883, sum 21.03208
            → A[1] = [0.19557, 0.80443, 0];  O[1] = 0.19557·1 + 0.80443·2 = 1.80443.
     row 2: [3/√2, 6/√2, 9/√2] = [2.12132, 4.24264, 6.36396]; e^… = 8.34214, 69.59138, 580.54135,
            sum 658.47487 → A[2] = [0.012669, 0.105686, 0.881645];
            O[2] = 0.012669 + 2·0.105686 + 3·0.881645 = 2.868977.
-    The seed document prints row 2 as [0.063, 0.262, 0.675] and O[2] = 2.612, which is wrong
-    (those weights are not the softmax of row 2 by any reading; see docs/NUMERICS.md)."""
+    A printed version of this example gives row 2 as [0.063, 0.262, 0.675], which is not the
+    softmax of row 2 by any reading (docs/NUMERICS.md); the test makes sure of the difference."""
     x = torch.tensor([[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]], dtype=torch.float64)
     result = ak.attention(x, x, x, mask=ak.causal(), backend=backend, return_lse=True,
                           return_weights=backend != "torch")
@@ -257,13 +257,13 @@ def test_seed_004_example_2_causal(backend):
     # 1: softmax ∝ [e^-128, e^-64, 1] = [2.57221e-56, 1.60381e-28, 1]: saturated
     (1.0, [2.57221e-56, 1.60381e-28, 1.0]),
     # √d_k = 8 → [0, 8, 16]: e^8 = 2980.958, e^16 = 8886110.52, sum 8889092.48
-    #   → [1.12497e-7, 3.35350e-4, 0.999665] (the seed prints [1.12e-7, 0.0003, 0.9997]: right)
+    #   → [1.12497e-7, 3.35350e-4, 0.999665]
     (8.0, [1.12497e-7, 3.35350e-4, 0.999665]),
     # d_k = 64 → [0, 1, 2]: e = 2.71828, e² = 7.38906, sum 11.10734 → [0.090031, 0.244728, 0.665241]
     (64.0, [0.090031, 0.244728, 0.665241]),
 ])
-def test_seed_004_example_3_softmax(divisor, expected):
-    """One query q = [1] against keys [[0], [64], [128]] gives the seed's scores exactly."""
+def test_softmax_saturation_example(divisor, expected):
+    """One query q = [1] against keys [[0], [64], [128]] gives the scores [0, 64, 128] exactly."""
     q = torch.tensor([[1.0]], dtype=torch.float64)
     k = torch.tensor([[0.0], [64.0], [128.0]], dtype=torch.float64)
     v = torch.eye(3, dtype=torch.float64)

@@ -382,7 +382,8 @@ def test_check_runs_on_eager_cpu_calls_only():
                                   lambda: ak.documents(torch.arange(8) // 3) & ak.causal(),
                                   lambda: ak.documents(torch.arange(8) // 3, causal="top_left")])
 def test_masks_made_under_inference_mode(make):
-    """Inference tensors have no version counter: what is derived from them is not cached."""
+    """Masks made from inference tensors (no version counter) give the same result as others:
+    their cache keys read the tensors' content."""
     q = torch.randn(2, 2, 8, 4)
     with torch.inference_mode():
         mask = make()

@@ -94,12 +94,12 @@ def test_padding_from_real_token_mask():
     runs = [(2, 6), (0, 3), (0, 0), (1, 5), (0, 6)]
     sp = space(batch=5, q_len=4, kv_len=6)
     for real in (torch.tensor(rows), torch.tensor(rows, dtype=torch.bool), torch.tensor(rows, dtype=torch.int8)):
-        mask = ak.padding(kv_mask=real)
+        mask = ak.padding(kv_mask=real, allow_empty_rows=True)
         assert mask.kv_starts.tolist() == [2, 0, 0, 1, 0] and mask.kv_lengths.tolist() == [4, 3, 0, 4, 6]
         assert_dense(mask, dense_runs(4, 6, None, runs, 5), sp)
     q_real = torch.tensor([[False, True, True, True], [True] * 4, [False] * 4, [True, True, False, False],
                            [False, False, False, True]])
-    both = ak.padding(q_mask=q_real, kv_mask=torch.tensor(rows))
+    both = ak.padding(q_mask=q_real, kv_mask=torch.tensor(rows), allow_empty_rows=True)
     assert_dense(both, dense_runs(4, 6, [(1, 4), (0, 4), (0, 0), (0, 2), (3, 4)], runs, 5), sp)
     assert both.check(sp) == []
     assert "kv_mask has 6 columns" in " ".join(both.check(space(batch=5, q_len=4, kv_len=7)))
@@ -149,7 +149,7 @@ def test_padding_starts_check(kwargs, words):
 
 def test_padding_starts_repr_cache_key_and_digest():
     a = ak.padding(kv_lengths=[3, 4], kv_starts=[1, 0])
-    assert repr(a) == "padding(q_lengths=None, kv_lengths=[3, 4], kv_starts=[1, 0])"
+    assert repr(a) == "padding(kv_lengths=[3, 4], kv_starts=[1, 0])"
     keep: list = []
     key = ak.masks.cache_key(a, keep)
     assert any(t is a.kv_starts for t in keep)

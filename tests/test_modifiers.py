@@ -888,4 +888,3 @@ def test_explain_shows_the_modified_scores(capsys):
     # (0, 0): tanh(1/√2) + 0.5·0; (2, 0): tanh(3/√2) + 0.5·(0 − 2)
     assert f"{math.tanh(2 ** -0.5):.4f}" == "0.6089" and "0.6089" in text
     assert f"{math.tanh(3 * 2 ** -0.5) - 1.0:.4f}" == "-0.0283" and "-0.0283" in text
-    assert "Seed document 004" not in text  # modified: no longer the seed's example

@@ -3,6 +3,8 @@ fully masked rows, huge logits, fp16 with masks, causal & padding — never NaN.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -113,6 +115,19 @@ def test_merge_two_halves_equals_whole(gen):
     assert torch.allclose(lse, whole[1], atol=1e-13, rtol=0)
     out_swapped, lse_swapped = merge(out_b, lse_b, out_a, lse_a)  # order does not matter
     assert torch.allclose(out_swapped, out, atol=1e-14) and torch.allclose(lse_swapped, lse, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_merge_keeps_the_relative_precision_of_an_outweighed_side(dtype):
+    """A side outweighed by e^70 (a sink's empty partial result (0, sink) against keys far
+    below it) keeps its relative precision: out = e^-70 · out_a, not 0 (the lerp form
+    out_a + w·(0 − out_a) rounds w to 1 and gives exactly 0)."""
+    out_a = torch.tensor([[1.0, -2.0]], dtype=dtype)
+    lse_a, lse_b = torch.tensor([0.0], dtype=dtype), torch.tensor([70.0], dtype=dtype)
+    out, lse = merge(out_a, lse_a, torch.zeros_like(out_a), lse_b)
+    expected = torch.tensor([[1.0, -2.0]], dtype=torch.float64) * math.exp(-70.0)
+    assert torch.allclose(out.double(), expected, rtol=1e-5, atol=0)
+    assert torch.allclose(lse.double(), torch.tensor([70.0], dtype=torch.float64), rtol=1e-6)
 
 
 def test_merge_with_one_side_or_both_fully_masked(gen):
@@ -319,7 +334,7 @@ def test_low_precision_with_masks_never_nan(backend, dtype, gen):
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_causal_and_padding_never_nan(backend, dtype, gen):
-    """The seed-004 pitfall: combining causal and padding masks must never give NaN — also with a
+    """A classic pitfall: combining causal and padding masks must never give NaN — also with a
     batch element of length 0 and padded queries — and must match the float64 truth."""
     batch, heads, t, d = 4, 2, 7, 8
     q, k, v = (torch.randn(batch, heads, t, d, generator=gen).to(dtype).requires_grad_() for _ in range(3))

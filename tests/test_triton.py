@@ -564,7 +564,8 @@ def test_refusals(gen, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     if not torch.cuda.is_available():
         assert "TRITON_INTERPRET=1" in triton_backend.TritonBackend().unavailable_reason()
-    assert any("CPU tensors need TRITON_INTERPRET=1 (not supported by triton)" in r
+    assert any("triton runs on CUDA GPUs" in r and "or set TRITON_INTERPRET=1 to run its kernels "
+               "on the CPU interpreter for testing (not supported by triton)" in r
                for r in _reasons(q, k, v))
 
     monkeypatch.setattr(triton_backend.importlib.util, "find_spec", lambda name: None)

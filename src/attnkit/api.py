@@ -9,8 +9,8 @@ from typing import Literal, NamedTuple, Optional, Union, overload
 import torch
 
 from . import compiled, dispatch, finite
-from .inputs import CallCache, restore, validate
-from .masks import CAUSAL, Mask, as_mask
+from .inputs import CallCache, restore, unexpected_keywords, validate
+from .masks import Mask, as_mask
 
 MaskLike = Union[Mask, torch.Tensor, None]
 
@@ -68,7 +68,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: MaskLike = None, *, scale: Optional[float] = None,
               dropout_p: float = 0.0, generator: Optional[torch.Generator] = None,
               backend: str = "auto", return_lse: bool = False, return_weights: bool = False,
-              ) -> Union[torch.Tensor, AttentionResult]:
+              **unexpected) -> Union[torch.Tensor, AttentionResult]:
     """Scaled dot-product attention ``softmax(q kᵀ · scale + mask) v``.
 
     Shapes: ``q [..., Hq, Tq, Dk]``, ``k [..., Hkv, Tk, Dk]``, ``v [..., Hkv, Tk, Dv]`` with Hq a
@@ -99,14 +99,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gradients (with ``sinks``: output 0, LSE sink_h). NaN/inf in K/V where the mask excludes
     them never reaches a row; in q or in keys a row may attend, they make that row NaN (see
     :mod:`attnkit.finite`).
+
+    Keyword arguments of torch's SDPA that attnkit spells differently (``attn_mask``,
+    ``is_causal``, ``enable_gqa``) raise ``TypeError`` with the attnkit spelling.
     """
+    if unexpected:
+        raise unexpected_keywords(attention, unexpected)
     device = q.device.type if isinstance(q, torch.Tensor) else "cpu"
     autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
     if autocast:
         q, k, v = _autocast(device, q, k, v)
     if torch.compiler.is_compiling():
         mask = as_mask(mask)
-        if mask is not None and mask.band() != CAUSAL:  # those two trace as torch's kernel
+        if not compiled.traced(q, k, v, mask, scale=scale, dropout_p=dropout_p,
+                               backend=dispatch.forced(backend), return_lse=return_lse,
+                               return_weights=return_weights):
             out, lse, weights = compiled.attention(
                 q, k, v, mask, scale=scale, dropout_p=dropout_p, backend=dispatch.forced(backend),
                 return_lse=return_lse, return_weights=return_weights)
@@ -126,11 +133,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            chosen.NAME, backend, tuple(inputs.q.shape), tuple(inputs.k.shape),
                            inputs.q.dtype, inputs.mask)
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-        result = chosen.forward(inputs)
+        result = dispatch.run(chosen, inputs)
         if finite.checked(inputs) and finite.suspect(inputs, result.out, result.lse):
             cleaned = finite.clean(inputs)
             if cleaned is not None:
-                result = chosen.forward(cleaned.inputs)
+                result = dispatch.run(chosen, cleaned.inputs)
                 result = result._replace(**{name: finite.poison(getattr(result, name), cleaned.rows)
                                             for name in ("out", "lse", "weights")})
     if inputs.modifiers is not None and inputs.modifiers.sinks is not None:

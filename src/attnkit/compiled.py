@@ -3,9 +3,11 @@
 Masks are Python objects whose block maps, lengths and ranges are read from tensor values
 (``int(t.max())``, block lists built on the host): what a backend does is data-dependent, so
 tracing into it breaks the graph. Inside a compiled region :func:`attention` therefore lowers
-the mask to a *spec* (a string naming its classes and constant parameters) plus its tensors,
-and calls the custom operator ``attnkit::attention``, which rebuilds the mask and runs the
-eager :func:`attnkit.attention` on real tensors; ``attnkit::attention_backward`` gives the
+the mask to a *spec* (a string naming its classes, fields and constant parameters such as
+alignments) plus its tensors and its numbers (window sizes, caps: a float64 tensor, so a
+function compiled once takes masks with other numbers as data, and dynamo's recompile for a
+changed number is symbolic), and calls the custom operator ``attnkit::attention``, which
+rebuilds the mask and runs the eager :func:`attnkit.attention` on real tensors; ``attnkit::attention_backward`` gives the
 gradients from the saved output and LSE through a backend's own backward (``tiled`` or
 ``triton``: no recomputed forward, O(T) memory), score modifiers (softcap, ALiBi, T5 relative
 biases) included, with the gradients of their slopes and tables. Sinks stay outside the
@@ -14,7 +16,9 @@ runs in the graph, so autograd differentiates it.
 Fake-tensor implementations give the output shapes, so the graph around the call compiles in
 one piece, forward and backward.
 
-No mask and top-left causal are traced directly (torch's fused kernel is inlined there).
+No mask and top-left causal are traced directly when they run on a backend made of torch
+operations alone (torch's fused kernel, the reference's math: :func:`traced`); on tiled or
+triton, which plan on the host, they run as the operator too.
 """
 
 from __future__ import annotations
@@ -27,36 +31,48 @@ from typing import Optional, Sequence
 
 import torch
 
-from .masks import MASK_TYPES, Mask, MaskSpace, dense
+from .masks import CAUSAL, MASK_TYPES, Mask, MaskSpace, dense
 from .modifiers import Sinks
 
+TRACED_BACKENDS = ("torch", "reference")
+"""Backends whose forward is torch operations alone, which a compiled graph traces as they run
+eagerly; the others (tiled, triton) plan on the host from the mask's values and caches."""
 
-def _encode(value, tensors: list, space: MaskSpace):
-    """One mask attribute as a literal: tensors become their index in ``tensors``; a
+_NUMBERS = (int, float, torch.SymInt, torch.SymFloat)
+
+
+def _encode(value, tensors: list, numbers: list, space: MaskSpace):
+    """One mask attribute as a literal: tensors become their index in ``tensors``, numbers
+    (ints and floats, symbolic ones included) their index in ``numbers`` with their type; a
     ``from_function`` mask (a Python callable, which a string cannot name) becomes the dense
     mask it evaluates to over ``space``, computed in the graph."""
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return ("T", len(tensors) - 1)
+    if isinstance(value, _NUMBERS) and not isinstance(value, bool):
+        numbers.append(value)
+        return ("N", len(numbers) - 1, isinstance(value, (int, torch.SymInt)))
     if isinstance(value, Mask) and value.runs_code:
         value = dense(value.tile(torch.arange(space.q_len, device=space.device),
                                  torch.arange(space.kv_len, device=space.device), space))
     if isinstance(value, Mask):
         fields = value.__dict__
-        return ("M", type(value).__name__,
-                tuple((name, _encode(fields[name], tensors, space)) for name in sorted(fields)))
+        return ("M", type(value).__name__, tuple(
+            (name, _encode(fields[name], tensors, numbers, space)) for name in sorted(fields)))
     if isinstance(value, tuple):
-        return ("S", tuple(_encode(item, tensors, space) for item in value))
+        return ("S", tuple(_encode(item, tensors, numbers, space) for item in value))
     return ("C", value)
 
 
-def flatten(mask: Mask, space: MaskSpace) -> tuple[str, list[torch.Tensor]]:
-    """``mask`` as ``(spec, tensors)``: the spec names every class and constant parameter (a
-    string, constant for a compiled graph), the tensors are its lengths, ids, biases...;
+def flatten(mask: Optional[Mask], space: MaskSpace) -> tuple[str, list[torch.Tensor], list]:
+    """``mask`` as ``(spec, tensors, numbers)``: the spec names every class, field and constant
+    parameter (a string, constant for a compiled graph), the tensors are its lengths, ids,
+    biases..., the numbers its window sizes, caps... (Python or symbolic ints and floats);
     :func:`unflatten` rebuilds an equal mask from them. ``space``: the call's extent (for
     ``from_function`` masks)."""
     tensors: list[torch.Tensor] = []
-    return repr(_encode(mask, tensors, space)), tensors
+    numbers: list = []
+    return repr(_encode(mask, tensors, numbers, space)), tensors, numbers
 
 
 @functools.lru_cache(maxsize=256)
@@ -64,13 +80,18 @@ def _parse(spec: str):
     return ast.literal_eval(spec)
 
 
-def unflatten(spec: str, tensors: Sequence[torch.Tensor]) -> Mask:
-    """The mask :func:`flatten` described, holding ``tensors``."""
+def unflatten(spec: str, tensors: Sequence[torch.Tensor], numbers: Sequence[float] = ()
+              ) -> Optional[Mask]:
+    """The mask :func:`flatten` described, holding ``tensors`` and ``numbers`` (ints where the
+    mask had ints)."""
 
     def build(node):
         kind = node[0]
         if kind == "T":
             return tensors[node[1]]
+        if kind == "N":
+            value = numbers[node[1]]
+            return int(value) if node[2] else float(value)
         if kind == "M":
             mask = object.__new__(MASK_TYPES[node[1]])
             mask.__dict__.update((name, build(value)) for name, value in node[2])
@@ -104,11 +125,12 @@ def _engine(q, k, v, mask: Mask, scale: Optional[float], backend: str, need_weig
 
 @torch.library.custom_op("attnkit::attention", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
-                spec: str, scale: Optional[float], backend: str, need_weights: bool,
-                need_lse: bool, trainable: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                numbers: torch.Tensor, spec: str, scale: Optional[float], backend: str,
+                need_weights: bool, need_lse: bool, trainable: bool,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .api import attention as eager
 
-    mask = unflatten(spec, tensors)
+    mask = unflatten(spec, tensors, numbers.tolist())
     if trainable:
         backend = _engine(q, k, v, mask, scale, backend, need_weights)[1].NAME
     result = eager(q, k, v, mask, scale=scale, backend=backend, return_lse=True,
@@ -118,7 +140,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list
 
 
 @_forward_op.register_fake
-def _(q, k, v, tensors, spec, scale, backend, need_weights, need_lse, trainable):
+def _(q, k, v, tensors, numbers, spec, scale, backend, need_weights, need_lse, trainable):
     rows = q.shape[:-1]
     weights = q.new_empty((*rows, k.shape[-2])) if need_weights else q.new_empty(0)
     return (q.new_empty((*rows, v.shape[-1])), q.new_empty(rows, dtype=_lse_dtype(q)), weights)
@@ -128,13 +150,14 @@ def _(q, k, v, tensors, spec, scale, backend, need_weights, need_lse, trainable)
 def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
                  dweights: Optional[torch.Tensor], q: torch.Tensor,
                  k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 tensors: list[torch.Tensor], wanted: list[bool], spec: str,
-                 scale: Optional[float], backend: str, need_weights: bool) -> list[torch.Tensor]:
+                 tensors: list[torch.Tensor], wanted: list[bool], numbers: torch.Tensor,
+                 spec: str, scale: Optional[float], backend: str, need_weights: bool,
+                 ) -> list[torch.Tensor]:
     if dweights is not None and bool(dweights.any()):
         raise RuntimeError("attnkit under torch.compile: the attention weights returned by "
                            "return_weights=True are not differentiable there; differentiate "
                            "out/lse, or run eagerly")
-    mask = unflatten(spec, tensors)
+    mask = unflatten(spec, tensors, numbers.tolist())
     inputs, chosen = _engine(q, k, v, mask, scale, backend, need_weights)
     rows = inputs.q.shape[:3]
     wanted_by_id = {id(t): want for t, want in zip(tensors, wanted)}
@@ -162,13 +185,14 @@ def _like(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 @_backward_op.register_fake
-def _(dout, dlse, dweights, q, k, v, out, lse, tensors, wanted, spec, scale, backend, need_weights):
+def _(dout, dlse, dweights, q, k, v, out, lse, tensors, wanted, numbers, spec, scale, backend,
+      need_weights):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             *(torch.empty_like(t) if want else t.new_empty(0) for t, want in zip(tensors, wanted))]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, tensors, spec, scale, backend, need_weights, need_lse, _ = inputs
+    q, k, v, tensors, numbers, spec, scale, backend, need_weights, need_lse, _ = inputs
     out, lse, weights = output
     # An LSE or weights the caller did not ask for get no gradient (None, not zeros: the tiled
     # backward then takes the fused kernel).
@@ -177,32 +201,51 @@ def _setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(lse)
     if not need_weights:
         ctx.mark_non_differentiable(weights)
-    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.save_for_backward(q, k, v, out, lse, numbers, *tensors)
     ctx.wanted = [t.requires_grad and t.is_floating_point() for t in tensors]
     ctx.options = (spec, scale, backend, need_weights)
 
 
 def _backward(ctx, dout, dlse, dweights):
-    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    q, k, v, out, lse, numbers, *tensors = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv, *extra = _backward_op(dout, dlse, dweights, q, k, v, out, lse, tensors,
-                                      ctx.wanted, *ctx.options)
+                                      ctx.wanted, numbers, *ctx.options)
     dtensors = [d if want else None for d, want in zip(extra, ctx.wanted)]
-    return dq, dk, dv, dtensors, None, None, None, None, None, None
+    return dq, dk, dv, dtensors, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("attnkit::attention", _backward, setup_context=_setup_context)
 
 
-def attention(q, k, v, mask: Mask, *, scale, dropout_p, backend, return_lse, return_weights):
-    """:func:`attnkit.attention` inside a compiled region, for a structured ``mask``: the same
-    results, through the ``attnkit::attention`` operator (see the module docstring)."""
+def traced(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, return_lse,
+           return_weights) -> bool:
+    """Whether :func:`attnkit.attention` inside a compiled region traces its eager code (shapes
+    as for it): no mask or top-left causal masking, on a backend in :data:`TRACED_BACKENDS`
+    (``auto`` picks torch's fused kernel there). Every other call runs as the
+    ``attnkit::attention`` operator (:func:`attention`)."""
+    from .dispatch import select
+    from .inputs import validate
+
+    if mask is not None and mask.band() != CAUSAL:
+        return False
+    inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, need_weights=return_weights,
+                      need_lse=return_lse)
+    return select(inputs, backend).NAME in TRACED_BACKENDS
+
+
+def attention(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, return_lse,
+              return_weights):
+    """:func:`attnkit.attention` inside a compiled region, for a call that does not trace
+    (:func:`traced`): the same results, through the ``attnkit::attention`` operator (see the
+    module docstring)."""
     if dropout_p > 0:
         raise ValueError(f"attnkit under torch.compile: dropout_p={dropout_p} with mask {mask!r} "
-                         f"is not supported inside a compiled region; apply dropout to the "
-                         f"output instead, or call attention outside torch.compile")
-    code = [leaf for leaf in mask.leaves() if leaf.modifies
+                         f"on backend {backend!r} is not supported inside a compiled region; "
+                         f"apply dropout to the output instead, or call attention outside "
+                         f"torch.compile")
+    code = [leaf for leaf in ([] if mask is None else mask.leaves()) if leaf.modifies
             and (leaf.kind == "score_function" or getattr(leaf, "buckets", None) is not None)]
     if code:
         raise ValueError(f"attnkit under torch.compile: {', '.join(map(repr, code))} in mask "
@@ -214,11 +257,14 @@ def attention(q, k, v, mask: Mask, *, scale, dropout_p, backend, return_lse, ret
     batch = 1 if q.dim() == 2 else rows[0] if q.dim() == 3 else math.prod(rows[:-1])
     heads = 1 if q.dim() < 4 else rows[-1]
     space = MaskSpace(batch, heads, q.shape[-2], k.shape[-2], q.device)
-    mask, sinks = _without_sinks(mask, space)
-    spec, tensors = flatten(mask, space)
+    mask, sinks = (None, None) if mask is None else _without_sinks(mask, space)
+    spec, tensors, numbers = flatten(mask, space)
     trainable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))
-    out, lse, weights = _forward_op(q, k, v, tensors, spec, scale, backend, bool(return_weights),
-                                    bool(return_lse or sinks is not None), trainable)
+    # on the host as data: a changed window or cap is a new value, not a new spec
+    numbers = torch.tensor(numbers, dtype=torch.float64)
+    out, lse, weights = _forward_op(q, k, v, tensors, numbers, spec, scale, backend,
+                                    bool(return_weights), bool(return_lse or sinks is not None),
+                                    trainable)
     if sinks is not None:  # in the graph: autograd differentiates it, logits included
         joined = sinks.join(out.reshape(batch, heads, *out.shape[-2:]),
                             lse.reshape(batch, heads, -1),

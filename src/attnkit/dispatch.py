@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .backends.base import Backend
+from .backends.base import Backend, BackendOutput, empty_output
 from .backends.reference import ReferenceBackend
 from .backends.tiled import TiledBackend
 from .backends.torch_sdpa import TorchBackend
@@ -139,6 +139,21 @@ def select(inputs: Inputs, backend: str) -> Backend:
         return BACKENDS[picked.backend]
     detail = "\n".join(f"  {name}: " + "; ".join(r) for name, r in picked.reasons.items())
     raise ValueError(f"no backend can run these inputs:\n{detail}\nInputs:\n{inputs.describe()}")
+
+
+def is_empty(inputs: Inputs) -> bool:
+    """Whether the call has nothing to compute: B, Tq or Tk is 0 (validation keeps H and the
+    head dims at least 1)."""
+    return inputs.q.shape[0] == 0 or inputs.q.shape[2] == 0 or inputs.k.shape[2] == 0
+
+
+def run(chosen: Backend, inputs: Inputs) -> BackendOutput:
+    """``chosen.forward(inputs)``; for an empty call (:func:`is_empty`) its known result
+    instead (:func:`~attnkit.backends.base.empty_output`: zeros, LSE −inf, zero gradients),
+    the same on every backend, since kernels, plans and masks have nothing to tile there.
+    ``chosen`` has accepted the call (:func:`select`): its refusals hold for empty calls as
+    for any other."""
+    return empty_output(inputs) if is_empty(inputs) else chosen.forward(inputs)
 
 
 def select_with_backward(inputs: Inputs, backend: str) -> Optional[Backend]:

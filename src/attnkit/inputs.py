@@ -8,6 +8,7 @@ see :class:`Inputs`; ``restore`` puts results back into the caller's shape.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 from collections import OrderedDict
@@ -105,6 +106,50 @@ class LazyText:
         return self.make()
 
 
+TORCH_KEYWORDS = {
+    "attn_mask": "pass the tensor as `mask=attn_mask` (bool: True = may attend, as in torch; "
+                 "float: added to the scores)",
+    "is_causal": "use `mask=ak.causal()` for is_causal=True (top-left aligned, as in torch; "
+                 "combine it with another mask by `&`)",
+    "enable_gqa": "GQA is automatic (no enable_gqa): k and v with fewer heads than q each "
+                  "serve a group of query heads",
+}
+"""torch SDPA's keyword arguments that attnkit spells differently, with the attnkit spelling."""
+
+
+def unexpected_keywords(function: Callable, keywords: dict) -> TypeError:
+    """The error for keyword arguments that ``function`` does not take: torch SDPA's
+    (:data:`TORCH_KEYWORDS`) with their attnkit spelling, others with the keywords it takes."""
+    names = ", ".join(repr(name) for name in keywords)
+    message = (f"{function.__name__}() got unexpected keyword argument"
+               f"{'s' if len(keywords) > 1 else ''} {names}")
+    hints = [f"{name}: {TORCH_KEYWORDS[name]}" for name in keywords if name in TORCH_KEYWORDS]
+    if hints:
+        return TypeError(f"{message} (torch SDPA's); attnkit takes `mask=`:\n  "
+                         + "\n  ".join(hints))
+    accepted = [p.name for p in inspect.signature(function).parameters.values()
+                if p.kind is not p.VAR_KEYWORD]
+    return TypeError(f"{message}; it takes {', '.join(accepted)}")
+
+
+def _uncalled_mask(mask) -> str:
+    """What to say about a callable passed as the mask: an attnkit factory to call, or a
+    function to wrap."""
+    module = getattr(mask, "__module__", None)
+    name = getattr(mask, "__name__", "")
+    if module in ("attnkit.masks", "attnkit.modifiers") and not name.startswith("_"):
+        import attnkit
+        where = "ak" if getattr(attnkit, name, None) is mask else "ak." + module.split(".")[1]
+        required = any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                       for p in inspect.signature(mask).parameters.values())
+        kind = "class" if isinstance(mask, type) else "function"
+        return (f"mask is the {kind} `{where}.{name}` itself, not a mask: call it: "
+                f"`mask={where}.{name}({'...' if required else ''})`")
+    return (f"mask is a {type(mask).__name__} ({name or mask!r}), not a mask: wrap a "
+            f"mask function fn(b, h, q_idx, kv_idx) -> bool as `ak.from_function(fn)`, a score "
+            f"function fn(score, b, h, q_idx, kv_idx) -> score as `ak.score_function(fn)`")
+
+
 def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
              need_weights=False, need_lse=False) -> Inputs:
     """Check an ``attention()`` call and normalise it to ``[B, H, T, D]``; raise on bad input.
@@ -116,6 +161,12 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise TypeError(f"{name} is a nested tensor (torch.nested, {t.layout}): attention "
+                            f"takes dense tensors [..., H, T, D]; pack the sequences along T and pass "
+                            f"`mask=ak.documents(ids)` (ids [T]: the sequence of each position), "
+                            f"or pad them to one length and pass `mask=ak.padding(kv_lengths="
+                            f"lengths)` (q_lengths= too for padded queries)")
     where = LazyText(lambda: _describe(**tensors))  # built only when a message needs it
     for name, t in tensors.items():
         if t.dtype not in FLOAT_DTYPES:
@@ -161,8 +212,12 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
                              f"one head on each side. Got {where}. For inputs without heads use "
                              f"[B, T, D] or [T, D]")
         if hq % hkv:
+            # dims -3 that do not divide while dims -2 do: torch's [B, T, H, D] layout
+            slip = (f". attnkit expects `[B, H, T, D]`: if these are [B, T, H, D] (dim -2 holds "
+                    f"{q.shape[-2]} and {k.shape[-2]}), use `x.transpose(1, 2)` on q, k and v"
+                    if k.shape[-2] and q.shape[-2] % k.shape[-2] == 0 else "")
             raise ValueError(f"k has {hkv} heads but q has {hq}: the number of query heads must be "
-                             f"a multiple of key/value heads (GQA). Got {where}")
+                             f"a multiple of key/value heads (GQA). Got {where}{slip}")
     # Any other layout (transposes, stride-0 expands, slices) is read through its strides by every
     # backend; only a feature dim that is not contiguous (an unbind/chunk view of a fused QKV
     # projection, a strided slice) is copied, since the fused CPU kernels read rows as vectors.
@@ -180,6 +235,8 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
+    if callable(mask) and not isinstance(mask, (Mask, torch.Tensor)):
+        raise TypeError(_uncalled_mask(mask))
     mask, modifiers = split(as_mask(mask))
     # sinks join the finished result through its LSE (modifiers.Sinks.join): the call needs one
     need_lse = need_lse or (modifiers is not None and modifiers.sinks is not None)
@@ -216,8 +273,10 @@ LAST_QUERY_CAUSAL = Band(None, 0, "bottom_right")
 class CallCache:
     """Validated calls by signature, so a model's many identical small calls validate (and pick
     a backend) once: the tensors' shapes, strides, dtypes, devices and ``requires_grad``, grad
-    mode, the mask's :meth:`~attnkit.masks.Mask.cache_key` (tensors by identity and version;
-    score modifiers in it too, their tensors with ``requires_grad``), and every other
+    mode, the mask's :meth:`~attnkit.masks.Mask.cache_key` (tensors by identity and content,
+    so a mask whose lengths or ids were written to, in place, through ``.data`` or through
+    numpy, is validated again; score modifiers in it too, their tensors with
+    ``requires_grad``), and every other
     argument. A hit rebuilds the :class:`Inputs` from the current tensors with the remembered
     layout, mask, modifiers and choice, and skips the checks that gave the same answer
     before. Calls that cannot be keyed are never cached: masks without a cache key (``dense``,
@@ -253,7 +312,8 @@ class CallCache:
     @staticmethod
     def _signature(q, k, v, mask, options: tuple) -> tuple[Optional[tuple], list]:
         keep: list = []
-        if not all(type(t) is torch.Tensor for t in (q, k, v)) or any(map(_is_wrapped, (q, k, v))):
+        if (not all(type(t) is torch.Tensor and not t.is_nested for t in (q, k, v))
+                or any(map(_is_wrapped, (q, k, v)))):
             return None, keep
         if mask is None:
             mask_key = None

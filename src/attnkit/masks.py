@@ -23,6 +23,7 @@ True means "may attend", as in ``torch.nn.functional.scaled_dot_product_attentio
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 import weakref
@@ -30,6 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
+import numpy as np
 import torch
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -141,11 +143,12 @@ class Mask:
 
     def cache_key(self, keep: list) -> Optional[tuple]:
         """A hashable description of the mask (its kind, parameters and tensors: a tensor by
-        identity and version, so an in-place write misses), or ``None`` when it is not cached:
-        ``from_function`` (its function may read anything), and ``dense`` and ``bias`` (their
-        Tq×Tk tensors would be kept alive by a cache, and a loop that builds a new one per step
-        would pile them up). Tensors named by ``id`` are appended to ``keep``; a cache must
-        hold them, so an id cannot be reused while its entry lives."""
+        identity and content, :func:`tensor_key`, so any write to it misses), or ``None`` when
+        it is not cached: ``from_function`` (its function may read anything), and ``dense``
+        and ``bias`` (reading their Tq×Tk tensors to validate a key costs about what deriving
+        a block map from them costs, and a cache would keep them alive). Tensors named by
+        ``id`` are appended to ``keep``; a cache must hold them, so an id cannot be reused
+        while its entry lives."""
         return None
 
     def map_score_tensors(self, fn: Callable[[torch.Tensor, bool], torch.Tensor]) -> "Mask":
@@ -243,8 +246,23 @@ class Mask:
     def __invert__(self) -> "Mask":
         return _Not(self)
 
+    def _size(self) -> tuple[Optional[int], Optional[int]]:
+        """``(Tq, Tk)`` as far as the mask's tensors fix them (document ids, a dense mask, a
+        "real token" mask's width), ``None`` where they do not: :meth:`__str__` draws there."""
+        return None, None
+
     def __str__(self) -> str:
-        return self.draw(8, 8)
+        """The mask's picture (:meth:`draw`) at the size its tensors fix (a side they leave
+        open as long as the other), else 8×8; its ``repr`` when that size is over 32
+        positions or it cannot be drawn on its own."""
+        q_len, kv_len = self._size()
+        q_len, kv_len = q_len or kv_len or 8, kv_len or q_len or 8
+        if max(q_len, kv_len) > 32:
+            return repr(self)
+        try:
+            return self.draw(q_len, kv_len)
+        except (IndexError, RuntimeError, TypeError, ValueError):  # e.g. a from_function's code
+            return repr(self)
 
 
 def _counts(space: MaskSpace, q_offset: int, q_count: Optional[int], kv_offset: int,
@@ -365,7 +383,38 @@ class _Band(Mask):
         return None
 
     def __repr__(self):
-        return f"{type(self).__name__}(left={self.left}, right={self.right}, align={self.align!r})"
+        return _band_call(self.left, self.right, self.align)
+
+
+def _band_call(left: Optional[int], right: Optional[int], align: str, *extra: str) -> str:
+    """The call that builds a band: ``causal()``, ``causal('bottom_right')``,
+    ``sliding_window(128)``, ``sliding_window(UNBOUNDED, 4)``; ``extra`` arguments appended
+    (``sequences=...``)."""
+    if left is None and right == 0:
+        args = [] if align == "top_left" else [repr(align)]
+        return f"causal({', '.join(args + list(extra))})"
+    args = ["UNBOUNDED" if left is None else str(left)]
+    if right != 0:
+        args.append("UNBOUNDED" if right is None else str(right))
+    if align != "top_left":
+        args.append(f"align={align!r}")
+    return f"sliding_window({', '.join(args + list(extra))})"
+
+
+def _show(t: Optional[torch.Tensor], short: int = 8) -> str:
+    """A tensor of integers as the caller would write it: a number, a list (up to ``short``
+    entries), or its first entries and its length; ``<dtype [shape]>`` when its values cannot
+    be read (meta tensors, inside a compiled region)."""
+    if t is None:
+        return "None"
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return f"<{str(t.dtype).removeprefix('torch.')} {list(t.shape)}>"
+    if t.dim() == 0:
+        return str(t.item())
+    if t.numel() <= short:
+        return str(t.tolist())
+    head = ", ".join(str(x) for x in t.reshape(-1)[:4].tolist())
+    return f"[{head}, …] ({t.shape[0]} rows)"
 
 
 def causal(align: str = "top_left", *, sequences: Optional[Mask] = None) -> Mask:
@@ -461,11 +510,33 @@ def _lengths(name: str, value) -> Optional[torch.Tensor]:
     return t
 
 
-def _runs(name: str, value) -> tuple[torch.Tensor, torch.Tensor, int, Optional[torch.Tensor]]:
-    """A 2-D "real token" mask ``[B, T]`` (True or 1 = real) → ``(starts [B], lengths [B], T,
-    broken)``; a row without real tokens gives start 0, length 0. Each row's real tokens must
-    be one contiguous run: checked here (``broken`` is ``None``), or inside a compiled region,
-    where no value can be read, returned as ``broken [B]`` (bool) for :meth:`_Padding.check`."""
+class _Runs(NamedTuple):
+    """A 2-D "real token" mask read into runs (:func:`_runs`)."""
+
+    starts: torch.Tensor  # long [B]: each row's first real position (0 for an empty row)
+    lengths: torch.Tensor  # long [B]: each row's number of real positions
+    width: int  # T, the mask's columns
+    broken: Optional[torch.Tensor]  # bool [B], inside a compiled region: real tokens not one run
+    empty: Optional[torch.Tensor]  # bool [B], inside a compiled region: no real token (refused)
+
+
+def _one_run(m: torch.Tensor) -> torch.Tensor:
+    """Per row of a bool ``[B, T]``, whether its True entries are one non-empty run: ``[B]``."""
+    count = m.sum(-1)
+    if not m.shape[-1]:
+        return count > 0
+    positions = torch.arange(m.shape[-1], device=m.device)
+    first = torch.where(m, positions, m.shape[-1]).amin(-1)
+    last = torch.where(m, positions, -1).amax(-1)
+    return (count > 0) & (last - first + 1 == count)
+
+
+def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
+    """A 2-D "real token" mask ``[B, T]`` (True or 1 = real) → its runs (:class:`_Runs`); a
+    row without real tokens gives start 0, length 0, and is refused unless
+    ``allow_empty_rows``. Each row's real tokens must be one contiguous run. Both are checked
+    here, or, inside a compiled region, where no value can be read, returned as ``broken`` /
+    ``empty`` for :meth:`_Padding.check`."""
     side = name[:name.index("_")]
     dense_fix = ("ak.dense(mask[:, None, None, :])" if side == "kv"
                  else "ak.dense(mask[:, None, :, None])")
@@ -495,20 +566,49 @@ def _runs(name: str, value) -> tuple[torch.Tensor, torch.Tensor, int, Optional[t
     positions = torch.arange(width, device=m.device)
     first = (torch.where(m, positions, width).amin(-1) if width
              else torch.zeros(batch, dtype=torch.long, device=m.device))
-    last = (torch.where(m, positions, -1).amax(-1) if width
-            else torch.full((batch,), -1, device=m.device))
-    broken = (count > 0) & (last - first + 1 != count)
+    broken = (count > 0) & ~_one_run(m)
+    empty = None if allow_empty_rows else count == 0
     starts = torch.where(count > 0, first, 0).to(torch.long)
     if compiling:
-        return starts, count.to(torch.long), width, broken
+        return _Runs(starts, count.to(torch.long), width, broken, empty)
+    # torch's key_padding_mask (True = padding) read as a real-token mask: an unpadded row is
+    # all False, padding at both ends is True at both ends. Its inverse is one run per row, so
+    # the messages below suggest ~mask when that holds.
     if bool(broken.any()):
         rows = broken.nonzero().flatten().tolist()
         example = "".join("1" if x else "0" for x in m[rows[0]].tolist()[:40])
+        inverse = (f"; if True marks padding in this mask (torch's key_padding_mask), pass "
+                   f"{name}=~mask, whose rows are one run each" if bool(_one_run(~m).all()) else "")
         raise ValueError(f"padding {name} of shape {tuple(m.shape)}: the real tokens of rows "
-                         f"{rows[:8]}{'...' if len(rows) > 8 else ''} are not one contiguous run "
+                         f"{_rows(rows)} are not one contiguous run "
                          f"(row {rows[0]}: {example}{'...' if width > 40 else ''}); padding() "
-                         f"takes left or right padding only: use {dense_fix} for this mask")
-    return starts, count.to(torch.long), width, None
+                         f"takes left or right padding only: use {dense_fix} for this mask"
+                         f"{inverse}")
+    if empty is not None and bool(empty.any()):
+        raise ValueError(_empty_rows_message(name, empty.nonzero().flatten().tolist(),
+                                             tuple(m.shape), bool(_one_run(~m).all())))
+    return _Runs(starts, count.to(torch.long), width, None, None)
+
+
+def _rows(rows: list) -> str:
+    """Row indices for a message: at most 8, then ``...``."""
+    return f"{rows[:8]}{'...' if len(rows) > 8 else ''}"
+
+
+def _empty_rows_message(name: str, rows: list, shape: Optional[tuple], inverse_fits: bool) -> str:
+    """The error for rows of a real-token mask without a real token; ``inverse_fits``: the
+    mask's inverse is one run per row, so it may be torch's ``key_padding_mask``."""
+    noun = "key" if name.startswith("kv") else "query"
+    several = len(rows) > 1
+    effect = (f"{'their' if several else 'its'} queries would attend to nothing" if noun == "key"
+              else f"{'their' if several else 'its'} outputs would all be 0")
+    inverse = (f"; torch's key_padding_mask is the opposite (True = padding): if this is one, "
+               f"pass {name}=~mask" if inverse_fits else "")
+    return (f"padding {name}{'' if shape is None else f' of shape {shape}'}: batch "
+            f"row{'s' if several else ''} {_rows(rows)} {'have' if several else 'has'} no real "
+            f"{noun} (all False): {effect}. {name} takes True = real token (may attend), as "
+            f"Hugging Face's attention_mask{inverse}. For rows with no real {noun} on purpose, "
+            f"pass allow_empty_rows=True")
 
 
 class _Padding(Mask):
@@ -519,17 +619,22 @@ class _Padding(Mask):
     equal the sequence length."""
 
     def __init__(self, q_lengths, kv_lengths, q_starts=None, kv_starts=None, *,
-                 q_mask=None, kv_mask=None):
+                 q_mask=None, kv_mask=None, allow_empty_rows: bool = False):
         self.q_width = self.kv_width = self.q_broken = self.kv_broken = None
+        self.q_empty = self.kv_empty = None
         for side, mask, lengths, starts in (("q", q_mask, q_lengths, q_starts),
                                             ("kv", kv_mask, kv_lengths, kv_starts)):
             if mask is not None and (lengths is not None or starts is not None):
                 raise TypeError(f"padding: pass either {side}_mask or {side}_lengths/{side}_starts, "
                                 f"not both ({side}_mask already gives each row's start and length)")
+        if not isinstance(allow_empty_rows, bool):
+            raise TypeError(f"padding allow_empty_rows={allow_empty_rows!r}: pass True or False")
         if q_mask is not None:
-            q_starts, q_lengths, self.q_width, self.q_broken = _runs("q_mask", q_mask)
+            q_starts, q_lengths, self.q_width, self.q_broken, self.q_empty = _runs(
+                "q_mask", q_mask, allow_empty_rows)
         if kv_mask is not None:
-            kv_starts, kv_lengths, self.kv_width, self.kv_broken = _runs("kv_mask", kv_mask)
+            kv_starts, kv_lengths, self.kv_width, self.kv_broken, self.kv_empty = _runs(
+                "kv_mask", kv_mask, allow_empty_rows)
         self.q_lengths = _lengths("q_lengths", q_lengths)
         self.kv_lengths = _lengths("kv_lengths", kv_lengths)
         self.q_starts = _lengths("q_starts", q_starts)
@@ -549,6 +654,9 @@ class _Padding(Mask):
     def _min_batch(self):
         return max(t.numel() for t in (self.q_lengths, self.kv_lengths, self.q_starts,
                                        self.kv_starts) if t is not None)
+
+    def _size(self):
+        return self.q_width, self.kv_width
 
     def cache_key(self, keep):
         return _tensors_key(self, ("q_lengths", "kv_lengths", "q_starts", "kv_starts"), keep)
@@ -575,6 +683,11 @@ class _Padding(Mask):
                                 f"{broken.nonzero().flatten().tolist()[:8]} are not one contiguous "
                                 f"run; padding() takes left or right padding only: use ak.dense "
                                 f"for this mask")
+                continue
+            empty = getattr(self, f"{side}_empty")
+            if empty is not None and bool(empty.any()):
+                problems.append(_empty_rows_message(f"{side}_mask", empty.nonzero().flatten().tolist(),
+                                                    None, True))
                 continue
             counts_ok = True
             for name, t in ((f"{side}_lengths", lengths), (f"{side}_starts", starts)):
@@ -674,16 +787,14 @@ class _Padding(Mask):
         return None
 
     def __repr__(self):
-        def show(t):
-            return None if t is None else t.tolist()
-        parts = [f"q_lengths={show(self.q_lengths)}", f"kv_lengths={show(self.kv_lengths)}"]
-        parts += [f"{name}={show(t)}" for name, t in (("q_starts", self.q_starts),
-                                                       ("kv_starts", self.kv_starts)) if t is not None]
+        parts = [f"{name}={_show(getattr(self, name))}"
+                 for name in ("q_lengths", "kv_lengths", "q_starts", "kv_starts")
+                 if getattr(self, name) is not None]
         return f"padding({', '.join(parts)})"
 
 
 def padding(q_lengths=None, kv_lengths=None, q_starts=None, kv_starts=None, *,
-            q_mask=None, kv_mask=None) -> Mask:
+            q_mask=None, kv_mask=None, allow_empty_rows: bool = False) -> Mask:
     """Variable-length batches, padded on the right, the left or both: query ``i`` of batch
     element ``b`` is real when ``q_starts[b] ≤ i < q_starts[b] + q_lengths[b]``, key ``j`` when
     ``kv_starts[b] ≤ j < kv_starts[b] + kv_lengths[b]``. Padded keys are never attended;
@@ -699,6 +810,10 @@ def padding(q_lengths=None, kv_lengths=None, q_starts=None, kv_starts=None, *,
     integers; True = real token, as Hugging Face's ``attention_mask``), read into starts and
     lengths; a row's real tokens must be one contiguous run (any other pattern is a general
     mask: ``ak.dense(mask[:, None, None, :])``). Its width ``T`` must equal the sequence length.
+    A row with no real token (all False) is refused (ValueError naming the rows) unless
+    ``allow_empty_rows=True``: it is what torch's ``key_padding_mask`` (True = padding) gives
+    for an unpadded row, so such a mask is passed as ``~key_padding_mask``. A length of 0 is
+    always allowed: that row's queries output 0, or its keys are never attended.
 
     ``padding(kv_lengths=[3])`` on 4×5::
 
@@ -707,17 +822,19 @@ def padding(q_lengths=None, kv_lengths=None, q_starts=None, kv_starts=None, *,
         ███░░
         ███░░
     """
-    return _Padding(q_lengths, kv_lengths, q_starts, kv_starts, q_mask=q_mask, kv_mask=kv_mask)
+    return _Padding(q_lengths, kv_lengths, q_starts, kv_starts, q_mask=q_mask, kv_mask=kv_mask,
+                    allow_empty_rows=allow_empty_rows)
 
 
 def real_keys(kv_mask: torch.Tensor) -> Mask:
     """The mask of a bool "real key" tensor ``[B, Tk]`` (True = may be attended):
-    ``padding(kv_mask=...)`` when each row's real keys are one run (left or right padding: an
-    analytic block map), else ``dense(kv_mask[:, None, None, :])``; always ``dense`` inside a
-    compiled region, where the pattern cannot be read."""
+    ``padding(kv_mask=..., allow_empty_rows=True)`` when each row's real keys are one run
+    (left or right padding: an analytic block map), else ``dense(kv_mask[:, None, None, :])``;
+    always ``dense`` inside a compiled region, where the pattern cannot be read. A row without
+    real keys is allowed (a fully padded batch element attends to nothing)."""
     if not torch.compiler.is_compiling():
         try:
-            return _Padding(None, None, kv_mask=kv_mask)
+            return _Padding(None, None, kv_mask=kv_mask, allow_empty_rows=True)
         except ValueError:  # not one run per row
             pass
     return _Dense(kv_mask[:, None, None, :])
@@ -804,6 +921,9 @@ class _SequenceBand(_Intervals):
     def _min_batch(self):
         return self.sequences._min_batch()
 
+    def _size(self):
+        return self.sequences._size()
+
     def check(self, space):
         return self.sequences.check(space)
 
@@ -851,19 +971,63 @@ class _SequenceBand(_Intervals):
         return _codes_from_bounds(any_allowed, all_allowed)[:, None]  # [Bm, 1, nq, nk]
 
     def __repr__(self):
-        band = (f"causal(align={self.align!r}" if self.left is None and self.right == 0 else
-                f"sliding_window(left={self.left}, right={self.right}, align={self.align!r}")
-        return f"{band}, sequences={self.sequences!r})"
+        return _band_call(self.left, self.right, self.align, f"sequences={self.sequences!r}")
+
+
+def _document_ids(name: str, value) -> torch.Tensor:
+    """``value`` as a tensor of integer document ids ``[T]`` or ``[B, T]``; TypeError /
+    ValueError naming ``name`` (``q_ids``/``kv_ids``) and the fix for anything else."""
+    if isinstance(value, torch.Tensor):
+        ids = value
+    else:
+        if _holds_text(value):
+            raise TypeError(f"documents {name} holds strings (str): pass integer document ids, "
+                            f"one per position; number the names first, e.g. index = {{name: i for "
+                            f"i, name in enumerate(dict.fromkeys(names))}}; ids = [index[name] for "
+                            f"name in names]")
+        try:
+            ids = torch.as_tensor(value)
+        except (TypeError, RuntimeError):
+            raise TypeError(f"documents {name}: cannot read {type(value).__name__} as document ids; "
+                            f"pass integer ids, one per position (a list of ints or an integer "
+                            f"tensor of shape [T] or [B, T])") from None
+        except ValueError as error:
+            raise ValueError(f"documents {name} cannot be read as [T] or [B, T] ids ({error}): "
+                             f"give every row of a batch the same length (pad the shorter rows "
+                             f"with an id of their own)") from None
+        if ids.numel() == 0:
+            ids = ids.to(torch.long)  # an empty list has no dtype (as_tensor says float)
+    if ids.is_floating_point() or ids.is_complex():
+        raise TypeError(f"documents {name} has dtype {ids.dtype}: document ids are compared for "
+                        f"equality, so they must be integers; pass {name}.long() when the values "
+                        f"are whole numbers")
+    if ids.dim() not in (1, 2):
+        fix = ("a single id: every position is then in one document, which needs no mask (or "
+               "pass torch.full((T,), id))" if ids.dim() == 0 else
+               "drop the extra dimensions, e.g. ids.reshape(B, T)")
+        raise TypeError(f"documents {name} has shape {tuple(ids.shape)} ({ids.dtype}): pass one id "
+                        f"per position, shape [T] (shared by the batch) or [B, T]; {fix}")
+    if ids.device.type == "meta":
+        raise ValueError(f"documents {name} is on the meta device, which holds no values: the mask "
+                         f"reads the ids to find each document's positions; build the ids on the "
+                         f"CPU or the inputs' device")
+    return ids
+
+
+def _holds_text(value) -> bool:
+    """Whether ``value`` (a list, tuple or numpy array) holds strings, judged by its first entry."""
+    if getattr(getattr(value, "dtype", None), "kind", None) in ("U", "S"):
+        return True
+    first = value.flat[0] if hasattr(value, "flat") and getattr(value, "size", 0) else value
+    while isinstance(first, (list, tuple)) and first:
+        first = first[0]
+    return isinstance(first, (str, bytes))
 
 
 class _Documents(Mask):
     def __init__(self, q_ids, kv_ids):
-        self.q_ids = torch.as_tensor(q_ids)
-        self.kv_ids = self.q_ids if kv_ids is None else torch.as_tensor(kv_ids)
-        for name, ids in (("q_ids", self.q_ids), ("kv_ids", self.kv_ids)):
-            if ids.is_floating_point() or ids.dim() not in (1, 2):
-                raise TypeError(f"documents {name} must be integer ids of shape [T] or [B, T], "
-                                f"got {ids.dtype} {tuple(ids.shape)}")
+        self.q_ids = _document_ids("q_ids", q_ids)
+        self.kv_ids = self.q_ids if kv_ids is None else _document_ids("kv_ids", kv_ids)
 
     def cache_key(self, keep):
         return _tensors_key(self, ("q_ids", "kv_ids"), keep)
@@ -871,6 +1035,9 @@ class _Documents(Mask):
     def _min_batch(self):
         return max(self.q_ids.dim() == 2 and self.q_ids.shape[0] or 1,
                    self.kv_ids.dim() == 2 and self.kv_ids.shape[0] or 1)
+
+    def _size(self):
+        return self.q_ids.shape[-1], self.kv_ids.shape[-1]
 
     def check(self, space):
         problems = []
@@ -930,8 +1097,27 @@ class _Documents(Mask):
             return "full"
         return None
 
+    def _arguments(self) -> list[str]:
+        """The ids as :func:`documents` takes them: one argument when the sides share them."""
+        shown = [_show_ids(self.q_ids)]
+        if self.kv_ids is not self.q_ids:
+            shown.append(_show_ids(self.kv_ids))
+        return shown
+
     def __repr__(self):
-        return f"documents(q_ids={tuple(self.q_ids.shape)}, kv_ids={tuple(self.kv_ids.shape)})"
+        return f"documents({', '.join(self._arguments())})"
+
+
+def _show_ids(ids: torch.Tensor) -> str:
+    """Document ids as a list when short (16 entries at most), else a summary:
+    ``<ids [4096]: 4 documents>``, ``<ids [2, 64]: 2 to 4 documents per row>``."""
+    if ids.numel() <= 16 or ids.device.type == "meta" or torch.compiler.is_compiling():
+        return _show(ids, short=16)
+    counts = [int(row.unique().numel()) for row in ids.reshape(-1, ids.shape[-1])]
+    low, high = min(counts), max(counts)
+    number = f"{low}" if low == high else f"{low} to {high}"
+    plural = "" if high == 1 else "s"
+    return f"<ids {list(ids.shape)}: {number} document{plural}{' per row' if ids.dim() == 2 else ''}>"
 
 
 def _id_ranges(own: torch.Tensor, other: torch.Tensor, batch: int) -> Optional[torch.Tensor]:
@@ -1000,8 +1186,8 @@ def documents(q_ids, kv_ids=None, causal: Optional[str] = None) -> Mask:
 
 _DOCUMENT_RUNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 """Per :class:`_CausalDocuments` mask: ``(key, runs)``, the runs derived from its ids for the
-ids' state and the device in ``key`` (kept outside the mask, so ``digest`` sees only its
-parameters)."""
+ids' content (:func:`tensor_key`) and the device in ``key`` (kept outside the mask, so
+``digest`` sees only its parameters)."""
 
 
 def _id_runs(ids: torch.Tensor, name: str, row: Optional[int], align: str,
@@ -1085,6 +1271,9 @@ class _CausalDocuments(_Intervals):
     def _min_batch(self):
         return self.documents._min_batch()
 
+    def _size(self):
+        return self.documents._size()
+
     def check(self, space):
         problems = self.documents.check(space)
         if not problems:
@@ -1098,10 +1287,11 @@ class _CausalDocuments(_Intervals):
         """``(q_lo, q_hi, kv_lo, kv_hi, q_run)``: each query's key run ``[q_lo, q_hi)`` and
         each key's query run ``[kv_lo, kv_hi)`` (long ``[Bm, Tq]`` and ``[Bm, Tk]``, an empty run
         as ``[0, 0)``), and the index of each query's document run ``[Bm, Tq]``; derived from
-        the ids once per state of the ids and device. ValueError when a document is not one
-        run on each side."""
+        the ids once per content of the ids and device. ValueError when a document is not
+        one run on each side."""
         q_ids, kv_ids = self.documents.q_ids, self.documents.kv_ids
-        key = (_tensor_key(q_ids), _tensor_key(kv_ids), str(device)) if _keyable(q_ids, kv_ids) else None
+        ids_key = self.documents.cache_key([])  # the mask holds the ids: no keep list needed
+        key = None if ids_key is None else (ids_key, str(device))
         cached = _DOCUMENT_RUNS.get(self)
         if key is not None and cached is not None and cached[0] == key:
             return cached[1]
@@ -1153,8 +1343,7 @@ class _CausalDocuments(_Intervals):
         return _codes_from_bounds(any_allowed, all_allowed)[:, None]  # [Bm, 1, nq, nk]
 
     def __repr__(self):
-        return (f"documents(q_ids={tuple(self.documents.q_ids.shape)}, "
-                f"kv_ids={tuple(self.documents.kv_ids.shape)}, causal={self.align!r})")
+        return f"documents({', '.join(self.documents._arguments())}, causal={self.align!r})"
 
 
 def _fit_tensor(t: torch.Tensor, q_idx, kv_idx, space) -> torch.Tensor:
@@ -1176,6 +1365,13 @@ def _fit_problems(kind: str, t: torch.Tensor, space: MaskSpace) -> list[str]:
     return []
 
 
+def _tensor_size(t: torch.Tensor) -> tuple[Optional[int], Optional[int]]:
+    """``(Tq, Tk)`` of a tensor laid over the scores ``[..., Tq|1, Tk|1]`` (``None`` for 1)."""
+    q_len = t.shape[-2] if t.dim() >= 2 and t.shape[-2] != 1 else None
+    kv_len = t.shape[-1] if t.dim() >= 1 and t.shape[-1] != 1 else None
+    return q_len, kv_len
+
+
 class _Dense(Mask):
     def __init__(self, allowed: torch.Tensor):
         if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
@@ -1187,6 +1383,9 @@ class _Dense(Mask):
     def _min_batch(self):
         return self.allowed.shape[0] if self.allowed.dim() == 4 else 1
 
+    def _size(self):
+        return _tensor_size(self.allowed)
+
     def map_score_tensors(self, fn):
         return _Dense(fn(self.allowed, False))
 
@@ -1197,7 +1396,7 @@ class _Dense(Mask):
         return _fit_tensor(self.allowed, q_idx, kv_idx, space)
 
     def __repr__(self):
-        return f"dense({tuple(self.allowed.shape)})"
+        return f"dense(<{str(self.allowed.dtype).removeprefix('torch.')} {list(self.allowed.shape)}>)"
 
 
 def dense(allowed: torch.Tensor) -> Mask:
@@ -1217,6 +1416,9 @@ class _Bias(Mask):
 
     def _min_batch(self):
         return self.values.shape[0] if self.values.dim() == 4 else 1
+
+    def _size(self):
+        return _tensor_size(self.values)
 
     def map_score_tensors(self, fn):
         return _Bias(fn(self.values, True))
@@ -1240,7 +1442,7 @@ class _Bias(Mask):
                                                                 device=values.device), values)
 
     def __repr__(self):
-        return f"bias({tuple(self.values.shape)})"
+        return f"bias(<{str(self.values.dtype).removeprefix('torch.')} {list(self.values.shape)}>)"
 
 
 def bias(values: torch.Tensor) -> Mask:
@@ -1294,6 +1496,11 @@ class _Combined(Mask):
 
     def _min_batch(self):
         return max(p._min_batch() for p in self.parts)
+
+    def _size(self):
+        sizes = [p._size() for p in self.parts]
+        return (next((q for q, _ in sizes if q is not None), None),
+                next((k for _, k in sizes if k is not None), None))
 
     def check(self, space):
         return [problem for p in self.parts for problem in p.check(space)]
@@ -1354,7 +1561,7 @@ class _And(_Combined):
         return second if first in ("full", second) else None
 
     def __repr__(self):
-        return f"({self.parts[0]!r} & {self.parts[1]!r})"
+        return " & ".join(_operand(part, _And) for part in self.parts)
 
 
 class _Or(_Combined):
@@ -1376,7 +1583,7 @@ class _Or(_Combined):
         return torch.maximum(a, b)
 
     def __repr__(self):
-        return f"({self.parts[0]!r} | {self.parts[1]!r})"
+        return " | ".join(_operand(part, _Or) for part in self.parts)
 
 
 class _Not(_Combined):
@@ -1395,7 +1602,16 @@ class _Not(_Combined):
         return (FULL - self.parts[0].block_map(block_q, block_k, space, **where)).to(torch.int8)
 
     def __repr__(self):
-        return f"~{self.parts[0]!r}"
+        return f"~{_operand(self.parts[0], _Not)}"
+
+
+def _operand(part: Mask, within: type) -> str:
+    """``repr(part)`` as an operand of a ``within`` node: bracketed when it is a combination
+    of another kind (``(a | b) & c``, ``~(a & b)``), so the text reads as the expression."""
+    text = repr(part)
+    if isinstance(part, (_And, _Or)) and not (within is not _Not and isinstance(part, within)):
+        return f"({text})"
+    return text
 
 
 def _modifier_in(parts) -> Mask:
@@ -1418,19 +1634,47 @@ def _bad_mask(mask):
 
 
 # ---- caching what is derived from a mask ----------------------------------------------------
-def _keyable(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether :func:`_tensor_key` can name these tensors: an inference tensor
-    (``torch.inference_mode``) has no version counter, so an in-place write to it could not be
-    told apart; values derived from it are not cached."""
-    return not any(t is not None and t.is_inference() for t in tensors)
+KEY_BYTES = 1 << 22
+"""The largest tensor (in bytes) whose content :func:`tensor_key` reads: 4 MiB, e.g. document
+ids of 512K tokens. Reading it is one pass over its bytes, cheaper than any plan derived from
+the same values; a larger tensor's derived values are not cached."""
 
 
-def _tensor_key(t: Optional[torch.Tensor]):
-    """A tensor's identity *and* state: an in-place write bumps ``_version``, so a mask whose
-    tensor was modified misses the cache (see :func:`_keyable`)."""
-    if t is None:
+def tensor_key(t: torch.Tensor, keep: list) -> Optional[tuple]:
+    """A tensor for a cache key: its identity and layout and a digest of its *content*, or
+    ``None`` when it cannot be keyed (what is derived from it is then not cached).
+
+    The content, not torch's version counter: a write through memory shared with numpy
+    (``torch.from_numpy``), through ``.data`` or by a kernel bumps no version, so a value
+    derived from the old content would be silently reused. Identity too: a cached value may
+    hold the tensor itself (a triton layout's kernel arguments), so only the same tensor with
+    the same content hits. ``t`` is appended to ``keep``, which the cache holds, so its id is
+    not reused while the entry lives.
+
+    A CUDA tensor is copied to the host to be read: these are small tensors (lengths, ids,
+    slopes), and the copy waits only for the work queued before it, which is what wrote the
+    values this call reads. While a CUDA graph is being captured no copy may run: the key then
+    takes the version counter instead (the captured graph replays the plan it was captured
+    with whatever the key). ``None``: a tensor over :data:`KEY_BYTES`, a ``torch.func``
+    wrapper or a meta tensor (no readable storage), a tensor subclass."""
+    if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta"
+            or torch._C._functorch.is_functorch_wrapped_tensor(t)
+            or t.numel() * t.element_size() > KEY_BYTES):
         return None
-    return (id(t), t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+    keep.append(t)
+    layout = (id(t), t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return (*layout, "version", t._version)
+    values = t.detach() if t.requires_grad else t
+    if values.device.type != "cpu":
+        values = values.to("cpu")
+    try:
+        data = values.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16): its bytes
+        data = values.contiguous().reshape(-1).view(torch.uint8).numpy()
+    if data.nbytes <= 256:  # lengths, slopes, short ids: the bytes themselves
+        return (*layout, data.tobytes())
+    return (*layout, hashlib.blake2b(np.ascontiguousarray(data), digest_size=16).digest())
 
 
 def cache_key(mask: Optional[Mask], keep: list) -> Optional[tuple]:
@@ -1440,11 +1684,11 @@ def cache_key(mask: Optional[Mask], keep: list) -> Optional[tuple]:
 
 def _tensors_key(mask: Mask, names: tuple[str, ...], keep: list) -> Optional[tuple]:
     """The key of a mask described by its tensor fields ``names`` (``None`` fields allowed)."""
-    values = [getattr(mask, name) for name in names]
-    if not _keyable(*values):
+    keys = [None if getattr(mask, name) is None else tensor_key(getattr(mask, name), keep)
+            for name in names]
+    if any(key is None and getattr(mask, name) is not None for key, name in zip(keys, names)):
         return None
-    keep.extend(t for t in values if t is not None)
-    return (type(mask).__name__, *(_tensor_key(t) for t in values))
+    return (type(mask).__name__, *keys)
 
 
 class MaskCache:

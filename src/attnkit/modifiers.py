@@ -42,22 +42,26 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .masks import FULL, Mask, MaskSpace
+from .masks import FULL, Mask, MaskSpace, tensor_key
 
 __all__ = ["Modifier", "Modifiers", "softcap", "alibi", "relative_bias", "sinks",
            "score_function", "t5_buckets", "split"]
 
 
 def _tensor_state(t: torch.Tensor, keep: list) -> Optional[tuple]:
-    """A tensor's identity and state for a cache key (an in-place write bumps its version, so
-    it misses), with its ``requires_grad`` (which decides what a call computes); ``None`` for
-    an inference tensor (no version counter) and a ``torch.func`` wrapper (no storage, and a
-    new one per call). The tensor is appended to ``keep``."""
-    if t.is_inference() or torch._C._functorch.is_functorch_wrapped_tensor(t):
-        return None
-    keep.append(t)
-    return (id(t), t._version, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype,
-            t.device, t.requires_grad)
+    """A tensor for a cache key: its identity and content (:func:`attnkit.masks.tensor_key`,
+    so any write to it misses, also one that bumps no version), with its ``requires_grad``
+    (which decides what a call computes); ``None`` when it cannot be keyed (a ``torch.func``
+    wrapper: no storage, and a new one per call). The tensor is appended to ``keep``."""
+    key = tensor_key(t, keep)
+    return None if key is None else (*key, t.requires_grad)
+
+
+def relative_positions(space: MaskSpace) -> torch.Tensor:
+    """Every relative position ``j − i`` (key minus query) of ``space`` in order, ``[L]``
+    long with ``L = Tq + Tk − 1`` (``−(Tq − 1) … Tk − 1``), empty when ``Tq = Tk = 0``."""
+    first = 1 - space.q_len
+    return torch.arange(first, max(space.kv_len, first), device=space.device)
 
 
 class Modifier(Mask):
@@ -129,6 +133,14 @@ class Softcap(Modifier):
             raise ValueError(f"softcap(cap={cap!r}): cap must be a finite float > 0 (scores "
                              f"become cap·tanh(s/cap), within (-cap, cap)); for no cap, leave "
                              f"softcap out")
+        low, high = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+        if not low <= cap <= high:
+            raise ValueError(
+                f"softcap(cap={cap!r}): cap must lie in float32's normal range [{low:.7g}, "
+                f"{high:.7g}]: kernels compute cap·tanh(s/cap) in float32, where a larger cap "
+                f"overflows to inf (and inf·0 is NaN) and a smaller one is subnormal, its "
+                f"reciprocal near float32's overflow (the scores become NaN); for no cap, "
+                f"leave softcap out")
         self.cap = float(cap)
 
     def cache_key(self, keep):
@@ -138,12 +150,13 @@ class Softcap(Modifier):
         return torch.tanh(scores / self.cap) * self.cap
 
     def __repr__(self):
-        return f"softcap({self.cap:g})"
+        return f"softcap({self.cap!r})"
 
 
 def softcap(cap: float) -> Mask:
     """Soft-cap the scaled scores: ``s → cap · tanh(s / cap)`` (Gemma 2, Grok), before any
-    additive bias and before masking. ``cap``: a float > 0. Combine with masks by ``&``:
+    additive bias and before masking. ``cap``: a float in float32's normal range, ``1.18e-38
+    ≤ cap ≤ 3.4e38`` (kernels divide by it in float32). Combine with masks by ``&``:
     ``ak.causal() & ak.softcap(50.0)``."""
     return Softcap(cap)
 
@@ -190,7 +203,8 @@ class Alibi(Modifier):
         return self.slopes.to(dtype).reshape(-1, space.heads)[:, :, None] * distance
 
     def __repr__(self):
-        return f"alibi(slopes {list(self.slopes.shape)}, align={self.align!r})"
+        align = "" if self.align == "top_left" else f", align={self.align!r}"
+        return f"alibi(<{str(self.slopes.dtype).removeprefix('torch.')} {list(self.slopes.shape)}>{align})"
 
 
 def alibi(slopes: torch.Tensor, align: str = "top_left") -> Mask:
@@ -261,6 +275,10 @@ class RelativeBias(Modifier):
         if table.dim() != 2:
             raise ValueError(f"relative_bias(table) has shape {tuple(table.shape)}; it must be "
                              f"[H, num_buckets]")
+        if table.shape[-1] == 0:
+            raise ValueError(f"relative_bias(table) has 0 buckets (shape {tuple(table.shape)}); "
+                             f"it must be [H, num_buckets], one column per bucket id, "
+                             f"num_buckets ≥ 1")
         if buckets is None and table.shape[-1] < 4:
             raise ValueError(f"relative_bias(table) has {table.shape[-1]} buckets; T5's "
                              f"bidirectional bucketing (buckets=None) needs at least 4")
@@ -287,7 +305,27 @@ class RelativeBias(Modifier):
             problems.append(f"relative_bias table has shape {tuple(self.table.shape)}; it must "
                             f"be [H, num_buckets] with H={space.heads} query heads (with GQA, "
                             f"H counts query heads)")
+        if self.buckets is not None and not problems:
+            problems.extend(self._bucket_problems(space))
         return problems
+
+    def _bucket_problems(self, space: MaskSpace) -> list[str]:
+        """The bucket function's ids over every relative position of ``space`` (once per call,
+        ``Tq + Tk − 1`` of them; T5's are in range by construction), outside ``[0,
+        num_buckets)``: a negative id would index the table from its end, a large one fail."""
+        relative = relative_positions(space)  # [L]
+        if relative.numel() == 0:
+            return []
+        ids = self.bucket_ids(relative[None, :])[0]  # [L]
+        low, high = (int(x) for x in torch.stack([ids.min(), ids.max()]).tolist())
+        buckets = self.table.shape[-1]
+        if 0 <= low and high < buckets:
+            return []
+        name = getattr(self.buckets, "__name__", "fn")
+        return [f"relative_bias(buckets={name}) gave bucket ids in [{low}, {high}] for the "
+                f"relative positions j − i in [{-(space.q_len - 1)}, {space.kv_len - 1}]; they "
+                f"must lie in [0, num_buckets) = [0, {buckets}) (the table has shape "
+                f"{tuple(self.table.shape)}): clamp them, or widen the table"]
 
     def bucket_ids(self, relative: torch.Tensor) -> torch.Tensor:
         """Bucket ids ``[tq, tk]`` (long) of relative positions ``j − i`` ``[tq, tk]``."""
@@ -317,7 +355,8 @@ class RelativeBias(Modifier):
 
     def __repr__(self):
         name = "t5" if self.buckets is None else getattr(self.buckets, "__name__", "fn")
-        return f"relative_bias(table {list(self.table.shape)}, buckets={name})"
+        table = f"<{str(self.table.dtype).removeprefix('torch.')} {list(self.table.shape)}>"
+        return f"relative_bias({table}{'' if self.buckets is None else f', buckets={name}'})"
 
 
 def relative_bias(table: torch.Tensor, buckets: Optional[Callable] = None) -> Mask:
@@ -326,7 +365,8 @@ def relative_bias(table: torch.Tensor, buckets: Optional[Callable] = None) -> Ma
 
     ``table``: float ``[H, num_buckets]`` (one row per query head), learnable: it gets its
     gradient (summed per bucket) when it requires grad. ``buckets``: a callable
-    ``relative_position [tq, tk] long -> bucket ids [tq, tk] long`` in ``[0, num_buckets)``, or
+    ``relative_position [tq, tk] long -> bucket ids [tq, tk] long`` in ``[0, num_buckets)``
+    (checked once per call, over every relative position: ``ValueError`` outside it), or
     ``None`` for T5's bidirectional bucketing with ``max_distance=128`` (:func:`t5_buckets`).
     Evaluated per tile, never as a ``Tq × Tk`` tensor."""
     return RelativeBias(table, buckets)
@@ -369,7 +409,7 @@ class Sinks(Modifier):
         return merged.to(out.dtype), merged_lse, weights
 
     def __repr__(self):
-        return f"sinks(logits {list(self.logits.shape)})"
+        return f"sinks(<{str(self.logits.dtype).removeprefix('torch.')} {list(self.logits.shape)}>)"
 
 
 def sinks(logits: torch.Tensor) -> Mask:
@@ -460,15 +500,17 @@ class ScoreFunction(Modifier):
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             raise TypeError(f"score_function({self.name}) must return a float tensor of scores, "
                             f"got {getattr(out, 'dtype', type(out).__name__)}")
-        try:
-            shape = torch.broadcast_shapes(out.shape, scores.shape)
-        except RuntimeError:
-            shape = None
-        if shape != scores.shape:
+        # four dims that each match the scores' or are 1, or a constant: a result with fewer
+        # dims (q_idx.flatten(), [tq]) would broadcast against the wrong dims of the scores
+        constant = out.dim() <= 4 and all(size == 1 for size in out.shape)
+        if not constant and (out.dim() != 4 or any(size not in (1, want) for size, want
+                                                   in zip(out.shape, scores.shape))):
             raise ValueError(
-                f"score_function({self.name}) returned shape {tuple(out.shape)}; it must broadcast "
-                f"to the scores it was given, {list(scores.shape)} = [B, H, tq, tk] (b [B,1,1,1], "
-                f"h [1,H,1,1], q_idx [1,1,tq,1], kv_idx [1,1,1,tk])")
+                f"score_function({self.name}) returned shape {tuple(out.shape)}; it must "
+                f"broadcast to the scores by their four dims, each of its size or 1: [B|1, H|1, "
+                f"tq|1, tk|1] = {list(scores.shape)} (or be a constant), as combining the "
+                f"arguments gives (score [B,H,tq,tk], b [B,1,1,1], h [1,H,1,1], q_idx "
+                f"[1,1,tq,1], kv_idx [1,1,1,tk]): index and flatten none of them")
         return out.to(scores.dtype).expand(scores.shape)
 
     def __repr__(self):
@@ -482,7 +524,9 @@ def score_function(fn: Callable, *, tensors: Optional[Sequence[torch.Tensor]] = 
 
     ``fn`` gets broadcastable tensors: ``score [B, H, tq, tk]`` (one tile, scaled and biased),
     ``b [B,1,1,1]``, ``h [1,H,1,1]`` (query heads), ``q_idx [1,1,tq,1]``, ``kv_idx [1,1,1,tk]``
-    (global positions), and returns new scores broadcastable to ``score``'s shape, e.g.
+    (global positions), and returns new scores with four dims, each ``score``'s size or 1
+    (``[B|1, H|1, tq|1, tk|1]``, or a constant of size 1; a lower-rank result such as ``[tq]``
+    is refused, since broadcasting would line it up with the keys), e.g.
     ``lambda s, b, h, q, kv: s + w[h] * (q - kv)``. Gradients reach q/k/v and the tensors fn
     reads: on the tiled engine those found in its closure, defaults, named globals, a bound
     method's object or a module's parameters, or the ones listed in ``tensors`` (a call whose
@@ -535,7 +579,7 @@ class Modifiers:
         parts = (*self.alibi, *self.relative)
         if not parts:
             return None
-        relative = torch.arange(-(space.q_len - 1), space.kv_len, device=space.device)  # [L]
+        relative = relative_positions(space)  # [L]
         total = None
         for part in parts:
             values = part.by_distance(relative, space, dtype)  # [1|B, H, L]
@@ -624,15 +668,18 @@ class Modifiers:
 
     def hidden_tensors(self, space: MaskSpace, dtype: torch.dtype) -> int:
         """How many tensors that require grad the score functions reach besides
-        :attr:`tensors` (evaluated on one position per batch element and head; 0 without
-        functions): a backend that hands gradients to :attr:`tensors` itself cannot give
+        :attr:`tensors` (evaluated on one position per batch element and head, none of an
+        empty side; 0 without functions): a backend that hands gradients to :attr:`tensors` itself cannot give
         those theirs."""
         if not self.functions or not torch.is_grad_enabled():
             return 0
-        scores = torch.zeros(space.batch, space.heads, 1, 1, dtype=dtype, device=space.device,
-                             requires_grad=True)
-        where = torch.zeros(1, dtype=torch.long, device=space.device)
-        out = self.apply(scores, where, where, space)
+        # position 0 of each side, or none of an empty side (indexing a [Tk] tensor at 0
+        # fails where Tk = 0; an empty index still reaches the tensor in the graph)
+        q_idx = torch.zeros(min(space.q_len, 1), dtype=torch.long, device=space.device)
+        kv_idx = torch.zeros(min(space.kv_len, 1), dtype=torch.long, device=space.device)
+        scores = torch.zeros(space.batch, space.heads, len(q_idx), len(kv_idx), dtype=dtype,
+                             device=space.device, requires_grad=True)
+        out = self.apply(scores, q_idx, kv_idx, space)
         if out.grad_fn is None:
             return 0
         known = {id(t) for t in (scores, *self.tensors)}

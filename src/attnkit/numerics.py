@@ -65,11 +65,14 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     ``lse_* [..., T]``. Returns the result over the union, in the accumulation dtype (fp32, or
     fp64 for fp64)::
 
-        out = out_a + sigmoid(lse_b - lse_a) * (out_b - out_a)     (one lerp)
+        out = sigmoid(lse_a - lse_b) * out_a + sigmoid(lse_b - lse_a) * out_b
         lse = log(exp(lse_a) + exp(lse_b))                         (logaddexp)
 
-    A side with ``lse = -inf`` (no keys) gets weight exactly 0, so the other side passes through
-    unchanged; both ``-inf`` gives ``(0, -inf)``. Only [..., T]-sized vectors need special cases.
+    Each side has its own weight, so a side that the other outweighs by far keeps its relative
+    precision (the lerp form ``out_a + w·(out_b − out_a)`` gives exactly 0 once ``w`` rounds to
+    1, as when a sink outweighs every key). A side with ``lse = -inf`` (no keys) gets weight
+    exactly 0, so the other side passes through unchanged; both ``-inf`` gives ``(0, -inf)``.
+    Only [..., T]-sized vectors need special cases.
     """
     dtype = accum_dtype(out_a.dtype)
     out_a, out_b = out_a.to(dtype), out_b.to(dtype)
@@ -79,8 +82,8 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     both_empty = torch.isneginf(lse_a) & torch.isneginf(lse_b)  # [..., T]
     lse_a, lse_b = lse_a.masked_fill(both_empty, 0.0), lse_b.masked_fill(both_empty, 0.0)
     diff = lse_b - lse_a  # [..., T]; ±inf where exactly one side is empty
-    weight_b = torch.sigmoid(diff)
-    out = torch.lerp(out_a, out_b, weight_b[..., None])
+    weight_a, weight_b = torch.sigmoid(-diff)[..., None], torch.sigmoid(diff)[..., None]
+    out = out_a * weight_a + out_b * weight_b
     return out, torch.logaddexp(lse_a, lse_b).masked_fill(both_empty, float("-inf"))
 
 

@@ -113,6 +113,29 @@ class Backend:
         raise NotImplementedError(f"backend {self.NAME!r} has no separate backward")
 
 
+def empty_output(inputs: Inputs) -> BackendOutput:
+    """The result of a call with nothing to compute (B, Tq or Tk of 0), whatever its mask and
+    score modifiers: ``out [B, Hq, Tq, Dv]`` zeros (with Tk = 0 every row is fully masked),
+    ``lse [B, Hq, Tq]`` −inf (float32; float64 for float64 input), ``weights [B, Hq, Tq, Tk]``
+    zeros when asked for. Every float tensor a gradient can reach (q, k, v, the mask's
+    biases, the modifiers' tensors) joins the result through an empty slice of itself, which
+    adds exactly 0 whatever its values, so each gets a zero gradient of its own shape. Sinks
+    join afterwards, as for any backend."""
+    q = inputs.q
+    batch, heads, q_len, _ = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(batch, heads, q_len, inputs.v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((batch, heads, q_len), float("-inf"), dtype=lse_dtype, device=q.device)
+    weights = (torch.zeros(batch, heads, q_len, inputs.k.shape[2], dtype=q.dtype, device=q.device)
+               if inputs.need_weights else None)
+    if inputs.need_grad or inputs.transformed:
+        anchor = torch.stack([t.reshape(-1)[:0].sum(dtype=lse_dtype) for t in inputs.grad_tensors
+                              if t.is_floating_point()]).sum()  # [], exactly 0
+        out, lse = out + anchor.to(out.dtype), lse + anchor
+        weights = None if weights is None else weights + anchor.to(weights.dtype)
+    return BackendOutput(out, lse, weights)
+
+
 def check_backward_modifiers(inputs: Inputs, backend: str) -> None:
     """Raise ``ValueError`` for score modifiers that :meth:`Backend.backward` cannot take:
     sinks (they change the saved out/lse: join them after, :meth:`~attnkit.modifiers.Sinks.

@@ -79,6 +79,9 @@ TILE_ELEMENTS = 1 << 21
 FUSED_BLOCK_Q = 256
 """Query rows per block when tiles go through torch's fused CPU kernel."""
 
+_FOLD_LIMIT = 2.0 ** 64
+"""The largest ``|scale| / cap`` folded into the queries (:meth:`TileScores.scores`)."""
+
 MODIFIED_TILE_KEYS = 1024
 """Keys per tile that the matmul path sizes its query blocks for when softcap or score
 functions run on it (:func:`choose_block_q`): taller tiles than its default measured faster
@@ -752,11 +755,18 @@ class TileScores(NamedTuple):
         return (self.modifiers.softcap is not None and self.positions is None
                 and not self.modifiers.functions)
 
-    def query_scale(self, scale: float) -> float:
-        """What :meth:`apply` takes the queries scaled by: ``scale / cap`` with a softcap (the
-        division folded into the queries), else ``scale``."""
+    def scores(self, q_block: torch.Tensor, k_seg: torch.Tensor, scale: float) -> torch.Tensor:
+        """What :meth:`apply` takes: ``q·kᵀ·scale`` ``[B, Hkv, G·n, span]``, divided by the cap
+        with a softcap. The division is folded into the queries while ``|scale| / cap`` leaves
+        float32 room (≤ 2^64); past that, ``q · (scale / cap)`` could overflow to inf and the
+        matmul give NaN (inf·0, inf − inf), so the scores are divided instead (``±inf`` there
+        is a saturated ``tanh``, ±1)."""
         softcap = self.modifiers.softcap
-        return scale if softcap is None else scale / softcap.cap
+        if softcap is None:
+            return (q_block * scale) @ k_seg.transpose(-1, -2)
+        if abs(scale) / softcap.cap <= _FOLD_LIMIT:
+            return (q_block * (scale / softcap.cap)) @ k_seg.transpose(-1, -2)
+        return ((q_block * scale) @ k_seg.transpose(-1, -2)).div_(softcap.cap)
 
     def apply(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores ``q·kᵀ·query_scale(scale)`` ``[B, Hkv, G·n, span]`` (overwritten) → the
@@ -897,8 +907,8 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
             lse = lse.masked_fill(~tile.has_key, float("-inf"))
         return out, lse
     modified = tile.scores if tile is not None else None
-    query_scale = scale if modified is None else modified.query_scale(scale)
-    scores = (q_block * query_scale) @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
+    scores = ((q_block * scale) @ k_seg.transpose(-1, -2) if modified is None
+              else modified.scores(q_block, k_seg, scale))  # [B, Hkv, G·n, span]
     units = 1.0  # what one unit of `scores` is worth in scores
     if modified is not None and additive is None and modified.capped_alone:
         scores.tanh_()  # the cap's factor joins the exponent's below
@@ -1125,7 +1135,7 @@ def _segment_backward_matmul(q_block, k_seg, v_seg, do_block, lse_block, delta_b
     by_autograd = modified is not None and modified.traced
     softcap = None if modified is None or by_autograd else modified.modifiers.softcap
     if softcap is not None:
-        scores = (q_block * modified.query_scale(scale)) @ k_seg.transpose(-1, -2)  # s / cap
+        scores = modified.scores(q_block, k_seg, scale)  # s / cap
     else:
         scores = q_scaled @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
     traced = tanh = None
@@ -1457,8 +1467,9 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
                             problem.plan.block_k, False):
             position_tile = _position_tile(problem, work, positions, batch, group.rows, seg)
             modified = _tile_scores(problem, group.rows, seg, heads_q, position_tile)
-            query_scale = problem.scale if modified is None else modified.query_scale(problem.scale)
-            scores = (q_block * query_scale) @ keys[:, :, seg.start:seg.stop].transpose(-1, -2)
+            k_seg = keys[:, :, seg.start:seg.stop]
+            scores = ((q_block * problem.scale) @ k_seg.transpose(-1, -2) if modified is None
+                      else modified.scores(q_block, k_seg, problem.scale))
             if modified is not None:
                 with torch.no_grad():
                     scores = modified.apply(scores)  # softcap, biases, score functions

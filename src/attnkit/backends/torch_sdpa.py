@@ -7,7 +7,8 @@ zeroed and given LSE −inf afterwards, so the contract holds whatever the kerne
 ALiBi and relative biases with constant slopes and tables join that bias, read from one
 vector per head by relative position (:meth:`~attnkit.modifiers.Modifiers.position_bias`):
 ``auto`` takes them here only without a mask and for few queries (a decoding step), where the
-bias is small.
+bias is small. Empty calls (B, Tq or Tk of 0) never reach the kernel: ``attention()`` gives
+their result itself (:func:`attnkit.dispatch.run`).
 """
 
 from __future__ import annotations
@@ -95,9 +96,6 @@ class TorchBackend(Backend):
 
     def extra_reasons(self, inputs: Inputs) -> list[str]:
         reasons = []
-        if inputs.k.shape[2] == 0 or inputs.q.shape[2] == 0:
-            reasons.append("an empty sequence, Tq=0 or Tk=0 (not supported by torch: its kernel "
-                           "crashes)")
         lse_use = _lse_use(inputs)
         if inputs.need_lse and not _fused_cpu(inputs):
             reasons.append(f"{lse_use} needs the CPU fused kernel with Dk == Dv "

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from ...inputs import Inputs
+from ...modifiers import relative_positions
 from ..base import Backend, BackendOutput, check_backward_modifiers
 from . import launch
 
@@ -111,7 +112,7 @@ def score_mods(inputs: Inputs) -> dict:
         found.update(slopes=alibi.slopes.reshape(-1, heads),
                      shift=kv_len - q_len if alibi.align == "bottom_right" else 0)
     if modifiers.relative:
-        distance = torch.arange(1 - q_len, kv_len, device=inputs.q.device)[None]  # [1, Tq + Tk − 1]
+        distance = relative_positions(inputs.space)[None]  # [1, Tq + Tk − 1]
         found["diag"] = sum(part.table[:, part.bucket_ids(distance)[0]] for part in modifiers.relative)
     return found
 
@@ -158,7 +159,8 @@ class TritonBackend(Backend):
         if not _installed():
             return "triton is not installed"
         if not torch.cuda.is_available() and launch.cpu_problem():
-            return f"no CUDA device, and {launch.cpu_problem()} (not supported by triton)"
+            return (f"no CUDA device: triton runs on CUDA GPUs, or {launch.cpu_problem()} "
+                    f"(not supported by triton)")
         return None
 
     def extra_reasons(self, inputs: Inputs) -> list[str]:
@@ -172,7 +174,8 @@ class TritonBackend(Backend):
         if inputs.q.device.type == "cpu" and self.unavailable_reason() is None:  # else said
             problem = launch.cpu_problem()
             if problem:
-                reasons.append(f"{problem} (not supported by triton)")
+                reasons.append(f"tensors on CPU: triton runs on CUDA GPUs (move q, k, v to "
+                               f"'cuda'), or {problem} (not supported by triton)")
         return reasons
 
     def auto_reasons(self, inputs: Inputs) -> list[str]:

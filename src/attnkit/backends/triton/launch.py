@@ -68,13 +68,14 @@ def interpreting() -> bool:
 
 
 def cpu_problem() -> Optional[str]:
-    """Why CPU tensors cannot run here (``None`` when the interpreter is on), without importing
-    triton when it is not imported yet."""
+    """What CPU tensors need to run here, the end of a reason that says why they cannot
+    (``None`` when the interpreter is on), without importing triton when it is not imported
+    yet."""
     if not interpreter_requested():
-        return "CPU tensors need TRITON_INTERPRET=1"
+        return "set TRITON_INTERPRET=1 to run its kernels on the CPU interpreter for testing"
     if "triton.language" in sys.modules and not interpreting():
-        return ("CPU tensors need TRITON_INTERPRET=1 set before triton is first imported "
-                "(triton was imported without it)")
+        return ("set TRITON_INTERPRET=1 before triton is first imported to run its kernels on "
+                "the CPU interpreter for testing (triton was imported without it)")
     return None
 
 

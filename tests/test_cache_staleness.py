@@ -1,0 +1,155 @@
+"""Caches never answer for a mask's old values: a mask reused after its tensors were written to
+(through numpy shared memory, through ``.data``, in place) gives the attention of the new
+values on every backend, as the float64 reference computes them.
+
+The caches concerned key a mask by its tensors' content (:func:`attnkit.masks.tensor_key`):
+the call cache (validation and the backend's choice), the tiled plans, the triton layouts and
+the runs of causal documents. ``dense`` and ``bias`` are never cached; they are here to show
+that every mask kind with a tensor reads its current values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_within_2x, import_triton_interpreted, interpreted_triton_launch
+
+import_triton_interpreted()  # before attnkit: the triton cases run interpreted on CPU
+
+import attnkit as ak  # noqa: E402
+from attnkit import dispatch  # noqa: E402
+from attnkit.inputs import validate  # noqa: E402
+
+B, H, T, D = 2, 2, 160, 8  # T spans several tiles: tiled's keys come in blocks of 128
+_rng = np.random.default_rng(0)
+_POS = np.arange(T)
+
+# kind → (build the mask from its tensor, the tensor's values before, after)
+CASES = {
+    "padding_kv_lengths": (lambda t: ak.padding(kv_lengths=t), np.array([50, T]), np.array([T, 20])),
+    "padding_q_lengths": (lambda t: ak.padding(q_lengths=t), np.array([T, 50]), np.array([30, T])),
+    "padding_kv_starts": (lambda t: ak.padding(kv_starts=t), np.array([0, 90]), np.array([140, 10])),
+    "padding_kv_mask": (lambda t: ak.padding(kv_mask=t), _POS[None, :] < np.array([[50], [T]]),
+                        _POS[None, :] >= np.array([[20], [140]])),
+    "documents": (lambda t: ak.documents(t), _POS // 40, _POS // 100),
+    "documents&causal": (lambda t: ak.documents(t) & ak.causal(), _POS // 40,
+                         np.minimum(_POS // 20, 2)),
+    "documents_causal": (lambda t: ak.documents(t, causal="top_left"), _POS // 40,
+                         np.minimum(_POS // 20, 2)),
+    "documents_causal_batched": (lambda t: ak.documents(t, causal="bottom_right"),
+                                 np.stack([_POS // 40, _POS // 60]),
+                                 np.stack([_POS // 30, _POS // 150])),
+    "causal_sequences": (lambda t: ak.causal(sequences=ak.padding(kv_lengths=t)),
+                         np.array([50, T]), np.array([T, 100])),
+    "dense": (lambda t: ak.dense(t), _rng.random((B, 1, T, T)) > 0.3, _rng.random((B, 1, T, T)) > 0.6),
+    "bias": (lambda t: ak.bias(t), _rng.standard_normal((1, H, T, T), dtype=np.float32),
+             4 * _rng.standard_normal((1, H, T, T), dtype=np.float32)),
+    "alibi": (lambda t: ak.causal() & ak.alibi(t), np.array([0.5, 0.25], dtype=np.float32),
+              np.array([0.05, -0.1], dtype=np.float32)),
+    "relative_bias": (lambda t: ak.relative_bias(t), _rng.standard_normal((H, 32), dtype=np.float32),
+                      4 * _rng.standard_normal((H, 32), dtype=np.float32)),
+    "sinks": (lambda t: ak.causal() & ak.sinks(t), np.array([0.0, 1.0], dtype=np.float32),
+              np.array([3.0, -2.0], dtype=np.float32)),
+}
+
+
+def _write(how: str, array: np.ndarray, t: torch.Tensor, new: np.ndarray) -> None:
+    """Write ``new`` into ``t`` (which shares ``array``'s memory) the way ``how`` says."""
+    if how == "numpy":  # torch sees nothing: no version bump
+        array[...] = new
+    elif how == "data":  # .data shares the storage but not the version counter
+        t.data.copy_(torch.from_numpy(new))
+    else:  # in place: bumps the version
+        t.copy_(torch.from_numpy(new))
+
+
+def _qkv(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randn(B, H, T, D, generator=gen, dtype=torch.float64).to(dtype) for _ in range(3)]
+
+
+def _backend(name: str, monkeypatch) -> None:
+    if name == "triton":
+        interpreted_triton_launch()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _check(name: str, got: torch.Tensor, build, values: np.ndarray, q, k, v) -> None:
+    """``got`` equals the float64 reference for ``build(values)`` (within 2× the error of the
+    reference's own math in float32)."""
+    mask32, mask64 = (build(torch.from_numpy(values.copy())) for _ in range(2))
+    truth = ak.attention(*(t.double() for t in (q, k, v)), mask64, backend="reference")
+    plain = ak.attention(q, k, v, mask32, backend="reference")
+    assert_within_2x(name, got, truth, plain, torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["tiled", "torch", "auto", "reference", "triton"])
+@pytest.mark.parametrize("how", ["numpy", "data", "in_place"])
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_a_reused_mask_reads_its_tensors_new_values(kind, how, backend, monkeypatch):
+    _backend(backend, monkeypatch)
+    build, before, after = CASES[kind]
+    array = before.copy()
+    t = torch.from_numpy(array)
+    q, k, v = _qkv()
+    mask = build(t)
+    reasons = dispatch.BACKENDS[backend].not_supported_reasons(validate(q, k, v, mask)) \
+        if backend != "auto" else []
+    if reasons:
+        pytest.skip(f"{backend} refuses {kind}: {'; '.join(reasons)}")
+    _check(f"{kind} before", ak.attention(q, k, v, mask, backend=backend), build, before, q, k, v)
+    _write(how, array, t, after)
+    if kind == "padding_kv_mask":  # padding(kv_mask=...) reads the mask when built (documented)
+        mask = build(t)
+    _check(f"{kind} after a {how} write", ak.attention(q, k, v, mask, backend=backend), build,
+           after, q, k, v)
+
+
+@pytest.mark.parametrize("how", ["numpy", "data"])
+def test_lengths_out_of_range_after_a_write_are_reported(how):
+    """The call cache validates again when a mask's values changed: a length that no longer
+    fits raises as it would have on the first call."""
+    array = np.array([5, T])
+    t = torch.from_numpy(array)
+    mask = ak.padding(kv_lengths=t)
+    q, k, v = _qkv()
+    ak.attention(q, k, v, mask)
+    _write(how, array, t, np.array([5, T + 1]))
+    with pytest.raises(ValueError, match="out of range"):
+        ak.attention(q, k, v, mask)
+
+
+@pytest.mark.parametrize("how", ["numpy", "data"])
+def test_documents_no_longer_contiguous_after_a_write_are_reported(how):
+    """Causal documents whose ids were rewritten so that a document is split raise the same
+    error as a mask built with those ids (the runs are derived again, not reused)."""
+    array = _POS // 40
+    t = torch.from_numpy(array)
+    mask = ak.documents(t, causal="top_left")
+    q, k, v = _qkv()
+    ak.attention(q, k, v, mask, backend="tiled")
+    split = array.copy()
+    split[-1] = 0
+    _write(how, array, t, split)
+    with pytest.raises(ValueError, match="not one contiguous run"):
+        ak.attention(q, k, v, mask, backend="tiled")
+
+
+def test_cache_keys_follow_content_and_identity():
+    """A key changes with any write to a tensor (also one torch does not count), and two
+    tensors of equal content have different keys (a cached value may hold its tensor)."""
+    array = np.array([3, 4])
+    t = torch.from_numpy(array)
+    mask = ak.padding(kv_lengths=t)
+    keep: list = []
+    key = ak.masks.cache_key(mask, keep)
+    assert any(held is t for held in keep)
+    assert ak.masks.cache_key(mask, []) == key
+    array[0] = 2
+    assert ak.masks.cache_key(mask, []) != key
+    array[0] = 3
+    assert ak.masks.cache_key(mask, []) == key
+    assert ak.masks.cache_key(ak.padding(kv_lengths=torch.tensor([3, 4])), []) != key
+    too_big = torch.zeros(ak.masks.KEY_BYTES // 8 + 1, dtype=torch.long)
+    assert ak.masks.cache_key(ak.documents(too_big), []) is None

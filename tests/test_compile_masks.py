@@ -1,0 +1,99 @@
+"""``torch.compile`` with an explicit backend and with masks whose Python numbers change between
+calls: one graph (``fullgraph=True``), forward and backward equal to the float64 reference.
+
+Compiled with ``backend="aot_eager"`` (dynamo and AOT autograd: the graph capture, the fake
+implementations and the registered autograd, without inductor's code generation time).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import assert_within_2x
+
+import attnkit as ak
+
+B, H, T, D = 2, 2, 40, 8
+
+
+def _qkv(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, T, D, generator=gen, requires_grad=True) for _ in range(3)]
+
+
+def _out_and_grads(fn, q, k, v):
+    out = fn(q, k, v)
+    return [out.detach(), *torch.autograd.grad((out * out).sum(), (q, k, v))]
+
+
+def _assert_like_reference(name, got, mask, q, k, v):
+    """``got`` (out and the gradients of Σ out²) within 2× the error of the reference's float32
+    math from the float64 reference."""
+    def reference(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        return _out_and_grads(lambda *x: ak.attention(*x, mask, backend="reference"), *leaves)
+    truths, plains = reference(torch.float64), reference(torch.float32)
+    for what, g, truth, plain in zip(("out", "dq", "dk", "dv"), got, truths, plains):
+        assert_within_2x(f"{name} {what}", g, truth, plain, torch.float32)
+
+
+@pytest.mark.parametrize("backend, mask_name", [
+    ("tiled", "none"), ("tiled", "causal"), ("tiled", "causal&padding"), ("reference", "none"),
+    ("reference", "causal")])
+def test_an_explicit_backend_compiles_to_one_graph(backend, mask_name):
+    """No mask and causal masking trace as torch's kernel under ``backend="auto"``; a backend
+    that plans on the host (tiled) runs as attnkit's operator instead, in the same single
+    graph, with its own backward."""
+    lengths = torch.tensor([25, 40])
+    make = {"none": lambda: None, "causal": ak.causal,
+            "causal&padding": lambda: ak.causal() & ak.padding(kv_lengths=lengths)}[mask_name]
+
+    def fn(q, k, v):
+        return ak.attention(q, k, v, make(), backend=backend)
+
+    torch._dynamo.reset()
+    q, k, v = _qkv(1)
+    got = _out_and_grads(torch.compile(fn, backend="aot_eager", fullgraph=True), q, k, v)
+    _assert_like_reference(f"{backend} {mask_name}", got, make(), q, k, v)
+
+
+def test_auto_with_a_differentiated_lse_compiles_without_a_mask():
+    """``auto`` sends a call whose LSE is differentiated to tiled (torch's kernel gives no LSE
+    gradient): that compiles as the operator too."""
+    def fn(q, k, v):
+        result = ak.attention(q, k, v, return_lse=True)
+        return result.out + result.lse[..., None]
+
+    torch._dynamo.reset()
+    q, k, v = _qkv(2)
+    got = _out_and_grads(torch.compile(fn, backend="aot_eager", fullgraph=True), q, k, v)
+    want = _out_and_grads(fn, q, k, v)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("kind, values", [
+    ("sliding_window", (2, 6, 3)),
+    ("softcap", (1.0, 20.0, 5.0)),
+    ("window_and_softcap", ((2, 1.0), (6, 20.0), (3, 5.0))),
+])
+def test_a_compiled_function_takes_masks_with_other_numbers(kind, values):
+    """One compiled function called with masks that differ in a Python number (a window, a
+    cap): each call computes with its own numbers, forward and backward, in one graph."""
+    def make(value):
+        if kind == "sliding_window":
+            return ak.sliding_window(value)
+        if kind == "softcap":
+            return ak.causal() & ak.softcap(value)
+        return ak.sliding_window(value[0]) & ak.softcap(value[1])
+
+    def fn(q, k, v, mask):
+        return ak.attention(q, k, v, mask)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    q, k, v = _qkv(3)
+    for value in values:
+        got = _out_and_grads(lambda *x: compiled(*x, make(value)), q, k, v)
+        _assert_like_reference(f"{kind}({value})", got, make(value), q, k, v)

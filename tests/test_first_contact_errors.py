@@ -1,0 +1,159 @@
+"""The mistakes of a first call get a message that says what is wrong and how to fix it.
+
+Habits carried over from ``torch.nn.functional.scaled_dot_product_attention`` (``attn_mask=``,
+``is_causal=``, ``enable_gqa=``, ``[B, T, H, D]`` layouts), a mask factory passed without
+calling it, nested tensors, and what :meth:`attnkit.nn.KVCache.append` is handed: each raises
+a ``TypeError``/``ValueError`` naming the shapes and the fix, never an internal error.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.nn import KVCache, MultiHeadAttention
+
+
+def _qkv(gen, q_heads=4, kv_heads=2):
+    q = torch.randn(2, q_heads, 8, 16, generator=gen)
+    k, v = (torch.randn(2, kv_heads, 8, 16, generator=gen) for _ in range(2))
+    return q, k, v
+
+
+# ---- torch's keyword arguments ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, value, hint", [
+    ("is_causal", True, r"mask=ak\.causal\(\)"),
+    ("attn_mask", torch.ones(8, 8, dtype=torch.bool), r"mask=attn_mask"),
+    ("enable_gqa", True, r"GQA is automatic"),
+])
+def test_torch_keywords_get_the_attnkit_spelling(gen, name, value, hint):
+    q, k, v = _qkv(gen)
+    with pytest.raises(TypeError, match=hint) as error:
+        ak.attention(q, k, v, **{name: value})
+    assert f"'{name}'" in str(error.value)
+
+
+def test_several_torch_keywords_are_all_named(gen):
+    q, k, v = _qkv(gen)
+    with pytest.raises(TypeError, match=r"is_causal.*enable_gqa|enable_gqa.*is_causal") as error:
+        ak.attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert "mask=ak.causal()" in str(error.value) and "GQA is automatic" in str(error.value)
+
+
+def test_an_unknown_keyword_is_still_a_plain_type_error(gen):
+    """Keywords that are not torch's get Python's message, with the list of attnkit's."""
+    q, k, v = _qkv(gen)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'causal'.*return_lse"):
+        ak.attention(q, k, v, causal=True)
+
+
+# ---- a mask factory passed uncalled -------------------------------------------------------------
+
+@pytest.mark.parametrize("factory, call", [
+    (ak.causal, r"ak\.causal\(\)"),
+    (ak.padding, r"ak\.padding\("),  # padding() then says which lengths it needs
+    (ak.sliding_window, r"ak\.sliding_window\(\.\.\.\)"),
+    (ak.softcap, r"ak\.softcap\(\.\.\.\)"),
+    (ak.masks.causal, r"ak\.causal\(\)"),
+])
+def test_a_mask_factory_passed_without_calling_it(gen, factory, call):
+    q, k, v = _qkv(gen)
+    for how in ("positional", "keyword"):
+        with pytest.raises(TypeError, match=rf"call it.*{call}"):
+            if how == "positional":
+                ak.attention(q, k, v, factory)
+            else:
+                ak.attention(q, k, v, mask=factory)
+
+
+def test_a_plain_function_as_the_mask_gets_the_wrapping_hint(gen):
+    q, k, v = _qkv(gen)
+    with pytest.raises(TypeError, match=r"ak\.from_function\(fn\).*ak\.score_function\(fn\)"):
+        ak.attention(q, k, v, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+
+
+# ---- [B, T, H, D] layouts -----------------------------------------------------------------------
+
+def test_a_batch_time_heads_layout_gets_the_transpose_hint(gen):
+    """torch's ``[B, T, H, D]`` (as a projection's ``view`` gives it): dim -3 holds the lengths
+    7 and 5, which do not divide, while dim -2 holds 8 and 2 heads."""
+    q = torch.randn(2, 7, 8, 16, generator=gen)
+    k, v = (torch.randn(2, 5, 2, 16, generator=gen) for _ in range(2))
+    with pytest.raises(ValueError, match=r"\[B, H, T, D\].*x\.transpose\(1, 2\)") as error:
+        ak.attention(q, k, v)
+    assert "(2, 7, 8, 16)" in str(error.value) and "(2, 5, 2, 16)" in str(error.value)
+    ak.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # the fix works
+    q = torch.randn(2, 6, 8, 16, generator=gen)  # 6 heads over 4, 8 queries, 5 keys: no hint
+    k, v = (torch.randn(2, 4, 5, 16, generator=gen) for _ in range(2))
+    with pytest.raises(ValueError, match="multiple of key/value heads") as error:
+        ak.attention(q, k, v)
+    assert "transpose" not in str(error.value)
+
+
+# ---- nested tensors -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided])
+def test_nested_tensors_are_refused_with_the_packing_and_padding_hints(gen, layout):
+    seqs = [torch.randn(4, n, 16, generator=gen) for n in (3, 5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that nested tensors are a prototype
+        nested = torch.nested.nested_tensor(seqs, layout=layout)
+    for args in ((nested, nested, nested), (seqs[0], nested, nested)):
+        with pytest.raises(TypeError, match=r"nested.*ak\.documents.*ak\.padding\(kv_lengths="):
+            ak.attention(*args)
+    with pytest.raises(TypeError, match="nested"):
+        ak.explain_dispatch(nested, nested, nested)
+
+
+# ---- KVCache.append -----------------------------------------------------------------------------
+
+def _caches():
+    return {"empty": KVCache.empty(),
+            "filled": KVCache.empty().append(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4))}
+
+
+def _z(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("which", ["empty", "filled"])
+@pytest.mark.parametrize("keys, values, error, match", [
+    (_z(2, 3, 4), _z(2, 3, 4), ValueError, r"\[B, Hkv, t, D\].*keys \(2, 3, 4\).*unsqueeze\(1\)"),
+    ([[[[0.0] * 4]]] * 2, [[[[0.0] * 4]]] * 2, TypeError, r"torch\.Tensor.*list"),
+    (_z(2, 1, 2, 4), _z(2, 1, 3, 4), ValueError, r"keys \(2, 1, 2, 4\).*values \(2, 1, 3, 4\).*t"),
+    (_z(2, 1, 2, 4), _z(1, 1, 2, 4), ValueError, r"keys \(2, 1, 2, 4\).*values \(1, 1, 2, 4\)"),
+    (_z(2, 1, 2, 4), _z(2, 2, 2, 4), ValueError, r"keys \(2, 1, 2, 4\).*values \(2, 2, 2, 4\)"),
+    (_z(2, 1, 2, 4), _z(2, 1, 2, 4, dtype=torch.float64), TypeError, r"float32.*float64.*\.to\("),
+    (_z(2, 1, 2, 4, dtype=torch.long), _z(2, 1, 2, 4, dtype=torch.long), TypeError, r"floating-point dtype.*int64"),
+], ids=["3-D", "lists", "t differs", "B differs", "Hkv differs", "dtype differs", "integer"])
+def test_kv_cache_append_refuses_keys_and_values_that_do_not_fit(which, keys, values, error, match):
+    with pytest.raises(error, match=match):
+        _caches()[which].append(keys, values)
+
+
+@pytest.mark.parametrize("which", ["empty", "filled"])
+@pytest.mark.parametrize("lengths, match", [
+    ("12", r"lengths.*integer.*\[B\] = \[2\].*str"),
+    (torch.tensor([True, False]), r"lengths.*torch\.bool.*sum\(-1\)"),
+    ([True, False], r"lengths.*torch\.bool.*sum\(-1\)"),
+    (torch.tensor([1.0, 2.0]), r"lengths.*torch\.float32.*\.long\(\)"),
+    ([1.5, 2.0], r"lengths.*torch\.float32.*\.long\(\)"),
+], ids=["str", "bool tensor", "bool list", "float tensor", "float list"])
+def test_kv_cache_append_refuses_lengths_that_are_not_integers(which, lengths, match):
+    with pytest.raises(TypeError, match=match):
+        _caches()[which].append(_z(2, 1, 2, 4), _z(2, 1, 2, 4), lengths=lengths)
+
+
+def test_kv_cache_lengths_are_integers_as_a_list_or_tensor_and_through_the_module():
+    for lengths in ([1, 2], torch.tensor([1, 2], dtype=torch.int32)):
+        cache = KVCache.empty().append(_z(2, 1, 2, 4), _z(2, 1, 2, 4), lengths=lengths)
+        assert cache.lengths.tolist() == [1, 2]
+    with pytest.raises(ValueError, match=r"\[B\] = \[2\].*\(1, 2\)"):
+        KVCache.empty().append(_z(2, 1, 2, 4), _z(2, 1, 2, 4), lengths=[[1, 2]])
+    mha = MultiHeadAttention(8, 2)
+    with pytest.raises(TypeError, match=r"lengths.*torch\.bool"):
+        mha(torch.randn(2, 3, 8), cache=mha.empty_cache(), lengths=torch.tensor([True, True]))
