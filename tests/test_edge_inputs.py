@@ -317,6 +317,20 @@ def test_softcap_refuses_caps_float32_cannot_carry(cap, error, words):
         ak.softcap(cap)
 
 
+@pytest.mark.parametrize("scale", [None, 1000.0])
+@pytest.mark.parametrize("cap", [TINY, 2e-38, 1e-30])
+def test_tiny_softcaps_stay_finite_with_large_scores(cap, scale):
+    """|scale|/cap far past float32's range: the scores are divided by the cap after the
+    matmul, since q·(scale/cap) would overflow to inf and the matmul give NaN."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (10 * torch.randn(1, 2, 65, 19, generator=gen) for _ in range(3))
+    got = ak.attention(q, k, v, ak.softcap(cap), scale=scale, backend="tiled")
+    truth = ak.attention(q.double(), k.double(), v.double(), ak.softcap(cap), scale=scale,
+                         backend="reference")
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), truth, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cap", [TINY, 1e-30, 30.0, 1e30, HUGE])
 @pytest.mark.parametrize("backend", ["tiled", "auto"])
 def test_softcap_at_the_ends_of_its_range_is_finite(cap, backend):
