@@ -82,7 +82,11 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     both_empty = torch.isneginf(lse_a) & torch.isneginf(lse_b)  # [..., T]
     lse_a, lse_b = lse_a.masked_fill(both_empty, 0.0), lse_b.masked_fill(both_empty, 0.0)
     diff = lse_b - lse_a  # [..., T]; ±inf where exactly one side is empty
-    weight_a, weight_b = torch.sigmoid(-diff)[..., None], torch.sigmoid(diff)[..., None]
+    # σ(±diff) as exp(logsigmoid): the same values, but autograd's derivative is then
+    # σ(diff)·σ(−diff) from two precise factors, not y·(1 − y), which loses the small factor
+    # once y rounds to 1
+    weight_a = torch.exp(torch.nn.functional.logsigmoid(-diff))[..., None]
+    weight_b = torch.exp(torch.nn.functional.logsigmoid(diff))[..., None]
     out = out_a * weight_a + out_b * weight_b
     return out, torch.logaddexp(lse_a, lse_b).masked_fill(both_empty, float("-inf"))
 

@@ -1139,7 +1139,6 @@ def _segment_backward_matmul(q_block, k_seg, v_seg, do_block, lse_block, delta_b
     else:
         scores = q_scaled @ k_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
     traced = tanh = None
-    units, joined = 1.0, False  # units: what one unit of `scores` is worth
     if by_autograd:
         traced = modified.trace(scores)
         # a copy to work on in place (autograd may have saved `final` itself)
@@ -1147,18 +1146,16 @@ def _segment_backward_matmul(q_block, k_seg, v_seg, do_block, lse_block, delta_b
                           scores.shape[1])
     elif softcap is not None:
         tanh = scores.tanh_()  # kept for the cap's derivative
-        if additive is None and modified.capped_alone:  # the cap's factor joins the exponent's
-            scores = torch.sub(tanh, lse_block[..., None] / softcap.cap)  # (s − lse) / cap
-            units, joined = softcap.cap, True
-        else:
-            scores = tanh * softcap.cap
+        # tanh · cap rounds a row's largest score as the forward's LSE did (its row maximum
+        # times the cap, plus log of the row's sum), so a row whose weight is all on one key
+        # gets exactly 1 there. (tanh − lse / cap) · cap would carry the rounding of lse / cap,
+        # eps·|lse|, into every weight: ±10% once |lse| nears 1e6 (a huge cap, a large scale).
+        scores = tanh * softcap.cap
     if modified is not None and not by_autograd and modified.positions is not None:
         scores.add_(modified.positions.natural())
-    if not joined:
-        if additive is not None:
-            scores.add_(additive)
-        scores.sub_(lse_block[..., None])
-    probs = _exp_(scores, units)  # softmax weights, recomputed
+    if additive is not None:
+        scores.add_(additive)
+    probs = _exp_(scores.sub_(lse_block[..., None]))  # softmax weights, recomputed
     grad_probs = do_block @ v_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
     kept = probs
     if keep is not None:
