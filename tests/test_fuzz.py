@@ -652,13 +652,11 @@ class Refused(Exception):
     pass
 
 
-def run_backend(built: Built, backend: str) -> tuple[Outputs, dict]:
-    """``attnkit.attention`` on ``backend`` (with its gradients when the case asks for them);
-    raises :class:`Refused` on a capability refusal. Also returns the results by name."""
-    case = built.case
-    mask = mask_argument(case.mask, case, built.tensors)
-    q, k, v = (built.views[n](built.phys[n]) for n in "qkv")
-    with torch.set_grad_enabled(bool(case.grad)):
+def call_attention(case, q, k, v, mask, backend: str, grad: bool) -> dict:
+    """``attnkit.attention`` for ``case`` (its scale and what it returns) on ``backend``, with
+    autograd on when ``grad``: the results ``_wants(case)`` names, by name; raises
+    :class:`Refused` on a capability refusal."""
+    with torch.set_grad_enabled(grad):
         try:
             result = ak.attention(q, k, v, mask, scale=case.scale, backend=backend,
                                   return_lse=case.return_lse, return_weights=case.return_weights)
@@ -670,7 +668,16 @@ def run_backend(built: Built, backend: str) -> tuple[Outputs, dict]:
         results = {"out": result.out, "lse": result.lse, "weights": result.weights}
     else:
         results = {"out": result}
-    results = {name: results.get(name) for name in _wants(case)}
+    return {name: results.get(name) for name in _wants(case)}
+
+
+def run_backend(built: Built, backend: str) -> tuple[Outputs, dict]:
+    """``attnkit.attention`` on ``backend`` (with its gradients when the case asks for them);
+    raises :class:`Refused` on a capability refusal. Also returns the results by name."""
+    case = built.case
+    mask = mask_argument(case.mask, case, built.tensors)
+    q, k, v = (built.views[n](built.phys[n]) for n in "qkv")
+    results = call_attention(case, q, k, v, mask, backend, bool(case.grad))
     grads = {}
     if case.grad:
         grads = _backward(built, results, _grad_leaves(built, built.phys, built.tensors))
@@ -1310,34 +1317,42 @@ def minimise(case: Case, key: tuple, budget: int = 200) -> Case:
     return case
 
 
-@pytest.mark.slow
-def test_fuzz_survey():
-    """Many examples; every disagreement is recorded (none stops the run), each kind is
-    minimised, and the kinds are printed with counts and a minimal case before failing."""
-    stats = Stats("survey")
+def run_survey(stats: "Stats", strategy, run: Callable, shrink: Callable,
+               size: Callable) -> None:
+    """Run ``$ATTNKIT_FUZZ_EXAMPLES`` (5000) cases drawn by ``strategy`` through ``run`` (a
+    case → :class:`Result`); record every disagreement (none stops the run), keep the smallest
+    case of each kind by ``size(case)``, minimise it with ``shrink(case, key)``, print the kinds
+    with counts and a minimal case, and fail if there was any."""
     examples: dict = {}  # problem key -> (size, case, problem)
 
     @settings(max_examples=int(os.environ.get("ATTNKIT_FUZZ_EXAMPLES", "5000")), **FUZZ_SETTINGS)
-    @given(case=cases("all"))
+    @given(case=strategy)
     def survey(case):
-        result = run_case(case)
+        result = run(case)
         stats.add(result)
-        size = case.bf * case.hq * (case.tq + 1) * (case.tk + 1) * (case.dk + case.dv)
         for problem in result.problems:
-            if problem.key not in examples or size < examples[problem.key][0]:
-                examples[problem.key] = (size, case, problem)
+            if problem.key not in examples or size(case) < examples[problem.key][0]:
+                examples[problem.key] = (size(case), case, problem)
 
     survey()
     report = []
     for key in sorted(examples):
         _, case, problem = examples[key]
-        small = minimise(case, key)
-        again = [p for p in run_case(small, backends=(key[0],)).problems if p.key == key]
+        small = shrink(case, key)
+        again = [p for p in run(small, backends=(key[0],)).problems if p.key == key]
         report.append(f"{'/'.join(key)} ({stats.disagreements[key]} calls): "
-                      f"{again[0] if again else problem}\n    {small}")
+                      f"{again[0] if again else problem}\n    {small!r}")
     stats.record({"kinds": report})
     print("\n".join(report))
     assert not examples, f"{len(examples)} kinds of disagreement:\n" + "\n".join(report)
+
+
+@pytest.mark.slow
+def test_fuzz_survey():
+    """Many examples; every disagreement is recorded (none stops the run), each kind is
+    minimised, and the kinds are printed with counts and a minimal case before failing."""
+    run_survey(Stats("survey"), cases("all"), run_case, minimise,
+               lambda case: case.bf * case.hq * (case.tq + 1) * (case.tk + 1) * (case.dk + case.dv))
 
 
 # ---- the fuzz can fail ------------------------------------------------------------------------

@@ -51,7 +51,6 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import os
 from dataclasses import MISSING, dataclass, fields, replace
 from typing import NamedTuple, Optional
 
@@ -67,8 +66,8 @@ import_triton_interpreted()
 import attnkit as ak  # noqa: E402
 
 import test_fuzz  # noqa: E402
-from test_fuzz import (FUZZ_SETTINGS, INF, REFUSAL, Problem, Result, Stats, compare,  # noqa: E402
-                       triton_usable)
+from test_fuzz import (FUZZ_SETTINGS, INF, Problem, Refused, Result, Stats, _wants,  # noqa: E402
+                       call_attention, compare, run_survey, triton_usable)
 from test_modifiers import t5_bucket  # noqa: E402
 
 BACKENDS = ("reference", "tiled", "torch", "auto")
@@ -445,10 +444,6 @@ def build(case: ModCase) -> Built:
     return Built(case, qkv, modifier_params(case), allowed_matrix(case.mask, case), grad_out)
 
 
-def _wants(case: ModCase) -> tuple:
-    return ("out",) + (("lse",) if case.return_lse else ()) + (("weights",) if case.return_weights else ())
-
-
 def _takes_grad(built: Built) -> bool:
     return bool(built.case.grad) or any(p.requires_grad for p in built.params.values())
 
@@ -494,27 +489,11 @@ def run_oracle(built: Built, dtype: torch.dtype, wrong: str = "") -> tuple[Outpu
     return Outputs(results, grads), full
 
 
-class Refused(Exception):
-    pass
-
-
 def run_backend(built: Built, backend: str) -> Outputs:
     case = built.case
     mask = mask_argument(case, built.params)
-    with torch.set_grad_enabled(_takes_grad(built)):
-        try:
-            result = ak.attention(built.qkv["q"], built.qkv["k"], built.qkv["v"], mask,
-                                  scale=case.scale, backend=backend, return_lse=case.return_lse,
-                                  return_weights=case.return_weights)
-        except ValueError as err:
-            if REFUSAL in str(err):
-                raise Refused(str(err)) from None
-            raise
-    if case.return_lse or case.return_weights:
-        results = {"out": result.out, "lse": result.lse, "weights": result.weights}
-    else:
-        results = {"out": result}
-    results = {name: results.get(name) for name in _wants(case)}
+    results = call_attention(case, built.qkv["q"], built.qkv["k"], built.qkv["v"], mask, backend,
+                             _takes_grad(built))
     grads = _backward(built, results, _leaves(built, built.qkv, built.params)) if _takes_grad(built) else {}
     return Outputs(results, grads)
 
@@ -949,30 +928,9 @@ def test_fuzz_modifiers(family, interpreter):
 def test_fuzz_modifiers_survey(interpreter):
     """Many examples; every disagreement and exception is recorded, each kind minimised and
     printed with its count and a minimal case, and the per-backend counts, before failing."""
-    stats = ModStats("modifiers-survey")
-    examples: dict = {}  # problem key -> (size, case, problem)
-
-    @settings(max_examples=int(os.environ.get("ATTNKIT_FUZZ_EXAMPLES", "5000")), **FUZZ_SETTINGS)
-    @given(case=cases("all"))
-    def survey(case):
-        result = run_case(case)
-        stats.add(result)
-        size = case.bf * case.hq * (case.tq + 1) * (case.tk + 1) * (case.dk + case.dv) * (1 + len(case.mods))
-        for problem in result.problems:
-            if problem.key not in examples or size < examples[problem.key][0]:
-                examples[problem.key] = (size, case, problem)
-
-    survey()
-    report = []
-    for key in sorted(examples):
-        _, case, problem = examples[key]
-        small = minimise(case, key)
-        again = [p for p in run_case(small, backends=(key[0],)).problems if p.key == key]
-        report.append(f"{'/'.join(key)} ({stats.disagreements[key]} calls): "
-                      f"{again[0] if again else problem}\n    {small!r}")
-    stats.record({"kinds": report})
-    print("\n".join(report))
-    assert not examples, f"{len(examples)} kinds of disagreement:\n" + "\n".join(report)
+    run_survey(ModStats("modifiers-survey"), cases("all"), run_case, minimise,
+               lambda case: (case.bf * case.hq * (case.tq + 1) * (case.tk + 1) * (case.dk + case.dv)
+                             * (1 + len(case.mods))))
 
 
 # ---- the fuzz can fail ----------------------------------------------------------------------------
