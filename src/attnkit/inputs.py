@@ -132,24 +132,6 @@ def unexpected_keywords(function: Callable, keywords: dict) -> TypeError:
     return TypeError(f"{message}; it takes {', '.join(accepted)}")
 
 
-def _uncalled_mask(mask) -> str:
-    """What to say about a callable passed as the mask: an attnkit factory to call, or a
-    function to wrap."""
-    module = getattr(mask, "__module__", None)
-    name = getattr(mask, "__name__", "")
-    if module in ("attnkit.masks", "attnkit.modifiers") and not name.startswith("_"):
-        import attnkit
-        where = "ak" if getattr(attnkit, name, None) is mask else "ak." + module.split(".")[1]
-        required = any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-                       for p in inspect.signature(mask).parameters.values())
-        kind = "class" if isinstance(mask, type) else "function"
-        return (f"mask is the {kind} `{where}.{name}` itself, not a mask: call it: "
-                f"`mask={where}.{name}({'...' if required else ''})`")
-    return (f"mask is a {type(mask).__name__} ({name or mask!r}), not a mask: wrap a "
-            f"mask function fn(b, h, q_idx, kv_idx) -> bool as `ak.from_function(fn)`, a score "
-            f"function fn(score, b, h, q_idx, kv_idx) -> score as `ak.score_function(fn)`")
-
-
 def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
              need_weights=False, need_lse=False) -> Inputs:
     """Check an ``attention()`` call and normalise it to ``[B, H, T, D]``; raise on bad input.
@@ -235,8 +217,6 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
-    if callable(mask) and not isinstance(mask, (Mask, torch.Tensor)):
-        raise TypeError(_uncalled_mask(mask))
     mask, modifiers = split(as_mask(mask))
     # sinks join the finished result through its LSE (modifiers.Sinks.join): the call needs one
     need_lse = need_lse or (modifiers is not None and modifiers.sinks is not None)

@@ -24,6 +24,7 @@ True means "may attend", as in ``torch.nn.functional.scaled_dot_product_attentio
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import threading
 import weakref
@@ -1629,8 +1630,28 @@ def as_mask(mask) -> Optional[Mask]:
 
 
 def _bad_mask(mask):
+    if callable(mask) and not isinstance(mask, torch.Tensor):
+        raise TypeError(_uncalled_mask(mask))
     raise TypeError(f"mask must be an attnkit mask, a bool tensor (True = may attend) or a float "
                     f"bias tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+
+
+def _uncalled_mask(mask) -> str:
+    """What to say about a callable passed as the mask: an attnkit factory to call, or a
+    function to wrap."""
+    module = getattr(mask, "__module__", None)
+    name = getattr(mask, "__name__", "")
+    if module in ("attnkit.masks", "attnkit.modifiers") and not name.startswith("_"):
+        import attnkit
+        where = "ak" if getattr(attnkit, name, None) is mask else "ak." + module.split(".")[1]
+        required = any(p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                       for p in inspect.signature(mask).parameters.values())
+        kind = "class" if isinstance(mask, type) else "function"
+        return (f"mask is the {kind} `{where}.{name}` itself, not a mask: call it: "
+                f"`mask={where}.{name}({'...' if required else ''})`")
+    return (f"mask is a {type(mask).__name__} ({name or mask!r}), not a mask: wrap a "
+            f"mask function fn(b, h, q_idx, kv_idx) -> bool as `ak.from_function(fn)`, a score "
+            f"function fn(score, b, h, q_idx, kv_idx) -> score as `ak.score_function(fn)`")
 
 
 # ---- caching what is derived from a mask ----------------------------------------------------
