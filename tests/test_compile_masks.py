@@ -97,3 +97,23 @@ def test_a_compiled_function_takes_masks_with_other_numbers(kind, values):
     for value in values:
         got = _out_and_grads(lambda *x: compiled(*x, make(value)), q, k, v)
         _assert_like_reference(f"{kind}({value})", got, make(value), q, k, v)
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(0, 5), (3, 0), (0, 0)])
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+def test_empty_sequences_compile_with_zero_gradients(backend, q_len, kv_len):
+    """Empty calls under ``torch.compile`` (the operator's forward and backward) give what
+    eager gives: an empty or zero output and zero gradients, learnable slopes included."""
+    slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+
+    def fn(q, k, v):
+        return ak.attention(q, k, v, ak.causal() & ak.softcap(5.0) & ak.alibi(slopes),
+                            backend=backend)
+
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 2, n, 4, requires_grad=True) for n in (q_len, kv_len, kv_len))
+    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v)
+    assert out.shape == (1, 2, q_len, 4) and (out == 0).all()
+    out.sum().backward()
+    for t in (q, k, v, slopes):
+        assert t.grad is not None and t.grad.shape == t.shape and (t.grad == 0).all()

@@ -157,8 +157,14 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
         raise RuntimeError("attnkit under torch.compile: the attention weights returned by "
                            "return_weights=True are not differentiable there; differentiate "
                            "out/lse, or run eagerly")
+    from .dispatch import is_empty
+
     mask = unflatten(spec, tensors, numbers.tolist())
     inputs, chosen = _engine(q, k, v, mask, scale, backend, need_weights)
+    if is_empty(inputs):  # nothing was computed (dispatch.run): every gradient is 0
+        return [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                *(torch.zeros_like(t) if want else t.new_empty(0)
+                  for t, want in zip(tensors, wanted))]
     rows = inputs.q.shape[:3]
     wanted_by_id = {id(t): want for t, want in zip(tensors, wanted)}
     biases = [] if mask is None else mask.biases()  # the caller's tensors, in the order of
