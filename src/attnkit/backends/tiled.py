@@ -769,7 +769,7 @@ class TileScores(NamedTuple):
         return ((q_block * scale) @ k_seg.transpose(-1, -2)).div_(softcap.cap)
 
     def apply(self, scores: torch.Tensor) -> torch.Tensor:
-        """Scores ``q·kᵀ·query_scale(scale)`` ``[B, Hkv, G·n, span]`` (overwritten) → the
+        """Scores from :meth:`scores` ``[B, Hkv, G·n, span]`` (overwritten) → the
         modified scores, same layout, before masking."""
         softcap = self.modifiers.softcap
         if softcap is not None:
@@ -907,8 +907,7 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
             lse = lse.masked_fill(~tile.has_key, float("-inf"))
         return out, lse
     modified = tile.scores if tile is not None else None
-    scores = ((q_block * scale) @ k_seg.transpose(-1, -2) if modified is None
-              else modified.scores(q_block, k_seg, scale))  # [B, Hkv, G·n, span]
+    scores = _scores(q_block, k_seg, scale, modified)  # [B, Hkv, G·n, span]
     units = 1.0  # what one unit of `scores` is worth in scores
     if modified is not None and additive is None and modified.capped_alone:
         scores.tanh_()  # the cap's factor joins the exponent's below
@@ -976,6 +975,15 @@ def _segment_inputs(problem, work, q_block, keys, values, block, rows, seg, fuse
         shape = (*q_block.shape[:3], seg.stop - seg.start)
         keep = _dropout_keep(problem, block, seg, shape, keys.device)
     return k_seg, v_seg, tile, keep
+
+
+def _scores(q_block: torch.Tensor, k_seg: torch.Tensor, scale: float,
+            modified: Optional[TileScores]) -> torch.Tensor:
+    """A segment's scores ``q·kᵀ·scale`` ``[B, Hkv, G·n, span]``, as ``modified``'s
+    :meth:`~TileScores.apply` takes them (divided by a softcap's cap) when there is one."""
+    if modified is None:
+        return (q_block * scale) @ k_seg.transpose(-1, -2)
+    return modified.scores(q_block, k_seg, scale)
 
 
 def _merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -1464,9 +1472,7 @@ def tiled_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, problem: 
                             problem.plan.block_k, False):
             position_tile = _position_tile(problem, work, positions, batch, group.rows, seg)
             modified = _tile_scores(problem, group.rows, seg, heads_q, position_tile)
-            k_seg = keys[:, :, seg.start:seg.stop]
-            scores = ((q_block * problem.scale) @ k_seg.transpose(-1, -2) if modified is None
-                      else modified.scores(q_block, k_seg, problem.scale))
+            scores = _scores(q_block, keys[:, :, seg.start:seg.stop], problem.scale, modified)
             if modified is not None:
                 with torch.no_grad():
                     scores = modified.apply(scores)  # softcap, biases, score functions
