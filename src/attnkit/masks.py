@@ -521,14 +521,22 @@ class _Runs(NamedTuple):
     empty: Optional[torch.Tensor]  # bool [B], inside a compiled region: no real token (refused)
 
 
+def _run_bounds(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of a bool ``[B, T]``: ``(count, first, last)``, its True entries, the first and
+    the last one's position (``T`` and ``-1`` for a row without one), each ``[B]``."""
+    batch, width = m.shape
+    count = m.sum(-1)
+    if not width:
+        return (count, torch.zeros(batch, dtype=torch.long, device=m.device),
+                torch.full((batch,), -1, dtype=torch.long, device=m.device))
+    positions = torch.arange(width, device=m.device)
+    return (count, torch.where(m, positions, width).amin(-1),
+            torch.where(m, positions, -1).amax(-1))
+
+
 def _one_run(m: torch.Tensor) -> torch.Tensor:
     """Per row of a bool ``[B, T]``, whether its True entries are one non-empty run: ``[B]``."""
-    count = m.sum(-1)
-    if not m.shape[-1]:
-        return count > 0
-    positions = torch.arange(m.shape[-1], device=m.device)
-    first = torch.where(m, positions, m.shape[-1]).amin(-1)
-    last = torch.where(m, positions, -1).amax(-1)
+    count, first, last = _run_bounds(m)
     return (count > 0) & (last - first + 1 == count)
 
 
@@ -562,12 +570,9 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
         m = m != 0
     if not compiling:
         m = m.to("cpu")
-    batch, width = m.shape
-    count = m.sum(-1)  # [B]
-    positions = torch.arange(width, device=m.device)
-    first = (torch.where(m, positions, width).amin(-1) if width
-             else torch.zeros(batch, dtype=torch.long, device=m.device))
-    broken = (count > 0) & ~_one_run(m)
+    width = m.shape[1]
+    count, first, last = _run_bounds(m)  # [B] each
+    broken = (count > 0) & (last - first + 1 != count)
     empty = None if allow_empty_rows else count == 0
     starts = torch.where(count > 0, first, 0).to(torch.long)
     if compiling:
