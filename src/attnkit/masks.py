@@ -402,6 +402,11 @@ def _band_call(left: Optional[int], right: Optional[int], align: str, *extra: st
     return f"sliding_window({', '.join(args + list(extra))})"
 
 
+def tensor_summary(t: torch.Tensor) -> str:
+    """A tensor in a repr, by its dtype and shape: ``<float32 [2, 16]>``."""
+    return f"<{str(t.dtype).removeprefix('torch.')} {list(t.shape)}>"
+
+
 def _show(t: Optional[torch.Tensor], short: int = 8) -> str:
     """A tensor of integers as the caller would write it: a number, a list (up to ``short``
     entries), or its first entries and its length; ``<dtype [shape]>`` when its values cannot
@@ -409,7 +414,7 @@ def _show(t: Optional[torch.Tensor], short: int = 8) -> str:
     if t is None:
         return "None"
     if t.device.type == "meta" or torch.compiler.is_compiling():
-        return f"<{str(t.dtype).removeprefix('torch.')} {list(t.shape)}>"
+        return tensor_summary(t)
     if t.dim() == 0:
         return str(t.item())
     if t.numel() <= short:
@@ -1402,7 +1407,7 @@ class _Dense(Mask):
         return _fit_tensor(self.allowed, q_idx, kv_idx, space)
 
     def __repr__(self):
-        return f"dense(<{str(self.allowed.dtype).removeprefix('torch.')} {list(self.allowed.shape)}>)"
+        return f"dense({tensor_summary(self.allowed)})"
 
 
 def dense(allowed: torch.Tensor) -> Mask:
@@ -1448,7 +1453,7 @@ class _Bias(Mask):
                                                                 device=values.device), values)
 
     def __repr__(self):
-        return f"bias(<{str(self.values.dtype).removeprefix('torch.')} {list(self.values.shape)}>)"
+        return f"bias({tensor_summary(self.values)})"
 
 
 def bias(values: torch.Tensor) -> Mask:

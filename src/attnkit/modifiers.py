@@ -42,7 +42,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .masks import FULL, Mask, MaskSpace, tensor_key
+from .masks import FULL, Mask, MaskSpace, tensor_key, tensor_summary
 
 __all__ = ["Modifier", "Modifiers", "softcap", "alibi", "relative_bias", "sinks",
            "score_function", "t5_buckets", "split"]
@@ -204,7 +204,7 @@ class Alibi(Modifier):
 
     def __repr__(self):
         align = "" if self.align == "top_left" else f", align={self.align!r}"
-        return f"alibi(<{str(self.slopes.dtype).removeprefix('torch.')} {list(self.slopes.shape)}>{align})"
+        return f"alibi({tensor_summary(self.slopes)}{align})"
 
 
 def alibi(slopes: torch.Tensor, align: str = "top_left") -> Mask:
@@ -354,9 +354,9 @@ class RelativeBias(Modifier):
         return self.table.to(dtype)[:, ids][None]  # [1, H, L]
 
     def __repr__(self):
-        name = "t5" if self.buckets is None else getattr(self.buckets, "__name__", "fn")
-        table = f"<{str(self.table.dtype).removeprefix('torch.')} {list(self.table.shape)}>"
-        return f"relative_bias({table}{'' if self.buckets is None else f', buckets={name}'})"
+        buckets = ("" if self.buckets is None
+                   else f", buckets={getattr(self.buckets, '__name__', 'fn')}")
+        return f"relative_bias({tensor_summary(self.table)}{buckets})"
 
 
 def relative_bias(table: torch.Tensor, buckets: Optional[Callable] = None) -> Mask:
@@ -409,7 +409,7 @@ class Sinks(Modifier):
         return merged.to(out.dtype), merged_lse, weights
 
     def __repr__(self):
-        return f"sinks(<{str(self.logits.dtype).removeprefix('torch.')} {list(self.logits.shape)}>)"
+        return f"sinks({tensor_summary(self.logits)})"
 
 
 def sinks(logits: torch.Tensor) -> Mask:
@@ -669,8 +669,8 @@ class Modifiers:
     def hidden_tensors(self, space: MaskSpace, dtype: torch.dtype) -> int:
         """How many tensors that require grad the score functions reach besides
         :attr:`tensors` (evaluated on one position per batch element and head, none of an
-        empty side; 0 without functions): a backend that hands gradients to :attr:`tensors` itself cannot give
-        those theirs."""
+        empty side; 0 without functions): a backend that hands gradients to :attr:`tensors`
+        itself cannot give those theirs."""
         if not self.functions or not torch.is_grad_enabled():
             return 0
         # position 0 of each side, or none of an empty side (indexing a [Tk] tensor at 0
