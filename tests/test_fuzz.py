@@ -895,23 +895,16 @@ def run_case(case: Case, wrong: Wrong = RIGHT, backends: Optional[tuple] = None)
     floors = {"out": score_rel * (_max_abs(truth.out) + _max_abs(built.phys["v"])),
               "lse": score_rel, "weights": score_rel}
     grad_floors = _grad_floors(full, built, _eps(acc)) if compare_grads else {}
-    snapshot = {n: built.phys[n].detach().clone() for n in "qkv"}
+    current = {n: built.phys[n] for n in "qkv"}
+    snapshot = {n: t.detach().clone() for n, t in current.items()}
     problems, calls, refusals = [], collections.Counter(), collections.Counter()
     for backend in backends or backends_for(case):
         calls[backend] += 1
-        try:
-            got, results = run_backend(built, backend)
-        except Refused:
-            refusals[backend] += 1
+        outcome = try_backend(backend, lambda: run_backend(built, backend), problems, refusals)
+        if outcome is None:
             continue
-        except Exception as err:  # noqa: BLE001 — any other exception is a finding
-            text = str(err).strip()
-            first = text.splitlines()[0] if text else ""
-            problems.append(Problem(backend, "call", f"exception {type(err).__name__}", first[:200]))
-            continue
-        for n in "qkv":
-            if not _same_bits(snapshot[n], built.phys[n].detach()):
-                problems.append(Problem(backend, "inputs", "modified", f"{n} was written to"))
+        got, results = outcome
+        problems += written_to(backend, snapshot, current)
         if case.grad and not bool(empty4.all()):
             for name, value in results.items():
                 depends = set(case.grad) - ({"v"} if name != "out" else set())  # lse, weights: not on v
@@ -946,6 +939,27 @@ def run_case(case: Case, wrong: Wrong = RIGHT, backends: Optional[tuple] = None)
 
 def _path(grad_name: str) -> tuple:
     return tuple(int(x) for x in grad_name.split("@")[1].strip("()").split(",") if x.strip())
+
+
+def try_backend(backend: str, run: Callable, problems: list, refusals: collections.Counter):
+    """``run()``, a call of ``backend``: its result, or ``None`` after a capability refusal
+    (counted in ``refusals``) or any other exception (a :class:`Problem` in ``problems``)."""
+    try:
+        return run()
+    except Refused:
+        refusals[backend] += 1
+    except Exception as err:  # noqa: BLE001 — any other exception is a finding
+        text = str(err).strip()
+        first = text.splitlines()[0] if text else ""
+        problems.append(Problem(backend, "call", f"exception {type(err).__name__}", first[:200]))
+    return None
+
+
+def written_to(backend: str, snapshot: dict, current: dict) -> list[Problem]:
+    """A problem for each input (name → tensor in ``current``) whose bits differ from its copy
+    in ``snapshot``: ``backend`` wrote to it."""
+    return [Problem(backend, "inputs", "modified", f"{name} was written to")
+            for name, before in snapshot.items() if not _same_bits(before, current[name].detach())]
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -66,8 +66,9 @@ import_triton_interpreted()
 import attnkit as ak  # noqa: E402
 
 import test_fuzz  # noqa: E402
-from test_fuzz import (FUZZ_SETTINGS, INF, Problem, Refused, Result, Stats, _wants,  # noqa: E402
-                       call_attention, compare, run_survey, triton_usable)
+from test_fuzz import (FUZZ_SETTINGS, INF, Problem, Result, Stats, _wants,  # noqa: E402
+                       call_attention, compare, run_survey, triton_usable, try_backend,
+                       written_to)
 from test_modifiers import t5_bucket  # noqa: E402
 
 BACKENDS = ("reference", "tiled", "torch", "auto")
@@ -574,11 +575,6 @@ def _check_dtypes(backend: str, case: ModCase, results: dict) -> list:
             for name, value in results.items() if value is not None and value.dtype != want[name]]
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and (a.numel() == 0 or torch.equal(
-        a.flatten().view(torch.uint8), b.flatten().view(torch.uint8)))
-
-
 def run_case(case: ModCase, backends: Optional[tuple] = None, wrong: str = "") -> Result:
     """Every backend of ``case`` against the oracle: the problems found, and call counts.
     ``wrong``: a misreading of the definition for the oracle (see :func:`oracle`)."""
@@ -601,25 +597,15 @@ def run_case(case: ModCase, backends: Optional[tuple] = None, wrong: str = "") -
 
     floors, grad_floors = _floors(built, full, acc)
     empty = case.to_caller(~built.allowed.any(-1))  # caller's [..., Tq]
-    snapshot = {n: t.detach().clone() for n, t in (*built.qkv.items(),
-                                                   *((f"mod{i}", p) for i, p in built.params.items()))}
     current = {**built.qkv, **{f"mod{i}": p for i, p in built.params.items()}}
+    snapshot = {n: t.detach().clone() for n, t in current.items()}
     problems, calls, refusals = [], collections.Counter(), collections.Counter()
     for backend in backends or backends_for(case):
         calls[backend] += 1
-        try:
-            got = run_backend(built, backend)
-        except Refused:
-            refusals[backend] += 1
+        got = try_backend(backend, lambda: run_backend(built, backend), problems, refusals)
+        if got is None:
             continue
-        except Exception as err:  # noqa: BLE001 — any other exception is a finding
-            text = str(err).strip()
-            first = text.splitlines()[0] if text else ""
-            problems.append(Problem(backend, "call", f"exception {type(err).__name__}", first[:200]))
-            continue
-        for name, before in snapshot.items():
-            if not _same_bits(before, current[name].detach()):
-                problems.append(Problem(backend, "inputs", "modified", f"{name} was written to"))
+        problems += written_to(backend, snapshot, current)
         problems += _check_dtypes(backend, case, got.results)
         for name in _wants(case):
             shape = case.shape(name)
