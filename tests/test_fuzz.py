@@ -784,6 +784,20 @@ def compare(backend: str, quantity: str, actual, truth, plain: Callable[[], list
     return problems
 
 
+def score_grad_size(case, grad_out: dict, dout, vq, out, p) -> torch.Tensor:
+    """The size of each score's gradient before the softmax's ``p ∘ (·)``, ``[Bf, Hq, Tq, Tk]``:
+    ``|dout·vᵀ| + |Δ|`` (``Δ = Σ dout∘out``) plus what a differentiated LSE and weights add.
+    ``dout [Bf, Hq, Tq, Dv]``, ``vq`` the values per query head, ``out``/``p`` the float64
+    output and weights."""
+    size = (dout @ vq.transpose(-1, -2)).abs() + (dout * out).sum(-1, keepdim=True).abs()
+    if case.return_lse:
+        size = size + case.to4d(grad_out["lse"].double(), case.hq)[..., None].abs()
+    if case.return_weights:
+        w = case.to4d(grad_out["weights"].double(), case.hq)
+        size = size + w.abs() + (w * p).sum(-1, keepdim=True).abs()
+    return size
+
+
 def _grad_floors(full: OracleOut, built: Built, eps: float) -> dict:
     """Gradient floors from the backward's own form ``ds = p ∘ (dp − Δ)`` (see
     ``conftest.delta_form_floors``), evaluated on the float64 oracle: each score's ``ds`` is
@@ -810,12 +824,7 @@ def _grad_floors(full: OracleOut, built: Built, eps: float) -> dict:
         vq = operand("v", case.hkv).repeat_interleave(case.group, 1)
         out = full.out.detach()
         out = torch.where(torch.isfinite(out), out, torch.zeros((), dtype=out.dtype))
-        size = (dout @ vq.transpose(-1, -2)).abs() + (dout * out).sum(-1, keepdim=True).abs()
-        if case.return_lse:
-            size = size + case.to4d(built.grad_out["lse"].double(), case.hq)[..., None].abs()
-        if case.return_weights:
-            w = case.to4d(built.grad_out["weights"].double(), case.hq)
-            size = size + w.abs() + (w * p).sum(-1, keepdim=True).abs()
+        size = score_grad_size(case, built.grad_out, dout, vq, out, p)
         # Δ is formed from the output as stored, rounded to the input dtype: independent
         # roundings of its Dv terms (two half-ulps each, in quadrature), the same for the
         # whole row, so they reach dq through Σ p·k, not Σ p·|k|

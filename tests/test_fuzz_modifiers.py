@@ -67,8 +67,8 @@ import attnkit as ak  # noqa: E402
 
 import test_fuzz  # noqa: E402
 from test_fuzz import (FUZZ_SETTINGS, INF, Problem, Result, Stats, _wants,  # noqa: E402
-                       call_attention, compare, run_survey, triton_usable, try_backend,
-                       written_to)
+                       call_attention, compare, run_survey, score_grad_size, triton_usable,
+                       try_backend, written_to)
 from test_modifiers import t5_bucket  # noqa: E402
 
 BACKENDS = ("reference", "tiled", "torch", "auto")
@@ -530,12 +530,7 @@ def _floors(built: Built, full: OracleOut, acc: torch.dtype) -> tuple[dict, dict
         kq = case.to4d(built.qkv["k"].detach().double(), case.hkv).repeat_interleave(case.group, 1)
         vq = case.to4d(built.qkv["v"].detach().double(), case.hkv).repeat_interleave(case.group, 1)
         out = full.out.detach().double()
-        size = (dout @ vq.transpose(-1, -2)).abs() + (dout * out).sum(-1, keepdim=True).abs()
-        if case.return_lse:
-            size = size + case.to4d(built.grad_out["lse"].double(), case.hq)[..., None].abs()
-        if case.return_weights:
-            w = case.to4d(built.grad_out["weights"].double(), case.hq)
-            size = size + w.abs() + (w * p).sum(-1, keepdim=True).abs()
+        size = score_grad_size(case, built.grad_out, dout, vq, out, p)
         stored = _eps(case.torch_dtype) * (dout * out).square().sum(-1, keepdim=True).sqrt()
         term = torch.where(built.allowed, p * (ulps * size + stored), 0.0)  # [Bf, Hq, Tq, Tk]
         scale = abs(case.scale if case.scale is not None else 1.0 / math.sqrt(case.dk))
