@@ -35,22 +35,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 import attnkit as ak  # noqa: E402
+from attnkit.bench.runner import interleaved as timed  # noqa: E402
 from attnkit.nn import MultiHeadAttention  # noqa: E402
 
 
 def interleaved(fns: dict[str, Callable[[], object]], calls: int, blocks: int) -> dict[str, float]:
     """Median µs per call of each function, timed in alternating blocks of ``calls`` calls."""
-    for fn in fns.values():
-        for _ in range(max(calls // 4, 3)):
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(blocks):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(t) for name, t in times.items()}
+    seconds = timed(fns, calls, blocks, warmup=max(calls // 4, 3))
+    return {name: s * 1e6 for name, s in seconds.items()}
 
 
 def tiny_calls(quick: bool) -> list[dict]:

@@ -153,6 +153,24 @@ class Settings:
     seed: int = 0
 
 
+def interleaved(fns: dict[str, Callable[[], object]], calls: int, blocks: int,
+                warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function, timed in alternating blocks of ``calls``
+    calls after ``warmup`` untimed calls of each: alternating spreads a noisy machine's load
+    over every function alike, so their ratios hold where absolute times drift."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(blocks):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def _stats(times: list[float]) -> tuple[float, float]:
     """Median and inter-quartile range (0 for fewer than two samples)."""
     if len(times) < 2:
