@@ -432,6 +432,88 @@ def test_decoding_steps():
     assert not found, "\n".join(found)
 
 
+@gpu
+def test_steps_make_no_device_sync():
+    """A ragged decode step (``MultiHeadAttention`` over a ``KVCache(lengths=)``, every layer)
+    and a padded prefill with a mask built before: no host read, so no device sync, under
+    ``torch.cuda.set_sync_debug_mode("error")`` (after one warm-up call each)."""
+    import attnkit as ak
+    from attnkit.nn import KVCache, MultiHeadAttention
+
+    torch.manual_seed(0)
+    layers = [MultiHeadAttention(512, 8, num_kv_heads=2, device=DEVICE, dtype=torch.bfloat16)
+              for _ in range(2)]
+    lengths = torch.tensor([3, 40, 17, 64], device=DEVICE)
+    caches = [KVCache.empty(256) for _ in layers]
+    with torch.no_grad():
+        x = torch.randn(4, 64, 512, device=DEVICE, dtype=torch.bfloat16)
+        for i, layer in enumerate(layers):
+            x, _, caches[i] = layer(x, cache=caches[i], is_causal=True, lengths=lengths)
+
+        def step():
+            h = torch.randn(4, 1, 512, device=DEVICE, dtype=torch.bfloat16)
+            for i, layer in enumerate(layers):
+                h, _, caches[i] = layer(h, cache=caches[i], is_causal=True)
+        q, k, v, _ = make_inputs(4, 8, 2, 512, 512, 128, torch.bfloat16, seed=3)
+        mask = ak.causal() & ak.padding(kv_lengths=torch.tensor([512, 100, 0, 333], device=DEVICE))
+        prefill = lambda: ak.attention(q, k, v, mask)  # noqa: E731
+        for run in (step, prefill):
+            run()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                run()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+
+@gpu
+def test_a_decode_step_replays_in_a_cuda_graph():
+    """One attention call of a decode step (GQA, per-sequence key lengths) captured in a CUDA
+    graph and replayed after the lengths were written in place equals the eager call with the
+    new lengths."""
+    import attnkit as ak
+
+    q, k, v, _ = make_inputs(4, 8, 2, 1, 4096, 128, torch.bfloat16, seed=5)
+    lengths = torch.tensor([4096, 1000, 1, 2500], device=DEVICE)
+    mask = ak.causal("bottom_right") & ak.padding(kv_lengths=lengths)
+    ak.attention(q, k, v, mask)  # plan and compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ak.attention(q, k, v, mask)
+    lengths.copy_(torch.tensor([7, 4096, 3000, 12], device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = ak.attention(q, k, v, ak.causal("bottom_right") & ak.padding(kv_lengths=lengths.clone()))
+    torch.testing.assert_close(out, fresh)
+
+
+@gpu
+def test_garbage_in_padding_and_unwritten_slots_is_never_read():
+    """NaN past each sequence's keys (padding, unwritten cache slots) gives exactly the result
+    of zeros there, on the triton kernels, forward and, for the prefill, backward."""
+    import attnkit as ak
+
+    for q_len in (1, 300):
+        q, k, v, dout = make_inputs(3, 8, 2, q_len, 1500, 64, torch.bfloat16, seed=q_len)
+        lengths = torch.tensor([1500, 700, 1], device=DEVICE)
+        outside = (torch.arange(1500, device=DEVICE) >= lengths[:, None])[:, None, :, None]
+        mask = ak.causal("bottom_right") & ak.padding(kv_lengths=lengths)
+        results = []
+        for fill in (0.0, float("nan")):
+            leaves = [t.detach().clone().requires_grad_(q_len > 1) for t in (q, k, v)]
+            with torch.no_grad():
+                leaves[1].masked_fill_(outside, fill)
+                leaves[2].masked_fill_(outside, fill)
+            out = ak.attention(*leaves, mask, backend="triton")
+            grads = torch.autograd.grad(out, leaves, dout) if q_len > 1 else ()
+            results.append((out, *(g.masked_fill(outside, 0) if i else g
+                                   for i, g in enumerate(grads))))
+        for clean, garbage in zip(*results):
+            assert torch.equal(clean, garbage)
+
+
 def main() -> int:
     """Run every test of this module; print each one's outcome and time."""
     problem = device_problem()

@@ -19,11 +19,13 @@ def _qkv(gen, dtype=torch.float32):
 
 def test_explain_dispatch_names_the_pick_and_every_reason(gen):
     q, k, v = _qkv(gen)
-    picked = ak.explain_dispatch(q, k, v, ak.sliding_window(3))
+    long = torch.randn(1, 2, 512, 16, generator=gen)
+    picked = ak.explain_dispatch(long, long, long, ak.sliding_window(3))
     assert picked.backend == "tiled"
     assert list(picked.reasons) == ["triton", "torch"]
     assert any("dense" in why for why in picked.reasons["torch"])
     assert str(picked).startswith("auto picks: tiled")
+    assert ak.explain_dispatch(q, k, v, ak.sliding_window(3)).backend == "torch"  # 8×8: small
     assert ak.explain_dispatch(q, k, v).backend == "torch"
     leaf = q.clone().requires_grad_()
     assert ak.explain_dispatch(leaf, k, v, return_weights=True).backend == "reference"

@@ -8,7 +8,7 @@ from typing import Literal, NamedTuple, Optional, Union, overload
 
 import torch
 
-from . import compiled, dispatch, finite
+from . import compiled, dispatch
 from .inputs import CallCache, restore, unexpected_keywords, validate
 from .masks import Mask, as_mask
 
@@ -96,9 +96,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     own accumulation dtypes).
 
     A query row whose keys are all masked gets output 0 and LSE −inf (never NaN), and zero
-    gradients (with ``sinks``: output 0, LSE sink_h). NaN/inf in K/V where the mask excludes
-    them never reaches a row; in q or in keys a row may attend, they make that row NaN (see
-    :mod:`attnkit.finite`).
+    gradients (with ``sinks``: output 0, LSE sink_h). K/V outside each sequence's real keys
+    (padding, unwritten cache slots) are never read; NaN/inf in q or in keys a row may attend
+    make that row NaN, never a wrong finite number (see :mod:`attnkit.finite`).
 
     Keyword arguments of torch's SDPA that attnkit spells differently (``attn_mask``,
     ``is_causal``, ``enable_gqa``) raise ``TypeError`` with the attnkit spelling.
@@ -134,12 +134,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            inputs.q.dtype, inputs.mask)
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         result = dispatch.run(chosen, inputs)
-        if finite.checked(inputs) and finite.suspect(inputs, result.out, result.lse):
-            cleaned = finite.clean(inputs)
-            if cleaned is not None:
-                result = dispatch.run(chosen, cleaned.inputs)
-                result = result._replace(**{name: finite.poison(getattr(result, name), cleaned.rows)
-                                            for name in ("out", "lse", "weights")})
     if inputs.modifiers is not None and inputs.modifiers.sinks is not None:
         # one place for every backend: the result merged with an empty one of LSE sink_h
         result = result._replace(**dict(zip(("out", "lse", "weights"), inputs.modifiers.sinks.join(

@@ -56,9 +56,10 @@ def _encode(value, tensors: list, numbers: list, space: MaskSpace):
         value = dense(value.tile(torch.arange(space.q_len, device=space.device),
                                  torch.arange(space.kv_len, device=space.device), space))
     if isinstance(value, Mask):
-        fields = value.__dict__
+        fields = value.__dict__  # "_memo": values derived from the others, not passed
         return ("M", type(value).__name__, tuple(
-            (name, _encode(fields[name], tensors, numbers, space)) for name in sorted(fields)))
+            (name, _encode(fields[name], tensors, numbers, space)) for name in sorted(fields)
+            if name != "_memo"))
     if isinstance(value, tuple):
         return ("S", tuple(_encode(item, tensors, numbers, space) for item in value))
     return ("C", value)
@@ -158,6 +159,7 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
                            "return_weights=True are not differentiable there; differentiate "
                            "out/lse, or run eagerly")
     from .dispatch import is_empty
+    from .finite import guard
 
     mask = unflatten(spec, tensors, numbers.tolist())
     inputs, chosen = _engine(q, k, v, mask, scale, backend, need_weights)
@@ -165,6 +167,7 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
         return [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 *(torch.zeros_like(t) if want else t.new_empty(0)
                   for t, want in zip(tensors, wanted))]
+    inputs = guard(inputs).inputs  # the q, K and V the forward ran on (dispatch.run)
     rows = inputs.q.shape[:3]
     wanted_by_id = {id(t): want for t, want in zip(tensors, wanted)}
     biases = [] if mask is None else mask.biases()  # the caller's tensors, in the order of

@@ -11,12 +11,14 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from . import finite
 from .backends.base import Backend, BackendOutput, empty_output
 from .backends.reference import ReferenceBackend
 from .backends.tiled import TiledBackend
 from .backends.torch_sdpa import TorchBackend
 from .backends.triton import TritonBackend
 from .inputs import Inputs
+from .masks import readable
 
 BACKENDS: dict[str, Backend] = {b.NAME: b for b in (ReferenceBackend(), TorchBackend(), TiledBackend(),
                                                   TritonBackend())}
@@ -120,11 +122,22 @@ def forced(backend: str) -> str:
     return (getattr(_FORCED, "name", None) or "auto") if backend == "auto" else backend
 
 
+def shape_only(inputs: Inputs) -> bool:
+    """Whether the call only propagates shapes: its tensors are on ``meta`` or fake
+    (``FakeTensorMode``: meta-device initialisation, dry runs, memory estimators), outside a
+    compiled region (which has its own operator, :mod:`attnkit.compiled`)."""
+    return not torch.compiler.is_compiling() and not readable(inputs.q, inputs.k, inputs.v)
+
+
 def select(inputs: Inputs, backend: str) -> Backend:
     """The backend to run ``inputs`` with, or a ValueError listing every reason. Inside
-    :func:`use_backend`, ``"auto"`` means the backend it names."""
+    :func:`use_backend`, ``"auto"`` means the backend it names. A call that only propagates
+    shapes (:func:`shape_only`) runs on ``reference``, whose operations all have meta and fake
+    implementations; every backend gives the same shapes and dtypes."""
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"unknown backend {backend!r}: choose one of {names()}")
+    if shape_only(inputs):
+        return BACKENDS["reference"]
     backend = forced(backend)
     if backend != "auto":
         chosen = BACKENDS[backend]
@@ -148,12 +161,20 @@ def is_empty(inputs: Inputs) -> bool:
 
 
 def run(chosen: Backend, inputs: Inputs) -> BackendOutput:
-    """``chosen.forward(inputs)``; for an empty call (:func:`is_empty`) its known result
-    instead (:func:`~attnkit.backends.base.empty_output`: zeros, LSE −inf, zero gradients),
-    the same on every backend, since kernels, plans and masks have nothing to tile there.
-    ``chosen`` has accepted the call (:func:`select`): its refusals hold for empty calls as
-    for any other."""
-    return empty_output(inputs) if is_empty(inputs) else chosen.forward(inputs)
+    """``chosen.forward(inputs)`` on K/V without garbage outside the real keys
+    (:func:`~attnkit.finite.guard`), with the rows that hold or see a non-finite value made
+    NaN on CPU (:func:`~attnkit.finite.poison`); for an empty call (:func:`is_empty`) its known
+    result instead (:func:`~attnkit.backends.base.empty_output`: zeros, LSE −inf, zero
+    gradients), the same on every backend, since kernels, plans and masks have nothing to tile
+    there. ``chosen`` has accepted the call (:func:`select`): its refusals hold for empty calls
+    as for any other."""
+    if is_empty(inputs):
+        return empty_output(inputs)
+    guarded = finite.guard(inputs)
+    result = chosen.forward(guarded.inputs)
+    if finite.applies(inputs) and not chosen.EXACT_NONFINITE:
+        result = BackendOutput(*finite.poison(guarded, *result))
+    return result
 
 
 def select_with_backward(inputs: Inputs, backend: str) -> Optional[Backend]:

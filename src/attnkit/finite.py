@@ -1,38 +1,29 @@
-"""Non-finite inputs: masked positions cannot leak, allowed ones propagate.
+"""Garbage and non-finite values, handled by construction: no host read, no recomputation.
 
-Real inputs hold garbage where the mask says it does not matter: a padded batch, a KV cache
-allocated with ``torch.empty``. The rules (docs/NUMERICS.md), for every backend:
+Real inputs hold garbage where no query looks: the padding of a batch, the unwritten slots of
+a cache allocated with ``torch.empty``. The rules (docs/NUMERICS.md), for every backend:
 
-- NaN/inf in K or V at a position the mask excludes for query i never reaches out[i], lse[i]
-  or any gradient;
-- NaN/inf in q[i], or in a K/V row that query i may attend, makes out[i] and lse[i] NaN (and
-  the gradients that flow through row i), never 0. A fully masked row stays out 0, lse −inf.
+- **Outside a sequence's real keys, never read.** Where the mask gives each batch element a
+  run of real keys (``padding``, a per-sequence ``causal(sequences=...)``, the transformers
+  padding mask), :func:`guard` zeroes K and V outside that run before any backend sees them,
+  so NaN/inf there cannot reach any output, LSE or gradient. Masks that vouch for those
+  positions (a :class:`~attnkit.nn.KVCache`'s, whose slots past a sequence's length hold zeros
+  or that sequence's own earlier keys) skip the copy.
+- **Inside, a non-finite value reaches as NaN, never as a wrong finite number.** NaN/inf in
+  ``q[i]``, or in a key row that query ``i`` may attend, makes ``out[i]`` and ``lse[i]`` NaN.
+  Kernels propagate it by themselves (and may spread it as NaN to the other rows of a tile
+  they compute partially, ``0 · NaN``), except the fused CPU kernel, which returns a row whose
+  scores are all NaN as output 0 and LSE 0. :func:`poison` marks those rows: every row with a
+  non-finite query, and, where the keys are cheap to look at (:func:`checks_keys`), every row
+  that may attend a non-finite key. A fully masked row stays output 0, LSE −inf.
 
-Kernels compute masked scores and ``0 · v`` products inside partially masked tiles, so a
-non-finite value there leaks (``NaN + −inf``, ``0 · NaN``) and shows as NaN in the output or
-LSE; the fused CPU kernel turns a row whose scores in one call are all NaN (a NaN query, or
-only non-finite keys) into output 0 and LSE 0 instead. Rather than guard every tile of every
-kernel, :func:`suspect` sums, after each call, q, the results and, for calls of at least
-:data:`KV_CHECK_MIN_ROWS` query rows or small K/V, K and V too (a decoding step over a long
-cache reads nothing but K/V, so summing them there would double its cost); the common case
-ends there. A suspect call is
-recomputed: :func:`clean` finds the non-finite rows of q, K and V, zeroes them in copies that
-the backend runs on, and :func:`poison` marks the query rows that could see them as NaN.
-
-The check runs on eager CPU calls only (:func:`checked`): on a GPU its host read would make
-every call wait for the device. There a non-finite K/V value at a masked position inside a
-partially masked tile reaches that tile's other rows as NaN, never as a wrong finite number.
-
-What a decoding step over a long cache can miss (K/V not summed): a row for which every key
-that one fused-kernel call gives it is non-finite *and allowed* comes out as 0 (not NaN); and
-a fully masked row (zeroed after the torch kernel) hides that kernel's backward reading
-non-finite masked K/V, whose gradients then carry NaN.
+Both run on device tensors without branching on their values, so a call stays free of host
+reads (and capturable in a CUDA graph). :func:`poison` runs on CPU tensors only: the GPU
+kernels propagate NaN themselves.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 from dataclasses import replace
 from typing import NamedTuple, Optional
 
@@ -41,106 +32,153 @@ import torch
 from .inputs import Inputs
 
 KV_CHECK_MIN_ROWS = 64
-"""Calls with at least this many query rows also sum K and V in :func:`suspect`: at most
+"""Calls with at least this many query rows also look at the keys in :func:`poison`: at most
 1/64 of what the attention itself reads."""
 
 KV_CHECK_MAX_ELEMENTS = 1 << 12
-"""Calls whose K and V hold at most this many elements each also sum them in :func:`suspect`,
-whatever their query rows: a few microseconds, below a call's fixed cost (a decoding step over
-a longer cache reads little else, and summing its cache would cost as much as the step)."""
-
-SMALL_CALL_ELEMENTS = 1 << 16
-"""Calls whose checked tensors hold at most this many elements in all are checked with one
-concatenation and one sum (copying them costs less than an operation per tensor)."""
+"""Calls whose K holds at most this many elements also look at the keys, whatever their query
+rows (a decoding step over a longer cache reads little else: looking at its keys would cost as
+much as the step)."""
 
 CHUNK_ELEMENTS = 1 << 22
-"""Mask elements evaluated at once when finding the rows that see a non-finite key."""
+"""Mask elements evaluated at once when finding the rows that may attend a non-finite key."""
 
 
-def checked(inputs: Inputs) -> bool:
-    """Whether :func:`suspect` runs for this call: eager, untransformed calls on the CPU. On
-    an accelerator its host read would wait for the device (every call a synchronisation,
-    which also breaks CUDA-graph capture); a traced or compiled graph cannot branch on data;
-    under ``torch.func`` the reference keeps the rules by itself."""
-    return (inputs.q.device.type == "cpu" and not inputs.transformed
-            and not torch.compiler.is_compiling())
-
-
-def suspect(inputs: Inputs, out: torch.Tensor, lse: Optional[torch.Tensor]) -> bool:
-    """Whether the call must be recomputed on cleaned inputs: q, K and V hold NaN/inf, or,
-    where K/V are not summed (:data:`KV_CHECK_MIN_ROWS`), q, ``out`` or ``lse`` do (a
-    non-finite K/V value a row reads shows in its out or LSE). With every input finite the
-    results need no look: a recomputation would find nothing to clean. NaN and ±inf propagate
-    into a sum (a finite tensor whose sum overflows only costs a recomputation that finds
-    nothing to clean); the LSE enters clamped at 0, since its −inf (a fully masked row) is no
-    problem. Small calls sum one concatenation (one reduction instead of one per tensor: their
-    cost is the number of operations); either way one host read."""
-    dtype = torch.float64 if inputs.q.dtype == torch.float64 else torch.float32
-    k, v = inputs.k, inputs.v
-    with torch.no_grad() if inputs.need_grad else contextlib.nullcontext():
-        if inputs.q.shape[2] >= KV_CHECK_MIN_ROWS or max(k.numel(), v.numel()) <= KV_CHECK_MAX_ELEMENTS:
-            parts = [inputs.q, k, v]
-        else:
-            parts = [inputs.q, out] + ([] if lse is None else [lse.clamp(min=0)])
-        if sum(p.numel() for p in parts) <= SMALL_CALL_ELEMENTS:
-            return not math.isfinite(torch.cat([p.reshape(-1) for p in parts]).sum(dtype=dtype).item())
-        return not all(map(math.isfinite, torch.stack([p.sum(dtype=dtype) for p in parts]).tolist()))
-
-
-class Cleaned(NamedTuple):
-    """``inputs`` with non-finite q/k/v rows zeroed, and ``rows [B, Hq, Tq]`` (bool): the
-    query rows whose result must be NaN."""
+class Guarded(NamedTuple):
+    """What :func:`guard` makes of a call: ``inputs`` without garbage where no result needs it,
+    and ``seen``, per query row ``[B, Hq, Tq, 1]``, NaN where the row may attend a non-finite
+    key or value row and 0 elsewhere (``None`` when :func:`poison` does not run or the keys are
+    not looked at, :func:`checks_keys`)."""
 
     inputs: Inputs
-    rows: torch.Tensor
+    seen: Optional[torch.Tensor]
+    has_key: Optional[torch.Tensor] = None
+    """Bool ``[Bm|B, Hm|Hq, Tq, 1]``: the rows with an allowed key (``None``: every row, or
+    :func:`poison` does not run)."""
 
 
-def clean(inputs: Inputs) -> Optional[Cleaned]:
-    """Zero every q row and K/V row holding a non-finite value (a copy; gradients still reach
-    the finite entries), and find the query rows that see one: a non-finite q row with any
-    allowed key, or a row that may attend a non-finite K/V row. ``None`` when nothing is
-    non-finite after all."""
-    q, k, v = inputs.q, inputs.k, inputs.v
-    bad_q = ~torch.isfinite(q).all(-1)  # [B, Hq, Tq]
-    bad_kv = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [B, Hkv, Tk]
-    any_q, any_kv = bool(bad_q.any()), bool(bad_kv.any())
-    if not (any_q or any_kv):
-        return None
-    group = inputs.group_size
-    bad_keys = bad_kv.repeat_interleave(group, dim=1)  # [B, Hq, Tk]
-    rows = torch.zeros_like(bad_q)
-    mask, space = inputs.mask, inputs.space
-    tq, tk = q.shape[2], k.shape[2]
+def guard(inputs: Inputs) -> Guarded:
+    """Zero what no result needs and may hold garbage: K/V outside each batch element's real
+    keys, where the mask gives such runs and does not vouch for them
+    (:meth:`~attnkit.masks.Mask.guard_runs`), and the queries with no allowed key (on CPU,
+    where :func:`poison` runs: every such row; elsewhere the padded ones of such runs): their
+    result is 0 and their gradient 0 whatever they hold. On the device, whatever the values;
+    ``inputs`` itself when there is nothing to zero."""
+    mask = inputs.mask
+    checked = applies(inputs)
     if mask is None:
-        rows |= bad_keys.any(-1, keepdim=True)
-        if tk:
-            rows |= bad_q
+        return Guarded(inputs, _seen_unmasked(inputs) if checked and checks_keys(inputs) else None)
+    runs = mask.guard_runs(inputs.space)
+    fixed = {}
+    if runs.kv is not None:
+        real = _inside(runs.kv, inputs.k.shape[2])
+        fixed["k"], fixed["v"] = inputs.k.where(real, 0.0), inputs.v.where(real, 0.0)
+    inputs = replace(inputs, **fixed) if fixed else inputs
+    if not checked:
+        if runs.q is not None:
+            inputs = replace(inputs, q=inputs.q.where(_inside(runs.q, inputs.q.shape[2]), 0.0))
+        return Guarded(inputs, None)
+    has_key, seen, key_seen = _scan(inputs)
+    fixed = dict(q=inputs.q.where(has_key, 0.0))
+    if key_seen is not None:  # keys no query sees, inside a tile a kernel computes in part
+        fixed["k"], fixed["v"] = inputs.k.where(key_seen, 0.0), inputs.v.where(key_seen, 0.0)
+    return Guarded(replace(inputs, **fixed), seen, has_key)
+
+
+def _inside(run: tuple[torch.Tensor, torch.Tensor], length: int) -> torch.Tensor:
+    """Bool ``[Bm, 1, length, 1]``: the positions inside the run ``[lo, hi)`` of each batch element."""
+    lo, hi = run
+    positions = torch.arange(length, device=lo.device)
+    return ((positions >= lo[:, None]) & (positions < hi[:, None]))[:, None, :, None]
+
+
+def applies(inputs: Inputs) -> bool:
+    """Whether :func:`poison` runs: CPU calls outside ``torch.func`` transforms (the reference,
+    which runs those, keeps the rule by itself; GPU kernels propagate NaN themselves)."""
+    return inputs.q.device.type == "cpu" and not inputs.transformed
+
+
+def checks_keys(inputs: Inputs) -> bool:
+    """Whether :func:`poison` looks at the keys too: calls of at least
+    :data:`KV_CHECK_MIN_ROWS` query rows, or with K of at most :data:`KV_CHECK_MAX_ELEMENTS`
+    elements."""
+    return inputs.q.shape[2] >= KV_CHECK_MIN_ROWS or inputs.k.numel() <= KV_CHECK_MAX_ELEMENTS
+
+
+def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
+           weights: Optional[torch.Tensor]) -> tuple:
+    """``(out, lse, weights)`` of the call :func:`guard` made with every row that holds or may
+    attend a non-finite value set to NaN, as ``x + x · flag`` with flag 0 or NaN per row (the
+    LSE: ``lse + flag``): a gradient reaching a poisoned row of out goes back as NaN, and every
+    other row is unchanged. A row with no allowed key holds zeros after :func:`guard`: never
+    poisoned. ``x · 0`` is NaN exactly for a non-finite ``x``, and a sum of such products is
+    NaN exactly when one is."""
+    q = guarded.inputs.q.detach()
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    flag = (q * 0).sum(-1, keepdim=True, dtype=dtype)  # [B, Hq, Tq, 1]: NaN at a non-finite q
+    if guarded.seen is not None:
+        flag = flag + guarded.seen
+    out = torch.addcmul(out, out, flag.to(out.dtype))
+    if lse is not None:  # −inf stays −inf; a value row seen (out non-finite) reaches it too
+        lse = lse + (out.detach() * 0).sum(-1, dtype=lse.dtype)
+    weights = None if weights is None else torch.addcmul(weights, weights, flag.to(weights.dtype))
+    has_key = guarded.has_key
+    if has_key is not None:  # a kernel may spread a tile's NaN into a row with no key
+        out = out.where(has_key, 0.0)
+        lse = None if lse is None else lse.where(has_key[..., 0], float("-inf"))
+        weights = None if weights is None else weights.where(has_key, 0.0)
+    return out, lse, weights
+
+
+def _dtype(inputs: Inputs) -> torch.dtype:
+    return torch.float64 if inputs.q.dtype == torch.float64 else torch.float32
+
+
+def _seen_unmasked(inputs: Inputs) -> torch.Tensor:
+    """:attr:`Guarded.seen` without a mask (every row attends every key): ``[B, Hq, 1, 1]``."""
+    k, v, dtype = inputs.k.detach(), inputs.v.detach(), _dtype(inputs)
+    any_bad = (k * 0).sum((-2, -1), dtype=dtype) + (v * 0).sum((-2, -1), dtype=dtype)  # [B, Hkv]
+    group = inputs.group_size
+    return any_bad.repeat_interleave(group, dim=1)[:, :, None, None] if group > 1 else \
+        any_bad[:, :, None, None]
+
+
+def _scan(inputs: Inputs) -> tuple:
+    """From one evaluation of the mask: per query row, whether it has an allowed key (bool
+    ``[Bm|B, Hm|Hq, Tq, 1]``), and, when :func:`checks_keys`, :attr:`Guarded.seen` and per
+    key whether some query may see it (bool ``[Bm|B, Hm|Hkv, Tk, 1]``; else ``None``)."""
+    k, v, dtype = inputs.k.detach(), inputs.v.detach(), _dtype(inputs)
+    batch, heads, q_len, _ = inputs.q.shape
+    bad = None
+    if checks_keys(inputs):
+        bad = ((k * 0).sum(-1, dtype=dtype) + (v * 0).sum(-1, dtype=dtype)
+               ).isnan().to(dtype)  # [B, Hkv, Tk]: 1 at a non-finite key or value
+        bad = bad.repeat_interleave(inputs.group_size, dim=1)[..., None]  # [B, Hq, Tk, 1]
+    space = inputs.space
+    if q_len * space.kv_len <= CHUNK_ELEMENTS:  # the call's own evaluation of the mask
+        allowed = inputs.allowed()
+        has_key = allowed.any(-1, keepdim=True)  # [Bm, Hm, Tq, 1]
+        count = None if bad is None else allowed.to(dtype) @ bad
+        key_any = None if bad is None else allowed.any(-2)  # [Bm, Hm, Tk]
     else:
-        q_idx = torch.arange(tq, device=q.device)
-        chunk = max(1, CHUNK_ELEMENTS // max(1, q.shape[0] * q.shape[1] * tq))
-        if any_kv:  # only the key columns that are non-finite somewhere
-            columns = bad_kv.flatten(0, 1).any(0).nonzero().flatten()
-            for part in columns.split(chunk):
-                allowed = mask.tile(q_idx, part, space)  # [Bm, Hm, Tq, c]
-                rows |= (allowed & bad_keys[:, :, None, part]).any(-1)
-        if any_q:  # a non-finite q row counts only where it has an allowed key
-            has_key = torch.zeros_like(bad_q)
-            for start in range(0, tk, chunk):
-                part = torch.arange(start, min(start + chunk, tk), device=q.device)
-                has_key |= mask.tile(q_idx, part, space).any(-1)
-            rows |= bad_q & has_key
-    fixed = replace(inputs,
-                    q=q.masked_fill(bad_q[..., None], 0.0) if any_q else q,
-                    k=k.masked_fill(bad_kv[..., None], 0.0) if any_kv else k,
-                    v=v.masked_fill(bad_kv[..., None], 0.0) if any_kv else v)
-    return Cleaned(fixed, rows)
-
-
-def poison(x: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[torch.Tensor]:
-    """``x [B, Hq, Tq, ...]`` with ``rows`` set to NaN, as ``x · (NaN or 1)``: a gradient
-    reaching a poisoned row goes back as NaN, so training divergence shows in the gradients
-    too, and every other row's value and gradient is unchanged."""
-    if x is None:
-        return None
-    where = rows.reshape(*rows.shape, *([1] * (x.dim() - rows.dim())))
-    return x * torch.where(where, float("nan"), 1.0).to(x.dtype)
+        has_key = torch.empty(batch, heads, q_len, 1, dtype=torch.bool, device=k.device)
+        count = key_any = None
+        if bad is not None:
+            count = torch.empty(batch, heads, q_len, 1, dtype=dtype, device=k.device)
+            key_any = torch.zeros(batch, heads, space.kv_len, dtype=torch.bool, device=k.device)
+        kv_idx = torch.arange(space.kv_len, device=k.device)
+        rows = max(1, CHUNK_ELEMENTS // max(1, space.kv_len))
+        for start in range(0, q_len, rows):
+            stop = min(start + rows, q_len)
+            allowed = inputs.mask.tile(torch.arange(start, stop, device=k.device), kv_idx, space)
+            has_key[:, :, start:stop] = allowed.any(-1, keepdim=True)  # [Bm, Hm, n, 1] broadcast
+            if bad is not None:
+                count[:, :, start:stop] = allowed.to(dtype) @ bad
+                key_any |= allowed.any(-2)
+    if bad is None:
+        return has_key, None, None
+    seen = torch.where(count > 0, float("nan"), 0.0).to(dtype)
+    heads_kv, group = k.shape[1], inputs.group_size
+    if key_any.shape[1] != 1 and group > 1:  # a key counts when a query of its group sees it
+        key_any = key_any.unflatten(1, (heads_kv, group)).any(2)
+    return has_key, seen, key_any[..., None]

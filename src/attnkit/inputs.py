@@ -47,6 +47,15 @@ class Inputs:
     modifiers: Optional[Modifiers] = None
     """The score modifiers (softcap, alibi, …) taken out of the caller's mask, or ``None``;
     ``mask`` then holds only what says which keys count (see :mod:`attnkit.modifiers`)."""
+    _allowed: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+
+    def allowed(self) -> torch.Tensor:
+        """The mask evaluated over the whole call, bool ``[Bm, Hm, Tq, Tk]``, computed once per
+        call (the torch backend's bias and :func:`attnkit.finite.poison` both read it). Only
+        for calls whose mask is small enough to materialise."""
+        if self._allowed is None:
+            self._allowed = self.mask.to_dense(self.space)
+        return self._allowed
 
     @property
     def space(self) -> MaskSpace:
@@ -281,7 +290,8 @@ class CallCache:
             if key is not None:
                 if len(self._calls) >= self.entries:
                     self._calls.popitem(last=False)
-                self._calls[key] = (dataclasses.replace(inputs, q=None, k=None, v=None), choice, keep)
+                self._calls[key] = (dataclasses.replace(inputs, q=None, k=None, v=None, _allowed=None),
+                                    choice, keep)
             return inputs, choice
         t, choice, _ = hit
         rank, batch = t.input_rank, t.batch_shape

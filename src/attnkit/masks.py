@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
+from torch._subclasses.fake_tensor import FakeTensor
 import torch
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -100,6 +101,17 @@ MASK_TYPES: dict[str, type] = {}
 description of its fields (``attnkit.compiled``)."""
 
 
+class GuardRuns(NamedTuple):
+    """Real runs ``(lo, hi)`` (two long ``[Bm]``: positions ``lo ≤ i < hi``) of the queries and
+    of the keys, or ``None`` for a side without them (:meth:`Mask.guard_runs`)."""
+
+    q: Optional[tuple[torch.Tensor, torch.Tensor]]
+    kv: Optional[tuple[torch.Tensor, torch.Tensor]]
+
+
+NO_RUNS = GuardRuns(None, None)
+
+
 class Mask:
     """Base class. Subclasses implement :meth:`tile`; structured ones also :meth:`block_map`."""
 
@@ -151,6 +163,13 @@ class Mask:
         ``id`` are appended to ``keep``; a cache must hold them, so an id cannot be reused
         while its entry lives."""
         return None
+
+    def guard_runs(self, space: MaskSpace) -> "GuardRuns":
+        """Each batch element's runs of real queries and real keys, outside which q (a padded
+        query) and K/V may hold garbage that no result needs: :func:`attnkit.finite.guard`
+        zeroes them there before a call. A side is ``None`` when the mask gives it no run, or
+        vouches for those positions (a :class:`~attnkit.nn.KVCache`'s keys)."""
+        return NO_RUNS
 
     def map_score_tensors(self, fn: Callable[[torch.Tensor, bool], torch.Tensor]) -> "Mask":
         """This mask with each tensor laid over the scores (a ``dense`` bool mask, a ``bias``)
@@ -299,10 +318,12 @@ def _block_bounds(offset: int, count: int, block: int, device) -> tuple[torch.Te
 
 
 def _codes_from_bounds(any_allowed: torch.Tensor, all_allowed: torch.Tensor) -> torch.Tensor:
-    codes = torch.full(any_allowed.shape, PARTIAL, dtype=torch.int8, device=any_allowed.device)
-    codes[~any_allowed] = EMPTY
-    codes[all_allowed & any_allowed] = FULL
-    return codes
+    """int8 tile codes: EMPTY where nothing is allowed, FULL where everything is, else PARTIAL
+    (selected on the device: no value is read)."""
+    full = torch.full((), FULL, dtype=torch.int8, device=any_allowed.device)
+    partial = torch.full((), PARTIAL, dtype=torch.int8, device=any_allowed.device)
+    empty = torch.full((), EMPTY, dtype=torch.int8, device=any_allowed.device)
+    return torch.where(any_allowed, torch.where(all_allowed, full, partial), empty)
 
 
 class _Band(Mask):
@@ -413,7 +434,7 @@ def _show(t: Optional[torch.Tensor], short: int = 8) -> str:
     be read (meta tensors, inside a compiled region)."""
     if t is None:
         return "None"
-    if t.device.type == "meta" or torch.compiler.is_compiling():
+    if not readable(t):
         return tensor_summary(t)
     if t.dim() == 0:
         return str(t.item())
@@ -510,10 +531,21 @@ def _lengths(name: str, value) -> Optional[torch.Tensor]:
         raise ValueError(f"padding {name} has shape {tuple(t.shape)}: pass one {what} per batch "
                          f"element, shape [B] (for a 2-D 'real token' mask [B, T] use padding("
                          f"{name[:name.index('_')]}_mask=...))")
-    t = t.to(torch.long)
-    if t.numel() and not torch.compiler.is_compiling() and int(t.min()) < 0:  # else: check()
-        raise ValueError(f"padding {name}={t.tolist()} out of range: each {what} must be 0 or more")
-    return t
+    return t.to(torch.long)
+
+
+def _refuse_negative(named: dict) -> None:
+    """ValueError for the first of ``named`` (argument name → long tensor or ``None``) holding a
+    negative value; one host read for all (none where values cannot be read: check() then)."""
+    given = {name: t for name, t in named.items() if t is not None and t.numel()}
+    if not given or not readable(*given.values()):
+        return
+    lows = torch.stack([t.min() for t in given.values()]).tolist()
+    for (name, t), low in zip(given.items(), lows):
+        if low < 0:
+            what = "start" if name.endswith("starts") else "length"
+            raise ValueError(f"padding {name}={t.tolist()} out of range: each {what} must be 0 "
+                             f"or more")
 
 
 class _Runs(NamedTuple):
@@ -566,15 +598,13 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
         raise ValueError(f"padding {name} has shape {tuple(m.shape)}: pass a 2-D 'real token' mask "
                          f"of shape [B, T] (one row per batch element; mask[None] for a single "
                          f"sequence)")
-    compiling = torch.compiler.is_compiling()  # value checks then wait for check(): no host read
+    compiling = not readable(m)  # value checks then wait for check(): no host read
     if m.dtype != torch.bool:
         if m.numel() and not compiling and not bool(((m == 0) | (m == 1)).all()):
             bad = sorted(set(m[(m != 0) & (m != 1)].tolist()))[:5]
             raise ValueError(f"padding {name} holds values {bad}: an integer 'real token' mask "
                              f"must hold only 0 (padding) and 1 (real token)")
         m = m != 0
-    if not compiling:
-        m = m.to("cpu")
     width = m.shape[1]
     count, first, last = _run_bounds(m)  # [B] each
     broken = (count > 0) & (last - first + 1 != count)
@@ -582,10 +612,12 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
     starts = torch.where(count > 0, first, 0).to(torch.long)
     if compiling:
         return _Runs(starts, count.to(torch.long), width, broken, empty)
-    # torch's key_padding_mask (True = padding) read as a real-token mask: an unpadded row is
-    # all False, padding at both ends is True at both ends. Its inverse is one run per row, so
-    # the messages below suggest ~mask when that holds.
-    if bool(broken.any()):
+    # One host read for both checks. torch's key_padding_mask (True = padding) read as a
+    # real-token mask: an unpadded row is all False, padding at both ends is True at both ends.
+    # Its inverse is one run per row, so the messages below suggest ~mask when that holds.
+    any_broken, any_empty = (torch.stack([broken.any(), broken.any() if empty is None
+                                          else empty.any()]).tolist())
+    if any_broken:
         rows = broken.nonzero().flatten().tolist()
         example = "".join("1" if x else "0" for x in m[rows[0]].tolist()[:40])
         inverse = (f"; if True marks padding in this mask (torch's key_padding_mask), pass "
@@ -595,7 +627,7 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
                          f"(row {rows[0]}: {example}{'...' if width > 40 else ''}); padding() "
                          f"takes left or right padding only: use {dense_fix} for this mask"
                          f"{inverse}")
-    if empty is not None and bool(empty.any()):
+    if empty is not None and any_empty:
         raise ValueError(_empty_rows_message(name, empty.nonzero().flatten().tolist(),
                                              tuple(m.shape), bool(_one_run(~m).all())))
     return _Runs(starts, count.to(torch.long), width, None, None)
@@ -622,12 +654,50 @@ def _empty_rows_message(name: str, rows: list, shape: Optional[tuple], inverse_f
             f"pass allow_empty_rows=True")
 
 
+def readable(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether the values of ``tensors`` can be read on the host: not inside a compiled region
+    (no value exists while tracing), not on ``meta``, not fake (``FakeTensorMode``: shape
+    propagation, memory estimates). Value checks are skipped where they cannot be made; the
+    call then propagates shapes only (:func:`attnkit.dispatch.select`)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not any(t is not None and (t.device.type == "meta" or isinstance(t, FakeTensor))
+                   for t in tensors)
+
+
+MEMO_ENTRIES = 8
+"""Values :func:`_memo` keeps per mask (one per extent a mask is used at, at most)."""
+
+
+def _memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
+    """``compute()``, kept on ``mask`` under ``key`` and the version counters of ``tensors``
+    (the mask's own, ``None`` allowed), so each layer of a step evaluating one mask pays once,
+    and an in-place write to a tensor recomputes. Not kept inside a compiled region, for
+    inference tensors (no version counter) or tensor subclasses (fake tensors): computed."""
+    if torch.compiler.is_compiling() or any(
+            t is not None and (type(t) is not torch.Tensor or t.is_inference()) for t in tensors):
+        return compute()
+    key = (*key, *(None if t is None else (id(t), t._version) for t in tensors))
+    memo = mask.__dict__.setdefault("_memo", {})
+    value = memo.get(key)
+    if value is None:
+        if len(memo) >= MEMO_ENTRIES:
+            memo.clear()
+        value = memo[key] = compute()
+    return value
+
+
 class _Padding(Mask):
     """Per batch element ``b``, query ``i`` is real when ``q_starts[b] ≤ i < q_starts[b] +
     q_lengths[b]`` (keys likewise); only real queries attend, and only to real keys. A ``None``
     start is 0; a ``None`` length runs to the end of the sequence. ``q_width``/``kv_width``: the
     width of the 2-D mask the runs were read from (``None`` when given as numbers), which must
     equal the sequence length."""
+
+    vouched: bool = False
+    """Set by a producer that made the runs itself (a :class:`~attnkit.nn.KVCache`): they fit
+    the sequences it holds, so :meth:`check` reads no value, and K/V outside the key runs hold
+    no garbage (zeros, or the sequence's own earlier keys), so :meth:`guard_runs` is ``None``."""
 
     def __init__(self, q_lengths, kv_lengths, q_starts=None, kv_starts=None, *,
                  q_mask=None, kv_mask=None, allow_empty_rows: bool = False):
@@ -640,16 +710,19 @@ class _Padding(Mask):
                                 f"not both ({side}_mask already gives each row's start and length)")
         if not isinstance(allow_empty_rows, bool):
             raise TypeError(f"padding allow_empty_rows={allow_empty_rows!r}: pass True or False")
-        if q_mask is not None:
-            q_starts, q_lengths, self.q_width, self.q_broken, self.q_empty = _runs(
-                "q_mask", q_mask, allow_empty_rows)
-        if kv_mask is not None:
-            kv_starts, kv_lengths, self.kv_width, self.kv_broken, self.kv_empty = _runs(
-                "kv_mask", kv_mask, allow_empty_rows)
         self.q_lengths = _lengths("q_lengths", q_lengths)
         self.kv_lengths = _lengths("kv_lengths", kv_lengths)
         self.q_starts = _lengths("q_starts", q_starts)
         self.kv_starts = _lengths("kv_starts", kv_starts)
+        _refuse_negative({name: getattr(self, name) for name in
+                          ("q_lengths", "kv_lengths", "q_starts", "kv_starts")})
+        # runs read from a 2-D mask lie within its width by construction (check(): width only)
+        if q_mask is not None:
+            self.q_starts, self.q_lengths, self.q_width, self.q_broken, self.q_empty = _runs(
+                "q_mask", q_mask, allow_empty_rows)
+        if kv_mask is not None:
+            self.kv_starts, self.kv_lengths, self.kv_width, self.kv_broken, self.kv_empty = _runs(
+                "kv_mask", kv_mask, allow_empty_rows)
         if all(t is None for t in (self.q_lengths, self.kv_lengths, self.q_starts, self.kv_starts)):
             raise ValueError("padding() needs q_lengths or kv_lengths (a length per batch element), "
                              "q_starts/kv_starts (left padding), or q_mask/kv_mask (a [B, T] "
@@ -672,13 +745,23 @@ class _Padding(Mask):
     def cache_key(self, keep):
         return _tensors_key(self, ("q_lengths", "kv_lengths", "q_starts", "kv_starts"), keep)
 
+    def guard_runs(self, space):
+        q = (None if self.q_lengths is None and self.q_starts is None
+             else self._side(self.q_lengths, self.q_starts, space.q_len, space.device))
+        kv = (None if self.vouched or (self.kv_lengths is None and self.kv_starts is None)
+              else self._side(self.kv_lengths, self.kv_starts, space.kv_len, space.device))
+        return GuardRuns(q, kv)
+
     def has_starts(self) -> bool:
         """True when some real run does not begin at position 0 (left padding)."""
         return any(t is not None and t.numel() and bool((t != 0).any())
                    for t in (self.q_starts, self.kv_starts))
 
     def check(self, space):
+        if self.vouched:
+            return []
         problems = []
+        bounds = self._extremes()  # every (min, max) the range checks need: one host read
         for side, limit, width in (("q", space.q_len, self.q_width),
                                    ("kv", space.kv_len, self.kv_width)):
             noun = "query" if side == "q" else "key"
@@ -689,6 +772,8 @@ class _Padding(Mask):
                                 f"shape [B, {limit}]")
                 continue
             broken = getattr(self, f"{side}_broken")
+            if not readable(broken, getattr(self, f"{side}_empty"), lengths, starts):
+                continue  # values unknown here (compiled, meta or fake): shapes only
             if broken is not None and bool(broken.any()):
                 problems.append(f"padding {side}_mask: the real tokens of rows "
                                 f"{broken.nonzero().flatten().tolist()[:8]} are not one contiguous "
@@ -700,6 +785,8 @@ class _Padding(Mask):
                 problems.append(_empty_rows_message(f"{side}_mask", empty.nonzero().flatten().tolist(),
                                                     None, True))
                 continue
+            if width is not None:  # runs read from a mask of this width: in range
+                continue
             counts_ok = True
             for name, t in ((f"{side}_lengths", lengths), (f"{side}_starts", starts)):
                 if t is not None and t.numel() not in (1, space.batch):
@@ -710,25 +797,50 @@ class _Padding(Mask):
                                     f"{what} per batch element")
             if not counts_ok:
                 continue
+            low, high = bounds.get(side, ({}, {}))
+            if not low:
+                continue
+            ends = starts + lengths if starts is not None and lengths is not None else None
             if starts is None:
-                if lengths is not None and lengths.numel() and (
-                        int(lengths.min()) < 0 or int(lengths.max()) > limit):
+                if low["lengths"] < 0 or high["lengths"] > limit:
                     problems.append(f"padding {side}_lengths={lengths.tolist()} out of range: each "
                                     f"must be in [0, {limit}] (the {noun} length)")
                 continue
-            if starts.numel() and (int(starts.min()) < 0 or int(starts.max()) > limit):
+            if "starts" in low and (low["starts"] < 0 or high["starts"] > limit):
                 problems.append(f"padding {side}_starts={starts.tolist()} out of range: each must be "
                                 f"in [0, {limit}] (the {noun} length)")
                 continue
-            if lengths is None:
-                continue
-            ends = starts + lengths
-            if ends.numel() and int(ends.max()) > limit:
+            if "ends" in high and high["ends"] > limit:
                 problems.append(f"padding {side}_starts + {side}_lengths = {ends.tolist()} out of "
                                 f"range ({side}_starts={starts.tolist()}, {side}_lengths="
                                 f"{lengths.tolist()}): each real run must end within the {limit} "
                                 f"{noun} positions; shorten {side}_lengths or move {side}_starts")
         return problems
+
+    def _extremes(self) -> dict:
+        """Per side (``"q"``, ``"kv"``) with runs given as numbers: ``(low, high)``, dicts of
+        the minimum and maximum of its ``"lengths"``, ``"starts"`` and ``"ends"`` (starts +
+        lengths), all read in one host read."""
+        parts = {}
+        for side in ("q", "kv"):
+            if getattr(self, f"{side}_width") is not None:
+                continue  # runs read from a mask: in range by construction
+            lengths, starts = getattr(self, f"{side}_lengths"), getattr(self, f"{side}_starts")
+            ends = None
+            if (starts is not None and lengths is not None
+                    and (starts.numel() == lengths.numel() or 1 in (starts.numel(), lengths.numel()))):
+                ends = starts.reshape(-1) + lengths.reshape(-1)
+            for name, t in (("lengths", lengths), ("starts", starts), ("ends", ends)):
+                if t is not None and t.numel():
+                    parts[side, name] = t
+        if not parts or not readable(*parts.values()):
+            return {}
+        read = torch.stack([x for t in parts.values() for x in (t.min(), t.max())]).tolist()
+        bounds: dict = {}
+        for (side, name), low, high in zip(parts, read[0::2], read[1::2]):
+            lows, highs = bounds.setdefault(side, ({}, {}))
+            lows[name], highs[name] = low, high
+        return bounds
 
     def _side(self, lengths, starts, limit, device) -> tuple[torch.Tensor, torch.Tensor]:
         """First and one-past-last real position per batch element: two long ``[Bm]``."""
@@ -740,9 +852,13 @@ class _Padding(Mask):
         return lo, hi
 
     def _bounds(self, space):
-        """``(q_lo, q_hi, kv_lo, kv_hi)``: the real runs ``[lo, hi)``, each long ``[Bm]``."""
-        return (*self._side(self.q_lengths, self.q_starts, space.q_len, space.device),
-                *self._side(self.kv_lengths, self.kv_starts, space.kv_len, space.device))
+        """``(q_lo, q_hi, kv_lo, kv_hi)``: the real runs ``[lo, hi)``, each long ``[Bm]``;
+        computed once per extent while the mask's tensors are unchanged (:func:`_memo`)."""
+        return _memo(self, ("bounds", space.q_len, space.kv_len, space.device),
+                     (self.q_lengths, self.kv_lengths, self.q_starts, self.kv_starts),
+                     lambda: (*self._side(self.q_lengths, self.q_starts, space.q_len, space.device),
+                              *self._side(self.kv_lengths, self.kv_starts, space.kv_len,
+                                          space.device)))
 
     def structure(self, space):
         if not self.has_starts():
@@ -835,6 +951,20 @@ def padding(q_lengths=None, kv_lengths=None, q_starts=None, kv_starts=None, *,
     """
     return _Padding(q_lengths, kv_lengths, q_starts, kv_starts, q_mask=q_mask, kv_mask=kv_mask,
                     allow_empty_rows=allow_empty_rows)
+
+
+def vouched_padding(q_lengths: torch.Tensor, kv_lengths: torch.Tensor) -> Mask:
+    """``padding(q_lengths=..., kv_lengths=...)`` from a producer that made both itself (a
+    :class:`~attnkit.nn.KVCache`): long ``[B]`` tensors that fit its sequences, and K/V past
+    each key length that hold no garbage (zeros, or the sequence's own earlier keys). No value
+    is read, neither here nor when a call validates it (:attr:`_Padding.vouched`)."""
+    mask = _Padding.__new__(_Padding)
+    mask.q_width = mask.kv_width = mask.q_broken = mask.kv_broken = None
+    mask.q_empty = mask.kv_empty = None
+    mask.q_lengths, mask.kv_lengths = q_lengths, kv_lengths
+    mask.q_starts = mask.kv_starts = None
+    mask.vouched = True
+    return mask
 
 
 def real_keys(kv_mask: torch.Tensor) -> Mask:
@@ -938,20 +1068,33 @@ class _SequenceBand(_Intervals):
     def check(self, space):
         return self.sequences.check(space)
 
+    def guard_runs(self, space):
+        return self.sequences.guard_runs(space)
+
     def _aligned(self, space) -> tuple[torch.Tensor, ...]:
         """``(q_lo, q_hi, kv_lo, kv_hi, shift)``: the runs and the shift, long ``[Bm]`` each."""
-        q_lo, q_hi, kv_lo, kv_hi = torch.broadcast_tensors(*self.sequences._bounds(space))
-        shift = kv_lo - q_lo if self.align == "top_left" else kv_hi - q_hi
-        return q_lo, q_hi, kv_lo, kv_hi, shift
+        def aligned():
+            q_lo, q_hi, kv_lo, kv_hi = torch.broadcast_tensors(*self.sequences._bounds(space))
+            shift = kv_lo - q_lo if self.align == "top_left" else kv_hi - q_hi
+            return q_lo, q_hi, kv_lo, kv_hi, shift
+        sequences = self.sequences
+        return _memo(self, ("aligned", space.q_len, space.kv_len, space.device),
+                     (sequences.q_lengths, sequences.kv_lengths, sequences.q_starts,
+                      sequences.kv_starts), aligned)
 
     def _key_runs(self, q_idx, space):
-        q_lo, q_hi, kv_lo, kv_hi, shift = (t[:, None] for t in self._aligned(space))  # [Bm, 1]
+        q_lo, q_hi, kv_lo, kv_hi, shift = self._aligned(space)  # [Bm] each
         q = q_idx[None, :]
-        diagonal = q + shift  # the key at offset 0 from each query: [Bm, tq]
-        lo = kv_lo if self.left is None else torch.maximum(kv_lo, diagonal - self.left)
-        hi = kv_hi if self.right is None else torch.minimum(kv_hi, diagonal + self.right + 1)
-        real = (q >= q_lo) & (q < q_hi)  # [Bm, tq]
-        return torch.where(real, lo, 0), torch.where(real, hi, 0)
+        diagonal = q + shift[:, None]  # the key at offset 0 from each query: [Bm, tq]
+        lo = kv_lo[:, None] if self.left is None else torch.maximum(kv_lo[:, None],
+                                                                     diagonal - self.left)
+        hi = kv_hi[:, None] if self.right is None else torch.minimum(kv_hi[:, None],
+                                                                      diagonal + (self.right + 1))
+        real = q < q_hi[:, None]  # [Bm, tq]
+        if self.sequences.q_starts is not None:
+            real = real & (q >= q_lo[:, None])
+        hi = hi.where(real, 0)  # a padded query's run is empty: [lo, 0) with lo ≥ 0
+        return lo.expand_as(hi), hi
 
     def _query_runs(self, kv_idx, space):
         q_lo, q_hi, kv_lo, kv_hi, shift = (t[:, None] for t in self._aligned(space))  # [Bm, 1]
@@ -1018,10 +1161,6 @@ def _document_ids(name: str, value) -> torch.Tensor:
                "drop the extra dimensions, e.g. ids.reshape(B, T)")
         raise TypeError(f"documents {name} has shape {tuple(ids.shape)} ({ids.dtype}): pass one id "
                         f"per position, shape [T] (shared by the batch) or [B, T]; {fix}")
-    if ids.device.type == "meta":
-        raise ValueError(f"documents {name} is on the meta device, which holds no values: the mask "
-                         f"reads the ids to find each document's positions; build the ids on the "
-                         f"CPU or the inputs' device")
     return ids
 
 
@@ -1122,7 +1261,7 @@ class _Documents(Mask):
 def _show_ids(ids: torch.Tensor) -> str:
     """Document ids as a list when short (16 entries at most), else a summary:
     ``<ids [4096]: 4 documents>``, ``<ids [2, 64]: 2 to 4 documents per row>``."""
-    if ids.numel() <= 16 or ids.device.type == "meta" or torch.compiler.is_compiling():
+    if ids.numel() <= 16 or not readable(ids):
         return _show(ids, short=16)
     counts = [int(row.unique().numel()) for row in ids.reshape(-1, ids.shape[-1])]
     low, high = min(counts), max(counts)
@@ -1285,9 +1424,14 @@ class _CausalDocuments(_Intervals):
     def _size(self):
         return self.documents._size()
 
+    def tile(self, q_idx, kv_idx, space):
+        if not readable(self.documents.q_ids, self.documents.kv_ids):
+            return self.documents.tile(q_idx, kv_idx, space)  # shapes only: no values to place
+        return super().tile(q_idx, kv_idx, space)
+
     def check(self, space):
         problems = self.documents.check(space)
-        if not problems:
+        if not problems and readable(self.documents.q_ids, self.documents.kv_ids):
             try:
                 self._runs_per_position(space.device)
             except ValueError as error:
@@ -1545,6 +1689,19 @@ class _And(_Combined):
         a, b = (p.tile(q_idx, kv_idx, space) for p in self.parts)
         return a & b
 
+    def guard_runs(self, space):
+        parts = [p.guard_runs(space) for p in self.parts]
+
+        def both(side):  # positions real for every part that has runs on this side
+            runs = [r for r in (getattr(p, side) for p in parts) if r is not None]
+            if not runs:
+                return None
+            lo, hi = runs[0]
+            for other_lo, other_hi in runs[1:]:
+                lo, hi = torch.maximum(lo, other_lo), torch.minimum(hi, other_hi)
+            return lo, hi
+        return GuardRuns(both("q"), both("kv"))
+
     def tile_bias(self, q_idx, kv_idx, space):
         biases = [b for b in (p.tile_bias(q_idx, kv_idx, space) for p in self.parts) if b is not None]
         if not biases:
@@ -1666,39 +1823,37 @@ def _uncalled_mask(mask) -> str:
 
 # ---- caching what is derived from a mask ----------------------------------------------------
 KEY_BYTES = 1 << 22
-"""The largest tensor (in bytes) whose content :func:`tensor_key` reads: 4 MiB, e.g. document
-ids of 512K tokens. Reading it is one pass over its bytes, cheaper than any plan derived from
-the same values; a larger tensor's derived values are not cached."""
+"""The largest inference tensor (in bytes) whose content :func:`tensor_key` reads: 4 MiB, e.g.
+document ids of 512K tokens; a larger one's derived values are not cached."""
 
 
 def tensor_key(t: torch.Tensor, keep: list) -> Optional[tuple]:
-    """A tensor for a cache key: its identity and layout and a digest of its *content*, or
-    ``None`` when it cannot be keyed (what is derived from it is then not cached).
+    """A tensor for a cache key: its identity, layout and version counter, or ``None`` when it
+    cannot be keyed (what is derived from it is then not cached). No value is read: keying a
+    call costs no host read (no device sync, and CUDA-graph capture stays possible).
 
-    The content, not torch's version counter: a write through memory shared with numpy
-    (``torch.from_numpy``), through ``.data`` or by a kernel bumps no version, so a value
-    derived from the old content would be silently reused. Identity too: a cached value may
-    hold the tensor itself (a triton layout's kernel arguments), so only the same tensor with
-    the same content hits. ``t`` is appended to ``keep``, which the cache holds, so its id is
-    not reused while the entry lives.
+    The version counter counts every in-place write made through torch (``t[i] = x``,
+    ``t.add_``, ``t.copy_``), so a plan or validation derived from the old values is made
+    again. A write torch does not see (through memory shared with numpy, through ``.data``,
+    by a foreign kernel) is not seen here either: build a new mask after one. Identity too: a
+    cached value may hold the tensor itself, so only the same tensor hits; ``t`` is appended
+    to ``keep``, which the cache holds, so its id is not reused while the entry lives.
 
-    A CUDA tensor is copied to the host to be read: these are small tensors (lengths, ids,
-    slopes), and the copy waits only for the work queued before it, which is what wrote the
-    values this call reads. While a CUDA graph is being captured no copy may run: the key then
-    takes the version counter instead (the captured graph replays the plan it was captured
-    with whatever the key). ``None``: a tensor over :data:`KEY_BYTES`, a ``torch.func``
-    wrapper or a meta tensor (no readable storage), a tensor subclass."""
+    Inference tensors (made under ``torch.inference_mode``) have no version counter: their
+    content is read instead (bytes up to 256, else a blake2b digest), up to
+    :data:`KEY_BYTES`. ``None``: a larger inference tensor, a ``torch.func`` wrapper, a meta
+    or fake tensor (no storage to identify), a tensor subclass."""
     if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta"
-            or torch._C._functorch.is_functorch_wrapped_tensor(t)
-            or t.numel() * t.element_size() > KEY_BYTES):
+            or torch._C._functorch.is_functorch_wrapped_tensor(t)):
+        return None
+    layout = (id(t), t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+    if not t.is_inference():
+        keep.append(t)
+        return (*layout, "version", t._version)
+    if t.numel() * t.element_size() > KEY_BYTES:
         return None
     keep.append(t)
-    layout = (id(t), t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-    if t.is_cuda and torch.cuda.is_current_stream_capturing():
-        return (*layout, "version", t._version)
-    values = t.detach() if t.requires_grad else t
-    if values.device.type != "cpu":
-        values = values.to("cpu")
+    values = t if t.device.type == "cpu" else t.to("cpu")
     try:
         data = values.numpy()
     except TypeError:  # a dtype numpy lacks (bfloat16): its bytes

@@ -27,7 +27,8 @@ from torch import nn
 
 from .api import attention
 from .inputs import LazyText
-from .masks import Mask, MaskSpace, as_mask, causal, padding, real_keys
+from .masks import (Mask, MaskSpace, as_mask, causal, padding, readable, real_keys,
+                    vouched_padding)
 from .numerics import accum_dtype, masked_softmax
 
 __all__ = ["KVCache", "MultiHeadAttention", "AdditiveAttention"]
@@ -77,7 +78,8 @@ class KVCache:
     ``keys [B, Hkv, T, D]``, ``values [B, Hkv, T, D]`` (views of the filled part of
     preallocated buffers; ``None`` while empty) and ``length = T``. With per-sequence
     ``lengths [B]`` (batched decoding of sequences of different lengths, see :meth:`append`),
-    sequence b's tokens are positions ``[0, lengths[b])``, ``T`` is the longest, and
+    sequence b's tokens are positions ``[0, lengths[b])``, ``T`` is at least the longest (the
+    widths of the chunks appended, summed: no value is read to find it), and
     ``appended [B]`` counts the real positions the last :meth:`append` added to each.
 
     Immutable to its users: :meth:`append` returns a new cache. It writes in place into the
@@ -135,15 +137,19 @@ class KVCache:
         lengths = self._new_lengths(lengths, batch, new, keys.device)
         before = (self.lengths if self.lengths is not None
                   else torch.full((batch,), self.length, dtype=torch.long, device=keys.device))
-        after = before + lengths
-        length = max(int(after.max()) if batch else 0, self.length)
+        # T grows by the chunk's width: a bound on every sequence's length read from no value
+        length = self.length + new
         store = self._room(keys, values, length)
         offset = torch.arange(new, device=keys.device)
-        real = offset[None, :] < lengths[:, None]  # [B, t]
-        rows, cols = real.nonzero(as_tuple=True)
-        store.keys[rows, :, before[rows] + cols] = keys[rows, :, cols]
-        store.values[rows, :, before[rows] + cols] = values[rows, :, cols]
-        return self._extended(store, length, after, lengths)
+        real = (offset[None, :] < lengths[:, None])[:, None, :, None]  # [B, 1, t, 1]
+        # Sequence b's chunk goes to positions before[b] + [0, t): its real tokens, then zeros
+        # in its padding (positions past its new length, which no cache of the chain reads).
+        slots = (before[:, None] + offset)[:, None, :, None]  # [B, 1, t, 1]
+        store.keys.scatter_(2, slots.expand(-1, keys.shape[1], -1, keys.shape[3]),
+                            keys.where(real, 0.0))
+        store.values.scatter_(2, slots.expand(-1, values.shape[1], -1, values.shape[3]),
+                              values.where(real, 0.0))
+        return self._extended(store, length, before + lengths, lengths)
 
     def mask(self, is_causal: bool = True) -> Optional[Mask]:
         """The mask of the step whose queries are the positions the last :meth:`append` added,
@@ -152,7 +158,7 @@ class KVCache:
         ``is_causal`` (its padded queries see nothing: their output is 0)."""
         if self.lengths is None:
             return causal("bottom_right") if is_causal else None
-        real = padding(q_lengths=self.appended, kv_lengths=self.lengths)
+        real = vouched_padding(self.appended, self.lengths)
         return causal("bottom_right", sequences=real) if is_causal else real
 
     def _room(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> _Store:
@@ -234,7 +240,7 @@ class KVCache:
         if lengths.shape != (batch,):
             raise ValueError(f"lengths must be integers [B] = [{batch}] (real new positions per "
                              f"sequence), got {lengths.dtype} {tuple(lengths.shape)}")
-        if bool(((lengths < 0) | (lengths > new)).any()):
+        if readable(lengths) and bool(((lengths < 0) | (lengths > new)).any()):
             raise ValueError(f"lengths must lie in [0, {new}] (the new positions), got "
                              f"{lengths.tolist()}")
         return lengths.long()

@@ -41,6 +41,9 @@ class Backend:
     LSE_BACKWARD: bool = False
     """Has :meth:`backward`: gradients from the saved output and LSE, called outside autograd
     (a compiled graph's opaque backward)."""
+    EXACT_NONFINITE: bool = False
+    """Makes NaN exactly the rows that hold or may attend a non-finite value, by itself;
+    others get :func:`attnkit.finite.poison` after the call on CPU."""
     MAX_HEAD_DIM: Optional[int] = None
     SCORE_MODIFIERS: tuple[str, ...] = ()
     """The score modifiers it applies (``"softcap"``, ``"alibi"``, ``"relative_bias"``,

@@ -20,7 +20,6 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..finite import poison
 from ..inputs import Inputs
 from ..numerics import dropout_keep, masked_softmax
 from .base import Backend, BackendOutput
@@ -88,12 +87,20 @@ def steps(inputs: Inputs) -> Steps:
     seen = (~torch.isneginf(masked)).to(q.dtype)  # [B, Hq, Tq, Tk]: 1 where a key counts
     poisoned = ((grouped_matmul(seen, bad_kv.to(q.dtype), heads_kv) > 0)
                 | (bad_q & (seen.sum(-1, keepdim=True) > 0)))[..., 0]  # [B, Hq, Tq]
-    out, weights, lse = (poison(t, poisoned) for t in (out, weights, lse))
+    out, weights, lse = (_poison(t, poisoned) for t in (out, weights, lse))
     return Steps(scores, scaled, modified, allowed, masked, weights, lse, out)
+
+
+def _poison(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x [B, Hq, Tq, ...]`` with ``rows [B, Hq, Tq]`` set to NaN, as ``x · (NaN or 1)``: a
+    gradient reaching a poisoned row goes back as NaN; every other row is unchanged."""
+    where = rows.reshape(*rows.shape, *([1] * (x.dim() - rows.dim())))
+    return x * torch.where(where, float("nan"), 1.0).to(x.dtype)
 
 
 class ReferenceBackend(Backend):
     NAME = "reference"
+    EXACT_NONFINITE = True
     SCORE_MODIFIERS = ("softcap", "alibi", "relative_bias", "score_function")
     SUPPORTS_BIAS_GRAD = SUPPORTS_FUNC = DOUBLE_BACKWARD = True
     DESCRIPTION = "float64, materialised O(Tq·Tk), keeps every step; the definition others are tested against"

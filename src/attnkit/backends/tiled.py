@@ -706,11 +706,6 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
 
     allowed = grouped(problem.mask.tile(q_idx, kv_idx, problem.space))
     values = problem.mask.tile_bias(q_idx, kv_idx, problem.space) if with_bias else None
-    span = seg.stop - seg.start
-    if fused and group == 1 and values is None and n == span and problem.scale > 0:
-        # The diagonal tile of a causal mask: the fused kernel's is_causal skips its upper half.
-        if torch.equal(allowed, _lower_triangle(n, device).expand_as(allowed)):
-            return TileMask(None, None, causal=True)
     additive = additive_mask(allowed, None if values is None else grouped(values), dtype)
     return TileMask(additive, allowed.any(dim=-1))
 

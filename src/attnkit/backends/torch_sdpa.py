@@ -35,6 +35,12 @@ def is_plain_causal(mask, scale: float = 1.0) -> bool:
     return mask is not None and mask.band() == CAUSAL and scale > 0
 
 
+DENSE_MAX_SCORES = 1 << 16
+"""``auto`` runs a mask other than causal here, materialised as a dense bias, when it covers at
+most this many scores per batch element and head (Tq·Tk ≤ 256²: decoding steps, short padded
+batches); the tiled engine, which skips empty tiles and plans on the host, is measured faster
+beyond (docs/BENCHMARKS.md)."""
+
 POSITION_BIAS_QUERIES = 4
 """``auto`` runs ALiBi and relative biases here only without a mask and for at most this many
 queries (decoding steps), where the same fused kernel call costs less here than through the
@@ -42,19 +48,24 @@ tiled engine; from about 16 queries on the two are level, and with many queries 
 engine, which reads the bias by position, is faster (docs/BENCHMARKS.md)."""
 
 
-def dense_bias(inputs: Inputs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def dense_bias(inputs: Inputs, bool_ok: bool = False,
+               ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The mask (and the position biases, see :func:`position_bias`) as an additive bias in
     q's dtype ``[Bm, Hm, Tq, Tk]`` (−inf where forbidden), and the per-row "has an allowed
-    key" flags ``[Bm, Hm, Tq, 1]`` (``None`` without a mask)."""
+    key" flags ``[Bm, Hm, Tq, 1]`` (``None`` without a mask). With ``bool_ok``, a mask without
+    bias values is returned as the bool mask itself (torch's public entry point takes it)."""
     space = inputs.space
     positions = position_bias(inputs)
     if inputs.mask is None:
         return positions.to(inputs.q.dtype), None
-    allowed = inputs.mask.to_dense(space)
+    allowed = inputs.allowed()
     values = inputs.mask.dense_bias(space)
     if positions is not None:
         values = positions if values is None else values + positions
-    return additive_mask(allowed, values, inputs.q.dtype), allowed.any(dim=-1, keepdim=True)
+    row_ok = allowed.any(dim=-1, keepdim=True)
+    if values is None and bool_ok:
+        return allowed, row_ok
+    return additive_mask(allowed, values, inputs.q.dtype), row_ok
 
 
 def position_bias(inputs: Inputs) -> Optional[torch.Tensor]:
@@ -131,9 +142,12 @@ class TorchBackend(Backend):
     def auto_reasons(self, inputs: Inputs) -> list[str]:
         mask = inputs.mask
         positions = _position_biased(inputs)
-        if mask is not None and (positions or not is_plain_causal(mask, inputs.scale)):
-            return ["mask would be materialised as a dense Tq×Tk bias (auto prefers tiled, which "
-                    "skips empty tiles: measured faster, see docs/BENCHMARKS.md)"]
+        q_len, kv_len = inputs.q.shape[2], inputs.k.shape[2]
+        if (mask is not None and (positions or not is_plain_causal(mask, inputs.scale))
+                and q_len * kv_len > DENSE_MAX_SCORES):
+            return [f"mask would be materialised as a dense Tq×Tk bias, Tq·Tk = {q_len * kv_len} "
+                    f"> {DENSE_MAX_SCORES} (auto prefers tiled, which skips empty tiles: "
+                    f"measured faster, see docs/BENCHMARKS.md)"]
         if positions and inputs.q.shape[2] > POSITION_BIAS_QUERIES:
             return [f"alibi or relative_bias over Tq={inputs.q.shape[2]} > "
                     f"{POSITION_BIAS_QUERIES} queries would be materialised as a Tq×Tk bias "
@@ -146,9 +160,10 @@ class TorchBackend(Backend):
         positions = _position_biased(inputs)
         is_causal = is_plain_causal(mask, inputs.scale) and not positions
         additive = row_ok = None
+        fused_lse = _fused_cpu(inputs) and inputs.need_lse  # its kernel takes a float bias only
         if (mask is not None and not is_causal) or positions:
-            additive, row_ok = dense_bias(inputs)
-        if _fused_cpu(inputs) and inputs.need_lse:
+            additive, row_ok = dense_bias(inputs, bool_ok=not fused_lse)
+        if fused_lse:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, is_causal, attn_mask=additive, scale=inputs.scale)
             lse = lse.to(accum_dtype(q.dtype))

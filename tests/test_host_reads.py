@@ -1,0 +1,115 @@
+"""Reads of tensor values on the host per call (each a device sync on CUDA, and a call that
+makes one cannot be captured in a CUDA graph), counted on CPU by
+:class:`attnkit.bench.hostreads.HostReads`: a call with a mask seen before reads none, a new
+mask at most two, a decode step of a model at most two whatever its layer count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.bench.hostreads import HostReads
+from attnkit.nn import KVCache, MultiHeadAttention
+
+B, H, T, D = 2, 4, 64, 16
+
+
+def _masks() -> dict:
+    lens = torch.tensor([40, T])
+    ids = torch.arange(T) // 8
+    return {
+        "none": lambda: None,
+        "causal": lambda: ak.causal(),
+        "sliding_window": lambda: ak.sliding_window(8),
+        "padding": lambda: ak.padding(kv_lengths=lens),
+        "left padding": lambda: ak.padding(kv_starts=T - lens),
+        "causal & padding": lambda: ak.causal() & ak.padding(kv_lengths=lens),
+        "causal(sequences)": lambda: ak.causal(sequences=ak.padding(q_lengths=lens,
+                                                                    kv_lengths=lens)),
+        "padding(kv_mask)": lambda: ak.padding(kv_mask=torch.arange(T) < lens[:, None]),
+        "documents": lambda: ak.documents(ids),
+        "documents & causal": lambda: ak.documents(ids) & ak.causal(),
+        "documents(causal)": lambda: ak.documents(ids, causal="top_left"),
+        "causal & softcap": lambda: ak.causal() & ak.softcap(20.0),
+        "causal & alibi": lambda: ak.causal() & ak.alibi(torch.rand(H)),
+        "causal & relative_bias": lambda: ak.causal() & ak.relative_bias(torch.rand(H, 32)),
+        "causal & sinks": lambda: ak.causal() & ak.sinks(torch.zeros(H)),
+    }
+
+
+NEW_MASK_READS = {"documents(causal)": 4}
+"""Masks whose first use reads more than two values: causal documents find each document's
+runs on the host (their number depends on the ids)."""
+
+
+def _qkv():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, T, D, generator=gen) for _ in range(3)]
+
+
+def _reads(fn) -> int:
+    with HostReads() as reads:
+        fn()
+    return reads.count
+
+
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+@pytest.mark.parametrize("name", list(_masks()))
+def test_a_mask_seen_before_reads_no_value(name, backend):
+    q, k, v = _qkv()
+    mask = _masks()[name]()
+    ak.attention(q, k, v, mask, backend=backend)
+    assert _reads(lambda: ak.attention(q, k, v, mask, backend=backend)) == 0
+
+
+@pytest.mark.parametrize("name", list(_masks()))
+def test_a_new_mask_reads_at_most_two_values(name):
+    q, k, v = _qkv()
+    ak.attention(q, k, v, _masks()[name]())  # the backend's own first-call work
+    made = _masks()[name]  # new tensors each time: nothing cached from the call before
+    assert _reads(lambda: ak.attention(q, k, v, made())) <= NEW_MASK_READS.get(name, 2)
+
+
+def test_a_decode_step_over_a_ragged_cache_reads_no_value():
+    """Every layer of a step appends one token per sequence and attends over its own ragged
+    cache; the cache's masks come from lengths it made itself."""
+    torch.manual_seed(0)
+    layers = [MultiHeadAttention(32, 4, num_kv_heads=2) for _ in range(3)]
+    prompt = torch.randn(3, 7, 32)
+    lengths = torch.tensor([2, 7, 5])
+    caches = [KVCache.empty() for _ in layers]
+    with torch.no_grad():
+        x = prompt
+        for i, layer in enumerate(layers):
+            x, _, caches[i] = layer(x, cache=caches[i], is_causal=True, lengths=lengths)
+
+        def step():
+            h = torch.randn(3, 1, 32)
+            for i, layer in enumerate(layers):
+                h, _, caches[i] = layer(h, cache=caches[i], is_causal=True)
+        step()
+        assert _reads(step) == 0
+
+
+def test_a_transformers_decode_step_reads_at_most_two_values():
+    """The mask function runs once per forward pass (it reads the padding's runs); every layer
+    then calls attention with that mask, reading nothing."""
+    transformers = pytest.importorskip("transformers")
+    import attnkit.integrations.transformers as akhf
+    akhf.register()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=100, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
+    ids = torch.randint(3, 100, (2, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        for _ in range(2):  # a warm-up step, then the counted one
+            mask = torch.cat([mask, mask.new_ones(2, 1)], 1)
+            with HostReads() as reads:
+                out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask,
+                            past_key_values=out.past_key_values, use_cache=True)
+    assert reads.count <= 2

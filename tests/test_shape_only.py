@@ -1,0 +1,74 @@
+"""Calls on meta and fake tensors propagate shapes: every mask kind and score modifier, forward
+and backward (meta-device initialisation, dry runs, memory estimators)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import attnkit as ak
+from attnkit.nn import KVCache, MultiHeadAttention
+
+B, H, T, D = 2, 2, 16, 8
+
+
+def _masks(device) -> dict:
+    lens = torch.tensor([T, T // 2], device=device)
+    ids = torch.arange(T, device=device) // 4
+    return {
+        "none": None,
+        "causal": ak.causal(),
+        "bottom_right": ak.causal("bottom_right"),
+        "window": ak.sliding_window(4),
+        "padding": ak.padding(kv_lengths=lens),
+        "left padding": ak.padding(kv_starts=T - lens),
+        "causal & padding": ak.causal() & ak.padding(q_lengths=lens, kv_lengths=lens),
+        "kv_mask": ak.padding(kv_mask=torch.ones(B, T, dtype=torch.bool, device=device)),
+        "causal(sequences)": ak.causal(sequences=ak.padding(q_lengths=lens, kv_lengths=lens)),
+        "documents": ak.documents(ids),
+        "documents(causal)": ak.documents(ids, causal="top_left"),
+        "documents & causal": ak.documents(ids) & ak.causal(),
+        "dense": ak.dense(torch.ones(T, T, dtype=torch.bool, device=device)),
+        "bias": ak.bias(torch.zeros(T, T, device=device)),
+        "not | or": ~ak.sliding_window(2) | ak.causal(),
+        "from_function": ak.from_function(lambda b, h, q, k: k <= q),
+        "softcap": ak.causal() & ak.softcap(20.0),
+        "alibi": ak.causal() & ak.alibi(torch.ones(H, device=device)),
+        "relative_bias": ak.causal() & ak.relative_bias(torch.zeros(H, 32, device=device)),
+        "sinks": ak.causal() & ak.sinks(torch.zeros(H, device=device)),
+        "score_function": ak.causal() & ak.score_function(lambda s, b, h, q, k: s * 0.5),
+    }
+
+
+def _run(make_tensor, mask):
+    q, k, v = (make_tensor().requires_grad_() for _ in range(3))
+    result = ak.attention(q, k, v, mask, return_lse=True)
+    (result.out.sum() + result.lse.sum()).backward()
+    return result, q.grad
+
+
+@pytest.mark.parametrize("name", list(_masks("cpu")))
+def test_meta_tensors_propagate_shapes(name):
+    result, grad = _run(lambda: torch.empty(B, H, T, D, device="meta"), _masks("meta")[name])
+    assert result.out.shape == (B, H, T, D) and result.out.device.type == "meta"
+    assert result.lse.shape == (B, H, T) and result.lse.dtype == torch.float32
+    assert grad.shape == (B, H, T, D)
+
+
+@pytest.mark.parametrize("name", list(_masks("cpu")))
+def test_fake_tensors_propagate_shapes(name):
+    with FakeTensorMode():
+        result, grad = _run(lambda: torch.empty(B, H, T, D), _masks("cpu")[name])
+        assert result.out.shape == (B, H, T, D) and result.lse.shape == (B, H, T)
+        assert grad.shape == (B, H, T, D)
+
+
+def test_a_module_decodes_on_meta():
+    """Meta-device initialisation and a dry run of prefill and decode with a ragged cache."""
+    mha = MultiHeadAttention(32, 4, num_kv_heads=2, device="meta")
+    x = torch.empty(3, 5, 32, device="meta")
+    out, _, cache = mha(x, cache=KVCache.empty(), is_causal=True,
+                        lengths=torch.tensor([5, 2, 4], device="meta"))
+    out, _, cache = mha(x[:, :1], cache=cache, is_causal=True)
+    assert out.shape == (3, 1, 32) and cache.keys.shape == (3, 2, 6, 8)
