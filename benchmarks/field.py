@@ -70,7 +70,7 @@ class AttnkitDecode:
     prefills the right-padded ``prompt [B, T, E]`` whose sequence b holds ``lengths[b]`` tokens."""
 
     def __init__(self, layers: Layers, prompt: torch.Tensor, lengths: torch.Tensor, capacity: int):
-        self.layers, self.one = layers, torch.ones_like(lengths)
+        self.layers = layers
         self.caches = [KVCache.empty(capacity) for _ in layers]
         self.prefilled = self._forward(prompt, lengths)
 
@@ -82,8 +82,9 @@ class AttnkitDecode:
         return x
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence: ``x [B, 1, E]`` → hidden states ``[B, 1, E]``."""
-        return self._forward(x, self.one)
+        """One new token per sequence (every new position real: no ``lengths``):
+        ``x [B, 1, E]`` → hidden states ``[B, 1, E]``."""
+        return self._forward(x, None)
 
 
 class SdpaDecode:

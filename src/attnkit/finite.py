@@ -46,9 +46,9 @@ CHUNK_ELEMENTS = 1 << 22
 
 class Guarded(NamedTuple):
     """What :func:`guard` makes of a call: ``inputs`` without garbage where no result needs it,
-    and ``seen``, per query row ``[B, Hq, Tq, 1]``, NaN where the row may attend a non-finite
-    key or value row and 0 elsewhere (``None`` when :func:`poison` does not run or the keys are
-    not looked at, :func:`checks_keys`)."""
+    and ``seen``, per query row (float64 ``[B, Hq, Tq]`` or ``[B, Hq, 1]``), non-finite where
+    the row may attend a non-finite key row and finite elsewhere (``None`` when
+    :func:`poison` does not run or the keys are not looked at, :func:`checks_keys`)."""
 
     inputs: Inputs
     seen: Optional[torch.Tensor]
@@ -69,20 +69,20 @@ def guard(inputs: Inputs) -> Guarded:
     if mask is None:
         return Guarded(inputs, _seen_unmasked(inputs) if checked and checks_keys(inputs) else None)
     runs = mask.guard_runs(inputs.space)
+    has_key = seen = key_seen = None
+    if checked:  # one evaluation of the mask (garbage outside the runs is never counted)
+        has_key, seen, key_seen = _scan(inputs)
     fixed = {}
-    if runs.kv is not None:
-        real = _inside(runs.kv, inputs.k.shape[2])
+    # keys no query sees (which include those outside the runs), else those outside the runs
+    real = key_seen if key_seen is not None else (
+        None if runs.kv is None else _inside(runs.kv, inputs.k.shape[2]))
+    if real is not None:
         fixed["k"], fixed["v"] = inputs.k.where(real, 0.0), inputs.v.where(real, 0.0)
-    inputs = replace(inputs, **fixed) if fixed else inputs
-    if not checked:
-        if runs.q is not None:
-            inputs = replace(inputs, q=inputs.q.where(_inside(runs.q, inputs.q.shape[2]), 0.0))
-        return Guarded(inputs, None)
-    has_key, seen, key_seen = _scan(inputs)
-    fixed = dict(q=inputs.q.where(has_key, 0.0))
-    if key_seen is not None:  # keys no query sees, inside a tile a kernel computes in part
-        fixed["k"], fixed["v"] = inputs.k.where(key_seen, 0.0), inputs.v.where(key_seen, 0.0)
-    return Guarded(replace(inputs, **fixed), seen, has_key)
+    if has_key is not None:
+        fixed["q"] = inputs.q.where(has_key, 0.0)
+    elif runs.q is not None:
+        fixed["q"] = inputs.q.where(_inside(runs.q, inputs.q.shape[2]), 0.0)
+    return Guarded(replace(inputs, **fixed) if fixed else inputs, seen, has_key)
 
 
 def _inside(run: tuple[torch.Tensor, torch.Tensor], length: int) -> torch.Tensor:
@@ -111,16 +111,20 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
     attend a non-finite value set to NaN, as ``x + x · flag`` with flag 0 or NaN per row (the
     LSE: ``lse + flag``): a gradient reaching a poisoned row of out goes back as NaN, and every
     other row is unchanged. A row with no allowed key holds zeros after :func:`guard`: never
-    poisoned. ``x · 0`` is NaN exactly for a non-finite ``x``, and a sum of such products is
-    NaN exactly when one is."""
-    q = guarded.inputs.q.detach()
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    flag = (q * 0).sum(-1, keepdim=True, dtype=dtype)  # [B, Hq, Tq, 1]: NaN at a non-finite q
+    poisoned. The flag is a float64 row sum times 0: NaN exactly where a summed element is
+    NaN or ±inf (a float64 sum of finite float32/16 values never overflows; float64 values
+    near 1e308 whose sum overflows count as non-finite). Few operations: a small call's cost
+    is their number."""
+    # a row's query, the keys it may see, and its output (a non-finite value row it weighs
+    # shows there: every column of the row is then NaN, and its LSE and weights too)
+    total = (_plain(guarded.inputs.q).sum(-1, dtype=torch.float64)
+             + _plain(out).sum(-1, dtype=torch.float64))  # [B, Hq, Tq]
     if guarded.seen is not None:
-        flag = flag + guarded.seen
+        total = total + guarded.seen
+    flag = (total * 0)[..., None]  # [B, Hq, Tq, 1]: 0, or NaN
     out = torch.addcmul(out, out, flag.to(out.dtype))
-    if lse is not None:  # −inf stays −inf; a value row seen (out non-finite) reaches it too
-        lse = lse + (out.detach() * 0).sum(-1, dtype=lse.dtype)
+    if lse is not None:  # −inf stays −inf
+        lse = lse + flag[..., 0].to(lse.dtype)
     weights = None if weights is None else torch.addcmul(weights, weights, flag.to(weights.dtype))
     has_key = guarded.has_key
     if has_key is not None:  # a kernel may spread a tile's NaN into a row with no key
@@ -130,29 +134,35 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
     return out, lse, weights
 
 
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """``x`` without its autograd history (only where it has one: a detach is an operation)."""
+    return x.detach() if x.requires_grad else x
+
+
 def _dtype(inputs: Inputs) -> torch.dtype:
     return torch.float64 if inputs.q.dtype == torch.float64 else torch.float32
 
 
 def _seen_unmasked(inputs: Inputs) -> torch.Tensor:
-    """:attr:`Guarded.seen` without a mask (every row attends every key): ``[B, Hq, 1, 1]``."""
-    k, v, dtype = inputs.k.detach(), inputs.v.detach(), _dtype(inputs)
-    any_bad = (k * 0).sum((-2, -1), dtype=dtype) + (v * 0).sum((-2, -1), dtype=dtype)  # [B, Hkv]
+    """:attr:`Guarded.seen` without a mask, where every row attends every key: per query row
+    ``[B, Hq, 1]`` the float64 sum of its head's K, non-finite exactly where K is (it only
+    enters :func:`poison`'s flag, times 0). V is not looked at: a non-finite value row shows
+    in the output rows that weigh it, which :func:`poison` sums."""
+    kv = _plain(inputs.k).sum((-2, -1), dtype=torch.float64)  # [B, Hkv]
     group = inputs.group_size
-    return any_bad.repeat_interleave(group, dim=1)[:, :, None, None] if group > 1 else \
-        any_bad[:, :, None, None]
+    return (kv.repeat_interleave(group, dim=1) if group > 1 else kv)[..., None]
 
 
 def _scan(inputs: Inputs) -> tuple:
     """From one evaluation of the mask: per query row, whether it has an allowed key (bool
     ``[Bm|B, Hm|Hq, Tq, 1]``), and, when :func:`checks_keys`, :attr:`Guarded.seen` and per
     key whether some query may see it (bool ``[Bm|B, Hm|Hkv, Tk, 1]``; else ``None``)."""
-    k, v, dtype = inputs.k.detach(), inputs.v.detach(), _dtype(inputs)
+    k, dtype = _plain(inputs.k), _dtype(inputs)
     batch, heads, q_len, _ = inputs.q.shape
     bad = None
     if checks_keys(inputs):
-        bad = ((k * 0).sum(-1, dtype=dtype) + (v * 0).sum(-1, dtype=dtype)
-               ).isnan().to(dtype)  # [B, Hkv, Tk]: 1 at a non-finite key or value
+        bad = (k.sum(-1, dtype=torch.float64) * 0).isnan().to(dtype)  # [B, Hkv, Tk]: 1 at
+        # a non-finite key row (a non-finite value row shows in the outputs: poison sums them)
         bad = bad.repeat_interleave(inputs.group_size, dim=1)[..., None]  # [B, Hq, Tk, 1]
     space = inputs.space
     if q_len * space.kv_len <= CHUNK_ELEMENTS:  # the call's own evaluation of the mask
@@ -177,7 +187,7 @@ def _scan(inputs: Inputs) -> tuple:
                 key_any |= allowed.any(-2)
     if bad is None:
         return has_key, None, None
-    seen = torch.where(count > 0, float("nan"), 0.0).to(dtype)
+    seen = torch.where(count[..., 0] > 0, float("nan"), 0.0)  # [B, Hq, Tq]
     heads_kv, group = k.shape[1], inputs.group_size
     if key_any.shape[1] != 1 and group > 1:  # a key counts when a query of its group sees it
         key_any = key_any.unflatten(1, (heads_kv, group)).any(2)

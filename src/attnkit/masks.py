@@ -746,10 +746,10 @@ class _Padding(Mask):
         return _tensors_key(self, ("q_lengths", "kv_lengths", "q_starts", "kv_starts"), keep)
 
     def guard_runs(self, space):
-        q = (None if self.q_lengths is None and self.q_starts is None
-             else self._side(self.q_lengths, self.q_starts, space.q_len, space.device))
+        q_lo, q_hi, kv_lo, kv_hi = self._bounds(space)
+        q = None if self.q_lengths is None and self.q_starts is None else (q_lo, q_hi)
         kv = (None if self.vouched or (self.kv_lengths is None and self.kv_starts is None)
-              else self._side(self.kv_lengths, self.kv_starts, space.kv_len, space.device))
+              else (kv_lo, kv_hi))
         return GuardRuns(q, kv)
 
     def has_starts(self) -> bool:
@@ -844,6 +844,9 @@ class _Padding(Mask):
 
     def _side(self, lengths, starts, limit, device) -> tuple[torch.Tensor, torch.Tensor]:
         """First and one-past-last real position per batch element: two long ``[Bm]``."""
+        if starts is None and lengths is not None:  # right padding: runs [0, length)
+            hi = lengths.reshape(-1).to(device)
+            return torch.zeros_like(hi), hi
         lo = (torch.zeros(1, dtype=torch.long, device=device) if starts is None
               else starts.reshape(-1).to(device))
         hi = (torch.full((1,), limit, dtype=torch.long, device=device) if lengths is None

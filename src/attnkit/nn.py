@@ -65,10 +65,20 @@ class _Store:
         self.keys = like_keys.new_zeros(batch, heads, capacity, like_keys.shape[-1])
         self.values = like_values.new_zeros(batch, heads, capacity, like_values.shape[-1])
         self.generation = 0
+        self.checked: Optional[tuple] = None  # the lengths the last append validated (_checked)
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]
+
+
+def _checked(lengths, new: int) -> Optional[tuple]:
+    """What :meth:`KVCache.append` remembers of ``lengths`` it validated for chunks of ``new``
+    positions: the tensor, its version counter and ``new``, so a decode loop passing the same
+    unchanged tensor every step validates it (one host read) once."""
+    if type(lengths) is not torch.Tensor or lengths.is_inference():
+        return None
+    return (id(lengths), lengths._version, new, lengths)
 
 
 @dataclass(frozen=True)
@@ -134,21 +144,25 @@ class KVCache:
             store.keys[:, :, self.length:self.length + new] = keys
             store.values[:, :, self.length:self.length + new] = values
             return self._extended(store, self.length + new, None, None)
-        lengths = self._new_lengths(lengths, batch, new, keys.device)
+        store = self._store
+        padded = lengths is not None  # else every new position is real
+        seen = _checked(lengths, new) if padded else None
+        if not (store is not None and seen is not None and store.checked == seen):
+            lengths = self._new_lengths(lengths, batch, new, keys.device)
         before = (self.lengths if self.lengths is not None
                   else torch.full((batch,), self.length, dtype=torch.long, device=keys.device))
         # T grows by the chunk's width: a bound on every sequence's length read from no value
         length = self.length + new
         store = self._room(keys, values, length)
+        store.checked = _checked(lengths, new)
         offset = torch.arange(new, device=keys.device)
-        real = (offset[None, :] < lengths[:, None])[:, None, :, None]  # [B, 1, t, 1]
-        # Sequence b's chunk goes to positions before[b] + [0, t): its real tokens, then zeros
-        # in its padding (positions past its new length, which no cache of the chain reads).
+        if padded:  # zeros in a chunk's padding (past its new length: no cache of the chain reads it)
+            real = (offset[None, :] < lengths[:, None])[:, None, :, None]  # [B, 1, t, 1]
+            keys, values = keys.where(real, 0.0), values.where(real, 0.0)
+        # Sequence b's chunk goes to positions before[b] + [0, t).
         slots = (before[:, None] + offset)[:, None, :, None]  # [B, 1, t, 1]
-        store.keys.scatter_(2, slots.expand(-1, keys.shape[1], -1, keys.shape[3]),
-                            keys.where(real, 0.0))
-        store.values.scatter_(2, slots.expand(-1, values.shape[1], -1, values.shape[3]),
-                              values.where(real, 0.0))
+        store.keys.scatter_(2, slots.expand(-1, keys.shape[1], -1, keys.shape[3]), keys)
+        store.values.scatter_(2, slots.expand(-1, values.shape[1], -1, values.shape[3]), values)
         return self._extended(store, length, before + lengths, lengths)
 
     def mask(self, is_causal: bool = True) -> Optional[Mask]:

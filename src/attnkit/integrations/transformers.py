@@ -155,9 +155,10 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
         mask = _structured(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
         return TransformersMask(mask, batch_size, q_length, kv_length)
     except _NotStructured:
-        _log.debug("transformers mask %s (q_offset %d, kv_offset %d): no structured "
-                   "translation, using transformers' dense mask",
-                   getattr(mask_function, "__qualname__", mask_function), q_offset, kv_offset)
+        if not torch.compiler.is_compiling():  # dynamo traces no logger call
+            _log.debug("transformers mask %s (q_offset %d, kv_offset %d): no structured "
+                       "translation, using transformers' dense mask",
+                       getattr(mask_function, "__qualname__", mask_function), q_offset, kv_offset)
         allowed = masking_utils.sdpa_mask(
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,

@@ -1,0 +1,82 @@
+"""``torch.compile(model, fullgraph=True)`` of transformers models on attnkit: one graph, equal
+to eager; ``dynamic=True`` over several sequence lengths without a recompile per length.
+
+Graphs are captured with a counting backend that runs the captured graph as is (what
+dynamo traces is the question; inductor's code generation is tested in test_compile.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attnkit.integrations.transformers as ak_hf  # noqa: E402
+
+
+class Graphs:
+    """A ``torch.compile`` backend that counts the graphs dynamo hands it and runs each as is."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, graph_module, example_inputs):
+        self.count += 1
+        return graph_module.forward
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    ak_hf.register()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=100, max_position_embeddings=64)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit").eval()
+
+
+def _bert():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, vocab_size=100)
+    return transformers.AutoModel.from_config(config, attn_implementation="attnkit").eval()
+
+
+def _padded(batch: int, seq: int) -> torch.Tensor:
+    """A 0/1 attention mask ``[batch, seq]``, row b left-padded by ``b`` positions."""
+    return (torch.arange(seq)[None, :] >= torch.arange(batch)[:, None]).long()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("make", [_llama, _bert], ids=["llama", "bert"])
+def test_a_model_compiles_to_one_graph_equal_to_eager(make, padded):
+    model = make()
+    ids = torch.randint(3, 100, (3, 10))
+    mask = _padded(3, 10) if padded else torch.ones(3, 10, dtype=torch.long)
+    graphs = Graphs()
+    compiled = torch.compile(model, fullgraph=True, backend=graphs)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask)[0]
+        got = compiled(input_ids=ids, attention_mask=mask)[0]
+    assert graphs.count == 1
+    real = mask.bool()[..., None]  # padded positions are never seen by real tokens
+    torch.testing.assert_close(got.where(real, 0.0), want.where(real, 0.0))
+
+
+def test_dynamic_shapes_compile_once_for_three_lengths():
+    model = _llama()
+    graphs = Graphs()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=graphs)
+    with torch.no_grad():
+        for seq in (9, 13, 21):
+            ids = torch.randint(3, 100, (2, seq))
+            mask = _padded(2, seq)
+            torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask).logits[1],
+                                       model(input_ids=ids, attention_mask=mask).logits[1])
+    assert graphs.count == 1
