@@ -224,9 +224,18 @@ class Mask:
         return None
 
     def to_dense(self, space: MaskSpace) -> torch.Tensor:
-        """The whole bool mask ``[Bm, Hm, q_len, kv_len]`` (for the reference backend and pictures)."""
-        return self.tile(_positions(0, space.q_len, space.device),
-                         _positions(0, space.kv_len, space.device), space)
+        """The whole bool mask ``[Bm, Hm, q_len, kv_len]`` (for the reference backend, the
+        torch backend's bias and pictures; not to be written to). Kept on the mask while its
+        tensors are unchanged (:func:`_memo`) up to :data:`DENSE_MEMO_ELEMENTS` per head, so
+        every layer of a step that passes one mask evaluates it once."""
+        def evaluate():
+            return self.tile(_positions(0, space.q_len, space.device),
+                             _positions(0, space.kv_len, space.device), space)
+        tensors = _mask_tensors(self)
+        if tensors is None or space.q_len * space.kv_len > DENSE_MEMO_ELEMENTS:
+            return evaluate()
+        return _memo(self, ("dense", space.batch, space.heads, space.q_len, space.kv_len,
+                            space.device), tensors, evaluate)
 
     def dense_bias(self, space: MaskSpace) -> Optional[torch.Tensor]:
         """The whole additive bias ``[Bm, Hm, q_len, kv_len]``, or ``None``."""
@@ -663,6 +672,28 @@ def readable(*tensors: Optional[torch.Tensor]) -> bool:
         return False
     return not any(t is not None and (t.device.type == "meta" or isinstance(t, FakeTensor))
                    for t in tensors)
+
+
+DENSE_MEMO_ELEMENTS = 1 << 20
+"""The largest ``Tq·Tk`` whose dense mask :meth:`Mask.to_dense` keeps on the mask."""
+
+
+def _mask_tensors(mask: Mask) -> Optional[tuple]:
+    """Every tensor a mask holds (its fields, its parts' fields), or ``None`` when it runs
+    user code (``from_function``: what it reads is unknown)."""
+    found: list = []
+
+    def walk(value) -> bool:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, Mask):
+            if value.runs_code:
+                return False
+            return all(walk(field) for name, field in vars(value).items() if name != "_memo")
+        elif isinstance(value, tuple):
+            return all(walk(item) for item in value)
+        return True
+    return tuple(found) if walk(mask) else None
 
 
 MEMO_ENTRIES = 8
