@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .inputs import Inputs
+from .masks import mask_tensors, memo
 
 KV_CHECK_MIN_ROWS = 64
 """Calls with at least this many query rows also look at the keys in :func:`poison`: at most
@@ -75,21 +76,29 @@ def guard(inputs: Inputs) -> Guarded:
     fixed = {}
     # keys no query sees (which include those outside the runs), else those outside the runs
     real = key_seen if key_seen is not None else (
-        None if runs.kv is None else _inside(runs.kv, inputs.k.shape[2]))
+        None if runs.kv is None else _runs_mask(mask, runs.kv, inputs.k.shape[2], "kv"))
     if real is not None:
         fixed["k"], fixed["v"] = inputs.k.where(real, 0.0), inputs.v.where(real, 0.0)
     if has_key is not None:
         fixed["q"] = inputs.q.where(has_key, 0.0)
     elif runs.q is not None:
-        fixed["q"] = inputs.q.where(_inside(runs.q, inputs.q.shape[2]), 0.0)
+        fixed["q"] = inputs.q.where(_runs_mask(mask, runs.q, inputs.q.shape[2], "q"), 0.0)
     return Guarded(replace(inputs, **fixed) if fixed else inputs, seen, has_key)
 
 
-def _inside(run: tuple[torch.Tensor, torch.Tensor], length: int) -> torch.Tensor:
-    """Bool ``[Bm, 1, length, 1]``: the positions inside the run ``[lo, hi)`` of each batch element."""
-    lo, hi = run
-    positions = torch.arange(length, device=lo.device)
-    return ((positions >= lo[:, None]) & (positions < hi[:, None]))[:, None, :, None]
+def _runs_mask(mask, run: tuple[torch.Tensor, torch.Tensor], length: int, side: str
+               ) -> torch.Tensor:
+    """Bool ``[Bm, 1, length, 1]``: the positions inside the run ``[lo, hi)`` of each batch
+    element; kept on ``mask`` while its tensors are unchanged, so the layers of a step that
+    pass one mask compute it once."""
+    def inside():
+        lo, hi = run
+        positions = torch.arange(length, device=lo.device)
+        return ((positions >= lo[:, None]) & (positions < hi[:, None]))[:, None, :, None]
+    tensors = mask_tensors(mask)
+    if tensors is None:
+        return inside()
+    return memo(mask, ("guard", side, length, run[0].device), tensors, inside)
 
 
 def applies(inputs: Inputs) -> bool:

@@ -226,15 +226,15 @@ class Mask:
     def to_dense(self, space: MaskSpace) -> torch.Tensor:
         """The whole bool mask ``[Bm, Hm, q_len, kv_len]`` (for the reference backend, the
         torch backend's bias and pictures; not to be written to). Kept on the mask while its
-        tensors are unchanged (:func:`_memo`) up to :data:`DENSE_MEMO_ELEMENTS` per head, so
+        tensors are unchanged (:func:`memo`) up to :data:`DENSE_MEMO_ELEMENTS` per head, so
         every layer of a step that passes one mask evaluates it once."""
         def evaluate():
             return self.tile(_positions(0, space.q_len, space.device),
                              _positions(0, space.kv_len, space.device), space)
-        tensors = _mask_tensors(self)
+        tensors = mask_tensors(self)
         if tensors is None or space.q_len * space.kv_len > DENSE_MEMO_ELEMENTS:
             return evaluate()
-        return _memo(self, ("dense", space.batch, space.heads, space.q_len, space.kv_len,
+        return memo(self, ("dense", space.batch, space.heads, space.q_len, space.kv_len,
                             space.device), tensors, evaluate)
 
     def dense_bias(self, space: MaskSpace) -> Optional[torch.Tensor]:
@@ -678,7 +678,7 @@ DENSE_MEMO_ELEMENTS = 1 << 20
 """The largest ``Tq·Tk`` whose dense mask :meth:`Mask.to_dense` keeps on the mask."""
 
 
-def _mask_tensors(mask: Mask) -> Optional[tuple]:
+def mask_tensors(mask: Mask) -> Optional[tuple]:
     """Every tensor a mask holds (its fields, its parts' fields), or ``None`` when it runs
     user code (``from_function``: what it reads is unknown)."""
     found: list = []
@@ -697,10 +697,10 @@ def _mask_tensors(mask: Mask) -> Optional[tuple]:
 
 
 MEMO_ENTRIES = 8
-"""Values :func:`_memo` keeps per mask (one per extent a mask is used at, at most)."""
+"""Values :func:`memo` keeps per mask (one per extent a mask is used at, at most)."""
 
 
-def _memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
+def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
     """``compute()``, kept on ``mask`` under ``key`` and the version counters of ``tensors``
     (the mask's own, ``None`` allowed), so each layer of a step evaluating one mask pays once,
     and an in-place write to a tensor recomputes. Not kept inside a compiled region, for
@@ -709,12 +709,12 @@ def _memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object])
             t is not None and (type(t) is not torch.Tensor or t.is_inference()) for t in tensors):
         return compute()
     key = (*key, *(None if t is None else (id(t), t._version) for t in tensors))
-    memo = mask.__dict__.setdefault("_memo", {})
-    value = memo.get(key)
+    kept = mask.__dict__.setdefault("_memo", {})
+    value = kept.get(key)
     if value is None:
-        if len(memo) >= MEMO_ENTRIES:
-            memo.clear()
-        value = memo[key] = compute()
+        if len(kept) >= MEMO_ENTRIES:
+            kept.clear()
+        value = kept[key] = compute()
     return value
 
 
@@ -887,8 +887,8 @@ class _Padding(Mask):
 
     def _bounds(self, space):
         """``(q_lo, q_hi, kv_lo, kv_hi)``: the real runs ``[lo, hi)``, each long ``[Bm]``;
-        computed once per extent while the mask's tensors are unchanged (:func:`_memo`)."""
-        return _memo(self, ("bounds", space.q_len, space.kv_len, space.device),
+        computed once per extent while the mask's tensors are unchanged (:func:`memo`)."""
+        return memo(self, ("bounds", space.q_len, space.kv_len, space.device),
                      (self.q_lengths, self.kv_lengths, self.q_starts, self.kv_starts),
                      lambda: (*self._side(self.q_lengths, self.q_starts, space.q_len, space.device),
                               *self._side(self.kv_lengths, self.kv_starts, space.kv_len,
@@ -1112,7 +1112,7 @@ class _SequenceBand(_Intervals):
             shift = kv_lo - q_lo if self.align == "top_left" else kv_hi - q_hi
             return q_lo, q_hi, kv_lo, kv_hi, shift
         sequences = self.sequences
-        return _memo(self, ("aligned", space.q_len, space.kv_len, space.device),
+        return memo(self, ("aligned", space.q_len, space.kv_len, space.device),
                      (sequences.q_lengths, sequences.kv_lengths, sequences.q_starts,
                       sequences.kv_starts), aligned)
 
