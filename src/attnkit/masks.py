@@ -680,7 +680,15 @@ DENSE_MEMO_ELEMENTS = 1 << 20
 
 def mask_tensors(mask: Mask) -> Optional[tuple]:
     """Every tensor a mask holds (its fields, its parts' fields), or ``None`` when it runs
-    user code (``from_function``: what it reads is unknown)."""
+    user code (``from_function``: what it reads is unknown). A mask's fields never change
+    after construction: found once, kept with its memos."""
+    kept = mask.__dict__.setdefault("_memo", {})
+    if "tensors" not in kept:
+        kept["tensors"] = _find_tensors(mask)
+    return kept["tensors"]
+
+
+def _find_tensors(mask: Mask) -> Optional[tuple]:
     found: list = []
 
     def walk(value) -> bool:
@@ -713,7 +721,10 @@ def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
     value = kept.get(key)
     if value is None:
         if len(kept) >= MEMO_ENTRIES:
+            tensors = kept.get("tensors")
             kept.clear()
+            if tensors is not None:
+                kept["tensors"] = tensors
         value = kept[key] = compute()
     return value
 
@@ -909,8 +920,20 @@ class _Padding(Mask):
 
     def tile(self, q_idx, kv_idx, space):
         q_lo, q_hi, kv_lo, kv_hi = self._bounds(space)  # [Bm] each
-        q_ok = (q_idx[None, :] >= q_lo[:, None]) & (q_idx[None, :] < q_hi[:, None])  # [Bm, tq]
-        kv_ok = (kv_idx[None, :] >= kv_lo[:, None]) & (kv_idx[None, :] < kv_hi[:, None])  # [Bm, tk]
+
+        def inside(idx, lo, hi, starts, lengths):  # [Bm, t], or None: every position real
+            if starts is None and lengths is None:
+                return None
+            ok = idx[None, :] < hi[:, None]
+            return ok if starts is None else ok & (idx[None, :] >= lo[:, None])
+        q_ok = inside(q_idx, q_lo, q_hi, self.q_starts, self.q_lengths)
+        kv_ok = inside(kv_idx, kv_lo, kv_hi, self.kv_starts, self.kv_lengths)
+        if q_ok is None or kv_ok is None:
+            rows = q_ok if kv_ok is None else kv_ok
+            if rows is None:
+                return torch.ones(1, 1, len(q_idx), len(kv_idx), dtype=torch.bool, device=space.device)
+            shape = (rows.shape[0], 1, len(q_idx), len(kv_idx))
+            return (rows[:, None, :, None] if kv_ok is None else rows[:, None, None, :]).expand(shape)
         return (q_ok[:, :, None] & kv_ok[:, None, :])[:, None]  # [Bm, 1, tq, tk]
 
     def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
@@ -987,9 +1010,10 @@ def padding(q_lengths=None, kv_lengths=None, q_starts=None, kv_starts=None, *,
                     allow_empty_rows=allow_empty_rows)
 
 
-def vouched_padding(q_lengths: torch.Tensor, kv_lengths: torch.Tensor) -> Mask:
+def vouched_padding(q_lengths: Optional[torch.Tensor], kv_lengths: torch.Tensor) -> Mask:
     """``padding(q_lengths=..., kv_lengths=...)`` from a producer that made both itself (a
-    :class:`~attnkit.nn.KVCache`): long ``[B]`` tensors that fit its sequences, and K/V past
+    :class:`~attnkit.nn.KVCache`; ``q_lengths`` ``None``: every query real): long ``[B]``
+    tensors that fit its sequences, and K/V past
     each key length that hold no garbage (zeros, or the sequence's own earlier keys). No value
     is read, neither here nor when a call validates it (:attr:`_Padding.vouched`)."""
     mask = _Padding.__new__(_Padding)

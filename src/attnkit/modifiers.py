@@ -628,6 +628,7 @@ class Modifiers:
             if not names:
                 return p
             p = copy.copy(p)
+            p.__dict__.pop("_memo", None)  # values derived from the tensors being swapped
             for name in names:
                 setattr(p, name, swap[id(getattr(p, name))])
             return p

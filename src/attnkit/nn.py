@@ -109,6 +109,9 @@ class KVCache:
     capacity: Optional[int] = None
     _store: Optional[_Store] = field(default=None, repr=False, compare=False)
     _generation: int = field(default=0, repr=False, compare=False)
+    _whole: Optional[int] = field(default=None, repr=False, compare=False)
+    """The positions the last :meth:`append` added to every sequence, when it took no
+    ``lengths`` (all real: known without reading ``appended``); else ``None``."""
 
     def __post_init__(self):
         if (self.keys is None) != (self.values is None):
@@ -163,7 +166,8 @@ class KVCache:
         slots = (before[:, None] + offset)[:, None, :, None]  # [B, 1, t, 1]
         store.keys.scatter_(2, slots.expand(-1, keys.shape[1], -1, keys.shape[3]), keys)
         store.values.scatter_(2, slots.expand(-1, values.shape[1], -1, values.shape[3]), values)
-        return self._extended(store, length, before + lengths, lengths)
+        return self._extended(store, length, before + lengths, lengths,
+                              None if padded else new)
 
     def mask(self, is_causal: bool = True) -> Optional[Mask]:
         """The mask of the step whose queries are the positions the last :meth:`append` added,
@@ -172,6 +176,9 @@ class KVCache:
         ``is_causal`` (its padded queries see nothing: their output is 0)."""
         if self.lengths is None:
             return causal("bottom_right") if is_causal else None
+        if self._whole is not None and (self._whole == 1 or not is_causal):
+            # every query real; one new query per sequence sees all its keys: key padding only
+            return vouched_padding(None, self.lengths)
         real = vouched_padding(self.appended, self.lengths)
         return causal("bottom_right", sequences=real) if is_causal else real
 
@@ -190,10 +197,10 @@ class KVCache:
         return fresh
 
     def _extended(self, store: _Store, length: int, lengths: Optional[torch.Tensor],
-                  appended: Optional[torch.Tensor]) -> "KVCache":
+                  appended: Optional[torch.Tensor], whole: Optional[int] = None) -> "KVCache":
         store.generation += 1  # the new cache is the latest of the chain
         return KVCache(store.keys[:, :, :length], store.values[:, :, :length], length, lengths,
-                       appended, self.capacity, store, store.generation)
+                       appended, self.capacity, store, store.generation, whole)
 
     def _check_step(self, keys, values) -> None:
         """Raise unless ``keys``/``values`` are one step ``[B, Hkv, t, D]`` that continues
