@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .masks import CAUSAL, MASK_TYPES, Mask, MaskSpace, dense
+from .masks import CAUSAL, MASK_TYPES, Mask, MaskSpace, dense, mask_fields
 from .modifiers import Sinks
 
 TRACED_BACKENDS = ("torch", "reference")
@@ -56,10 +56,9 @@ def _encode(value, tensors: list, numbers: list, space: MaskSpace):
         value = dense(value.tile(torch.arange(space.q_len, device=space.device),
                                  torch.arange(space.kv_len, device=space.device), space))
     if isinstance(value, Mask):
-        fields = value.__dict__  # "_memo": values derived from the others, not passed
+        fields = mask_fields(value)
         return ("M", type(value).__name__, tuple(
-            (name, _encode(fields[name], tensors, numbers, space)) for name in sorted(fields)
-            if name != "_memo"))
+            (name, _encode(fields[name], tensors, numbers, space)) for name in sorted(fields)))
     if isinstance(value, tuple):
         return ("S", tuple(_encode(item, tensors, numbers, space) for item in value))
     return ("C", value)

@@ -678,6 +678,12 @@ DENSE_MEMO_ELEMENTS = 1 << 20
 """The largest ``Tq·Tk`` whose dense mask :meth:`Mask.to_dense` keeps on the mask."""
 
 
+def mask_fields(mask: Mask) -> dict:
+    """What a mask is made of, by name: its fields without ``_memo`` (values derived from
+    them, :func:`memo`), for the code that describes a mask (digests, compiled specs)."""
+    return {name: value for name, value in vars(mask).items() if name != "_memo"}
+
+
 def mask_tensors(mask: Mask) -> Optional[tuple]:
     """Every tensor a mask holds (its fields, its parts' fields), or ``None`` when it runs
     user code (``from_function``: what it reads is unknown). A mask's fields never change
@@ -697,7 +703,7 @@ def _find_tensors(mask: Mask) -> Optional[tuple]:
         elif isinstance(value, Mask):
             if value.runs_code:
                 return False
-            return all(walk(field) for name, field in vars(value).items() if name != "_memo")
+            return all(walk(field) for field in mask_fields(value).values())
         elif isinstance(value, tuple):
             return all(walk(item) for item in value)
         return True
@@ -1982,9 +1988,10 @@ def digest(mask: Optional[Mask]) -> str:
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         elif isinstance(obj, Mask):
             h.update(type(obj).__name__.encode())
-            for name in sorted(vars(obj)):
+            fields = mask_fields(obj)
+            for name in sorted(fields):
                 h.update(name.encode())
-                feed(vars(obj)[name])
+                feed(fields[name])
         elif isinstance(obj, (tuple, list)):
             h.update(f"seq{len(obj)}".encode())
             for item in obj:
