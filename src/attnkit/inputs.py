@@ -262,9 +262,9 @@ LAST_QUERY_CAUSAL = Band(None, 0, "bottom_right")
 class CallCache:
     """Validated calls by signature, so a model's many identical small calls validate (and pick
     a backend) once: the tensors' shapes, strides, dtypes, devices and ``requires_grad``, grad
-    mode, the mask's :meth:`~attnkit.masks.Mask.cache_key` (tensors by identity and content,
-    so a mask whose lengths or ids were written to, in place, through ``.data`` or through
-    numpy, is validated again; score modifiers in it too, their tensors with
+    mode, the mask's :meth:`~attnkit.masks.Mask.cache_key` (tensors by identity and version
+    counter, so a mask whose lengths or ids were written to in place through torch is
+    validated again, and keying reads no value; score modifiers in it too, their tensors with
     ``requires_grad``), and every other
     argument. A hit rebuilds the :class:`Inputs` from the current tensors with the remembered
     layout, mask, modifiers and choice, and skips the checks that gave the same answer

@@ -156,7 +156,8 @@ class Mask:
 
     def cache_key(self, keep: list) -> Optional[tuple]:
         """A hashable description of the mask (its kind, parameters and tensors: a tensor by
-        identity and content, :func:`tensor_key`, so any write to it misses), or ``None`` when
+        identity and version counter, :func:`tensor_key`, so an in-place write through torch
+        misses; no value is read), or ``None`` when
         it is not cached: ``from_function`` (its function may read anything), and ``dense``
         and ``bias`` (reading their Tq×Tk tensors to validate a key costs about what deriving
         a block map from them costs, and a cache would keep them alive). Tensors named by
@@ -1400,7 +1401,7 @@ def documents(q_ids, kv_ids=None, causal: Optional[str] = None) -> Mask:
 
 _DOCUMENT_RUNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 """Per :class:`_CausalDocuments` mask: ``(key, runs)``, the runs derived from its ids for the
-ids' content (:func:`tensor_key`) and the device in ``key`` (kept outside the mask, so
+ids' identity and version (:func:`tensor_key`) and the device in ``key`` (kept outside the mask, so
 ``digest`` sees only its parameters)."""
 
 

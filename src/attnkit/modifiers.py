@@ -49,10 +49,11 @@ __all__ = ["Modifier", "Modifiers", "softcap", "alibi", "relative_bias", "sinks"
 
 
 def _tensor_state(t: torch.Tensor, keep: list) -> Optional[tuple]:
-    """A tensor for a cache key: its identity and content (:func:`attnkit.masks.tensor_key`,
-    so any write to it misses, also one that bumps no version), with its ``requires_grad``
-    (which decides what a call computes); ``None`` when it cannot be keyed (a ``torch.func``
-    wrapper: no storage, and a new one per call). The tensor is appended to ``keep``."""
+    """A tensor for a cache key: its identity and version counter
+    (:func:`attnkit.masks.tensor_key`, so an in-place write through torch misses), with its
+    ``requires_grad`` (which decides what a call computes); ``None`` when it cannot be keyed
+    (a ``torch.func`` wrapper: no storage, and a new one per call). The tensor is appended to
+    ``keep``."""
     key = tensor_key(t, keep)
     return None if key is None else (*key, t.requires_grad)
 
