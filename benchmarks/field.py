@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python benchmarks/field.py            # table; JSON to $OUT or results/
     PYTHONPATH=src python benchmarks/field.py --quick    # a smoke run: the figures mean nothing
+    PYTHONPATH=src python benchmarks/field.py --device cuda  # the decode loop and tiny call on a GPU
 
 - **Ragged batched decode**: 8 prompts of 2..60 tokens, right-padded, then 128 decode steps,
   through a 4-layer model (E 256, 4 heads, pre-norm, no MLP): ``nn.MultiHeadAttention`` with a
@@ -94,12 +95,13 @@ class SdpaDecode:
     def __init__(self, layers: Layers, prompt: torch.Tensor, lengths: torch.Tensor, capacity: int):
         mha, (batch, width, _) = layers[0][1], prompt.shape
         shape = (batch, mha.num_kv_heads, capacity, mha.head_dim)
-        self.layers, self.rows = layers, torch.arange(batch)
-        self.keys = [torch.zeros(shape) for _ in layers]
-        self.values = [torch.zeros(shape) for _ in layers]
+        device = prompt.device
+        self.layers, self.rows = layers, torch.arange(batch, device=device)
+        self.keys = [torch.zeros(shape, device=device) for _ in layers]
+        self.values = [torch.zeros(shape, device=device) for _ in layers]
         self.lengths, self.span = lengths.clone(), width  # [B]; cache positions attended
-        causal = torch.ones(width, width, dtype=torch.bool).tril()  # [T, T]
-        real_keys = torch.arange(width) < lengths[:, None]  # [B, T]
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # [T, T]
+        real_keys = torch.arange(width, device=device) < lengths[:, None]  # [B, T]
         x = prompt
         for i, (norm, mha) in enumerate(layers):
             q, k, v = self._project(mha, norm(x))
@@ -123,7 +125,8 @@ class SdpaDecode:
     def step(self, x: torch.Tensor) -> torch.Tensor:
         """One new token per sequence, written at ``lengths[b]``: ``[B, 1, E]`` → ``[B, 1, E]``."""
         position, self.span = self.lengths, self.span + 1
-        mask = (torch.arange(self.span) <= position[:, None])[:, None, None, :]  # [B, 1, 1, T]
+        positions = torch.arange(self.span, device=position.device)
+        mask = (positions <= position[:, None])[:, None, None, :]  # [B, 1, 1, T]
         for i, (norm, mha) in enumerate(self.layers):
             q, k, v = self._project(mha, norm(x))
             self.keys[i][self.rows, :, position] = k[:, :, 0]  # [B, H, D]
@@ -134,20 +137,24 @@ class SdpaDecode:
         return x
 
 
-def ragged_decode(quick: bool) -> tuple[dict, dict]:
+def ragged_decode(quick: bool, device: str = "cpu") -> tuple[dict, dict]:
     """(timing row, host reads of one decode step) of the ragged decode, outputs checked first."""
     torch.manual_seed(0)
     embed, steps = 256, 4 if quick else 128
-    layers = [(torch.nn.LayerNorm(embed), MultiHeadAttention(embed, 4)) for _ in range(4)]
-    lengths = torch.tensor(PROMPT_LENGTHS)
-    prompt = torch.randn(len(lengths), max(PROMPT_LENGTHS), embed)
-    tokens = torch.randn(len(lengths), steps + 2, embed)  # one input per step
+    layers = [(torch.nn.LayerNorm(embed, device=device),
+               MultiHeadAttention(embed, 4, device=device)) for _ in range(4)]
+    lengths = torch.tensor(PROMPT_LENGTHS, device=device)
+    prompt = torch.randn(len(lengths), max(PROMPT_LENGTHS), embed, device=device)
+    tokens = torch.randn(len(lengths), steps + 2, embed, device=device)  # one input per step
     capacity = max(PROMPT_LENGTHS) + steps + 2
     kinds = {"attnkit": AttnkitDecode, "sdpa": SdpaDecode}
 
     def decode(kind) -> torch.Tensor:
         model = kind(layers, prompt, lengths, capacity)
-        return torch.cat([model.step(tokens[:, s:s + 1]) for s in range(steps)], 1)  # [B, steps, E]
+        out = torch.cat([model.step(tokens[:, s:s + 1]) for s in range(steps)], 1)  # [B, steps, E]
+        if out.is_cuda:
+            torch.cuda.synchronize()  # the time of the work, not of queueing it
+        return out
 
     with torch.no_grad():
         torch.testing.assert_close(decode(AttnkitDecode), decode(SdpaDecode), rtol=1e-4, atol=1e-5,
@@ -161,7 +168,7 @@ def ragged_decode(quick: bool) -> tuple[dict, dict]:
             with HostReads() as counted:
                 model.step(tokens[:, 1:2])
             reads[name] = counted.count
-    case = f"ragged decode, B8 prompts 2..60, {steps} steps, 4 layers E{embed}"
+    case = f"ragged decode, B8 prompts 2..60, {steps} steps, 4 layers E{embed}, {device}"
     return (row(case, "ms/token", seconds, 1e3 / (steps + 1)),
             dict(case="ragged decode step, 4 layers", **reads))
 
@@ -245,10 +252,10 @@ def minilm_forward(quick: bool) -> dict:
 
 
 # ---- 4. tiny call ----------------------------------------------------------------------------------
-def tiny_call(quick: bool) -> list[dict]:
+def tiny_call(quick: bool, device: str = "cpu") -> list[dict]:
     """Timing rows of one B1 H1 T16 D64 call, forward and forward+backward."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 1, 16, 64, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(1, 1, 16, 64, generator=gen).to(device) for _ in range(3))
     rows = []
     for mode in ("fwd", "fwd+bwd"):
         grad = mode == "fwd+bwd"
@@ -258,10 +265,12 @@ def tiny_call(quick: bool) -> list[dict]:
             out = attend(*leaves)
             if grad:
                 out.sum().backward()
+            if out.is_cuda:
+                torch.cuda.synchronize()
         seconds = interleaved({"attnkit": lambda: call(ak.attention),
                                "sdpa": lambda: call(F.scaled_dot_product_attention)},
                               calls=4 if quick else 300, blocks=2 if quick else 9, warmup=20)
-        rows.append(row(f"tiny call {mode}, B1 H1 T16 D64", "µs/call", seconds, 1e6))
+        rows.append(row(f"tiny call {mode}, B1 H1 T16 D64, {device}", "µs/call", seconds, 1e6))
     return rows
 
 
@@ -271,18 +280,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few steps and repeats: checks the "
                         "script runs, its figures mean nothing")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results"))
+    parser.add_argument("--device", default="cpu", help="where the ragged decode and the tiny "
+                        "call run (cuda: synchronised per timed call); the transformers rows "
+                        "run on the CPU only")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    decode, decode_reads = ragged_decode(args.quick)
+    decode, decode_reads = ragged_decode(args.quick, args.device)
     rows, reads = [decode], [decode_reads]
-    if transformers is not None:
+    if transformers is not None and args.device == "cpu":
         import attnkit.integrations.transformers as ak_hf
 
         ak_hf.register()
         generate_rows, generate_reads = llama_generate(args.quick)
         rows += [*generate_rows, minilm_forward(args.quick)]
         reads.append(generate_reads)
-    rows += tiny_call(args.quick)
+    rows += tiny_call(args.quick, args.device)
 
     print("| case | unit | attnkit | SDPA | attnkit / SDPA |\n|---|---|---:|---:|---:|")
     for r in rows:
@@ -293,11 +305,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"| {r['case']} | {r['attnkit']} | {r['sdpa']} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / ("field_quick.json" if args.quick else "field.json")).write_text(json.dumps(dict(
+    name = "field" + ("" if args.device == "cpu" else f"_{args.device}")
+    (out / (f"{name}_quick.json" if args.quick else f"{name}.json")).write_text(json.dumps(dict(
         date=datetime.datetime.now().isoformat(timespec="seconds"), machine=platform.platform(),
         processor=platform.processor(), torch=torch.__version__,
         transformers=transformers.__version__ if transformers is not None else None,
-        threads=torch.get_num_threads(), quick=args.quick, rows=rows, host_reads=reads), indent=1))
+        threads=torch.get_num_threads(), device=args.device, quick=args.quick, rows=rows,
+        host_reads=reads), indent=1))
     return 0
 
 
