@@ -470,13 +470,13 @@ def walk_options(walk: str, sparse: int, block: int, **more):
 
 @pytest.fixture
 def validations(monkeypatch):
-    """Counts the calls that validate (the others were answered by ``attnkit.api.CALLS``)."""
-    from attnkit import api
-    monkeypatch.setattr(api, "CALLS", type(api.CALLS)())
-    count, real = [], api.validate
+    """Counts the calls that validate (the others were answered by ``attnkit.call.CALLS``)."""
+    from attnkit import call
+    monkeypatch.setattr(call, "CALLS", type(call.CALLS)())
+    count, real = [], call.validate
 
     def counted(*args, **kwargs):
         count.append(1)
         return real(*args, **kwargs)
-    monkeypatch.setattr(api, "validate", counted)
+    monkeypatch.setattr(call, "validate", counted)
     return count

@@ -1,37 +1,20 @@
-"""``attention()``: validate → normalise → dispatch → run → restore."""
+"""``attention()``: the public entry point. Its steps: torch SDPA's keywords refused with the
+attnkit spelling, autocast, the compiled-graph operator (:mod:`attnkit.compiled`), then the
+eager call (:func:`attnkit.call.run`: validate → dispatch → run → sinks → restore)."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
-from typing import Literal, NamedTuple, Optional, Union, overload
+from typing import Literal, Optional, Union, overload
 
 import torch
 
-from . import compiled, dispatch
-from .inputs import CallCache, restore, unexpected_keywords, validate
+from . import call, compiled, dispatch
+from .call import AttentionResult
+from .inputs import unexpected_keywords, validate
 from .masks import Mask, as_mask
 
 MaskLike = Union[Mask, torch.Tensor, None]
-
-
-class AttentionResult(NamedTuple):
-    """What ``attention(..., return_lse=True / return_weights=True)`` returns.
-
-    ``out [..., Hq, Tq, Dv]`` in the input dtype; ``lse [..., Hq, Tq]`` natural-log
-    log-sum-exp of the masked scaled scores, after any score modifiers and with sinks in the
-    sum (float32, float64 for float64 input; −inf on a fully masked row without a sink) or
-    ``None``; ``weights [..., Hq, Tq, Tk]`` (before dropout; with sinks a row sums to less
-    than 1) or ``None``.
-    """
-
-    out: torch.Tensor
-    lse: Optional[torch.Tensor]
-    weights: Optional[torch.Tensor]
-
-
-CALLS = CallCache()
-"""Validated calls and their backends by signature (:class:`~attnkit.inputs.CallCache`)."""
 
 
 @overload
@@ -107,45 +90,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise unexpected_keywords(attention, unexpected)
     device = q.device.type if isinstance(q, torch.Tensor) else "cpu"
     autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
-    if autocast:
+    if autocast:  # 1. autocast: the inputs in its dtype, as torch's SDPA takes them
         q, k, v = _autocast(device, q, k, v)
-    if torch.compiler.is_compiling():
-        mask = as_mask(mask)
-        if not compiled.traced(q, k, v, mask, scale=scale, dropout_p=dropout_p,
-                               backend=dispatch.forced(backend), return_lse=return_lse,
-                               return_weights=return_weights):
-            out, lse, weights = compiled.attention(
-                q, k, v, mask, scale=scale, dropout_p=dropout_p, backend=dispatch.forced(backend),
-                return_lse=return_lse, return_weights=return_weights)
-            return AttentionResult(out, lse, weights) if return_lse or return_weights else out
-    def validate_and_choose():
-        inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
-                          need_weights=return_weights, need_lse=return_lse)
-        return inputs, dispatch.select(inputs, backend)
-    if dropout_p or torch.compiler.is_compiling():
-        inputs, chosen = validate_and_choose()
-    else:
-        inputs, chosen = CALLS.get(q, k, v, mask, (scale, backend, dispatch.forced(backend),
-                                                   return_lse, return_weights),
-                                   validate_and_choose)
-    if not torch.compiler.is_compiling() and dispatch.log.isEnabledFor(logging.DEBUG):
-        dispatch.log.debug("attention: backend %s (asked %r) for q %s, k %s, %s, mask %r",
-                           chosen.NAME, backend, tuple(inputs.q.shape), tuple(inputs.k.shape),
-                           inputs.q.dtype, inputs.mask)
+    if torch.compiler.is_compiling():  # 2. inside a compiled graph: attnkit's operator
+        detour = _compiled(q, k, v, as_mask(mask), scale=scale, dropout_p=dropout_p,
+                           backend=backend, return_lse=return_lse, return_weights=return_weights)
+        if detour is not None:
+            return detour
+    # 3. the eager call (validated once per signature, run, sinks joined, restored); the
+    # backends choose their own accumulation dtypes
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-        result = dispatch.run(chosen, inputs)
-    if inputs.modifiers is not None and inputs.modifiers.sinks is not None:
-        # one place for every backend: the result merged with an empty one of LSE sink_h
-        result = result._replace(**dict(zip(("out", "lse", "weights"), inputs.modifiers.sinks.join(
-            result.out, result.lse, result.weights))))
-    if inputs.need_grad and not chosen.DOUBLE_BACKWARD and not torch.compiler.is_compiling():
-        dispatch.refuse_double_backward(result, chosen.NAME)
-    out = restore(result.out, inputs)
-    if not (return_lse or return_weights):
-        return out
-    lse = restore(result.lse, inputs) if return_lse else None
-    weights = restore(result.weights, inputs) if return_weights else None
-    return AttentionResult(out, lse, weights)
+        return call.run(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
+                        backend=backend, return_lse=return_lse, return_weights=return_weights)
+
+
+def _compiled(q, k, v, mask, *, scale, dropout_p, backend, return_lse, return_weights):
+    """A call inside a compiled graph as attnkit's operator (:mod:`attnkit.compiled`), or
+    ``None`` when the graph traces its backend directly (torch operations alone)."""
+    backend = dispatch.forced(backend)
+    if compiled.traced(q, k, v, mask, scale=scale, dropout_p=dropout_p, backend=backend,
+                       return_lse=return_lse, return_weights=return_weights):
+        return None
+    out, lse, weights = compiled.attention(q, k, v, mask, scale=scale, dropout_p=dropout_p,
+                                           backend=backend, return_lse=return_lse,
+                                           return_weights=return_weights)
+    return AttentionResult(out, lse, weights) if return_lse or return_weights else out
 
 
 def _autocast(device: str, *tensors):

@@ -128,13 +128,13 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list
                 numbers: torch.Tensor, spec: str, scale: Optional[float], backend: str,
                 need_weights: bool, need_lse: bool, trainable: bool,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .api import attention as eager
+    from .call import run as eager
 
     mask = unflatten(spec, tensors, numbers.tolist())
     if trainable:
         backend = _engine(q, k, v, mask, scale, backend, need_weights)[1].NAME
-    result = eager(q, k, v, mask, scale=scale, backend=backend, return_lse=True,
-                   return_weights=need_weights)
+    result = eager(q, k, v, mask, scale=scale, dropout_p=0.0, generator=None, backend=backend,
+                   return_lse=True, return_weights=need_weights)
     weights = result.weights if need_weights else q.new_empty(0)
     return result.out.contiguous(), result.lse.contiguous(), weights.contiguous()
 
