@@ -162,6 +162,17 @@ def _seen_unmasked(inputs: Inputs) -> torch.Tensor:
     return (kv.repeat_interleave(group, dim=1) if group > 1 else kv)[..., None]
 
 
+def _count(allowed: torch.Tensor, bad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per row, the non-finite keys it may see: ``allowed [Bm, Hm, n, Tk]`` (bool) against
+    ``bad [B, Hq, Tk, 1]`` (1 at a non-finite key) → ``[B, Hq, n, 1]``. A mask shared by the
+    heads (Hm = 1) is not copied per head: one matrix product per batch element, the heads
+    as its columns."""
+    if allowed.shape[1] == 1:
+        per_head = allowed[:, 0].to(dtype) @ bad[..., 0].transpose(1, 2)  # [B, n, Hq]
+        return per_head.transpose(1, 2)[..., None]
+    return allowed.to(dtype) @ bad
+
+
 def _scan(inputs: Inputs) -> tuple:
     """From one evaluation of the mask: per query row, whether it has an allowed key (bool
     ``[Bm|B, Hm|Hq, Tq, 1]``), and, when :func:`checks_keys`, :attr:`Guarded.seen` and per
@@ -177,7 +188,7 @@ def _scan(inputs: Inputs) -> tuple:
     if q_len * space.kv_len <= CHUNK_ELEMENTS:  # the call's own evaluation of the mask
         allowed = inputs.allowed()
         has_key = allowed.any(-1, keepdim=True)  # [Bm, Hm, Tq, 1]
-        count = None if bad is None else allowed.to(dtype) @ bad
+        count = None if bad is None else _count(allowed, bad, dtype)
         key_any = None if bad is None else allowed.any(-2)  # [Bm, Hm, Tk]
     else:
         has_key = torch.empty(batch, heads, q_len, 1, dtype=torch.bool, device=k.device)
@@ -192,7 +203,7 @@ def _scan(inputs: Inputs) -> tuple:
             allowed = inputs.mask.tile(torch.arange(start, stop, device=k.device), kv_idx, space)
             has_key[:, :, start:stop] = allowed.any(-1, keepdim=True)  # [Bm, Hm, n, 1] broadcast
             if bad is not None:
-                count[:, :, start:stop] = allowed.to(dtype) @ bad
+                count[:, :, start:stop] = _count(allowed, bad, dtype)
                 key_any |= allowed.any(-2)
     if bad is None:
         return has_key, None, None
