@@ -186,8 +186,7 @@ def _scan(inputs: Inputs) -> tuple:
         bad = bad.repeat_interleave(inputs.group_size, dim=1)[..., None]  # [B, Hq, Tk, 1]
     space = inputs.space
     if q_len * space.kv_len <= CHUNK_ELEMENTS:  # the call's own evaluation of the mask
-        allowed = inputs.allowed()
-        has_key = allowed.any(-1, keepdim=True)  # [Bm, Hm, Tq, 1]
+        allowed, has_key = inputs.allowed(), inputs.has_key()  # [Bm, Hm, Tq, Tk | 1]
         count = None if bad is None else _count(allowed, bad, dtype)
         key_any = None if bad is None else allowed.any(-2)  # [Bm, Hm, Tk]
     else:

@@ -48,14 +48,23 @@ class Inputs:
     """The score modifiers (softcap, alibi, …) taken out of the caller's mask, or ``None``;
     ``mask`` then holds only what says which keys count (see :mod:`attnkit.modifiers`)."""
     _allowed: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    _has_key: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     def allowed(self) -> torch.Tensor:
         """The mask evaluated over the whole call, bool ``[Bm, Hm, Tq, Tk]``, computed once per
-        call (the torch backend's bias and :func:`attnkit.finite.poison` both read it). Only
+        call (the torch backend's bias and :func:`attnkit.finite.guard` both read it). Only
         for calls whose mask is small enough to materialise."""
         if self._allowed is None:
             self._allowed = self.mask.to_dense(self.space)
         return self._allowed
+
+    def has_key(self) -> torch.Tensor:
+        """Per query row, whether it has an allowed key: bool ``[Bm, Hm, Tq, 1]`` from
+        :meth:`allowed`, computed once per call (the torch backend zeroes the rows without
+        one, :func:`attnkit.finite.guard` their queries)."""
+        if self._has_key is None:
+            self._has_key = self.allowed().any(-1, keepdim=True)
+        return self._has_key
 
     @property
     def space(self) -> MaskSpace:
@@ -290,7 +299,8 @@ class CallCache:
             if key is not None:
                 if len(self._calls) >= self.entries:
                     self._calls.popitem(last=False)
-                self._calls[key] = (dataclasses.replace(inputs, q=None, k=None, v=None, _allowed=None),
+                self._calls[key] = (dataclasses.replace(inputs, q=None, k=None, v=None, _allowed=None,
+                                                        _has_key=None),
                                     choice, keep)
             return inputs, choice
         t, choice, _ = hit

@@ -60,8 +60,8 @@ class _Store:
 
     def __init__(self, like_keys: torch.Tensor, like_values: torch.Tensor, capacity: int):
         batch, heads, _, _ = like_keys.shape
-        # zeros: a ragged batch leaves slots unwritten, and masked garbage there would cost
-        # every step the non-finite check's recomputation (docs/NUMERICS.md)
+        # zeros: a ragged batch leaves slots unwritten, and the cache's masks vouch that no
+        # garbage lies past a sequence's length (no guard copies K/V: docs/NUMERICS.md)
         self.keys = like_keys.new_zeros(batch, heads, capacity, like_keys.shape[-1])
         self.values = like_values.new_zeros(batch, heads, capacity, like_values.shape[-1])
         self.generation = 0

@@ -62,7 +62,7 @@ def dense_bias(inputs: Inputs, bool_ok: bool = False,
     values = inputs.mask.dense_bias(space)
     if positions is not None:
         values = positions if values is None else values + positions
-    row_ok = allowed.any(dim=-1, keepdim=True)
+    row_ok = inputs.has_key()
     if values is None and bool_ok:
         return allowed, row_ok
     return additive_mask(allowed, values, inputs.q.dtype), row_ok
