@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit import finite
+from attnkit import dispatch, finite
 from attnkit.backends import tiled
 from attnkit.inputs import validate
 from attnkit.masks import MaskCache, MaskSpace
@@ -377,9 +377,11 @@ def test_poison_runs_on_cpu_calls_outside_transforms():
     transforms) keeps the rule by itself."""
     q = torch.randn(1, 2, 8, 4)
     inputs = validate(q, q, q, None)
-    assert finite.applies(inputs)
-    assert not finite.applies(dataclasses.replace(inputs, q=q.to("meta")))
-    assert not finite.applies(dataclasses.replace(inputs, transformed=True))
+    engine, reference = dispatch.BACKENDS["tiled"], dispatch.BACKENDS["reference"]
+    assert finite.applies(inputs, engine)
+    assert not finite.applies(inputs, reference)
+    assert not finite.applies(dataclasses.replace(inputs, q=q.to("meta")), engine)
+    assert not finite.applies(dataclasses.replace(inputs, transformed=True), engine)
 
 
 @pytest.mark.parametrize("make", [lambda: ak.padding(kv_lengths=torch.tensor([8, 5])),

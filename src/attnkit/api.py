@@ -4,7 +4,6 @@ eager call (:func:`attnkit.call.run`: validate → dispatch → run → sinks �
 
 from __future__ import annotations
 
-import contextlib
 from typing import Literal, Optional, Union, overload
 
 import torch
@@ -99,7 +98,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             return detour
     # 3. the eager call (validated once per signature, run, sinks joined, restored); the
     # backends choose their own accumulation dtypes
-    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+    if not autocast:
+        return call.run(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
+                        backend=backend, return_lse=return_lse, return_weights=return_weights)
+    with torch.autocast(device, enabled=False):
         return call.run(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
                         backend=backend, return_lse=return_lse, return_weights=return_weights)
 

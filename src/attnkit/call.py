@@ -41,40 +41,39 @@ CALLS = CallCache()
 """Validated calls and their backends by signature (:class:`~attnkit.inputs.CallCache`)."""
 
 
-CALLS = CallCache()
-"""Validated calls and their backends by signature (:class:`~attnkit.inputs.CallCache`)."""
-
-
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, *, scale: Optional[float],
         dropout_p: float, generator: Optional[torch.Generator], backend: str, return_lse: bool,
         return_weights: bool) -> Union[torch.Tensor, AttentionResult]:
     """The eager call of :func:`attnkit.attention` (same arguments and results; autocast is
     off here: the caller applied it to q, k and v)."""
+    compiling = torch.compiler.is_compiling()
     inputs, chosen = validated(q, k, v, mask, scale=scale, dropout_p=dropout_p,
                                generator=generator, backend=backend, return_lse=return_lse,
-                               return_weights=return_weights)
+                               return_weights=return_weights, compiling=compiling)
     result = dispatch.run(chosen, inputs)
-    result = with_sinks(inputs, result)
-    if inputs.need_grad and not chosen.DOUBLE_BACKWARD and not torch.compiler.is_compiling():
+    if inputs.modifiers is not None:
+        result = with_sinks(inputs, result)
+    if inputs.need_grad and not chosen.DOUBLE_BACKWARD and not compiling:
         dispatch.refuse_double_backward(result, chosen.NAME)
     return restored(result, inputs, return_lse, return_weights)
 
 
 def validated(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse,
-              return_weights) -> tuple[Inputs, Backend]:
+              return_weights, compiling: bool) -> tuple[Inputs, Backend]:
     """``(inputs, backend)`` for the call: from :data:`CALLS` when its signature was seen
-    (never with dropout, which draws from a generator, nor inside a compiled graph)."""
+    (never with dropout, which draws from a generator, nor inside a compiled graph:
+    ``compiling``)."""
     def validate_and_choose():
         inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
                           need_weights=return_weights, need_lse=return_lse)
         return inputs, dispatch.select(inputs, backend)
-    if dropout_p or torch.compiler.is_compiling():
+    if dropout_p or compiling:
         inputs, chosen = validate_and_choose()
     else:
         inputs, chosen = CALLS.get(q, k, v, mask, (scale, backend, dispatch.forced(backend),
                                                    return_lse, return_weights),
                                    validate_and_choose)
-    if not torch.compiler.is_compiling() and dispatch.log.isEnabledFor(logging.DEBUG):
+    if not compiling and dispatch.log.isEnabledFor(logging.DEBUG):
         dispatch.log.debug("attention: backend %s (asked %r) for q %s, k %s, %s, mask %r",
                            chosen.NAME, backend, tuple(inputs.q.shape), tuple(inputs.k.shape),
                            inputs.q.dtype, inputs.mask)

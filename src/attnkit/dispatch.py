@@ -44,19 +44,20 @@ AUTO_RULES = (
 def refuse_double_backward(result, name: str) -> None:
     """Make a double backward (``create_graph=True``) through ``result``'s out/LSE raise a clear
     error naming backend ``name``, instead of torch's message about a private kernel or a
-    silently constant second derivative. The hook runs in the backward pass, where grad mode
-    is on exactly when the backward itself is being recorded."""
-    def hook(grad):
+    silently constant second derivative. The hook runs before the node that made each of
+    them, in the backward pass, where grad mode is on exactly when the backward itself is
+    being recorded."""
+    def hook(grad_outputs):
         if torch.is_grad_enabled():
             raise RuntimeError(
                 f"double backward (create_graph=True) through attention is not supported by "
                 f"backend {name!r}: pass backend='tiled' (O(T) memory) or backend='reference' to "
                 f"attention() for gradients of gradients")
-        return grad
 
-    for t in (result.out, result.lse):
-        if t is not None and t.requires_grad:
-            t.register_hook(hook)
+    nodes = {t.grad_fn for t in (result.out, result.lse) if t is not None and t.requires_grad}
+    for node in nodes:
+        if node is not None:
+            node.register_prehook(hook)
 
 
 log = logging.getLogger("attnkit")
@@ -170,9 +171,9 @@ def run(chosen: Backend, inputs: Inputs) -> BackendOutput:
     as for any other."""
     if is_empty(inputs):
         return empty_output(inputs)
-    guarded = finite.guard(inputs)
+    guarded = finite.guard(inputs, finite.applies(inputs, chosen))
     result = chosen.forward(guarded.inputs)
-    if finite.applies(inputs) and not chosen.EXACT_NONFINITE:
+    if guarded.poisons:
         result = BackendOutput(*finite.poison(guarded, *result))
     return result
 

@@ -24,6 +24,7 @@ kernels propagate NaN themselves.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import NamedTuple, Optional
 
@@ -47,31 +48,34 @@ CHUNK_ELEMENTS = 1 << 22
 
 class Guarded(NamedTuple):
     """What :func:`guard` makes of a call: ``inputs`` without garbage where no result needs it,
-    and ``seen``, per query row (float64 ``[B, Hq, Tq]`` or ``[B, Hq, 1]``), non-finite where
-    the row may attend a non-finite key row and finite elsewhere (``None`` when
+    and ``seen`` in q's dtype, per query row ``[B, Hq, Tq, 1]`` or per K/V head
+    ``[B, Hkv, 1, 1]``, NaN where the row may attend a non-finite key row and 0 elsewhere
+    (``None`` when
     :func:`poison` does not run or the keys are not looked at, :func:`checks_keys`)."""
 
     inputs: Inputs
-    seen: Optional[torch.Tensor]
+    poisons: bool
+    """Whether :func:`poison` runs on the result (:func:`applies`)."""
+    seen: Optional[torch.Tensor] = None
     has_key: Optional[torch.Tensor] = None
     """Bool ``[Bm|B, Hm|Hq, Tq, 1]``: the rows with an allowed key (``None``: every row, or
     :func:`poison` does not run)."""
 
 
-def guard(inputs: Inputs) -> Guarded:
+def guard(inputs: Inputs, poisons: bool) -> Guarded:
     """Zero what no result needs and may hold garbage: K/V outside each batch element's real
     keys, where the mask gives such runs and does not vouch for them
     (:meth:`~attnkit.masks.Mask.guard_runs`), and the queries with no allowed key (on CPU,
     where :func:`poison` runs: every such row; elsewhere the padded ones of such runs): their
     result is 0 and their gradient 0 whatever they hold. On the device, whatever the values;
-    ``inputs`` itself when there is nothing to zero."""
+    ``inputs`` itself when there is nothing to zero. ``poisons``: :func:`applies`."""
     mask = inputs.mask
-    checked = applies(inputs)
     if mask is None:
-        return Guarded(inputs, _seen_unmasked(inputs) if checked and checks_keys(inputs) else None)
+        return Guarded(inputs, poisons,
+                       _seen_unmasked(inputs) if poisons and checks_keys(inputs) else None)
     runs = mask.guard_runs(inputs.space)
     has_key = seen = key_seen = None
-    if checked:  # one evaluation of the mask (garbage outside the runs is never counted)
+    if poisons:  # one evaluation of the mask (garbage outside the runs is never counted)
         has_key, seen, key_seen = _scan(inputs)
     fixed = {}
     # keys no query sees (which include those outside the runs), else those outside the runs
@@ -83,7 +87,7 @@ def guard(inputs: Inputs) -> Guarded:
         fixed["q"] = inputs.q.where(has_key, 0.0)
     elif runs.q is not None:
         fixed["q"] = inputs.q.where(_runs_mask(mask, runs.q, inputs.q.shape[2], "q"), 0.0)
-    return Guarded(replace(inputs, **fixed) if fixed else inputs, seen, has_key)
+    return Guarded(replace(inputs, **fixed) if fixed else inputs, poisons, seen, has_key)
 
 
 def _runs_mask(mask, run: tuple[torch.Tensor, torch.Tensor], length: int, side: str
@@ -101,10 +105,12 @@ def _runs_mask(mask, run: tuple[torch.Tensor, torch.Tensor], length: int, side: 
     return memo(mask, ("guard", side, length, run[0].device), tensors, inside)
 
 
-def applies(inputs: Inputs) -> bool:
-    """Whether :func:`poison` runs: CPU calls outside ``torch.func`` transforms (the reference,
-    which runs those, keeps the rule by itself; GPU kernels propagate NaN themselves)."""
-    return inputs.q.device.type == "cpu" and not inputs.transformed
+def applies(inputs: Inputs, backend) -> bool:
+    """Whether :func:`poison` runs on ``backend``'s result: CPU calls outside ``torch.func``
+    transforms, on a backend that does not keep the rule by itself (``EXACT_NONFINITE``: the
+    reference, which also runs those transforms; GPU kernels propagate NaN themselves)."""
+    return (inputs.q.device.type == "cpu" and not inputs.transformed
+            and not backend.EXACT_NONFINITE)
 
 
 def checks_keys(inputs: Inputs) -> bool:
@@ -117,30 +123,53 @@ def checks_keys(inputs: Inputs) -> bool:
 def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
            weights: Optional[torch.Tensor]) -> tuple:
     """``(out, lse, weights)`` of the call :func:`guard` made with every row that holds or may
-    attend a non-finite value set to NaN, as ``x + x · flag`` with flag 0 or NaN per row (the
-    LSE: ``lse + flag``): a gradient reaching a poisoned row of out goes back as NaN, and every
-    other row is unchanged. A row with no allowed key holds zeros after :func:`guard`: never
-    poisoned. The flag is a float64 row sum times 0: NaN exactly where a summed element is
-    NaN or ±inf (a float64 sum of finite float32/16 values never overflows; float64 values
-    near 1e308 whose sum overflows count as non-finite). Few operations: a small call's cost
-    is their number."""
-    # a row's query, the keys it may see, and its output (a non-finite value row it weighs
-    # shows there: every column of the row is then NaN, and its LSE and weights too)
-    total = (_plain(guarded.inputs.q).sum(-1, dtype=torch.float64)
-             + _plain(out).sum(-1, dtype=torch.float64))  # [B, Hq, Tq]
+    attend a non-finite value set to NaN, as ``x + flag`` with flag 0 or NaN per row: a
+    gradient reaching a poisoned row of out goes back as NaN, and every other row is
+    unchanged. A row with no allowed key holds zeros after :func:`guard`: never poisoned.
+
+    The flag of a row is its query and output times a zero vector (``[Tq, D] @ 0``: NaN
+    exactly where the row holds a NaN or ±inf; no sum that could overflow), plus
+    :attr:`Guarded.seen`. A non-finite value row shows in the output rows that weigh it, so
+    their LSE and every column become NaN too. Few operations: a small call's cost is their
+    number."""
+    flag = _plain(out) @ _zeros(out)  # [B, Hq, Tq, 1]: 0, or NaN
+    q = _plain(guarded.inputs.q)
+    flag.add_(q @ _zeros(q))
     if guarded.seen is not None:
-        total = total + guarded.seen
-    flag = (total * 0)[..., None]  # [B, Hq, Tq, 1]: 0, or NaN
-    out = torch.addcmul(out, out, flag.to(out.dtype))
+        flag = _grouped_add(flag, guarded.seen)
+    out = out + flag
     if lse is not None:  # −inf stays −inf
         lse = lse + flag[..., 0].to(lse.dtype)
-    weights = None if weights is None else torch.addcmul(weights, weights, flag.to(weights.dtype))
+    weights = None if weights is None else weights + flag.to(weights.dtype)
     has_key = guarded.has_key
     if has_key is not None:  # a kernel may spread a tile's NaN into a row with no key
         out = out.where(has_key, 0.0)
         lse = None if lse is None else lse.where(has_key[..., 0], float("-inf"))
         weights = None if weights is None else weights.where(has_key, 0.0)
     return out, lse, weights
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_column(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # usable outside inference mode too
+        return torch.zeros(size, 1, dtype=dtype, device=device)
+
+
+def _zeros(x: torch.Tensor) -> torch.Tensor:
+    """A zero column ``[D, 1]`` in ``x``'s dtype: ``x @`` it is 0 per row, NaN where the row
+    holds a NaN or ±inf (``0 · inf`` is NaN)."""
+    return _zero_column(x.shape[-1], x.dtype, x.device)
+
+
+def _grouped_add(flag: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """``flag [B, Hq, Tq, 1] + seen`` with ``seen [B, Hkv, Tq | 1, 1]`` read by every query
+    head of its group (GQA/MQA: no copy per head)."""
+    batch, heads, q_len, _ = flag.shape
+    heads_kv = seen.shape[1]
+    if heads_kv == heads:
+        return flag + seen
+    return (flag.view(batch, heads_kv, heads // heads_kv, q_len, 1)
+            + seen[:, :, None]).view(batch, heads, q_len, 1)
 
 
 def _plain(x: torch.Tensor) -> torch.Tensor:
@@ -153,13 +182,12 @@ def _dtype(inputs: Inputs) -> torch.dtype:
 
 
 def _seen_unmasked(inputs: Inputs) -> torch.Tensor:
-    """:attr:`Guarded.seen` without a mask, where every row attends every key: per query row
-    ``[B, Hq, 1]`` the float64 sum of its head's K, non-finite exactly where K is (it only
-    enters :func:`poison`'s flag, times 0). V is not looked at: a non-finite value row shows
-    in the output rows that weigh it, which :func:`poison` sums."""
-    kv = _plain(inputs.k).sum((-2, -1), dtype=torch.float64)  # [B, Hkv]
-    group = inputs.group_size
-    return (kv.repeat_interleave(group, dim=1) if group > 1 else kv)[..., None]
+    """:attr:`Guarded.seen` without a mask, where every row attends every key: per K/V head
+    ``[B, Hkv, 1, 1]``, NaN exactly where its K holds a non-finite value. V is not looked at:
+    a non-finite value row shows in the output rows that weigh it, which :func:`poison`
+    looks at."""
+    k = _plain(inputs.k)
+    return (k @ _zeros(k)).sum(-2, keepdim=True)  # a sum of zeros and NaN: no overflow
 
 
 def _count(allowed: torch.Tensor, bad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -206,7 +234,7 @@ def _scan(inputs: Inputs) -> tuple:
                 key_any |= allowed.any(-2)
     if bad is None:
         return has_key, None, None
-    seen = torch.where(count[..., 0] > 0, float("nan"), 0.0)  # [B, Hq, Tq]
+    seen = torch.where(count > 0, float("nan"), 0.0).to(inputs.q.dtype)  # [B, Hq, Tq, 1]
     heads_kv, group = k.shape[1], inputs.group_size
     if key_any.shape[1] != 1 and group > 1:  # a key counts when a query of its group sees it
         key_any = key_any.unflatten(1, (heads_kv, group)).any(2)

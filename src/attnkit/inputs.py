@@ -312,8 +312,10 @@ class CallCache:
     @staticmethod
     def _signature(q, k, v, mask, options: tuple) -> tuple[Optional[tuple], list]:
         keep: list = []
-        if (not all(type(t) is torch.Tensor and not t.is_nested for t in (q, k, v))
-                or any(map(_is_wrapped, (q, k, v)))):
+        tensor = torch.Tensor
+        if (type(q) is not tensor or type(k) is not tensor or type(v) is not tensor
+                or q.is_nested or k.is_nested or v.is_nested
+                or _is_wrapped(q) or _is_wrapped(k) or _is_wrapped(v)):
             return None, keep
         if mask is None:
             mask_key = None
@@ -323,19 +325,22 @@ class CallCache:
                 return None, keep
         else:
             return None, keep
-        shapes = [q.shape, k.shape, v.shape]
+        k_shape, v_shape = k.shape, v.shape
         if mask is None or (mask.band() == LAST_QUERY_CAUSAL and q.dim() >= 2 and q.shape[-2] == 1):
             # no mask left over any keys: validation and the backend do not depend on Tk ≥ 1
             # (a decode loop's growing cache hits)
-            if (min(q.dim(), k.dim(), v.dim()) < 2 or k.shape[-2] == 0
-                    or k.shape[-2:-1] != v.shape[-2:-1]):
+            if (min(q.dim(), k.dim(), v.dim()) < 2 or k_shape[-2] == 0
+                    or k_shape[-2:-1] != v_shape[-2:-1]):
                 return None, keep
             # what the choice may still depend on: a cache at least 4x the queries (decoding)
-            shapes[1:] = (k.shape[:-2] + k.shape[-1:] + (k.shape[-2] >= 4 * q.shape[-2],),
-                          v.shape[:-2] + v.shape[-1:])
-        return (*((shape, t.stride(), t.dtype, t.device, t.requires_grad)
-                  for shape, t in zip(shapes, (q, k, v))),
-                mask_key, torch.is_grad_enabled(), os.environ.get("TRITON_INTERPRET"), options), keep
+            k_shape = (k_shape[:-2] + k_shape[-1:], k_shape[-2] >= 4 * q.shape[-2])
+            v_shape = v_shape[:-2] + v_shape[-1:]
+        # the interpreter matters only to the triton backend, named (auto never takes it on CPU)
+        interpreted = os.environ.get("TRITON_INTERPRET") if "triton" in options else None
+        return (q.shape, q.stride(), q.dtype, q.device, q.requires_grad,
+                k_shape, k.stride(), k.dtype, k.device, k.requires_grad,
+                v_shape, v.stride(), v.dtype, v.device, v.requires_grad,
+                mask_key, torch.is_grad_enabled(), interpreted, options), keep
 
 
 def _bhtd(t: torch.Tensor, rank: int, batch_shape: tuple) -> torch.Tensor:
@@ -394,4 +399,6 @@ def restore(x: torch.Tensor, inputs: Inputs) -> torch.Tensor:
         return x[0, 0]
     if inputs.input_rank == 3:
         return x[:, 0]
+    if inputs.input_rank == 4:
+        return x
     return x.reshape(*inputs.batch_shape, *x.shape[1:])

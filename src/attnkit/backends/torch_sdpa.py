@@ -157,10 +157,10 @@ class TorchBackend(Backend):
 
     def forward(self, inputs: Inputs) -> BackendOutput:
         q, k, v, mask = inputs.q, inputs.k, inputs.v, inputs.mask
-        positions = _position_biased(inputs)
-        is_causal = is_plain_causal(mask, inputs.scale) and not positions
+        positions = inputs.modifiers is not None and _position_biased(inputs)
+        is_causal = mask is not None and is_plain_causal(mask, inputs.scale) and not positions
         additive = row_ok = None
-        fused_lse = _fused_cpu(inputs) and inputs.need_lse  # its kernel takes a float bias only
+        fused_lse = inputs.need_lse and _fused_cpu(inputs)  # its kernel takes a float bias only
         if (mask is not None and not is_causal) or positions:
             additive, row_ok = dense_bias(inputs, bool_ok=not fused_lse)
         if fused_lse:
