@@ -372,6 +372,19 @@ def test_compiles_to_one_graph_without_a_mask_and_causal(gen):
             torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("dtype,big", [(torch.float16, 6e4), (torch.bfloat16, 3e38),
+                                       (torch.float32, 3e38)])
+def test_large_finite_values_are_not_poisoned(dtype, big):
+    """The poison flag never sums values: rows of huge finite queries and outputs (whose sums
+    overflow the dtype) are not mistaken for non-finite ones."""
+    q = torch.full((1, 1, 4, 64), big, dtype=dtype)
+    k = torch.zeros(1, 1, 6, 64, dtype=dtype)
+    v = torch.full((1, 1, 6, 64), big / 8, dtype=dtype)  # the kernels' sums of 6 stay finite
+    out = ak.attention(q, k, v, ak.causal())
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, v[:, :, :4])
+
+
 def test_poison_runs_on_cpu_calls_outside_transforms():
     """GPU kernels propagate NaN by themselves; the reference (which runs torch.func
     transforms) keeps the rule by itself."""

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit.masks import MaskSpace
+from conftest import naive_attention
 
 
 def qkv(q_shape=(2, 4, 5, 8), k_shape=(2, 4, 6, 8), v_shape=None, dtype=torch.float32):
@@ -296,3 +298,50 @@ def test_decode_steps_over_a_growing_cache_validate_once(validations):
         outs.append(ak.attention(q[:, :, t:t + 1], cache.keys, cache.values, cache.mask()))
     torch.testing.assert_close(torch.cat(outs, 2), full)
     assert len(validations) - before == 2  # the prefill chunk, then the first decode step
+
+
+def test_ragged_decode_layers_validate_once_per_step_on_their_own_lengths(validations):
+    """A ragged cache's step mask is new in every layer (each layer's cache has its own
+    lengths); it is keyed by shape, so within a step only the first layer validates, and
+    each layer still runs on its own lengths (a stale mask would let a sequence see keys
+    past its length)."""
+    from attnkit.nn import KVCache
+
+    gen = torch.Generator().manual_seed(1)
+    batch, steps, layers = 3, 4, 3
+    prompt = torch.randn(batch, 2, 5, 8, generator=gen)
+    starts = [torch.tensor([2, 5, 3]), torch.tensor([4, 1, 5]), torch.tensor([1, 2, 3])]
+    caches = [KVCache.empty(capacity=16).append(prompt, prompt, lengths) for lengths in starts]
+    before = len(validations)
+    for step in range(steps):
+        for layer in range(layers):
+            new = torch.randn(batch, 2, 1, 8, generator=gen)
+            caches[layer] = cache = caches[layer].append(new, new)
+            q = torch.randn(batch, 2, 1, 8, generator=gen)
+            out = ak.attention(q, cache.keys, cache.values, cache.mask())
+            allowed = ak.padding(kv_lengths=starts[layer] + step + 1).to_dense(
+                MaskSpace(batch, 2, 1, cache.keys.shape[2]))
+            want = naive_attention(q, cache.keys, cache.values, allowed)[0]
+            torch.testing.assert_close(out, want.float())
+    assert len(validations) - before == steps  # the first layer of each step (the cache grows)
+
+
+def test_vouched_keys_everywhere_skips_the_row_flags():
+    """A decoding step's mask vouches that every row has a key: no per-row flags are made."""
+    from attnkit.inputs import validate
+    from attnkit.masks import every_row_has_key, vouched_padding
+
+    q = torch.randn(2, 1, 1, 4)
+    k = torch.randn(2, 1, 6, 4)
+    lengths = torch.tensor([3, 6])
+    everywhere = vouched_padding(None, lengths, keys_everywhere=True)
+    assert every_row_has_key(everywhere) and every_row_has_key(None)
+    assert not every_row_has_key(vouched_padding(None, lengths))
+    assert not every_row_has_key(ak.padding(kv_lengths=lengths))
+    assert validate(q, k, k, everywhere).has_key() is None
+    assert validate(q, k, k, ak.padding(kv_lengths=lengths)).has_key().all()
+    torch.testing.assert_close(ak.attention(q, k, k, everywhere),
+                               ak.attention(q, k, k, ak.padding(kv_lengths=lengths),
+                                            backend="reference"))
+    with pytest.raises(ValueError, match="q_lengths=None"):
+        vouched_padding(lengths, lengths, keys_everywhere=True)

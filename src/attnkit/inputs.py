@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .masks import Band, Mask, MaskSpace, as_mask
+from .masks import Band, Mask, MaskSpace, as_mask, every_row_has_key, validation_key
 from .modifiers import Modifiers, split
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -58,11 +58,14 @@ class Inputs:
             self._allowed = self.mask.to_dense(self.space)
         return self._allowed
 
-    def has_key(self) -> torch.Tensor:
+    def has_key(self) -> Optional[torch.Tensor]:
         """Per query row, whether it has an allowed key: bool ``[Bm, Hm, Tq, 1]`` from
         :meth:`allowed`, computed once per call (the torch backend zeroes the rows without
-        one, :func:`attnkit.finite.guard` their queries)."""
+        one, :func:`attnkit.finite.guard` their queries); ``None`` when every row is known to
+        have one (:func:`~attnkit.masks.every_row_has_key`)."""
         if self._has_key is None:
+            if every_row_has_key(self.mask):
+                return None
             self._has_key = self.allowed().any(-1, keepdim=True)
         return self._has_key
 
@@ -271,13 +274,13 @@ LAST_QUERY_CAUSAL = Band(None, 0, "bottom_right")
 class CallCache:
     """Validated calls by signature, so a model's many identical small calls validate (and pick
     a backend) once: the tensors' shapes, strides, dtypes, devices and ``requires_grad``, grad
-    mode, the mask's :meth:`~attnkit.masks.Mask.cache_key` (tensors by identity and version
+    mode, the mask's :func:`~attnkit.masks.validation_key` (tensors by identity and version
     counter, so a mask whose lengths or ids were written to in place through torch is
     validated again, and keying reads no value; score modifiers in it too, their tensors with
-    ``requires_grad``), and every other
+    ``requires_grad``; a decoding step's vouched padding by its shapes), and every other
     argument. A hit rebuilds the :class:`Inputs` from the current tensors with the remembered
-    layout, mask, modifiers and choice, and skips the checks that gave the same answer
-    before. Calls that cannot be keyed are never cached: masks without a cache key (``dense``,
+    layout, mask (the call's own, for a mask keyed by shape), modifiers and choice, and skips
+    the checks that gave the same answer before. Calls that cannot be keyed are never cached: masks without a cache key (``dense``,
     ``bias``, ``from_function``, ``score_function``, ``relative_bias`` with a bucket function,
     tensors), dropout, ``torch.func`` wrappers, compiled graphs."""
 
@@ -289,14 +292,15 @@ class CallCache:
         """``(inputs, choice)`` for this call: from the cache, or ``validate_and_choose()``
         (which returns them) remembered under the call's signature. ``options``: the call's
         other arguments, hashable."""
-        key, keep = self._signature(q, k, v, mask, options)
+        key, keep, by_shape = self._signature(q, k, v, mask, options)
         try:
             hit = None if key is None else self._calls.get(key)
         except TypeError:  # an unhashable argument: validation will say what is wrong with it
             key = hit = None
         if hit is None:
             inputs, choice = validate_and_choose()
-            if key is not None:
+            # a mask keyed by shape runs as given on a hit: only where validation kept it
+            if key is not None and (not by_shape or inputs.mask is mask):
                 if len(self._calls) >= self.entries:
                     self._calls.popitem(last=False)
                 self._calls[key] = (dataclasses.replace(inputs, q=None, k=None, v=None, _allowed=None,
@@ -305,33 +309,37 @@ class CallCache:
             return inputs, choice
         t, choice, _ = hit
         rank, batch = t.input_rank, t.batch_shape
-        return Inputs(_bhtd(q, rank, batch), _bhtd(k, rank, batch), _bhtd(v, rank, batch), t.mask,
-                      t.scale, t.dropout_p, t.generator, batch, rank, t.need_weights, t.need_lse,
-                      t.need_grad, t.bias_grad, t.transformed, t.modifiers), choice
+        return Inputs(_bhtd(q, rank, batch), _bhtd(k, rank, batch), _bhtd(v, rank, batch),
+                      mask if by_shape else t.mask, t.scale, t.dropout_p, t.generator, batch,
+                      rank, t.need_weights, t.need_lse, t.need_grad, t.bias_grad, t.transformed,
+                      t.modifiers), choice
 
     @staticmethod
-    def _signature(q, k, v, mask, options: tuple) -> tuple[Optional[tuple], list]:
+    def _signature(q, k, v, mask, options: tuple) -> tuple[Optional[tuple], list, bool]:
+        """``(key, keep, by_shape)``: the call's key (``None``: not cached), the tensors an
+        entry must hold, and whether the mask is keyed by shape (:func:`validation_key`)."""
         keep: list = []
         tensor = torch.Tensor
         if (type(q) is not tensor or type(k) is not tensor or type(v) is not tensor
                 or q.is_nested or k.is_nested or v.is_nested
                 or _is_wrapped(q) or _is_wrapped(k) or _is_wrapped(v)):
-            return None, keep
+            return None, keep, False
+        by_shape = False
         if mask is None:
             mask_key = None
         elif isinstance(mask, Mask):
-            mask_key = mask.cache_key(keep)
+            mask_key, by_shape = validation_key(mask, keep)
             if mask_key is None:
-                return None, keep
+                return None, keep, False
         else:
-            return None, keep
+            return None, keep, False
         k_shape, v_shape = k.shape, v.shape
         if mask is None or (mask.band() == LAST_QUERY_CAUSAL and q.dim() >= 2 and q.shape[-2] == 1):
             # no mask left over any keys: validation and the backend do not depend on Tk ≥ 1
             # (a decode loop's growing cache hits)
             if (min(q.dim(), k.dim(), v.dim()) < 2 or k_shape[-2] == 0
                     or k_shape[-2:-1] != v_shape[-2:-1]):
-                return None, keep
+                return None, keep, False
             # what the choice may still depend on: a cache at least 4x the queries (decoding)
             k_shape = (k_shape[:-2] + k_shape[-1:], k_shape[-2] >= 4 * q.shape[-2])
             v_shape = v_shape[:-2] + v_shape[-1:]
@@ -340,7 +348,7 @@ class CallCache:
         return (q.shape, q.stride(), q.dtype, q.device, q.requires_grad,
                 k_shape, k.stride(), k.dtype, k.device, k.requires_grad,
                 v_shape, v.stride(), v.dtype, v.device, v.requires_grad,
-                mask_key, torch.is_grad_enabled(), interpreted, options), keep
+                mask_key, torch.is_grad_enabled(), interpreted, options), keep, by_shape
 
 
 def _bhtd(t: torch.Tensor, rank: int, batch_shape: tuple) -> torch.Tensor:

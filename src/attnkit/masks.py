@@ -240,6 +240,8 @@ class Mask:
 
     def dense_bias(self, space: MaskSpace) -> Optional[torch.Tensor]:
         """The whole additive bias ``[Bm, Hm, q_len, kv_len]``, or ``None``."""
+        if not self.biases():
+            return None
         return self.tile_bias(_positions(0, space.q_len, space.device),
                               _positions(0, space.kv_len, space.device), space)
 
@@ -748,6 +750,10 @@ class _Padding(Mask):
     the sequences it holds, so :meth:`check` reads no value, and K/V outside the key runs hold
     no garbage (zeros, or the sequence's own earlier keys), so :meth:`guard_runs` is ``None``."""
 
+    keys_everywhere: bool = False
+    """Set by such a producer when every query is real and every key length at least 1
+    (:func:`every_row_has_key`)."""
+
     def __init__(self, q_lengths, kv_lengths, q_starts=None, kv_starts=None, *,
                  q_mask=None, kv_mask=None, allow_empty_rows: bool = False):
         self.q_width = self.kv_width = self.q_broken = self.kv_broken = None
@@ -1017,19 +1023,34 @@ def padding(q_lengths=None, kv_lengths=None, q_starts=None, kv_starts=None, *,
                     allow_empty_rows=allow_empty_rows)
 
 
-def vouched_padding(q_lengths: Optional[torch.Tensor], kv_lengths: torch.Tensor) -> Mask:
+def vouched_padding(q_lengths: Optional[torch.Tensor], kv_lengths: torch.Tensor, *,
+                    keys_everywhere: bool = False) -> Mask:
     """``padding(q_lengths=..., kv_lengths=...)`` from a producer that made both itself (a
     :class:`~attnkit.nn.KVCache`; ``q_lengths`` ``None``: every query real): long ``[B]``
     tensors that fit its sequences, and K/V past
     each key length that hold no garbage (zeros, or the sequence's own earlier keys). No value
-    is read, neither here nor when a call validates it (:attr:`_Padding.vouched`)."""
+    is read, neither here nor when a call validates it (:attr:`_Padding.vouched`).
+    ``keys_everywhere``: the producer also vouches that every key length is at least 1 and
+    ``q_lengths`` is ``None``, so every query row has a key (:func:`every_row_has_key`)."""
+    if keys_everywhere and q_lengths is not None:
+        raise ValueError("vouched_padding(keys_everywhere=True) needs q_lengths=None: a padded "
+                         "query has no key")
     mask = _Padding.__new__(_Padding)
     mask.q_width = mask.kv_width = mask.q_broken = mask.kv_broken = None
     mask.q_empty = mask.kv_empty = None
     mask.q_lengths, mask.kv_lengths = q_lengths, kv_lengths
     mask.q_starts = mask.kv_starts = None
     mask.vouched = True
+    mask.keys_everywhere = keys_everywhere
     return mask
+
+
+def every_row_has_key(mask: Optional[Mask]) -> bool:
+    """Whether every query row of ``mask`` is known to have an allowed key without reading a
+    value: no mask, or a vouched padding whose producer said so
+    (``vouched_padding(..., keys_everywhere=True)``: a decoding step over a cache). ``False``
+    means unknown, not that some row has none."""
+    return mask is None or (isinstance(mask, _Padding) and mask.keys_everywhere)
 
 
 def real_keys(kv_mask: torch.Tensor) -> Mask:
@@ -1931,6 +1952,19 @@ def tensor_key(t: torch.Tensor, keep: list) -> Optional[tuple]:
 def cache_key(mask: Optional[Mask], keep: list) -> Optional[tuple]:
     """``mask.cache_key(keep)`` (:meth:`Mask.cache_key`); ``()`` for no mask."""
     return () if mask is None else mask.cache_key(keep)
+
+
+def validation_key(mask: Mask, keep: list) -> tuple[Optional[tuple], bool]:
+    """``(key, by_shape)``: the key under which validating ``mask`` gives the same answer.
+    A vouched padding (:func:`vouched_padding`, which a decoding step makes anew every layer
+    and step) validates from the shapes of its lengths alone, so its key names shapes, not
+    tensors, and ``by_shape`` is True: a call cache hit must then run on the call's own mask.
+    Any other mask: :meth:`Mask.cache_key`, ``by_shape`` False. Plans derived from a mask's
+    values (block lists, run masks) never use this key."""
+    if isinstance(mask, _Padding) and mask.vouched:
+        return ("vouched", *(None if t is None else (tuple(t.shape), t.dtype, t.device)
+                             for t in (mask.q_lengths, mask.kv_lengths))), True
+    return mask.cache_key(keep), False
 
 
 def _tensors_key(mask: Mask, names: tuple[str, ...], keep: list) -> Optional[tuple]:

@@ -178,7 +178,7 @@ class KVCache:
             return causal("bottom_right") if is_causal else None
         if self._whole is not None and (self._whole == 1 or not is_causal):
             # every query real; one new query per sequence sees all its keys: key padding only
-            return vouched_padding(None, self.lengths)
+            return vouched_padding(None, self.lengths, keys_everywhere=self._whole >= 1)
         real = vouched_padding(self.appended, self.lengths)
         return causal("bottom_right", sequences=real) if is_causal else real
 
