@@ -326,8 +326,9 @@ def test_ragged_decode_layers_validate_once_per_step_on_their_own_lengths(valida
     assert len(validations) - before == steps  # the first layer of each step (the cache grows)
 
 
-def test_vouched_keys_everywhere_skips_the_row_flags():
-    """A decoding step's mask vouches that every row has a key: no per-row flags are made."""
+def test_known_keys_everywhere_skips_the_row_flags():
+    """A decoding step's mask vouches that every row has a key, a key mask's runs show it:
+    no per-row flags are made."""
     from attnkit.inputs import validate
     from attnkit.masks import every_row_has_key, vouched_padding
 
@@ -338,6 +339,13 @@ def test_vouched_keys_everywhere_skips_the_row_flags():
     assert every_row_has_key(everywhere) and every_row_has_key(None)
     assert not every_row_has_key(vouched_padding(None, lengths))
     assert not every_row_has_key(ak.padding(kv_lengths=lengths))
+    # a key mask's runs are read once when the mask is made: whether a row is empty with them
+    real = torch.tensor([[False, True, True], [True, True, True]])
+    assert every_row_has_key(ak.padding(kv_mask=real))
+    assert not every_row_has_key(ak.padding(kv_mask=real & torch.tensor([True, True, False]),
+                                            q_mask=real))
+    empty_row = torch.tensor([[False, False, False], [True, True, True]])
+    assert not every_row_has_key(ak.padding(kv_mask=empty_row, allow_empty_rows=True))
     assert validate(q, k, k, everywhere).has_key() is None
     assert validate(q, k, k, ak.padding(kv_lengths=lengths)).has_key().all()
     torch.testing.assert_close(ak.attention(q, k, k, everywhere),

@@ -568,6 +568,7 @@ class _Runs(NamedTuple):
     width: int  # T, the mask's columns
     broken: Optional[torch.Tensor]  # bool [B], inside a compiled region: real tokens not one run
     empty: Optional[torch.Tensor]  # bool [B], inside a compiled region: no real token (refused)
+    every_row: bool = False  # every row holds a real token (read; False when unknown)
 
 
 def _run_bounds(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -627,8 +628,7 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
     # One host read for both checks. torch's key_padding_mask (True = padding) read as a
     # real-token mask: an unpadded row is all False, padding at both ends is True at both ends.
     # Its inverse is one run per row, so the messages below suggest ~mask when that holds.
-    any_broken, any_empty = (torch.stack([broken.any(), broken.any() if empty is None
-                                          else empty.any()]).tolist())
+    any_broken, any_empty = torch.stack([broken.any(), (count == 0).any()]).tolist()
     if any_broken:
         rows = broken.nonzero().flatten().tolist()
         example = "".join("1" if x else "0" for x in m[rows[0]].tolist()[:40])
@@ -642,7 +642,7 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
     if empty is not None and any_empty:
         raise ValueError(_empty_rows_message(name, empty.nonzero().flatten().tolist(),
                                              tuple(m.shape), bool(_one_run(~m).all())))
-    return _Runs(starts, count.to(torch.long), width, None, None)
+    return _Runs(starts, count.to(torch.long), width, None, None, not any_empty)
 
 
 def _rows(rows: list) -> str:
@@ -751,8 +751,8 @@ class _Padding(Mask):
     no garbage (zeros, or the sequence's own earlier keys), so :meth:`guard_runs` is ``None``."""
 
     keys_everywhere: bool = False
-    """Set by such a producer when every query is real and every key length at least 1
-    (:func:`every_row_has_key`)."""
+    """Every query is real and every key run non-empty, known without a further read: said
+    by a vouching producer, or read with the runs of a ``kv_mask`` (:func:`every_row_has_key`)."""
 
     def __init__(self, q_lengths, kv_lengths, q_starts=None, kv_starts=None, *,
                  q_mask=None, kv_mask=None, allow_empty_rows: bool = False):
@@ -774,10 +774,14 @@ class _Padding(Mask):
         # runs read from a 2-D mask lie within its width by construction (check(): width only)
         if q_mask is not None:
             self.q_starts, self.q_lengths, self.q_width, self.q_broken, self.q_empty = _runs(
-                "q_mask", q_mask, allow_empty_rows)
+                "q_mask", q_mask, allow_empty_rows)[:5]
         if kv_mask is not None:
-            self.kv_starts, self.kv_lengths, self.kv_width, self.kv_broken, self.kv_empty = _runs(
-                "kv_mask", kv_mask, allow_empty_rows)
+            runs = _runs("kv_mask", kv_mask, allow_empty_rows)
+            self.kv_starts, self.kv_lengths, self.kv_width, self.kv_broken, self.kv_empty = runs[:5]
+            # every query real and every row of keys non-empty (read with the runs): every
+            # row has a key (every_row_has_key)
+            self.keys_everywhere = runs.every_row and q_mask is None and all(
+                t is None for t in (self.q_lengths, self.q_starts))
         if all(t is None for t in (self.q_lengths, self.kv_lengths, self.q_starts, self.kv_starts)):
             raise ValueError("padding() needs q_lengths or kv_lengths (a length per batch element), "
                              "q_starts/kv_starts (left padding), or q_mask/kv_mask (a [B, T] "
@@ -1047,9 +1051,10 @@ def vouched_padding(q_lengths: Optional[torch.Tensor], kv_lengths: torch.Tensor,
 
 def every_row_has_key(mask: Optional[Mask]) -> bool:
     """Whether every query row of ``mask`` is known to have an allowed key without reading a
-    value: no mask, or a vouched padding whose producer said so
-    (``vouched_padding(..., keys_everywhere=True)``: a decoding step over a cache). ``False``
-    means unknown, not that some row has none."""
+    value: no mask, or a key padding whose every row has a real key, as a vouching producer
+    said (``vouched_padding(..., keys_everywhere=True)``: a decoding step over a cache) or as
+    read with the runs of its ``kv_mask`` (the transformers padding mask). ``False`` means
+    unknown, not that some row has none."""
     return mask is None or (isinstance(mask, _Padding) and mask.keys_everywhere)
 
 
