@@ -214,9 +214,11 @@ def _scan(inputs: Inputs) -> tuple:
         bad = bad.repeat_interleave(inputs.group_size, dim=1)[..., None]  # [B, Hq, Tk, 1]
     space = inputs.space
     if q_len * space.kv_len <= CHUNK_ELEMENTS:  # the call's own evaluation of the mask
-        allowed, has_key = inputs.allowed(), inputs.has_key()  # [Bm, Hm, Tq, Tk | 1]
-        count = None if bad is None else _count(allowed, bad, dtype)
-        key_any = None if bad is None else allowed.any(-2)  # [Bm, Hm, Tk]
+        has_key = inputs.has_key()  # [Bm, Hm, Tq, 1], or None: every row has a key
+        count = key_any = None
+        if bad is not None:
+            allowed = inputs.allowed()  # [Bm, Hm, Tq, Tk]
+            count, key_any = _count(allowed, bad, dtype), allowed.any(-2)  # key_any [Bm, Hm, Tk]
     else:
         has_key = torch.empty(batch, heads, q_len, 1, dtype=torch.bool, device=k.device)
         count = key_any = None

@@ -805,11 +805,12 @@ class _Padding(Mask):
         return _tensors_key(self, ("q_lengths", "kv_lengths", "q_starts", "kv_starts"), keep)
 
     def guard_runs(self, space):
+        q_runs = not (self.q_lengths is None and self.q_starts is None)
+        kv_runs = not (self.vouched or (self.kv_lengths is None and self.kv_starts is None))
+        if not (q_runs or kv_runs):
+            return NO_RUNS
         q_lo, q_hi, kv_lo, kv_hi = self._bounds(space)
-        q = None if self.q_lengths is None and self.q_starts is None else (q_lo, q_hi)
-        kv = (None if self.vouched or (self.kv_lengths is None and self.kv_starts is None)
-              else (kv_lo, kv_hi))
-        return GuardRuns(q, kv)
+        return GuardRuns((q_lo, q_hi) if q_runs else None, (kv_lo, kv_hi) if kv_runs else None)
 
     def has_starts(self) -> bool:
         """True when some real run does not begin at position 0 (left padding)."""
@@ -936,6 +937,11 @@ class _Padding(Mask):
                                  ranges(kv_lo, kv_hi, space.kv_len, q_lo, q_hi)))
 
     def tile(self, q_idx, kv_idx, space):
+        if (self.q_lengths is None and self.q_starts is None and self.kv_starts is None
+                and self.kv_lengths is not None):  # keys right-padded (a decoding step): direct
+            hi = self.kv_lengths.reshape(-1).to(space.device)
+            ok = kv_idx[None, :] < hi[:, None]  # [Bm, tk]
+            return ok[:, None, None, :].expand(ok.shape[0], 1, len(q_idx), len(kv_idx))
         q_lo, q_hi, kv_lo, kv_hi = self._bounds(space)  # [Bm] each
 
         def inside(idx, lo, hi, starts, lengths):  # [Bm, t], or None: every position real
