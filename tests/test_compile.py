@@ -121,6 +121,23 @@ def test_learnable_bias_gets_its_gradient_when_compiled():
         torch.testing.assert_close(got, want)
 
 
+def test_a_compiled_helper_takes_new_window_sizes_and_softcap_values():
+    """Window size and softcap cap passed to a compiled helper as Python numbers: each new
+    pair runs (a cap that dynamo makes a graph input is not readable there), forward and
+    backward equal to eager."""
+    def fn(q, k, v, window, cap):
+        return ak.attention(q, k, v, ak.sliding_window(window) & ak.softcap(cap))
+
+    helper = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    q, k, v = _qkv(4)
+    for window, cap in [(4, 5.0), (8, 5.0), (8, 7.5), (16, 30.0)]:
+        out, grads = _run(lambda *t: helper(*t, window, cap), [q, k, v])
+        expected, expected_grads = _run(lambda *t: fn(*t, window, cap), [q, k, v])
+        torch.testing.assert_close(out, expected)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_score_modifiers_compile_with_their_gradients(backend, monkeypatch):
     """Softcap, ALiBi, a T5 relative bias and sinks under causal masking: one graph, out and

@@ -127,6 +127,9 @@ class Softcap(Modifier):
     kind = "softcap"
 
     def __init__(self, cap: float):
+        if torch.compiler.is_compiling():  # cap may be a graph input: no value to read
+            self.cap = cap
+            return
         if isinstance(cap, bool) or not isinstance(cap, (int, float)):
             raise TypeError(f"softcap(cap): cap must be a float > 0 (scores become "
                             f"cap·tanh(s/cap)), got {cap!r}")
@@ -157,7 +160,8 @@ class Softcap(Modifier):
 def softcap(cap: float) -> Mask:
     """Soft-cap the scaled scores: ``s → cap · tanh(s / cap)`` (Gemma 2, Grok), before any
     additive bias and before masking. ``cap``: a float in float32's normal range, ``1.18e-38
-    ≤ cap ≤ 3.4e38`` (kernels divide by it in float32). Combine with masks by ``&``:
+    ≤ cap ≤ 3.4e38`` (kernels divide by it in float32), checked eagerly; inside a compiled
+    graph, where cap may be a graph input, it is taken as given. Combine with masks by ``&``:
     ``ak.causal() & ak.softcap(50.0)``."""
     return Softcap(cap)
 
