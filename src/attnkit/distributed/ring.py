@@ -37,9 +37,9 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ..api import AttentionResult
+from ..call import AttentionResult
 from ..backends.tiled import BLOCK_K, Problem, make_plan, tiled_backward, tiled_forward, uses_fused_kernel
-from ..backends.triton import backend as triton_steps
+from ..backends.triton import TritonBackend, backward_step, forward_step, score_mods
 from ..backends.triton import launch
 from ..inputs import Inputs, restore, validate
 from ..masks import Mask, MaskSpace, as_mask, digest
@@ -226,12 +226,12 @@ class _TritonStep:
         return launch.ScoreMods(self.cap, slopes, self.shift, diag, self.diag_off)
 
     def forward(self, q, k, v, params=()):
-        return triton_steps._forward(q, k, v, self.plan, self._mods(params))
+        return forward_step(q, k, v, self.plan, self._mods(params))
 
     def backward(self, q, k, v, out, lse, grad_out, grad_lse, params=(), dparams=()):
         dslope, ddiag = dparams if dparams else (None, None)
-        return triton_steps._backward(grad_out, grad_lse, q, k, v, out, lse.contiguous(), self.plan,
-                                      self._mods(params), dslope, ddiag)
+        return backward_step(grad_out, grad_lse, q, k, v, out, lse.contiguous(), self.plan,
+                             self._mods(params), dslope, ddiag)
 
 
 @dataclass(frozen=True)
@@ -508,7 +508,7 @@ def _step_backend(backend: str, local: Inputs) -> str:
         raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
     if backend == "tiled":
         return "tiled"
-    reasons = triton_steps.TritonBackend().not_supported_reasons(local)
+    reasons = TritonBackend().not_supported_reasons(local)
     if backend == "triton" and reasons:
         raise ValueError("backend='triton' cannot run these shards:\n  " + "\n  ".join(reasons)
                          + "\nuse backend='tiled' (or 'auto')")
@@ -576,7 +576,7 @@ def _scoring(whole: Inputs, step_backend: str) -> Scoring:
     if modifiers is None or not modifiers.changes_scores:
         return NO_SCORING
     if step_backend == "triton":
-        found = triton_steps.score_mods(whole)
+        found = score_mods(whole)
         return Scoring((found.get("slopes"), found.get("diag")), cap=found.get("cap"),
                        shift=found.get("shift", 0))
     sink = [] if modifiers.sinks is None else [modifiers.sinks.logits]

@@ -11,8 +11,9 @@ Masks are lowered once per mask and shapes to a small program
 row ranges, anything else as a dense element mask.
 
 Layout: ``kernels.py`` (``@triton.jit``: one walk, one tile function per pass), ``launch.py``
-(options, mask program, block lists, candidates, launches), ``backend.py`` (the autograd
-Function and :class:`TritonBackend`). Importing this package does not import triton.
+(options, mask program, block lists, candidates, launches), ``backend.py`` (the step API
+``forward_step``/``backward_step``, which ring attention also calls, the autograd Function
+and :class:`TritonBackend`). Importing this package does not import triton.
 
 CPU tensors run through the Triton interpreter (``TRITON_INTERPRET=1`` set before triton is
 first imported; triton ≥ 3.9), for tests, never picked by ``backend="auto"``. Not supported:
@@ -20,7 +21,7 @@ dropout and ``return_weights`` (``reference``/``tiled`` do them), float64, head 
 a bias that requires grad, a scale ≤ 0.
 """
 
-from .backend import TritonBackend
+from .backend import TritonBackend, backward_step, forward_step, score_mods
 from .launch import TritonOptions
 
-__all__ = ["TritonBackend", "TritonOptions"]
+__all__ = ["TritonBackend", "TritonOptions", "forward_step", "backward_step", "score_mods"]

@@ -1,7 +1,8 @@
 """``backend="triton"``: the layered autograd around the kernels.
 
-``_forward(q, k, v, plan) -> (out, lse)`` and ``_backward(...) -> (dq, dk, dv)`` allocate and
-launch (``launch.py``); one ``torch.autograd.Function`` ties them together; ``TritonBackend``
+:func:`forward_step` ``(q, k, v, plan) -> (out, lse)`` and :func:`backward_step` ``(...) ->
+(dq, dk, dv)`` allocate and launch (``launch.py``): the public step API, which the backend's
+one ``torch.autograd.Function`` and ring attention's steps both call; ``TritonBackend``
 states what it supports. Nothing imports triton until a kernel is launched (or until
 ``unavailable_reason`` is asked), so ``import attnkit`` stays fast.
 """
@@ -21,9 +22,10 @@ from ..base import Backend, BackendOutput, check_backward_modifiers
 from . import launch
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: launch.Plan,
-             mods: launch.ScoreMods = launch.NO_MODS) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [B, H, Tq, Dk]``, ``k [B, Hkv, Tk, Dk]``, ``v [B, Hkv, Tk, Dv]`` → ``out [B, H, Tq, Dv]``
+def forward_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: launch.Plan,
+                 mods: launch.ScoreMods = launch.NO_MODS) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward pass of the kernels over ``plan`` (:func:`launch.make_plan`, or a ring
+    step's plan over its rectangle of the mask): ``q [B, H, Tq, Dk]``, ``k [B, Hkv, Tk, Dk]``, ``v [B, Hkv, Tk, Dv]`` → ``out [B, H, Tq, Dv]``
     (q's dtype) and ``lse [B, H, Tq]`` (float32, natural log, −inf on fully masked rows), the
     scores modified by ``mods``."""
     batch, heads, q_len, _ = q.shape
@@ -37,11 +39,11 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: launch.Pla
     return out, lse
 
 
-def _backward(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, plan: launch.Plan,
-              mods: launch.ScoreMods = launch.NO_MODS, dslope: Optional[torch.Tensor] = None,
-              ddiag: Optional[torch.Tensor] = None,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward_step(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  plan: launch.Plan, mods: launch.ScoreMods = launch.NO_MODS,
+                  dslope: Optional[torch.Tensor] = None, ddiag: Optional[torch.Tensor] = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``dq [B, H, Tq, Dk]``, ``dk [B, Hkv, Tk, Dk]``, ``dv [B, Hkv, Tk, Dv]``, recomputed
     from (q, k, v, out, lse). ``dlse [B, H, Tq]`` (or ``None``) is the gradient of the LSE: since
     ∂lse/∂s = p, it enters as ``Δ − dlse`` in ``ds = p ∘ (dp − Δ)``. The gradients of the
@@ -79,7 +81,7 @@ class _TritonAttention(torch.autograd.Function):
         # an unused lse gives dlse None, not a zero tensor to fill and subtract on every backward
         ctx.set_materialize_grads(False)
         mods = launch.ScoreMods(cap, slopes, shift, diag, q.shape[2] - 1)
-        out, lse = _forward(q, k, v, plan, mods)
+        out, lse = forward_step(q, k, v, plan, mods)
         ctx.save_for_backward(q, k, v, out, lse, slopes, diag)
         ctx.plan, ctx.cap, ctx.shift = plan, cap, shift
         return out, lse
@@ -93,7 +95,7 @@ class _TritonAttention(torch.autograd.Function):
         dslope, ddiag = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) if want else None
                          for t, want in ((slopes, want_slopes), (diag, want_diag)))
         mods = launch.ScoreMods(ctx.cap, slopes, ctx.shift, diag, q.shape[2] - 1)
-        dq, dk, dv = _backward(dout, dlse, q, k, v, out, lse, ctx.plan, mods, dslope, ddiag)
+        dq, dk, dv = backward_step(dout, dlse, q, k, v, out, lse, ctx.plan, mods, dslope, ddiag)
         return (dq, dk, dv, None, None, None, None if dslope is None else dslope.to(slopes.dtype),
                 None if ddiag is None else ddiag.to(diag.dtype))
 
@@ -209,7 +211,7 @@ class TritonBackend(Backend):
                  for name in names}
         mods = launch.ScoreMods(found.get("cap"), found.get("slopes"), found.get("shift", 0),
                                 found.get("diag"), inputs.q.shape[2] - 1)
-        dq, dk, dv = _backward(dout, dlse, inputs.q, inputs.k, inputs.v, out, lse,
+        dq, dk, dv = backward_step(dout, dlse, inputs.q, inputs.k, inputs.v, out, lse,
                                launch.make_plan(inputs, self.options), mods, grads.get("slopes"),
                                grads.get("diag"))
         dparams = [None] * len(params)

@@ -1,0 +1,235 @@
+"""The tiled forward: whether tiles go through torch's fused CPU kernel
+(:func:`uses_fused_kernel`, :func:`fused_kernel_takes`), one segment's attention through it or by
+matmuls, the schedule of a plan's groups, and :func:`tiled_forward`, which merges the segments
+with an online softmax."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...modifiers import Modifiers
+from ...numerics import accum_dtype
+from .plan import FLUSH_BELOW, LOG2E, TILE_ELEMENTS, Problem, Segment, TiledOptions
+from .positions import PositionTile, Positions, _position_tile, _positions
+from .tiles import (TileMask, TileScores, _BlockWork, _dropout_keep, _RunWork, _runs_fit,
+                    _segment_mask, _tile_scores, _with_positions)
+
+
+def uses_fused_kernel(q: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                      options: TiledOptions = TiledOptions()) -> bool:
+    """Tiles go through torch's fused CPU flash kernel (which returns the LSE) for fp32/fp64 CPU
+    inputs with Dk == Dv and no dropout, unless ``options.fused_tiles`` is off; everything else
+    uses the matmul path below."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+            and q.shape[-1] == v.shape[-1] and dropout_p == 0 and options.fused_tiles)
+
+
+def fused_kernel_takes(modifiers: Optional[Modifiers]) -> bool:
+    """Whether tiles with these score modifiers can go through torch's fused kernel: none that
+    change scores, or ALiBi and relative biases alone (:attr:`Modifiers.by_position`), passed
+    as its additive mask. Softcap and score functions change the scores themselves, which the
+    kernel cannot: they take the matmul path."""
+    return modifiers is None or not modifiers.changes_scores or modifiers.by_position
+
+
+def _segment_pieces(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
+                    dropout_p=0.0):
+    """Attention of one query block over one key segment, as ``(rows, out, lse)`` pieces (the
+    strips of a staircase; the rows of each stacked query head for position biases read as
+    views, the keys then last to first; else one piece with ``rows = slice(None)``), each
+    normalised over the segment alone. ``q_block [B, Hkv, G·n, Dk]``, ``k_seg/v_seg [B, Hkv,
+    span, D]`` → ``out [B, Hkv, rows, Dv]``, ``lse [B, Hkv, rows]``."""
+    if fused and tile is not None and tile.strips is not None:
+        for rows, keys, strip_mask in tile.strips:
+            yield (rows, *torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q_block[:, :, rows], k_seg[:, :, keys], v_seg[:, :, keys], 0.0, False,
+                attn_mask=strip_mask, scale=scale))
+        return
+    if fused and tile is not None and tile.positions is not None:
+        # keys in reverse order (see Positions), the bias a view; one call per stacked head
+        for member, rows in enumerate(_member_rows(tile.positions)):
+            yield (rows, *torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q_block[:, :, rows], k_seg, v_seg, 0.0, False,
+                attn_mask=tile.positions.backwards(member), scale=scale))
+        return
+    yield (slice(None), *_segment_forward(q_block, k_seg, v_seg, tile, scale, fused, keep,
+                                          dropout_p))
+
+
+def _member_rows(positions: PositionTile) -> list[slice]:
+    """The rows of each of the G query heads stacked in a block (``[B, Hkv, G·n, ...]``)."""
+    n = positions.rows
+    return [slice(g * n, (g + 1) * n) for g in range(positions.vector.shape[2])]
+
+
+def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
+                     dropout_p=0.0):
+    """One piece of :func:`_segment_pieces` (not strips) → ``(out, lse)``."""
+    additive = tile.additive if tile is not None else None
+    if fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_block, k_seg, v_seg, 0.0, tile is not None and tile.causal, attn_mask=additive,
+            scale=scale)
+        if additive is not None and tile.has_key is not None:  # out 0 but lse 0 on rows with no key
+            lse = lse.masked_fill(~tile.has_key, float("-inf"))
+        return out, lse
+    modified = tile.scores if tile is not None else None
+    scores = _scores(q_block, k_seg, scale, modified)  # [B, Hkv, G·n, span]
+    units = 1.0  # what one unit of `scores` is worth in scores
+    if modified is not None and additive is None and modified.capped_alone:
+        scores.tanh_()  # the cap's factor joins the exponent's below
+        units = modified.modifiers.softcap.cap
+    elif modified is not None:
+        scores = modified.apply(scores)  # softcap, biases, score functions
+    if additive is not None:
+        scores.add_(additive)
+    row_max = scores.amax(dim=-1)  # [B, Hkv, G·n]
+    safe_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
+    probs = _exp_(scores.sub_(safe_max[..., None]), units)
+    row_sum = probs.sum(dim=-1)
+    if keep is not None:
+        probs.masked_fill_(~keep, 0.0).div_(1.0 - dropout_p)
+    empty = row_sum == 0
+    out = (probs @ v_seg) / torch.where(empty, 1.0, row_sum)[..., None]
+    lse = torch.where(empty, float("-inf"),
+                      safe_max * units + torch.log(torch.where(empty, 1.0, row_sum)))
+    return out, lse
+
+
+def _exp_(x: torch.Tensor, units: float = 1.0) -> torch.Tensor:
+    """``exp(x · units)`` in place of scores less their row's maximum or LSE (``x ≤ 0``), as
+    ``exp2(x · units · log2 e)`` (see :data:`LOG2E`), with weights below ``2^FLUSH_BELOW``
+    made exactly 0."""
+    return torch.nn.functional.threshold_(x.mul_(units * LOG2E), FLUSH_BELOW,
+                                          float("-inf")).exp2_()
+
+
+def _bounded(segments, rows_of_work: int, block_k: int, fused: bool):
+    """Segments as computed: the fused kernel tiles internally and takes them whole; the matmul
+    path materialises ``[rows_of_work, span]`` scores, so long segments are cut into pieces of at
+    most ``TILE_ELEMENTS`` scores (block-aligned, so dropout keys and masks are unchanged)."""
+    if fused:
+        yield from segments
+        return
+    max_span = max(block_k, TILE_ELEMENTS // max(1, rows_of_work) // block_k * block_k)
+    for seg in segments:
+        for start in range(seg.start, seg.stop, max_span):
+            yield Segment(start, min(start + max_span, seg.stop), seg.partial)
+
+
+def _segment_inputs(problem, work, q_block, keys, values, block, rows, seg, fused,
+                    positions: Optional[Positions] = None):
+    """A segment's keys and values (in ``work``'s layout; in reverse order when the mask has
+    ``positions``, see :class:`Positions`), mask (with the score modifiers: see
+    :class:`TileMask`; ``positions``: the call's position biases) and dropout keep-mask."""
+    heads_kv, kv_len = keys.shape[1], keys.shape[2]
+    tile = keep = None
+    position_tile = _position_tile(problem, work, positions, keys.shape[0], rows, seg)
+    modified = None if fused else _tile_scores(problem, rows, seg, work.mask_heads, position_tile)
+    if seg.partial:
+        tile = _segment_mask(problem, rows, seg, work.mask_heads, heads_kv, keys.dtype, fused,
+                             with_bias=modified is None or not modified.traced)
+    if modified is not None:
+        tile = (tile or TileMask(None, None))._replace(scores=modified)
+    elif position_tile is not None:
+        tile = _with_positions(tile, position_tile)
+    if tile is not None and tile.positions is not None:  # keys last to first
+        k_seg = work.take(positions.keys, kv_len - seg.stop, kv_len - seg.start)
+        v_seg = work.take(positions.values, kv_len - seg.stop, kv_len - seg.start)
+    else:
+        k_seg, v_seg = work.take(keys, seg.start, seg.stop), work.take(values, seg.start, seg.stop)
+    if problem.dropout_p > 0:
+        shape = (*q_block.shape[:3], seg.stop - seg.start)
+        keep = _dropout_keep(problem, block, seg, shape, keys.device)
+    return k_seg, v_seg, tile, keep
+
+
+def _scores(q_block: torch.Tensor, k_seg: torch.Tensor, scale: float,
+            modified: Optional[TileScores]) -> torch.Tensor:
+    """A segment's scores ``q·kᵀ·scale`` ``[B, Hkv, G·n, span]``, as ``modified``'s
+    :meth:`~TileScores.apply` takes them (divided by a softcap's cap) when there is one."""
+    if modified is None:
+        return (q_block * scale) @ k_seg.transpose(-1, -2)
+    return modified.scores(q_block, k_seg, scale)
+
+
+def _merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                lse_b: torch.Tensor) -> None:
+    """:func:`attnkit.numerics.merge` without autograd, in place on ``(out_a, lse_a)`` (views
+    of results this engine owns): ``out_a [..., n, D]`` becomes ``lerp(out_a, out_b, σ(lse_b −
+    lse_a))`` and ``lse_a [..., n]`` the union's LSE. Rows empty on both sides (σ of NaN) get
+    weight 0: both outputs are 0 there and ``logaddexp(−inf, −inf) = −inf``."""
+    weight_b = torch.sub(lse_b, lse_a).sigmoid_().nan_to_num_(0.0)  # [..., n]
+    out_a.lerp_(out_b, weight_b.unsqueeze(-1))
+    torch.logaddexp(lse_a, lse_b, out=lse_a)
+
+
+def _schedule(problem: Problem, tq: int, heads_q: int, heads_kv: int, fused: bool,
+              tensors: tuple, positions: Optional[Positions] = None):
+    """Yield ``(group, work)``: the plan's groups, each with where it reads and writes. Runs
+    execute as one group (:class:`_RunWork`; G times with GQA) when the fused kernel serves them,
+    every tensor the pass views fits :func:`_run_view` and there are no ``positions`` (their
+    reversed keys shift against the blocks of a run); otherwise block by block."""
+    block_work = _BlockWork(heads_q, heads_kv)
+    runs = fused and positions is None and _runs_fit(*tensors)
+    shared_prefix = fused and heads_q == heads_kv  # results are then written in place
+    group_size = heads_q // heads_kv
+    for group in problem.plan.groups(tq, runs=runs, shared_prefix=shared_prefix, dense=fused):
+        if group.count == 1:
+            yield group, block_work
+        else:
+            for member in range(group_size):
+                yield group, _RunWork(group.step * problem.plan.block_q, group.count, heads_q,
+                                      group_size, member)
+
+
+def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward pass. ``q [B, Hq, Tq, Dk]``, ``k [B, Hkv, Tk, Dk]``, ``v [B, Hkv, Tk, Dv]`` →
+    ``out [B, Hq, Tq, Dv]`` (q's dtype) and ``lse [B, Hq, Tq]`` (fp32, fp64 for fp64)."""
+    batch, heads_q, tq, _ = q.shape
+    heads_kv, dv = k.shape[1], v.shape[-1]
+    acc = accum_dtype(q.dtype)
+    fused = problem.plan.fused
+    if fused and problem.modifies_scores and not problem.modifiers.by_position:
+        raise ValueError("tiled_forward: softcap and score functions need a plan built with "
+                         "fused=False (the fused kernel takes ALiBi and relative biases alone)")
+    queries, keys, values = q.to(acc), k.to(acc), v.to(acc)  # no copy when already acc
+    positions = _positions(problem, acc, fused, keys, values, rows=heads_q // heads_kv * tq)
+    out = torch.empty(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
+    for group, work in _schedule(problem, tq, heads_q, heads_kv, fused, (queries, keys, values),
+                                 positions):
+        start, stop = group.rows
+        q_block = work.take(queries, start, stop)  # [B, Hkv, G·n, Dk] or [count, B·Hkv, n, Dk]
+        direct = out.dtype == acc and work.views
+        # Results go straight into `out` and `lse` where the work's rows are views of them.
+        block_out = work.take(out, start, stop) if direct else None
+        block_lse = work.take(lse, start, stop) if direct else None
+        first = group.fresh
+        for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
+                            problem.plan.block_k, fused):
+            k_seg, v_seg, tile, keep = _segment_inputs(problem, work, q_block, keys, values,
+                                                       group.block, group.rows, seg, fused,
+                                                       positions)
+            for rows, seg_out, seg_lse in _segment_pieces(q_block, k_seg, v_seg, tile,
+                                                          problem.scale, fused, keep,
+                                                          problem.dropout_p):
+                if block_out is None:
+                    block_out = q_block.new_empty((*q_block.shape[:-1], dv), dtype=acc)
+                    block_lse = q_block.new_empty(q_block.shape[:-1], dtype=acc)
+                if first:
+                    block_out[:, :, rows] = seg_out
+                    block_lse[:, :, rows] = seg_lse
+                else:
+                    _merge_into(block_out[:, :, rows], block_lse[:, :, rows], seg_out.to(acc),
+                                seg_lse.to(acc))
+            first = False
+        if first:  # no key for any of these rows (a single fresh block: runs have keys)
+            out[:, :, start:stop] = 0
+        elif not direct:
+            work.put(out, start, stop, block_out.to(q.dtype))
+            work.put(lse, start, stop, block_lse)
+    return out, lse

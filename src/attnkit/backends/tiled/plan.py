@@ -1,0 +1,370 @@
+"""The tiled engine's planner: its constants and options (:class:`TiledOptions`), the key
+segments each query block visits (:class:`Segment`, :class:`Plan`: built from the mask's block
+map by :func:`build_plan`, cached by :func:`make_plan`), the groups it runs them in
+(:class:`Group`: runs, shared prefixes, dense row ranges), and :class:`Problem`, one computation
+without its tensors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from ...masks import EMPTY, FULL, Mask, MaskCache, MaskSpace
+from ...modifiers import Modifiers
+
+BLOCK_K = 128
+"""Key-block width of the block map: the granularity at which tiles are skipped."""
+
+TILE_ELEMENTS = 1 << 21
+"""Score elements per tile (8 MiB in fp32): bounds memory and sets ``block_q``."""
+
+FUSED_BLOCK_Q = 256
+"""Query rows per block when tiles go through torch's fused CPU kernel."""
+
+_FOLD_LIMIT = 2.0 ** 64
+"""The largest ``|scale| / cap`` folded into the queries (:meth:`TileScores.scores`)."""
+
+MODIFIED_TILE_KEYS = 1024
+"""Keys per tile that the matmul path sizes its query blocks for when softcap or score
+functions run on it (:func:`choose_block_q`): taller tiles than its default measured faster
+in their backward."""
+
+FLUSH_BELOW = -100.0
+"""The matmul path counts a weight below ``2^FLUSH_BELOW`` of its row's largest (forward) or
+of its row's sum (backward) as 0, so that no tile holds subnormal floats (CPUs take a slow
+path on them, and ALiBi makes long runs of keys decay through that range). float32 resolves
+``2^-24`` of a row: such a key changes no result unless its value is ``2^76`` times the
+others'."""
+
+WIDE_BIAS = 64.0
+"""Position biases (ALiBi, relative) whose values span more than this take the matmul path's
+backward even on a fused plan: torch's fused backward then forms subnormal weights (keys about
+``e^-87`` below their row's sum), on which CPUs take a slow path; the matmul path flushes them
+(:data:`FLUSH_BELOW`)."""
+
+LOG2E = 1.4426950408889634
+"""``exp(x) = exp2(x · log2 e)``: the matmul path exponentiates in base 2, because torch's CPU
+``exp`` takes a slow path for arguments below about −87 (where ALiBi puts far keys) and
+``exp2`` does not."""
+
+
+@dataclass(frozen=True)
+class TiledOptions:
+    """How the tiled engine schedules its work (the results agree within rounding for every
+    choice). Hashable: a plan is cached per options value."""
+
+    fused_tiles: bool = True
+    """Tiles go through torch's fused CPU kernel where it applies (see
+    :func:`uses_fused_kernel`); ``False`` takes the matmul path everywhere."""
+
+    batch_runs: bool = True
+    """Run evenly spaced query blocks with equal relative structure (sliding windows, documents)
+    as one kernel call over a strided view (see :func:`_find_runs`)."""
+
+    prefix_blocks: int = 4
+    """Most query blocks that run a shared FULL prefix as one call (see
+    ``Plan._shared_prefix``); below 2, never."""
+
+    staircase_max_keys: int = 1024
+    """Widest run ``upper triangle, full…, [lower triangle]`` merged into one staircase segment
+    (one set of strips, no merges: measured faster for sliding windows). A lower triangle is
+    not merged with the full keys before it: those run better as one call of the whole query
+    block (causal measured slower merged)."""
+
+    triangle_strip: int = 64
+    """Query rows per kernel call inside a staircase segment. The fused kernel skips no key of a
+    tile narrower than its 512-key blocks, so a 256-wide triangle run whole computes its masked
+    half too; run as strips, each strip sees only the keys it may (measured faster per
+    tile)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Keys ``[start, stop)`` (local) computed together; ``partial``: apply the element mask.
+
+    ``structure`` (fused plans only): the segment's mask, known without evaluating it (see
+    :meth:`~attnkit.masks.Mask.tile_structure`), as a *staircase* over the query block's ``n``
+    rows: ``"lower"``: its last ``n`` keys are a lower triangle, every key before them allowed;
+    ``"upper"``: its first ``n`` keys are an upper triangle, every key after them allowed;
+    ``"band"``: both. A square triangle tile is the case ``stop - start == n``. ``None``: the
+    element mask is evaluated (partial) or not needed (full)."""
+
+    start: int
+    stop: int
+    partial: bool
+    structure: Optional[str] = None
+
+
+class Group(NamedTuple):
+    """A unit of execution: query block ``block`` (rows ``[rows[0], rows[1])``, keys
+    ``segments``), and, when ``count > 1``, the query blocks ``block + step·j`` (j < count) too,
+    which see the same keys relative to their rows (a *run*: one kernel call serves them all)."""
+
+    block: int
+    rows: tuple[int, int]
+    segments: tuple[Segment, ...]
+    step: int = 0
+    count: int = 1
+    fresh: bool = True
+    """False: the rows already hold a partial result (a shared prefix ran before); every
+    segment merges into it."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which key segments each query block visits. ``rows[i]`` lists block i's segments;
+    ``runs`` lists ``(first, step, count)``: query blocks ``first + step·j`` whose segments are
+    the same up to the shift ``step·j·block_q`` and need no element mask (full or staircase).
+    ``options``: the options it was built with, which its execution follows too."""
+
+    block_q: int
+    block_k: int
+    rows: tuple[tuple[Segment, ...], ...]
+    fused: bool = False
+    runs: tuple[tuple[int, int, int], ...] = ()
+    options: TiledOptions = TiledOptions()
+
+    def groups(self, tq: int, *, runs: bool = False, shared_prefix: bool = False,
+               dense: bool = False):
+        """Yield :class:`Group` s for execution. With ``runs``, each run is one group. With
+        ``dense`` (the fused kernel executes: it tiles internally), consecutive query blocks
+        (outside runs) whose segments are identical and all FULL run as one call (a dense row
+        range is a single kernel launch); with ``shared_prefix``, consecutive blocks that start
+        with the same FULL keys run those as one call too (see :meth:`_shared_prefix`);
+        otherwise one query block at a time."""
+        in_run = {}
+        if runs:
+            for first, step, count in self.runs:
+                in_run.update({first + step * j: (first, step, count) for j in range(count)})
+        i = 0
+        while i < len(self.rows):
+            if i in in_run:
+                first, step, count = in_run[i]
+                if i == first:
+                    yield Group(i, (i * self.block_q, (i + 1) * self.block_q), self.rows[i], step,
+                                count)
+                i += 1
+                continue
+            end = i + 1
+            if dense and not any(s.partial for s in self.rows[i]):
+                while (end < len(self.rows) and end not in in_run
+                       and self.rows[end] == self.rows[i]):
+                    end += 1
+            shared = self._shared_prefix(i, in_run, tq) if shared_prefix and end == i + 1 else None
+            if shared is not None:
+                end = shared[-1].block + 1
+                yield from shared
+            else:
+                yield Group(i, (i * self.block_q, min(end * self.block_q, tq)), self.rows[i])
+            i = end
+
+    def _shared_prefix(self, i: int, in_run: dict, tq: int) -> Optional[list]:
+        """Query blocks ``i…j−1`` (at most ``options.prefix_blocks``, outside runs) whose first
+        segment is FULL, starts where block i's does and reaches at least as far, as groups:
+        block i's first segment for all their rows in one kernel call (torch's CPU kernel
+        measured faster per pair, forward and backward, on 1024 query rows than on 256), then
+        each block's remaining keys, merged into that (``fresh=False``). ``None`` when fewer
+        than two blocks qualify or block i's first segment is shorter than two blocks of keys.
+        (Causal: the keys below the first block's diagonal are shared.)"""
+        head = self.rows[i][0] if self.rows[i] else None
+        if head is None or head.partial or head.stop - head.start < 2 * self.block_q:
+            return None
+        j = i + 1
+        while (j < len(self.rows) and j - i < self.options.prefix_blocks and j not in in_run
+               and self.rows[j] and not self.rows[j][0].partial
+               and self.rows[j][0].start == head.start and self.rows[j][0].stop >= head.stop):
+            j += 1
+        if j - i < 2:
+            return None
+        groups = [Group(i, (i * self.block_q, min(j * self.block_q, tq)), (head,))]
+        for block in range(i, j):
+            first, *rest = self.rows[block]
+            remainder = ((Segment(head.stop, first.stop, False),) if first.stop > head.stop
+                         else ()) + tuple(rest)
+            if remainder:
+                groups.append(Group(block, (block * self.block_q,
+                                            min((block + 1) * self.block_q, tq)),
+                                    remainder, fresh=False))
+        return groups
+
+    def tiles_computed(self) -> int:
+        """Number of ``block_q × block_k`` tiles the plan computes (skipped ones excluded)."""
+        return sum(math.ceil((s.stop - s.start) / self.block_k) for row in self.rows for s in row)
+
+
+def _find_runs(rows: list, block_q: int, q_count: int) -> tuple[tuple[int, int, int], ...]:
+    """Runs ``(first, step, count ≥ 2)`` of whole query blocks, evenly spaced, whose segments
+    are equal relative to the block's first row and are all full or staircases (their masks
+    move with the block, so one strided view of the blocks runs them in one call)."""
+    by_pattern: dict = {}
+    for i, row in enumerate(rows):
+        if not row or (i + 1) * block_q > q_count or any(
+                s.partial and s.structure is None for s in row):
+            continue
+        shift = i * block_q
+        pattern = tuple((s.start - shift, s.stop - shift, s.partial, s.structure) for s in row)
+        by_pattern.setdefault(pattern, []).append(i)
+    runs = []
+    for blocks in by_pattern.values():
+        j = 0
+        while j + 1 < len(blocks):
+            step, end = blocks[j + 1] - blocks[j], j + 1
+            while end + 1 < len(blocks) and blocks[end + 1] - blocks[end] == step:
+                end += 1
+            runs.append((blocks[j], step, end - j + 1))
+            j = end + 1
+    return tuple(sorted(runs))
+
+
+def choose_block_q(rows_of_work: int, kv_len: int, max_keys: int = 4096) -> int:
+    """Query rows per block so that one tile ``[rows_of_work · block_q, min(kv_len,
+    max_keys)]`` fits ``TILE_ELEMENTS`` (a power of two in [16, 512])."""
+    per_row = max(1, rows_of_work * min(kv_len, max_keys))
+    block = 1 << max(4, min(9, int(math.log2(max(1, TILE_ELEMENTS // per_row)))))
+    return block
+
+
+_PLANS = MaskCache(64)
+
+
+def make_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
+              q_offset: int, q_count: int, kv_offset: int, kv_count: int,
+              block_q: Optional[int] = None, block_k: int = BLOCK_K, fused: bool = False,
+              options: TiledOptions = TiledOptions()) -> Plan:
+    """Per-query-block key segments for ``mask`` (see :func:`build_plan`), cached per mask
+    (same tensors, unmodified) and arguments, ``options`` included: a loop that reuses a mask
+    plans it once."""
+    extra = (space, batch, heads, q_offset, q_count, kv_offset, kv_count, block_q, block_k, fused,
+             options)
+    return _PLANS.get(mask, extra, lambda: build_plan(
+        mask, space, batch=batch, heads=heads, q_offset=q_offset, q_count=q_count,
+        kv_offset=kv_offset, kv_count=kv_count, block_q=block_q, block_k=block_k, fused=fused,
+        options=options))
+
+
+def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
+               q_offset: int, q_count: int, kv_offset: int, kv_count: int,
+               block_q: Optional[int] = None, block_k: int = BLOCK_K, fused: bool = False,
+               options: TiledOptions = TiledOptions()) -> Plan:
+    """Turn the mask's block map into per-query-block key segments.
+
+    A block counts as EMPTY only when it is empty for every batch element and head, and as
+    FULL only when it is full for all of them; otherwise it is PARTIAL (the element mask, which
+    varies per batch/head, is applied). Consecutive blocks of one kind merge into one segment
+    of at most ``TILE_ELEMENTS`` scores (FULL runs are unbounded with the ``fused`` kernel, which
+    tiles internally and never materialises them). ``options`` decide the staircase merges
+    (``staircase_max_keys``) and runs (``batch_runs``); the plan carries them.
+    """
+    block_q = block_q or (FUSED_BLOCK_Q if fused else choose_block_q(batch * heads, kv_count))
+    nq, nk = math.ceil(q_count / block_q), math.ceil(kv_count / block_k)
+    if mask is None:
+        codes = [[FULL] * nk for _ in range(nq)]
+    else:
+        per_bh = mask.block_map(block_q, block_k, space, q_offset=q_offset, q_count=q_count,
+                                kv_offset=kv_offset, kv_count=kv_count)  # [Bm, Hm, nq, nk]
+        all_empty = (per_bh == EMPTY).flatten(0, 1).all(0)
+        all_full = (per_bh == FULL).flatten(0, 1).all(0)
+        union = torch.where(all_empty, EMPTY, torch.where(all_full, FULL, 1))
+        codes = union.tolist()
+    max_blocks = max(1, TILE_ELEMENTS // (max(1, batch * heads) * block_q * block_k))
+    rows = []
+    for i, row in enumerate(codes):
+        segments, j = [], 0
+        while j < nk:
+            code = row[j]
+            if code == EMPTY:
+                j += 1
+                continue
+            end = j + 1
+            while end < nk and row[end] == code and (
+                    end - j < max_blocks or (fused and code == FULL)):
+                end += 1
+            segments.append(Segment(j * block_k, min(end * block_k, kv_count), code != FULL))
+            j = end
+        if fused and mask is not None:
+            segments = _with_structure(mask, space, segments, q_offset + i * block_q,
+                                       q_offset + min((i + 1) * block_q, q_count), kv_offset,
+                                       options.staircase_max_keys)
+        rows.append(tuple(segments))
+    runs = _find_runs(rows, block_q, q_count) if fused and options.batch_runs else ()
+    return Plan(block_q, block_k, tuple(rows), fused, runs, options)
+
+
+def _with_structure(mask: Mask, space: MaskSpace, segments: list, q_start: int, q_stop: int,
+                    kv_offset: int, max_keys: int) -> list:
+    """Mark the partial square segments of one query block (global queries ``[q_start,
+    q_stop)``) that the mask knows to be lower or upper triangles (a partial run of several
+    squares, all known, is split into them), and merge each adjacent run ``upper, full…,
+    [lower]`` into one staircase segment of at most ``max_keys`` keys (see
+    :class:`Segment`). The element mask of these segments is never evaluated."""
+    n = q_stop - q_start
+    marked = []
+    for seg in segments:
+        width = seg.stop - seg.start
+        if not seg.partial or width % n:
+            marked.append(seg)
+            continue
+        # A partial run of whole squares (e.g. the upper and lower triangle of a window as wide
+        # as the block): known when every square is known.
+        squares = []
+        for start in range(seg.start, seg.stop, n):
+            structure = mask.tile_structure(q_start, q_stop, kv_offset + start,
+                                            kv_offset + start + n, space)
+            if structure not in ("lower", "upper", "full"):
+                break
+            squares.append(Segment(start, start + n, structure != "full",
+                                   None if structure == "full" else structure))
+        marked.extend(squares if len(squares) == width // n else [seg])
+
+    def adjacent(j: int) -> bool:
+        return marked[j].start == marked[j - 1].stop
+
+    merged, i = [], 0
+    while i < len(marked):
+        j = i + 1
+        if marked[i].structure == "upper":  # with the full segments and lower triangle after it
+            while j < len(marked) and adjacent(j) and not marked[j].partial:
+                j += 1
+            if j < len(marked) and adjacent(j) and marked[j].structure == "lower":
+                j += 1
+        run = marked[i:j]
+        if len(run) > 1 and run[-1].stop - run[0].start <= max_keys:
+            structure = "band" if run[-1].structure == "lower" else "upper"
+            merged.append(Segment(run[0].start, run[-1].stop, True, structure))
+        else:
+            merged.extend(run)
+        i = j
+    return merged
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything about one tiled computation except the tensors."""
+
+    mask: Optional[Mask]
+    scale: float
+    space: MaskSpace
+    q_offset: int
+    kv_offset: int
+    plan: Plan
+    dropout_p: float = 0.0
+    seed: int = 0
+    modifiers: Optional[Modifiers] = None
+    """Score modifiers applied per tile (a plan with the fused kernel takes ALiBi and relative
+    biases alone, see :meth:`Modifiers.by_position`); sinks are not the engine's: they join
+    its result (``Sinks.join``)."""
+
+    @property
+    def modifies_scores(self) -> bool:
+        return self.modifiers is not None and self.modifiers.changes_scores
+
+    def position_vector(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The ALiBi and relative biases by relative position, ``[1|B, H, Tq + Tk − 1]`` in
+        ``dtype`` without a graph (see :meth:`Modifiers.position_bias`), or ``None``."""
+        if self.modifiers is None:
+            return None
+        with torch.no_grad():
+            return self.modifiers.position_bias(self.space, dtype)
