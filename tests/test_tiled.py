@@ -445,7 +445,8 @@ def test_runs_of_blocks_match_block_by_block(kind, layout, heads, gen, monkeypat
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     runs_executed = []
     real_run_work = tiled._RunWork
-    monkeypatch.setattr(tiled, "_RunWork", lambda *a: runs_executed.append(a) or real_run_work(*a))
+    monkeypatch.setattr(tiled.forward, "_RunWork",
+                        lambda *a: runs_executed.append(a) or real_run_work(*a))
     results = {}
     for batched in (True, False):
         results[batched] = _run(q, k, v, mask, 0.3, options=TiledOptions(batch_runs=batched))
@@ -528,7 +529,7 @@ def test_run_adds_never_write_overlapping_windows(count, step, width, monkeypatc
     window once, and the sums equal adding block by block."""
     views = []
     real_view = tiled._run_view
-    monkeypatch.setattr(tiled, "_run_view", lambda x, start, every, n, w, *a: views.append(
+    monkeypatch.setattr(tiled.tiles, "_run_view", lambda x, start, every, n, w, *a: views.append(
         (start, every, n, w)) or real_view(x, start, every, n, w, *a))
     start = 5
     dest = torch.zeros(2, 3, start + (count - 1) * step + width, 4, dtype=torch.float64)

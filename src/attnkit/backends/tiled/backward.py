@@ -11,7 +11,7 @@ import torch
 
 from ...masks import Mask
 from ...numerics import accum_dtype
-from .forward import _bounded, _exp_, _member_rows, _schedule, _segment_inputs
+from .forward import _exp_, _group_segments, _member_rows, _schedule
 from .plan import WIDE_BIAS, Problem, Segment
 from .positions import _add_position_grad, _add_position_param_grads, _positions, _spread
 from .tiles import TileMask, TileScores, _grouped, _ungrouped
@@ -204,11 +204,8 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
         # segment's pieces are written, the later ones added.
         dq_block = work.take(dq, start, stop) if work.views else torch.empty_like(q_block)
         first = group.fresh
-        for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
-                            problem.plan.block_k, fused):
-            k_seg, v_seg, tile, keep = _segment_inputs(problem, work, q_block, keys, values,
-                                                       group.block, group.rows, seg, fused,
-                                                       positions)
+        for seg, k_seg, v_seg, tile, keep in _group_segments(problem, work, group, q_block,
+                                                             keys, values, fused, positions):
             backwards = tile is not None and tile.positions is not None
             for (rows, piece_keys, dq_piece, dk_piece, dv_piece, grad_scores,
                  param_grads) in _segment_grads(

@@ -119,6 +119,17 @@ def _bounded(segments, rows_of_work: int, block_k: int, fused: bool):
             yield Segment(start, min(start + max_span, seg.stop), seg.partial)
 
 
+def _group_segments(problem, work, group, q_block, keys, values, fused,
+                    positions: Optional[Positions]):
+    """The segments of ``group`` as computed (:func:`_bounded`), each with its inputs
+    (:func:`_segment_inputs`): ``(seg, k_seg, v_seg, tile, keep)``, the walk the forward and
+    the backward share."""
+    for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
+                        problem.plan.block_k, fused):
+        yield (seg, *_segment_inputs(problem, work, q_block, keys, values, group.block,
+                                     group.rows, seg, fused, positions))
+
+
 def _segment_inputs(problem, work, q_block, keys, values, block, rows, seg, fused,
                     positions: Optional[Positions] = None):
     """A segment's keys and values (in ``work``'s layout; in reverse order when the mask has
@@ -209,11 +220,8 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
         block_out = work.take(out, start, stop) if direct else None
         block_lse = work.take(lse, start, stop) if direct else None
         first = group.fresh
-        for seg in _bounded(group.segments, q_block.numel() // q_block.shape[-1],
-                            problem.plan.block_k, fused):
-            k_seg, v_seg, tile, keep = _segment_inputs(problem, work, q_block, keys, values,
-                                                       group.block, group.rows, seg, fused,
-                                                       positions)
+        for seg, k_seg, v_seg, tile, keep in _group_segments(problem, work, group, q_block,
+                                                             keys, values, fused, positions):
             for rows, seg_out, seg_lse in _segment_pieces(q_block, k_seg, v_seg, tile,
                                                           problem.scale, fused, keep,
                                                           problem.dropout_p):
