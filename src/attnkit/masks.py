@@ -1052,6 +1052,8 @@ def vouched_padding(q_lengths: Optional[torch.Tensor], kv_lengths: torch.Tensor,
     mask.q_starts = mask.kv_starts = None
     mask.vouched = True
     mask.keys_everywhere = keys_everywhere
+    # its tensors, known here (mask_tensors): a step's mask is new in every layer
+    mask._memo = {"tensors": tuple(t for t in (q_lengths, kv_lengths) if t is not None)}
     return mask
 
 
