@@ -209,8 +209,8 @@ def _scan(inputs: Inputs) -> tuple:
     batch, heads, q_len, _ = inputs.q.shape
     bad = None
     if checks_keys(inputs):
-        bad = (k.sum(-1, dtype=torch.float64) * 0).isnan().to(dtype)  # [B, Hkv, Tk]: 1 at
-        # a non-finite key row (a non-finite value row shows in the outputs: poison sums them)
+        bad = (k @ _zeros(k))[..., 0].isnan().to(dtype)  # [B, Hkv, Tk]: 1 at a non-finite
+        # key row (a non-finite value row shows in the outputs, which poison looks at)
         bad = bad.repeat_interleave(inputs.group_size, dim=1)[..., None]  # [B, Hq, Tk, 1]
     space = inputs.space
     if q_len * space.kv_len <= CHUNK_ELEMENTS:  # the call's own evaluation of the mask
