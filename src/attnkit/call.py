@@ -50,9 +50,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, *, scale: Optio
     inputs, chosen = validated(q, k, v, mask, scale=scale, dropout_p=dropout_p,
                                generator=generator, backend=backend, return_lse=return_lse,
                                return_weights=return_weights, compiling=compiling)
-    result = dispatch.run(chosen, inputs)
-    if inputs.modifiers is not None:
-        result = with_sinks(inputs, result)
+    result = with_sinks(inputs, dispatch.run(chosen, inputs))
     if inputs.need_grad and not chosen.DOUBLE_BACKWARD and not compiling:
         dispatch.refuse_double_backward(result, chosen.NAME)
     return restored(result, inputs, return_lse, return_weights)

@@ -166,7 +166,8 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
         return [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 *(torch.zeros_like(t) if want else t.new_empty(0)
                   for t, want in zip(tensors, wanted))]
-    inputs = guard(inputs, applies(inputs, chosen)).inputs  # the q, K and V the forward ran on (dispatch.run)
+    # the q, K and V the forward ran on (dispatch.run)
+    inputs = guard(inputs, applies(inputs, chosen)).inputs
     rows = inputs.q.shape[:3]
     wanted_by_id = {id(t): want for t, want in zip(tensors, wanted)}
     biases = [] if mask is None else mask.biases()  # the caller's tensors, in the order of

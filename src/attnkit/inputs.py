@@ -280,9 +280,10 @@ class CallCache:
     ``requires_grad``; a decoding step's vouched padding by its shapes), and every other
     argument. A hit rebuilds the :class:`Inputs` from the current tensors with the remembered
     layout, mask (the call's own, for a mask keyed by shape), modifiers and choice, and skips
-    the checks that gave the same answer before. Calls that cannot be keyed are never cached: masks without a cache key (``dense``,
-    ``bias``, ``from_function``, ``score_function``, ``relative_bias`` with a bucket function,
-    tensors), dropout, ``torch.func`` wrappers, compiled graphs."""
+    the checks that gave the same answer before. Calls that cannot be keyed are never cached:
+    masks without a cache key (``dense``, ``bias``, ``from_function``, ``score_function``,
+    ``relative_bias`` with a bucket function, tensors), dropout, ``torch.func`` wrappers,
+    compiled graphs."""
 
     def __init__(self, entries: int = 256):
         self.entries = entries
@@ -303,9 +304,9 @@ class CallCache:
             if key is not None and (not by_shape or inputs.mask is mask):
                 if len(self._calls) >= self.entries:
                     self._calls.popitem(last=False)
-                self._calls[key] = (dataclasses.replace(inputs, q=None, k=None, v=None, _allowed=None,
-                                                        _has_key=None),
-                                    choice, keep)
+                kept = dataclasses.replace(inputs, q=None, k=None, v=None, _allowed=None,
+                                           _has_key=None)
+                self._calls[key] = (kept, choice, keep)
             return inputs, choice
         t, choice, _ = hit
         rank, batch = t.input_rank, t.batch_shape

@@ -777,7 +777,8 @@ class _Padding(Mask):
                 "q_mask", q_mask, allow_empty_rows)[:5]
         if kv_mask is not None:
             runs = _runs("kv_mask", kv_mask, allow_empty_rows)
-            self.kv_starts, self.kv_lengths, self.kv_width, self.kv_broken, self.kv_empty = runs[:5]
+            (self.kv_starts, self.kv_lengths, self.kv_width, self.kv_broken,
+             self.kv_empty) = runs[:5]
             # every query real and every row of keys non-empty (read with the runs): every
             # row has a key (every_row_has_key)
             self.keys_everywhere = runs.every_row and q_mask is None and all(
@@ -937,20 +938,16 @@ class _Padding(Mask):
                                  ranges(kv_lo, kv_hi, space.kv_len, q_lo, q_hi)))
 
     def tile(self, q_idx, kv_idx, space):
-        if (self.q_lengths is None and self.q_starts is None and self.kv_starts is None
-                and self.kv_lengths is not None):  # keys right-padded (a decoding step): direct
-            hi = self.kv_lengths.reshape(-1).to(space.device)
-            ok = kv_idx[None, :] < hi[:, None]  # [Bm, tk]
-            return ok[:, None, None, :].expand(ok.shape[0], 1, len(q_idx), len(kv_idx))
-        q_lo, q_hi, kv_lo, kv_hi = self._bounds(space)  # [Bm] each
-
-        def inside(idx, lo, hi, starts, lengths):  # [Bm, t], or None: every position real
+        def inside(idx, starts, lengths, side):  # [Bm, t], or None: every position real
             if starts is None and lengths is None:
                 return None
-            ok = idx[None, :] < hi[:, None]
-            return ok if starts is None else ok & (idx[None, :] >= lo[:, None])
-        q_ok = inside(q_idx, q_lo, q_hi, self.q_starts, self.q_lengths)
-        kv_ok = inside(kv_idx, kv_lo, kv_hi, self.kv_starts, self.kv_lengths)
+            if starts is None:  # right padding, runs [0, length): no bounds to build
+                return idx[None, :] < lengths.reshape(-1).to(space.device)[:, None]
+            bounds = self._bounds(space)  # [Bm] each: (q_lo, q_hi, kv_lo, kv_hi)
+            lo, hi = bounds[:2] if side == "q" else bounds[2:]
+            return (idx[None, :] >= lo[:, None]) & (idx[None, :] < hi[:, None])
+        q_ok = inside(q_idx, self.q_starts, self.q_lengths, "q")
+        kv_ok = inside(kv_idx, self.kv_starts, self.kv_lengths, "kv")
         if q_ok is None or kv_ok is None:
             rows = q_ok if kv_ok is None else kv_ok
             if rows is None:

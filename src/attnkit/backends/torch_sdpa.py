@@ -52,8 +52,9 @@ def dense_bias(inputs: Inputs, bool_ok: bool = False,
                ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The mask (and the position biases, see :func:`position_bias`) as an additive bias in
     q's dtype ``[Bm, Hm, Tq, Tk]`` (−inf where forbidden), and the per-row "has an allowed
-    key" flags ``[Bm, Hm, Tq, 1]`` (``None`` when every row has one: :meth:`Inputs.has_key`). With ``bool_ok``, a mask without
-    bias values is returned as the bool mask itself (torch's public entry point takes it)."""
+    key" flags ``[Bm, Hm, Tq, 1]`` (``None`` when every row has one: :meth:`Inputs.has_key`).
+    With ``bool_ok``, a mask without bias values is returned as the bool mask itself (torch's
+    public entry point takes it)."""
     space = inputs.space
     positions = position_bias(inputs)
     if inputs.mask is None:

@@ -25,9 +25,9 @@ from . import launch
 def forward_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: launch.Plan,
                  mods: launch.ScoreMods = launch.NO_MODS) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward pass of the kernels over ``plan`` (:func:`launch.make_plan`, or a ring
-    step's plan over its rectangle of the mask): ``q [B, H, Tq, Dk]``, ``k [B, Hkv, Tk, Dk]``, ``v [B, Hkv, Tk, Dv]`` → ``out [B, H, Tq, Dv]``
-    (q's dtype) and ``lse [B, H, Tq]`` (float32, natural log, −inf on fully masked rows), the
-    scores modified by ``mods``."""
+    step's plan over its rectangle of the mask): ``q [B, H, Tq, Dk]``, ``k [B, Hkv, Tk, Dk]``,
+    ``v [B, Hkv, Tk, Dv]`` → ``out [B, H, Tq, Dv]`` (q's dtype) and ``lse [B, H, Tq]``
+    (float32, natural log, −inf on fully masked rows), the scores modified by ``mods``."""
     batch, heads, q_len, _ = q.shape
     out = torch.empty(batch, heads, q_len, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
