@@ -300,11 +300,11 @@ def test_decode_steps_over_a_growing_cache_validate_once(validations):
     assert len(validations) - before == 2  # the prefill chunk, then the first decode step
 
 
-def test_ragged_decode_layers_validate_once_per_step_on_their_own_lengths(validations):
+def test_ragged_decode_validates_once_and_runs_each_layer_on_its_own_lengths(validations):
     """A ragged cache's step mask is new in every layer (each layer's cache has its own
-    lengths); it is keyed by shape, so within a step only the first layer validates, and
-    each layer still runs on its own lengths (a stale mask would let a sequence see keys
-    past its length)."""
+    lengths); it is keyed by shapes alone, the cache's growing length included, so only the
+    first call validates, and each layer still runs on its own lengths (a stale mask would
+    let a sequence see keys past its length)."""
     from attnkit.nn import KVCache
 
     gen = torch.Generator().manual_seed(1)
@@ -323,7 +323,7 @@ def test_ragged_decode_layers_validate_once_per_step_on_their_own_lengths(valida
                 MaskSpace(batch, 2, 1, cache.keys.shape[2]))
             want = naive_attention(q, cache.keys, cache.values, allowed)[0]
             torch.testing.assert_close(out, want.float())
-    assert len(validations) - before == steps  # the first layer of each step (the cache grows)
+    assert len(validations) - before == 1  # the first call: later steps key alike
 
 
 def test_known_keys_everywhere_skips_the_row_flags():
@@ -356,3 +356,22 @@ def test_known_keys_everywhere_skips_the_row_flags():
                                             backend="reference"))
     with pytest.raises(ValueError, match="q_lengths=None"):
         vouched_padding(lengths, lengths, keys_everywhere=True)
+
+
+def test_a_mask_keyed_by_shapes_still_keys_the_dense_bias_limit():
+    """A decoding step's mask is keyed without the cache length, but not across the length
+    beyond which ``auto`` stops materialising the mask (a hit there would keep the torch
+    backend's dense bias for a cache of any length)."""
+    from attnkit import call
+    from attnkit.masks import DENSE_MAX_SCORES, vouched_padding
+
+    q = torch.randn(1, 1, 1, 4)
+    for kv_len, name in ((8, "torch"), (DENSE_MAX_SCORES + 1, "tiled"), (9, "torch")):
+        k = torch.randn(1, 1, kv_len, 4)
+        mask = vouched_padding(None, torch.tensor([kv_len - 1]), keys_everywhere=True)
+        _, chosen = call.validated(q, k, k, mask, scale=None, dropout_p=0.0, generator=None,
+                                   backend="auto", return_lse=False, return_weights=False,
+                                   compiling=False)
+        assert chosen.NAME == name, kv_len
+        want = naive_attention(q, k, k, mask.to_dense(MaskSpace(1, 1, 1, kv_len)))[0]
+        torch.testing.assert_close(ak.attention(q, k, k, mask), want.float())

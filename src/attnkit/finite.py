@@ -132,9 +132,8 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
     :attr:`Guarded.seen`. A non-finite value row shows in the output rows that weigh it, so
     their LSE and every column become NaN too. Few operations: a small call's cost is their
     number."""
-    flag = _plain(out) @ _zeros(out)  # [B, Hq, Tq, 1]: 0, or NaN
-    q = _plain(guarded.inputs.q)
-    flag.add_(q @ _zeros(q))
+    flag = _row_flags(out)  # [B, Hq, Tq, 1]: 0, or NaN
+    flag.add_(_row_flags(guarded.inputs.q))
     if guarded.seen is not None:
         flag = _grouped_add(flag, guarded.seen)
     out = out + flag
@@ -159,6 +158,27 @@ def _zeros(x: torch.Tensor) -> torch.Tensor:
     """A zero column ``[D, 1]`` in ``x``'s dtype: ``x @`` it is 0 per row, NaN where the row
     holds a NaN or ±inf (``0 · inf`` is NaN)."""
     return _zero_column(x.shape[-1], x.dtype, x.device)
+
+
+def _row_flags(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., D] @ 0`` → ``[..., 1]``: 0 per row, NaN where the row holds a NaN or ±inf;
+    one matrix product on the rows laid out flat where that needs no copy."""
+    x = _plain(x)
+    rows = x.view(-1, x.shape[-1]) if x.numel() and _flat_rows(x) else x
+    return (rows @ _zeros(x)).view(*x.shape[:-1], 1)
+
+
+def _flat_rows(x: torch.Tensor) -> bool:
+    """Whether the leading dims of ``x [..., D]`` merge into one without a copy (a view
+    ``[N, D]``)."""
+    outer = None  # (size, stride) of the last leading dim of size > 1 seen, inner to outer
+    for size, stride in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
+        if size == 1:
+            continue
+        if outer is not None and stride != outer[0] * outer[1]:
+            return False
+        outer = (size, stride)
+    return True
 
 
 def _grouped_add(flag: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:

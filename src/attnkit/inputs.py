@@ -17,7 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .masks import Band, Mask, MaskSpace, as_mask, every_row_has_key, validation_key
+from .masks import (DENSE_MAX_SCORES, Band, Mask, MaskSpace, as_mask, every_row_has_key,
+                    validation_key)
 from .modifiers import Modifiers, split
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -335,14 +336,18 @@ class CallCache:
         else:
             return None, keep, False
         k_shape, v_shape = k.shape, v.shape
-        if mask is None or (mask.band() == LAST_QUERY_CAUSAL and q.dim() >= 2 and q.shape[-2] == 1):
-            # no mask left over any keys: validation and the backend do not depend on Tk ≥ 1
-            # (a decode loop's growing cache hits)
+        if by_shape or mask is None or (mask.band() == LAST_QUERY_CAUSAL and q.dim() >= 2
+                                        and q.shape[-2] == 1):
+            # no mask left over any keys, or one validated from its shapes: validation and the
+            # backend do not depend on Tk ≥ 1 (a decode loop's growing cache hits)
             if (min(q.dim(), k.dim(), v.dim()) < 2 or k_shape[-2] == 0
                     or k_shape[-2:-1] != v_shape[-2:-1]):
                 return None, keep, False
-            # what the choice may still depend on: a cache at least 4x the queries (decoding)
-            k_shape = (k_shape[:-2] + k_shape[-1:], k_shape[-2] >= 4 * q.shape[-2])
+            # what the choice may still depend on: a cache at least 4x the queries (decoding),
+            # a mask small enough to materialise (the torch backend's dense bias)
+            q_len, kv_len = q.shape[-2], k_shape[-2]
+            k_shape = (k_shape[:-2] + k_shape[-1:], kv_len >= 4 * q_len,
+                       q_len * kv_len <= DENSE_MAX_SCORES)
             v_shape = v_shape[:-2] + v_shape[-1:]
         # the interpreter matters only to the triton backend, named (auto never takes it on CPU)
         interpreted = os.environ.get("TRITON_INTERPRET") if "triton" in options else None

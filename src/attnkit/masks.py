@@ -680,6 +680,12 @@ def readable(*tensors: Optional[torch.Tensor]) -> bool:
 DENSE_MEMO_ELEMENTS = 1 << 20
 """The largest ``Tq·Tk`` whose dense mask :meth:`Mask.to_dense` keeps on the mask."""
 
+DENSE_MAX_SCORES = 1 << 16
+"""``auto`` runs a mask other than causal on the torch backend, materialised as a dense bias,
+when it covers at most this many scores per batch element and head (Tq·Tk ≤ 256²: decoding steps, short padded
+batches); the tiled engine, which skips empty tiles and plans on the host, is measured faster
+beyond (docs/BENCHMARKS.md)."""
+
 
 def mask_fields(mask: Mask) -> dict:
     """What a mask is made of, by name: its fields without ``_memo`` (values derived from
@@ -936,6 +942,14 @@ class _Padding(Mask):
             return torch.where(real, span, 0).to(torch.int32)
         return Structure(ranges=(ranges(q_lo, q_hi, space.q_len, kv_lo, kv_hi),
                                  ranges(kv_lo, kv_hi, space.kv_len, q_lo, q_hi)))
+
+    def to_dense(self, space):
+        if not self.vouched or self.q_lengths is not None:
+            return super().to_dense(space)
+        # a decoding step's key padding, made anew in every layer (no memo would be read
+        # again): positions below each sequence's length
+        keys = torch.arange(space.kv_len, device=space.device) < self.kv_lengths.view(-1, 1)
+        return keys[:, None, None, :].expand(-1, 1, space.q_len, -1)  # [B, 1, Tq, Tk]
 
     def tile(self, q_idx, kv_idx, space):
         def inside(idx, starts, lengths, side):  # [Bm, t], or None: every position real

@@ -158,12 +158,13 @@ class KVCache:
         length = self.length + new
         store = self._room(keys, values, length)
         store.checked = _checked(lengths, new)
-        offset = torch.arange(new, device=keys.device)
         if padded:  # zeros in a chunk's padding (past its new length: no cache of the chain reads it)
+            offset = torch.arange(new, device=keys.device)
             real = (offset[None, :] < lengths[:, None])[:, None, :, None]  # [B, 1, t, 1]
             keys, values = keys.where(real, 0.0), values.where(real, 0.0)
         # Sequence b's chunk goes to positions before[b] + [0, t).
-        slots = (before[:, None] + offset)[:, None, :, None]  # [B, 1, t, 1]
+        slots = (before.view(-1, 1, 1, 1) if new == 1
+                 else (before[:, None] + torch.arange(new, device=keys.device))[:, None, :, None])
         store.keys.scatter_(2, slots.expand(-1, keys.shape[1], -1, keys.shape[3]), keys)
         store.values.scatter_(2, slots.expand(-1, values.shape[1], -1, values.shape[3]), values)
         return self._extended(store, length, before + lengths, lengths,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..inputs import Inputs
-from ..masks import CAUSAL
+from ..masks import CAUSAL, DENSE_MAX_SCORES
 from ..numerics import accum_dtype, additive_mask
 from .base import Backend, BackendOutput
 
@@ -34,12 +34,6 @@ def is_plain_causal(mask, scale: float = 1.0) -> bool:
     """Top-left causal, run as the kernel's ``is_causal`` (which gives NaN for a scale ≤ 0)."""
     return mask is not None and mask.band() == CAUSAL and scale > 0
 
-
-DENSE_MAX_SCORES = 1 << 16
-"""``auto`` runs a mask other than causal here, materialised as a dense bias, when it covers at
-most this many scores per batch element and head (Tq·Tk ≤ 256²: decoding steps, short padded
-batches); the tiled engine, which skips empty tiles and plans on the host, is measured faster
-beyond (docs/BENCHMARKS.md)."""
 
 POSITION_BIAS_QUERIES = 4
 """``auto`` runs ALiBi and relative biases here only without a mask and for at most this many
