@@ -80,3 +80,20 @@ def test_dynamic_shapes_compile_once_for_three_lengths():
             torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask).logits[1],
                                        model(input_ids=ids, attention_mask=mask).logits[1])
     assert graphs.count == 1
+
+
+@pytest.mark.parametrize("positions", [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2], list(range(4, 14))],
+                         ids=["packed", "unpacked"])
+def test_a_row_of_one_compiles_to_one_graph_with_its_position_ids(positions):
+    """A batch of one with position_ids: inside the graph no value is read to tell packed
+    from unpacked, and either gives what eager gives."""
+    model = _llama()
+    ids = torch.randint(3, 100, (1, 10))
+    position_ids = torch.tensor([positions])
+    graphs = Graphs()
+    compiled = torch.compile(model, fullgraph=True, backend=graphs)
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=position_ids).logits
+        got = compiled(input_ids=ids, position_ids=position_ids).logits
+    assert graphs.count == 1
+    torch.testing.assert_close(got, want)

@@ -450,6 +450,51 @@ def test_cu_seq_lens_keep_packed_sequences_apart():
         torch.testing.assert_close(out[:, part], alone.transpose(1, 2))
 
 
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_flattened_batch_in_training_equals_each_document_alone(flash_kwargs):
+    """transformers' DataCollatorWithFlattening packs documents into one row; in train mode
+    with the default use_cache, transformers builds a plain causal mask (it looks for packed
+    sequences only without a cache), so the packing reaches attnkit only as position_ids or
+    cu_seq_lens_q/k: each document must still attend only to itself, in logits and in
+    gradients."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(  # float64: sums differ in order only
+        transformers.LlamaConfig(**_common()), attn_implementation="attnkit").to(F64).train()
+    documents = [[5, 6, 7, 9, 11, 3], [8, 9, 10], [3, 4, 12, 13, 14]]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(
+        [{"input_ids": d} for d in documents])
+    weights = _rand(sum(map(len, documents)), 100, seed=3)  # a loss that reads every logit
+
+    def gradients(loss):
+        model.zero_grad()
+        loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()
+                if p.grad is not None}
+
+    packed = model(**batch).logits[0]  # [T, V]
+    packed_grads = gradients((packed * weights).sum())
+    alone = torch.cat([model(input_ids=torch.tensor([d])).logits[0] for d in documents])
+    alone_grads = gradients((alone * weights).sum())
+    torch.testing.assert_close(packed, alone, rtol=1e-10, atol=1e-10)
+    assert packed_grads.keys() == alone_grads.keys()
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, alone_grads[name], rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_unpacked_position_ids_leave_the_mask_alone(captured):
+    """A batch of one whose position_ids run on by one (generation, an unpacked row) gets no
+    documents mask: the causal mask transformers asked for, unchanged."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**_common()), attn_implementation="attnkit").eval()
+    ids, _ = _batch("none")
+    with torch.no_grad():
+        model(input_ids=ids[:1], position_ids=torch.arange(3, 3 + SEQ)[None])
+    documents = type(ak.documents([0]))
+    assert captured and not any(isinstance(leaf, documents)
+                                for mask in captured for leaf in _leaves(mask))
+
+
 def test_position_bias_is_added_to_the_scaled_scores():
     q, k, v = _rand(3, 2, 4, 5, 8).unbind(0)
     bias = _rand(1, 4, 5, 5, seed=1)

@@ -33,8 +33,10 @@ sliding window ``w`` (``q - w < kv``)  ``sliding_window(w - 1)``: ``w`` keys, th
 bidirectional                          no mask
 bidirectional window ``w``             ``sliding_window(w, w)``
 chunked attention (chunk ``c``)        ``documents`` of the chunk numbers, ``& causal``
-packed sequences (``position_ids``     ``documents(sequence ids) & causal()``
-restarting, no padding mask)
+packed sequences (``position_ids``     ``documents(sequence ids) & causal()``; the
+restarting, no padding mask)           attention function also keeps them apart when
+                                       transformers' mask does not (with a cache), from
+                                       ``cu_seq_lens_q/k`` or ``position_ids``
 2-D ``attention_mask``                 ``padding(kv_mask=...)`` on the keys (one run of real
                                        tokens per row, left or right padding); other
                                        patterns ``dense`` of the key mask ``[B, 1, 1, Tk]``
@@ -106,6 +108,11 @@ class TransformersMask:
     ``batch``. ``structured`` is False when the pattern was not recognised and ``mask`` is
     ``ak.dense`` of transformers' own boolean mask ``[B, 1, q_len, kv_len]``.
 
+    ``packed``: the mask already keeps packed sequences apart (transformers recognised them
+    from ``position_ids``); ``padded``: transformers passed a 2-D padding mask. The attention
+    function reads both to decide whether the packed-sequence boundaries it receives still
+    need applying.
+
     ``shape`` (``(batch, 1, q_len, kv_len)``) and ``ndim`` (4) answer the questions
     transformers asks of a prepared 4-D mask, so a mask built ahead of the forward pass (as
     ``generate`` does for static caches) is passed through unchanged."""
@@ -113,9 +120,9 @@ class TransformersMask:
     ndim = 4
 
     def __init__(self, mask: Optional[Mask], batch: int, q_len: int, kv_len: int, *,
-                 structured: bool = True):
+                 structured: bool = True, packed: bool = False, padded: bool = False):
         self.mask, self.batch, self.q_len, self.kv_len = mask, batch, q_len, kv_len
-        self.structured = structured
+        self.structured, self.packed, self.padded = structured, packed, padded
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -151,9 +158,12 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
     if mask_function is None:
         mask_function = masking_utils.causal_mask_function
     q_offset, kv_offset = int(q_offset), int(kv_offset)
+    padded = attention_mask is not None
     try:
-        mask = _structured(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
-        return TransformersMask(mask, batch_size, q_length, kv_length)
+        mask, packed = _structured(q_length, kv_length, q_offset, kv_offset, mask_function,
+                                   attention_mask)
+        return TransformersMask(mask, batch_size, q_length, kv_length, packed=packed,
+                                padded=padded)
     except _NotStructured:
         if not torch.compiler.is_compiling():  # dynamo traces no logger call
             _log.debug("transformers mask %s (q_offset %d, kv_offset %d): no structured "
@@ -164,8 +174,10 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
             allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=use_vmap,
             device=device)
+        pattern = _read(mask_function)
+        packed = pattern is not None and any(g[0] == "packed" for g in pattern.groups)
         return TransformersMask(ak.dense(allowed), batch_size, q_length, kv_length,
-                                structured=False)
+                                structured=False, packed=packed, padded=padded)
 
 
 class _NotStructured(Exception):
@@ -245,8 +257,9 @@ def _read(fn: Callable) -> Optional[_Pattern]:
 
 
 def _structured(q_len: int, kv_len: int, q_offset: int, kv_offset: int, mask_function: Callable,
-                attention_mask: Optional[torch.Tensor]) -> Optional[Mask]:
-    """The exact attnkit mask for the call, or ``_NotStructured``."""
+                attention_mask: Optional[torch.Tensor]) -> tuple[Optional[Mask], bool]:
+    """The exact attnkit mask for the call and whether it keeps packed sequences apart, or
+    ``_NotStructured``."""
     pattern = _read(mask_function)
     if pattern is None:
         raise _NotStructured
@@ -262,7 +275,7 @@ def _structured(q_len: int, kv_len: int, q_offset: int, kv_offset: int, mask_fun
     for part in parts:
         if part is not None:
             mask = part if mask is None else mask & part
-    return mask
+    return mask, bool(packed)
 
 
 def _band(lo: float, hi: float, shift: int, q_len: int, kv_len: int) -> Optional[Mask]:
@@ -353,9 +366,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     as eager adds it); or ``None``, which means causal (top-left) when ``is_causal`` (or
     ``module.is_causal``) and ``Tq > 1``, as transformers' ``sdpa`` reads it. ``scaling``
     multiplies the scores (default ``1/sqrt(D)``); ``dropout`` is the dropout probability on
-    the weights. ``position_bias [B|1, Hq|1, Tq, Tk]`` is added to the scaled scores. With no
-    mask, ``cu_seq_lens_q``/``cu_seq_lens_k`` (packed sequences in one row) keep the
-    sequences apart. ``softcap`` (a float) caps the scaled scores (:func:`attnkit.softcap`);
+    the weights. ``position_bias [B|1, Hq|1, Tq, Tk]`` is added to the scaled scores. Packed
+    sequences in one row (a batch of one, as ``DataCollatorWithFlattening`` makes) are kept
+    apart, with or without a mask, as ``flash_attention_2`` keeps them: by
+    ``cu_seq_lens_q``/``cu_seq_lens_k`` when given, else by ``position_ids`` that restart
+    (without a padding mask; read once per forward pass). ``softcap`` (a float) caps the scaled scores (:func:`attnkit.softcap`);
     ``s_aux`` or ``sinks`` (``[Hq]``) are per-head sink logits (:func:`attnkit.sinks`).
 
     Raises ``NotImplementedError`` for sparse index selections (see :data:`_UNSUPPORTED`).
@@ -374,13 +389,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                 f"× {attention_mask.kv_len} keys but attends {q_len} queries × {kv_len} keys "
                 f"(query {tuple(query.shape)}, key {tuple(key.shape)})")
         mask = attention_mask.mask
+        if not attention_mask.packed:
+            mask = _packed(kwargs, mask, query.shape[0], q_len, kv_len,
+                           from_positions=not attention_mask.padded)
     elif attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         mask = ak.causal() if causal and q_len > 1 else None
-        mask = _varlen(kwargs, mask, query.shape[0], q_len, kv_len)
+        mask = _packed(kwargs, mask, query.shape[0], q_len, kv_len, from_positions=True)
     elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
         mask = (ak.dense(attention_mask) if attention_mask.dtype == torch.bool
                 else ak.bias(attention_mask))
+        mask = _packed(kwargs, mask, query.shape[0], q_len, kv_len, from_positions=False)
     else:
         shape = getattr(attention_mask, "shape", None)
         raise TypeError(
@@ -407,22 +426,74 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.transpose(1, 2).contiguous(), weights
 
 
-def _varlen(kwargs: dict, mask: Optional[Mask], batch: int, q_len: int,
-            kv_len: int) -> Optional[Mask]:
-    """``mask & documents(...)`` from the packed-sequence boundaries ``cu_seq_lens_q/k``
-    (``[n + 1]`` cumulative lengths, batch of one), when given."""
+def _packed(kwargs: dict, mask: Optional[Mask], batch: int, q_len: int, kv_len: int, *,
+            from_positions: bool) -> Optional[Mask]:
+    """``mask & documents(...)`` for packed sequences in one row: from the boundaries
+    ``cu_seq_lens_q/k`` (``[n + 1]`` cumulative lengths) when given, else, with
+    ``from_positions``, from ``position_ids [1, T]`` that do not run on by one (a sequence
+    starts wherever they do not); ``mask`` itself when neither says the row is packed.
+    The documents of one forward pass are made once and shared by its layers."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    positions = kwargs.get("position_ids") if from_positions else None
     if cu_q is None and cu_k is None:
+        if (not isinstance(positions, torch.Tensor) or positions.dim() != 2 or batch != 1
+                or positions.shape != (1, q_len) or q_len != kv_len or q_len < 2):
+            return mask
+        documents = _shared_documents((positions,),
+                                      lambda: _documents_from_positions(positions))
+    else:
+        cu_q = cu_k if cu_q is None else cu_q
+        cu_k = cu_q if cu_k is None else cu_k
+        if batch != 1 or q_len != kv_len or cu_q.dim() != 1 or cu_q.shape != cu_k.shape:
+            raise NotImplementedError(
+                f"attn_implementation='attnkit' takes cu_seq_lens_q/k only for packed "
+                f"sequences without a cache: batch 1, equal query and key boundaries ending at "
+                f"the sequence length (got batch {batch}, {q_len} queries, {kv_len} keys)")
+        documents = _shared_documents((cu_q, cu_k),
+                                      lambda: _documents_from_boundaries(cu_q, cu_k, q_len))
+    if documents is None:
         return mask
-    cu_q = cu_k if cu_q is None else cu_q
-    cu_k = cu_q if cu_k is None else cu_k
-    if (batch != 1 or q_len != kv_len or cu_q.dim() != 1 or not torch.equal(cu_q, cu_k)
-            or int(cu_q[-1]) != q_len):
+    return documents if mask is None else mask & documents
+
+
+_SHARED: list = []
+"""The packed documents of the latest forward pass: ``[sources, versions, documents]``."""
+
+
+def _shared_documents(sources: tuple, make: Callable[[], Optional[Mask]]) -> Optional[Mask]:
+    """``make()``, shared by the layers of a forward pass (they receive the same ``sources``
+    tensors): kept for the latest ``sources`` while they are unchanged. Inference tensors (no
+    version counter) and compiled graphs are not kept: made in every layer."""
+    if torch.compiler.is_compiling() or any(t.is_inference() for t in sources):
+        return make()
+    versions = tuple(t._version for t in sources)
+    if (_SHARED and len(_SHARED[0]) == len(sources)
+            and all(a is b for a, b in zip(_SHARED[0], sources)) and _SHARED[1] == versions):
+        return _SHARED[2]
+    documents = make()
+    _SHARED[:] = [sources, versions, documents]
+    return documents
+
+
+def _documents_from_positions(positions: torch.Tensor) -> Optional[Mask]:
+    """``documents`` of ``position_ids [1, T]``: a new sequence wherever they do not run on
+    by one; ``None`` (one host read) when they all do."""
+    starts = positions[0, 1:] - positions[0, :-1] != 1  # [T - 1]
+    if not torch.compiler.is_compiling() and not bool(starts.any()):
+        return None  # inside a compiled graph no value is read: one document, where unpacked
+    ids = F.pad(starts.cumsum(0), (1, 0))  # [T]: the sequence of each position
+    return ak.documents(ids[None])
+
+
+def _documents_from_boundaries(cu_q: torch.Tensor, cu_k: torch.Tensor, length: int) -> Mask:
+    """``documents`` of the boundaries ``cu_seq_lens [n + 1]`` (query and key alike, ending at
+    ``length``)."""
+    if not torch.equal(cu_q, cu_k) or int(cu_q[-1]) != length:
         raise NotImplementedError(
             f"attn_implementation='attnkit' takes cu_seq_lens_q/k only for packed sequences "
-            f"without a cache: batch 1, equal query and key boundaries ending at the sequence "
-            f"length (got batch {batch}, {q_len} queries, {kv_len} keys)")
+            f"without a cache: equal query and key boundaries ending at the sequence length "
+            f"(got cu_seq_lens_q {cu_q.tolist()}, cu_seq_lens_k {cu_k.tolist()}, {length} "
+            f"positions)")
     ids = torch.searchsorted(cu_q[1:].to(torch.long),
-                             torch.arange(q_len, device=cu_q.device), right=True)
-    documents = ak.documents(ids)
-    return documents if mask is None else mask & documents
+                             torch.arange(length, device=cu_q.device), right=True)
+    return ak.documents(ids[None])
