@@ -1,0 +1,206 @@
+"""Packed variable-length batches: :func:`varlen_attention` on ``[total_tokens, H, D]``.
+
+The sequences of a batch lie one after another along the token axis, sequence b's queries at
+``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and its keys at ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``
+(the convention of ``flash_attn_varlen_func`` and ``torch.nn.attention.varlen``). The call
+runs as one row of ``ak.attention`` whose mask keeps the sequences apart (a ``documents``
+mask, with ``causal=`` aligned per sequence): no padding is made, memory stays O(total
+tokens), and the tiled engine skips every tile between two sequences.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from .api import AttentionResult, MaskLike, attention
+from .masks import Mask, as_mask, documents
+from .modifiers import split
+
+
+class Layout(NamedTuple):
+    """Where each sequence's tokens lie: ``q_ids [total_q]`` and ``kv_ids [total_k]`` (long, on
+    q's device) give each token its sequence (keys past a sequence's ``seqused_k`` get
+    ``n + b``: no query's), and ``same_segments`` says every sequence has the same query and
+    key positions (self-attention over one packing)."""
+
+    q_ids: torch.Tensor
+    kv_ids: torch.Tensor
+    same_segments: bool
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q: Optional[int] = None,
+                     max_seqlen_k: Optional[int] = None, seqused_k=None, mask: MaskLike = None,
+                     scale: Optional[float] = None, dropout_p: float = 0.0,
+                     generator: Optional[torch.Generator] = None, backend: str = "auto",
+                     return_lse: bool = False) -> Union[torch.Tensor, AttentionResult]:
+    """Attention over packed sequences of different lengths, each attending only to itself.
+
+    Shapes: ``q [total_q, Hq, Dk]``, ``k [total_k, Hkv, Dk]``, ``v [total_k, Hkv, Dv]`` (Hq a
+    multiple of Hkv); ``cu_seqlens_q``/``cu_seqlens_k``: ``[n + 1]`` integers, 0 first, never
+    falling, ending at ``total_q``/``total_k`` (a tensor or a list; ``cu_seqlens_k`` defaults
+    to ``cu_seqlens_q``). Returns ``out [total_q, Hq, Dv]`` (contiguous), or an
+    :class:`~attnkit.AttentionResult` with ``lse [Hq, total_q]`` when ``return_lse``.
+
+    ``mask`` applies inside every sequence, on its own positions: ``causal(align)`` (top-left:
+    a sequence's i-th query sees its first i + 1 keys; bottom-right, flash-attn's ``causal``:
+    its last query sees all its keys), ``sliding_window(...)``, and the score modifiers
+    (``softcap``, ``sinks``, ``alibi``, ``relative_bias``) joined by ``&``. Windows, ALiBi and
+    relative biases need each sequence's query and key segments to coincide
+    (``cu_seqlens_k`` equal to ``cu_seqlens_q``, no ``seqused_k``). ``seqused_k [n]``: only
+    the first ``seqused_k[b]`` keys of sequence b count (a cache's filled part).
+    ``max_seqlen_q``/``max_seqlen_k`` are checked when given (at least every sequence's
+    length) and otherwise not needed. ``scale``, ``dropout_p``, ``generator`` and ``backend``
+    are :func:`attnkit.attention`'s. A sequence with no key gets output 0 and LSE −inf.
+
+    The boundaries are read on the host to check them (one read per tensor, and one for
+    ``seqused_k``); the attention itself runs as one call of :func:`attnkit.attention` on
+    views of q, k and v.
+    """
+    layout = packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                           max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+    per_sequence = sequence_mask(as_mask(mask), layout)
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, total, D] views
+    result = attention(q4, k4, v4, per_sequence, scale=scale, dropout_p=dropout_p,
+                       generator=generator, backend=backend, return_lse=return_lse)
+    if not return_lse:
+        return result[0].transpose(0, 1).contiguous()
+    return AttentionResult(result.out[0].transpose(0, 1).contiguous(), result.lse[0], None)
+
+
+def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q=None,
+                  max_seqlen_k=None, seqused_k=None) -> Layout:
+    """The :class:`Layout` of a packed call, after checking its tensors and boundaries (read
+    on the host); ``ValueError``/``TypeError`` naming the offending sequence.
+    Shapes as for :func:`varlen_attention`."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"varlen_attention takes {name} as a torch.Tensor [total, H, D], "
+                            f"got {type(t).__name__}")
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"varlen_attention takes packed q [total_q, Hq, D], k and v "
+                         f"[total_k, Hkv, D] (3-D, tokens first), got {shapes}: flatten a "
+                         f"padded batch's real tokens with x[real] for a [B, T] bool mask")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v must hold the same tokens (dim 0), got {shapes}")
+    if cu_seqlens_k is None and k.shape[0] != q.shape[0]:
+        raise ValueError(f"cu_seqlens_k is needed when keys and queries differ in number "
+                         f"(total_q {q.shape[0]}, total_k {k.shape[0]})")
+    cu_q, starts_q = _boundaries("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    cu_k, starts_k = ((cu_q, starts_q) if cu_seqlens_k is None else
+                      _boundaries("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device))
+    if len(starts_q) != len(starts_k):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same sequences, got "
+                         f"{len(starts_q) - 1} and {len(starts_k) - 1} sequences")
+    lengths_q = [b - a for a, b in zip(starts_q, starts_q[1:])]
+    lengths_k = [b - a for a, b in zip(starts_k, starts_k[1:])]
+    for name, limit, lengths in (("max_seqlen_q", max_seqlen_q, lengths_q),
+                                 ("max_seqlen_k", max_seqlen_k, lengths_k)):
+        if limit is not None and lengths and int(limit) < max(lengths):
+            seq = lengths.index(max(lengths))
+            raise ValueError(f"{name}={limit} but sequence {seq} holds {lengths[seq]} tokens: "
+                             f"pass at least the longest length, or leave it out")
+    n = len(lengths_q)
+    q_ids = _sequence_ids(lengths_q, q.shape[0], q.device)
+    kv_ids = _sequence_ids(lengths_k, k.shape[0], q.device)
+    if seqused_k is not None:
+        used = _seqused(seqused_k, lengths_k, q.device)
+        offset = torch.arange(k.shape[0], device=q.device) - cu_k[kv_ids]  # position in its sequence
+        kv_ids = torch.where(offset < used[kv_ids], kv_ids, kv_ids + n)
+    same = seqused_k is None and starts_q == starts_k
+    return Layout(q_ids, kv_ids, same)
+
+
+def _boundaries(name: str, value, total: int, device) -> tuple[torch.Tensor, list[int]]:
+    """``cu_seqlens`` as a long tensor on ``device`` and as a list (one host read), checked."""
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.tensor(value, dtype=torch.long)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{name} must be integers [n + 1] (a tensor or a list), got "
+                            f"{type(value).__name__}") from None
+    if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+        raise TypeError(f"{name} must be integers [n + 1], got {value.dtype}: convert with "
+                        f"{name}.to(torch.int32)")
+    if value.dim() != 1 or value.numel() < 1:
+        raise ValueError(f"{name} must be [n + 1] (0, then each sequence's end), got shape "
+                         f"{tuple(value.shape)}")
+    cu = value.to(device=device, dtype=torch.long)
+    bounds = cu.tolist()
+    _check_boundaries(name, bounds, total)
+    return cu, bounds
+
+
+def _check_boundaries(name: str, bounds: list[int], total: int) -> None:
+    if bounds[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {bounds[:8]}")
+    for seq, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if b < a:
+            raise ValueError(f"{name} must never fall: sequence {seq} ends at {b}, before its "
+                             f"start {a} ({name} = {bounds[:16]}{'...' if len(bounds) > 16 else ''})")
+    if bounds[-1] != total:
+        raise ValueError(f"{name} must end at the number of packed tokens {total}, got "
+                         f"{bounds[-1]}: the last boundary is the total")
+
+
+def _sequence_ids(lengths: list[int], total: int, device) -> torch.Tensor:
+    """Each token's sequence ``[total]`` (long) from the sequences' lengths."""
+    counts = torch.tensor(lengths, dtype=torch.long, device=device)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), counts,
+                                   output_size=total)
+
+
+def _seqused(value, lengths: list[int], device) -> torch.Tensor:
+    """``seqused_k`` as long ``[n]`` on ``device``, each in ``[0, its sequence's keys]``."""
+    used = torch.as_tensor(value, device=device)
+    if used.dtype == torch.bool or used.is_floating_point() or used.is_complex():
+        raise TypeError(f"seqused_k must be integers [n], got {used.dtype}")
+    if used.shape != (len(lengths),):
+        raise ValueError(f"seqused_k must be [n] = [{len(lengths)}] (one per sequence), got "
+                         f"shape {tuple(used.shape)}")
+    for seq, (count, length) in enumerate(zip(used.tolist(), lengths)):
+        if not 0 <= count <= length:
+            raise ValueError(f"seqused_k[{seq}] = {count} but sequence {seq} holds {length} keys: "
+                             f"each must lie in [0, its keys]")
+    return used.long()
+
+
+def sequence_mask(mask: Optional[Mask], layout: Layout) -> Mask:
+    """``mask`` applied inside each sequence of ``layout``, as one mask over the packed row:
+    ``documents`` of the sequence ids, ``causal=`` aligned per sequence, and bands and
+    modifiers as given where query and key segments coincide (positions there differ by the
+    same amount globally as inside a sequence)."""
+    rest, modifiers = split(mask)
+    base = documents(layout.q_ids, layout.kv_ids)
+    band = None if rest is None else rest.band()
+    if rest is not None and band is None:
+        raise ValueError(f"varlen_attention applies its mask inside each sequence and takes "
+                         f"causal(...), sliding_window(...) and score modifiers; got {rest!r}. "
+                         f"The sequences are kept apart already; for another mask, pad the "
+                         f"batch and call attnkit.attention")
+    if band is not None and band.left is None and band.right == 0:
+        base = documents(layout.q_ids, layout.kv_ids, causal=band.align)
+    elif band is not None:
+        _need_same_segments(layout, f"a window ({rest!r})")
+        base = base & rest
+    if modifiers is None:
+        return base
+    if modifiers.functions:
+        raise ValueError("varlen_attention does not take score_function: it would see the "
+                         "packed row's positions, not each sequence's; pad the batch and call "
+                         "attnkit.attention")
+    if modifiers.alibi or modifiers.relative:
+        _need_same_segments(layout, "alibi or relative_bias")
+    return functools.reduce(lambda a, b: a & b, modifiers.parts(), base)
+
+
+def _need_same_segments(layout: Layout, what: str) -> None:
+    if not layout.same_segments:
+        raise ValueError(f"varlen_attention applies {what} per sequence only where each "
+                         f"sequence's queries and keys are the same positions (cu_seqlens_k "
+                         f"equal to cu_seqlens_q, no seqused_k); pad the batch and call "
+                         f"attnkit.attention with sliding_window(..., sequences=padding(...))")
