@@ -408,3 +408,63 @@ def test_masks_made_under_inference_mode(make):
         mask = make()
         out = ak.attention(q, q, q, mask)
     torch.testing.assert_close(out, ak.attention(q, q, q, make()))
+
+
+@pytest.mark.parametrize("mask", ["documents", "window", "cross_documents"])
+def test_non_finite_keys_of_a_long_call_reach_every_row_that_sees_them(mask, gen):
+    """Beyond ``finite.CHUNK_ELEMENTS`` scores, rows that may see a non-finite key are found
+    from each row's run of keys (prefix sums), not by evaluating the mask: a whole block of
+    NaN keys (which a segment-wise kernel would drop as a row of NaN scores) still makes
+    every row that sees it NaN, and no other row a wrong number."""
+    length = 2112  # Tq·Tk beyond CHUNK_ELEMENTS
+    assert length * length > finite.CHUNK_ELEMENTS
+    ids = torch.arange(length) // 700  # documents of 700 tokens
+    made = {"documents": ak.documents(ids, causal="top_left"),
+            "window": ak.sliding_window(40),
+            "cross_documents": ak.documents(ids, causal="bottom_right")}[mask]
+    q, k, v = torch.randn(3, 1, 1, length, 8, generator=gen).unbind(0)
+    bad = slice(900, 964)  # one key block, all NaN
+    k_bad = k.clone()
+    k_bad[..., bad, :] = NAN
+    out = ak.attention(q, k_bad, v, made, backend="tiled")
+    allowed = made.to_dense(MaskSpace(1, 1, length, length))[0, 0]  # [Tq, Tk]
+    sees_bad = allowed[:, bad].any(-1)  # [Tq]
+    assert sees_bad.any() and not sees_bad.all()
+    assert torch.isnan(out[0, 0, sees_bad]).all()
+    clean = ak.attention(q, k, v, made, backend="tiled")[0, 0, ~sees_bad]
+    rest = out[0, 0, ~sees_bad]  # NaN (spread within a tile) or exact, never another number
+    kept = ~torch.isnan(rest).any(-1)
+    assert kept.any()
+    torch.testing.assert_close(rest[kept], clean[kept], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mask", ["documents", "causal_documents", "bottom_right_documents",
+                                  "window", "causal_bottom_right", "none_left"])
+def test_the_key_scan_by_runs_equals_the_scan_by_evaluation(mask, gen, monkeypatch):
+    """Rows that may see a non-finite key, rows with a key, keys some row sees: from each
+    row's run of keys (prefix sums) exactly as from evaluating the mask."""
+    tq, tk = 2100, 2300  # Tq·Tk beyond CHUNK_ELEMENTS: the scan by runs
+    assert tq * tk > finite.CHUNK_ELEMENTS
+    q_ids = torch.arange(tq) * 5 // tq
+    kv_ids = torch.arange(tk) * 5 // tk
+    made = {"documents": ak.documents(q_ids, kv_ids),
+            "causal_documents": ak.documents(q_ids, kv_ids, causal="top_left"),
+            "bottom_right_documents": ak.documents(q_ids, kv_ids, causal="bottom_right"),
+            "window": ak.sliding_window(30, 7),
+            "causal_bottom_right": ak.causal("bottom_right"),
+            "none_left": ak.sliding_window(ak.masks.UNBOUNDED, 3)}[mask]
+    q = torch.randn(2, 4, tq, 8, generator=gen)
+    k = torch.randn(2, 2, tk, 8, generator=gen)
+    bad = torch.rand(2, 2, tk, generator=gen) < 0.002
+    bad[0, 1, int((kv_ids == 2).nonzero()[0])] = True  # the first key of a document
+    bad[1, 0, tk - 1] = True  # the last key
+    k[bad] = NAN
+    inputs = validate(q, k, k, made)
+    by_runs = finite._scan(inputs)
+    assert finite._mask_runs(inputs) is not None
+    monkeypatch.setattr(finite, "_mask_runs", lambda inputs: None)
+    by_evaluation = finite._scan(inputs)
+    for name, got, want in zip(("has_key", "seen", "key_any"), by_runs, by_evaluation):
+        got, want = torch.broadcast_tensors(got, want)
+        assert torch.equal(got.isnan() if name == "seen" else got,
+                           want.isnan() if name == "seen" else want), name

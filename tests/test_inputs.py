@@ -375,3 +375,19 @@ def test_a_mask_keyed_by_shapes_still_keys_the_dense_bias_limit():
         assert chosen.NAME == name, kv_len
         want = naive_attention(q, k, k, mask.to_dense(MaskSpace(1, 1, 1, kv_len)))[0]
         torch.testing.assert_close(ak.attention(q, k, k, mask), want.float())
+
+
+def test_documents_over_one_ids_tensor_need_no_row_or_key_flags():
+    """Documents whose queries and keys are one ids tensor: each token sees itself, so every
+    row has a key and every key a row, known without a read; other ids tensors (equal in
+    value or not) are unknown."""
+    from attnkit.masks import every_key_seen, every_row_has_key
+
+    ids = torch.tensor([0, 0, 1, 2, 2])
+    for mask in (ak.documents(ids), ak.documents(ids, causal="top_left"),
+                 ak.documents(ids, causal="bottom_right")):
+        assert every_row_has_key(mask) and every_key_seen(mask)
+    for mask in (ak.documents(ids, ids.clone()), ak.documents(ids, causal="top_left") & ak.causal(),
+                 ak.padding(kv_lengths=[3])):
+        assert not every_key_seen(mask)
+    assert not every_row_has_key(ak.documents(ids, torch.tensor([0, 1, 1, 2, 2])))

@@ -15,7 +15,8 @@ from .varlen import varlen_attention
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "varlen_attention", "AttentionResult", "available_backends", "explain_dispatch", "use_backend",
+    "attention", "varlen_attention", "AttentionResult", "available_backends",
+    "explain_dispatch", "use_backend",
     "masks", "modifiers", "nn", "causal", "sliding_window",
     "padding", "documents", "dense", "bias", "from_function",
     "softcap", "alibi", "relative_bias", "sinks", "score_function", "t5_buckets", "__version__",

@@ -29,9 +29,10 @@ from dataclasses import replace
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 from .inputs import Inputs
-from .masks import mask_tensors, memo
+from .masks import every_key_seen, every_row_has_key, mask_tensors, memo
 
 KV_CHECK_MIN_ROWS = 64
 """Calls with at least this many query rows also look at the keys in :func:`poison`: at most
@@ -78,6 +79,8 @@ def guard(inputs: Inputs, poisons: bool) -> Guarded:
     if poisons:  # one evaluation of the mask (garbage outside the runs is never counted)
         has_key, seen, key_seen = _scan(inputs)
     fixed = {}
+    if every_key_seen(mask):
+        key_seen = None
     # keys no query sees (which include those outside the runs), else those outside the runs
     real = key_seen if key_seen is not None else (
         None if runs.kv is None else _runs_mask(mask, runs.kv, inputs.k.shape[2], "kv"))
@@ -162,10 +165,16 @@ def _zeros(x: torch.Tensor) -> torch.Tensor:
 
 def _row_flags(x: torch.Tensor) -> torch.Tensor:
     """``x [..., D] @ 0`` → ``[..., 1]``: 0 per row, NaN where the row holds a NaN or ±inf;
-    one matrix product on the rows laid out flat where that needs no copy."""
+    one matrix product on the rows laid out flat, in memory order (a ``[B, T, H, D]`` tensor
+    seen as ``[B, H, T, D]`` too), where that needs no copy."""
     x = _plain(x)
-    rows = x.view(-1, x.shape[-1]) if x.numel() and _flat_rows(x) else x
-    return (rows @ _zeros(x)).view(*x.shape[:-1], 1)
+    lead = x.dim() - 1
+    order = sorted(range(lead), key=lambda d: -x.stride(d))  # leading dims, outermost first
+    stored = x.permute(*order, lead)
+    if not x.numel() or not _flat_rows(stored):
+        return x @ _zeros(x)
+    flags = (stored.reshape(-1, x.shape[-1]) @ _zeros(x)).view(*stored.shape[:-1], 1)
+    return flags.permute(*sorted(range(lead), key=order.__getitem__), lead)
 
 
 def _flat_rows(x: torch.Tensor) -> bool:
@@ -221,6 +230,55 @@ def _count(allowed: torch.Tensor, bad: torch.Tensor, dtype: torch.dtype) -> torc
     return allowed.to(dtype) @ bad
 
 
+def _mask_runs(inputs: Inputs) -> Optional[tuple]:
+    """Each query's allowed keys as one run and each key's allowed queries as one run, from
+    the mask's :meth:`~attnkit.masks.Mask.structure` (ranges, or a band's diagonals):
+    ``(q_lo, q_hi [Bm, Tq], kv_lo, kv_hi [Bm, Tk])`` long with ``lo ≤ hi``, or ``None``
+    when the mask has no such form. Kept on the mask while its tensors are unchanged."""
+    mask, space = inputs.mask, inputs.space
+
+    def build():
+        structure = mask.structure(space)
+        if structure is None:
+            return None
+        if structure.ranges is not None:
+            q_runs, kv_runs = (r.long() for r in structure.ranges)  # [B, T, 2] each
+            q_lo, q_hi = q_runs[..., 0], q_runs[..., 1]
+            kv_lo, kv_hi = kv_runs[..., 0], kv_runs[..., 1]
+        elif structure.diagonals is not None:  # keys lo ≤ k − q ≤ hi
+            lo, hi = structure.diagonals
+            q = torch.arange(space.q_len, device=space.device)[None]
+            kv = torch.arange(space.kv_len, device=space.device)[None]
+            q_lo = (q * 0 if lo is None else q + lo).clamp(0, space.kv_len)
+            q_hi = (q * 0 + space.kv_len if hi is None else q + hi + 1).clamp(0, space.kv_len)
+            kv_lo = (kv * 0 if hi is None else kv - hi).clamp(0, space.q_len)
+            kv_hi = (kv * 0 + space.q_len if lo is None else kv - lo + 1).clamp(0, space.q_len)
+        else:
+            return None
+        return q_lo, torch.maximum(q_lo, q_hi), kv_lo, torch.maximum(kv_lo, kv_hi)
+
+    tensors = mask_tensors(mask)
+    if tensors is None:
+        return build()
+    return memo(mask, ("runs", space.batch, space.q_len, space.kv_len, space.device), tensors,
+                build)
+
+
+def _count_runs(runs: tuple, bad: Optional[torch.Tensor], batch: int) -> tuple:
+    """:func:`_scan`'s ``(has_key, count, key_any)`` from :func:`_mask_runs`: a row's count
+    of non-finite keys is a difference of prefix sums of ``bad [B, Hq, Tk, 1]``, O(Tq + Tk)
+    per head instead of a mask evaluation of O(Tq·Tk)."""
+    q_lo, q_hi, kv_lo, kv_hi = runs
+    has_key = (q_hi > q_lo)[:, None, :, None]  # [Bm, 1, Tq, 1]
+    if bad is None:
+        return has_key, None, None
+    heads = bad.shape[1]
+    sums = F.pad(bad[..., 0].cumsum(-1), (1, 0))  # [B, Hq, Tk + 1]: bad keys before each
+    at = lambda x: x.expand(batch, -1)[:, None].expand(-1, heads, -1)  # noqa: E731  [B, Hq, T]
+    count = (sums.gather(-1, at(q_hi)) - sums.gather(-1, at(q_lo)))[..., None]  # [B, Hq, Tq, 1]
+    return has_key, count, (kv_hi > kv_lo)[:, None]  # key_any [Bm, 1, Tk]
+
+
 def _scan(inputs: Inputs) -> tuple:
     """From one evaluation of the mask: per query row, whether it has an allowed key (bool
     ``[Bm|B, Hm|Hq, Tq, 1]``), and, when :func:`checks_keys`, :attr:`Guarded.seen` and per
@@ -239,6 +297,8 @@ def _scan(inputs: Inputs) -> tuple:
         if bad is not None:
             allowed = inputs.allowed()  # [Bm, Hm, Tq, Tk]
             count, key_any = _count(allowed, bad, dtype), allowed.any(-2)  # key_any [Bm, Hm, Tk]
+    elif (runs := _mask_runs(inputs)) is not None:  # each row's keys one run: prefix sums
+        has_key, count, key_any = _count_runs(runs, bad, batch)
     else:
         has_key = torch.empty(batch, heads, q_len, 1, dtype=torch.bool, device=k.device)
         count = key_any = None
@@ -254,6 +314,8 @@ def _scan(inputs: Inputs) -> tuple:
             if bad is not None:
                 count[:, :, start:stop] = _count(allowed, bad, dtype)
                 key_any |= allowed.any(-2)
+    if every_row_has_key(inputs.mask):
+        has_key = None
     if bad is None:
         return has_key, None, None
     seen = torch.where(count > 0, float("nan"), 0.0).to(inputs.q.dtype)  # [B, Hq, Tq, 1]

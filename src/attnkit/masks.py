@@ -1073,8 +1073,25 @@ def every_row_has_key(mask: Optional[Mask]) -> bool:
     value: no mask, or a key padding whose every row has a real key, as a vouching producer
     said (``vouched_padding(..., keys_everywhere=True)``: a decoding step over a cache) or as
     read with the runs of its ``kv_mask`` (the transformers padding mask). ``False`` means
-    unknown, not that some row has none."""
-    return mask is None or (isinstance(mask, _Padding) and mask.keys_everywhere)
+    unknown, not that some row has none. Also ``documents`` over one ids tensor for queries
+    and keys (``kv_ids`` left out), with or without ``causal=``: each query sees its own
+    position (:func:`every_key_seen`)."""
+    return (mask is None or (isinstance(mask, _Padding) and mask.keys_everywhere)
+            or _self_documents(mask))
+
+
+def every_key_seen(mask: Optional[Mask]) -> bool:
+    """Whether every key of ``mask`` is known to be seen by some query without reading a
+    value: no mask, or ``documents`` over one ids tensor for queries and keys (with or
+    without ``causal=``: key j is seen by query j). ``False`` means unknown."""
+    return mask is None or _self_documents(mask)
+
+
+def _self_documents(mask: Mask) -> bool:
+    """``documents(ids)`` or ``documents(ids, causal=...)`` with the keys' ids the queries'
+    own tensor: queries and keys are the same positions, so the diagonal is allowed."""
+    docs = mask.documents if isinstance(mask, _CausalDocuments) else mask
+    return isinstance(docs, _Documents) and docs.kv_ids is docs.q_ids
 
 
 def real_keys(kv_mask: torch.Tensor) -> Mask:

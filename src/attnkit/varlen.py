@@ -105,13 +105,14 @@ def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q=None
             raise ValueError(f"{name}={limit} but sequence {seq} holds {lengths[seq]} tokens: "
                              f"pass at least the longest length, or leave it out")
     n = len(lengths_q)
+    same = seqused_k is None and starts_q == starts_k
     q_ids = _sequence_ids(lengths_q, q.shape[0], q.device)
-    kv_ids = _sequence_ids(lengths_k, k.shape[0], q.device)
+    # one tensor when the segments coincide: the mask then knows each token sees itself
+    kv_ids = q_ids if same else _sequence_ids(lengths_k, k.shape[0], q.device)
     if seqused_k is not None:
         used = _seqused(seqused_k, lengths_k, q.device)
-        offset = torch.arange(k.shape[0], device=q.device) - cu_k[kv_ids]  # position in its sequence
+        offset = torch.arange(k.shape[0], device=q.device) - cu_k[kv_ids]  # within its sequence
         kv_ids = torch.where(offset < used[kv_ids], kv_ids, kv_ids + n)
-    same = seqused_k is None and starts_q == starts_k
     return Layout(q_ids, kv_ids, same)
 
 
@@ -140,8 +141,9 @@ def _check_boundaries(name: str, bounds: list[int], total: int) -> None:
         raise ValueError(f"{name} must start at 0, got {bounds[:8]}")
     for seq, (a, b) in enumerate(zip(bounds, bounds[1:])):
         if b < a:
+            shown = f"{bounds[:16]}{'...' if len(bounds) > 16 else ''}"
             raise ValueError(f"{name} must never fall: sequence {seq} ends at {b}, before its "
-                             f"start {a} ({name} = {bounds[:16]}{'...' if len(bounds) > 16 else ''})")
+                             f"start {a} ({name} = {shown})")
     if bounds[-1] != total:
         raise ValueError(f"{name} must end at the number of packed tokens {total}, got "
                          f"{bounds[-1]}: the last boundary is the total")
@@ -175,7 +177,8 @@ def sequence_mask(mask: Optional[Mask], layout: Layout) -> Mask:
     modifiers as given where query and key segments coincide (positions there differ by the
     same amount globally as inside a sequence)."""
     rest, modifiers = split(mask)
-    base = documents(layout.q_ids, layout.kv_ids)
+    kv_ids = None if layout.kv_ids is layout.q_ids else layout.kv_ids  # one tensor: documents(ids)
+    base = documents(layout.q_ids, kv_ids)
     band = None if rest is None else rest.band()
     if rest is not None and band is None:
         raise ValueError(f"varlen_attention applies its mask inside each sequence and takes "
@@ -183,7 +186,7 @@ def sequence_mask(mask: Optional[Mask], layout: Layout) -> Mask:
                          f"The sequences are kept apart already; for another mask, pad the "
                          f"batch and call attnkit.attention")
     if band is not None and band.left is None and band.right == 0:
-        base = documents(layout.q_ids, layout.kv_ids, causal=band.align)
+        base = documents(layout.q_ids, kv_ids, causal=band.align)
     elif band is not None:
         _need_same_segments(layout, f"a window ({rest!r})")
         base = base & rest
