@@ -8,6 +8,12 @@
   ``[16, H, 1024, D]`` with a dense bool mask (causal & padding), and against the same packed
   row through ``ak.attention`` with ``ak.documents(ids, causal="top_left")`` directly.
   Forward and forward+backward, ms per call.
+- **paged decode step, 8 sequences of 512..8,192 keys** (Hq 8, Hkv 2, D 64, block 16): one
+  new token per sequence appended and attended, through ``attnkit.nn.PagedKVCache`` against
+  the contiguous ``attnkit.nn.KVCache`` fed per-sequence ``lengths``. ms per step.
+- **shared prefix decode step, 16 sequences forked from one 4,096-token prompt** (plus 8
+  tokens each): the forked ``PagedKVCache`` (the prompt's blocks read once for all) against
+  the same tokens in 16 unshared copies of the prompt. ms per step.
 
 Every method is checked against ``varlen_attention`` on the real tokens first, then timed
 interleaved, block by block, and the medians compared. One CPU thread.
@@ -91,6 +97,76 @@ def varlen_rows(quick: bool) -> list[dict]:
     return rows
 
 
+def checked_steps(step, names: list[str], quick: bool) -> dict[str, float]:
+    """Median seconds of ``step(name)`` per name, interleaved, after checking every name's
+    step gives the first one's result."""
+    first = step(names[0])
+    for name in names[1:]:
+        torch.testing.assert_close(step(name), first)
+    return interleaved({name: lambda n=name: step(n) for name in names},
+                       calls=2 if quick else 10, blocks=2 if quick else 5)
+
+
+def paged_decode_row(quick: bool) -> dict:
+    """The timing row of a decode step over a paged and a contiguous cache."""
+    from attnkit.nn import KVCache, PagedKVCache
+
+    count, longest, block, heads_kv = (4, 256, 16, 2) if quick else (8, 8192, 16, 2)
+    lengths = torch.linspace(longest // 16, longest, count).long()
+    gen = torch.Generator().manual_seed(1)
+    prompt_k, prompt_v = (torch.randn(count, heads_kv, longest, HEAD_DIM, generator=gen)
+                          for _ in range(2))
+    q = torch.randn(count, HEADS, 1, HEAD_DIM, generator=gen)
+    kv = torch.randn(count, heads_kv, 1, HEAD_DIM, generator=gen)
+    steps = 8 if quick else 64  # the most steps timing takes, warm-up included
+    caches = {"paged": PagedKVCache(count * (longest // block + steps + 2), block),
+              "contiguous": KVCache.empty(longest + steps)}
+    caches = {name: cache.append(prompt_k, prompt_v, lengths=lengths)
+              for name, cache in caches.items()}
+
+    def step(name: str) -> torch.Tensor:  # one new token per sequence, appended and attended
+        cache = caches[name] = caches[name].append(kv, kv)
+        if name == "paged":  # what MultiHeadAttention runs on each cache
+            return cache.attend(q)
+        return ak.attention(q, cache.keys, cache.values, cache.mask())
+
+    seconds = checked_steps(step, list(caches), quick)
+    return dict(case=f"paged decode step, {count} sequences {int(lengths[0])}..{longest} keys, "
+                     f"Hq{HEADS} Hkv{heads_kv} D{HEAD_DIM}, block {block}",
+                unit="ms/step", paged=seconds["paged"] * 1e3,
+                contiguous=seconds["contiguous"] * 1e3,
+                ratio=seconds["paged"] / seconds["contiguous"])
+
+
+def shared_prefix_row(quick: bool) -> dict:
+    """The timing row of a decode step over 16 forks of one prompt, shared and unshared."""
+    from attnkit.nn import PagedKVCache
+
+    count, prefix, block, heads_kv = (4, 256, 16, 2) if quick else (16, 4096, 16, 2)
+    gen = torch.Generator().manual_seed(2)
+    prompt = [torch.randn(1, heads_kv, prefix, HEAD_DIM, generator=gen) for _ in range(2)]
+    own = [torch.randn(count, heads_kv, 8, HEAD_DIM, generator=gen) for _ in range(2)]
+    q = torch.randn(count, HEADS, 1, HEAD_DIM, generator=gen)
+    kv = torch.randn(count, heads_kv, 1, HEAD_DIM, generator=gen)
+    steps = 8 if quick else 64
+    blocks = count * (prefix // block + (8 + steps) // block + 4)
+    shared = PagedKVCache(blocks, block).append(*prompt)
+    for _ in range(count - 1):
+        shared.fork(0)
+    unshared = PagedKVCache(blocks, block).append(*(t.expand(count, -1, -1, -1) for t in prompt))
+    caches = {"shared": shared.append(*own), "unshared": unshared.append(*own)}
+
+    def step(name: str) -> torch.Tensor:
+        return caches[name].append(kv, kv).attend(q)
+
+    seconds = checked_steps(step, list(caches), quick)
+    return dict(case=f"shared prefix decode step, {count} forks of a {prefix}-token prompt, "
+                     f"Hq{HEADS} Hkv{heads_kv} D{HEAD_DIM}, block {block}",
+                unit="ms/step", shared=seconds["shared"] * 1e3,
+                unshared=seconds["unshared"] * 1e3,
+                speedup=seconds["unshared"] / seconds["shared"])
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats: checks "
@@ -104,12 +180,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in rows:
         print(f"| {r['case']} | {r['unit']} | {r['varlen']:.1f} | {r['documents']:.1f} | "
               f"{r['sdpa padded']:.1f} | {r['vs_padded']:.2f}× | {r['vs_documents']:.2f}× |")
+    paged = paged_decode_row(args.quick)
+    print(f"\n| case | unit | PagedKVCache | KVCache | paged / contiguous |"
+          f"\n|---|---|---:|---:|---:|"
+          f"\n| {paged['case']} | {paged['unit']} | {paged['paged']:.1f} | "
+          f"{paged['contiguous']:.1f} | {paged['ratio']:.2f}× |")
+    prefix = shared_prefix_row(args.quick)
+    print(f"\n| case | unit | shared | unshared | unshared / shared |\n|---|---|---:|---:|---:|"
+          f"\n| {prefix['case']} | {prefix['unit']} | {prefix['shared']:.2f} | "
+          f"{prefix['unshared']:.2f} | {prefix['speedup']:.2f}× |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / ("serving_quick.json" if args.quick else "serving.json")).write_text(json.dumps(dict(
         date=datetime.datetime.now().isoformat(timespec="seconds"), machine=platform.platform(),
         processor=platform.processor(), torch=torch.__version__, threads=torch.get_num_threads(),
-        quick=args.quick, rows=rows), indent=1))
+        quick=args.quick, rows=rows, paged=paged, shared_prefix=prefix), indent=1))
     return 0
 
 

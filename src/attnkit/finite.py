@@ -135,8 +135,8 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
     :attr:`Guarded.seen`. A non-finite value row shows in the output rows that weigh it, so
     their LSE and every column become NaN too. Few operations: a small call's cost is their
     number."""
-    flag = _row_flags(out)  # [B, Hq, Tq, 1]: 0, or NaN
-    flag.add_(_row_flags(guarded.inputs.q))
+    flag = row_flags(out)  # [B, Hq, Tq, 1]: 0, or NaN
+    flag.add_(row_flags(guarded.inputs.q))
     if guarded.seen is not None:
         flag = _grouped_add(flag, guarded.seen)
     out = out + flag
@@ -163,7 +163,7 @@ def _zeros(x: torch.Tensor) -> torch.Tensor:
     return _zero_column(x.shape[-1], x.dtype, x.device)
 
 
-def _row_flags(x: torch.Tensor) -> torch.Tensor:
+def row_flags(x: torch.Tensor) -> torch.Tensor:
     """``x [..., D] @ 0`` → ``[..., 1]``: 0 per row, NaN where the row holds a NaN or ±inf;
     one matrix product on the rows laid out flat, in memory order (a ``[B, T, H, D]`` tensor
     seen as ``[B, H, T, D]`` too), where that needs no copy."""

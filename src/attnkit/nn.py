@@ -30,8 +30,9 @@ from .inputs import LazyText
 from .masks import (Mask, MaskSpace, as_mask, causal, padding, readable, real_keys,
                     vouched_padding)
 from .numerics import accum_dtype, masked_softmax
+from .paged import PagedKVCache
 
-__all__ = ["KVCache", "MultiHeadAttention", "AdditiveAttention"]
+__all__ = ["KVCache", "PagedKVCache", "MultiHeadAttention", "AdditiveAttention"]
 
 MaskLike = Union[Mask, torch.Tensor, None]
 
@@ -169,6 +170,32 @@ class KVCache:
         store.values.scatter_(2, slots.expand(-1, values.shape[1], -1, values.shape[3]), values)
         return self._extended(store, length, before + lengths, lengths,
                               None if padded else new)
+
+    def reorder(self, index) -> "KVCache":
+        """This cache with its batch rebuilt from existing rows (a copy): row i of the new
+        cache is row ``index[i]`` of this one (``[B']`` integers; a row may repeat, as a beam
+        search keeps its best hypotheses). Per-sequence lengths follow their rows."""
+        if self.keys is None:
+            raise ValueError("KVCache.reorder needs a cache holding tokens: append first")
+        index = torch.as_tensor(index, device=self.keys.device)
+        if index.dim() != 1 or index.dtype == torch.bool or index.is_floating_point():
+            raise TypeError(f"index must be integers [B'] (rows of this cache), got "
+                            f"{index.dtype} {tuple(index.shape)}")
+        batch = self.keys.shape[0]
+        if readable(index) and index.numel() and not (0 <= int(index.min())
+                                                      and int(index.max()) < batch):
+            raise ValueError(f"index {index.tolist()} names rows outside this cache's batch of "
+                             f"{batch}")
+        keys, values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        store = _Store(keys, values, max(self.length, self._store.capacity
+                                         if self._store is not None else 0))
+        store.keys[:, :, :self.length] = keys
+        store.values[:, :, :self.length] = values
+        store.generation = 1
+        pick = (lambda t: None if t is None else t.index_select(0, index))
+        return KVCache(store.keys[:, :, :self.length], store.values[:, :, :self.length],
+                       self.length, pick(self.lengths), pick(self.appended), self.capacity,
+                       store, store.generation, self._whole)
 
     def mask(self, is_causal: bool = True) -> Optional[Mask]:
         """The mask of the step whose queries are the positions the last :meth:`append` added,
@@ -355,7 +382,7 @@ class MultiHeadAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: Optional[torch.Tensor] = None,
                 value: Optional[torch.Tensor] = None, *, mask: MaskLike = None,
                 key_valid: Optional[torch.Tensor] = None, need_weights: bool = False,
-                cache: Optional[KVCache] = None, is_causal: bool = False,
+                cache: Union[KVCache, PagedKVCache, None] = None, is_causal: bool = False,
                 lengths: Optional[torch.Tensor] = None, key_padding_mask: None = None,
                 ) -> "MHAOutput":
         """Attend from ``query`` to ``key``/``value`` (both default to ``query``: self-attention).
@@ -380,6 +407,7 @@ class MultiHeadAttention(nn.Module):
                 pin ``backend=`` for patterns that must not depend on it.
             cache: a :class:`KVCache` (e.g. ``self.empty_cache()``); this call's projected
                 keys/values are appended to it and the queries attend over the whole cache.
+                Or a :class:`PagedKVCache`, appended to in place (the same object returns).
             is_causal: causal attention. Without a cache query i sees keys ``j <= i``
                 (top-left, as torch); with a cache the mask is bottom-right aligned
                 (``attnkit.causal(align="bottom_right")``): the new queries are the *last* Tq
@@ -414,20 +442,29 @@ class MultiHeadAttention(nn.Module):
 
         new_cache = None
         if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise TypeError(f"cache must be a KVCache (MultiHeadAttention.empty_cache()), "
-                                f"got {type(cache).__name__}")
+            if not isinstance(cache, (KVCache, PagedKVCache)):
+                raise TypeError(f"cache must be a KVCache (MultiHeadAttention.empty_cache()) or "
+                                f"a PagedKVCache, got {type(cache).__name__}")
             new_cache = cache.append(k, v, lengths)
-            k, v = new_cache.keys, new_cache.values  # [B, Hkv, T_cache + Tk, D]
+            if not isinstance(new_cache, PagedKVCache):  # a paged cache gathers only if asked
+                k, v = new_cache.keys, new_cache.values  # [B, Hkv, T_cache + Tk, D]
         elif lengths is not None:
             raise TypeError("lengths (real tokens per sequence of a chunk) needs a cache; without "
                             "one, pass the padding as key_valid")
 
-        full_mask = self._combine_masks(mask, key_valid, is_causal, cache=new_cache,
-                                        batch=batch, kv_len=k.shape[2])
-        result = attention(q, k, v, full_mask, dropout_p=self.dropout if self.training else 0.0,
-                           backend=self.backend, return_weights=need_weights)
-        heads_out, weights = (result.out, result.weights) if need_weights else (result, None)
+        dropout = self.dropout if self.training else 0.0
+        if (isinstance(new_cache, PagedKVCache) and mask is None and key_valid is None
+                and not need_weights and not dropout):
+            heads_out, weights = new_cache.attend(q, is_causal=is_causal,
+                                                  backend=self.backend), None
+        else:
+            if isinstance(new_cache, PagedKVCache):
+                k, v = new_cache.keys, new_cache.values  # gathered [B, Hkv, T, D]
+            full_mask = self._combine_masks(mask, key_valid, is_causal, cache=new_cache,
+                                            batch=batch, kv_len=k.shape[2])
+            result = attention(q, k, v, full_mask, dropout_p=dropout, backend=self.backend,
+                               return_weights=need_weights)
+            heads_out, weights = (result.out, result.weights) if need_weights else (result, None)
         out = self.out_proj(heads_out.transpose(1, 2).flatten(-2))  # [B, Tq, E]
         if unbatched:
             out = out[0]  # [Tq, E]
@@ -460,8 +497,8 @@ class MultiHeadAttention(nn.Module):
         return query.dim() == 2
 
     def _combine_masks(self, mask: MaskLike, key_valid: Optional[torch.Tensor],
-                       is_causal: bool, *, cache: Optional[KVCache], batch: int,
-                       kv_len: int) -> Optional[Mask]:
+                       is_causal: bool, *, cache: Union[KVCache, PagedKVCache, None],
+                       batch: int, kv_len: int) -> Optional[Mask]:
         """``mask & causal & key padding`` as one attnkit mask over ``[B, H, Tq, Tk]``; with a
         cache, causal and the cache's per-sequence lengths come from :meth:`KVCache.mask`."""
         parts = []

@@ -1,0 +1,563 @@
+"""Paged KV caches: keys and values in a pool of fixed-size blocks, each sequence reading its
+own blocks through a block table (the layout of vLLM and ``flash_attn_with_kvcache``).
+
+- :func:`paged_attention`: attention of ``q [B, Hq, Tq, D]`` over pools ``[num_blocks,
+  block_size, Hkv, D]`` read through ``block_table [B, max_blocks]`` up to ``seqlens [B]``.
+- :class:`PagedKVCache`: the pool with its tables kept on the host (append, fork, free,
+  reorder), for :class:`attnkit.nn.MultiHeadAttention` or by hand.
+
+On CPU the keys and values of a call are gathered from the pool into one ``[B, Hkv, T, D]``
+tensor (zeros past each sequence's length) and attended like a contiguous cache: any mask
+and score modifier applies. Sharing blocks between sequences (forks, beam search, a common
+prompt) costs no pool memory; each sequence's gathered keys are its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .api import AttentionResult, MaskLike, attention
+from .finite import row_flags
+from .masks import Mask, as_mask, causal, sliding_window, vouched_padding
+from .modifiers import split
+from .numerics import accum_dtype
+
+
+# ---- reading a pool through block tables ------------------------------------------------------
+def gather(key_pool: torch.Tensor, value_pool: torch.Tensor, block_table: torch.Tensor,
+           seqlens: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``length`` positions of every sequence's keys and values, read through its
+    blocks: ``(keys, values)`` ``[B, Hkv, length, D]`` (views of new tensors), zeros past
+    ``seqlens[b]`` (so nothing a sequence does not own is ever attended, whatever the pool
+    holds there). ``block_table [B, ≥ ceil(length / block_size)]`` long, ``seqlens [B]``
+    long, on the pools' device; no value is read on the host."""
+    block_size = key_pool.shape[1]
+    positions = torch.arange(length, device=key_pool.device)  # [T]
+    valid = positions[None, :] < seqlens[:, None]  # [B, T]
+    blocks = block_table[:, positions // block_size].where(valid, 0)  # [B, T]
+    slots = blocks * block_size + positions % block_size
+    out = []
+    for pool in (key_pool, value_pool):
+        rows = pool.reshape(-1, *pool.shape[2:])[slots]  # [B, T, Hkv, D]: a copy
+        out.append(rows.masked_fill_(~valid[:, :, None, None], 0).transpose(1, 2))
+    return out[0], out[1]
+
+
+def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                    block_table, seqlens, *, mask: MaskLike = None,
+                    scale: Optional[float] = None, backend: str = "auto",
+                    return_lse: bool = False) -> Union[torch.Tensor, AttentionResult]:
+    """Attention of ``q [B, Hq, Tq, Dk]`` over paged keys and values.
+
+    ``key_pool [num_blocks, block_size, Hkv, Dk]``, ``value_pool [num_blocks, block_size,
+    Hkv, Dv]``; ``block_table [B, max_blocks]`` (integers): sequence b's position p lies in
+    block ``block_table[b, p // block_size]`` at offset ``p % block_size``; ``seqlens [B]``:
+    sequence b's number of keys (at most ``max_blocks · block_size``). Entries past a
+    sequence's blocks are not read. Returns ``out [B, Hq, Tq, Dv]``, or an
+    :class:`~attnkit.AttentionResult` with ``lse [B, Hq, Tq]`` when ``return_lse``.
+
+    ``mask`` applies per sequence over its own keys: ``causal(align)`` and
+    ``sliding_window(...)`` are aligned to each sequence (bottom-right: its last query sees
+    its last key, as ``flash_attn_with_kvcache``'s ``causal``), and the score modifiers join
+    by ``&`` (ALiBi and relative biases with one query per sequence, where no alignment
+    matters). The table and lengths are read once on the host to check them (block ids in
+    range, no block twice in one sequence, lengths within the blocks).
+
+    A decoding step (one query per sequence, CPU, no autograd, no mask but a bottom-right
+    band) reads the pool in place, one fused-kernel call per run of consecutive blocks, a run
+    shared by several sequences read once for all of them (:func:`decode_by_runs`); any
+    other call gathers each sequence's keys and values first.
+    """
+    if not all(isinstance(t, torch.Tensor) for t in (q, key_pool, value_pool)):
+        raise TypeError("paged_attention takes q, key_pool and value_pool as torch.Tensors")
+    table, lengths = _checked_tables(q, key_pool, value_pool, block_table, seqlens)
+    given = as_mask(mask)
+    spans = decode_spans(q, key_pool, value_pool, given, lengths, backend)
+    if spans is not None:
+        out, lse = decode_by_runs(q, key_pool, value_pool, table, spans,
+                                  q.shape[-1] ** -0.5 if scale is None else scale)
+        return decode_result(q, out, lse, return_lse)
+    length = max(lengths) if lengths else 0
+    block_table = torch.as_tensor(table, dtype=torch.long, device=q.device).reshape(len(table), -1)
+    seqlens_t = torch.as_tensor(lengths, dtype=torch.long, device=q.device)
+    keys, values = gather(key_pool, value_pool, block_table, seqlens_t, length)
+    per_sequence = sequence_mask(given, vouched_padding(None, seqlens_t), q.shape[-2])
+    return attention(q, keys, values, per_sequence, scale=scale, backend=backend,
+                     return_lse=return_lse)
+
+
+def _checked_tables(q, key_pool, value_pool, block_table, seqlens) -> tuple[list, list]:
+    """``(table, lengths)`` as host lists after checking them against the pools (one read of
+    each); ``ValueError``/``TypeError`` naming the offending sequence."""
+    where = (f"q {tuple(q.shape)}, key_pool {tuple(key_pool.shape)}, value_pool "
+             f"{tuple(value_pool.shape)}")
+    if q.dim() != 4 or key_pool.dim() != 4 or value_pool.dim() != 4:
+        raise ValueError(f"paged_attention takes q [B, Hq, Tq, D] and pools [num_blocks, "
+                         f"block_size, Hkv, D], got {where}")
+    if key_pool.shape[:3] != value_pool.shape[:3]:
+        raise ValueError(f"key_pool and value_pool must share num_blocks, block_size and Hkv, "
+                         f"got {where}")
+    if key_pool.dtype != q.dtype or value_pool.dtype != q.dtype or key_pool.device != q.device:
+        raise TypeError(f"q and the pools must share one dtype and device, got q {q.dtype} "
+                        f"{q.device}, key_pool {key_pool.dtype} {key_pool.device}, value_pool "
+                        f"{value_pool.dtype}")
+    num_blocks, block_size = key_pool.shape[:2]
+    table = _integers("block_table", block_table, 2)
+    lengths = _integers("seqlens", seqlens, 1)
+    batch = q.shape[0]
+    if len(table) != batch or len(lengths) != batch:
+        raise ValueError(f"block_table [B, max_blocks] and seqlens [B] must have one row per "
+                         f"sequence of q (B = {batch}), got {len(table)} and {len(lengths)}")
+    for seq, (row, count) in enumerate(zip(table, lengths)):
+        needed = -(-count // block_size)
+        if count < 0 or needed > len(row):
+            raise ValueError(f"seqlens[{seq}] = {count} but sequence {seq} has {len(row)} blocks "
+                             f"of {block_size} positions: at most {len(row) * block_size}")
+        live = row[:needed]
+        bad = [b for b in live if not 0 <= b < num_blocks]
+        if bad:
+            raise ValueError(f"block_table[{seq}] names block {bad[0]}, outside the pool of "
+                             f"{num_blocks} blocks")
+        if len(set(live)) != len(live):
+            twice = next(b for b in live if live.count(b) > 1)
+            raise ValueError(f"block_table[{seq}] holds block {twice} twice among its "
+                             f"{needed} live blocks: each position needs its own slot")
+    return table, lengths
+
+
+def _integers(name: str, value, dims: int) -> list:
+    """``value`` (a tensor or nested lists of integers, ``dims`` dims) as host lists."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+            raise TypeError(f"{name} must be integers, got {value.dtype}")
+        if value.dim() != dims:
+            raise ValueError(f"{name} must have {dims} dims, got shape {tuple(value.shape)}")
+        return value.tolist()
+    try:
+        as_tensor = torch.tensor(value, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be integers ({dims}-D), got {type(value).__name__}") from None
+    return _integers(name, as_tensor, dims)
+
+
+def sequence_mask(mask: Optional[Mask], sequences: Mask, q_len: int) -> Mask:
+    """``mask`` applied per sequence over ``sequences`` (a padding of each sequence's keys):
+    bands aligned to each sequence's own keys, score modifiers joined; the key padding
+    itself when ``mask`` is ``None``."""
+    rest, modifiers = split(mask)
+    band = None if rest is None else rest.band()
+    if rest is not None and band is None:
+        raise ValueError(f"a paged call applies its mask per sequence and takes causal(...), "
+                         f"sliding_window(...) and score modifiers; got {rest!r}")
+    if band is None:
+        base = sequences
+    elif band.left is None and band.right == 0:
+        base = causal(band.align, sequences=sequences)
+    else:
+        base = sliding_window(band.left, band.right, band.align, sequences=sequences)
+    if modifiers is None:
+        return base
+    if modifiers.functions:
+        raise ValueError("a paged call does not take score_function: it would see the "
+                         "gathered row's positions, not each sequence's")
+    if (modifiers.alibi or modifiers.relative) and q_len != 1:
+        raise ValueError(f"a paged call applies alibi or relative_bias with one query per "
+                         f"sequence only (got {q_len}): with more, their alignment differs "
+                         f"per sequence; attend a contiguous cache for this")
+    return functools.reduce(lambda a, b: a & b, modifiers.parts(), base)
+
+
+# ---- decoding by runs of blocks ----------------------------------------------------------
+def decode_spans(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                 mask: Optional[Mask], lengths: Sequence[int],
+                 backend: str) -> Optional[list[tuple[int, int]]]:
+    """The keys ``(first, stop)`` each sequence's one query sees, when :func:`decode_by_runs`
+    can run the call: a decoding step (one query per sequence) on CPU without autograd,
+    ``backend="auto"``, equal key and value head dims (the fused kernel's), and no mask but
+    a bottom-right causal band (all keys, or a window's last ones); ``None`` otherwise (the
+    gathered path runs it)."""
+    if (backend != "auto" or q.device.type != "cpu" or q.dim() != 4 or q.shape[2] != 1
+            or q.dtype != key_pool.dtype or q.shape[-1] != key_pool.shape[-1]
+            or value_pool.shape[-1] != q.shape[-1]
+            or q.shape[1] % key_pool.shape[2] or q.shape[0] != len(lengths)
+            or (torch.is_grad_enabled() and q.requires_grad)):
+        return None
+    left = None
+    if mask is not None:
+        band = None if mask.modifies else mask.band()
+        if band is None or band.align != "bottom_right" or band.right is None or band.right < 0:
+            return None
+        left = band.left
+    return [(0 if left is None else max(0, n - 1 - left), n) for n in lengths]
+
+
+def decode_result(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, return_lse: bool,
+                  ) -> Union[torch.Tensor, AttentionResult]:
+    """:func:`decode_by_runs`'s result as :func:`attnkit.attention` returns it, with every
+    row whose query or output holds a non-finite value NaN (the fused kernel returns a row of
+    NaN scores as 0: :mod:`attnkit.finite`)."""
+    flag = row_flags(out) + row_flags(q)  # [B, Hq, 1, 1]
+    out = out + flag
+    if not return_lse:
+        return out
+    return AttentionResult(out, lse + flag[..., 0].to(lse.dtype), None)
+
+
+def runs_of_blocks(table: Sequence[int], first: int, stop: int,
+                   block_size: int) -> list[tuple[int, int]]:
+    """The slots of logical positions ``[first, stop)`` of a sequence with blocks ``table``,
+    as maximal runs of consecutive pool slots ``[(slot_start, slot_stop), ...]`` (pool rows
+    ``[num_blocks · block_size]``), in order."""
+    runs: list[list[int]] = []
+    position = first
+    while position < stop:
+        block, offset = divmod(position, block_size)
+        count = min(block_size - offset, stop - position)
+        start = table[block] * block_size + offset
+        if runs and runs[-1][1] == start:
+            runs[-1][1] += count
+        else:
+            runs.append([start, start + count])
+        position += count
+    return [(a, b) for a, b in runs]
+
+
+def decode_by_runs(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                   tables: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per sequence over its keys ``spans[b] = (first, stop)`` (logical positions)
+    read in place from the pool: ``q [B, Hq, 1, Dk]`` → ``(out [B, Hq, 1, Dv], lse [B, Hq, 1])``
+    (LSE in the accumulation dtype; output 0 and LSE −inf for an empty span).
+
+    Each maximal run of consecutive pool slots is one fused-kernel call on a view of the pool
+    (no copy); a run several sequences hold (a shared prompt, beam search) is read once, by
+    one call whose query rows are all of theirs; the pieces merge by their log-sum-exp. CPU,
+    no autograd: :meth:`PagedKVCache.attend` chooses it."""
+    batch, heads_q = q.shape[:2]
+    heads_kv = key_pool.shape[2]
+    group = heads_q // heads_kv
+    rows_of = q.reshape(batch, heads_kv, group, q.shape[-1])  # [B, Hkv, G, Dk]: a query's heads
+    holders: dict[tuple[int, int], list[int]] = {}
+    for b, (table, (first, stop)) in enumerate(zip(tables, spans)):
+        for run in runs_of_blocks(table, first, stop, key_pool.shape[1]):
+            holders.setdefault(run, []).append(b)
+    keys = key_pool.reshape(-1, heads_kv, key_pool.shape[-1])  # [slots, Hkv, Dk]
+    values = value_pool.reshape(-1, heads_kv, value_pool.shape[-1])
+    outs, lses, targets = [], [], []
+    for (start, stop), seqs in holders.items():
+        index = torch.tensor(seqs, device=q.device)
+        rows = rows_of[index].permute(1, 0, 2, 3).reshape(1, heads_kv, -1, q.shape[-1])
+        k_run = keys[start:stop].permute(1, 0, 2)[None]  # [1, Hkv, L, Dk]: a view
+        v_run = values[start:stop].permute(1, 0, 2)[None]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            rows, k_run, v_run, 0.0, False, scale=scale)[:2]
+        outs.append(out[0].unflatten(1, (len(seqs), group)).transpose(0, 1))  # [n, Hkv, G, Dv]
+        lses.append(lse[0].unflatten(1, (len(seqs), group)).transpose(0, 1))  # [n, Hkv, G]
+        targets.append(index)
+    dv = value_pool.shape[-1]
+    if not outs:
+        return (q.new_zeros(batch, heads_q, 1, dv), torch.full(
+            (batch, heads_q, 1), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device))
+    acc = accum_dtype(q.dtype)
+    out, lse, target = torch.cat(outs).to(acc), torch.cat(lses).to(acc), torch.cat(targets)
+    top = torch.full((batch, heads_kv, group), float("-inf"), dtype=acc, device=q.device)
+    top = top.scatter_reduce(0, target[:, None, None].expand_as(lse), lse, "amax")  # [B, Hkv, G]
+    weight = torch.exp(lse - top[target])  # [pieces, Hkv, G]
+    total = torch.zeros_like(top).index_add(0, target, weight)
+    merged = torch.zeros(batch, heads_kv, group, dv, dtype=acc, device=q.device)
+    merged = merged.index_add(0, target, out * weight[..., None])
+    empty = total == 0  # no key at all
+    merged = (merged / total.masked_fill(empty, 1.0)[..., None]).to(q.dtype)
+    lse_all = (top + torch.log(total)).masked_fill(empty, float("-inf"))
+    return merged.reshape(batch, heads_q, 1, dv), lse_all.reshape(batch, heads_q, 1)
+
+
+# ---- the cache ---------------------------------------------------------------------------------
+class PagedKVCache:
+    """Keys and values of a batch of sequences in a pool of ``num_blocks`` blocks of
+    ``block_size`` positions each, with a block table per sequence (kept on the host).
+
+    Sequences are the batch rows, in order. The first :meth:`append` sizes the pools
+    (``[num_blocks, block_size, Hkv, D]``, zeros) and makes one sequence per row; :meth:`add`
+    starts new empty sequences (a request joining a running batch), :meth:`fork` a sequence
+    sharing another's blocks (copy-on-write: the shared last block is copied when either
+    writes to it), :meth:`free` ends sequences and returns their blocks, and
+    :meth:`reorder` rebuilds the batch from existing rows (beam search). Mutable: each
+    method changes this cache in place; a refused call (a full pool, bad lengths) changes
+    nothing.
+
+    What a layer attends over after an append: :attr:`keys` and :attr:`values`, every
+    sequence's gathered ``[B, Hkv, T, D]`` (T the longest sequence, zeros past each one's
+    length), and :meth:`mask`, as :class:`~attnkit.nn.KVCache` gives them, so
+    :class:`~attnkit.nn.MultiHeadAttention` takes either cache.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PagedKVCache {name} must be a positive int, got {value!r}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.key_pool: Optional[torch.Tensor] = None
+        self.value_pool: Optional[torch.Tensor] = None
+        self.tables: list[list[int]] = []
+        """Per sequence, its blocks in order (host lists)."""
+        self.lengths: list[int] = []
+        """Per sequence, its number of tokens."""
+        self.appended: list[int] = []
+        """Per sequence, the tokens the last :meth:`append` added."""
+        self._holders = [0] * num_blocks  # sequences holding each block
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 first
+        self._width = 0  # the positions per row of the last append's chunk
+        self._device_state: Optional[tuple] = None  # block table, lengths, appended, K, V
+
+    # ---- the batch ----------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return len(self.tables)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def add(self, count: int = 1) -> list[int]:
+        """Start ``count`` empty sequences at the end of the batch; their rows."""
+        first = self.batch
+        self.tables += [[] for _ in range(count)]
+        self.lengths += [0] * count
+        self.appended += [0] * count
+        self._device_state = None
+        return list(range(first, first + count))
+
+    def fork(self, row: int) -> int:
+        """A new sequence at the end of the batch holding sequence ``row``'s tokens, sharing
+        its blocks (no copy until one of them writes to a shared block); its row."""
+        self._check_rows([row])
+        for block in self.tables[row]:
+            self._holders[block] += 1
+        self.tables.append(list(self.tables[row]))
+        self.lengths.append(self.lengths[row])
+        self.appended.append(0)
+        self._device_state = None
+        return self.batch - 1
+
+    def free(self, rows: Sequence[int]) -> None:
+        """End the sequences at ``rows``: their blocks return to the pool (a block shared with
+        a sequence that lives on stays); the other rows keep their order."""
+        rows = sorted(set(self._check_rows(rows)))
+        for row in rows:
+            self._release(self.tables[row])
+        keep = [r for r in range(self.batch) if r not in set(rows)]
+        self._take_rows(keep)
+
+    def reorder(self, index) -> None:
+        """The batch rebuilt from existing rows: row i becomes old row ``index[i]`` (a row may
+        appear several times: its copies share blocks; rows not named are freed), as a
+        beam search keeps its best hypotheses."""
+        index = self._check_rows(_integers("index", index, 1))
+        for row in index:
+            for block in self.tables[row]:
+                self._holders[block] += 1
+        old_tables = self.tables
+        for table in old_tables:
+            self._release(table)
+        self._take_rows(index)
+
+    def _take_rows(self, rows: list[int]) -> None:
+        self.tables = [list(self.tables[r]) for r in rows]
+        self.lengths = [self.lengths[r] for r in rows]
+        self.appended = [self.appended[r] for r in rows]
+        self._device_state = None
+
+    def _release(self, table: list[int]) -> None:
+        for block in table:
+            self._holders[block] -= 1
+            if self._holders[block] == 0:
+                self._free.append(block)
+
+    def _check_rows(self, rows) -> list[int]:
+        rows = list(rows)
+        bad = [r for r in rows if not (isinstance(r, int) and 0 <= r < self.batch)]
+        if bad:
+            raise ValueError(f"row {bad[0]!r} is not a sequence of this cache (rows 0.."
+                             f"{self.batch - 1})")
+        return rows
+
+    # ---- writing -----------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor,
+               lengths=None) -> "PagedKVCache":
+        """Write ``keys [B, Hkv, t, D]`` / ``values [B, Hkv, t, Dv]`` after each sequence's
+        tokens, in place (B = :attr:`batch`, or any B for a cache without sequences yet).
+        ``lengths [B]`` (integers in ``[0, t]``): only the first ``lengths[b]`` of row b's t
+        positions are real (a ragged chunk: prompts joining, or rows with nothing new).
+        Returns this cache. Raises ``ValueError`` when the pool lacks the blocks, changing
+        nothing."""
+        self._check_step(keys, values)
+        batch, new = keys.shape[0], keys.shape[2]
+        if not self.tables:
+            self.add(batch)
+        if batch != self.batch:
+            raise ValueError(f"keys/values hold {batch} sequences but the cache has "
+                             f"{self.batch}: one row per sequence, in order")
+        counts = [new] * batch if lengths is None else _integers("lengths", lengths, 1)
+        if len(counts) != batch or any(not 0 <= c <= new for c in counts):
+            raise ValueError(f"lengths must be [B] = [{batch}] integers in [0, {new}], got "
+                             f"{counts}")
+        plan, copies = self._plan(counts)
+        if self.key_pool is None:
+            shape = (self.num_blocks, self.block_size, keys.shape[1])
+            self.key_pool = keys.new_zeros(*shape, keys.shape[3])
+            self.value_pool = values.new_zeros(*shape, values.shape[3])
+        for source, target in copies:  # copy-on-write of shared last blocks
+            self.key_pool[target] = self.key_pool[source]
+            self.value_pool[target] = self.value_pool[source]
+        slots, rows, offsets = [], [], []
+        for row, (table, start, count) in enumerate(zip(plan, self.lengths, counts)):
+            for p in range(start, start + count):
+                slots.append(table[p // self.block_size] * self.block_size + p % self.block_size)
+                rows.append(row)
+                offsets.append(p - start)
+        if slots:
+            device = keys.device
+            at = (torch.tensor(rows, device=device), torch.tensor(offsets, device=device))
+            slot = torch.tensor(slots, device=device)
+            for pool, new_rows in ((self.key_pool, keys), (self.value_pool, values)):
+                pool.view(-1, *pool.shape[2:])[slot] = new_rows.transpose(1, 2)[at]
+        self.tables = plan
+        self.lengths = [a + b for a, b in zip(self.lengths, counts)]
+        self.appended, self._width = counts, new
+        self._device_state = None
+        return self
+
+    def _plan(self, counts: list[int]) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        """The tables after writing ``counts`` tokens per sequence, and the block copies
+        (``(source, target)``) copy-on-write needs, taking blocks from the free list; holder
+        counts are updated only when the pool has room (else ``ValueError``, nothing
+        changed)."""
+        free = list(self._free)
+        holders = list(self._holders)
+        tables, copies = [], []
+        for seq, (table, length, count) in enumerate(zip(self.tables, self.lengths, counts)):
+            table = list(table)
+            if count and length % self.block_size and holders[table[-1]] > 1:
+                if not free:
+                    raise self._full(counts)
+                fresh = free.pop()
+                holders[table[-1]] -= 1
+                holders[fresh] = 1
+                copies.append((table[-1], fresh))
+                table[-1] = fresh
+            while len(table) * self.block_size < length + count:
+                if not free:
+                    raise self._full(counts)
+                fresh = free.pop()
+                holders[fresh] = 1
+                table.append(fresh)
+            tables.append(table)
+        self._free, self._holders = free, holders
+        return tables, copies
+
+    def _full(self, counts) -> ValueError:
+        return ValueError(f"PagedKVCache is full: appending {counts} tokens needs more than "
+                          f"its {len(self._free)} free blocks of {self.block_size} (pool of "
+                          f"{self.num_blocks}); free finished sequences or make a larger pool")
+
+    def _check_step(self, keys, values) -> None:
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            raise TypeError("PagedKVCache.append takes keys and values as torch.Tensors "
+                            "[B, Hkv, t, D]")
+        where = (f"keys {tuple(keys.shape)} {keys.dtype}, values {tuple(values.shape)} "
+                 f"{values.dtype}")
+        if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
+            raise ValueError(f"PagedKVCache.append takes keys and values [B, Hkv, t, D] with "
+                             f"matching B, Hkv and t, got {where}")
+        if keys.dtype != values.dtype or not keys.is_floating_point():
+            raise TypeError(f"keys and values must share one floating-point dtype, got {where}")
+        if self.key_pool is not None and (
+                self.key_pool.shape[2:] != keys.shape[1:2] + keys.shape[3:]
+                or self.value_pool.shape[3] != values.shape[3]
+                or self.key_pool.dtype != keys.dtype or self.key_pool.device != keys.device):
+            raise ValueError(f"new {where} on {keys.device} do not fit the pools (key_pool "
+                             f"{tuple(self.key_pool.shape)} {self.key_pool.dtype} on "
+                             f"{self.key_pool.device}): Hkv, head dims, dtype and device must "
+                             f"match")
+
+    # ---- reading -----------------------------------------------------------------------------
+    def block_table(self) -> torch.Tensor:
+        """The block tables as long ``[B, max_blocks]`` on the pools' device (rows padded with
+        block 0 past their blocks)."""
+        return self._state()[0]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """Every sequence's keys gathered from the pool ``[B, Hkv, T, D]`` (T the longest
+        sequence; zeros past each one's length), once per change of the cache."""
+        return self._state()[3]
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Every sequence's values gathered ``[B, Hkv, T, Dv]``, as :attr:`keys`."""
+        return self._state()[4]
+
+    def _state(self) -> tuple:
+        """(block table, lengths, appended, keys, values) on the pools' device, made once per
+        change of the cache."""
+        if self._device_state is None:
+            if self.key_pool is None:
+                raise ValueError("PagedKVCache holds no tokens yet: append first")
+            device = self.key_pool.device
+            width = max(1, max(len(t) for t in self.tables)) if self.tables else 1
+            table = torch.tensor([t + [0] * (width - len(t)) for t in self.tables],
+                                 dtype=torch.long, device=device).reshape(self.batch, width)
+            lengths = torch.tensor(self.lengths, dtype=torch.long, device=device)
+            appended = torch.tensor(self.appended, dtype=torch.long, device=device)
+            keys, values = gather(self.key_pool, self.value_pool, table, lengths,
+                                  max(self.lengths, default=0))
+            self._device_state = (table, lengths, appended, keys, values)
+        return self._device_state
+
+    def mask(self, is_causal: bool = True) -> Mask:
+        """The mask of the last :meth:`append`'s queries over :attr:`keys`: each sequence's
+        real new queries see its own keys, causally with ``is_causal`` (bottom-right: they
+        are its last positions); a row's padded queries (past its appended count) see
+        nothing."""
+        real = self._sequences()
+        return causal("bottom_right", sequences=real) if is_causal else real
+
+    def _sequences(self) -> Mask:
+        """Each sequence's real new queries and keys, as a (vouched) padding mask."""
+        _, lengths, appended, _, _ = self._state()
+        if all(a == self._width for a in self.appended):
+            return vouched_padding(None, lengths)  # every query real
+        return vouched_padding(appended, lengths)
+
+    def attend(self, q: torch.Tensor, mask: MaskLike = None, *, is_causal: bool = True,
+               scale: Optional[float] = None, backend: str = "auto",
+               return_lse: bool = False) -> Union[torch.Tensor, AttentionResult]:
+        """Attention of the last :meth:`append`'s queries ``q [B, Hq, t, Dk]`` over each
+        sequence's keys: ``attnkit.attention(q, self.keys, self.values, self.mask(is_causal)
+        & mask, ...)`` with ``mask`` (a band, score modifiers) applied per sequence, aligned
+        to its own keys (:func:`sequence_mask`). A decoding step (one new token per
+        sequence; ``mask`` ``None`` or a bottom-right band; CPU, no autograd) reads the pool
+        in place by runs of blocks, a run several sequences share (forks: a common prompt,
+        beam search) once for all of them (:func:`decode_by_runs`), and gathers nothing."""
+        given = as_mask(mask)
+        if all(a == 1 for a in self.appended) and self._width == 1 and self.key_pool is not None:
+            band = given if given is not None or not is_causal else causal("bottom_right")
+            spans = decode_spans(q, self.key_pool, self.value_pool, band, self.lengths,
+                                 backend)
+            if spans is not None:
+                out, lse = decode_by_runs(q, self.key_pool, self.value_pool, self.tables, spans,
+                                          q.shape[-1] ** -0.5 if scale is None else scale)
+                return decode_result(q, out, lse, return_lse)
+        step = self.mask(is_causal)
+        if given is not None:
+            step = step & sequence_mask(given, self._sequences(), q.shape[-2])
+        return attention(q, self.keys, self.values, step, scale=scale, backend=backend,
+                         return_lse=return_lse)
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"sequences={self.batch}, lengths={self.lengths}, free_blocks={self.free_blocks})")

@@ -1,0 +1,304 @@
+"""Paged KV caches: ``ak.paged.paged_attention`` and ``attnkit.nn.PagedKVCache`` against
+contiguous caches and the float64 truth; forks, beam-search reorders, frees, a full pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.masks import MaskSpace
+from attnkit.nn import KVCache, MultiHeadAttention, PagedKVCache
+from attnkit.paged import paged_attention
+from conftest import naive_attention
+
+F64 = torch.float64
+NAN = float("nan")
+
+
+def _pools(lengths, block_size, heads_kv=2, dk=8, dv=6, spare=3, seed=0):
+    """Random sequences written to a NaN-filled pool in shuffled blocks: ``(key_pool,
+    value_pool, table, keys, values)`` with ``keys[b] [Hkv, lengths[b], D]`` the truth."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(needed) + spare
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    key_pool = torch.full((num_blocks, block_size, heads_kv, dk), NAN, dtype=F64)
+    value_pool = torch.full((num_blocks, block_size, heads_kv, dv), NAN, dtype=F64)
+    width = max(needed) + 1
+    table = torch.full((len(lengths), width), num_blocks + 7)  # garbage past the live blocks
+    keys, values = [], []
+    for b, n in enumerate(lengths):
+        blocks, order = order[:needed[b]], order[needed[b]:]
+        table[b, :needed[b]] = torch.tensor(blocks, dtype=torch.long)
+        k = torch.randn(heads_kv, n, dk, generator=gen, dtype=F64)
+        v = torch.randn(heads_kv, n, dv, generator=gen, dtype=F64)
+        for p in range(n):
+            key_pool[blocks[p // block_size], p % block_size] = k[:, p]
+            value_pool[blocks[p // block_size], p % block_size] = v[:, p]
+        keys.append(k)
+        values.append(v)
+    return key_pool, value_pool, table, keys, values
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "softcap", "alibi"])
+def test_paged_attention_equals_each_sequence_alone(block_size, mask):
+    lengths = [5, 1, 17, 0]
+    tq = 1 if mask == "alibi" else 2
+    key_pool, value_pool, table, keys, values = _pools(lengths, block_size)
+    q = torch.randn(len(lengths), 4, tq, 8, dtype=F64, generator=torch.Generator().manual_seed(1))
+    made = {"none": None, "causal": ak.causal("bottom_right"),
+            "window": ak.sliding_window(3, align="bottom_right"),
+            "softcap": ak.causal("bottom_right") & ak.softcap(2.0),
+            "alibi": ak.alibi(torch.linspace(0.1, 0.5, 4, dtype=F64))}[mask]
+    got = paged_attention(q, key_pool, value_pool, table, torch.tensor(lengths), mask=made,
+                          return_lse=True)
+    for b, n in enumerate(lengths):
+        if n == 0:  # no key: output 0, LSE −inf
+            assert (got.out[b] == 0).all() and torch.isneginf(got.lse[b]).all()
+            continue
+        want = ak.attention(q[b:b + 1], keys[b][None], values[b][None], made,
+                            backend="reference", return_lse=True)
+        torch.testing.assert_close(got.out[b:b + 1], want.out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got.lse[b:b + 1], want.lse, rtol=1e-12, atol=1e-12)
+
+
+def test_paged_attention_gradients_reach_q():
+    key_pool, value_pool, table, keys, values = _pools([4, 9], 4)
+    q = torch.randn(2, 4, 3, 8, dtype=F64, requires_grad=True)
+    out = paged_attention(q, key_pool, value_pool, table, [4, 9], mask=ak.causal("bottom_right"))
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    for b, n in enumerate([4, 9]):
+        qb = q[b:b + 1].detach().requires_grad_()
+        allowed = ak.causal("bottom_right").to_dense(MaskSpace(1, 4, 3, n))
+        want = naive_attention(qb, keys[b][None].repeat_interleave(2, 1),
+                               values[b][None].repeat_interleave(2, 1), allowed)[0]
+        torch.testing.assert_close(grad[b:b + 1], torch.autograd.grad(want.sum(), qb)[0])
+
+
+@pytest.mark.parametrize("table, seqlens, words", [
+    ([[0, 1], [2, 99]], [8, 8], "block 99, outside the pool"),
+    ([[0, 1], [2, 2]], [8, 8], "block 2 twice"),
+    ([[0, 1], [2, 3]], [8, 9], "seqlens[1] = 9"),
+    ([[0, 1]], [8, 8], "one row per sequence"),
+])
+def test_paged_attention_refuses_bad_tables_by_sequence(table, seqlens, words):
+    pool = torch.zeros(4, 4, 2, 8)
+    q = torch.zeros(2, 2, 1, 8)
+    with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        paged_attention(q, pool, pool, table, seqlens)
+
+
+def test_paged_attention_refuses_mixed_dtypes():
+    pool = torch.zeros(4, 4, 2, 8)
+    with pytest.raises(TypeError, match="one dtype"):
+        paged_attention(torch.zeros(1, 2, 1, 8, dtype=F64), pool, pool, [[0]], [3])
+
+
+# ---- the cache -----------------------------------------------------------------------------------
+def _model():
+    torch.manual_seed(0)
+    return MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_ragged_decoding_equals_the_contiguous_cache(block_size):
+    mha, lengths = _model(), torch.tensor([3, 7, 1, 5])
+    prompt = torch.randn(4, 7, 32)
+    with torch.no_grad():
+        a = mha(prompt, cache=KVCache.empty(), is_causal=True, lengths=lengths)
+        p = mha(prompt, cache=PagedKVCache(64, block_size), is_causal=True, lengths=lengths)
+        real = torch.arange(7)[None] < lengths[:, None]
+        torch.testing.assert_close(p.out[real], a.out[real])
+        contiguous, paged = a.cache, p.cache
+        for step in range(5):
+            x = torch.randn(4, 1 + step % 2, 32)  # one token, then two, ...
+            a, p = mha(x, cache=contiguous, is_causal=True), mha(x, cache=paged, is_causal=True)
+            torch.testing.assert_close(p.out, a.out)
+            contiguous, paged = a.cache, p.cache
+        assert paged.lengths == contiguous.lengths.tolist()
+
+
+def _appended(cache: PagedKVCache, gen, steps=3, heads_kv=2, dim=8):
+    """``steps`` random tokens appended to every sequence; the keys written ``[B, Hkv, s, D]``."""
+    new = torch.randn(cache.batch, heads_kv, steps, dim, generator=gen, dtype=F64)
+    cache.append(new, -new)
+    return new
+
+
+def test_a_fork_shares_blocks_and_copies_on_write():
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(8, 4)
+    cache.add(1)
+    first = _appended(cache, gen, steps=6)  # 6 tokens: a full block and half of one
+    free = cache.free_blocks
+    twin = cache.fork(0)
+    assert twin == 1 and cache.free_blocks == free  # shared, nothing copied
+    mine = _appended(cache, gen, steps=1)  # both write into the shared half block: copied
+    assert cache.tables[0][0] == cache.tables[1][0]  # the full block stays shared
+    assert cache.tables[0][1] != cache.tables[1][1]
+    for row in (0, 1):
+        torch.testing.assert_close(cache.keys[row], torch.cat([first[0], mine[row]], dim=1))
+        torch.testing.assert_close(cache.values[row], -torch.cat([first[0], mine[row]], dim=1))
+
+
+def test_reorder_keeps_hypotheses_as_a_beam_search_does():
+    gen = torch.Generator().manual_seed(1)
+    paged = PagedKVCache(20, 2)
+    contiguous = KVCache.empty()
+    for _ in range(2):
+        new = torch.randn(3, 2, 3, 8, generator=gen, dtype=F64)
+        paged.append(new, new * 2)
+        contiguous = contiguous.append(new, new * 2)
+    for index in ([2, 2, 0], [1, 0, 0]):
+        paged.reorder(index)
+        contiguous = contiguous.reorder(torch.tensor(index))
+        new = torch.randn(3, 2, 1, 8, generator=gen, dtype=F64)
+        paged.append(new, new * 2)
+        contiguous = contiguous.append(new, new * 2)
+        torch.testing.assert_close(paged.keys, contiguous.keys)
+        torch.testing.assert_close(paged.values, contiguous.values)
+    held = {b for table in paged.tables for b in table}
+    assert paged.free_blocks == paged.num_blocks - len(held)  # nothing leaked
+
+
+def test_free_returns_blocks_and_new_requests_reuse_them():
+    gen = torch.Generator().manual_seed(2)
+    cache = PagedKVCache(6, 4)
+    cache.add(2)
+    _appended(cache, gen, steps=8)  # two sequences of 2 blocks
+    assert cache.free_blocks == 2
+    cache.free([0])
+    assert cache.batch == 1 and cache.free_blocks == 4
+    cache.add(1)
+    new = torch.randn(2, 2, 8, 8, generator=gen, dtype=F64)
+    cache.append(new, new, lengths=[0, 8])  # the old row waits, the new one prefills
+    assert cache.lengths == [8, 8] and cache.free_blocks == 2
+    torch.testing.assert_close(cache.keys[1], new[1])
+
+
+def test_a_full_pool_refuses_and_changes_nothing():
+    gen = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(3, 2)
+    cache.add(2)
+    _appended(cache, gen, steps=2)
+    before = (cache.tables, cache.lengths, cache.free_blocks, cache.key_pool.clone())
+    with pytest.raises(ValueError, match="full"):
+        _appended(cache, gen, steps=2)  # needs 2 blocks, 1 free
+    assert (cache.tables, cache.lengths, cache.free_blocks) == before[:3]
+    assert torch.equal(cache.key_pool.nan_to_num(), before[3].nan_to_num())
+
+
+def test_bad_rows_and_lengths_are_refused():
+    cache = PagedKVCache(4, 2)
+    cache.append(torch.zeros(2, 1, 1, 4), torch.zeros(2, 1, 1, 4))
+    with pytest.raises(ValueError, match="row 5"):
+        cache.fork(5)
+    with pytest.raises(ValueError, match="lengths"):
+        cache.append(torch.zeros(2, 1, 1, 4), torch.zeros(2, 1, 1, 4), lengths=[2, 0])
+    with pytest.raises(ValueError, match="3 sequences but the cache has 2"):
+        cache.append(torch.zeros(3, 1, 1, 4), torch.zeros(3, 1, 1, 4))
+    with pytest.raises(ValueError, match="fit the pools"):
+        cache.append(torch.zeros(2, 1, 1, 5), torch.zeros(2, 1, 1, 5))
+    with pytest.raises(ValueError, match="positive int"):
+        PagedKVCache(0, 4)
+
+
+def test_contiguous_cache_reorder_follows_rows():
+    cache = KVCache.empty().append(torch.arange(3.0)[:, None, None, None].expand(3, 1, 2, 1),
+                                   torch.zeros(3, 1, 2, 1), lengths=torch.tensor([1, 2, 2]))
+    again = cache.reorder([2, 0])
+    assert again.keys[:, 0, 0, 0].tolist() == [2.0, 0.0]
+    assert again.lengths.tolist() == [2, 1]
+    with pytest.raises(ValueError, match="outside"):
+        cache.reorder([3])
+
+
+# ---- decoding by runs of blocks (the pool read in place) ---------------------------------
+def _forked_cache(dtype=torch.float32, block_size=4, prompt=11, seed=4):
+    """Two prompts, each forked twice and reordered once, then decoded a few steps: runs of
+    blocks shared by several sequences, copied-on-write last blocks, scattered new blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(64, block_size)
+    first = torch.randn(2, 2, prompt, 8, generator=gen, dtype=dtype)
+    cache.append(first, first.flip(-1), lengths=[prompt, prompt - 5])
+    cache.fork(0), cache.fork(1), cache.fork(0)
+    cache.reorder([0, 2, 4, 1, 3, 3])
+    for _ in range(3):
+        new = torch.randn(cache.batch, 2, 1, 8, generator=gen, dtype=dtype)
+        cache.append(new, new * 3)
+    return cache, gen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("mask", [None, "window"])
+def test_a_decode_step_by_runs_equals_the_gathered_call(dtype, mask):
+    cache, gen = _forked_cache(dtype)
+    new = torch.randn(cache.batch, 2, 1, 8, generator=gen, dtype=dtype)
+    cache.append(new, -new)
+    q = torch.randn(cache.batch, 4, 1, 8, generator=gen, dtype=dtype)
+    made = None if mask is None else ak.sliding_window(5, align="bottom_right")
+    got = cache.attend(q, made, return_lse=True)
+    per_sequence = ak.sliding_window(5, align="bottom_right",
+                                     sequences=ak.padding(kv_lengths=cache.lengths))
+    step = cache.mask() if made is None else cache.mask() & per_sequence
+    want = ak.attention(q, cache.keys, cache.values, step, backend="reference", return_lse=True)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == F64 else {}
+    torch.testing.assert_close(got.out, want.out, **tol)
+    torch.testing.assert_close(got.lse, want.lse.to(got.lse.dtype), **tol)
+    gathered = cache.attend(q, made, backend="reference")  # the gathered path, mask per sequence
+    torch.testing.assert_close(gathered, want.out, **tol)
+
+
+def test_decoding_by_runs_reads_a_shared_run_once():
+    """A run of blocks held by several sequences (a forked prompt) is one kernel call."""
+    from attnkit import paged
+
+    cache, gen = _forked_cache(block_size=4, prompt=16)
+    calls = []
+    real = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[2])  # query rows of the call
+        return real(q, *args, **kwargs)
+
+    q = torch.randn(cache.batch, 4, 1, 8, generator=gen)
+    runs = {run for table, n in zip(cache.tables, cache.lengths)
+            for run in paged.runs_of_blocks(table, 0, n, cache.block_size)}
+    try:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu = counting
+        cache.attend(q)
+    finally:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu = real
+    assert len(calls) == len(runs) < sum(len(paged.runs_of_blocks(t, 0, n, 4))
+                                         for t, n in zip(cache.tables, cache.lengths))
+    assert max(calls) > 2  # a shared run: the query rows of several sequences at once
+
+
+def test_decoding_by_runs_keeps_the_non_finite_rules():
+    """NaN in one query makes its row NaN (the fused kernel alone would give 0); NaN in pool
+    slots no sequence owns reaches nothing."""
+    cache, gen = _forked_cache()
+    cache.key_pool[-1] = NAN  # a free block
+    cache.value_pool[-1] = NAN
+    new = torch.randn(cache.batch, 2, 1, 8, generator=gen)
+    cache.append(new, new)
+    q = torch.randn(cache.batch, 4, 1, 8, generator=gen)
+    q[2, 1] = NAN
+    out = cache.attend(q)
+    assert torch.isnan(out[2, 1]).all()
+    rest = torch.ones(out.shape[:2], dtype=torch.bool)
+    rest[2, 1] = False
+    assert torch.isfinite(out[rest]).all()
+
+
+def test_paged_attention_decodes_by_runs_as_it_gathers():
+    key_pool, value_pool, table, _, _ = _pools([5, 12, 9], 4)
+    key_pool, value_pool = key_pool.float(), value_pool.float()
+    q = torch.randn(3, 4, 1, 8)
+    for mask in (None, ak.causal("bottom_right"), ak.sliding_window(4, align="bottom_right")):
+        by_runs = paged_attention(q, key_pool, value_pool, table, [5, 12, 9], mask=mask)
+        gathered = paged_attention(q, key_pool, value_pool, table, [5, 12, 9], mask=mask,
+                                   backend="reference")
+        torch.testing.assert_close(by_runs, gathered)
