@@ -1,5 +1,6 @@
-"""The documentation and the tests themselves: the examples in docs/INTEGRATIONS.md run, what a
-user reads names no internal document, and no test asserts on wall-clock time."""
+"""The documentation and the tests themselves: the examples in docs/INTEGRATIONS.md and
+docs/SERVING.md run, what a user reads names no internal document, and no test asserts on
+wall-clock time."""
 
 from __future__ import annotations
 
@@ -17,6 +18,18 @@ def test_integration_examples_run():
     namespace: dict = {}
     for number, block in enumerate(blocks):
         exec(compile(block, f"{DOC.name} block {number}", "exec"), namespace)  # noqa: S102
+
+
+def test_serving_examples_run():
+    """docs/SERVING.md: packed sequences, and a continuous-batching loop over paged caches
+    whose tokens equal each request decoded alone (the example asserts it)."""
+    text = (REPO / "docs" / "SERVING.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 2
+    namespace: dict = {}
+    for number, block in enumerate(blocks):
+        exec(compile(block, f"SERVING.md block {number}", "exec"), namespace)  # noqa: S102
+    assert namespace["batched"] and all(namespace["batched"])
 
 
 INTERNAL = re.compile(r"seed (document|doc\b|\d{3}|is wrong|printed)|seeds/|issue \d|the issue's"
