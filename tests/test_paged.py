@@ -302,3 +302,49 @@ def test_paged_attention_decodes_by_runs_as_it_gathers():
         gathered = paged_attention(q, key_pool, value_pool, table, [5, 12, 9], mask=mask,
                                    backend="reference")
         torch.testing.assert_close(by_runs, gathered)
+
+
+# ---- a contiguous cache with a sliding window --------------------------------------------------
+@pytest.mark.parametrize("window", [1, 4, 7])
+def test_a_windowed_cache_equals_a_full_cache_under_the_window(window):
+    """KVCache(window=w) keeps what a sliding window of w keys needs: every step (a prompt
+    chunk, then one token, then chunks of three) equals the full cache under
+    ``sliding_window(w - 1, align="bottom_right")``, with ALiBi at true distances too."""
+    gen = torch.Generator().manual_seed(5)
+    slopes = torch.linspace(0.2, 0.9, 4, dtype=F64)
+    windowed, full = KVCache.empty(window=window), KVCache.empty()
+    for step, width in enumerate([10, 1, 1, 3, 1, 3, 1, 1, 1, 1, 2]):
+        new = torch.randn(2, 2, width, 8, generator=gen, dtype=F64)
+        windowed, full = windowed.append(new, new.flip(-1)), full.append(new, new.flip(-1))
+        q = torch.randn(2, 4, width, 8, generator=gen, dtype=F64)
+        band = ak.sliding_window(window - 1, align="bottom_right")
+        for extra in (None, ak.alibi(slopes, align="bottom_right")):
+            got_mask = windowed.mask() if extra is None else windowed.mask() & extra
+            want_mask = band if extra is None else band & extra
+            torch.testing.assert_close(ak.attention(q, windowed.keys, windowed.values, got_mask),
+                                       ak.attention(q, full.keys, full.values, want_mask),
+                                       msg=f"step {step}")
+        assert windowed.length <= window - 1 + width
+        assert windowed.offset + windowed.length == full.length
+        assert windowed._store.capacity <= max(2 * window, window - 1 + 10)
+
+
+def test_a_windowed_cache_branches_without_touching_its_sibling():
+    gen = torch.Generator().manual_seed(6)
+    cache = KVCache.empty(window=3)
+    for _ in range(5):
+        new = torch.randn(1, 1, 1, 4, generator=gen)
+        cache = cache.append(new, new)
+    a = cache.append(torch.ones(1, 1, 1, 4), torch.ones(1, 1, 1, 4))
+    kept = a.keys.clone()
+    for _ in range(8):  # the older cache grows again: the buffer is copied, a is untouched
+        cache = cache.append(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))
+    torch.testing.assert_close(a.keys, kept)
+
+
+def test_a_windowed_cache_refuses_per_sequence_lengths():
+    cache = KVCache.empty(window=4)
+    with pytest.raises(ValueError, match="window"):
+        cache.append(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), lengths=[1, 3])
+    with pytest.raises(ValueError, match="window"):
+        KVCache.empty(window=0)

@@ -168,10 +168,14 @@ def row_flags(x: torch.Tensor) -> torch.Tensor:
     one matrix product on the rows laid out flat, in memory order (a ``[B, T, H, D]`` tensor
     seen as ``[B, H, T, D]`` too), where that needs no copy."""
     x = _plain(x)
+    if x.is_contiguous() or not x.numel():  # the matmul folds the rows itself
+        return x @ _zeros(x)
+    if _flat_rows(x):
+        return (x.view(-1, x.shape[-1]) @ _zeros(x)).view(*x.shape[:-1], 1)
     lead = x.dim() - 1
     order = sorted(range(lead), key=lambda d: -x.stride(d))  # leading dims, outermost first
     stored = x.permute(*order, lead)
-    if not x.numel() or not _flat_rows(stored):
+    if not _flat_rows(stored):
         return x @ _zeros(x)
     flags = (stored.reshape(-1, x.shape[-1]) @ _zeros(x)).view(*stored.shape[:-1], 1)
     return flags.permute(*sorted(range(lead), key=order.__getitem__), lead)

@@ -28,7 +28,7 @@ from torch import nn
 from .api import attention
 from .inputs import LazyText
 from .masks import (Mask, MaskSpace, as_mask, causal, padding, readable, real_keys,
-                    vouched_padding)
+                    sliding_window, vouched_padding)
 from .numerics import accum_dtype, masked_softmax
 from .paged import PagedKVCache
 
@@ -100,6 +100,14 @@ class KVCache:
     speculative decoding) copies it first, so no cache's real positions ever change. With
     per-sequence ``lengths``, a sequence's positions past ``lengths[b]`` are padding, which
     :meth:`mask` excludes; a later append of the chain may write there.
+
+    ``window`` (Mistral-style sliding-window attention, ``KVCache.empty(window=w)``): each
+    append first drops all but the last ``w − 1`` keys, so a query sees at most ``w`` keys, its
+    own included; :meth:`mask` is then ``sliding_window(w − 1, align="bottom_right")`` and
+    ``offset`` counts the tokens dropped (the absolute position of ``keys[..., 0, :]``). The
+    kept keys sit in a buffer of about ``2w`` positions, moved to its start about once per
+    ``w`` steps. Positions stay bottom-right aligned, so causal masks and ALiBi see each key
+    at its true distance. Not with per-sequence ``lengths``.
     """
 
     keys: Optional[torch.Tensor] = None
@@ -108,11 +116,15 @@ class KVCache:
     lengths: Optional[torch.Tensor] = None
     appended: Optional[torch.Tensor] = None
     capacity: Optional[int] = None
+    window: Optional[int] = None
+    offset: int = 0
     _store: Optional[_Store] = field(default=None, repr=False, compare=False)
     _generation: int = field(default=0, repr=False, compare=False)
     _whole: Optional[int] = field(default=None, repr=False, compare=False)
     """The positions the last :meth:`append` added to every sequence, when it took no
     ``lengths`` (all real: known without reading ``appended``); else ``None``."""
+    _start: int = field(default=0, repr=False, compare=False)
+    """Where ``keys`` begin in the store (past the keys a window dropped)."""
 
     def __post_init__(self):
         if (self.keys is None) != (self.values is None):
@@ -126,12 +138,15 @@ class KVCache:
             raise ValueError(f"KVCache length={self.length} but the keys hold {stored} positions")
         if self.capacity is not None:
             _check_positive_int("capacity", self.capacity)
+        if self.window is not None:
+            _check_positive_int("window", self.window)
 
     @classmethod
-    def empty(cls, capacity: Optional[int] = None) -> "KVCache":
+    def empty(cls, capacity: Optional[int] = None, window: Optional[int] = None) -> "KVCache":
         """A cache with no tokens yet (its dtype, device and batch come from the first step);
-        ``capacity``: positions to allocate at the first step (default: grow as needed)."""
-        return cls(capacity=capacity)
+        ``capacity``: positions to allocate at the first step (default: grow as needed);
+        ``window``: keep only what a sliding window of ``window`` keys needs (see above)."""
+        return cls(capacity=capacity, window=window)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor,
                lengths: Optional[torch.Tensor] = None) -> "KVCache":
@@ -144,10 +159,17 @@ class KVCache:
         self._check_step(keys, values)
         batch, new = keys.shape[0], keys.shape[2]
         if lengths is None and self.lengths is None:
-            store = self._room(keys, values, self.length + new)
-            store.keys[:, :, self.length:self.length + new] = keys
-            store.values[:, :, self.length:self.length + new] = values
-            return self._extended(store, self.length + new, None, None)
+            # a window keeps the last w - 1 keys: each new query then sees its w
+            keep = self.length if self.window is None else min(self.length, self.window - 1)
+            store, start = self._room(keys, values, keep, keep + new)
+            store.keys[:, :, start + keep:start + keep + new] = keys
+            store.values[:, :, start + keep:start + keep + new] = values
+            return self._extended(store, keep + new, None, None, start=start,
+                                  offset=self.offset + self.length - keep)
+        if self.window is not None:
+            raise ValueError(f"KVCache(window={self.window}) keeps every sequence's last keys "
+                             f"alike: per-sequence lengths are not supported with a window; "
+                             f"decode equal-length sequences, or use a cache without window")
         store = self._store
         padded = lengths is not None  # else every new position is real
         seen = _checked(lengths, new) if padded else None
@@ -157,7 +179,7 @@ class KVCache:
                   else torch.full((batch,), self.length, dtype=torch.long, device=keys.device))
         # T grows by the chunk's width: a bound on every sequence's length read from no value
         length = self.length + new
-        store = self._room(keys, values, length)
+        store, _ = self._room(keys, values, self.length, length)
         store.checked = _checked(lengths, new)
         if padded:  # zeros in a chunk's padding (past its new length: no cache of the chain reads it)
             offset = torch.arange(new, device=keys.device)
@@ -195,7 +217,8 @@ class KVCache:
         pick = (lambda t: None if t is None else t.index_select(0, index))
         return KVCache(store.keys[:, :, :self.length], store.values[:, :, :self.length],
                        self.length, pick(self.lengths), pick(self.appended), self.capacity,
-                       store, store.generation, self._whole)
+                       self.window, self.offset, _store=store, _generation=store.generation,
+                       _whole=self._whole)
 
     def mask(self, is_causal: bool = True) -> Optional[Mask]:
         """The mask of the step whose queries are the positions the last :meth:`append` added,
@@ -203,6 +226,8 @@ class KVCache:
         with them each sequence's real queries see its own real keys, causally with
         ``is_causal`` (its padded queries see nothing: their output is 0)."""
         if self.lengths is None:
+            if self.window is not None and is_causal:  # each query sees its last w keys
+                return sliding_window(self.window - 1, 0, "bottom_right")
             return causal("bottom_right") if is_causal else None
         if self._whole is not None and (self._whole == 1 or not is_causal):
             # every query real; one new query per sequence sees all its keys: key padding only
@@ -210,25 +235,34 @@ class KVCache:
         real = vouched_padding(self.appended, self.lengths)
         return causal("bottom_right", sequences=real) if is_causal else real
 
-    def _room(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> _Store:
-        """A store with room for ``needed`` positions holding this cache's: this one's, when
-        this is the latest cache of its chain and it has room; else a new one (geometric growth,
-        or ``capacity``) with this cache copied in."""
+    def _room(self, keys: torch.Tensor, values: torch.Tensor, keep: int,
+              needed: int) -> tuple[_Store, int]:
+        """``(store, start)``: a store holding this cache's last ``keep`` positions from
+        ``start`` on, with room for ``needed`` positions from there: this one's, when this is
+        the latest cache of its chain and it has room; else a new one (geometric growth, about
+        ``2 · window`` with a window, or ``capacity``) with them copied to its start."""
         store = self._store
-        if store is not None and store.generation == self._generation and store.capacity >= needed:
-            return store
-        capacity = max(needed, self.capacity or 0, 2 * (store.capacity if store is not None else 0))
+        start = self._start + self.length - keep
+        if (store is not None and store.generation == self._generation
+                and store.capacity >= start + needed):
+            return store, start
+        grown = 2 * (store.capacity if store is not None else 0)
+        capacity = max(needed, self.capacity or 0,
+                       grown if self.window is None else 2 * self.window)
         fresh = _Store(keys, values, capacity)
-        if self.length:
-            fresh.keys[:, :, :self.length] = self.keys
-            fresh.values[:, :, :self.length] = self.values
-        return fresh
+        if keep:
+            fresh.keys[:, :, :keep] = self.keys[:, :, self.length - keep:]
+            fresh.values[:, :, :keep] = self.values[:, :, self.length - keep:]
+        return fresh, 0
 
     def _extended(self, store: _Store, length: int, lengths: Optional[torch.Tensor],
-                  appended: Optional[torch.Tensor], whole: Optional[int] = None) -> "KVCache":
+                  appended: Optional[torch.Tensor], whole: Optional[int] = None, *,
+                  start: int = 0, offset: int = 0) -> "KVCache":
         store.generation += 1  # the new cache is the latest of the chain
-        return KVCache(store.keys[:, :, :length], store.values[:, :, :length], length, lengths,
-                       appended, self.capacity, store, store.generation, whole)
+        return KVCache(store.keys[:, :, start:start + length],
+                       store.values[:, :, start:start + length], length, lengths, appended,
+                       self.capacity, self.window, offset, _store=store,
+                       _generation=store.generation, _whole=whole, _start=start)
 
     def _check_step(self, keys, values) -> None:
         """Raise unless ``keys``/``values`` are one step ``[B, Hkv, t, D]`` that continues
