@@ -8,9 +8,12 @@ import math
 
 import pytest
 import torch
+from conftest import (assert_within_2x, dense_band, import_triton_interpreted,
+                      interpreted_triton_launch, naive_attention, plain_attention)
 
-import attnkit as ak
-from conftest import assert_within_2x, dense_band, naive_attention, plain_attention
+import_triton_interpreted()  # before attnkit: the triton cases run interpreted on CPU
+
+import attnkit as ak  # noqa: E402
 
 F32, F64 = torch.float32, torch.float64
 
@@ -73,12 +76,16 @@ CASES = {  # (query lengths, key lengths): equal segments, and queries shorter t
 }
 
 
-@pytest.mark.parametrize("dtype", [F32, F64], ids=["f32", "f64"])
-@pytest.mark.parametrize("backend", ["auto", "tiled", "reference"])
+@pytest.mark.parametrize("backend, dtype", [
+    (backend, dtype) for backend in ("auto", "tiled", "reference", "triton")
+    for dtype in (F32, F64) if backend != "triton" or dtype == F32], ids=str)
 @pytest.mark.parametrize("case, kind", [(case, kind) for case in CASES for kind in MASKS
                                         # windows need equal segments (refused, tested below)
                                         if case == "self" or not kind.startswith("window")])
-def test_each_sequence_gets_what_it_gets_alone(case, kind, backend, dtype):
+def test_each_sequence_gets_what_it_gets_alone(case, kind, backend, dtype, monkeypatch):
+    if backend == "triton":
+        interpreted_triton_launch()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     lengths_q, lengths_k = CASES[case]
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, dtype=dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
