@@ -348,3 +348,22 @@ def test_a_windowed_cache_refuses_per_sequence_lengths():
         cache.append(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), lengths=[1, 3])
     with pytest.raises(ValueError, match="window"):
         KVCache.empty(window=0)
+
+
+def test_a_cache_over_filled_pools_decodes_as_flash_attn_with_kvcache_does():
+    """Pools and tables filled elsewhere (flash_attn_with_kvcache's layout): append the new
+    token of each sequence at its length, attend with bottom-right causal, as a gathered
+    call over the same keys; the blocks no sequence names are free."""
+    lengths = [5, 12, 9]
+    key_pool, value_pool, table, keys, values = _pools(lengths, 4, dv=8, spare=4)
+    cache = PagedKVCache.from_tables(key_pool.float(), value_pool.float(), table, lengths)
+    assert cache.free_blocks == 4 and cache.lengths == lengths
+    new = torch.randn(3, 2, 1, 8)
+    cache.append(new, new)
+    q = torch.randn(3, 4, 1, 8)
+    got = cache.attend(q, ak.causal("bottom_right"))
+    for b, n in enumerate(lengths):
+        k = torch.cat([keys[b].float(), new[b]], dim=1)[None]
+        v = torch.cat([values[b].float(), new[b]], dim=1)[None]
+        torch.testing.assert_close(got[b:b + 1], ak.attention(q[b:b + 1], k, v))
+    assert ak.paged_attention is paged_attention

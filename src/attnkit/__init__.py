@@ -10,12 +10,13 @@ from .api import AttentionResult, attention, available_backends, explain_dispatc
 from .dispatch import use_backend
 from .masks import bias, causal, dense, documents, from_function, padding, sliding_window
 from .modifiers import alibi, relative_bias, score_function, sinks, softcap, t5_buckets
+from .paged import paged_attention
 from .varlen import varlen_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "varlen_attention", "AttentionResult", "available_backends",
+    "attention", "varlen_attention", "paged_attention", "AttentionResult", "available_backends",
     "explain_dispatch", "use_backend",
     "masks", "modifiers", "nn", "causal", "sliding_window",
     "padding", "documents", "dense", "bias", "from_function",

@@ -313,6 +313,29 @@ class PagedKVCache:
         self._width = 0  # the positions per row of the last append's chunk
         self._device_state: Optional[tuple] = None  # block table, lengths, appended, K, V
 
+    @classmethod
+    def from_tables(cls, key_pool: torch.Tensor, value_pool: torch.Tensor, block_tables,
+                    lengths) -> "PagedKVCache":
+        """A cache over pools someone else filled (``[num_blocks, block_size, Hkv, D]``, as
+        ``flash_attn_with_kvcache`` takes them): sequence b holds ``lengths[b]`` tokens in the
+        blocks ``block_tables[b]`` (``[B, max_blocks]`` integers; entries past a sequence's
+        blocks are ignored). A block several sequences name is shared (copied when one of them
+        writes to it); blocks no sequence names are free. The pools are used in place."""
+        if not isinstance(key_pool, torch.Tensor) or not isinstance(value_pool, torch.Tensor):
+            raise TypeError("PagedKVCache.from_tables takes key_pool and value_pool as "
+                            "torch.Tensors [num_blocks, block_size, Hkv, D]")
+        probe = key_pool.new_empty(len(_integers("lengths", lengths, 1)), 1, 1, key_pool.shape[-1])
+        table, counts = _checked_tables(probe, key_pool, value_pool, block_tables, lengths)
+        cache = cls(key_pool.shape[0], key_pool.shape[1])
+        cache.key_pool, cache.value_pool = key_pool, value_pool
+        cache.tables = [row[:-(-n // cache.block_size)] for row, n in zip(table, counts)]
+        cache.lengths, cache.appended = list(counts), [0] * len(counts)
+        for row in cache.tables:
+            for block in row:
+                cache._holders[block] += 1
+        cache._free = [b for b in range(cache.num_blocks - 1, -1, -1) if not cache._holders[b]]
+        return cache
+
     # ---- the batch ----------------------------------------------------------------------------
     @property
     def batch(self) -> int:
