@@ -334,6 +334,14 @@ def _random_masks(rng: random.Random, gen: torch.Generator, batch: int, tq: int,
                   ("documents&causal", ak.documents(ids_2d) & ak.causal(), False)]
     masks += [("documents_cross", ak.documents(ids, kv_ids), shared_tq_tk),
               ("documents|window", ak.documents(ids, kv_ids) | ak.sliding_window(left), False)]
+    # a band inside each document (sorted ids: each document one run on each side)
+    cross = sorted_ids(tk, 3, gen)
+    for align in ("top_left", "bottom_right"):
+        masks += [(f"causal_documents_{align}", ak.documents(ids, cross, causal=align), True),
+                  (f"window_documents_{align}", ak.sliding_window(
+                      left, right, align, sequences=ak.documents(ids, cross)), True),
+                  (f"left_window_documents_{align}", ak.sliding_window(
+                      ak.masks.UNBOUNDED, right, align, sequences=ak.documents(ids, cross)), True)]
     return masks
 
 
@@ -690,3 +698,27 @@ def test_decode_step_under_bottom_right_causal_runs_unmasked(gen):
     mask = ak.causal("bottom_right")
     assert ak.explain_dispatch(q, k, v, mask).backend == ak.explain_dispatch(q, k, v).backend == "torch"
     torch.testing.assert_close(ak.attention(q, k, v, mask), ak.attention(q, k, v, backend="reference"))
+
+
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("left, right", [(2, 0), (0, 1), (3, 2), (None, 1), (1, None)])
+def test_a_band_per_document_is_the_band_on_each_documents_own_positions(align, left, right):
+    """``sliding_window(left, right, align, sequences=documents(q_ids, kv_ids))``: inside each
+    document, the band on that document's own query and key segments (written out here
+    segment by segment); nothing across documents."""
+    q_ids = torch.tensor([0, 0, 0, 1, 2, 2, 2, 2])
+    kv_ids = torch.tensor([0, 0, 0, 0, 0, 2, 2, 3, 3])  # document 1 has no keys, 3 no queries
+    unbounded = ak.masks.UNBOUNDED
+    mask = ak.sliding_window(unbounded if left is None else left,
+                             unbounded if right is None else right, align,
+                             sequences=ak.documents(q_ids, kv_ids))
+    want = torch.zeros(len(q_ids), len(kv_ids), dtype=torch.bool)
+    for doc in range(4):
+        qs, ks = (q_ids == doc).nonzero().flatten(), (kv_ids == doc).nonzero().flatten()
+        if len(qs) and len(ks):
+            want[qs[0]:qs[-1] + 1, ks[0]:ks[-1] + 1] = dense_band(len(qs), len(ks), left, right,
+                                                                  align)
+    got = mask.to_dense(space(batch=1, heads=1, q_len=len(q_ids), kv_len=len(kv_ids)))[0, 0]
+    assert torch.equal(got, want), f"{mask!r}\n{got.int()}\n{want.int()}"
+    if left is None and right == 0:
+        assert repr(mask).startswith("documents(")

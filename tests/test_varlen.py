@@ -41,11 +41,14 @@ def _band(kind: str, tq: int, tk: int) -> torch.Tensor:
         return dense_band(tq, tk, 3, 0)
     if kind == "window_both":
         return dense_band(tq, tk, 2, 1)
+    if kind == "window_br":
+        return dense_band(tq, tk, 3, 0, "bottom_right")
     raise ValueError(kind)
 
 
 MASKS = {"none": None, "causal": ak.causal(), "causal_br": ak.causal("bottom_right"),
-         "window": ak.sliding_window(3), "window_both": ak.sliding_window(2, 1)}
+         "window": ak.sliding_window(3), "window_both": ak.sliding_window(2, 1),
+         "window_br": ak.sliding_window(3, align="bottom_right")}
 
 
 def _per_sequence(q, k, v, cu_q, cu_k, kind, dtype):
@@ -79,9 +82,7 @@ CASES = {  # (query lengths, key lengths): equal segments, and queries shorter t
 @pytest.mark.parametrize("backend, dtype", [
     (backend, dtype) for backend in ("auto", "tiled", "reference", "triton")
     for dtype in (F32, F64) if backend != "triton" or dtype == F32], ids=str)
-@pytest.mark.parametrize("case, kind", [(case, kind) for case in CASES for kind in MASKS
-                                        # windows need equal segments (refused, tested below)
-                                        if case == "self" or not kind.startswith("window")])
+@pytest.mark.parametrize("case, kind", [(case, kind) for case in CASES for kind in MASKS])
 def test_each_sequence_gets_what_it_gets_alone(case, kind, backend, dtype, monkeypatch):
     if backend == "triton":
         interpreted_triton_launch()
@@ -184,7 +185,7 @@ def test_cu_seqlens_as_lists_and_defaults():
     (lambda q, k, v: ak.varlen_attention(q, k, v, [0, 2, 5], mask=ak.padding(kv_lengths=[2])),
      ValueError, "inside each sequence"),
     (lambda q, k, v: ak.varlen_attention(q, k, v, [0, 2, 5], [0, 2, 5], seqused_k=[2, 2],
-                                         mask=ak.sliding_window(1)), ValueError,
+                                         mask=ak.alibi(torch.ones(4))), ValueError,
      "same positions"),
     (lambda q, k, v: ak.varlen_attention(q, k, v, [0, 2, 5], mask=ak.causal() & ak.score_function(
         lambda s, b, h, i, j: s)), ValueError, "score_function"),

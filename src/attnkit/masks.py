@@ -483,6 +483,10 @@ def causal(align: str = "top_left", *, sequences: Optional[Mask] = None) -> Mask
         ███░░   ░░██░
         ████░   ░░███
         █████   ░░░░░
+
+    ``sequences`` may also be a :func:`documents` mask (packed sequences in one row): the
+    diagonal is then anchored in each document's own query and key segments,
+    ``documents(q_ids, kv_ids, causal=align)``.
     """
     band = _Band(left=None, right=0, align=align)
     return band if sequences is None else _per_sequence(band, sequences, "causal")
@@ -502,7 +506,9 @@ def sliding_window(left: int, right: int = 0, align: str = "top_left", *,
 
     ``sequences``: a :func:`padding` mask; ``i`` and ``j`` then count from each batch element's
     own real runs (``align`` as in :func:`causal`: top-left from their starts, bottom-right
-    with the last real query on the last real key), and the result includes that padding.
+    with the last real query on the last real key), and the result includes that padding. Or
+    a :func:`documents` mask: ``i`` and ``j`` count inside each document's query and key
+    segments (packed sequences of different lengths, each with its own window).
     """
     for name, value in (("left", left), ("right", right)):
         if not isinstance(value, int) or isinstance(value, bool):
@@ -1160,14 +1166,26 @@ class _Intervals(Mask):
             form(self._query_runs(_positions(0, space.kv_len, space.device), space), space.q_len)))
 
 
+def band_per_sequence(band: Band, sequences: Mask) -> Mask:
+    """The band ``band`` (:meth:`Mask.band`'s answer) aligned to each sequence of
+    ``sequences``: a :func:`padding` (each batch element's real runs) or :func:`documents`
+    (packed sequences in one row), as ``causal(..., sequences=)`` and
+    ``sliding_window(..., sequences=)`` build it; the result includes ``sequences``."""
+    return _per_sequence(_Band(band.left, band.right, band.align), sequences, "band")
+
+
 def _per_sequence(band: _Band, sequences, name: str) -> Mask:
-    """``band`` aligned to the real runs of the padding mask ``sequences`` (see :func:`causal`)."""
+    """``band`` aligned to the real runs of the padding mask ``sequences``, or inside each
+    document of the ``documents`` mask ``sequences`` (see :func:`causal`)."""
+    if isinstance(sequences, _Documents):
+        return _CausalDocuments(sequences, band.align, band.left, band.right)
     if not isinstance(sequences, _Padding):
         hint = (": pass the padding object itself, not a combination of masks"
                 if isinstance(sequences, _Combined) else "")
         raise TypeError(f"{name}(sequences=...) takes a padding mask, ak.padding(q_lengths=..., "
                         f"kv_lengths=..., q_starts=..., kv_starts=...) or ak.padding(q_mask=..., "
-                        f"kv_mask=...), whose runs give each batch element's real tokens; got "
+                        f"kv_mask=...), whose runs give each batch element's real tokens, or "
+                        f"ak.documents(q_ids, kv_ids) for packed sequences; got "
                         f"{sequences!r}{hint}")
     return _SequenceBand(band.left, band.right, band.align, sequences)
 
@@ -1496,8 +1514,11 @@ def _id_runs(ids: torch.Tensor, name: str, row: Optional[int], align: str,
 
 
 def _document_runs(q_ids: torch.Tensor, kv_ids: torch.Tensor, align: str, q_row: Optional[int],
-                   kv_row: Optional[int]) -> tuple[torch.Tensor, ...]:
-    """One row of :meth:`_CausalDocuments._runs_per_position` from long ids ``[Tq]``, ``[Tk]``."""
+                   kv_row: Optional[int], left: Optional[int] = None,
+                   right: Optional[int] = 0) -> tuple[torch.Tensor, ...]:
+    """One row of :meth:`_CausalDocuments._runs_per_position` from long ids ``[Tq]``, ``[Tk]``:
+    keys ``diagonal − left ≤ j ≤ diagonal + right`` of each query's document (``None``:
+    unbounded)."""
     q_run, q_starts, q_stops, q_doc = _id_runs(q_ids, "q_ids", q_row, align)
     kv_run, kv_starts, kv_stops, kv_doc = _id_runs(kv_ids, "kv_ids", kv_row, align)
 
@@ -1516,34 +1537,40 @@ def _document_runs(q_ids: torch.Tensor, kv_ids: torch.Tensor, align: str, q_row:
     def shift(own_start, own_stop, other_start, other_stop):  # key offset - query offset on the diagonal
         return other_start - own_start if align == "top_left" else other_stop - own_stop
 
-    # queries: the keys [kv_start, kv_stop) of their document, up to the diagonal
+    # queries: the keys [kv_start, kv_stop) of their document, within the band
     kv_start, kv_stop, found = (t[q_run] for t in partner(q_doc, kv_doc, kv_starts, kv_stops))
     diagonal = torch.arange(q_ids.shape[0], device=q_ids.device) + shift(
         q_starts[q_run], q_stops[q_run], kv_start, kv_stop)
-    q_lo, q_hi = kv_start, torch.minimum(kv_stop, diagonal + 1)
+    q_lo = kv_start if left is None else torch.maximum(kv_start, diagonal - left)
+    q_hi = kv_stop if right is None else torch.minimum(kv_stop, diagonal + right + 1)
     empty = ~found | (q_hi <= q_lo)
     q_lo, q_hi = q_lo.masked_fill(empty, 0), q_hi.masked_fill(empty, 0)
-    # keys: the queries [q_start, q_stop) of their document, from the diagonal on
+    # keys: the queries [q_start, q_stop) of their document whose band holds them
     q_start, q_stop, found = (t[kv_run] for t in partner(kv_doc, q_doc, q_starts, q_stops))
     diagonal = torch.arange(kv_ids.shape[0], device=kv_ids.device) - shift(
         q_start, q_stop, kv_starts[kv_run], kv_stops[kv_run])
-    kv_lo, kv_hi = torch.maximum(q_start, diagonal), q_stop
+    kv_lo = q_start if right is None else torch.maximum(q_start, diagonal - right)
+    kv_hi = q_stop if left is None else torch.minimum(q_stop, diagonal + left + 1)
     empty = ~found | (kv_hi <= kv_lo)
     kv_lo, kv_hi = kv_lo.masked_fill(empty, 0), kv_hi.masked_fill(empty, 0)
     return q_lo, q_hi, kv_lo, kv_hi, q_run
 
 
 class _CausalDocuments(_Intervals):
-    """:func:`documents` with ``causal=``: a query sees the keys of its own document up to the
-    diagonal, the document's query and key segments aligned at their starts (``align``
-    top_left) or ends (bottom_right). Each document's positions are one run on each side."""
+    """:func:`documents` with ``causal=``, or a band per document (``sliding_window(...,
+    sequences=documents(...))``): a query sees the keys of its own document from ``left``
+    before the diagonal to ``right`` after it (``None``: unbounded; causal is ``None, 0``),
+    the document's query and key segments aligned at their starts (``align`` top_left) or
+    ends (bottom_right). Each document's positions are one run on each side."""
 
-    def __init__(self, documents: _Documents, align: str):
-        self.documents, self.align = documents, align
+    def __init__(self, documents: _Documents, align: str, left: Optional[int] = None,
+                 right: Optional[int] = 0):
+        self.documents, self.align, self.left, self.right = documents, align, left, right
 
     def cache_key(self, keep):
         part = self.documents.cache_key(keep)
-        return None if part is None else ("causal_documents", self.align, part)
+        return None if part is None else ("causal_documents", self.align, self.left,
+                                          self.right, part)
 
     def _min_batch(self):
         return self.documents._min_batch()
@@ -1581,7 +1608,8 @@ class _CausalDocuments(_Intervals):
         rows = max(q2.shape[0], kv2.shape[0])
         per_row = [_document_runs(q2[min(r, q2.shape[0] - 1)], kv2[min(r, kv2.shape[0] - 1)],
                                   self.align, r if q_ids.dim() == 2 else None,
-                                  r if kv_ids.dim() == 2 else None) for r in range(rows)]
+                                  r if kv_ids.dim() == 2 else None, self.left, self.right)
+                   for r in range(rows)]
         runs = tuple(torch.stack(parts).to(device) for parts in zip(*per_row))
         if key is not None:
             _DOCUMENT_RUNS[self] = (key, runs)
@@ -1602,30 +1630,44 @@ class _CausalDocuments(_Intervals):
                                    for t in self._runs_per_position(space.device))  # [Bm, n]
         rows, nq = q_lo.shape[0], math.ceil(q_count / block_q)
         k_first, k_last = _block_bounds(kv_offset, kv_count, block_k, space.device)  # [nk]
-        # Within one document's queries the key runs grow: a constant start, a stop that never
-        # falls. So in each piece of a query block that lies in one document, the last query's
-        # run holds every other's (any key allowed in the piece is allowed to it) and the first
-        # query's run lies in every other's (it decides "all allowed"): O(pieces · key blocks),
-        # with fewer than nq + documents pieces.
+        # Within one document's queries both ends of the key runs never fall (a band slides
+        # with the diagonal), and the non-empty runs of consecutive queries touch. So in each
+        # piece of a query block that lies in one document, the keys some query sees are one
+        # run [least start, greatest stop) of its non-empty runs, and the keys every query sees
+        # are [greatest start, least stop): O(pieces · key blocks), fewer than nq + documents
+        # pieces.
         block = torch.arange(q_count, device=space.device) // block_q  # [n]
         starts = torch.ones_like(q_run, dtype=torch.bool)  # [Bm, n]: a piece begins here
         starts[:, 1:] = (q_run[:, 1:] != q_run[:, :-1]) | (block[1:] != block[:-1])
-        ends = torch.ones_like(starts)
-        ends[:, :-1] = starts[:, 1:]
+        piece = starts.flatten().cumsum(0) - 1  # each position's piece (pieces never span rows)
+        first = starts.flatten().nonzero().flatten()  # each piece's first position
+        count = first.shape[0]
+        lo, hi = q_lo.flatten(), q_hi.flatten()
+        seen = hi > lo
+        far = torch.iinfo(lo.dtype).max
 
-        def per_block(pieces, holds):  # count, per (row, query block, key block), pieces where holds
-            row, at = pieces.nonzero(as_tuple=True)
-            lo, hi = q_lo[row, at][:, None], q_hi[row, at][:, None]  # [P, 1]
+        def reduce(values, how, start):
+            return torch.full((count,), start, dtype=lo.dtype, device=lo.device).scatter_reduce(
+                0, piece, values, how)
+        some_lo = reduce(lo.masked_fill(~seen, far), "amin", far)[:, None]  # [P, 1]
+        some_hi = reduce(hi.masked_fill(~seen, 0), "amax", 0)[:, None]
+        every_lo, every_hi = reduce(lo, "amax", 0)[:, None], reduce(hi, "amin", far)[:, None]
+        row, at = first // q_count, first % q_count
+        slot = row * nq + block[at]  # [P]: the (row, query block) of each piece
+
+        def per_block(holds):  # count, per (row, query block, key block), pieces where holds
             counts = torch.zeros(rows * nq, k_first.shape[0], dtype=torch.int32, device=space.device)
-            counts.index_add_(0, row * nq + block[at], holds(lo, hi).to(torch.int32))
+            counts.index_add_(0, slot, holds.to(torch.int32))
             return counts.view(rows, nq, -1)  # [Bm, nq, nk]
 
-        any_allowed = per_block(ends, lambda lo, hi: (lo < hi) & (lo <= k_last) & (hi > k_first)) > 0
-        all_allowed = per_block(starts, lambda lo, hi: (lo > k_first) | (hi <= k_last)) == 0
+        any_allowed = per_block((some_lo <= k_last) & (some_hi > k_first)) > 0
+        all_allowed = per_block((every_lo > k_first) | (every_hi <= k_last)) == 0
         return _codes_from_bounds(any_allowed, all_allowed)[:, None]  # [Bm, 1, nq, nk]
 
     def __repr__(self):
-        return f"documents({', '.join(self.documents._arguments())}, causal={self.align!r})"
+        if self.left is None and self.right == 0:
+            return f"documents({', '.join(self.documents._arguments())}, causal={self.align!r})"
+        return _band_call(self.left, self.right, self.align, f"sequences={self.documents!r}")
 
 
 def _fit_tensor(t: torch.Tensor, q_idx, kv_idx, space) -> torch.Tensor:

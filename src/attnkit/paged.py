@@ -21,7 +21,7 @@ import torch
 
 from .api import AttentionResult, MaskLike, attention
 from .finite import row_flags
-from .masks import Mask, as_mask, causal, sliding_window, vouched_padding
+from .masks import Mask, as_mask, band_per_sequence, causal, vouched_padding
 from .modifiers import split
 from .numerics import accum_dtype
 
@@ -152,12 +152,7 @@ def sequence_mask(mask: Optional[Mask], sequences: Mask, q_len: int) -> Mask:
     if rest is not None and band is None:
         raise ValueError(f"a paged call applies its mask per sequence and takes causal(...), "
                          f"sliding_window(...) and score modifiers; got {rest!r}")
-    if band is None:
-        base = sequences
-    elif band.left is None and band.right == 0:
-        base = causal(band.align, sequences=sequences)
-    else:
-        base = sliding_window(band.left, band.right, band.align, sequences=sequences)
+    base = sequences if band is None else band_per_sequence(band, sequences)
     if modifiers is None:
         return base
     if modifiers.functions:

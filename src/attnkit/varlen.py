@@ -16,15 +16,15 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from .api import AttentionResult, MaskLike, attention
-from .masks import Mask, as_mask, documents
+from .masks import Mask, as_mask, band_per_sequence, documents
 from .modifiers import split
 
 
 class Layout(NamedTuple):
     """Where each sequence's tokens lie: ``q_ids [total_q]`` and ``kv_ids [total_k]`` (long, on
-    q's device) give each token its sequence (keys past a sequence's ``seqused_k`` get
-    ``n + b``: no query's), and ``same_segments`` says every sequence has the same query and
-    key positions (self-attention over one packing)."""
+    q's device; one tensor when the segments coincide) give each token its sequence (keys past
+    a sequence's ``seqused_k`` get ``n + b``: no query's), and ``same_segments`` says every
+    sequence has the same query and key positions (self-attention over one packing)."""
 
     q_ids: torch.Tensor
     kv_ids: torch.Tensor
@@ -47,10 +47,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     ``mask`` applies inside every sequence, on its own positions: ``causal(align)`` (top-left:
     a sequence's i-th query sees its first i + 1 keys; bottom-right, flash-attn's ``causal``:
-    its last query sees all its keys), ``sliding_window(...)``, and the score modifiers
-    (``softcap``, ``sinks``, ``alibi``, ``relative_bias``) joined by ``&``. Windows, ALiBi and
-    relative biases need each sequence's query and key segments to coincide
-    (``cu_seqlens_k`` equal to ``cu_seqlens_q``, no ``seqused_k``). ``seqused_k [n]``: only
+    its last query sees all its keys), ``sliding_window(left, right, align)`` (a window on
+    each sequence's own positions), and the score modifiers (``softcap``, ``sinks``,
+    ``alibi``, ``relative_bias``) joined by ``&``. ALiBi and relative biases need each
+    sequence's query and key segments to coincide (``cu_seqlens_k`` equal to
+    ``cu_seqlens_q``, no ``seqused_k``). ``seqused_k [n]``: only
     the first ``seqused_k[b]`` keys of sequence b count (a cache's filled part).
     ``max_seqlen_q``/``max_seqlen_k`` are checked when given (at least every sequence's
     length) and otherwise not needed. ``scale``, ``dropout_p``, ``generator`` and ``backend``
@@ -173,9 +174,10 @@ def _seqused(value, lengths: list[int], device) -> torch.Tensor:
 
 def sequence_mask(mask: Optional[Mask], layout: Layout) -> Mask:
     """``mask`` applied inside each sequence of ``layout``, as one mask over the packed row:
-    ``documents`` of the sequence ids, ``causal=`` aligned per sequence, and bands and
-    modifiers as given where query and key segments coincide (positions there differ by the
-    same amount globally as inside a sequence)."""
+    ``documents`` of the sequence ids, a band aligned to each sequence's own query and key
+    segments (:func:`~attnkit.masks.band_per_sequence`), and the score modifiers (ALiBi and
+    relative biases where the segments coincide: positions there differ by the same amount
+    in the packed row as inside a sequence)."""
     rest, modifiers = split(mask)
     kv_ids = None if layout.kv_ids is layout.q_ids else layout.kv_ids  # one tensor: documents(ids)
     base = documents(layout.q_ids, kv_ids)
@@ -185,11 +187,8 @@ def sequence_mask(mask: Optional[Mask], layout: Layout) -> Mask:
                          f"causal(...), sliding_window(...) and score modifiers; got {rest!r}. "
                          f"The sequences are kept apart already; for another mask, pad the "
                          f"batch and call attnkit.attention")
-    if band is not None and band.left is None and band.right == 0:
-        base = documents(layout.q_ids, kv_ids, causal=band.align)
-    elif band is not None:
-        _need_same_segments(layout, f"a window ({rest!r})")
-        base = base & rest
+    if band is not None:
+        base = band_per_sequence(band, base)
     if modifiers is None:
         return base
     if modifiers.functions:
@@ -206,4 +205,4 @@ def _need_same_segments(layout: Layout, what: str) -> None:
         raise ValueError(f"varlen_attention applies {what} per sequence only where each "
                          f"sequence's queries and keys are the same positions (cu_seqlens_k "
                          f"equal to cu_seqlens_q, no seqused_k); pad the batch and call "
-                         f"attnkit.attention with sliding_window(..., sequences=padding(...))")
+                         f"attnkit.attention with {what} there")
