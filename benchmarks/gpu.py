@@ -93,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mods", default="alibi,softcap", help="score-modifier rows under causal "
                    "masking at --mods-length ('' for none)")
     p.add_argument("--mods-length", type=int, default=8192)
+    p.add_argument("--paged", default="8x512-8192,16x4096", help="paged-cache rows: BxLO-HI a "
+                   "decode step of B sequences of LO..HI keys; BxP B forks of a P-token prompt "
+                   "(shared blocks against unshared copies); '' for none")
     p.add_argument("--out", default=None, help="folder for the JSON (default: $OUT, else results/)")
     args = p.parse_args(argv)
     for name, allowed in (("masks", MASKS), ("competitors", COMPETITORS), ("modes", ("fwd", "fwd+bwd"))):
@@ -105,6 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.decode, args.decode_lengths = "1x1,2x4", "96"
         args.ring = "128x2"
         args.mods_length = 64
+        args.paged = "3x16-80,4x64"
     return args
 
 
@@ -457,6 +461,93 @@ def decode_rows(args, device, dtype, bench) -> list[dict]:
     return rows
 
 
+def paged_rows(args, device, dtype, bench) -> list[dict]:
+    """Decoding steps over an ``attnkit.nn.PagedKVCache`` (blocks of 16; 64 query heads, GQA
+    8:1, D 128): ``cache.attend`` with the cache changed since its last read (its K/V are
+    gathered again, as after every append) against SDPA's best backend on the same keys
+    already gathered, as µs and K/V bandwidth (keys and values read once) over the copy
+    bandwidth; and a decode step of B forks of one prompt (shared blocks) against B unshared
+    copies. Each row is checked against SDPA's math backend first."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from attnkit.nn import PagedKVCache
+    heads, heads_kv, dim, block = (64, 8, 128, 16) if device.type == "cuda" else (8, 1, 32, 16)
+    big = torch.empty(1 << 28 if device.type == "cuda" else 1 << 16, dtype=torch.uint8,
+                      device=device)
+    copy_gbs = 2 * big.numel() / bench(lambda: big.clone()) / 1e6
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    def cache_of(prompt_k, prompt_v, lengths, new, forks=0):  # prompts, then one token each
+        blocks = sum(-(-int(n) // block) + 2 for n in lengths) + 2 * forks + 4
+        cache = PagedKVCache(blocks, block).append(prompt_k, prompt_v, lengths=lengths)
+        for _ in range(forks):
+            cache.fork(0)
+        return cache.append(new, new)
+
+    def attend(cache, q):  # a step's read: the cache changed since the last one
+        cache._device_state = None
+        return cache.attend(q)
+
+    rows = []
+    for spec in filter(None, args.paged.split(",")):
+        batch, size = spec.split("x")
+        batch = int(batch)
+        q = rand(batch, heads, 1, dim)
+        if "-" in size:  # ragged sequences, one cache
+            low, high = map(int, size.split("-"))
+            lengths = torch.linspace(low, high, batch).long().tolist()
+            cache = cache_of(rand(batch, heads_kv, high, dim), rand(batch, heads_kv, high, dim),
+                             lengths, rand(batch, heads_kv, 1, dim))
+            keys, values = cache.keys, cache.values  # gathered once, for SDPA
+            allowed = (torch.arange(keys.shape[2], device=device)[None]
+                       < cache._state()[1][:, None])[:, None, None, :]
+            with sdpa_kernel(SDPBackend.MATH):
+                ref = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(),
+                                                     attn_mask=allowed, enable_gqa=True)
+            fns = {"attnkit-paged": lambda: attend(cache, q)}
+            for name, which in (("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION),
+                                ("sdpa-math", SDPBackend.MATH)):
+                def sdpa(which=which):
+                    with sdpa_kernel(which):
+                        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
+                                                              enable_gqa=True)
+                fns[name] = sdpa
+            kv_elements = 2 * heads_kv * dim * sum(cache.lengths)
+            label = f"paged decode B{batch} keys {low}..{high}"
+        else:  # forks of one prompt
+            prompt = int(size)
+            one = [rand(1, heads_kv, prompt, dim) for _ in range(2)]
+            new = rand(batch, heads_kv, 1, dim)
+            shared = cache_of(*one, [prompt], new, forks=batch - 1)
+            unshared = cache_of(*(t.expand(batch, -1, -1, -1) for t in one), [prompt] * batch,
+                                new)
+            with sdpa_kernel(SDPBackend.MATH):
+                ref = F.scaled_dot_product_attention(q.float(), unshared.keys.float(),
+                                                     unshared.values.float(), enable_gqa=True)
+            fns = {"attnkit-shared": lambda: attend(shared, q),
+                   "attnkit-unshared": lambda: attend(unshared, q)}
+            kv_elements = 2 * heads_kv * dim * (prompt + 1) * batch
+            label = f"shared prefix B{batch} prompt {prompt}"
+        ok = all(relative_error(fn().float(), ref) <= 2e-2
+                 for name, fn in fns.items() if name.startswith("attnkit"))
+        row = dict(case=label, ok=ok, copy_gbs=copy_gbs)
+        for name, fn in fns.items():
+            try:
+                ms = bench(fn)
+                row[name] = dict(us=ms * 1e3, gbs=kv_elements * q.element_size() / ms / 1e6)
+            except Exception as error:  # noqa: BLE001 - a backend that cannot run this
+                row[name] = dict(error=describe(error))
+        rows.append(row)
+        cells = "  ".join(f"{n} " + (f"{r['us']:.1f} µs {r['gbs'] / copy_gbs:.0%}" if "us" in r
+                                     else "n/a") for n, r in row.items() if isinstance(r, dict))
+        print(f"{label} {'ok' if ok else 'WRONG'}  {cells}", flush=True)
+    return rows
+
+
 def ring_rows(args, device, dtype, bench) -> list[dict]:
     """One step of causal ring attention over a global length N on P ranks, as the last rank
     computes it: its queries against its own K/V shard (the diagonal, half masked) and against
@@ -608,14 +699,18 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = "dry_run" if args.dry_run else datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
     path = out_dir / f"gpu_bench_{stamp}.json"
-    checks, results, skipped, profiles, decode, ring, mods = [], [], [], {}, [], [], []
+    checks, results, skipped, profiles, decode, ring, mods, paged = [], [], [], {}, [], [], [], []
 
     def save() -> None:  # after every workload: a run cut short keeps what it measured
         info["elapsed_s"] = time.perf_counter() - started
         path.write_text(json.dumps({"info": info, "checks": checks, "skipped": skipped,
                                     "results": results, "profiles": profiles,
-                                    "decode": decode, "ring": ring, "mods": mods}, indent=1))
-    if args.decode:  # first: a few seconds, and what no other run measures
+                                    "decode": decode, "ring": ring, "mods": mods,
+                                    "paged": paged}, indent=1))
+    if args.paged:  # first: never measured yet, a few seconds
+        paged += paged_rows(args, device, dtype, bench)
+        save()
+    if args.decode:  # a few seconds, and what no other run measures
         decode += decode_rows(args, device, dtype, bench)
         save()
     if args.ring:
@@ -642,7 +737,8 @@ def main(argv=None) -> int:
     failed = [f"{c['workload']} ({c['backend']})" for c in checks if not c["ok"]] + [
         f"decode B{r['batch']} Tq{r['q_len']} Tk{r['kv_len']}" for r in decode if not r["ok"]] + [
         f"ring N{r['n']} P{r['world']} {r['step']}" for r in ring if not r["ok"]] + [
-        f"causal&{r['modifier']} N{r['n']}" for r in mods if not r["ok"]]
+        f"causal&{r['modifier']} N{r['n']}" for r in mods if not r["ok"]] + [
+        r["case"] for r in paged if not r["ok"]]
     if failed:
         print(f"CORRECTNESS FAILED for {', '.join(failed)}: their timings are not to be trusted")
     return 1 if failed else 0

@@ -164,6 +164,12 @@ def test_dry_run(bench, tmp_path, capsys):
     # decoding rows (bottom-right causal against SDPA's lower-right causal bias), each checked
     assert [(r["batch"], r["q_len"], r["kv_len"]) for r in saved["decode"]] == [(1, 1, 96), (2, 4, 96)]
     assert all(r["ok"] and r["attnkit-auto"]["us"] > 0 and r["copy_gbs"] > 0 for r in saved["decode"])
+    # paged caches: a ragged decode step against SDPA on the gathered keys, forks of a prompt
+    assert [r["case"] for r in saved["paged"]] == ["paged decode B3 keys 16..80",
+                                                   "shared prefix B4 prompt 64"]
+    assert all(r["ok"] and r["copy_gbs"] > 0 for r in saved["paged"])
+    assert saved["paged"][0]["attnkit-paged"]["us"] > 0
+    assert saved["paged"][1]["attnkit-shared"]["us"] > 0 < saved["paged"][1]["attnkit-unshared"]["us"]
     # ring steps: the fused kernels against the tiled step, both checked equal first
     assert [(r["step"], r["n"], r["world"]) for r in saved["ring"]] == [("diagonal", 128, 2), ("below", 128, 2)]
     assert all(r["ok"] and r[f"{name} {mode}"]["us"] > 0 and r[f"speedup {mode}"] > 0
