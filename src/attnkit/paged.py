@@ -431,18 +431,18 @@ class PagedKVCache:
         for source, target in copies:  # copy-on-write of shared last blocks
             self.key_pool[target] = self.key_pool[source]
             self.value_pool[target] = self.value_pool[source]
-        slots, rows, offsets = [], [], []
-        for row, (table, start, count) in enumerate(zip(plan, self.lengths, counts)):
-            for p in range(start, start + count):
-                slots.append(table[p // self.block_size] * self.block_size + p % self.block_size)
-                rows.append(row)
-                offsets.append(p - start)
-        if slots:
-            device = keys.device
-            at = (torch.tensor(rows, device=device), torch.tensor(offsets, device=device))
-            slot = torch.tensor(slots, device=device)
+        if any(counts):  # row b's offsets [0, counts[b]) go to its positions lengths[b] + offset
+            device, size = keys.device, self.block_size
+            width = max(len(t) for t in plan)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in plan], device=device)
+            count = torch.tensor(counts, device=device)
+            rows = torch.repeat_interleave(torch.arange(batch, device=device), count)
+            offsets = (torch.arange(rows.shape[0], device=device)
+                       - torch.repeat_interleave(count.cumsum(0) - count, count))
+            positions = torch.tensor(self.lengths, device=device)[rows] + offsets
+            slots = table[rows, positions // size] * size + positions % size  # [n]
             for pool, new_rows in ((self.key_pool, keys), (self.value_pool, values)):
-                pool.view(-1, *pool.shape[2:])[slot] = new_rows.transpose(1, 2)[at]
+                pool.view(-1, *pool.shape[2:])[slots] = new_rows.transpose(1, 2)[rows, offsets]
         self.tables = plan
         self.lengths = [a + b for a, b in zip(self.lengths, counts)]
         self.appended, self._width = counts, new
