@@ -182,6 +182,10 @@ def test_cu_seqlens_as_lists_and_defaults():
      "sequence 1 holds 3"),
     (lambda q, k, v: ak.varlen_attention(q, k, v, [0, 2, 5], [0, 2, 5], seqused_k=[1, 4]),
      ValueError, "seqused_k[1] = 4"),
+    (lambda q, k, v: ak.varlen_attention(q, k[:, :1].expand(-1, 3, -1), v[:, :1].expand(
+        -1, 3, -1), [0, 2, 5]), ValueError, "multiple of Hkv"),
+    (lambda q, k, v: ak.varlen_attention(q, k.double(), v.double(), [0, 2, 5]), TypeError,
+     "one dtype and device"),
     (lambda q, k, v: ak.varlen_attention(q, k, v, [0, 2, 5], mask=ak.padding(kv_lengths=[2])),
      ValueError, "inside each sequence"),
     (lambda q, k, v: ak.varlen_attention(q, k, v, [0, 2, 5], [0, 2, 5], seqused_k=[2, 2],

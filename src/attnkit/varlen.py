@@ -86,8 +86,14 @@ def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q=None
         raise ValueError(f"varlen_attention takes packed q [total_q, Hq, D], k and v "
                          f"[total_k, Hkv, D] (3-D, tokens first), got {shapes}: flatten a "
                          f"padded batch's real tokens with x[real] for a [B, T] bool mask")
-    if k.shape[0] != v.shape[0]:
-        raise ValueError(f"k and v must hold the same tokens (dim 0), got {shapes}")
+    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must hold the same tokens and heads (dims 0, 1), got {shapes}")
+    if q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"varlen_attention needs Hq a multiple of Hkv (dim 1) and q, k of one "
+                         f"head dim (dim 2), got {shapes}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise TypeError(f"q, k and v must share one dtype and device, got q {q.dtype} {q.device}, "
+                        f"k {k.dtype} {k.device}, v {v.dtype} {v.device}: cast with .to(q)")
     if cu_seqlens_k is None and k.shape[0] != q.shape[0]:
         raise ValueError(f"cu_seqlens_k is needed when keys and queries differ in number "
                          f"(total_q {q.shape[0]}, total_k {k.shape[0]})")
