@@ -12,7 +12,8 @@ autotune candidate, TMA walks, direct launches and sequences of thousands of pos
 - direct launches: the autotuned, ``JITFunction`` and direct launches of one call, and the
   same with ``direct_launch=False``, give bit-identical results;
 - poisoned memory: inputs and the output gradient as views inside NaN-filled buffers (ragged
-  lengths, a head dim that is not a power of two).
+  lengths, a head dim that is not a power of two);
+- packed sequences (``varlen_attention``) and the paged cache on the device.
 
 Before every call the caching allocator's free blocks are filled with NaN, so an output
 element the kernels never write shows up.
@@ -514,8 +515,78 @@ def test_garbage_in_padding_and_unwritten_slots_is_never_read():
             assert torch.equal(clean, garbage)
 
 
+@gpu
+def test_varlen_packed_sequences():
+    """``varlen_attention`` on the triton kernels at full size (16 documents of 64..1,024
+    tokens, bf16, GQA 8:2, causal and a bottom-right window on decode-shaped segments):
+    each document against its own float64 math, forward and backward."""
+    import attnkit as ak
+
+    lengths = torch.linspace(64, 1024, 16).long().tolist()
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    total = cu[-1].item()
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    q, k, v = (torch.randn(total, h, 64, device=DEVICE, generator=gen).bfloat16()
+               for h in (8, 2, 2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ak.varlen_attention(*leaves, cu, mask=ak.causal(), backend="triton")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    problems = []
+    for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        alone = [t[a:e].transpose(0, 1)[None] for t in (q, k, v, dout)]
+        causal = torch.ones(e - a, e - a, dtype=torch.bool, device=DEVICE).tril()
+        truth = attention_math(*alone, causal, None, 1 / math.sqrt(64), torch.float64)
+        plain = attention_math(*alone, causal, None, 1 / math.sqrt(64), torch.bfloat16)
+        mine = [out[a:e].transpose(0, 1)[None], None,
+                *(g[a:e].transpose(0, 1)[None] for g in grads)]
+        for name, x, t, p in zip(("out", "lse", "dq", "dk", "dv"), mine, truth, plain):
+            if x is not None and relative_error(x, t) > 2 * relative_error(p, t) + 2e-3:
+                problems.append(f"document {b} {name}: {relative_error(x, t):.2e}")
+    assert not problems, "; ".join(problems)
+    decode_q = torch.randn(16, 8, 64, device=DEVICE, generator=gen).bfloat16()
+    window = ak.sliding_window(100, align="bottom_right")
+    got = ak.varlen_attention(decode_q, k, v, torch.arange(17, device=DEVICE), cu, mask=window,
+                              backend="triton")
+    want = ak.varlen_attention(decode_q.float(), k.float(), v.float(),
+                               torch.arange(17, device=DEVICE), cu, mask=window,
+                               backend="reference")
+    assert relative_error(got.float(), want) < 2e-2
+
+
+@gpu
+def test_paged_cache_on_the_device():
+    """``PagedKVCache`` on CUDA: a ragged prefill, forks and decode steps through
+    ``MultiHeadAttention`` equal the contiguous cache's, and ``paged_attention`` over pools
+    filled elsewhere equals the gathered call."""
+    import attnkit as ak
+    from attnkit.nn import KVCache, MultiHeadAttention, PagedKVCache
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(256, 8, num_kv_heads=2, device=DEVICE).eval()
+    lengths = torch.tensor([3, 40, 17, 64], device=DEVICE)
+    prompt = torch.randn(4, 64, 256, device=DEVICE)
+    with torch.no_grad():
+        a = mha(prompt, cache=KVCache.empty(), is_causal=True, lengths=lengths)
+        p = mha(prompt, cache=PagedKVCache(64, 16), is_causal=True, lengths=lengths)
+        contiguous, paged = a.cache, p.cache
+        for _ in range(20):
+            x = torch.randn(4, 1, 256, device=DEVICE)
+            a, p = mha(x, cache=contiguous, is_causal=True), mha(x, cache=paged, is_causal=True)
+            assert relative_error(p.out, a.out) < 1e-5
+            contiguous = a.cache
+        paged.fork(1)
+        new = torch.randn(5, 2, 1, 32, device=DEVICE)
+        paged.append(new, new)
+        q = torch.randn(5, 8, 1, 32, device=DEVICE)
+        got = paged.attend(q)
+        want = ak.attention(q, paged.keys, paged.values, paged.mask(), backend="reference")
+        assert relative_error(got, want) < 1e-5
+
+
 FIRST = ("test_steps_make_no_device_sync", "test_a_decode_step_replays_in_a_cuda_graph",
-         "test_garbage_in_padding_and_unwritten_slots_is_never_read")
+         "test_garbage_in_padding_and_unwritten_slots_is_never_read",
+         "test_varlen_packed_sequences", "test_paged_cache_on_the_device")
 """Run first by :func:`main`: the checks no GPU run has made yet (a cut-off run reports them)."""
 
 
