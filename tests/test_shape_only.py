@@ -29,6 +29,8 @@ def _masks(device) -> dict:
         "documents": ak.documents(ids),
         "documents(causal)": ak.documents(ids, causal="top_left"),
         "documents & causal": ak.documents(ids) & ak.causal(),
+        "window(sequences=documents)": ak.sliding_window(
+            2, 1, "bottom_right", sequences=ak.documents(ids, torch.arange(T, device=device) // 5)),
         "dense": ak.dense(torch.ones(T, T, dtype=torch.bool, device=device)),
         "bias": ak.bias(torch.zeros(T, T, device=device)),
         "not | or": ~ak.sliding_window(2) | ak.causal(),
@@ -72,3 +74,29 @@ def test_a_module_decodes_on_meta():
                         lengths=torch.tensor([5, 2, 4], device="meta"))
     out, _, cache = mha(x[:, :1], cache=cache, is_causal=True)
     assert out.shape == (3, 1, 32) and cache.keys.shape == (3, 2, 6, 8)
+
+
+@pytest.mark.parametrize("where", ["meta", "fake"])
+def test_packed_and_paged_calls_propagate_shapes(where):
+    """``varlen_attention`` and ``paged_attention`` with meta or fake tensors: their boundaries
+    and tables are real values (read to lay the call out), everything else shapes only."""
+    from attnkit.paged import paged_attention
+
+    cu = torch.tensor([0, 5, 12, 16])
+    table, seqlens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([7, 3])
+
+    def run(make):
+        q, k, v = (make(16, H, D).requires_grad_() for _ in range(3))
+        out = ak.varlen_attention(q, k, v, cu, mask=ak.sliding_window(3, align="bottom_right"))
+        out.sum().backward()
+        assert out.shape == (16, H, D) and q.grad.shape == (16, H, D)
+        pool = make(4, 4, 1, D)
+        paged = paged_attention(make(2, H, 1, D), pool, pool, table, seqlens,
+                                mask=ak.causal("bottom_right"))
+        assert paged.shape == (2, H, 1, D)
+
+    if where == "meta":
+        run(lambda *shape: torch.empty(*shape, device="meta"))
+    else:
+        with FakeTensorMode():
+            run(torch.empty)

@@ -59,7 +59,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     The boundaries are read on the host to check them (one read per tensor, and one for
     ``seqused_k``); the attention itself runs as one call of :func:`attnkit.attention` on
-    views of q, k and v.
+    views of q, k and v. With meta or fake q, k and v (shape-only calls) the boundaries stay
+    real values: a list, or a tensor off the meta device.
     """
     layout = packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
@@ -137,10 +138,13 @@ def _boundaries(name: str, value, total: int, device) -> tuple[torch.Tensor, lis
     if value.dim() != 1 or value.numel() < 1:
         raise ValueError(f"{name} must be [n + 1] (0, then each sequence's end), got shape "
                          f"{tuple(value.shape)}")
-    cu = value.to(device=device, dtype=torch.long)
-    bounds = cu.tolist()
+    if value.device.type == "meta":
+        raise ValueError(f"{name} must hold values (a list, or a tensor off the meta device): "
+                         f"the sequences' lengths are read to lay the call out, also for a "
+                         f"shape-only call on meta tensors")
+    bounds = value.tolist()  # read where the values are (a shape-only call keeps them real)
     _check_boundaries(name, bounds, total)
-    return cu, bounds
+    return value.to(device=device, dtype=torch.long), bounds
 
 
 def _check_boundaries(name: str, bounds: list[int], total: int) -> None:
