@@ -21,7 +21,7 @@ import torch
 
 from .api import AttentionResult, MaskLike, attention
 from .finite import row_flags
-from .masks import Mask, as_mask, band_per_sequence, causal, vouched_padding
+from .masks import Mask, as_mask, band_per_sequence, causal, readable, vouched_padding
 from .modifiers import split
 from .numerics import accum_dtype
 
@@ -170,11 +170,12 @@ def decode_spans(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tens
                  mask: Optional[Mask], lengths: Sequence[int],
                  backend: str) -> Optional[list[tuple[int, int]]]:
     """The keys ``(first, stop)`` each sequence's one query sees, when :func:`decode_by_runs`
-    can run the call: a decoding step (one query per sequence) on CPU without autograd,
-    ``backend="auto"``, equal key and value head dims (the fused kernel's), and no mask but
-    a bottom-right causal band (all keys, or a window's last ones); ``None`` otherwise (the
-    gathered path runs it)."""
-    if (backend != "auto" or q.device.type != "cpu" or q.dim() != 4 or q.shape[2] != 1
+    can run the call: a decoding step (one query per sequence) on CPU tensors holding values
+    (not fake) without autograd, ``backend="auto"``, equal key and value head dims (the fused
+    kernel's), and no mask but a bottom-right causal band (all keys, or a window's last
+    ones); ``None`` otherwise (the gathered path runs it)."""
+    if (backend != "auto" or q.device.type != "cpu" or not readable(q, key_pool, value_pool)
+            or q.dim() != 4 or q.shape[2] != 1
             or q.dtype != key_pool.dtype or q.shape[-1] != key_pool.shape[-1]
             or value_pool.shape[-1] != q.shape[-1]
             or q.shape[1] % key_pool.shape[2] or q.shape[0] != len(lengths)
