@@ -253,10 +253,12 @@ def _mask_runs(inputs: Inputs) -> Optional[tuple]:
             lo, hi = structure.diagonals
             q = torch.arange(space.q_len, device=space.device)[None]
             kv = torch.arange(space.kv_len, device=space.device)[None]
-            q_lo = (q * 0 if lo is None else q + lo).clamp(0, space.kv_len)
-            q_hi = (q * 0 + space.kv_len if hi is None else q + hi + 1).clamp(0, space.kv_len)
-            kv_lo = (kv * 0 if hi is None else kv - hi).clamp(0, space.q_len)
-            kv_hi = (kv * 0 + space.q_len if lo is None else kv - lo + 1).clamp(0, space.q_len)
+            q_lo = (torch.zeros_like(q) if lo is None else q + lo).clamp(0, space.kv_len)
+            q_hi = (torch.full_like(q, space.kv_len) if hi is None
+                    else (q + hi + 1).clamp(0, space.kv_len))
+            kv_lo = (torch.zeros_like(kv) if hi is None else kv - hi).clamp(0, space.q_len)
+            kv_hi = (torch.full_like(kv, space.q_len) if lo is None
+                     else (kv - lo + 1).clamp(0, space.q_len))
         else:
             return None
         return q_lo, torch.maximum(q_lo, q_hi), kv_lo, torch.maximum(kv_lo, kv_hi)

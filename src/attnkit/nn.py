@@ -222,7 +222,8 @@ class KVCache:
 
     def mask(self, is_causal: bool = True) -> Optional[Mask]:
         """The mask of the step whose queries are the positions the last :meth:`append` added,
-        over :attr:`keys`: ``None`` or bottom-right ``causal()`` without per-sequence lengths;
+        over :attr:`keys`: ``None`` or bottom-right ``causal()`` without per-sequence lengths
+        (with ``window``: ``sliding_window(window − 1, align="bottom_right")``);
         with them each sequence's real queries see its own real keys, causally with
         ``is_causal`` (its padded queries see nothing: their output is 0)."""
         if self.lengths is None:
