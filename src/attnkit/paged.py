@@ -335,10 +335,12 @@ class PagedKVCache:
     # ---- the batch ----------------------------------------------------------------------------
     @property
     def batch(self) -> int:
+        """The number of sequences (the batch rows, B)."""
         return len(self.tables)
 
     @property
     def free_blocks(self) -> int:
+        """Blocks of the pool no sequence holds."""
         return len(self._free)
 
     def add(self, count: int = 1) -> list[int]:

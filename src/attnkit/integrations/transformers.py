@@ -126,6 +126,7 @@ class TransformersMask:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
+        """``(batch, 1, q_len, kv_len)``: what transformers reads of a prepared 4-D mask."""
         return (self.batch, 1, self.q_len, self.kv_len)
 
     def __repr__(self) -> str:
