@@ -367,3 +367,25 @@ def test_a_cache_over_filled_pools_decodes_as_flash_attn_with_kvcache_does():
         v = torch.cat([values[b].float(), new[b]], dim=1)[None]
         torch.testing.assert_close(got[b:b + 1], ak.attention(q[b:b + 1], k, v))
     assert ak.paged_attention is paged_attention
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "window"])
+def test_packed_queries_over_paged_keys_equal_each_sequence_alone(mask):
+    """Chunked prefill of several prompts over their caches: packed queries (``cu_seqlens_q``)
+    over paged keys, each sequence's queries its last positions, as each sequence alone."""
+    lengths, q_lengths = [5, 12, 9], [2, 4, 1]
+    key_pool, value_pool, table, keys, values = _pools(lengths, 4)
+    q = torch.randn(sum(q_lengths), 4, 8, dtype=F64, generator=torch.Generator().manual_seed(8))
+    cu_q = torch.tensor([0, 2, 6, 7])
+    made = {None: None, "causal": ak.causal("bottom_right"),
+            "window": ak.sliding_window(3, align="bottom_right")}[mask]
+    got = paged_attention(q, key_pool, value_pool, table, lengths, cu_seqlens_q=cu_q, mask=made,
+                          return_lse=True)
+    assert got.out.shape == (7, 4, 6) and got.lse.shape == (4, 7)
+    for b, (a, e) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist())):
+        want = ak.attention(q[a:e].transpose(0, 1)[None], keys[b][None], values[b][None], made,
+                            backend="reference", return_lse=True)
+        torch.testing.assert_close(got.out[a:e], want.out[0].transpose(0, 1))
+        torch.testing.assert_close(got.lse[:, a:e], want.lse[0].to(got.lse.dtype))
+    with pytest.raises(ValueError, match="packed q"):
+        paged_attention(q[None], key_pool, value_pool, table, lengths, cu_seqlens_q=cu_q)

@@ -47,7 +47,7 @@ def gather(key_pool: torch.Tensor, value_pool: torch.Tensor, block_table: torch.
 
 
 def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
-                    block_table, seqlens, *, mask: MaskLike = None,
+                    block_table, seqlens, *, cu_seqlens_q=None, mask: MaskLike = None,
                     scale: Optional[float] = None, backend: str = "auto",
                     return_lse: bool = False) -> Union[torch.Tensor, AttentionResult]:
     """Attention of ``q [B, Hq, Tq, Dk]`` over paged keys and values.
@@ -66,6 +66,12 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     matters). The table and lengths are read once on the host to check them (block ids in
     range, no block twice in one sequence, lengths within the blocks).
 
+    ``cu_seqlens_q`` (``[B + 1]``, as :func:`attnkit.varlen_attention` takes it): ``q`` is
+    packed ``[total_q, Hq, Dk]``, sequence b's queries at ``cu_seqlens_q[b]:cu_seqlens_q[b +
+    1]`` (chunked prefill of several prompts over their caches); the result is packed too,
+    as :func:`attnkit.varlen_attention` returns it, over the sequences' keys packed from
+    the pool.
+
     A decoding step (one query per sequence, CPU, no autograd, no mask but a bottom-right
     band) reads the pool in place, one fused-kernel call per run of consecutive blocks, a run
     shared by several sequences read once for all of them (:func:`decode_by_runs`); any
@@ -73,6 +79,9 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     """
     if not all(isinstance(t, torch.Tensor) for t in (q, key_pool, value_pool)):
         raise TypeError("paged_attention takes q, key_pool and value_pool as torch.Tensors")
+    if cu_seqlens_q is not None:
+        return _packed_queries(q, key_pool, value_pool, block_table, seqlens, cu_seqlens_q,
+                               mask=mask, scale=scale, backend=backend, return_lse=return_lse)
     table, lengths = _checked_tables(q, key_pool, value_pool, block_table, seqlens)
     given = as_mask(mask)
     spans = decode_spans(q, key_pool, value_pool, given, lengths, backend)
@@ -89,14 +98,40 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
                      return_lse=return_lse)
 
 
-def _checked_tables(q, key_pool, value_pool, block_table, seqlens) -> tuple[list, list]:
+def _packed_queries(q, key_pool, value_pool, block_table, seqlens, cu_seqlens_q, *, mask,
+                    scale, backend, return_lse) -> Union[torch.Tensor, AttentionResult]:
+    """:func:`paged_attention` with packed queries: each sequence's keys and values packed
+    from the pool ``[total_k, Hkv, D]``, then :func:`attnkit.varlen_attention`."""
+    from .varlen import varlen_attention
+
+    if q.dim() != 3:
+        raise ValueError(f"paged_attention with cu_seqlens_q takes packed q [total_q, Hq, D], "
+                         f"got q {tuple(q.shape)}")
+    batch = len(_integers("cu_seqlens_q", cu_seqlens_q, 1)) - 1
+    table, lengths = _checked_tables(q, key_pool, value_pool, block_table, seqlens, batch)
+    device, block_size = q.device, key_pool.shape[1]
+    width = max([len(row) for row in table], default=1) or 1
+    table_t = torch.tensor(table, dtype=torch.long, device=device).reshape(batch, width)
+    count = torch.tensor(lengths, dtype=torch.long, device=device)
+    rows = torch.repeat_interleave(torch.arange(batch, device=device), count)  # [total_k]
+    positions = torch.arange(rows.shape[0], device=device) - (count.cumsum(0) - count)[rows]
+    slots = table_t[rows, positions // block_size] * block_size + positions % block_size
+    keys, values = (pool.reshape(-1, *pool.shape[2:])[slots] for pool in (key_pool, value_pool))
+    cu_k = [0, *torch.tensor(lengths).cumsum(0).tolist()] if lengths else [0]
+    return varlen_attention(q, keys, values, cu_seqlens_q, cu_k, mask=mask, scale=scale,
+                            backend=backend, return_lse=return_lse)
+
+
+def _checked_tables(q, key_pool, value_pool, block_table, seqlens,
+                    batch: Optional[int] = None) -> tuple[list, list]:
     """``(table, lengths)`` as host lists after checking them against the pools (one read of
-    each); ``ValueError``/``TypeError`` naming the offending sequence."""
+    each); ``ValueError``/``TypeError`` naming the offending sequence. ``batch``: the
+    sequences of packed queries (``q [total_q, Hq, D]``), else q's batch."""
     where = (f"q {tuple(q.shape)}, key_pool {tuple(key_pool.shape)}, value_pool "
              f"{tuple(value_pool.shape)}")
-    if q.dim() != 4 or key_pool.dim() != 4 or value_pool.dim() != 4:
-        raise ValueError(f"paged_attention takes q [B, Hq, Tq, D] and pools [num_blocks, "
-                         f"block_size, Hkv, D], got {where}")
+    if q.dim() != (4 if batch is None else 3) or key_pool.dim() != 4 or value_pool.dim() != 4:
+        raise ValueError(f"paged_attention takes q [B, Hq, Tq, D] (packed [total_q, Hq, D] with "
+                         f"cu_seqlens_q) and pools [num_blocks, block_size, Hkv, D], got {where}")
     if key_pool.shape[:3] != value_pool.shape[:3]:
         raise ValueError(f"key_pool and value_pool must share num_blocks, block_size and Hkv, "
                          f"got {where}")
@@ -107,7 +142,7 @@ def _checked_tables(q, key_pool, value_pool, block_table, seqlens) -> tuple[list
     num_blocks, block_size = key_pool.shape[:2]
     table = _integers("block_table", block_table, 2)
     lengths = _integers("seqlens", seqlens, 1)
-    batch = q.shape[0]
+    batch = q.shape[0] if batch is None else batch
     if len(table) != batch or len(lengths) != batch:
         raise ValueError(f"block_table [B, max_blocks] and seqlens [B] must have one row per "
                          f"sequence of q (B = {batch}), got {len(table)} and {len(lengths)}")
