@@ -42,7 +42,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .masks import FULL, Mask, MaskSpace, tensor_key, tensor_summary
+from .masks import FULL, Mask, MaskSpace, band_per_sequence, tensor_key, tensor_summary
 
 __all__ = ["Modifier", "Modifiers", "softcap", "alibi", "relative_bias", "sinks",
            "score_function", "t5_buckets", "split"]
@@ -732,3 +732,32 @@ def split(mask: Optional[Mask]) -> tuple[Optional[Mask], Optional[Modifiers]]:
         functions=tuple(m for m in found if m.kind == "score_function"),
         tensors=tuple(tensors.values()))
     return (functools.reduce(lambda a, b: a & b, rest) if rest else None), modifiers
+
+
+def per_sequence(mask: Optional[Mask], sequences: Mask, *, call: str,
+                 positions: Optional[str] = None) -> Mask:
+    """``mask`` applied inside each sequence of ``sequences`` (a :func:`~attnkit.masks.padding`
+    of each batch element's tokens, or :func:`~attnkit.masks.documents` of packed sequences),
+    as one mask: its band aligned to each sequence's own queries and keys
+    (:func:`~attnkit.masks.band_per_sequence`), its score modifiers joined; ``sequences``
+    itself when ``mask`` is ``None``. ``call`` names the caller in errors; ``positions``,
+    when given, says why ALiBi and relative biases cannot apply per sequence there (they
+    read positions, which are the whole row's). Masks that are not bands, and
+    ``score_function``, are refused with a ValueError."""
+    rest, modifiers = split(mask)
+    band = None if rest is None else rest.band()
+    if rest is not None and band is None:
+        raise ValueError(f"{call} applies its mask inside each sequence and takes causal(...), "
+                         f"sliding_window(...) and score modifiers; got {rest!r}. The sequences "
+                         f"are kept apart already; for another mask, pad the batch and call "
+                         f"attnkit.attention")
+    base = sequences if band is None else band_per_sequence(band, sequences)
+    if modifiers is None:
+        return base
+    if modifiers.functions:
+        raise ValueError(f"{call} does not take score_function: it would see the whole row's "
+                         f"positions, not each sequence's; pad the batch and call "
+                         f"attnkit.attention")
+    if (modifiers.alibi or modifiers.relative) and positions is not None:
+        raise ValueError(f"{call} applies alibi or relative_bias per sequence only {positions}")
+    return functools.reduce(lambda a, b: a & b, modifiers.parts(), base)

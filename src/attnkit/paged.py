@@ -14,15 +14,14 @@ prompt) costs no pool memory; each sequence's gathered keys are its own.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence, Union
 
 import torch
 
 from .api import AttentionResult, MaskLike, attention
 from .finite import row_flags
-from .masks import Mask, as_mask, band_per_sequence, causal, readable, vouched_padding
-from .modifiers import split
+from .masks import Mask, as_mask, causal, readable, vouched_padding
+from .modifiers import per_sequence
 from .numerics import accum_dtype
 
 
@@ -179,25 +178,13 @@ def _integers(name: str, value, dims: int) -> list:
 
 
 def sequence_mask(mask: Optional[Mask], sequences: Mask, q_len: int) -> Mask:
-    """``mask`` applied per sequence over ``sequences`` (a padding of each sequence's keys):
-    bands aligned to each sequence's own keys, score modifiers joined; the key padding
-    itself when ``mask`` is ``None``."""
-    rest, modifiers = split(mask)
-    band = None if rest is None else rest.band()
-    if rest is not None and band is None:
-        raise ValueError(f"a paged call applies its mask per sequence and takes causal(...), "
-                         f"sliding_window(...) and score modifiers; got {rest!r}")
-    base = sequences if band is None else band_per_sequence(band, sequences)
-    if modifiers is None:
-        return base
-    if modifiers.functions:
-        raise ValueError("a paged call does not take score_function: it would see the "
-                         "gathered row's positions, not each sequence's")
-    if (modifiers.alibi or modifiers.relative) and q_len != 1:
-        raise ValueError(f"a paged call applies alibi or relative_bias with one query per "
-                         f"sequence only (got {q_len}): with more, their alignment differs "
-                         f"per sequence; attend a contiguous cache for this")
-    return functools.reduce(lambda a, b: a & b, modifiers.parts(), base)
+    """``mask`` applied per sequence over ``sequences`` (a padding of each sequence's keys,
+    :func:`~attnkit.modifiers.per_sequence`): ALiBi and relative biases with one query per
+    sequence only, where no alignment matters."""
+    positions = None if q_len == 1 else (
+        f"with one query per sequence (got {q_len}): with more, their alignment differs per "
+        f"sequence; attend a contiguous cache for this")
+    return per_sequence(mask, sequences, call="a paged call", positions=positions)
 
 
 # ---- decoding by runs of blocks ----------------------------------------------------------

@@ -10,14 +10,13 @@ tokens), and the tiled engine skips every tile between two sequences.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional, Union
 
 import torch
 
 from .api import AttentionResult, MaskLike, attention
-from .masks import Mask, as_mask, band_per_sequence, documents
-from .modifiers import split
+from .masks import Mask, as_mask, documents
+from .modifiers import per_sequence
 
 
 class Layout(NamedTuple):
@@ -183,36 +182,13 @@ def _seqused(value, lengths: list[int], device) -> torch.Tensor:
 
 
 def sequence_mask(mask: Optional[Mask], layout: Layout) -> Mask:
-    """``mask`` applied inside each sequence of ``layout``, as one mask over the packed row:
-    ``documents`` of the sequence ids, a band aligned to each sequence's own query and key
-    segments (:func:`~attnkit.masks.band_per_sequence`), and the score modifiers (ALiBi and
-    relative biases where the segments coincide: positions there differ by the same amount
-    in the packed row as inside a sequence)."""
-    rest, modifiers = split(mask)
+    """``mask`` applied inside each sequence of ``layout``, as one mask over the packed row
+    (:func:`~attnkit.modifiers.per_sequence` over ``documents`` of the sequence ids): ALiBi
+    and relative biases only where the segments coincide (positions there differ by the same
+    amount in the packed row as inside a sequence)."""
     kv_ids = None if layout.kv_ids is layout.q_ids else layout.kv_ids  # one tensor: documents(ids)
-    base = documents(layout.q_ids, kv_ids)
-    band = None if rest is None else rest.band()
-    if rest is not None and band is None:
-        raise ValueError(f"varlen_attention applies its mask inside each sequence and takes "
-                         f"causal(...), sliding_window(...) and score modifiers; got {rest!r}. "
-                         f"The sequences are kept apart already; for another mask, pad the "
-                         f"batch and call attnkit.attention")
-    if band is not None:
-        base = band_per_sequence(band, base)
-    if modifiers is None:
-        return base
-    if modifiers.functions:
-        raise ValueError("varlen_attention does not take score_function: it would see the "
-                         "packed row's positions, not each sequence's; pad the batch and call "
-                         "attnkit.attention")
-    if modifiers.alibi or modifiers.relative:
-        _need_same_segments(layout, "alibi or relative_bias")
-    return functools.reduce(lambda a, b: a & b, modifiers.parts(), base)
-
-
-def _need_same_segments(layout: Layout, what: str) -> None:
-    if not layout.same_segments:
-        raise ValueError(f"varlen_attention applies {what} per sequence only where each "
-                         f"sequence's queries and keys are the same positions (cu_seqlens_k "
-                         f"equal to cu_seqlens_q, no seqused_k); pad the batch and call "
-                         f"attnkit.attention with {what} there")
+    positions = None if layout.same_segments else (
+        "where each sequence's queries and keys are the same positions (cu_seqlens_k equal to "
+        "cu_seqlens_q, no seqused_k); pad the batch and call attnkit.attention there")
+    return per_sequence(mask, documents(layout.q_ids, kv_ids), call="varlen_attention",
+                        positions=positions)
