@@ -489,7 +489,7 @@ def paged_rows(args, device, dtype, bench) -> list[dict]:
         return cache.append(new, new)
 
     def attend(cache, q):  # a step's read: the cache changed since the last one
-        cache._device_state = None
+        cache._changed()
         return cache.attend(q)
 
     rows = []

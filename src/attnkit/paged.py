@@ -45,6 +45,37 @@ def gather(key_pool: torch.Tensor, value_pool: torch.Tensor, block_table: torch.
     return out[0], out[1]
 
 
+def table_tensor(tables: Sequence[Sequence[int]], device) -> torch.Tensor:
+    """Block tables (host lists, one per sequence) as long ``[B, max_blocks]`` on ``device``,
+    rows padded with block 0 past their blocks (never read: positions past a sequence's
+    length are not looked up)."""
+    width = max([len(t) for t in tables], default=0) or 1
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.long,
+                        device=device).reshape(len(tables), width)
+
+
+def token_slots(table: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``counts[b]`` consecutive positions of each sequence from ``starts[b]``, flattened in
+    sequence order: ``(rows, offsets, slots)``, each ``[Σ counts]`` long — the sequence, the
+    offset from its start, and the pool row (``[num_blocks · block_size]``) through
+    ``table [B, max_blocks]``."""
+    rows = torch.repeat_interleave(torch.arange(counts.shape[0], device=table.device), counts)
+    offsets = torch.arange(rows.shape[0], device=table.device) - (counts.cumsum(0) - counts)[rows]
+    positions = starts[rows] + offsets
+    return rows, offsets, table[rows, positions // block_size] * block_size + positions % block_size
+
+
+def decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+           tables: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
+           scale: Optional[float], return_lse: bool) -> Union[torch.Tensor, AttentionResult]:
+    """A decoding step read in place by runs of blocks (:func:`decode_by_runs`), returned as
+    :func:`attnkit.attention` returns it (:func:`decode_result`)."""
+    out, lse = decode_by_runs(q, key_pool, value_pool, tables, spans,
+                              q.shape[-1] ** -0.5 if scale is None else scale)
+    return decode_result(q, out, lse, return_lse)
+
+
 def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                     block_table, seqlens, *, cu_seqlens_q=None, mask: MaskLike = None,
                     scale: Optional[float] = None, backend: str = "auto",
@@ -85,13 +116,10 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     given = as_mask(mask)
     spans = decode_spans(q, key_pool, value_pool, given, lengths, backend)
     if spans is not None:
-        out, lse = decode_by_runs(q, key_pool, value_pool, table, spans,
-                                  q.shape[-1] ** -0.5 if scale is None else scale)
-        return decode_result(q, out, lse, return_lse)
-    length = max(lengths) if lengths else 0
-    block_table = torch.as_tensor(table, dtype=torch.long, device=q.device).reshape(len(table), -1)
-    seqlens_t = torch.as_tensor(lengths, dtype=torch.long, device=q.device)
-    keys, values = gather(key_pool, value_pool, block_table, seqlens_t, length)
+        return decode(q, key_pool, value_pool, table, spans, scale, return_lse)
+    seqlens_t = torch.tensor(lengths, dtype=torch.long, device=q.device)
+    keys, values = gather(key_pool, value_pool, table_tensor(table, q.device), seqlens_t,
+                          max(lengths, default=0))
     per_sequence = sequence_mask(given, vouched_padding(None, seqlens_t), q.shape[-2])
     return attention(q, keys, values, per_sequence, scale=scale, backend=backend,
                      return_lse=return_lse)
@@ -108,13 +136,9 @@ def _packed_queries(q, key_pool, value_pool, block_table, seqlens, cu_seqlens_q,
                          f"got q {tuple(q.shape)}")
     batch = len(_integers("cu_seqlens_q", cu_seqlens_q, 1)) - 1
     table, lengths = _checked_tables(q, key_pool, value_pool, block_table, seqlens, batch)
-    device, block_size = q.device, key_pool.shape[1]
-    width = max([len(row) for row in table], default=1) or 1
-    table_t = torch.tensor(table, dtype=torch.long, device=device).reshape(batch, width)
-    count = torch.tensor(lengths, dtype=torch.long, device=device)
-    rows = torch.repeat_interleave(torch.arange(batch, device=device), count)  # [total_k]
-    positions = torch.arange(rows.shape[0], device=device) - (count.cumsum(0) - count)[rows]
-    slots = table_t[rows, positions // block_size] * block_size + positions % block_size
+    count = torch.tensor(lengths, dtype=torch.long, device=q.device)
+    _, _, slots = token_slots(table_tensor(table, q.device), torch.zeros_like(count), count,
+                              key_pool.shape[1])  # [total_k]
     keys, values = (pool.reshape(-1, *pool.shape[2:])[slots] for pool in (key_pool, value_pool))
     cu_k = [0, *torch.tensor(lengths).cumsum(0).tolist()] if lengths else [0]
     return varlen_attention(q, keys, values, cu_seqlens_q, cu_k, mask=mask, scale=scale,
@@ -329,7 +353,8 @@ class PagedKVCache:
         self._holders = [0] * num_blocks  # sequences holding each block
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 first
         self._width = 0  # the positions per row of the last append's chunk
-        self._device_state: Optional[tuple] = None  # block table, lengths, appended, K, V
+        self._device_state: Optional[tuple] = None  # block table, lengths, appended
+        self._gathered: Optional[tuple] = None  # keys, values
 
     @classmethod
     def from_tables(cls, key_pool: torch.Tensor, value_pool: torch.Tensor, block_tables,
@@ -371,7 +396,7 @@ class PagedKVCache:
         self.tables += [[] for _ in range(count)]
         self.lengths += [0] * count
         self.appended += [0] * count
-        self._device_state = None
+        self._changed()
         return list(range(first, first + count))
 
     def fork(self, row: int) -> int:
@@ -383,7 +408,7 @@ class PagedKVCache:
         self.tables.append(list(self.tables[row]))
         self.lengths.append(self.lengths[row])
         self.appended.append(0)
-        self._device_state = None
+        self._changed()
         return self.batch - 1
 
     def free(self, rows: Sequence[int]) -> None:
@@ -412,7 +437,7 @@ class PagedKVCache:
         self.tables = [list(self.tables[r]) for r in rows]
         self.lengths = [self.lengths[r] for r in rows]
         self.appended = [self.appended[r] for r in rows]
-        self._device_state = None
+        self._changed()
 
     def _release(self, table: list[int]) -> None:
         for block in table:
@@ -457,21 +482,16 @@ class PagedKVCache:
             self.key_pool[target] = self.key_pool[source]
             self.value_pool[target] = self.value_pool[source]
         if any(counts):  # row b's offsets [0, counts[b]) go to its positions lengths[b] + offset
-            device, size = keys.device, self.block_size
-            width = max(len(t) for t in plan)
-            table = torch.tensor([t + [0] * (width - len(t)) for t in plan], device=device)
-            count = torch.tensor(counts, device=device)
-            rows = torch.repeat_interleave(torch.arange(batch, device=device), count)
-            offsets = (torch.arange(rows.shape[0], device=device)
-                       - torch.repeat_interleave(count.cumsum(0) - count, count))
-            positions = torch.tensor(self.lengths, device=device)[rows] + offsets
-            slots = table[rows, positions // size] * size + positions % size  # [n]
+            device = keys.device
+            rows, offsets, slots = token_slots(
+                table_tensor(plan, device), torch.tensor(self.lengths, device=device),
+                torch.tensor(counts, device=device), self.block_size)
             for pool, new_rows in ((self.key_pool, keys), (self.value_pool, values)):
                 pool.view(-1, *pool.shape[2:])[slots] = new_rows.transpose(1, 2)[rows, offsets]
         self.tables = plan
         self.lengths = [a + b for a, b in zip(self.lengths, counts)]
         self.appended, self._width = counts, new
-        self._device_state = None
+        self._changed()
         return self
 
     def _plan(self, counts: list[int]) -> tuple[list[list[int]], list[tuple[int, int]]]:
@@ -537,29 +557,37 @@ class PagedKVCache:
     def keys(self) -> torch.Tensor:
         """Every sequence's keys gathered from the pool ``[B, Hkv, T, D]`` (T the longest
         sequence; zeros past each one's length), once per change of the cache."""
-        return self._state()[3]
+        return self._gather()[0]
 
     @property
     def values(self) -> torch.Tensor:
         """Every sequence's values gathered ``[B, Hkv, T, Dv]``, as :attr:`keys`."""
-        return self._state()[4]
+        return self._gather()[1]
+
+    def _changed(self) -> None:
+        """Forget what was made from the tables and the pool (:meth:`_state`, :meth:`_gather`):
+        the cache changed."""
+        self._device_state = self._gathered = None
 
     def _state(self) -> tuple:
-        """(block table, lengths, appended, keys, values) on the pools' device, made once per
-        change of the cache."""
+        """(block table, lengths, appended) on the pools' device, made once per change of the
+        cache."""
         if self._device_state is None:
             if self.key_pool is None:
                 raise ValueError("PagedKVCache holds no tokens yet: append first")
             device = self.key_pool.device
-            width = max(1, max(len(t) for t in self.tables)) if self.tables else 1
-            table = torch.tensor([t + [0] * (width - len(t)) for t in self.tables],
-                                 dtype=torch.long, device=device).reshape(self.batch, width)
-            lengths = torch.tensor(self.lengths, dtype=torch.long, device=device)
-            appended = torch.tensor(self.appended, dtype=torch.long, device=device)
-            keys, values = gather(self.key_pool, self.value_pool, table, lengths,
-                                  max(self.lengths, default=0))
-            self._device_state = (table, lengths, appended, keys, values)
+            self._device_state = (table_tensor(self.tables, device),
+                                  torch.tensor(self.lengths, dtype=torch.long, device=device),
+                                  torch.tensor(self.appended, dtype=torch.long, device=device))
         return self._device_state
+
+    def _gather(self) -> tuple:
+        """(keys, values) gathered through the tables, made once per change of the cache."""
+        if self._gathered is None:
+            table, lengths, _ = self._state()
+            self._gathered = gather(self.key_pool, self.value_pool, table, lengths,
+                                    max(self.lengths, default=0))
+        return self._gathered
 
     def mask(self, is_causal: bool = True) -> Mask:
         """The mask of the last :meth:`append`'s queries over :attr:`keys`: each sequence's
@@ -571,7 +599,7 @@ class PagedKVCache:
 
     def _sequences(self) -> Mask:
         """Each sequence's real new queries and keys, as a (vouched) padding mask."""
-        _, lengths, appended, _, _ = self._state()
+        _, lengths, appended = self._state()
         if all(a == self._width for a in self.appended):
             return vouched_padding(None, lengths)  # every query real
         return vouched_padding(appended, lengths)
@@ -592,9 +620,8 @@ class PagedKVCache:
             spans = decode_spans(q, self.key_pool, self.value_pool, band, self.lengths,
                                  backend)
             if spans is not None:
-                out, lse = decode_by_runs(q, self.key_pool, self.value_pool, self.tables, spans,
-                                          q.shape[-1] ** -0.5 if scale is None else scale)
-                return decode_result(q, out, lse, return_lse)
+                return decode(q, self.key_pool, self.value_pool, self.tables, spans, scale,
+                              return_lse)
         step = self.mask(is_causal)
         if given is not None:
             step = step & sequence_mask(given, self._sequences(), q.shape[-2])
