@@ -107,6 +107,13 @@ def checked_steps(step, names: list[str], quick: bool) -> dict[str, float]:
                        calls=2 if quick else 10, blocks=2 if quick else 5)
 
 
+def step_row(case: str, seconds: dict[str, float], ratio: str, over: str, under: str) -> dict:
+    """A table row of decode steps: ms per step of each name in ``seconds``, and ``ratio`` =
+    the time of ``over`` / the time of ``under``."""
+    return dict(case=case, unit="ms/step", **{name: t * 1e3 for name, t in seconds.items()},
+                **{ratio: seconds[over] / seconds[under]})
+
+
 def paged_decode_row(quick: bool) -> dict:
     """The timing row of a decode step over a paged and a contiguous cache."""
     from attnkit.nn import KVCache, PagedKVCache
@@ -130,12 +137,9 @@ def paged_decode_row(quick: bool) -> dict:
             return cache.attend(q)
         return ak.attention(q, cache.keys, cache.values, cache.mask())
 
-    seconds = checked_steps(step, list(caches), quick)
-    return dict(case=f"paged decode step, {count} sequences {int(lengths[0])}..{longest} keys, "
-                     f"Hq{HEADS} Hkv{heads_kv} D{HEAD_DIM}, block {block}",
-                unit="ms/step", paged=seconds["paged"] * 1e3,
-                contiguous=seconds["contiguous"] * 1e3,
-                ratio=seconds["paged"] / seconds["contiguous"])
+    return step_row(f"paged decode step, {count} sequences {int(lengths[0])}..{longest} keys, "
+                    f"Hq{HEADS} Hkv{heads_kv} D{HEAD_DIM}, block {block}",
+                    checked_steps(step, list(caches), quick), "ratio", "paged", "contiguous")
 
 
 def shared_prefix_row(quick: bool) -> dict:
@@ -159,12 +163,9 @@ def shared_prefix_row(quick: bool) -> dict:
     def step(name: str) -> torch.Tensor:
         return caches[name].append(kv, kv).attend(q)
 
-    seconds = checked_steps(step, list(caches), quick)
-    return dict(case=f"shared prefix decode step, {count} forks of a {prefix}-token prompt, "
-                     f"Hq{HEADS} Hkv{heads_kv} D{HEAD_DIM}, block {block}",
-                unit="ms/step", shared=seconds["shared"] * 1e3,
-                unshared=seconds["unshared"] * 1e3,
-                speedup=seconds["unshared"] / seconds["shared"])
+    return step_row(f"shared prefix decode step, {count} forks of a {prefix}-token prompt, "
+                    f"Hq{HEADS} Hkv{heads_kv} D{HEAD_DIM}, block {block}",
+                    checked_steps(step, list(caches), quick), "speedup", "unshared", "shared")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -688,9 +688,9 @@ DENSE_MEMO_ELEMENTS = 1 << 20
 
 DENSE_MAX_SCORES = 1 << 16
 """``auto`` runs a mask other than causal on the torch backend, materialised as a dense bias,
-when it covers at most this many scores per batch element and head (Tq·Tk ≤ 256²: decoding steps, short padded
-batches); the tiled engine, which skips empty tiles and plans on the host, is measured faster
-beyond (docs/BENCHMARKS.md)."""
+when it covers at most this many scores per batch element and head (Tq·Tk ≤ 256²: decoding
+steps, short padded batches); the tiled engine, which skips empty tiles and plans on the
+host, is measured faster beyond (docs/BENCHMARKS.md)."""
 
 
 def mask_fields(mask: Mask) -> dict:

@@ -371,8 +371,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     sequences in one row (a batch of one, as ``DataCollatorWithFlattening`` makes) are kept
     apart, with or without a mask, as ``flash_attention_2`` keeps them: by
     ``cu_seq_lens_q``/``cu_seq_lens_k`` when given, else by ``position_ids`` that restart
-    (without a padding mask; read once per forward pass). ``softcap`` (a float) caps the scaled scores (:func:`attnkit.softcap`);
-    ``s_aux`` or ``sinks`` (``[Hq]``) are per-head sink logits (:func:`attnkit.sinks`).
+    (without a padding mask; read once per forward pass). ``softcap`` (a float) caps the
+    scaled scores (:func:`attnkit.softcap`); ``s_aux`` or ``sinks`` (``[Hq]``) are per-head
+    sink logits (:func:`attnkit.sinks`).
 
     Raises ``NotImplementedError`` for sparse index selections (see :data:`_UNSUPPORTED`).
     """
