@@ -264,16 +264,66 @@ def test_decoding_by_runs_reads_a_shared_run_once():
         return real(q, *args, **kwargs)
 
     q = torch.randn(cache.batch, 4, 1, 8, generator=gen)
-    runs = {run for table, n in zip(cache.tables, cache.lengths)
-            for run in paged.runs_of_blocks(table, 0, n, cache.block_size)}
+    runs = paged.shared_runs(cache.tables, [(0, n) for n in cache.lengths], cache.block_size)
+    own = [paged.shared_runs([t], [(0, n)], cache.block_size)
+           for t, n in zip(cache.tables, cache.lengths)]
     try:
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu = counting
         cache.attend(q)
     finally:
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu = real
-    assert len(calls) == len(runs) < sum(len(paged.runs_of_blocks(t, 0, n, 4))
-                                         for t, n in zip(cache.tables, cache.lengths))
+    long = [run for run, seqs in runs.items() if len(seqs) > 1 or run[1] - run[0] >= 256]
+    assert len(calls) == len(long) + 1 < sum(len(r) for r in own)  # + 1: the short runs
     assert max(calls) > 2  # a shared run: the query rows of several sequences at once
+
+
+def test_shared_runs_cover_each_sequence_once():
+    """Every sequence's runs are exactly the slots of its span, each slot once; a run two
+    sequences list is the same slots in both."""
+    from attnkit import paged
+
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(20):
+        size = int(torch.randint(1, 5, (1,), generator=gen))
+        common = torch.randperm(40, generator=gen)[:6].tolist()
+        tables, spans = [], []
+        for b in range(4):
+            own = (torch.randperm(40, generator=gen)[:5] + 40 + 10 * b).tolist()
+            table = common[:int(torch.randint(0, 7, (1,), generator=gen))] + own
+            stop = int(torch.randint(0, len(table) * size + 1, (1,), generator=gen))
+            first = int(torch.randint(0, stop + 1, (1,), generator=gen))
+            tables.append(table)
+            spans.append((first, stop))
+        runs = paged.shared_runs(tables, spans, size)
+        for b, (table, (first, stop)) in enumerate(zip(tables, spans)):
+            want = [table[p // size] * size + p % size for p in range(first, stop)]
+            got = [s for (a, z), seqs in runs.items() if b in seqs for s in range(a, z)]
+            assert sorted(got) == sorted(want)
+
+
+def test_decoding_by_runs_in_place_shared_and_short_runs():
+    """A step whose keys are long runs read in place (a shared prompt, one sequence's own
+    long run) and short runs read together equals the reference on the gathered keys."""
+    from attnkit import paged
+
+    gen = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(200, 8)
+    prompt = torch.randn(2, 2, 600, 8, generator=gen, dtype=F64)
+    cache.append(prompt, prompt.flip(-1), lengths=[600, 300])
+    cache.fork(0), cache.fork(0)
+    for _ in range(3):
+        new = torch.randn(cache.batch, 2, 1, 8, generator=gen, dtype=F64)
+        cache.append(new, new * 2)
+    runs = paged.shared_runs(cache.tables, [(0, n) for n in cache.lengths], 8)
+    assert any(len(seqs) > 1 for seqs in runs.values())  # the forked prompt
+    assert any(len(seqs) == 1 and z - a >= paged.SHORT_RUN for (a, z), seqs in runs.items())
+    assert any(len(seqs) == 1 and z - a < paged.SHORT_RUN for (a, z), seqs in runs.items())
+    q = torch.randn(cache.batch, 4, 1, 8, generator=gen, dtype=F64)
+    for mask in (None, ak.sliding_window(400, align="bottom_right")):
+        got = cache.attend(q, mask, return_lse=True)
+        want = cache.attend(q, mask, backend="reference", return_lse=True)
+        torch.testing.assert_close(got.out, want.out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got.lse, want.lse.to(got.lse.dtype), rtol=1e-12, atol=1e-12)
 
 
 def test_decoding_by_runs_keeps_the_non_finite_rules():

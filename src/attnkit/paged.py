@@ -14,8 +14,10 @@ prompt) costs no pool memory; each sequence's gathered keys are its own.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from .api import AttentionResult, MaskLike, attention
@@ -103,9 +105,10 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     the pool.
 
     A decoding step (one query per sequence, CPU, no autograd, no mask but a bottom-right
-    band) reads the pool in place, one fused-kernel call per run of consecutive blocks, a run
-    shared by several sequences read once for all of them (:func:`decode_by_runs`); any
-    other call gathers each sequence's keys and values first.
+    band) reads the pool by runs of consecutive blocks: a long run in place (one fused-kernel
+    call), a run shared by several sequences once for all of them, the short rest of every
+    sequence in one batched call (:func:`decode_by_runs`); any other call gathers each
+    sequence's keys and values first.
     """
     if not all(isinstance(t, torch.Tensor) for t in (q, key_pool, value_pool)):
         raise TypeError("paged_attention takes q, key_pool and value_pool as torch.Tensors")
@@ -248,48 +251,71 @@ def decode_result(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, return_
     return AttentionResult(out, lse + flag[..., 0].to(lse.dtype), None)
 
 
-def runs_of_blocks(table: Sequence[int], first: int, stop: int,
-                   block_size: int) -> list[tuple[int, int]]:
-    """The slots of logical positions ``[first, stop)`` of a sequence with blocks ``table``,
-    as maximal runs of consecutive pool slots ``[(slot_start, slot_stop), ...]`` (pool rows
-    ``[num_blocks · block_size]``), in order."""
-    runs: list[list[int]] = []
-    position = first
-    while position < stop:
-        block, offset = divmod(position, block_size)
-        count = min(block_size - offset, stop - position)
-        start = table[block] * block_size + offset
-        if runs and runs[-1][1] == start:
-            runs[-1][1] += count
-        else:
-            runs.append([start, start + count])
-        position += count
-    return [(a, b) for a, b in runs]
+def shared_runs(tables: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
+                block_size: int) -> dict[tuple[int, int], list[int]]:
+    """The pool slots each sequence reads, logical positions ``spans[b] = (first, stop)``
+    through its blocks ``tables[b]``, as runs of consecutive pool slots ``(slot_start,
+    slot_stop)`` (pool rows ``[num_blocks · block_size]``), each with the sequences reading
+    it, in order. A run ends where the next block is not the next in the pool or is held by
+    a different number of these sequences, so a run several sequences share is one run of
+    all of them (whose other runs are their own)."""
+    live = [table[first // block_size:-(-stop // block_size)] if first < stop else []
+            for table, (first, stop) in zip(tables, spans)]
+    counts = [len(blocks) for blocks in live]
+    blocks = np.fromiter(chain.from_iterable(live), dtype=np.int64, count=sum(counts))
+    if not blocks.size:
+        return {}
+    seq = np.repeat(np.arange(len(live)), counts)
+    held = np.bincount(blocks)[blocks]
+    new = np.ones(blocks.size, dtype=bool)
+    new[1:] = (blocks[1:] != blocks[:-1] + 1) | (held[1:] != held[:-1]) | (seq[1:] != seq[:-1])
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], blocks.size)
+    slot_start, slot_stop = blocks[starts] * block_size, (blocks[ends - 1] + 1) * block_size
+    ends_of = np.cumsum(counts)  # each sequence's first block at ends_of − counts
+    first, stop = np.array(spans, dtype=np.int64).reshape(-1, 2).T
+    opening = np.isin(starts, ends_of - counts)
+    slot_start[opening] += first[seq[starts[opening]]] % block_size
+    closing = np.isin(ends, ends_of)
+    slot_stop[closing] -= -stop[seq[starts[closing]]] % block_size
+    runs: dict[tuple[int, int], list[int]] = {}
+    for run in zip(slot_start.tolist(), slot_stop.tolist(), seq[starts].tolist()):
+        runs.setdefault(run[:2], []).append(run[2])
+    return runs
+
+
+SHORT_RUN = 256
+"""Keys of a run one sequence holds alone below which :func:`decode_by_runs` reads it in one
+batched call with the other sequences' short runs instead of a fused-kernel call of its own
+(a call costs about what copying a few hundred keys does)."""
 
 
 def decode_by_runs(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                    tables: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per sequence over its keys ``spans[b] = (first, stop)`` (logical positions)
-    read in place from the pool: ``q [B, Hq, 1, Dk]`` → ``(out [B, Hq, 1, Dv], lse [B, Hq, 1])``
-    (LSE in the accumulation dtype; output 0 and LSE −inf for an empty span).
+    read from the pool: ``q [B, Hq, 1, Dk]`` → ``(out [B, Hq, 1, Dv], lse [B, Hq, 1])`` (LSE
+    in the accumulation dtype; output 0 and LSE −inf for an empty span).
 
-    Each maximal run of consecutive pool slots is one fused-kernel call on a view of the pool
-    (no copy); a run several sequences hold (a shared prompt, beam search) is read once, by
-    one call whose query rows are all of theirs; the pieces merge by their log-sum-exp. CPU,
-    no autograd: :meth:`PagedKVCache.attend` chooses it."""
+    The keys are read by maximal runs of consecutive pool slots. A run several sequences hold
+    (a shared prompt, beam search) or of :data:`SHORT_RUN` keys or more is one fused-kernel
+    call on a view of the pool (no copy) whose query rows are those of every sequence holding
+    it, so a shared run is read once; the short runs each sequence holds alone (its own
+    latest tokens) are copied out and read together in one batched call. The pieces merge by
+    their log-sum-exp. CPU, no autograd: :meth:`PagedKVCache.attend` chooses it."""
     batch, heads_q = q.shape[:2]
     heads_kv = key_pool.shape[2]
     group = heads_q // heads_kv
     rows_of = q.reshape(batch, heads_kv, group, q.shape[-1])  # [B, Hkv, G, Dk]: a query's heads
-    holders: dict[tuple[int, int], list[int]] = {}
-    for b, (table, (first, stop)) in enumerate(zip(tables, spans)):
-        for run in runs_of_blocks(table, first, stop, key_pool.shape[1]):
-            holders.setdefault(run, []).append(b)
+    holders = shared_runs(tables, spans, key_pool.shape[1])
     keys = key_pool.reshape(-1, heads_kv, key_pool.shape[-1])  # [slots, Hkv, Dk]
     values = value_pool.reshape(-1, heads_kv, value_pool.shape[-1])
     outs, lses, targets = [], [], []
+    short: dict[int, list[tuple[int, int]]] = {}
     for (start, stop), seqs in holders.items():
+        if len(seqs) == 1 and stop - start < SHORT_RUN:
+            short.setdefault(seqs[0], []).append((start, stop))
+            continue
         index = torch.tensor(seqs, device=q.device)
         rows = rows_of[index].permute(1, 0, 2, 3).reshape(1, heads_kv, -1, q.shape[-1])
         k_run = keys[start:stop].permute(1, 0, 2)[None]  # [1, Hkv, L, Dk]: a view
@@ -298,6 +324,12 @@ def decode_by_runs(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Te
             rows, k_run, v_run, 0.0, False, scale=scale)[:2]
         outs.append(out[0].unflatten(1, (len(seqs), group)).transpose(0, 1))  # [n, Hkv, G, Dv]
         lses.append(lse[0].unflatten(1, (len(seqs), group)).transpose(0, 1))  # [n, Hkv, G]
+        targets.append(index)
+    if short:
+        index = torch.tensor(list(short), device=q.device)
+        out, lse = _short_runs(rows_of[index], keys, values, list(short.values()), scale)
+        outs.append(out)
+        lses.append(lse)
         targets.append(index)
     dv = value_pool.shape[-1]
     if not outs:
@@ -315,6 +347,37 @@ def decode_by_runs(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Te
     merged = (merged / total.masked_fill(empty, 1.0)[..., None]).to(q.dtype)
     lse_all = (top + torch.log(total)).masked_fill(empty, float("-inf"))
     return merged.reshape(batch, heads_q, 1, dv), lse_all.reshape(batch, heads_q, 1)
+
+
+def _short_runs(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                runs: list[list[tuple[int, int]]], scale: float,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows ``rows [n, Hkv, G, Dk]`` of n sequences over the pool slots of their
+    ``runs`` (per sequence, ``(slot_start, slot_stop)`` pairs, at least one key), copied out
+    of ``keys``/``values`` ``[slots, Hkv, D]`` into one padded batch read by one fused-kernel
+    call under a key bias: ``(out [n, Hkv, G, Dv], lse [n, Hkv, G])``. A sequence's padding
+    repeats its first slot (a key it attends, so nothing it does not own is read)."""
+    pieces = [run for seq_runs in runs for run in seq_runs]
+    starts, stops = np.array(pieces, dtype=np.int64).reshape(-1, 2).T
+    sizes = stops - starts
+    seq_of = np.repeat(np.arange(len(runs)), [len(seq_runs) for seq_runs in runs])  # per run
+    counts = np.bincount(seq_of, weights=sizes, minlength=len(runs)).astype(np.int64)
+    before = np.cumsum(sizes) - sizes  # keys of the runs before each run, all sequences
+    column = before - (np.cumsum(counts) - counts)[seq_of]  # its first key's column
+    run_of = np.repeat(np.arange(sizes.size), sizes)  # per key
+    step = np.arange(run_of.size) - before[run_of]
+    width = int(counts.max())
+    index = np.repeat(starts[column == 0][:, None], width, axis=1)  # [n, L]
+    index[seq_of[run_of], column[run_of] + step] = starts[run_of] + step
+    outside = torch.from_numpy(np.arange(width)[None, :] >= counts[:, None]).to(rows.device)
+    bias = rows.new_zeros(outside.shape).masked_fill_(outside, float("-inf"))  # [n, L]
+    flat = torch.from_numpy(index).to(rows.device).view(-1)
+    n, heads_kv = rows.shape[:2]
+    k, v = (t.view(t.shape[0], -1).index_select(0, flat).view(n, width, heads_kv, -1)
+            .transpose(1, 2) for t in (keys, values))  # [n, Hkv, L, D]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        rows, k, v, 0.0, False, attn_mask=bias[:, None, None, :], scale=scale)[:2]
+    return out, lse
 
 
 # ---- the cache ---------------------------------------------------------------------------------
