@@ -463,8 +463,8 @@ def decode_rows(args, device, dtype, bench) -> list[dict]:
 
 def paged_rows(args, device, dtype, bench) -> list[dict]:
     """Decoding steps over an ``attnkit.nn.PagedKVCache`` (blocks of 16; 64 query heads, GQA
-    8:1, D 128): ``cache.attend`` with the cache changed since its last read (its K/V are
-    gathered again, as after every append) against SDPA's best backend on the same keys
+    8:1, D 128): ``cache.attend`` (the split-key kernel reading blocks through the table,
+    the table made again as after every append) against SDPA's best backend on the same keys
     already gathered, as µs and K/V bandwidth (keys and values read once) over the copy
     bandwidth; and a decode step of B forks of one prompt (shared blocks) against B unshared
     copies. Each row is checked against SDPA's math backend first."""

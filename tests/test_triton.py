@@ -771,3 +771,77 @@ def test_modifiers_the_kernels_do_not_run_are_refused(gen):
     assert any("2 alibi modifiers" in r for r in TritonBackend().not_supported_reasons(validate(q, k, v, twice)))
     assert launch.decode_form(validate(q, k, v, ak.softcap(5.0))) is None
     assert launch.decode_form(validate(q, k, v, ak.sinks(torch.zeros(2)))) is not None
+
+
+# ---- paged keys read through the block table ------------------------------------------------
+@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("case", ["none", "causal", "window"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_paged_decode_reads_blocks_by_table(q_len, case, dtype, gen, monkeypatch):
+    """The split-key kernel over shuffled blocks of a NaN-filled pool (garbage past every
+    sequence's blocks in the table, a sequence of no keys, GQA 4:1) equals float64 math on
+    each sequence's own keys, within twice the error of plain math in the dtype."""
+    from test_paged import _pools
+
+    from attnkit import paged
+
+    lengths = [37, 0, 130, 5]
+    key_pool, value_pool, table, keys, values = _pools(lengths, 16, heads_kv=2, dk=32, dv=16)
+    key_pool, value_pool = key_pool.to(dtype), value_pool.to(dtype)
+    q = torch.randn(4, 8, q_len, 32, generator=gen).to(dtype)
+    mask = {"none": None, "causal": ak.causal("bottom_right"),
+            "window": ak.sliding_window(9, align="bottom_right")}[case]
+    ran = []
+    real = launch.paged_decode
+    monkeypatch.setattr(launch, "paged_decode", lambda *a: ran.append(a) or real(*a))
+    got = paged.paged_attention(q, key_pool, value_pool, table, lengths, mask=mask,
+                                backend="triton", return_lse=True)
+    assert ran, "the paged kernel did not run"
+    runs = {}
+    for how, dt in (("truth", torch.float64), ("plain", dtype)):
+        outs, lses = [], []
+        for b, n in enumerate(lengths):
+            per = None if mask is None else (
+                ak.causal("bottom_right") if case == "causal"
+                else ak.sliding_window(9, align="bottom_right"))
+            k, v = keys[b][None].to(dtype).to(dt), values[b][None].to(dtype).to(dt)  # as pooled
+            if n == 0:
+                outs.append(torch.zeros(1, 8, q_len, 16, dtype=dt))
+                lses.append(torch.full((1, 8, q_len), float("-inf"), dtype=torch.float64))
+                continue
+            r = ak.attention(q[b:b + 1].to(dt), k, v, per, backend="reference", return_lse=True)
+            outs.append(r.out)
+            lses.append(r.lse.double())
+        runs[how] = (torch.cat(outs), torch.cat(lses))
+    assert_within_2x("out", got.out, runs["truth"][0], runs["plain"][0], dtype)
+    seen = torch.isfinite(runs["truth"][1])
+    torch.testing.assert_close(got.lse.double()[seen], runs["truth"][1][seen], rtol=1e-5,
+                               atol=1e-5)
+    assert (got.lse[~seen] == float("-inf")).all()
+
+
+def test_paged_decode_reads_a_forked_prompt_once(gen, monkeypatch):
+    """Forks of two prompts: one extra launch per shared prompt whose queries are all of its
+    forks', merged with each fork's own keys; equal to float64 math on the gathered keys,
+    one token per step and three at once."""
+    from attnkit.nn import PagedKVCache
+
+    cache = PagedKVCache(300, 16)
+    prompt = torch.randn(2, 2, 300, 32, generator=gen)
+    cache.append(prompt, prompt.flip(-1), lengths=[300, 100])
+    cache.fork(0), cache.fork(0), cache.fork(1)
+    launches = []
+    real = launch.paged_decode
+    monkeypatch.setattr(launch, "paged_decode", lambda *a: launches.append(a[0].shape) or real(*a))
+    for width in (1, 1, 3):
+        new = torch.randn(cache.batch, 2, width, 32, generator=gen)
+        cache.append(new, new * 2)
+        q = torch.randn(cache.batch, 8, width, 32, generator=gen)
+        launches.clear()
+        got = cache.attend(q, backend="triton", return_lse=True)
+        want = ak.attention(q.double(), cache.keys.double(), cache.values.double(),
+                            cache.mask(), backend="reference", return_lse=True)
+        torch.testing.assert_close(got.out.double(), want.out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.lse.double(), want.lse, rtol=1e-5, atol=1e-5)
+        shared = sorted(shape[2] for shape in launches[1:])  # the prompts' launches: forks as queries
+        assert shared == ([2, 3] if width == 1 else [])

@@ -107,8 +107,11 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     A decoding step (one query per sequence, CPU, no autograd, no mask but a bottom-right
     band) reads the pool by runs of consecutive blocks: a long run in place (one fused-kernel
     call), a run shared by several sequences once for all of them, the short rest of every
-    sequence in one batched call (:func:`decode_by_runs`); any other call gathers each
-    sequence's keys and values first.
+    sequence in one batched call (:func:`decode_by_runs`). On the triton kernel (CUDA with
+    ``backend="auto"``, or ``backend="triton"``), a step of a few queries per sequence (at
+    most 16, no autograd, no mask but a bottom-right band) reads every key tile's blocks
+    through the table, a prompt forks share once for all of them (:func:`kernel_decode`).
+    Any other call gathers each sequence's keys and values first.
     """
     if not all(isinstance(t, torch.Tensor) for t in (q, key_pool, value_pool)):
         raise TypeError("paged_attention takes q, key_pool and value_pool as torch.Tensors")
@@ -117,6 +120,11 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
                                mask=mask, scale=scale, backend=backend, return_lse=return_lse)
     table, lengths = _checked_tables(q, key_pool, value_pool, block_table, seqlens)
     given = as_mask(mask)
+    band = kernel_band(q, key_pool, value_pool, given, backend)
+    if band is not None:
+        out, lse = kernel_decode(q, key_pool, value_pool, table_tensor(table, q.device), table,
+                                 lengths, band, scale)
+        return decode_result(q, out, lse, return_lse)
     spans = decode_spans(q, key_pool, value_pool, given, lengths, backend)
     if spans is not None:
         return decode(q, key_pool, value_pool, table, spans, scale, return_lse)
@@ -378,6 +386,121 @@ def _short_runs(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         rows, k, v, 0.0, False, attn_mask=bias[:, None, None, :], scale=scale)[:2]
     return out, lse
+
+
+# ---- decoding on the split-key kernel (triton) --------------------------------------------------
+def kernel_band(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                mask: Optional[Mask], backend: str,
+                ) -> Optional[tuple[Optional[int], Optional[int]]]:
+    """The band ``(left, right)`` (``None``: unbounded) of a step the triton split-key kernel
+    runs reading blocks through the table (:func:`kernel_decode`): ``backend="triton"``, or
+    ``"auto"`` on CUDA with triton usable; no autograd; few queries per sequence (at most
+    ``DECODE_MAX_QUERIES``, and ``DECODE_MAX_ROWS`` query rows per kv head); float32, float16
+    or bfloat16; no mask but a bottom-right band. ``None`` otherwise."""
+    if backend not in ("triton", "auto") or (backend == "auto" and q.device.type != "cuda"):
+        return None
+    from .backends.triton import TritonBackend, launch
+
+    heads_kv = key_pool.shape[2]
+    if (TritonBackend().unavailable_reason() is not None
+            or not readable(q, key_pool, value_pool) or q.dim() != 4
+            or q.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+            or q.shape[1] % heads_kv or q.shape[2] > launch.DECODE_MAX_QUERIES
+            or q.shape[1] // heads_kv * q.shape[2] > launch.DECODE_MAX_ROWS
+            or max(q.shape[-1], value_pool.shape[-1]) > TritonBackend.MAX_HEAD_DIM
+            or (torch.is_grad_enabled()
+                and any(t.requires_grad for t in (q, key_pool, value_pool)))):
+        return None
+    if mask is None:
+        return None, None
+    band = None if mask.modifies else mask.band()
+    if band is None or band.align != "bottom_right":
+        return None
+    return band.left, band.right
+
+
+def shared_prefixes(tables: Sequence[Sequence[int]], lengths: Sequence[int],
+                    block_size: int) -> list[tuple[list[int], list[int], int]]:
+    """Prompts several sequences share, as ``(members, blocks, keys)``: the sequences
+    ``members`` all begin with the pool blocks ``blocks`` holding their first ``keys``
+    positions. A sequence's shared prefix is its leading blocks that other sequences of the
+    call hold too; sequences with the same prefix form one entry (a prefix only one sequence
+    has is not shared)."""
+    live = [list(t[:-(-n // block_size)]) for t, n in zip(tables, lengths)]
+    held = np.bincount(np.fromiter(chain.from_iterable(live), dtype=np.int64),
+                       minlength=1).tolist()
+    groups: dict[tuple, list[int]] = {}
+    for seq, (blocks, count) in enumerate(zip(live, lengths)):
+        lead = next((i for i, b in enumerate(blocks) if held[b] < 2), len(blocks))
+        if lead:
+            groups.setdefault((tuple(blocks[:lead]), min(count, lead * block_size)),
+                              []).append(seq)
+    return [(members, list(blocks), keys) for (blocks, keys), members in groups.items()
+            if len(members) > 1]
+
+
+def kernel_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                  table: torch.Tensor, tables: Sequence[Sequence[int]], lengths: Sequence[int],
+                  band: tuple[Optional[int], Optional[int]], scale: Optional[float],
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step of ``q [B, Hq, Tq, Dk]`` on the triton split-key kernel, every key tile's blocks
+    read through ``table [B, max_blocks]`` (the device copy of ``tables``, host lists): query
+    i of sequence b sees its keys within ``band`` (bottom-right: its position is ``lengths[b]
+    − Tq + i``) → ``(out [B, Hq, Tq, Dv], lse [B, Hq, Tq])``.
+
+    With one query per sequence and no left bound, a prefix several sequences share
+    (:func:`shared_prefixes`: forks of a prompt) is read once: one kernel launch over the
+    prefix's blocks whose queries are all the members' (as many as the kernel takes at
+    once), then each sequence's keys past the prefix, the two merged by their log-sum-exp."""
+    from .backends.triton import launch
+
+    batch, heads_q, q_len, _ = q.shape
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    device = q.device
+    counts = torch.tensor(lengths, dtype=torch.int32, device=device)  # [B]
+    last = counts[:, None] - q_len + torch.arange(q_len, dtype=torch.int32, device=device)
+    left, right = band
+    hi = counts[:, None].expand(-1, q_len) if right is None else torch.minimum(
+        (last + 1 + right).clamp(min=0), counts[:, None])
+    lo = torch.zeros_like(hi) if left is None else (last - left).clamp(min=0)
+    prefixes = shared_prefixes(tables, lengths, key_pool.shape[1]) \
+        if q_len == 1 and left is None else []
+    if prefixes:  # each member's own pass starts after its prefix
+        skip = [0] * batch
+        for members, _, keys in prefixes:
+            for seq in members:
+                skip[seq] = keys
+        lo = torch.tensor(skip, dtype=torch.int32, device=device)[:, None]
+    ranges = torch.stack([lo, hi], -1).to(torch.int32).contiguous()  # [B, Tq, 2]
+    out, lse = launch.paged_decode(q, key_pool, value_pool, table, counts, ranges, scale)
+    width = min(launch.DECODE_MAX_QUERIES,
+                launch.DECODE_MAX_ROWS // (heads_q // key_pool.shape[2]))
+    for members, blocks, keys in prefixes:
+        for at in range(0, len(members), width):
+            index = torch.tensor(members[at:at + width], device=device)
+            rows = q[index].transpose(0, 2)  # [1, Hq, m, Dk]: the members as queries
+            one = torch.tensor([blocks], dtype=table.dtype, device=device)
+            seen = torch.tensor([[[0, keys]] * len(index)], dtype=torch.int32, device=device)
+            shared_out, shared_lse = launch.paged_decode(
+                rows, key_pool, value_pool, one, seen[:, 0, 1], seen, scale)
+            own = (out[index], lse[index])
+            out[index], lse[index] = _merged(own, (shared_out[0].transpose(0, 1)[:, :, None],
+                                                   shared_lse[0].transpose(0, 1)[:, :, None]))
+    return out, lse
+
+
+def _merged(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two softmaxes over disjoint keys ``(out, lse)`` merged into the one over all of them
+    (output 0 and LSE −inf where neither has a key)."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    top = torch.maximum(lse_a, lse_b)
+    top = torch.where(top == float("-inf"), 0.0, top)
+    weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    total = weight_a + weight_b
+    out = (out_a.float() * weight_a[..., None] + out_b.float() * weight_b[..., None]) \
+        / torch.where(total == 0, 1.0, total)[..., None]
+    return out.to(out_a.dtype), torch.where(total == 0, float("-inf"), top + torch.log(total))
 
 
 # ---- the cache ---------------------------------------------------------------------------------
@@ -676,8 +799,20 @@ class PagedKVCache:
         to its own keys (:func:`sequence_mask`). A decoding step (one new token per
         sequence; ``mask`` ``None`` or a bottom-right band; CPU, no autograd) reads the pool
         in place by runs of blocks, a run several sequences share (forks: a common prompt,
-        beam search) once for all of them (:func:`decode_by_runs`), and gathers nothing."""
+        beam search) once for all of them (:func:`decode_by_runs`), and gathers nothing; on
+        the triton kernel, steps of up to 16 tokens per sequence read the blocks through the
+        table, as :func:`paged_attention` says (:func:`kernel_decode`)."""
         given = as_mask(mask)
+        band = kernel_band(q, self.key_pool, self.value_pool, given, backend) \
+            if self.key_pool is not None and q.shape[2] == self._width and all(
+                a == self._width for a in self.appended) else None
+        if band is not None:
+            left, right = band
+            if is_causal:
+                right = 0 if right is None else min(right, 0)
+            out, lse = kernel_decode(q, self.key_pool, self.value_pool, self.block_table(),
+                                     self.tables, self.lengths, (left, right), scale)
+            return decode_result(q, out, lse, return_lse)
         if all(a == 1 for a in self.appended) and self._width == 1 and self.key_pool is not None:
             band = given if given is not None or not is_causal else causal("bottom_right")
             spans = decode_spans(q, self.key_pool, self.value_pool, band, self.lengths,

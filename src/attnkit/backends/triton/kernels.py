@@ -763,12 +763,14 @@ def attn_bwd_dq_stored(K, dQ, s_k, s_dq, heads, group, q_len, kv_len, head_dk, h
 
 
 # ---- decoding: few queries, many keys ---------------------------------------------------------
-@triton.jit(do_not_specialize=["heads_kv", "q_len", "kv_len", "chunk"])
+@triton.jit(do_not_specialize=["heads_kv", "q_len", "kv_len", "chunk", "s_table", "page"])
 def attn_decode(Q, K, V, PartAcc, PartM, PartL, s_q, s_k, s_v, heads_kv, group, q_len, kv_len,
                 head_dk, head_dv, kv_lens, s_kvlen, ranges, s_ranges, chunk, qk_scale,
+                table, s_table, page,
                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DK_PAD: tl.constexpr,
                 DV_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                HAS_KVLEN: tl.constexpr, CAUSAL: tl.constexpr, HAS_RANGES: tl.constexpr):
+                HAS_KVLEN: tl.constexpr, CAUSAL: tl.constexpr, HAS_RANGES: tl.constexpr,
+                PAGED: tl.constexpr):
     """Split-key decoding (flash-decoding): one program per (batch × kv head, key chunk) holds
     the ``group · q_len`` query rows of that kv head's query heads (GQA by index: one load of
     each K/V tile serves them all) and folds the keys ``[split · chunk, …)`` of the chunk into
@@ -777,7 +779,11 @@ def attn_decode(Q, K, V, PartAcc, PartM, PartL, s_q, s_k, s_v, heads_kv, group, 
     Keys past the batch element's length (``kv_lens`` with HAS_KVLEN, else ``kv_len``) are
     masked, with CAUSAL query ``i`` sees keys up to ``kv_len − q_len + i`` (bottom-right), and
     with HAS_RANGES only the keys ``[lo, hi)`` of its run (``ranges [B, Tq, 2]`` int32, strides
-    ``s_ranges``: per-sequence causal masks, left padding, causal documents)."""
+    ``s_ranges``: per-sequence causal masks, left padding, causal documents). With PAGED,
+    K and V are pools ``[num_blocks, page, Hkv, D]`` (strides passed as block, head, slot,
+    dim) read through ``table [B, ≥ kv_len / page]`` (row stride ``s_table``): key n of batch
+    element b lies in block ``table[b, n // page]`` at slot ``n % page``; only entries of
+    keys inside the loop's range are read."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid_bh // heads_kv).to(tl.int64)
@@ -805,17 +811,26 @@ def attn_decode(Q, K, V, PartAcc, PartM, PartL, s_q, s_k, s_v, heads_kv, group, 
         hi = tl.load(run + 1, mask=real, other=0)
         start = tl.maximum(start, tl.min(tl.where(real, lo, kv_len), 0))
         stop = tl.minimum(stop, tl.max(tl.where(real, hi, 0), 0))
-    k_base = K + b * s_k[0] + h_kv * s_k[1]
-    v_base = V + b * s_v[0] + h_kv * s_v[1]
+    k_base = K + h_kv * s_k[1]
+    v_base = V + h_kv * s_v[1]
+    if not PAGED:
+        k_base += b * s_k[0]
+        v_base += b * s_v[0]
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, DV_PAD], dtype=tl.float32)
     for n in range(start, stop, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
         inside = offs_n < stop
-        k = tl.load(k_base + offs_n[:, None] * s_k[2] + offs_dk[None, :] * s_k[3],
+        k_rows = offs_n.to(tl.int64) * s_k[2]
+        v_rows = offs_n.to(tl.int64) * s_v[2]
+        if PAGED:  # the block holding each key, read from the table
+            block = tl.load(table + b * s_table + offs_n // page, mask=inside, other=0)
+            k_rows = block.to(tl.int64) * s_k[0] + (offs_n % page) * s_k[2]
+            v_rows = block.to(tl.int64) * s_v[0] + (offs_n % page) * s_v[2]
+        k = tl.load(k_base + k_rows[:, None] + offs_dk[None, :] * s_k[3],
                     mask=inside[:, None] & (offs_dk[None, :] < head_dk), other=0.0)  # [N, DK]
-        v = tl.load(v_base + offs_n[:, None] * s_v[2] + offs_dv[None, :] * s_v[3],
+        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * s_v[3],
                     mask=inside[:, None] & (offs_dv[None, :] < head_dv), other=0.0)  # [N, DV]
         s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [R, N], base 2
         ok = inside[None, :] & real[:, None]

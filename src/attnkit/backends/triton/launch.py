@@ -895,21 +895,45 @@ def decode(inputs: Inputs, kv_lengths: Optional[torch.Tensor], causal: bool,
     """A decoding step by the split-key kernel (:func:`decode_form`'s ``kv_lengths``,
     ``causal`` and ``ranges``) → ``out [B, H, Tq, Dv]`` (q's dtype), ``lse [B, H, Tq]``
     (float32)."""
-    args, grid, merge = decode_launch(inputs, kv_lengths, causal, ranges, options)
+    args, grid, merge = decode_launch(inputs.q, inputs.k, inputs.v, inputs.scale, kv_lengths,
+                                      causal, ranges, options)
     kernels().attn_decode[grid](**args)
     return merge_splits(*merge)
 
 
-def decode_launch(inputs: Inputs, kv_lengths: Optional[torch.Tensor], causal: bool,
+def paged_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                 table: torch.Tensor, seqlens: torch.Tensor, ranges: torch.Tensor, scale: float,
+                 options: TritonOptions = TritonOptions()) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoding step over paged keys by the split-key kernel, each key tile's blocks read
+    through the table (nothing gathered): ``q [B, Hq, Tq, Dk]`` (at most
+    :data:`DECODE_MAX_QUERIES` queries and :data:`DECODE_MAX_ROWS` rows per kv head), pools
+    ``[num_blocks, page, Hkv, D]``, ``table [B, max_blocks]`` (int32 or int64), ``seqlens
+    [B]`` int32 (each sequence's keys), ``ranges [B, Tq, 2]`` int32 (query i of sequence b
+    sees its keys ``[lo, hi)``, within ``seqlens[b]``) → ``out [B, Hq, Tq, Dv]`` (q's dtype),
+    ``lse [B, Hq, Tq]`` (float32; 0 and −inf where no key is seen). No value is read on the
+    host."""
+    args, grid, merge = decode_launch(q, key_pool, value_pool, scale, seqlens, False, ranges,
+                                      options, table)
+    kernels().attn_decode[grid](**args)
+    return merge_splits(*merge)
+
+
+def decode_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  kv_lengths: Optional[torch.Tensor], causal: bool,
                   ranges: Optional[torch.Tensor], options: TritonOptions,
-                  ) -> tuple[dict, tuple[int, int], tuple]:
+                  table: Optional[torch.Tensor] = None) -> tuple[dict, tuple[int, int], tuple]:
     """The split-key kernel's arguments (meta-parameters included), grid, and what
-    :func:`merge_splits` takes after it. The keys are split into chunks so that about two
-    programs per SM run (a handful of query rows per kv head would otherwise leave most of
-    the GPU idle; ``options.decode_splits`` overrides)."""
-    q, k, v = inputs.q, inputs.k, inputs.v
+    :func:`merge_splits` takes after it, for ``k``/``v`` ``[B, Hkv, Tk, D]`` or, with a block
+    ``table``, pools ``[num_blocks, page, Hkv, D]`` (Tk: the table's capacity). The keys are
+    split into chunks so that about two programs per SM run (a handful of query rows per kv
+    head would otherwise leave most of the GPU idle; ``options.decode_splits`` overrides)."""
     batch, heads, q_len, dk = q.shape
-    heads_kv, kv_len, dv = k.shape[1], k.shape[2], v.shape[-1]
+    dv = v.shape[-1]
+    if table is None:
+        heads_kv, kv_len, s_k, s_v = k.shape[1], k.shape[2], k.stride(), v.stride()
+    else:  # strides as the kernel takes them: block, head, slot, dim
+        heads_kv, kv_len = k.shape[2], table.shape[1] * k.shape[1]
+        s_k, s_v = ([t.stride(i) for i in (0, 2, 1, 3)] for t in (k, v))
     interpret = interpreting()
     rows, block_n = max(16, head_pad(heads // heads_kv * q_len)), 32 if interpret else 64
     programs = 2 * (torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -924,16 +948,19 @@ def decode_launch(inputs: Inputs, kv_lengths: Optional[torch.Tensor], causal: bo
     part_l = torch.empty_like(part_m)
     lengths = kv_lengths if kv_lengths is not None else part_m
     args = dict(Q=q, K=k, V=v, PartAcc=part_acc, PartM=part_m, PartL=part_l, s_q=q.stride(),
-                s_k=k.stride(), s_v=v.stride(), heads_kv=heads_kv, group=heads // heads_kv,
+                s_k=s_k, s_v=s_v, heads_kv=heads_kv, group=heads // heads_kv,
                 q_len=q_len, kv_len=kv_len, head_dk=dk, head_dv=dv, kv_lens=lengths,
                 s_kvlen=lengths.stride(0) if kv_lengths is not None else 0,
                 ranges=part_m if ranges is None else ranges,
                 s_ranges=(0, 0) if ranges is None else ranges.stride()[:2], chunk=chunk,
-                qk_scale=inputs.scale * LOG2E, BLOCK_R=rows, BLOCK_N=block_n,
+                qk_scale=scale * LOG2E, table=part_m if table is None else table,
+                s_table=0 if table is None else table.stride(0),
+                page=1 if table is None else k.shape[1], BLOCK_R=rows, BLOCK_N=block_n,
                 DK_PAD=head_pad(dk), DV_PAD=head_pad(dv),
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 UPCAST=interpret and q.dtype == torch.bfloat16,
-                HAS_KVLEN=kv_lengths is not None, CAUSAL=causal, HAS_RANGES=ranges is not None)
+                HAS_KVLEN=kv_lengths is not None, CAUSAL=causal, HAS_RANGES=ranges is not None,
+                PAGED=table is not None)
     return args, (batch * heads_kv, splits), (part_acc, part_m, part_l, heads // heads_kv,
                                               q_len, dv, q.dtype)
 
