@@ -774,13 +774,14 @@ def test_modifiers_the_kernels_do_not_run_are_refused(gen):
 
 
 # ---- paged keys read through the block table ------------------------------------------------
-@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("q_len", [1, 3, 40])
 @pytest.mark.parametrize("case", ["none", "causal", "window"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_paged_decode_reads_blocks_by_table(q_len, case, dtype, gen, monkeypatch):
     """The split-key kernel over shuffled blocks of a NaN-filled pool (garbage past every
     sequence's blocks in the table, a sequence of no keys, GQA 4:1) equals float64 math on
-    each sequence's own keys, within twice the error of plain math in the dtype."""
+    each sequence's own keys, within twice the error of plain math in the dtype; 40 queries
+    (160 rows a kv head) run as a prefill, in blocks of rows."""
     from test_paged import _pools
 
     from attnkit import paged
@@ -823,7 +824,7 @@ def test_paged_decode_reads_blocks_by_table(q_len, case, dtype, gen, monkeypatch
 def test_paged_decode_reads_a_forked_prompt_once(gen, monkeypatch):
     """Forks of two prompts: one extra launch per shared prompt whose queries are all of its
     forks', merged with each fork's own keys; equal to float64 math on the gathered keys,
-    one token per step and three at once."""
+    one token per step, then chunks of three and thirty."""
     from attnkit.nn import PagedKVCache
 
     cache = PagedKVCache(300, 16)
@@ -833,7 +834,7 @@ def test_paged_decode_reads_a_forked_prompt_once(gen, monkeypatch):
     launches = []
     real = launch.paged_decode
     monkeypatch.setattr(launch, "paged_decode", lambda *a: launches.append(a[0].shape) or real(*a))
-    for width in (1, 1, 3):
+    for width in (1, 1, 3, 30):
         new = torch.randn(cache.batch, 2, width, 32, generator=gen)
         cache.append(new, new * 2)
         q = torch.randn(cache.batch, 8, width, 32, generator=gen)

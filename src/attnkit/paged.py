@@ -108,9 +108,9 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     band) reads the pool by runs of consecutive blocks: a long run in place (one fused-kernel
     call), a run shared by several sequences once for all of them, the short rest of every
     sequence in one batched call (:func:`decode_by_runs`). On the triton kernel (CUDA with
-    ``backend="auto"``, or ``backend="triton"``), a step of a few queries per sequence (at
-    most 16, no autograd, no mask but a bottom-right band) reads every key tile's blocks
-    through the table, a prompt forks share once for all of them (:func:`kernel_decode`).
+    ``backend="auto"``, or ``backend="triton"``), a call without autograd and with no mask
+    but a bottom-right band (a decoding step, a chunk of prefill) reads every key tile's
+    blocks through the table, a prompt forks share once for all of them (:func:`kernel_decode`).
     Any other call gathers each sequence's keys and values first.
     """
     if not all(isinstance(t, torch.Tensor) for t in (q, key_pool, value_pool)):
@@ -394,20 +394,17 @@ def kernel_band(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tenso
                 ) -> Optional[tuple[Optional[int], Optional[int]]]:
     """The band ``(left, right)`` (``None``: unbounded) of a step the triton split-key kernel
     runs reading blocks through the table (:func:`kernel_decode`): ``backend="triton"``, or
-    ``"auto"`` on CUDA with triton usable; no autograd; few queries per sequence (at most
-    ``DECODE_MAX_QUERIES``, and ``DECODE_MAX_ROWS`` query rows per kv head); float32, float16
-    or bfloat16; no mask but a bottom-right band. ``None`` otherwise."""
+    ``"auto"`` on CUDA with triton usable; no autograd; float32, float16 or bfloat16; no mask
+    but a bottom-right band. ``None`` otherwise."""
     if backend not in ("triton", "auto") or (backend == "auto" and q.device.type != "cuda"):
         return None
-    from .backends.triton import TritonBackend, launch
+    from .backends.triton import TritonBackend
 
     heads_kv = key_pool.shape[2]
     if (TritonBackend().unavailable_reason() is not None
             or not readable(q, key_pool, value_pool) or q.dim() != 4
             or q.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-            or q.shape[1] % heads_kv or q.shape[2] > launch.DECODE_MAX_QUERIES
-            or q.shape[1] // heads_kv * q.shape[2] > launch.DECODE_MAX_ROWS
-            or max(q.shape[-1], value_pool.shape[-1]) > TritonBackend.MAX_HEAD_DIM
+            or q.shape[1] % heads_kv or max(q.shape[-1], value_pool.shape[-1]) > TritonBackend.MAX_HEAD_DIM
             or (torch.is_grad_enabled()
                 and any(t.requires_grad for t in (q, key_pool, value_pool)))):
         return None
@@ -450,8 +447,8 @@ def kernel_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Ten
 
     With one query per sequence and no left bound, a prefix several sequences share
     (:func:`shared_prefixes`: forks of a prompt) is read once: one kernel launch over the
-    prefix's blocks whose queries are all the members' (as many as the kernel takes at
-    once), then each sequence's keys past the prefix, the two merged by their log-sum-exp."""
+    prefix's blocks whose queries are all the members', then each sequence's keys past the prefix, the two merged by their log-sum-exp.
+    Any number of queries: a prefill of many runs its query rows in blocks."""
     from .backends.triton import launch
 
     batch, heads_q, q_len, _ = q.shape
@@ -473,19 +470,16 @@ def kernel_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Ten
         lo = torch.tensor(skip, dtype=torch.int32, device=device)[:, None]
     ranges = torch.stack([lo, hi], -1).to(torch.int32).contiguous()  # [B, Tq, 2]
     out, lse = launch.paged_decode(q, key_pool, value_pool, table, counts, ranges, scale)
-    width = min(launch.DECODE_MAX_QUERIES,
-                launch.DECODE_MAX_ROWS // (heads_q // key_pool.shape[2]))
     for members, blocks, keys in prefixes:
-        for at in range(0, len(members), width):
-            index = torch.tensor(members[at:at + width], device=device)
-            rows = q[index].transpose(0, 2)  # [1, Hq, m, Dk]: the members as queries
-            one = torch.tensor([blocks], dtype=table.dtype, device=device)
-            seen = torch.tensor([[[0, keys]] * len(index)], dtype=torch.int32, device=device)
-            shared_out, shared_lse = launch.paged_decode(
-                rows, key_pool, value_pool, one, seen[:, 0, 1], seen, scale)
-            own = (out[index], lse[index])
-            out[index], lse[index] = _merged(own, (shared_out[0].transpose(0, 1)[:, :, None],
-                                                   shared_lse[0].transpose(0, 1)[:, :, None]))
+        index = torch.tensor(members, device=device)
+        rows = q[index].transpose(0, 2)  # [1, Hq, m, Dk]: the members as queries
+        one = torch.tensor([blocks], dtype=table.dtype, device=device)
+        seen = torch.tensor([[[0, keys]] * len(members)], dtype=torch.int32, device=device)
+        shared_out, shared_lse = launch.paged_decode(rows, key_pool, value_pool, one,
+                                                     seen[:, 0, 1], seen, scale)
+        own = (out[index], lse[index])
+        out[index], lse[index] = _merged(own, (shared_out[0].transpose(0, 1)[:, :, None],
+                                               shared_lse[0].transpose(0, 1)[:, :, None]))
     return out, lse
 
 
@@ -800,8 +794,8 @@ class PagedKVCache:
         sequence; ``mask`` ``None`` or a bottom-right band; CPU, no autograd) reads the pool
         in place by runs of blocks, a run several sequences share (forks: a common prompt,
         beam search) once for all of them (:func:`decode_by_runs`), and gathers nothing; on
-        the triton kernel, steps of up to 16 tokens per sequence read the blocks through the
-        table, as :func:`paged_attention` says (:func:`kernel_decode`)."""
+        the triton kernel, a step of any number of new tokens per sequence reads the blocks
+        through the table, as :func:`paged_attention` says (:func:`kernel_decode`)."""
         given = as_mask(mask)
         band = kernel_band(q, self.key_pool, self.value_pool, given, backend) \
             if self.key_pool is not None and q.shape[2] == self._width and all(

@@ -771,11 +771,12 @@ def attn_decode(Q, K, V, PartAcc, PartM, PartL, s_q, s_k, s_v, heads_kv, group, 
                 DV_PAD: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                 HAS_KVLEN: tl.constexpr, CAUSAL: tl.constexpr, HAS_RANGES: tl.constexpr,
                 PAGED: tl.constexpr):
-    """Split-key decoding (flash-decoding): one program per (batch × kv head, key chunk) holds
-    the ``group · q_len`` query rows of that kv head's query heads (GQA by index: one load of
-    each K/V tile serves them all) and folds the keys ``[split · chunk, …)`` of the chunk into
-    an online softmax; the partial sums go to ``PartAcc [B, Hkv, splits, BLOCK_R, DV_PAD]``,
-    ``PartM``/``PartL [B, Hkv, splits, BLOCK_R]`` (base 2), merged by ``launch.merge_splits``.
+    """Split-key decoding (flash-decoding): one program per (batch × kv head, key chunk, block
+    of rows) holds BLOCK_R of the ``group · q_len`` query rows of that kv head's query heads
+    (GQA by index: one load of each K/V tile serves them all) and folds the keys ``[split ·
+    chunk, …)`` of the chunk that its rows may see into an online softmax; the partial sums
+    go to ``PartAcc [B, Hkv, splits, R, DV_PAD]``, ``PartM``/``PartL [B, Hkv, splits, R]``
+    (base 2; R the rows of all row blocks), merged by ``launch.merge_splits``.
     Keys past the batch element's length (``kv_lens`` with HAS_KVLEN, else ``kv_len``) are
     masked, with CAUSAL query ``i`` sees keys up to ``kv_len − q_len + i`` (bottom-right), and
     with HAS_RANGES only the keys ``[lo, hi)`` of its run (``ranges [B, Tq, 2]`` int32, strides
@@ -788,7 +789,8 @@ def attn_decode(Q, K, V, PartAcc, PartM, PartL, s_q, s_k, s_v, heads_kv, group, 
     split = tl.program_id(1)
     b = (pid_bh // heads_kv).to(tl.int64)
     h_kv = (pid_bh % heads_kv).to(tl.int64)
-    rows = tl.arange(0, BLOCK_R)  # row r: query i = r % q_len of head h_kv · group + r // q_len
+    # row r: query i = r % q_len of head h_kv · group + r // q_len; a program holds BLOCK_R
+    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     i = rows % q_len
     head = h_kv * group + rows // q_len
     real = rows < group * q_len
@@ -847,6 +849,7 @@ def attn_decode(Q, K, V, PartAcc, PartM, PartL, s_q, s_k, s_v, heads_kv, group, 
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     part = (pid_bh * tl.num_programs(1) + split).to(tl.int64)
-    tl.store(PartM + part * BLOCK_R + rows, m_i)
-    tl.store(PartL + part * BLOCK_R + rows, l_i)
-    tl.store(PartAcc + (part * BLOCK_R + rows[:, None]) * DV_PAD + offs_dv[None, :], acc)
+    at = part * (tl.num_programs(2) * BLOCK_R) + rows  # [R]: this program's rows of the part
+    tl.store(PartM + at, m_i)
+    tl.store(PartL + at, l_i)
+    tl.store(PartAcc + at[:, None] * DV_PAD + offs_dv[None, :], acc)

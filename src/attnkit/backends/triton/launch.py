@@ -904,9 +904,9 @@ def decode(inputs: Inputs, kv_lengths: Optional[torch.Tensor], causal: bool,
 def paged_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                  table: torch.Tensor, seqlens: torch.Tensor, ranges: torch.Tensor, scale: float,
                  options: TritonOptions = TritonOptions()) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoding step over paged keys by the split-key kernel, each key tile's blocks read
-    through the table (nothing gathered): ``q [B, Hq, Tq, Dk]`` (at most
-    :data:`DECODE_MAX_QUERIES` queries and :data:`DECODE_MAX_ROWS` rows per kv head), pools
+    """Attention over paged keys by the split-key kernel, each key tile's blocks read through
+    the table (nothing gathered): ``q [B, Hq, Tq, Dk]`` (a decoding step, or a prefill: its
+    query rows in blocks of :data:`DECODE_MAX_ROWS`, a program each), pools
     ``[num_blocks, page, Hkv, D]``, ``table [B, max_blocks]`` (int32 or int64), ``seqlens
     [B]`` int32 (each sequence's keys), ``ranges [B, Tq, 2]`` int32 (query i of sequence b
     sees its keys ``[lo, hi)``, within ``seqlens[b]``) → ``out [B, Hq, Tq, Dv]`` (q's dtype),
@@ -926,7 +926,9 @@ def decode_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     :func:`merge_splits` takes after it, for ``k``/``v`` ``[B, Hkv, Tk, D]`` or, with a block
     ``table``, pools ``[num_blocks, page, Hkv, D]`` (Tk: the table's capacity). The keys are
     split into chunks so that about two programs per SM run (a handful of query rows per kv
-    head would otherwise leave most of the GPU idle; ``options.decode_splits`` overrides)."""
+    head would otherwise leave most of the GPU idle; ``options.decode_splits`` overrides).
+    More than :data:`DECODE_MAX_ROWS` query rows per kv head are held by several programs,
+    :data:`DECODE_MAX_ROWS` each."""
     batch, heads, q_len, dk = q.shape
     dv = v.shape[-1]
     if table is None:
@@ -935,16 +937,21 @@ def decode_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         heads_kv, kv_len = k.shape[2], table.shape[1] * k.shape[1]
         s_k, s_v = ([t.stride(i) for i in (0, 2, 1, 3)] for t in (k, v))
     interpret = interpreting()
-    rows, block_n = max(16, head_pad(heads // heads_kv * q_len)), 32 if interpret else 64
+    block_n = 32 if interpret else 64
+    rows = max(16, head_pad(heads // heads_kv * q_len))
+    row_blocks = 1
+    if rows > DECODE_MAX_ROWS:  # a prefill: blocks of rows, each its own program
+        row_blocks, rows = cdiv(heads // heads_kv * q_len, DECODE_MAX_ROWS), DECODE_MAX_ROWS
     programs = 2 * (torch.cuda.get_device_properties(q.device).multi_processor_count
                     if q.device.type == "cuda" else 2)
-    splits = options.decode_splits or cdiv(programs, batch * heads_kv)
+    splits = options.decode_splits or cdiv(programs, batch * heads_kv * row_blocks)
     splits = max(1, min(splits, cdiv(kv_len, block_n)))
     chunk = cdiv(cdiv(kv_len, splits), block_n) * block_n  # whole key tiles a chunk
     splits = cdiv(kv_len, chunk)
-    part_acc = torch.empty(batch, heads_kv, splits, rows, head_pad(dv), dtype=torch.float32,
-                           device=q.device)
-    part_m = torch.empty(batch, heads_kv, splits, rows, dtype=torch.float32, device=q.device)
+    part_acc = torch.empty(batch, heads_kv, splits, rows * row_blocks, head_pad(dv),
+                           dtype=torch.float32, device=q.device)
+    part_m = torch.empty(batch, heads_kv, splits, rows * row_blocks, dtype=torch.float32,
+                         device=q.device)
     part_l = torch.empty_like(part_m)
     lengths = kv_lengths if kv_lengths is not None else part_m
     args = dict(Q=q, K=k, V=v, PartAcc=part_acc, PartM=part_m, PartL=part_l, s_q=q.stride(),
@@ -961,8 +968,8 @@ def decode_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
                 UPCAST=interpret and q.dtype == torch.bfloat16,
                 HAS_KVLEN=kv_lengths is not None, CAUSAL=causal, HAS_RANGES=ranges is not None,
                 PAGED=table is not None)
-    return args, (batch * heads_kv, splits), (part_acc, part_m, part_l, heads // heads_kv,
-                                              q_len, dv, q.dtype)
+    merge = (part_acc, part_m, part_l, heads // heads_kv, q_len, dv, q.dtype)
+    return args, (batch * heads_kv, splits, row_blocks), merge
 
 
 def merge_splits(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, group: int,
