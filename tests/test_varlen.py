@@ -130,6 +130,40 @@ def test_score_modifiers_apply_per_sequence(modifier):
     torch.testing.assert_close(got, torch.cat(want), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("modifier", ["alibi", "relative"])
+@pytest.mark.parametrize("segments", ["decode", "seqused"])
+def test_position_modifiers_on_differing_segments(modifier, segments):
+    """ALiBi and relative biases where queries and keys differ per sequence (a chunk of new
+    queries over each sequence's keys; a cache's filled part) read each sequence's own
+    positions, bottom-right aligned: out, LSE and gradients equal each sequence alone."""
+    lengths_q, lengths_k = [2, 1, 3, 0], [6, 1, 9, 4]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, dtype=F64)
+    used = [5, 1, 9, 2] if segments == "seqused" else lengths_k
+    heads = q.shape[1]
+    bias = {"alibi": ak.alibi(torch.linspace(0.1, 0.8, heads, dtype=F64), align="bottom_right"),
+            "relative": ak.relative_bias(torch.randn(heads, 19, dtype=F64),
+                                         lambda rel: rel.clamp(-9, 9) + 9)}[modifier]
+    mask = ak.causal("bottom_right") & bias
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = ak.varlen_attention(*leaves, cu_q, cu_k, mask=mask, return_lse=True,
+                              seqused_k=used if segments == "seqused" else None)
+    outs, lses = [], []
+    for b, (qa, qb, ka, n) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(),
+                                             cu_k[:-1].tolist(), used)):
+        alone = [leaves[0][qa:qb], leaves[1][ka:ka + n], leaves[2][ka:ka + n]]
+        r = ak.attention(*(x.transpose(0, 1)[None] for x in alone), mask, backend="reference",
+                         return_lse=True)
+        outs.append(r.out[0].transpose(0, 1))
+        lses.append(r.lse[0])
+    want_out, want_lse = torch.cat(outs), torch.cat(lses, 1)
+    torch.testing.assert_close(got.out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.lse.double(), want_lse, rtol=1e-12, atol=1e-12)
+    dout = torch.randn(got.out.shape, dtype=F64, generator=torch.Generator().manual_seed(1))
+    for g, w in zip(torch.autograd.grad(got.out, leaves, dout),
+                    torch.autograd.grad(want_out, leaves, dout)):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
 def test_seqused_k_counts_only_the_filled_keys():
     lengths_q, lengths_k, used = [1, 2, 1], [6, 5, 8], [3, 5, 0]
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, dtype=F64)
@@ -189,8 +223,9 @@ def test_cu_seqlens_as_lists_and_defaults():
     (lambda q, k, v: ak.varlen_attention(q, k, v, [0, 2, 5], mask=ak.padding(kv_lengths=[2])),
      ValueError, "inside each sequence"),
     (lambda q, k, v: ak.varlen_attention(q, k, v, [0, 2, 5], [0, 2, 5], seqused_k=[2, 2],
-                                         mask=ak.alibi(torch.ones(4))), ValueError,
-     "same positions"),
+                                         mask=ak.alibi(torch.ones(4)) & ak.score_function(
+                                             lambda s, b, h, i, j: s)), ValueError,
+     "score_function"),
     (lambda q, k, v: ak.varlen_attention(q, k, v, [0, 2, 5], mask=ak.causal() & ak.score_function(
         lambda s, b, h, i, j: s)), ValueError, "score_function"),
 ])

@@ -16,7 +16,7 @@ import torch
 
 from .api import AttentionResult, MaskLike, attention
 from .masks import Mask, as_mask, documents
-from .modifiers import per_sequence
+from .modifiers import per_sequence, split
 
 
 class Layout(NamedTuple):
@@ -28,6 +28,10 @@ class Layout(NamedTuple):
     q_ids: torch.Tensor
     kv_ids: torch.Tensor
     same_segments: bool
+    keys: list[tuple[int, int]]
+    """Per sequence, its used keys' ``(start, stop)`` in the packed k and v (host integers)."""
+    queries: list[tuple[int, int]]
+    """Per sequence, its queries' ``(start, stop)`` in the packed q."""
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -48,9 +52,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     a sequence's i-th query sees its first i + 1 keys; bottom-right, flash-attn's ``causal``:
     its last query sees all its keys), ``sliding_window(left, right, align)`` (a window on
     each sequence's own positions), and the score modifiers (``softcap``, ``sinks``,
-    ``alibi``, ``relative_bias``) joined by ``&``. ALiBi and relative biases need each
-    sequence's query and key segments to coincide (``cu_seqlens_k`` equal to
-    ``cu_seqlens_q``, no ``seqused_k``). ``seqused_k [n]``: only
+    ``alibi``, ``relative_bias``) joined by ``&``, ALiBi and relative biases at each
+    sequence's own positions (aligned as they say). ``seqused_k [n]``: only
     the first ``seqused_k[b]`` keys of sequence b count (a cache's filled part).
     ``max_seqlen_q``/``max_seqlen_k`` are checked when given (at least every sequence's
     length) and otherwise not needed. ``scale``, ``dropout_p``, ``generator`` and ``backend``
@@ -58,18 +61,53 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     The boundaries are read on the host to check them (one read per tensor, and one for
     ``seqused_k``); the attention itself runs as one call of :func:`attnkit.attention` on
-    views of q, k and v. With meta or fake q, k and v (shape-only calls) the boundaries stay
-    real values: a list, or a tensor off the meta device.
+    views of q, k and v, except with ALiBi or a relative bias where the query and key segments
+    differ (``cu_seqlens_k`` not ``cu_seqlens_q``, or ``seqused_k``): their positions are
+    each sequence's, not the packed row's, so each sequence is then one call of its own. With
+    meta or fake q, k and v (shape-only calls) the boundaries stay real values: a list, or a
+    tensor off the meta device.
     """
     layout = packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
-    per_sequence = sequence_mask(as_mask(mask), layout)
+    given = as_mask(mask)
+    if not layout.same_segments and reads_positions(given):
+        return _each_sequence(q, k, v, layout, given, scale=scale, dropout_p=dropout_p,
+                              generator=generator, backend=backend, return_lse=return_lse)
+    per_sequence = sequence_mask(given, layout)
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, total, D] views
     result = attention(q4, k4, v4, per_sequence, scale=scale, dropout_p=dropout_p,
                        generator=generator, backend=backend, return_lse=return_lse)
     if not return_lse:
         return result[0].transpose(0, 1).contiguous()
     return AttentionResult(result.out[0].transpose(0, 1).contiguous(), result.lse[0], None)
+
+
+def reads_positions(mask: Optional[Mask]) -> bool:
+    """Whether ``mask`` holds ALiBi or a relative bias (score modifiers that read positions)."""
+    _, modifiers = split(mask)
+    return modifiers is not None and bool(modifiers.alibi or modifiers.relative)
+
+
+def _each_sequence(q, k, v, layout: Layout, mask: Optional[Mask], *, scale, dropout_p,
+                   generator, backend, return_lse) -> Union[torch.Tensor, AttentionResult]:
+    """:func:`varlen_attention` as one :func:`attnkit.attention` call per sequence on views of
+    its queries and used keys, ``mask`` aligned to its own positions; results concatenated
+    in packed order (``[total_q, Hq, Dv]``, LSE ``[Hq, total_q]``)."""
+    per_sequence(mask, documents(layout.q_ids), call="varlen_attention")  # its refusals
+    outs, lses = [], []
+    for (q_start, q_stop), (k_start, k_stop) in zip(layout.queries, layout.keys):
+        q4, k4, v4 = (t[a:b].transpose(0, 1)[None] for t, a, b in (
+            (q, q_start, q_stop), (k, k_start, k_stop), (v, k_start, k_stop)))
+        result = attention(q4, k4, v4, mask, scale=scale, dropout_p=dropout_p,
+                           generator=generator, backend=backend, return_lse=return_lse)
+        outs.append((result.out if return_lse else result)[0].transpose(0, 1))
+        if return_lse:
+            lses.append(result.lse[0])
+    out = torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[2])
+    if not return_lse:
+        return out
+    lse = torch.cat(lses, 1) if lses else q.new_zeros(q.shape[1], 0, dtype=torch.float32)
+    return AttentionResult(out, lse, None)
 
 
 def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q=None,
@@ -116,11 +154,14 @@ def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q=None
     q_ids = _sequence_ids(lengths_q, q.shape[0], q.device)
     # one tensor when the segments coincide: the mask then knows each token sees itself
     kv_ids = q_ids if same else _sequence_ids(lengths_k, k.shape[0], q.device)
+    stops_k = starts_k[1:]
     if seqused_k is not None:
-        used = _seqused(seqused_k, lengths_k, q.device)
+        used, counts = _seqused(seqused_k, lengths_k, q.device)
         offset = torch.arange(k.shape[0], device=q.device) - cu_k[kv_ids]  # within its sequence
         kv_ids = torch.where(offset < used[kv_ids], kv_ids, kv_ids + n)
-    return Layout(q_ids, kv_ids, same)
+        stops_k = [a + u for a, u in zip(starts_k, counts)]
+    return Layout(q_ids, kv_ids, same, list(zip(starts_k, stops_k)),
+                  list(zip(starts_q, starts_q[1:])))
 
 
 def _boundaries(name: str, value, total: int, device) -> tuple[torch.Tensor, list[int]]:
@@ -166,26 +207,29 @@ def _sequence_ids(lengths: list[int], total: int, device) -> torch.Tensor:
                                    output_size=total)
 
 
-def _seqused(value, lengths: list[int], device) -> torch.Tensor:
-    """``seqused_k`` as long ``[n]`` on ``device``, each in ``[0, its sequence's keys]``."""
+def _seqused(value, lengths: list[int], device) -> tuple[torch.Tensor, list[int]]:
+    """``seqused_k`` as long ``[n]`` on ``device`` and as a list (one host read), each in
+    ``[0, its sequence's keys]``."""
     used = torch.as_tensor(value, device=device)
     if used.dtype == torch.bool or used.is_floating_point() or used.is_complex():
         raise TypeError(f"seqused_k must be integers [n], got {used.dtype}")
     if used.shape != (len(lengths),):
         raise ValueError(f"seqused_k must be [n] = [{len(lengths)}] (one per sequence), got "
                          f"shape {tuple(used.shape)}")
-    for seq, (count, length) in enumerate(zip(used.tolist(), lengths)):
+    counts = used.tolist()
+    for seq, (count, length) in enumerate(zip(counts, lengths)):
         if not 0 <= count <= length:
             raise ValueError(f"seqused_k[{seq}] = {count} but sequence {seq} holds {length} keys: "
                              f"each must lie in [0, its keys]")
-    return used.long()
+    return used.long(), counts
 
 
 def sequence_mask(mask: Optional[Mask], layout: Layout) -> Mask:
     """``mask`` applied inside each sequence of ``layout``, as one mask over the packed row
     (:func:`~attnkit.modifiers.per_sequence` over ``documents`` of the sequence ids): ALiBi
     and relative biases only where the segments coincide (positions there differ by the same
-    amount in the packed row as inside a sequence)."""
+    amount in the packed row as inside a sequence; :func:`varlen_attention` runs the other
+    case one sequence at a time)."""
     kv_ids = None if layout.kv_ids is layout.q_ids else layout.kv_ids  # one tensor: documents(ids)
     positions = None if layout.same_segments else (
         "where each sequence's queries and keys are the same positions (cu_seqlens_k equal to "
