@@ -465,6 +465,9 @@ def test_the_key_scan_by_runs_equals_the_scan_by_evaluation(mask, gen, monkeypat
     monkeypatch.setattr(finite, "_mask_runs", lambda inputs: None)
     by_evaluation = finite._scan(inputs)
     for name, got, want in zip(("has_key", "seen", "key_any"), by_runs, by_evaluation):
+        if got is None or want is None:  # known without a scan (a band over these shapes)
+            assert got is None and want is None and name == "has_key", name
+            continue
         got, want = torch.broadcast_tensors(got, want)
         assert torch.equal(got.isnan() if name == "seen" else got,
                            want.isnan() if name == "seen" else want), name

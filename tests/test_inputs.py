@@ -391,3 +391,26 @@ def test_documents_over_one_ids_tensor_need_no_row_or_key_flags():
                  ak.padding(kv_lengths=[3])):
         assert not every_key_seen(mask)
     assert not every_row_has_key(ak.documents(ids, torch.tensor([0, 1, 1, 2, 2])))
+
+
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+def test_a_band_knows_its_rows_and_keys_from_the_shapes(align):
+    """Causal masks and windows: whether every row has a key and every key a row, known from
+    the call's shapes, equals the evaluated mask on every shape tried (never claimed wrongly,
+    and claimed where it holds)."""
+    from attnkit.masks import MaskSpace, _Band, every_key_seen, every_row_has_key
+
+    windows = [(None, 0), (None, None), (2, 0), (0, 0), (3, 1), (0, 2), (None, 1), (1, None)]
+    claimed = 0
+    for tq in (1, 2, 5, 8):
+        for tk in (1, 3, 5, 9):
+            space = MaskSpace(batch=1, heads=1, q_len=tq, kv_len=tk, device=torch.device("cpu"))
+            for left, right in windows:
+                mask = _Band(left, right, align)  # (None, 0): causal
+                allowed = mask.to_dense(space)[0, 0]
+                rows, keys = bool(allowed.any(1).all()), bool(allowed.any(0).all())
+                assert every_row_has_key(mask, space) == rows, (tq, tk, left, right)
+                assert every_key_seen(mask, space) == keys, (tq, tk, left, right)
+                claimed += rows + keys
+    assert claimed > 50
+    assert not every_row_has_key(ak.causal()) and not every_key_seen(ak.causal())  # no space

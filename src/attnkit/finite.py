@@ -79,7 +79,7 @@ def guard(inputs: Inputs, poisons: bool) -> Guarded:
     if poisons:  # one evaluation of the mask (garbage outside the runs is never counted)
         has_key, seen, key_seen = _scan(inputs)
     fixed = {}
-    if every_key_seen(mask):
+    if every_key_seen(mask, inputs.space):
         key_seen = None
     # keys no query sees (which include those outside the runs), else those outside the runs
     real = key_seen if key_seen is not None else (
@@ -139,7 +139,7 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
     flag.add_(row_flags(guarded.inputs.q))
     if guarded.seen is not None:
         flag = _grouped_add(flag, guarded.seen)
-    out = out + flag
+    out = out + flag if out.requires_grad else out.add_(flag)  # the backend's own tensor
     if lse is not None:  # −inf stays −inf
         lse = lse + flag[..., 0].to(lse.dtype)
     weights = None if weights is None else weights + flag.to(weights.dtype)
@@ -297,7 +297,8 @@ def _scan(inputs: Inputs) -> tuple:
         # key row (a non-finite value row shows in the outputs, which poison looks at)
         bad = bad.repeat_interleave(inputs.group_size, dim=1)[..., None]  # [B, Hq, Tk, 1]
     space = inputs.space
-    if q_len * space.kv_len <= CHUNK_ELEMENTS:  # the call's own evaluation of the mask
+    banded = q_len >= KV_CHECK_MIN_ROWS and inputs.mask.band() is not None  # prefix sums
+    if q_len * space.kv_len <= CHUNK_ELEMENTS and not banded:  # the call's own evaluation
         has_key = inputs.has_key()  # [Bm, Hm, Tq, 1], or None: every row has a key
         count = key_any = None
         if bad is not None:
@@ -320,7 +321,7 @@ def _scan(inputs: Inputs) -> tuple:
             if bad is not None:
                 count[:, :, start:stop] = _count(allowed, bad, dtype)
                 key_any |= allowed.any(-2)
-    if every_row_has_key(inputs.mask):
+    if every_row_has_key(inputs.mask, space):
         has_key = None
     if bad is None:
         return has_key, None, None

@@ -65,7 +65,7 @@ class Inputs:
         one, :func:`attnkit.finite.guard` their queries); ``None`` when every row is known to
         have one (:func:`~attnkit.masks.every_row_has_key`)."""
         if self._has_key is None:
-            if every_row_has_key(self.mask):
+            if every_row_has_key(self.mask, self.space):
                 return None
             self._has_key = self.allowed().any(-1, keepdim=True)
         return self._has_key

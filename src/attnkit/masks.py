@@ -1074,23 +1074,43 @@ def vouched_padding(q_lengths: Optional[torch.Tensor], kv_lengths: torch.Tensor,
     return mask
 
 
-def every_row_has_key(mask: Optional[Mask]) -> bool:
+def every_row_has_key(mask: Optional[Mask], space: Optional[MaskSpace] = None) -> bool:
     """Whether every query row of ``mask`` is known to have an allowed key without reading a
     value: no mask, or a key padding whose every row has a real key, as a vouching producer
     said (``vouched_padding(..., keys_everywhere=True)``: a decoding step over a cache) or as
     read with the runs of its ``kv_mask`` (the transformers padding mask). ``False`` means
     unknown, not that some row has none. Also ``documents`` over one ids tensor for queries
     and keys (``kv_ids`` left out), with or without ``causal=``: each query sees its own
-    position (:func:`every_key_seen`)."""
+    position (:func:`every_key_seen`); and, given the call's ``space``, a causal mask or
+    window whose band reaches a key from every row (:func:`_band_covers`)."""
     return (mask is None or (isinstance(mask, _Padding) and mask.keys_everywhere)
-            or _self_documents(mask))
+            or _self_documents(mask) or _band_covers(mask, space, rows=True))
 
 
-def every_key_seen(mask: Optional[Mask]) -> bool:
+def every_key_seen(mask: Optional[Mask], space: Optional[MaskSpace] = None) -> bool:
     """Whether every key of ``mask`` is known to be seen by some query without reading a
     value: no mask, or ``documents`` over one ids tensor for queries and keys (with or
-    without ``causal=``: key j is seen by query j). ``False`` means unknown."""
-    return mask is None or _self_documents(mask)
+    without ``causal=``: key j is seen by query j); given the call's ``space``, a causal mask
+    or window whose band reaches every key (:func:`_band_covers`). ``False`` means unknown."""
+    return mask is None or _self_documents(mask) or _band_covers(mask, space, rows=False)
+
+
+def _band_covers(mask: Mask, space: Optional[MaskSpace], rows: bool) -> bool:
+    """For a band ``lo ≤ k − q ≤ hi`` over ``Tq × Tk`` (both non-zero): whether every query
+    has a key (``rows``: ``hi ≥ 0`` and ``Tq − 1 + lo ≤ Tk − 1``), or every key a query
+    (``lo ≤ 0`` and ``Tk − 1 − hi ≤ Tq − 1``); both need ``lo ≤ hi``. Known from the shapes
+    alone: bottom-right causal with ``Tq ≤ Tk`` reaches every row, top-left with ``Tq ≥ Tk``
+    every key."""
+    if space is None or not isinstance(mask, _Band) or not (space.q_len and space.kv_len):
+        return False
+    lo, hi = mask.structure(space).diagonals
+    if lo is not None and hi is not None and lo > hi:
+        return False
+    if rows:
+        return ((hi is None or hi >= 0)
+                and (lo is None or space.q_len - 1 + lo <= space.kv_len - 1))
+    return ((lo is None or lo <= 0)
+            and (hi is None or space.kv_len - 1 - hi <= space.q_len - 1))
 
 
 def _self_documents(mask: Mask) -> bool:
