@@ -542,3 +542,35 @@ def test_run_adds_never_write_overlapping_windows(count, step, width, monkeypatc
     assert all(every >= w for _, every, _, w in views)
     firsts = sorted(s + every * i for s, every, n, _ in views for i in range(n))
     assert firsts == [start + j * step for j in range(count)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["documents", "cross", "causal", "padding", "bias"])
+def test_pieces_of_packed_documents(kind, dtype, gen):
+    """Partial tiles of packed documents run as pieces, each document's rows over its own keys
+    (rows without a key in the tile as pieces of their own): forward and backward equal the
+    float64 truth, the plan holds pieces (and a piece without keys where a document has no
+    key in a tile)."""
+    tq = tk = 70
+    q, k, v = _inputs(gen, dtype, batch=2, heads_q=2, heads_kv=2, tq=tq, tk=tk)
+    q_ids = torch.tensor([0] * 9 + [1] * 20 + [2] * 3 + [3] * 30 + [4] * 8)
+    kv_ids = torch.tensor([0] * 9 + [1] * 26 + [3] * 27 + [5] * 8) if kind == "cross" else None
+    mask = ak.documents(q_ids, kv_ids)
+    allowed = dense_documents(q_ids, kv_ids)
+    bias = None
+    if kind == "causal":
+        mask = ak.documents(q_ids, causal="top_left")
+        allowed = allowed & torch.ones(tq, tk, dtype=torch.bool).tril()
+    elif kind == "padding":
+        lengths = torch.tensor([70, 40])
+        mask = mask & ak.padding(q_lengths=lengths, kv_lengths=lengths)
+        allowed = allowed & dense_padding(tq, tk, lengths, lengths, batch=2)
+    elif kind == "bias":
+        bias = torch.randn(tq, tk, generator=gen, dtype=torch.float64)
+        mask = mask & ak.bias(bias.to(dtype))
+    result = _run(q, k, v, mask, 0.3, block_q=32, block_k=8)
+    pieces = [s.pieces for row in result[0].grad_fn.problem.plan.rows for s in row if s.pieces]
+    assert pieces
+    if kind == "cross":  # document 2's queries have no key
+        assert any(k0 == k1 for p in pieces for _, _, k0, k1 in p)
+    _assert_like_truth(result, q, k, v, allowed, bias, 0.3, dtype)

@@ -10,12 +10,14 @@ tokens), and the tiled engine skips every tile between two sequences.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import NamedTuple, Optional, Union
 
 import torch
 
 from .api import AttentionResult, MaskLike, attention
-from .masks import Mask, as_mask, documents
+from .masks import Mask, as_mask, documents, readable
 from .modifiers import per_sequence, split
 
 
@@ -149,14 +151,43 @@ def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q=None
             seq = lengths.index(max(lengths))
             raise ValueError(f"{name}={limit} but sequence {seq} holds {lengths[seq]} tokens: "
                              f"pass at least the longest length, or leave it out")
+    used = counts = None
+    if seqused_k is not None:
+        used, counts = _seqused(seqused_k, lengths_k, q.device)
+    key = (tuple(starts_q), tuple(starts_k), None if counts is None else tuple(counts),
+           q.device)
+    if readable(q, k, v, used):  # fake and meta calls make fake ids: never kept
+        with _LOCK:
+            hit = _LAYOUTS.get(key)
+            if hit is not None:
+                _LAYOUTS.move_to_end(key)
+                return hit
+    layout = _layout(q, k, cu_k, starts_q, starts_k, lengths_q, lengths_k, used, counts)
+    if readable(q, k, v, used):
+        with _LOCK:
+            _LAYOUTS[key] = layout
+            while len(_LAYOUTS) > LAYOUTS_KEPT:
+                _LAYOUTS.popitem(last=False)
+    return layout
+
+
+LAYOUTS_KEPT = 16
+"""Layouts kept per boundaries (:func:`packed_layout`): the layers of one step, which pass
+the same ``cu_seqlens``, get one layout, so one mask and one tile plan between them."""
+
+_LAYOUTS: OrderedDict = OrderedDict()
+_LOCK = threading.Lock()
+
+
+def _layout(q, k, cu_k, starts_q, starts_k, lengths_q, lengths_k, used, counts) -> Layout:
+    """The :class:`Layout` of checked boundaries (:func:`packed_layout`)."""
     n = len(lengths_q)
-    same = seqused_k is None and starts_q == starts_k
+    same = used is None and starts_q == starts_k
     q_ids = _sequence_ids(lengths_q, q.shape[0], q.device)
     # one tensor when the segments coincide: the mask then knows each token sees itself
     kv_ids = q_ids if same else _sequence_ids(lengths_k, k.shape[0], q.device)
     stops_k = starts_k[1:]
-    if seqused_k is not None:
-        used, counts = _seqused(seqused_k, lengths_k, q.device)
+    if used is not None:
         offset = torch.arange(k.shape[0], device=q.device) - cu_k[kv_ids]  # within its sequence
         kv_ids = torch.where(offset < used[kv_ids], kv_ids, kv_ids + n)
         stops_k = [a + u for a, u in zip(starts_k, counts)]

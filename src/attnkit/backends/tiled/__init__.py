@@ -9,7 +9,10 @@ The score matrix is never built: queries are processed ``block_q`` rows at a tim
   torch's fused CPU kernel, square tiles the mask knows to be lower/upper triangles
   (``Mask.tile_structure``): those are never evaluated and run as *staircase* segments (a
   sliding-window row: upper triangle, full keys, lower triangle) in strips of
-  ``TiledOptions.triangle_strip`` query rows that each see only their allowed keys.
+  ``TiledOptions.triangle_strip`` query rows that each see only their allowed keys; and
+  partial runs whose rows fall into groups over disjoint keys (the documents of a packed
+  row) run as *pieces*, each group of rows over its own keys (``Segment.pieces``, found once
+  per plan).
 
 Query blocks that see the same keys relative to their rows and need no element mask (every
 block of a sliding window, every other block of equal documents) run as one kernel call over

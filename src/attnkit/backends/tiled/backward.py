@@ -43,7 +43,11 @@ def _segment_grads(q_block, k_seg, v_seg, do_block, lse_block, tile: Optional[Ti
     gradients of the score modifiers' tensors ``params`` (``None`` where unused; empty
     without modifiers)."""
     if fused and tile is not None and tile.strips is not None:
-        for rows, keys, strip_mask in tile.strips:
+        for rows, keys, strip_mask, _ in tile.strips:
+            if strip_mask is None:  # a piece without keys: no gradient
+                yield (rows, keys, torch.zeros_like(q_block[:, :, rows]), k_seg[:, :, keys],
+                       v_seg[:, :, keys], None, [])
+                continue
             yield (rows, keys, *_segment_backward_fused(
                 q_block[:, :, rows], k_seg[:, :, keys], v_seg[:, :, keys], do_block[:, :, rows],
                 out_block[:, :, rows], lse_block[:, :, rows], scale, additive=strip_mask), None, [])

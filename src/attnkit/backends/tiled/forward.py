@@ -42,10 +42,18 @@ def _segment_pieces(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fuse
     normalised over the segment alone. ``q_block [B, Hkv, G·n, Dk]``, ``k_seg/v_seg [B, Hkv,
     span, D]`` → ``out [B, Hkv, rows, Dv]``, ``lse [B, Hkv, rows]``."""
     if fused and tile is not None and tile.strips is not None:
-        for rows, keys, strip_mask in tile.strips:
-            yield (rows, *torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q_block[:, :, rows], k_seg[:, :, keys], v_seg[:, :, keys], 0.0, False,
-                attn_mask=strip_mask, scale=scale))
+        for rows, keys, strip_mask, has_key in tile.strips:
+            q_rows = q_block[:, :, rows]
+            if strip_mask is None:  # a piece without keys: output 0, LSE −inf
+                yield (rows, q_rows.new_zeros((*q_rows.shape[:-1], v_seg.shape[-1])),
+                       q_rows.new_full(q_rows.shape[:-1], float("-inf")))
+                continue
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q_rows, k_seg[:, :, keys], v_seg[:, :, keys], 0.0, False, attn_mask=strip_mask,
+                scale=scale)[:2]
+            if has_key is not None:  # out 0 but lse 0 on rows with no key
+                lse = lse.masked_fill(~has_key, float("-inf"))
+            yield rows, out, lse
         return
     if fused and tile is not None and tile.positions is not None:
         # keys in reverse order (see Positions), the bias a view; one call per stacked head
@@ -196,6 +204,16 @@ def _schedule(problem: Problem, tq: int, heads_q: int, heads_kv: int, fused: boo
                                       group_size, member)
 
 
+def _empty_like_rows(q: torch.Tensor, dv: int) -> torch.Tensor:
+    """An empty ``[B, Hq, Tq, Dv]`` output in q's dtype laid out as q is: ``[B, Tq, Hq, Dv]``
+    in memory when q is a token-major view (a packed or BSHD caller's tensor, transposed
+    back without a copy), else contiguous."""
+    batch, heads, tq, _ = q.shape
+    if heads > 1 and tq > 1 and q.stride(1) < q.stride(2):
+        return q.new_empty(batch, tq, heads, dv).transpose(1, 2)
+    return q.new_empty(batch, heads, tq, dv)
+
+
 def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward pass. ``q [B, Hq, Tq, Dk]``, ``k [B, Hkv, Tk, Dk]``, ``v [B, Hkv, Tk, Dv]`` →
@@ -209,7 +227,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
                          "fused=False (the fused kernel takes ALiBi and relative biases alone)")
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)  # no copy when already acc
     positions = _positions(problem, acc, fused, keys, values, rows=heads_q // heads_kv * tq)
-    out = torch.empty(batch, heads_q, tq, dv, dtype=q.dtype, device=q.device)
+    out = _empty_like_rows(q, dv)
     lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
     for group, work in _schedule(problem, tq, heads_q, heads_kv, fused, (queries, keys, values),
                                  positions):

@@ -96,6 +96,11 @@ class Segment:
     stop: int
     partial: bool
     structure: Optional[str] = None
+    pieces: Optional[tuple[tuple[int, int, int, int], ...]] = None
+    """(fused plans) A partial segment whose rows see few of its keys, as ``(row_start,
+    row_stop, key_start, key_stop)`` pieces (local to the block and the segment, covering its
+    rows in order; no key where ``key_start == key_stop``): the rows of each packed document
+    with its own keys only (see :func:`_pieces`). ``None``: the segment runs whole."""
 
 
 class Group(NamedTuple):
@@ -289,6 +294,8 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int
                                        q_offset + min((i + 1) * block_q, q_count), kv_offset,
                                        options.staircase_max_keys)
         rows.append(tuple(segments))
+    if fused and mask is not None:
+        rows = _with_pieces(mask, space, rows, block_q, q_offset, q_count, kv_offset)
     runs = _find_runs(rows, block_q, q_count) if fused and options.batch_runs else ()
     return Plan(block_q, block_k, tuple(rows), fused, runs, options)
 
@@ -338,6 +345,63 @@ def _with_structure(mask: Mask, space: MaskSpace, segments: list, q_start: int, 
             merged.extend(run)
         i = j
     return merged
+
+
+PIECES_BELOW = 0.75
+"""A partial segment runs as pieces (:attr:`Segment.pieces`) when they hold at most this
+fraction of its ``rows × keys`` scores."""
+
+
+def _with_pieces(mask: Mask, space: MaskSpace, rows: list, block_q: int, q_offset: int,
+                 q_count: int, kv_offset: int) -> list:
+    """``rows`` with :attr:`Segment.pieces` set on the partial segments without a known
+    structure where that computes at most :data:`PIECES_BELOW` of their scores. Each such
+    segment's mask is evaluated once here (its union over batch and heads), and the first and
+    last allowed key of every row read in one host read for all of them."""
+    todo = [(i, j) for i, row in enumerate(rows) for j, seg in enumerate(row)
+            if seg.partial and seg.structure is None]
+    if not todo:
+        return rows
+    extents = []
+    for i, j in todo:
+        seg = rows[i][j]
+        q_idx = torch.arange(q_offset + i * block_q, q_offset + min((i + 1) * block_q, q_count),
+                             device=space.device)
+        kv_idx = torch.arange(kv_offset + seg.start, kv_offset + seg.stop, device=space.device)
+        allowed = mask.tile(q_idx, kv_idx, space).flatten(0, 1).any(0)  # [n, span]
+        cols = torch.arange(allowed.shape[1], device=space.device)
+        extents.append(torch.stack([torch.where(allowed, cols, allowed.shape[1]).amin(1),
+                                    torch.where(allowed, cols + 1, 0).amax(1)]))
+    values = torch.cat(extents, 1).tolist()  # [2, Σ n]: each row's [first, last + 1) key
+    rows, at = [list(row) for row in rows], 0
+    for i, j in todo:
+        seg = rows[i][j]
+        n = min((i + 1) * block_q, q_count) - i * block_q
+        pieces = _pieces(values[0][at:at + n], values[1][at:at + n])
+        at += n
+        work = sum((r1 - r0) * (k1 - k0) for r0, r1, k0, k1 in pieces)
+        if work <= PIECES_BELOW * n * (seg.stop - seg.start):
+            rows[i][j] = Segment(seg.start, seg.stop, True, None, pieces)
+    return [tuple(row) for row in rows]
+
+
+def _pieces(first: list[int], last: list[int]) -> tuple[tuple[int, int, int, int], ...]:
+    """Rows cut where a row's keys ``[first, last)`` do not overlap the keys of the piece
+    before it (rows without a key form pieces of their own): ``(row_start, row_stop,
+    key_start, key_stop)`` each, keys the union of its rows'."""
+    pieces: list[list[int]] = []
+    for r, (lo, hi) in enumerate(zip(first, last)):
+        if pieces:
+            piece = pieces[-1]
+            empty = piece[2] == piece[3]
+            if (lo >= hi and empty) or (lo < hi and not empty and lo < piece[3]
+                                        and hi > piece[2]):
+                piece[1] = r + 1
+                if lo < hi:
+                    piece[2], piece[3] = min(piece[2], lo), max(piece[3], hi)
+                continue
+        pieces.append([r, r + 1, lo, hi] if lo < hi else [r, r + 1, 0, 0])
+    return tuple(tuple(p) for p in pieces)
 
 
 @dataclass(frozen=True)

@@ -136,9 +136,10 @@ def _staircase_additive(structure: str, n: int, width: int, group: int, dtype: t
 def _staircase_strips(structure: str, n: int, width: int, strip: int, dtype: torch.dtype,
                       device: torch.device) -> tuple:
     """How a staircase segment (``n`` rows × ``width`` keys) runs in strips of ``strip`` rows:
-    ``(rows, keys, additive)`` per strip, ``rows``/``keys`` slices of the segment and
-    ``additive [1, 1, rows, keys]`` (0 where allowed, −inf elsewhere). Each strip's keys start
-    at its first row's first allowed key and end at its last row's last one."""
+    ``(rows, keys, additive, None)`` per strip, ``rows``/``keys`` slices of the segment and
+    ``additive [1, 1, rows, keys]`` (0 where allowed, −inf elsewhere; every row has a key).
+    Each strip's keys start at its first row's first allowed key and end at its last row's
+    last one."""
     allowed = _staircase(structure, n, width, device)
     strips = []
     for start in range(0, n, strip):
@@ -147,7 +148,7 @@ def _staircase_strips(structure: str, n: int, width: int, strip: int, dtype: tor
         last = width - n + stop if structure in ("lower", "band") else width
         keys = slice(first, last)
         piece = additive_mask(allowed[start:stop, keys], None, dtype)[None, None]  # [1, 1, r, k]
-        strips.append((slice(start, stop), keys, piece))
+        strips.append((slice(start, stop), keys, piece, None))
     return tuple(strips)
 
 
@@ -161,8 +162,9 @@ def _with_positions(tile: Optional["TileMask"], positions: PositionTile) -> "Til
             return TileMask(None, None, positions=positions)
         return TileMask(positions.natural(), None)
     if tile.strips is not None:
-        return tile._replace(strips=tuple((rows, keys, additive + positions.natural(rows, keys))
-                                          for rows, keys, additive in tile.strips))
+        return tile._replace(strips=tuple(
+            (rows, keys, additive if additive is None else additive + positions.natural(rows, keys),
+             has_key) for rows, keys, additive, has_key in tile.strips))
     if tile.causal:
         lower = _lower_triangle(positions.rows, positions.vector.device)
         return TileMask(positions.natural().masked_fill_(~lower, float("-inf")), None)
@@ -198,6 +200,8 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
     theirs, see :class:`TileScores`)."""
     n = rows[1] - rows[0]
     group = heads_q // heads_kv
+    if fused and seg.pieces is not None and group == 1:
+        return TileMask(None, None, strips=_piece_strips(problem, rows, seg, dtype, with_bias))
     if fused and seg.structure is not None:  # a known staircase: nothing to evaluate
         width, device = seg.stop - seg.start, problem.space.device
         strip = problem.plan.options.triangle_strip
@@ -221,6 +225,29 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
     values = problem.mask.tile_bias(q_idx, kv_idx, problem.space) if with_bias else None
     additive = additive_mask(allowed, None if values is None else grouped(values), dtype)
     return TileMask(additive, allowed.any(dim=-1))
+
+
+def _piece_strips(problem: Problem, rows: tuple[int, int], seg: Segment, dtype: torch.dtype,
+                  with_bias: bool) -> tuple:
+    """A segment's :attr:`~attnkit.backends.tiled.plan.Segment.pieces` as strips ``(rows, keys,
+    additive, has_key)``, each piece's mask evaluated on its own rows and keys (``additive
+    [Bm, Hm, r, k]``, ``has_key [Bm, Hm, r]``); a piece without keys as ``(rows, keys, None,
+    None)`` with ``keys`` empty. Without GQA (the rows are the query heads' own)."""
+    device, space = problem.space.device, problem.space
+    strips = []
+    for r0, r1, k0, k1 in seg.pieces:
+        if k0 == k1:
+            strips.append((slice(r0, r1), slice(k0, k0), None, None))
+            continue
+        q_idx = torch.arange(problem.q_offset + rows[0] + r0, problem.q_offset + rows[0] + r1,
+                             device=device)
+        kv_idx = torch.arange(problem.kv_offset + seg.start + k0,
+                              problem.kv_offset + seg.start + k1, device=device)
+        allowed = problem.mask.tile(q_idx, kv_idx, space)
+        values = problem.mask.tile_bias(q_idx, kv_idx, space) if with_bias else None
+        strips.append((slice(r0, r1), slice(k0, k1), additive_mask(allowed, values, dtype),
+                       allowed.any(dim=-1)))
+    return tuple(strips)
 
 
 class Traced(NamedTuple):
