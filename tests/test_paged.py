@@ -326,6 +326,36 @@ def test_decoding_by_runs_in_place_shared_and_short_runs():
         torch.testing.assert_close(got.lse, want.lse.to(got.lse.dtype), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("prompt_length", [64, 61])
+def test_forks_whose_every_piece_covers_every_sequence(prompt_length):
+    """Forks of one prompt, each with tokens of its own: the prompt's run and the batch of own
+    runs each cover every sequence (merged piece by piece), equal to the reference; a row
+    with NaN in its query is NaN."""
+    from attnkit import paged
+
+    gen = torch.Generator().manual_seed(4)
+    cache = PagedKVCache(64, 8)
+    prompt = torch.randn(1, 2, prompt_length, 8, generator=gen, dtype=F64)
+    cache.append(prompt, prompt.flip(-1))
+    for _ in range(3):
+        cache.fork(0)
+    for _ in range(2):
+        new = torch.randn(cache.batch, 2, 1, 8, generator=gen, dtype=F64)
+        cache.append(new, new * 2)
+    runs = paged.shared_runs(cache.tables, [(0, n) for n in cache.lengths], 8)
+    shared = [seqs for seqs in runs.values() if len(seqs) > 1]
+    own = sorted(seqs[0] for seqs in runs.values() if len(seqs) == 1)
+    assert shared and all(seqs == [0, 1, 2, 3] for seqs in shared) and own == [0, 1, 2, 3]
+    q = torch.randn(cache.batch, 4, 1, 8, generator=gen, dtype=F64)
+    got = cache.attend(q, return_lse=True)
+    want = cache.attend(q, backend="reference", return_lse=True)
+    torch.testing.assert_close(got.out, want.out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.lse, want.lse.to(got.lse.dtype), rtol=1e-12, atol=1e-12)
+    q[1, 2] = NAN
+    out = cache.attend(q)
+    assert torch.isnan(out[1, 2]).all() and torch.isfinite(out[0]).all()
+
+
 def test_decoding_by_runs_keeps_the_non_finite_rules():
     """NaN in one query makes its row NaN (the fused kernel alone would give 0); NaN in pool
     slots no sequence owns reaches nothing."""

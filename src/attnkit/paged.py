@@ -280,11 +280,13 @@ def shared_runs(tables: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]
     starts = np.flatnonzero(new)
     ends = np.append(starts[1:], blocks.size)
     slot_start, slot_stop = blocks[starts] * block_size, (blocks[ends - 1] + 1) * block_size
-    ends_of = np.cumsum(counts)  # each sequence's first block at ends_of − counts
+    ends_of = np.cumsum(counts)[np.asarray(counts) > 0]  # past each sequence's last block
     first, stop = np.array(spans, dtype=np.int64).reshape(-1, 2).T
-    opening = np.isin(starts, ends_of - counts)
+    edge = np.zeros((2, blocks.size), dtype=bool)  # a sequence's first block, its last block
+    edge[0, ends_of - np.asarray(counts)[np.asarray(counts) > 0]] = True
+    edge[1, ends_of - 1] = True
+    opening, closing = edge[0, starts], edge[1, ends - 1]
     slot_start[opening] += first[seq[starts[opening]]] % block_size
-    closing = np.isin(ends, ends_of)
     slot_stop[closing] -= -stop[seq[starts[closing]]] % block_size
     runs: dict[tuple[int, int], list[int]] = {}
     for run in zip(slot_start.tolist(), slot_stop.tolist(), seq[starts].tolist()):
@@ -310,7 +312,9 @@ def decode_by_runs(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Te
     call on a view of the pool (no copy) whose query rows are those of every sequence holding
     it, so a shared run is read once; the short runs each sequence holds alone (its own
     latest tokens) are copied out and read together in one batched call. The pieces merge by
-    their log-sum-exp. CPU, no autograd: :meth:`PagedKVCache.attend` chooses it."""
+    their log-sum-exp: pairwise in place when each covers every sequence (forks of one
+    prompt, each with its own tokens), else by a scatter over the sequences. CPU, no
+    autograd: :meth:`PagedKVCache.attend` chooses it."""
     batch, heads_q = q.shape[:2]
     heads_kv = key_pool.shape[2]
     group = heads_q // heads_kv
@@ -318,7 +322,7 @@ def decode_by_runs(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Te
     holders = shared_runs(tables, spans, key_pool.shape[1])
     keys = key_pool.reshape(-1, heads_kv, key_pool.shape[-1])  # [slots, Hkv, Dk]
     values = value_pool.reshape(-1, heads_kv, value_pool.shape[-1])
-    outs, lses, targets = [], [], []
+    outs, lses, targets, covered = [], [], [], []  # covered: each piece's sequences (host)
     short: dict[int, list[tuple[int, int]]] = {}
     for (start, stop), seqs in holders.items():
         if len(seqs) == 1 and stop - start < SHORT_RUN:
@@ -333,17 +337,26 @@ def decode_by_runs(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Te
         outs.append(out[0].unflatten(1, (len(seqs), group)).transpose(0, 1))  # [n, Hkv, G, Dv]
         lses.append(lse[0].unflatten(1, (len(seqs), group)).transpose(0, 1))  # [n, Hkv, G]
         targets.append(index)
+        covered.append(seqs)
     if short:
         index = torch.tensor(list(short), device=q.device)
         out, lse = _short_runs(rows_of[index], keys, values, list(short.values()), scale)
         outs.append(out)
         lses.append(lse)
         targets.append(index)
+        covered.append(list(short))
     dv = value_pool.shape[-1]
     if not outs:
         return (q.new_zeros(batch, heads_q, 1, dv), torch.full(
             (batch, heads_q, 1), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device))
     acc = accum_dtype(q.dtype)
+    if all(seqs == list(range(batch)) for seqs in covered):  # each piece: every sequence
+        out, lse = outs[0].to(acc), lses[0].to(acc)
+        for other_out, other_lse in zip(outs[1:], lses[1:]):  # σ(NaN) where both are empty: 0
+            weight = torch.sub(other_lse, lse).sigmoid_().nan_to_num_(0.0)
+            out = out.lerp(other_out.to(acc), weight[..., None])
+            lse = torch.logaddexp(lse, other_lse)
+        return (out.to(q.dtype).reshape(batch, heads_q, 1, dv), lse.reshape(batch, heads_q, 1))
     out, lse, target = torch.cat(outs).to(acc), torch.cat(lses).to(acc), torch.cat(targets)
     top = torch.full((batch, heads_kv, group), float("-inf"), dtype=acc, device=q.device)
     top = top.scatter_reduce(0, target[:, None, None].expand_as(lse), lse, "amax")  # [B, Hkv, G]
@@ -368,15 +381,20 @@ def _short_runs(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     pieces = [run for seq_runs in runs for run in seq_runs]
     starts, stops = np.array(pieces, dtype=np.int64).reshape(-1, 2).T
     sizes = stops - starts
-    seq_of = np.repeat(np.arange(len(runs)), [len(seq_runs) for seq_runs in runs])  # per run
-    counts = np.bincount(seq_of, weights=sizes, minlength=len(runs)).astype(np.int64)
-    before = np.cumsum(sizes) - sizes  # keys of the runs before each run, all sequences
-    column = before - (np.cumsum(counts) - counts)[seq_of]  # its first key's column
-    run_of = np.repeat(np.arange(sizes.size), sizes)  # per key
-    step = np.arange(run_of.size) - before[run_of]
-    width = int(counts.max())
-    index = np.repeat(starts[column == 0][:, None], width, axis=1)  # [n, L]
-    index[seq_of[run_of], column[run_of] + step] = starts[run_of] + step
+    if len(pieces) == len(runs):  # one run each: its slots, then its first slot repeated
+        counts, width = sizes, int(sizes.max())
+        columns = np.arange(width)
+        index = starts[:, None] + np.where(columns < sizes[:, None], columns, 0)  # [n, L]
+    else:
+        seq_of = np.repeat(np.arange(len(runs)), [len(seq_runs) for seq_runs in runs])
+        counts = np.bincount(seq_of, weights=sizes, minlength=len(runs)).astype(np.int64)
+        before = np.cumsum(sizes) - sizes  # keys of the runs before each run, all sequences
+        column = before - (np.cumsum(counts) - counts)[seq_of]  # its first key's column
+        run_of = np.repeat(np.arange(sizes.size), sizes)  # per key
+        step = np.arange(run_of.size) - before[run_of]
+        width = int(counts.max())
+        index = np.repeat(starts[column == 0][:, None], width, axis=1)  # [n, L]
+        index[seq_of[run_of], column[run_of] + step] = starts[run_of] + step
     outside = torch.from_numpy(np.arange(width)[None, :] >= counts[:, None]).to(rows.device)
     bias = rows.new_zeros(outside.shape).masked_fill_(outside, float("-inf"))  # [n, L]
     flat = torch.from_numpy(index).to(rows.device).view(-1)
@@ -404,7 +422,8 @@ def kernel_band(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tenso
     if (TritonBackend().unavailable_reason() is not None
             or not readable(q, key_pool, value_pool) or q.dim() != 4
             or q.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-            or q.shape[1] % heads_kv or max(q.shape[-1], value_pool.shape[-1]) > TritonBackend.MAX_HEAD_DIM
+            or q.shape[1] % heads_kv
+            or max(q.shape[-1], value_pool.shape[-1]) > TritonBackend.MAX_HEAD_DIM
             or (torch.is_grad_enabled()
                 and any(t.requires_grad for t in (q, key_pool, value_pool)))):
         return None
@@ -447,7 +466,8 @@ def kernel_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Ten
 
     With one query per sequence and no left bound, a prefix several sequences share
     (:func:`shared_prefixes`: forks of a prompt) is read once: one kernel launch over the
-    prefix's blocks whose queries are all the members', then each sequence's keys past the prefix, the two merged by their log-sum-exp.
+    prefix's blocks whose queries are all the members', then each sequence's keys past the
+    prefix, the two merged by their log-sum-exp.
     Any number of queries: a prefill of many runs its query rows in blocks."""
     from .backends.triton import launch
 
@@ -662,10 +682,12 @@ class PagedKVCache:
             self.key_pool[target] = self.key_pool[source]
             self.value_pool[target] = self.value_pool[source]
         if any(counts):  # row b's offsets [0, counts[b]) go to its positions lengths[b] + offset
-            device = keys.device
-            rows, offsets, slots = token_slots(
-                table_tensor(plan, device), torch.tensor(self.lengths, device=device),
-                torch.tensor(counts, device=device), self.block_size)
+            device, size = keys.device, self.block_size
+            tails = [table[length // size:] for table, length in zip(plan, self.lengths)]
+            rows, offsets, slots = token_slots(  # positions counted from each tail's block
+                table_tensor(tails, device), torch.tensor([n % size for n in self.lengths],
+                                                          device=device),
+                torch.tensor(counts, device=device), size)
             for pool, new_rows in ((self.key_pool, keys), (self.value_pool, values)):
                 pool.view(-1, *pool.shape[2:])[slots] = new_rows.transpose(1, 2)[rows, offsets]
         self.tables = plan
