@@ -1113,6 +1113,14 @@ def _band_covers(mask: Mask, space: Optional[MaskSpace], rows: bool) -> bool:
             and (hi is None or space.kv_len - 1 - hi <= space.q_len - 1))
 
 
+def packs_documents(mask: Optional[Mask]) -> bool:
+    """Whether ``mask`` (or a part of its ``&`` chain) keeps packed documents apart
+    (``documents``, with or without ``causal=``; the per-sequence masks of a packed batch):
+    rows of one query block may then see disjoint keys."""
+    return mask is not None and any(isinstance(leaf, (_Documents, _CausalDocuments))
+                                    for leaf in mask.leaves())
+
+
 def _self_documents(mask: Mask) -> bool:
     """``documents(ids)`` or ``documents(ids, causal=...)`` with the keys' ids the queries'
     own tensor: queries and keys are the same positions, so the diagonal is allowed."""

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ...masks import EMPTY, FULL, Mask, MaskCache, MaskSpace
+from ...masks import EMPTY, FULL, Mask, MaskCache, MaskSpace, packs_documents
 from ...modifiers import Modifiers
 
 BLOCK_K = 128
@@ -355,11 +355,13 @@ fraction of its ``rows × keys`` scores."""
 def _with_pieces(mask: Mask, space: MaskSpace, rows: list, block_q: int, q_offset: int,
                  q_count: int, kv_offset: int) -> list:
     """``rows`` with :attr:`Segment.pieces` set on the partial segments without a known
-    structure where that computes at most :data:`PIECES_BELOW` of their scores. Each such
-    segment's mask is evaluated once here (its union over batch and heads), and the first and
-    last allowed key of every row read in one host read for all of them."""
+    structure where that computes at most :data:`PIECES_BELOW` of their scores, for masks
+    that keep packed documents apart (:func:`~attnkit.masks.packs_documents`; in other masks
+    consecutive rows see overlapping keys). Each such segment's mask is evaluated once here
+    (its union over batch and heads), and the first and last allowed key of every row read
+    in one host read for all of them."""
     todo = [(i, j) for i, row in enumerate(rows) for j, seg in enumerate(row)
-            if seg.partial and seg.structure is None]
+            if seg.partial and seg.structure is None] if packs_documents(mask) else []
     if not todo:
         return rows
     extents = []
