@@ -701,12 +701,19 @@ class PagedKVCache:
         (``(source, target)``) copy-on-write needs, taking blocks from the free list; holder
         counts are updated only when the pool has room (else ``ValueError``, nothing
         changed)."""
-        free = list(self._free)
-        holders = list(self._holders)
+        free, holders = self._free, self._holders
+        copied = False  # the free list and holder counts, copied at their first change
         tables, copies = [], []
+        size = self.block_size
         for seq, (table, length, count) in enumerate(zip(self.tables, self.lengths, counts)):
+            shared_last = count and length % size and holders[table[-1]] > 1
+            if not shared_last and len(table) * size >= length + count:
+                tables.append(table)  # unchanged: no table is changed in place
+                continue
+            if not copied:
+                free, holders, copied = list(free), list(holders), True
             table = list(table)
-            if count and length % self.block_size and holders[table[-1]] > 1:
+            if shared_last:
                 if not free:
                     raise self._full(counts)
                 fresh = free.pop()
