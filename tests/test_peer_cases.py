@@ -7,6 +7,8 @@
 - xFormers' ``PagedBlockDiagonal…PaddedKeysMask``: packed queries of several sequences, each
   over its own paged keys, causal from the bottom right. Here: ``paged_attention`` with
   ``cu_seqlens_q``.
+- flash-attn's ``test_flash_attn_varlen_output``: packed sequences of random lengths, full,
+  causal, local or ALiBi, MHA, GQA and MQA, forward and backward. Here: ``varlen_attention``.
 
 Each case against float64 math on every sequence's own keys, alone.
 """
@@ -87,3 +89,50 @@ def test_xformers_paged_block_diagonal_causal_padded_keys(block_size, backend):
                             backend="reference")
         torch.testing.assert_close(got[cu[b]:cu[b + 1]], want[0].transpose(0, 1), rtol=1e-10,
                                    atol=1e-10)
+
+
+FLASH_VARLEN_SHAPES = [(1, 147), (113, 203), (128, 217), (108, 256), (256, 512), (512, 256)]
+"""``(seqlen_q, seqlen_k)`` of flash-attn's ``test_flash_attn_varlen_output`` (the smaller
+ones: the larger differ only in size)."""
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", FLASH_VARLEN_SHAPES)
+@pytest.mark.parametrize("variant", ["full", "causal", "local", "alibi", "causal&alibi"])
+@pytest.mark.parametrize("heads", [(9, 9), (9, 3), (9, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+def test_flash_attn_varlen_output(seqlen_q, seqlen_k, variant, heads, backend):
+    """Four sequences of random lengths up to (seqlen_q, seqlen_k) (flash-attn's "random"
+    padding: the last 20 positions may be padding), packed; causal and local windows from the
+    bottom right of each sequence, ALiBi at each sequence's own positions: out, LSE and the
+    gradients of q, k and v equal each sequence alone on the float64 reference."""
+    heads_q, heads_kv = heads
+    gen = torch.Generator().manual_seed(seqlen_q * 7 + seqlen_k + heads_kv)
+    dim = 59 if heads_kv == 3 else 32
+    lens_q = torch.randint(max(1, seqlen_q - 20), seqlen_q + 1, (4,), generator=gen).tolist()
+    lens_k = torch.randint(max(1, seqlen_k - 20), seqlen_k + 1, (4,), generator=gen).tolist()
+    q = torch.randn(sum(lens_q), heads_q, dim, generator=gen, dtype=F64, requires_grad=True)
+    k = torch.randn(sum(lens_k), heads_kv, dim, generator=gen, dtype=F64, requires_grad=True)
+    v = torch.randn(sum(lens_k), heads_kv, dim, generator=gen, dtype=F64, requires_grad=True)
+    left, right = torch.randint(0, seqlen_k, (2,), generator=gen).tolist()
+    mask = {"full": None, "causal": ak.causal("bottom_right"),
+            "local": ak.sliding_window(left, right, align="bottom_right"),
+            "alibi": ak.alibi(torch.rand(heads_q, generator=gen, dtype=F64)),
+            "causal&alibi": ak.causal("bottom_right") & ak.alibi(
+                torch.rand(heads_q, generator=gen, dtype=F64))}[variant]
+    cu_q = [0, *torch.tensor(lens_q).cumsum(0).tolist()]
+    cu_k = [0, *torch.tensor(lens_k).cumsum(0).tolist()]
+    got = ak.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
+                              mask=mask, backend=backend, return_lse=True)
+    grad = torch.randn(got.out.shape, generator=gen, dtype=F64)
+    got_grads = torch.autograd.grad(got.out, (q, k, v), grad)
+    for b in range(4):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = [t.detach()[s].transpose(0, 1)[None].requires_grad_()
+               for t, s in ((q, rows), (k, keys), (v, keys))]
+        want = ak.attention(*one, mask, backend="reference", return_lse=True)
+        want_grads = torch.autograd.grad(want.out, one, grad[rows].transpose(0, 1)[None])
+        torch.testing.assert_close(got.out[rows], want.out[0].transpose(0, 1), rtol=1e-9,
+                                   atol=1e-9)
+        torch.testing.assert_close(got.lse[:, rows], want.lse[0], rtol=1e-9, atol=1e-9)
+        for g, w, s in zip(got_grads, want_grads, (rows, keys, keys)):
+            torch.testing.assert_close(g[s], w[0].transpose(0, 1), rtol=1e-9, atol=1e-9)
