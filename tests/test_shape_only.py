@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import attnkit as ak
 from attnkit.nn import KVCache, MultiHeadAttention
@@ -100,3 +100,15 @@ def test_packed_and_paged_calls_propagate_shapes(where):
     else:
         with FakeTensorMode():
             run(torch.empty)
+
+
+def test_a_fake_call_leaves_no_fake_tensor_for_real_calls():
+    """The non-finite flags' zero column, kept per size for real calls, is made anew for a
+    fake ``x``: a real call after a fake one of the same head size gets a real tensor."""
+    from attnkit import finite
+
+    with FakeTensorMode():
+        fake = finite._zeros(torch.randn(3, 53))
+    real = finite._zeros(torch.randn(2, 53))
+    assert isinstance(fake, FakeTensor) and not isinstance(real, FakeTensor)
+    assert torch.equal(real, torch.zeros(53, 1))
