@@ -532,3 +532,65 @@ def test_lengths_need_a_cache_and_must_fit():
         mha(torch.randn(2, 3, 8), lengths=torch.tensor([3, 1]))
     with pytest.raises(ValueError, match=r"lie in \[0, 3\]"):
         mha(torch.randn(2, 3, 8), cache=mha.empty_cache(), lengths=torch.tensor([4, 1]))
+
+
+def _decode_caches(dtype, heads_kv):
+    """Caches one new token past a prefill: ragged lengths, equal lengths, a window, and 8
+    keys (where torch's kernel gives a NaN query row output 0: the flags must catch it)."""
+    gen = torch.Generator().manual_seed(5)
+    prompt = [torch.randn(8, heads_kv, 40, 64, generator=gen, dtype=dtype) for _ in range(2)]
+    step = [torch.randn(8, heads_kv, 1, 64, generator=gen, dtype=dtype) for _ in range(2)]
+    lengths = torch.tensor([1, 5, 9, 17, 23, 30, 38, 40])
+    return {"ragged": KVCache.empty(64).append(*prompt, lengths=lengths).append(*step),
+            "equal": KVCache.empty().append(*prompt).append(*step),
+            "window": KVCache.empty(window=24).append(*prompt).append(*step),
+            "short": KVCache.empty().append(*(t[:, :, :7] for t in prompt)).append(*step)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("heads_kv", [4, 2])
+@pytest.mark.parametrize("kind", ["ragged", "equal", "window", "short"])
+def test_a_decoding_step_equals_attention_on_the_cache_mask(kind, heads_kv, dtype):
+    """KVCache.decode, what MultiHeadAttention runs for one new token per sequence, gives
+    attention() over the cache's mask bit for bit, non-finite inputs included (a NaN query
+    row is NaN, an infinite key reaches its rows as attention() lets it); with gradients, another backend, several new tokens or a small
+    cache it declines (None) and attention() runs."""
+    cache = _decode_caches(dtype, heads_kv)[kind]
+    q = torch.randn(8, 4, 1, 64, generator=torch.Generator().manual_seed(6), dtype=dtype)
+    q[3, 1, 0, 2] = float("nan")
+    cache.keys[5, 0, 2, 1] = float("inf")  # a key sequence 5 sees
+    with torch.no_grad():
+        got = cache.decode(q)
+        want = ak.attention(q, cache.keys, cache.values, cache.mask())
+    assert got is not None and torch.isnan(got[3, 1]).all()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    with ak.use_backend("reference"):
+        assert cache.decode(q) is None
+    assert cache.decode(q, backend="tiled") is None
+    assert cache.decode(q.detach().requires_grad_()) is None
+    assert cache.decode(torch.cat([q, q], 2)) is None
+    small = KVCache.empty().append(cache.keys[:1, :, :4], cache.values[:1, :, :4])
+    assert small.decode(q[:1]) is None  # attention() looks at its keys
+
+
+def test_multi_head_attention_decodes_through_the_cache():
+    """A ragged decoding loop of MultiHeadAttention (which takes KVCache.decode) equals the
+    loop on the tiled backend (which takes attention())."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 4, num_kv_heads=2, dtype=F64)
+    tiled = MultiHeadAttention(32, 4, num_kv_heads=2, dtype=F64, backend="tiled")
+    tiled.load_state_dict(mha.state_dict())
+    lengths = torch.tensor([3, 7, 1])
+    x = torch.randn(3, 7, 32, dtype=F64)
+    caches = [KVCache.empty(), KVCache.empty()]
+    with torch.no_grad():
+        outs = [[], []]
+        for i, module in enumerate((mha, tiled)):
+            out, _, caches[i] = module(x, cache=caches[i], is_causal=True, lengths=lengths)
+            for step in range(5):
+                out, _, caches[i] = module(out[:, -1:] if step else out[:, :1], cache=caches[i],
+                                           is_causal=True)
+                outs[i].append(out)
+    torch.testing.assert_close(torch.cat(outs[0], 1), torch.cat(outs[1], 1), rtol=1e-12,
+                               atol=1e-12)

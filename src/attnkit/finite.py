@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .inputs import Inputs
-from .masks import every_key_seen, every_row_has_key, mask_tensors, memo, readable
+from .masks import every_key_seen, every_row_has_key, mask_tensors, memo
 
 KV_CHECK_MIN_ROWS = 64
 """Calls with at least this many query rows also look at the keys in :func:`poison`: at most
@@ -159,10 +159,10 @@ def _zero_column(size: int, dtype: torch.dtype, device: torch.device) -> torch.T
 
 def _zeros(x: torch.Tensor) -> torch.Tensor:
     """A zero column ``[D, 1]`` in ``x``'s dtype: ``x @`` it is 0 per row, NaN where the row
-    holds a NaN or ±inf (``0 · inf`` is NaN). Kept per size, dtype and device for real
-    tensors only: one made for a fake, meta or traced ``x`` is made anew each time, never
-    cached where a real call would find it."""
-    if not readable(x):
+    holds a NaN or ±inf (``0 · inf`` is NaN). Kept per size, dtype and device for plain
+    tensors only: one made for a fake, meta, traced or subclass ``x`` is made anew each
+    time, never cached where a real call would find it."""
+    if type(x) is not torch.Tensor or x.device.type == "meta":  # fake, traced, a subclass
         return x.new_zeros(x.shape[-1], 1)
     return _zero_column(x.shape[-1], x.dtype, x.device)
 

@@ -50,6 +50,7 @@ class Inputs:
     ``mask`` then holds only what says which keys count (see :mod:`attnkit.modifiers`)."""
     _allowed: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _has_key: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    _space: Optional[MaskSpace] = field(default=None, repr=False, compare=False)
 
     def allowed(self) -> torch.Tensor:
         """The mask evaluated over the whole call, bool ``[Bm, Hm, Tq, Tk]``, computed once per
@@ -72,8 +73,13 @@ class Inputs:
 
     @property
     def space(self) -> MaskSpace:
-        b, h, tq, _ = self.q.shape
-        return MaskSpace(batch=b, heads=h, q_len=tq, kv_len=self.k.shape[2], device=self.q.device)
+        """The call's extent, made once per call (q and k are never replaced in place; a plain
+        attribute, not ``functools.cached_property``, whose lock torch.compile cannot trace)."""
+        if self._space is None:
+            b, h, tq, _ = self.q.shape
+            self._space = MaskSpace(batch=b, heads=h, q_len=tq, kv_len=self.k.shape[2],
+                                    device=self.q.device)
+        return self._space
 
     @property
     def biases(self) -> list:

@@ -19,16 +19,18 @@ Shapes (E = embed_dim, H = num_heads, Hkv = num_kv_heads, D = E // H)::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .api import attention
 from .inputs import LazyText
-from .masks import (Mask, MaskSpace, as_mask, causal, padding, readable, real_keys,
-                    sliding_window, vouched_padding)
+from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, padding, readable,
+                    real_keys, sliding_window, vouched_padding)
 from .numerics import accum_dtype, masked_softmax
 from .paged import PagedKVCache
 
@@ -235,6 +237,43 @@ class KVCache:
             return vouched_padding(None, self.lengths, keys_everywhere=self._whole >= 1)
         real = vouched_padding(self.appended, self.lengths)
         return causal("bottom_right", sequences=real) if is_causal else real
+
+    def decode(self, q: torch.Tensor, backend: str = "auto") -> Optional[torch.Tensor]:
+        """One new query per sequence over this cache, ``q [B, Hq, 1, D]`` → ``[B, Hq, 1,
+        Dv]``, as :func:`attnkit.attention` with :meth:`mask` gives it, without its per-call
+        validation and dispatch: the cache made its keys and lengths, so the call is known
+        to be torch's fused kernel over a key mask ``position < lengths[b]`` (none without
+        lengths, nor with a window, which keeps only the keys the query sees), then the
+        non-finite flags of q and the output (:func:`attnkit.finite.poison`'s rule for a
+        step that does not look at its keys). ``None`` where that is not the call
+        ``attention`` would make (another backend asked or forced, not CPU float32/float64,
+        gradients, a traced or shape-only call, a step whose keys ``attention`` looks at,
+        a mask too large for a dense key mask, not one real query per sequence): the
+        caller then runs ``attention``."""
+        from . import dispatch, finite
+
+        keys, values = self.keys, self.values
+        if (keys is None or dispatch.forced(backend) != "auto" or q.dim() != 4
+                or q.shape[2] != 1 or q.device.type != "cpu"
+                or q.dtype not in (torch.float32, torch.float64)
+                or not (q.dtype == keys.dtype == values.dtype and q.device == keys.device)
+                or q.shape[0] != keys.shape[0] or not q.shape[0] or not keys.shape[2]
+                or q.shape[1] % keys.shape[1] or q.shape[3] != keys.shape[3]
+                or (self.lengths is not None and self._whole != 1)
+                or keys.shape[2] > DENSE_MAX_SCORES
+                or keys.numel() <= finite.KV_CHECK_MAX_ELEMENTS
+                or (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad
+                                                 or values.requires_grad))
+                or not readable(q, keys, values)):
+            return None
+        key_mask = None
+        if self.lengths is not None:  # [B, 1, 1, T]: each sequence's real keys
+            key_mask = (torch.arange(keys.shape[2], device=q.device)
+                        < self.lengths.view(-1, 1))[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask,
+                                             scale=1.0 / math.sqrt(q.shape[-1]),
+                                             enable_gqa=q.shape[1] != keys.shape[1])
+        return out.add_(finite.row_flags(out).add_(finite.row_flags(q)))
 
     def _room(self, keys: torch.Tensor, values: torch.Tensor, keep: int,
               needed: int) -> tuple[_Store, int]:
@@ -488,11 +527,13 @@ class MultiHeadAttention(nn.Module):
                             "one, pass the padding as key_valid")
 
         dropout = self.dropout if self.training else 0.0
-        if (isinstance(new_cache, PagedKVCache) and mask is None and key_valid is None
-                and not need_weights and not dropout):
-            heads_out, weights = new_cache.attend(q, is_causal=is_causal,
-                                                  backend=self.backend), None
-        else:
+        plain = mask is None and key_valid is None and not need_weights and not dropout
+        heads_out = weights = None
+        if plain and isinstance(new_cache, KVCache):  # a decoding step: None otherwise
+            heads_out = new_cache.decode(q, backend=self.backend)
+        elif plain and isinstance(new_cache, PagedKVCache):
+            heads_out = new_cache.attend(q, is_causal=is_causal, backend=self.backend)
+        if heads_out is None:
             if isinstance(new_cache, PagedKVCache):
                 k, v = new_cache.keys, new_cache.values  # gathered [B, Hkv, T, D]
             full_mask = self._combine_masks(mask, key_valid, is_causal, cache=new_cache,
