@@ -231,6 +231,36 @@ def _forked_cache(dtype=torch.float32, block_size=4, prompt=11, seed=4):
     return cache, gen
 
 
+def test_runs_kept_between_steps_equal_runs_found_anew(monkeypatch):
+    """A decoding loop over forks (new blocks, copy-on-write, a fork, a free and a reorder on
+    the way): each step's runs, updated from the last step's where only the sequences' ends
+    moved, equal the runs found anew, and the update is what most steps take."""
+    from attnkit import paged
+
+    cache, gen = _forked_cache(block_size=16)
+    found = []
+    real = paged._shared_runs
+    monkeypatch.setattr(paged, "_shared_runs", lambda *a: found.append(1) or real(*a))
+    q = torch.randn(cache.batch, 4, 1, 8, generator=gen)
+    for step in range(24):
+        if step == 9:
+            cache.fork(2)
+        if step == 15:
+            cache.free([1])
+        if step == 19:
+            cache.reorder([0, 0, 2, 3, 4, 5])
+        new = torch.randn(cache.batch, 2, 1, 8, generator=gen)
+        cache.append(new, new * 2)
+        q = torch.randn(cache.batch, 4, 1, 8, generator=gen)
+        got = cache.attend(q, return_lse=True)
+        spans = [(0, n) for n in cache.lengths]
+        assert cache._runs.runs == real(cache.tables, spans, cache.block_size)[0]
+        assert list(cache._runs.runs) == list(real(cache.tables, spans, cache.block_size)[0])
+        want = cache.attend(q, backend="reference", return_lse=True)
+        torch.testing.assert_close(got.out, want.out, rtol=1e-5, atol=1e-5)
+    assert 0 < len(found) < 24 // 2  # most steps lengthen the last step's runs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("mask", [None, "window"])
 def test_a_decode_step_by_runs_equals_the_gathered_call(dtype, mask):

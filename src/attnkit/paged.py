@@ -15,7 +15,7 @@ prompt) costs no pool memory; each sequence's gathered keys are its own.
 from __future__ import annotations
 
 from itertools import chain
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -70,11 +70,13 @@ def token_slots(table: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
 
 def decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
            tables: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
-           scale: Optional[float], return_lse: bool) -> Union[torch.Tensor, AttentionResult]:
-    """A decoding step read in place by runs of blocks (:func:`decode_by_runs`), returned as
-    :func:`attnkit.attention` returns it (:func:`decode_result`)."""
+           scale: Optional[float], return_lse: bool, runs: Optional[dict] = None,
+           ) -> Union[torch.Tensor, AttentionResult]:
+    """A decoding step read in place by runs of blocks (:func:`decode_by_runs`; ``runs``:
+    its :func:`shared_runs` when known), returned as :func:`attnkit.attention` returns it
+    (:func:`decode_result`)."""
     out, lse = decode_by_runs(q, key_pool, value_pool, tables, spans,
-                              q.shape[-1] ** -0.5 if scale is None else scale)
+                              q.shape[-1] ** -0.5 if scale is None else scale, runs)
     return decode_result(q, out, lse, return_lse)
 
 
@@ -267,12 +269,57 @@ def shared_runs(tables: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]
     it, in order. A run ends where the next block is not the next in the pool or is held by
     a different number of these sequences, so a run several sequences share is one run of
     all of them (whose other runs are their own)."""
+    return _shared_runs(tables, spans, block_size)[0]
+
+
+class StepRuns(NamedTuple):
+    """The runs of one decoding step (:func:`shared_runs`), with what the next step needs to
+    update them instead of finding them again (:func:`step_runs`): the tables (the lists
+    themselves, which no code changes in place) and spans they were found for, and each
+    sequence's last run (``None``: it reads no key)."""
+
+    tables: tuple
+    spans: tuple
+    runs: dict
+    last: list
+
+
+def step_runs(previous: Optional[StepRuns], tables: Sequence[Sequence[int]],
+              spans: Sequence[tuple[int, int]], block_size: int) -> StepRuns:
+    """The runs of a step (:func:`shared_runs`): ``previous``'s, each sequence's last run
+    lengthened, where the tables are the same lists and every sequence that moved only
+    moved its end within its last block, a run no other sequence reads (a decoding step that
+    took no new block); else found anew."""
+    if (previous is not None and len(previous.tables) == len(tables)
+            and all(a is b for a, b in zip(previous.tables, tables))):
+        moved, runs = {}, previous.runs
+        for last, (first, stop), (first_now, stop_now) in zip(previous.last, previous.spans,
+                                                              spans):
+            if (first, stop) == (first_now, stop_now):
+                continue
+            if (first != first_now or stop_now < stop or last is None or len(runs[last]) != 1
+                    or -(-stop // block_size) != -(-stop_now // block_size)):
+                moved = None
+                break
+            moved[last] = (last[0], last[1] + stop_now - stop)
+        if moved is not None:
+            return StepRuns(tuple(tables), tuple(spans),
+                            {moved.get(key, key): seqs for key, seqs in runs.items()},
+                            [None if key is None else moved.get(key, key)
+                             for key in previous.last])
+    runs, last = _shared_runs(tables, spans, block_size)
+    return StepRuns(tuple(tables), tuple(spans), runs, last)
+
+
+def _shared_runs(tables, spans, block_size) -> tuple[dict, list]:
+    """:func:`shared_runs`, and each sequence's last run (its key, or ``None``)."""
     live = [table[first // block_size:-(-stop // block_size)] if first < stop else []
             for table, (first, stop) in zip(tables, spans)]
     counts = [len(blocks) for blocks in live]
     blocks = np.fromiter(chain.from_iterable(live), dtype=np.int64, count=sum(counts))
+    last: list = [None] * len(live)
     if not blocks.size:
-        return {}
+        return {}, last
     seq = np.repeat(np.arange(len(live)), counts)
     held = np.bincount(blocks)[blocks]
     new = np.ones(blocks.size, dtype=bool)
@@ -291,7 +338,8 @@ def shared_runs(tables: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]
     runs: dict[tuple[int, int], list[int]] = {}
     for run in zip(slot_start.tolist(), slot_stop.tolist(), seq[starts].tolist()):
         runs.setdefault(run[:2], []).append(run[2])
-    return runs
+        last[run[2]] = run[:2]
+    return runs, last
 
 
 SHORT_RUN = 256
@@ -302,7 +350,8 @@ batched call with the other sequences' short runs instead of a fused-kernel call
 
 def decode_by_runs(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                    tables: Sequence[Sequence[int]], spans: Sequence[tuple[int, int]],
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, runs: Optional[dict] = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per sequence over its keys ``spans[b] = (first, stop)`` (logical positions)
     read from the pool: ``q [B, Hq, 1, Dk]`` → ``(out [B, Hq, 1, Dv], lse [B, Hq, 1])`` (LSE
     in the accumulation dtype; output 0 and LSE −inf for an empty span).
@@ -319,7 +368,7 @@ def decode_by_runs(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Te
     heads_kv = key_pool.shape[2]
     group = heads_q // heads_kv
     rows_of = q.reshape(batch, heads_kv, group, q.shape[-1])  # [B, Hkv, G, Dk]: a query's heads
-    holders = shared_runs(tables, spans, key_pool.shape[1])
+    holders = shared_runs(tables, spans, key_pool.shape[1]) if runs is None else runs
     keys = key_pool.reshape(-1, heads_kv, key_pool.shape[-1])  # [slots, Hkv, Dk]
     values = value_pool.reshape(-1, heads_kv, value_pool.shape[-1])
     outs, lses, targets, covered = [], [], [], []  # covered: each piece's sequences (host)
@@ -555,6 +604,7 @@ class PagedKVCache:
         self._width = 0  # the positions per row of the last append's chunk
         self._device_state: Optional[tuple] = None  # block table, lengths, appended
         self._gathered: Optional[tuple] = None  # keys, values
+        self._runs: Optional[StepRuns] = None  # the last decoding step's (step_runs)
 
     @classmethod
     def from_tables(cls, key_pool: torch.Tensor, value_pool: torch.Tensor, block_tables,
@@ -681,8 +731,14 @@ class PagedKVCache:
         for source, target in copies:  # copy-on-write of shared last blocks
             self.key_pool[target] = self.key_pool[source]
             self.value_pool[target] = self.value_pool[source]
-        if any(counts):  # row b's offsets [0, counts[b]) go to its positions lengths[b] + offset
-            device, size = keys.device, self.block_size
+        size = self.block_size
+        if new == 1 and all(counts):  # a decoding step: each sequence's one slot, on the host
+            slots = torch.tensor([table[n // size] * size + n % size
+                                  for table, n in zip(plan, self.lengths)], device=keys.device)
+            for pool, new_rows in ((self.key_pool, keys), (self.value_pool, values)):
+                pool.view(-1, *pool.shape[2:])[slots] = new_rows[:, :, 0]
+        elif any(counts):  # row b's offsets [0, counts[b]) go after its lengths[b] tokens
+            device = keys.device
             tails = [table[length // size:] for table, length in zip(plan, self.lengths)]
             rows, offsets, slots = token_slots(  # positions counted from each tail's block
                 table_tensor(tails, device), torch.tensor([n % size for n in self.lengths],
@@ -840,9 +896,10 @@ class PagedKVCache:
             band = given if given is not None or not is_causal else causal("bottom_right")
             spans = decode_spans(q, self.key_pool, self.value_pool, band, self.lengths,
                                  backend)
-            if spans is not None:
+            if spans is not None:  # the runs, updated from the last step's where it can
+                self._runs = step_runs(self._runs, self.tables, spans, self.block_size)
                 return decode(q, self.key_pool, self.value_pool, self.tables, spans, scale,
-                              return_lse)
+                              return_lse, self._runs.runs)
         step = self.mask(is_causal)
         if given is not None:
             step = step & sequence_mask(given, self._sequences(), q.shape[-2])
