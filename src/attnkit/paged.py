@@ -362,7 +362,8 @@ def decode_by_runs(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Te
     it, so a shared run is read once; the short runs each sequence holds alone (its own
     latest tokens) are copied out and read together in one batched call. The pieces merge by
     their log-sum-exp: pairwise in place when each covers every sequence (forks of one
-    prompt, each with its own tokens), else by a scatter over the sequences. CPU, no
+    prompt, each with its own tokens), else by a scatter over the sequences. ``runs``: the
+    step's :func:`shared_runs` when the caller kept them (:func:`step_runs`). CPU, no
     autograd: :meth:`PagedKVCache.attend` chooses it."""
     batch, heads_q = q.shape[:2]
     heads_kv = key_pool.shape[2]
