@@ -569,6 +569,8 @@ def test_a_decoding_step_equals_attention_on_the_cache_mask(kind, heads_kv, dtyp
         assert cache.decode(q) is None
     assert cache.decode(q, backend="tiled") is None
     assert cache.decode(q.detach().requires_grad_()) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # attention() would cast q, K and V
+        assert cache.decode(q) is None
     assert cache.decode(torch.cat([q, q], 2)) is None
     small = KVCache.empty().append(cache.keys[:1, :, :4], cache.values[:1, :, :4])
     assert small.decode(q[:1]) is None  # attention() looks at its keys

@@ -247,9 +247,9 @@ class KVCache:
         non-finite flags of q and the output (:func:`attnkit.finite.poison`'s rule for a
         step that does not look at its keys). ``None`` where that is not the call
         ``attention`` would make (another backend asked or forced, not CPU float32/float64,
-        gradients, a traced or shape-only call, a step whose keys ``attention`` looks at,
-        a mask too large for a dense key mask, not one real query per sequence): the
-        caller then runs ``attention``."""
+        gradients, autocast, a traced or shape-only call, a step whose keys ``attention``
+        looks at, a mask too large for a dense key mask, not one real query per sequence):
+        the caller then runs ``attention``."""
         from . import dispatch, finite
 
         keys, values = self.keys, self.values
@@ -264,7 +264,7 @@ class KVCache:
                 or keys.numel() <= finite.KV_CHECK_MAX_ELEMENTS
                 or (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad
                                                  or values.requires_grad))
-                or not readable(q, keys, values)):
+                or torch.is_autocast_enabled("cpu") or not readable(q, keys, values)):
             return None
         key_mask = None
         if self.lengths is not None:  # [B, 1, 1, T]: each sequence's real keys
