@@ -135,8 +135,7 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
     :attr:`Guarded.seen`. A non-finite value row shows in the output rows that weigh it, so
     their LSE and every column become NaN too. Few operations: a small call's cost is their
     number."""
-    flag = row_flags(out)  # [B, Hq, Tq, 1]: 0, or NaN
-    flag.add_(row_flags(guarded.inputs.q))
+    flag = query_and_output_flags(out, guarded.inputs.q)  # [B, Hq, Tq, 1]: 0, or NaN
     if guarded.seen is not None:
         flag = _grouped_add(flag, guarded.seen)
     out = out + flag if out.requires_grad else out.add_(flag)  # the backend's own tensor
@@ -149,6 +148,14 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
         lse = None if lse is None else lse.where(has_key[..., 0], float("-inf"))
         weights = None if weights is None else weights.where(has_key, 0.0)
     return out, lse, weights
+
+
+def query_and_output_flags(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Per row ``[..., 1]``: 0, or NaN where the row of ``out`` or of ``q`` holds a NaN or
+    ±inf (:func:`row_flags` of each, summed): what :func:`poison` adds to every result whose
+    keys it does not look at."""
+    flag = row_flags(out)
+    return flag.add_(row_flags(q))
 
 
 @functools.lru_cache(maxsize=64)

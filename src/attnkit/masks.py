@@ -577,7 +577,7 @@ class _Runs(NamedTuple):
     every_row: bool = False  # every row holds a real token (read; False when unknown)
 
 
-def _run_bounds(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def run_bounds(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of a bool ``[B, T]``: ``(count, first, last)``, its True entries, the first and
     the last one's position (``T`` and ``-1`` for a row without one), each ``[B]``."""
     batch, width = m.shape
@@ -592,7 +592,7 @@ def _run_bounds(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def _one_run(m: torch.Tensor) -> torch.Tensor:
     """Per row of a bool ``[B, T]``, whether its True entries are one non-empty run: ``[B]``."""
-    count, first, last = _run_bounds(m)
+    count, first, last = run_bounds(m)
     return (count > 0) & (last - first + 1 == count)
 
 
@@ -625,7 +625,7 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
                              f"must hold only 0 (padding) and 1 (real token)")
         m = m != 0
     width = m.shape[1]
-    count, first, last = _run_bounds(m)  # [B] each
+    count, first, last = run_bounds(m)  # [B] each
     broken = (count > 0) & (last - first + 1 != count)
     empty = None if allow_empty_rows else count == 0
     starts = torch.where(count > 0, first, 0).to(torch.long)
@@ -954,7 +954,7 @@ class _Padding(Mask):
             return super().to_dense(space)
         # a decoding step's key padding, made anew in every layer (no memo would be read
         # again): positions below each sequence's length
-        keys = torch.arange(space.kv_len, device=space.device) < self.kv_lengths.view(-1, 1)
+        keys = keys_below(self.kv_lengths, space.kv_len, space.device)
         return keys[:, None, None, :].expand(-1, 1, space.q_len, -1)  # [B, 1, Tq, Tk]
 
     def tile(self, q_idx, kv_idx, space):
@@ -1048,6 +1048,12 @@ def padding(q_lengths=None, kv_lengths=None, q_starts=None, kv_starts=None, *,
     """
     return _Padding(q_lengths, kv_lengths, q_starts, kv_starts, q_mask=q_mask, kv_mask=kv_mask,
                     allow_empty_rows=allow_empty_rows)
+
+
+def keys_below(lengths: torch.Tensor, kv_len: int, device) -> torch.Tensor:
+    """Bool ``[B, kv_len]``: key position j of sequence b is real when ``j < lengths[b]``
+    (a vouched key padding's dense form, :func:`vouched_padding`)."""
+    return torch.arange(kv_len, device=device) < lengths.view(-1, 1)
 
 
 def vouched_padding(q_lengths: Optional[torch.Tensor], kv_lengths: torch.Tensor, *,

@@ -29,8 +29,8 @@ from torch import nn
 
 from .api import attention
 from .inputs import LazyText
-from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, padding, readable,
-                    real_keys, sliding_window, vouched_padding)
+from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, keys_below, padding,
+                    readable, real_keys, sliding_window, vouched_padding)
 from .numerics import accum_dtype, masked_softmax
 from .paged import PagedKVCache
 
@@ -268,12 +268,11 @@ class KVCache:
             return None
         key_mask = None
         if self.lengths is not None:  # [B, 1, 1, T]: each sequence's real keys
-            key_mask = (torch.arange(keys.shape[2], device=q.device)
-                        < self.lengths.view(-1, 1))[:, None, None, :]
+            key_mask = keys_below(self.lengths, keys.shape[2], q.device)[:, None, None, :]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask,
                                              scale=1.0 / math.sqrt(q.shape[-1]),
                                              enable_gqa=q.shape[1] != keys.shape[1])
-        return out.add_(finite.row_flags(out).add_(finite.row_flags(q)))
+        return out.add_(finite.query_and_output_flags(out, q))
 
     def _room(self, keys: torch.Tensor, values: torch.Tensor, keep: int,
               needed: int) -> tuple[_Store, int]:

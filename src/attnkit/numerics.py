@@ -91,6 +91,19 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     return out, torch.logaddexp(lse_a, lse_b).masked_fill(both_empty, float("-inf"))
 
 
+def merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+               lse_b: torch.Tensor) -> None:
+    """:func:`merge` without autograd, in place on ``(out_a, lse_a)`` (results the caller
+    owns, views included), both sides in the accumulation dtype: ``out_a [..., n, D]``
+    becomes ``lerp(out_a, out_b, σ(lse_b − lse_a))`` and ``lse_a [..., n]`` the union's LSE.
+    Rows empty on both sides (σ of NaN) get weight 0: both outputs are 0 there and
+    ``logaddexp(−inf, −inf) = −inf``. Fewer operations than :func:`merge`, for engines that
+    merge many pieces (the tiled forward, paged decoding)."""
+    weight_b = torch.sub(lse_b, lse_a).sigmoid_().nan_to_num_(0.0)  # [..., n]
+    out_a.lerp_(out_b, weight_b.unsqueeze(-1))
+    torch.logaddexp(lse_a, lse_b, out=lse_a)
+
+
 def dropout_keep(shape, p: float, generator: Optional[torch.Generator], device) -> torch.Tensor:
     """Bool keep-mask for dropout of probability ``p`` over ``shape`` (reproducible via ``generator``)."""
     return torch.rand(shape, generator=generator, device=device) >= p

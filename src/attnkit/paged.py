@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from .api import AttentionResult, MaskLike, attention
-from .finite import row_flags
+from .finite import query_and_output_flags
 from .masks import Mask, as_mask, causal, readable, vouched_padding
 from .modifiers import per_sequence
-from .numerics import accum_dtype
+from .numerics import accum_dtype, merge_into
 
 
 # ---- reading a pool through block tables ------------------------------------------------------
@@ -254,7 +254,7 @@ def decode_result(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, return_
     """:func:`decode_by_runs`'s result as :func:`attnkit.attention` returns it, with every
     row whose query or output holds a non-finite value NaN (the fused kernel returns a row of
     NaN scores as 0: :mod:`attnkit.finite`)."""
-    flag = row_flags(out) + row_flags(q)  # [B, Hq, 1, 1]
+    flag = query_and_output_flags(out, q)  # [B, Hq, 1, 1]
     out = out + flag
     if not return_lse:
         return out
@@ -401,11 +401,9 @@ def decode_by_runs(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Te
             (batch, heads_q, 1), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device))
     acc = accum_dtype(q.dtype)
     if all(seqs == list(range(batch)) for seqs in covered):  # each piece: every sequence
-        out, lse = outs[0].to(acc), lses[0].to(acc)
-        for other_out, other_lse in zip(outs[1:], lses[1:]):  # σ(NaN) where both are empty: 0
-            weight = torch.sub(other_lse, lse).sigmoid_().nan_to_num_(0.0)
-            out = out.lerp(other_out.to(acc), weight[..., None])
-            lse = torch.logaddexp(lse, other_lse)
+        out, lse = outs[0].to(acc), lses[0].to(acc)  # the kernel's own results: merged in place
+        for other_out, other_lse in zip(outs[1:], lses[1:]):
+            merge_into(out, lse, other_out.to(acc), other_lse.to(acc))
         return (out.to(q.dtype).reshape(batch, heads_q, 1, dv), lse.reshape(batch, heads_q, 1))
     out, lse, target = torch.cat(outs).to(acc), torch.cat(lses).to(acc), torch.cat(targets)
     top = torch.full((batch, heads_kv, group), float("-inf"), dtype=acc, device=q.device)

@@ -10,14 +10,12 @@ tokens), and the tiled engine skips every tile between two sequences.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import NamedTuple, Optional, Union
 
 import torch
 
 from .api import AttentionResult, MaskLike, attention
-from .masks import Mask, as_mask, documents, readable
+from .masks import Mask, MaskCache, as_mask, documents, readable
 from .modifiers import per_sequence, split
 
 
@@ -154,29 +152,18 @@ def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q=None
     used = counts = None
     if seqused_k is not None:
         used, counts = _seqused(seqused_k, lengths_k, q.device)
+    def build() -> Layout:
+        return _layout(q, k, cu_k, starts_q, starts_k, lengths_q, lengths_k, used, counts)
+    if not readable(q, k, v, used):  # fake and meta calls make fake ids: never kept
+        return build()
     key = (tuple(starts_q), tuple(starts_k), None if counts is None else tuple(counts),
            q.device)
-    if readable(q, k, v, used):  # fake and meta calls make fake ids: never kept
-        with _LOCK:
-            hit = _LAYOUTS.get(key)
-            if hit is not None:
-                _LAYOUTS.move_to_end(key)
-                return hit
-    layout = _layout(q, k, cu_k, starts_q, starts_k, lengths_q, lengths_k, used, counts)
-    if readable(q, k, v, used):
-        with _LOCK:
-            _LAYOUTS[key] = layout
-            while len(_LAYOUTS) > LAYOUTS_KEPT:
-                _LAYOUTS.popitem(last=False)
-    return layout
+    return _LAYOUTS.get(None, key, build)
 
 
-LAYOUTS_KEPT = 16
+_LAYOUTS = MaskCache(16)
 """Layouts kept per boundaries (:func:`packed_layout`): the layers of one step, which pass
 the same ``cu_seqlens``, get one layout, so one mask and one tile plan between them."""
-
-_LAYOUTS: OrderedDict = OrderedDict()
-_LOCK = threading.Lock()
 
 
 def _layout(q, k, cu_k, starts_q, starts_k, lengths_q, lengths_k, used, counts) -> Layout:

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ...modifiers import Modifiers
-from ...numerics import accum_dtype
+from ...numerics import accum_dtype, merge_into
 from .plan import FLUSH_BELOW, LOG2E, TILE_ELEMENTS, Problem, Segment, TiledOptions
 from .positions import PositionTile, Positions, _position_tile, _positions
 from .tiles import (TileMask, TileScores, _BlockWork, _dropout_keep, _RunWork, _runs_fit,
@@ -174,17 +174,6 @@ def _scores(q_block: torch.Tensor, k_seg: torch.Tensor, scale: float,
     return modified.scores(q_block, k_seg, scale)
 
 
-def _merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                lse_b: torch.Tensor) -> None:
-    """:func:`attnkit.numerics.merge` without autograd, in place on ``(out_a, lse_a)`` (views
-    of results this engine owns): ``out_a [..., n, D]`` becomes ``lerp(out_a, out_b, σ(lse_b −
-    lse_a))`` and ``lse_a [..., n]`` the union's LSE. Rows empty on both sides (σ of NaN) get
-    weight 0: both outputs are 0 there and ``logaddexp(−inf, −inf) = −inf``."""
-    weight_b = torch.sub(lse_b, lse_a).sigmoid_().nan_to_num_(0.0)  # [..., n]
-    out_a.lerp_(out_b, weight_b.unsqueeze(-1))
-    torch.logaddexp(lse_a, lse_b, out=lse_a)
-
-
 def _schedule(problem: Problem, tq: int, heads_q: int, heads_kv: int, fused: bool,
               tensors: tuple, positions: Optional[Positions] = None):
     """Yield ``(group, work)``: the plan's groups, each with where it reads and writes. Runs
@@ -250,7 +239,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
                     block_out[:, :, rows] = seg_out
                     block_lse[:, :, rows] = seg_lse
                 else:
-                    _merge_into(block_out[:, :, rows], block_lse[:, :, rows], seg_out.to(acc),
+                    merge_into(block_out[:, :, rows], block_lse[:, :, rows], seg_out.to(acc),
                                 seg_lse.to(acc))
             first = False
         if first:  # no key for any of these rows (a single fresh block: runs have keys)

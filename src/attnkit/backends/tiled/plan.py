@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ...masks import EMPTY, FULL, Mask, MaskCache, MaskSpace, packs_documents
+from ...masks import EMPTY, FULL, Mask, MaskCache, MaskSpace, packs_documents, run_bounds
 from ...modifiers import Modifiers
 
 BLOCK_K = 128
@@ -371,9 +371,8 @@ def _with_pieces(mask: Mask, space: MaskSpace, rows: list, block_q: int, q_offse
                              device=space.device)
         kv_idx = torch.arange(kv_offset + seg.start, kv_offset + seg.stop, device=space.device)
         allowed = mask.tile(q_idx, kv_idx, space).flatten(0, 1).any(0)  # [n, span]
-        cols = torch.arange(allowed.shape[1], device=space.device)
-        extents.append(torch.stack([torch.where(allowed, cols, allowed.shape[1]).amin(1),
-                                    torch.where(allowed, cols + 1, 0).amax(1)]))
+        _, first, last = run_bounds(allowed)  # span and -1 for a row without a key
+        extents.append(torch.stack([first, last + 1]))
     values = torch.cat(extents, 1).tolist()  # [2, Σ n]: each row's [first, last + 1) key
     rows, at = [list(row) for row in rows], 0
     for i, j in todo:

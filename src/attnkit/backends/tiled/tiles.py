@@ -211,19 +211,27 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
         if group == 1 and seg.structure == "lower" and width == n and problem.scale > 0:
             return TileMask(None, None, causal=True)
         return TileMask(_staircase_additive(seg.structure, n, width, group, dtype, device), None)
-    device = problem.space.device
-    q_idx = torch.arange(problem.q_offset + rows[0], problem.q_offset + rows[1], device=device)
-    kv_idx = torch.arange(problem.kv_offset + seg.start, problem.kv_offset + seg.stop,
-                          device=device)
 
     def grouped(t: torch.Tensor) -> torch.Tensor:  # [Bm, Hm, n, span] → [Bm, Hkv|1, G·n, span]
         if t.shape[1] == 1:
             return t.expand(t.shape[0], group, n, t.shape[-1]).reshape(t.shape[0], 1, group * n, -1)
         return t.reshape(t.shape[0], heads_kv, group * n, t.shape[-1])
 
-    allowed = grouped(problem.mask.tile(q_idx, kv_idx, problem.space))
+    return _evaluated(problem, rows, (seg.start, seg.stop), dtype, with_bias, grouped)
+
+
+def _evaluated(problem: Problem, rows: tuple[int, int], keys: tuple[int, int],
+               dtype: torch.dtype, with_bias: bool, layout=lambda t: t) -> TileMask:
+    """The mask evaluated over the local queries ``rows`` and keys ``keys`` (``(start,
+    stop)`` each, the problem's offsets added): the additive tile (with the mask's bias when
+    ``with_bias``) and each row's "has a key" flags, laid out by ``layout``."""
+    device = problem.space.device
+    q_idx = torch.arange(problem.q_offset + rows[0], problem.q_offset + rows[1], device=device)
+    kv_idx = torch.arange(problem.kv_offset + keys[0], problem.kv_offset + keys[1],
+                          device=device)
+    allowed = layout(problem.mask.tile(q_idx, kv_idx, problem.space))
     values = problem.mask.tile_bias(q_idx, kv_idx, problem.space) if with_bias else None
-    additive = additive_mask(allowed, None if values is None else grouped(values), dtype)
+    additive = additive_mask(allowed, None if values is None else layout(values), dtype)
     return TileMask(additive, allowed.any(dim=-1))
 
 
@@ -233,20 +241,14 @@ def _piece_strips(problem: Problem, rows: tuple[int, int], seg: Segment, dtype: 
     additive, has_key)``, each piece's mask evaluated on its own rows and keys (``additive
     [Bm, Hm, r, k]``, ``has_key [Bm, Hm, r]``); a piece without keys as ``(rows, keys, None,
     None)`` with ``keys`` empty. Without GQA (the rows are the query heads' own)."""
-    device, space = problem.space.device, problem.space
     strips = []
     for r0, r1, k0, k1 in seg.pieces:
         if k0 == k1:
             strips.append((slice(r0, r1), slice(k0, k0), None, None))
             continue
-        q_idx = torch.arange(problem.q_offset + rows[0] + r0, problem.q_offset + rows[0] + r1,
-                             device=device)
-        kv_idx = torch.arange(problem.kv_offset + seg.start + k0,
-                              problem.kv_offset + seg.start + k1, device=device)
-        allowed = problem.mask.tile(q_idx, kv_idx, space)
-        values = problem.mask.tile_bias(q_idx, kv_idx, space) if with_bias else None
-        strips.append((slice(r0, r1), slice(k0, k1), additive_mask(allowed, values, dtype),
-                       allowed.any(dim=-1)))
+        tile = _evaluated(problem, (rows[0] + r0, rows[0] + r1),
+                          (seg.start + k0, seg.start + k1), dtype, with_bias)
+        strips.append((slice(r0, r1), slice(k0, k1), tile.additive, tile.has_key))
     return tuple(strips)
 
 
