@@ -8,6 +8,7 @@
 from . import masks, modifiers
 from .api import AttentionResult, attention, available_backends, explain_dispatch
 from .dispatch import use_backend
+from .invariance import invariant
 from .masks import bias, causal, dense, documents, from_function, padding, sliding_window
 from .modifiers import alibi, relative_bias, score_function, sinks, softcap, t5_buckets
 from .paged import paged_attention
@@ -17,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "attention", "varlen_attention", "paged_attention", "AttentionResult", "available_backends",
-    "explain_dispatch", "use_backend",
+    "explain_dispatch", "use_backend", "invariant",
     "masks", "modifiers", "nn", "causal", "sliding_window",
     "padding", "documents", "dense", "bias", "from_function",
     "softcap", "alibi", "relative_bias", "sinks", "score_function", "t5_buckets", "__version__",

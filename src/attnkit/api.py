@@ -8,7 +8,7 @@ from typing import Literal, Optional, Union, overload
 
 import torch
 
-from . import call, compiled, dispatch
+from . import call, compiled, dispatch, invariance
 from .call import AttentionResult
 from .inputs import unexpected_keywords, validate
 from .masks import Mask, as_mask
@@ -21,21 +21,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike 
               scale: Optional[float] = None, dropout_p: float = 0.0,
               generator: Optional[torch.Generator] = None, backend: str = "auto",
               return_lse: Literal[False] = False, return_weights: Literal[False] = False,
-              ) -> torch.Tensor: ...
+              invariant: Optional[bool] = None) -> torch.Tensor: ...
 
 
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None, *,
               scale: Optional[float] = None, dropout_p: float = 0.0,
               generator: Optional[torch.Generator] = None, backend: str = "auto",
-              return_lse: Literal[True], return_weights: bool = False) -> AttentionResult: ...
+              return_lse: Literal[True], return_weights: bool = False,
+              invariant: Optional[bool] = None) -> AttentionResult: ...
 
 
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None, *,
               scale: Optional[float] = None, dropout_p: float = 0.0,
               generator: Optional[torch.Generator] = None, backend: str = "auto",
-              return_lse: bool = False, return_weights: Literal[True]) -> AttentionResult: ...
+              return_lse: bool = False, return_weights: Literal[True],
+              invariant: Optional[bool] = None) -> AttentionResult: ...
 
 
 @overload
@@ -43,14 +45,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike 
               scale: Optional[float] = None, dropout_p: float = 0.0,
               generator: Optional[torch.Generator] = None, backend: str = "auto",
               return_lse: bool = False, return_weights: bool = False,
-              ) -> Union[torch.Tensor, AttentionResult]: ...
+              invariant: Optional[bool] = None) -> Union[torch.Tensor, AttentionResult]: ...
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: MaskLike = None, *, scale: Optional[float] = None,
               dropout_p: float = 0.0, generator: Optional[torch.Generator] = None,
               backend: str = "auto", return_lse: bool = False, return_weights: bool = False,
-              **unexpected) -> Union[torch.Tensor, AttentionResult]:
+              invariant: Optional[bool] = None, **unexpected) -> Union[torch.Tensor, AttentionResult]:
     """Scaled dot-product attention ``softmax(q kᵀ · scale + mask) v``.
 
     Shapes: ``q [..., Hq, Tq, Dk]``, ``k [..., Hkv, Tk, Dk]``, ``v [..., Hkv, Tk, Dv]`` with Hq a
@@ -72,6 +74,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cannot run the input raises ``ValueError`` with its reasons. Inside
             ``attnkit.use_backend(name)``, ``"auto"`` means ``name``;
             :func:`explain_dispatch` tells what ``"auto"`` picks and why.
+        invariant: run under the invariance contract (:mod:`attnkit.invariance`): each query
+            row's bits depend on its own inputs alone, not on the batch, its padding or how
+            the queries were chunked; ``None`` follows ``attnkit.invariant()``.
 
     Under ``torch.autocast`` q, k and v (all but float64 ones) run in the autocast dtype, as
     torch's SDPA does; the backends themselves then run with autocast off (they choose their
@@ -87,11 +92,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     if unexpected:
         raise unexpected_keywords(attention, unexpected)
+    invariant = invariance.active(invariant)
     device = q.device.type if isinstance(q, torch.Tensor) else "cpu"
     autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
     if autocast:  # 1. autocast: the inputs in its dtype, as torch's SDPA takes them
         q, k, v = _autocast(device, q, k, v)
-    if torch.compiler.is_compiling():  # 2. inside a compiled graph: attnkit's operator
+    if torch.compiler.is_compiling() and not invariant:  # 2. in a compiled graph: its operator
         detour = _compiled(q, k, v, as_mask(mask), scale=scale, dropout_p=dropout_p,
                            backend=backend, return_lse=return_lse, return_weights=return_weights)
         if detour is not None:
@@ -100,10 +106,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # backends choose their own accumulation dtypes
     if not autocast:
         return call.run(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
-                        backend=backend, return_lse=return_lse, return_weights=return_weights)
+                        backend=backend, return_lse=return_lse, return_weights=return_weights,
+                        invariant=invariant)
     with torch.autocast(device, enabled=False):
         return call.run(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
-                        backend=backend, return_lse=return_lse, return_weights=return_weights)
+                        backend=backend, return_lse=return_lse, return_weights=return_weights,
+                        invariant=invariant)
 
 
 def _compiled(q, k, v, mask, *, scale, dropout_p, backend, return_lse, return_weights):

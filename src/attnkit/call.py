@@ -43,13 +43,14 @@ CALLS = CallCache()
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, *, scale: Optional[float],
         dropout_p: float, generator: Optional[torch.Generator], backend: str, return_lse: bool,
-        return_weights: bool) -> Union[torch.Tensor, AttentionResult]:
+        return_weights: bool, invariant: bool = False) -> Union[torch.Tensor, AttentionResult]:
     """The eager call of :func:`attnkit.attention` (same arguments and results; autocast is
     off here: the caller applied it to q, k and v)."""
     compiling = torch.compiler.is_compiling()
     inputs, chosen = validated(q, k, v, mask, scale=scale, dropout_p=dropout_p,
                                generator=generator, backend=backend, return_lse=return_lse,
-                               return_weights=return_weights, compiling=compiling)
+                               return_weights=return_weights, compiling=compiling,
+                               invariant=invariant)
     result = with_sinks(inputs, dispatch.run(chosen, inputs))
     if inputs.need_grad and not chosen.DOUBLE_BACKWARD and not compiling:
         dispatch.refuse_double_backward(result, chosen.NAME)
@@ -57,19 +58,21 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, *, scale: Optio
 
 
 def validated(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse,
-              return_weights, compiling: bool) -> tuple[Inputs, Backend]:
+              return_weights, compiling: bool, invariant: bool = False,
+              ) -> tuple[Inputs, Backend]:
     """``(inputs, backend)`` for the call: from :data:`CALLS` when its signature was seen
     (never with dropout, which draws from a generator, nor inside a compiled graph:
     ``compiling``)."""
     def validate_and_choose():
         inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
-                          need_weights=return_weights, need_lse=return_lse)
+                          need_weights=return_weights, need_lse=return_lse,
+                          invariant=invariant)
         return inputs, dispatch.select(inputs, backend)
     if dropout_p or compiling:
         inputs, chosen = validate_and_choose()
     else:
         inputs, chosen = CALLS.get(q, k, v, mask, (scale, backend, dispatch.forced(backend),
-                                                   return_lse, return_weights),
+                                                   return_lse, return_weights, invariant),
                                    validate_and_choose)
     if not compiling and dispatch.log.isEnabledFor(logging.DEBUG):
         dispatch.log.debug("attention: backend %s (asked %r) for q %s, k %s, %s, mask %r",

@@ -48,6 +48,9 @@ class Inputs:
     modifiers: Optional[Modifiers] = None
     """The score modifiers (softcap, alibi, …) taken out of the caller's mask, or ``None``;
     ``mask`` then holds only what says which keys count (see :mod:`attnkit.modifiers`)."""
+    invariant: bool = False
+    """The call runs under the invariance contract (:mod:`attnkit.invariance`): only backends
+    that keep it accept it."""
     _allowed: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _has_key: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _space: Optional[MaskSpace] = field(default=None, repr=False, compare=False)
@@ -161,7 +164,7 @@ def unexpected_keywords(function: Callable, keywords: dict) -> TypeError:
 
 
 def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
-             need_weights=False, need_lse=False) -> Inputs:
+             need_weights=False, need_lse=False, invariant=False) -> Inputs:
     """Check an ``attention()`` call and normalise it to ``[B, H, T, D]``; raise on bad input.
 
     Accepted forms: ``[Tq, Dk]`` (one sequence), ``[B, Tq, Dk]`` (a batch, one head) and
@@ -250,7 +253,8 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     need_lse = need_lse or (modifiers is not None and modifiers.sinks is not None)
     inputs = Inputs(q=q4, k=k4, v=v4, mask=mask, scale=float(scale), dropout_p=float(dropout_p),
                     generator=generator, batch_shape=batch_shape, input_rank=rank,
-                    need_weights=need_weights, need_lse=need_lse, modifiers=modifiers)
+                    need_weights=need_weights, need_lse=need_lse, modifiers=modifiers,
+                    invariant=invariant)
     if modifiers is not None:
         problems = modifiers.check(inputs.space)
         if problems:
@@ -320,7 +324,7 @@ class CallCache:
         return Inputs(_bhtd(q, rank, batch), _bhtd(k, rank, batch), _bhtd(v, rank, batch),
                       mask if by_shape else t.mask, t.scale, t.dropout_p, t.generator, batch,
                       rank, t.need_weights, t.need_lse, t.need_grad, t.bias_grad, t.transformed,
-                      t.modifiers), choice
+                      t.modifiers, t.invariant), choice
 
     @staticmethod
     def _signature(q, k, v, mask, options: tuple) -> tuple[Optional[tuple], list, bool]:

@@ -1119,6 +1119,18 @@ def _band_covers(mask: Mask, space: Optional[MaskSpace], rows: bool) -> bool:
             and (hi is None or space.kv_len - 1 - hi <= space.q_len - 1))
 
 
+def key_starts(mask: Optional[Mask]) -> Optional[torch.Tensor]:
+    """Where each batch element's keys begin, ``[Bm]`` long, when ``mask`` (or a part of its
+    ``&`` chain) is a key padding with starts (left padding, a transformers ``attention_mask``
+    read by :func:`real_keys`); ``None`` when the keys of every sequence begin at position 0
+    as far as the mask says."""
+    if mask is None:
+        return None
+    starts = [leaf.kv_starts for leaf in mask.leaves()
+              if isinstance(leaf, _Padding) and leaf.kv_starts is not None]
+    return starts[0].reshape(-1) if len(starts) == 1 else None
+
+
 def packs_documents(mask: Optional[Mask]) -> bool:
     """Whether ``mask`` (or a part of its ``&`` chain) keeps packed documents apart
     (``documents``, with or without ``causal=``; the per-sequence masks of a packed batch):

@@ -104,6 +104,23 @@ def merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     torch.logaddexp(lse_a, lse_b, out=lse_a)
 
 
+def merge_alike_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                     lse_b: torch.Tensor) -> None:
+    """:func:`merge_into` from operations that round an element alike wherever it sits in its
+    tensor (``exp``, ``log``, ``*``, ``+``, ``/``; torch's ``sigmoid``, ``logaddexp`` and
+    ``exp2`` round their vectorised and scalar tails differently), for the fixed schedule
+    (:mod:`attnkit.invariance`): a row's bits then never depend on its neighbours. A side with
+    LSE −inf leaves the other exactly as it was; rows empty on both sides stay 0 and −inf
+    (``out_a`` must hold 0 there)."""
+    top = torch.maximum(lse_a, lse_b)
+    top = torch.where(torch.isneginf(top), 0.0, top)
+    weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    total = weight_a + weight_b
+    out_a.mul_(weight_a.unsqueeze(-1)).add_(out_b * weight_b.unsqueeze(-1))
+    out_a.div_(torch.where(total == 0, 1.0, total).unsqueeze(-1))
+    lse_a.copy_(torch.where(total == 0, float("-inf"), top + torch.log(total)))
+
+
 def dropout_keep(shape, p: float, generator: Optional[torch.Generator], device) -> torch.Tensor:
     """Bool keep-mask for dropout of probability ``p`` over ``shape`` (reproducible via ``generator``)."""
     return torch.rand(shape, generator=generator, device=device) >= p

@@ -44,6 +44,9 @@ class Backend:
     EXACT_NONFINITE: bool = False
     """Makes NaN exactly the rows that hold or may attend a non-finite value, by itself;
     others get :func:`attnkit.finite.poison` after the call on CPU."""
+    INVARIANT_REFUSAL: Optional[str] = "it does not keep the invariance contract"
+    """Why it refuses a call under the invariance contract (:mod:`attnkit.invariance`);
+    ``None``: it keeps it."""
     MAX_HEAD_DIM: Optional[int] = None
     SCORE_MODIFIERS: tuple[str, ...] = ()
     """The score modifiers it applies (``"softcap"``, ``"alibi"``, ``"relative_bias"``,
@@ -87,6 +90,8 @@ class Backend:
         if inputs.modifiers is not None:
             reasons.extend(f"{kind} (not supported by {name})" for kind in inputs.modifiers.kinds()
                            if kind not in self.SCORE_MODIFIERS)
+        if inputs.invariant and self.INVARIANT_REFUSAL:
+            reasons.append(f"invariant=True (not kept by {name}: {self.INVARIANT_REFUSAL})")
         reasons.extend(self.extra_reasons(inputs))
         return reasons
 

@@ -103,6 +103,8 @@ class ReferenceBackend(Backend):
     EXACT_NONFINITE = True
     SCORE_MODIFIERS = ("softcap", "alibi", "relative_bias", "score_function")
     SUPPORTS_BIAS_GRAD = SUPPORTS_FUNC = DOUBLE_BACKWARD = True
+    INVARIANT_REFUSAL = ("its float64 sums run over whole rows, in an order the call's shapes "
+                         "set")
     DESCRIPTION = "float64, materialised O(Tq·Tk), keeps every step; the definition others are tested against"
 
     def forward(self, inputs: Inputs) -> BackendOutput:

@@ -97,6 +97,8 @@ class TorchBackend(Backend):
     SUPPORTS_DROPOUT = False  # torch's dropout cannot follow attnkit's generator contract
     SUPPORTS_WEIGHTS = False
     SCORE_MODIFIERS = ("alibi", "relative_bias")
+    INVARIANT_REFUSAL = ("torch's kernels split queries and keys by the call's shapes: a "
+                         "sequence alone and in a padded batch differ in the last bits")
     DESCRIPTION = ("torch's fused SDPA kernel; masks other than causal, ALiBi and relative "
                    "biases are materialised as a bias")
 

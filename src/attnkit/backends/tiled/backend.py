@@ -4,19 +4,20 @@ reference), :func:`tiled_attention`, the softmax weights rebuilt from the LSE
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from ...inputs import Inputs
-from ...masks import Mask, MaskSpace
+from ...masks import Mask, MaskSpace, cache_key, key_starts
 from ...modifiers import Modifiers
 from ...numerics import accum_dtype
 from ..base import Backend, BackendOutput, check_backward_modifiers
 from ..reference import steps
 from .backward import _biases, tiled_backward
 from .forward import _bounded, _exp_, _scores, fused_kernel_takes, tiled_forward, uses_fused_kernel
-from .plan import BLOCK_K, MODIFIED_TILE_KEYS, Problem, TiledOptions, choose_block_q, make_plan
+from .plan import BLOCK_K, FIXED_BLOCK_K, MODIFIED_TILE_KEYS, Problem, TiledOptions, choose_block_q, make_plan
 from .positions import _position_tile, _positions
 from .tiles import _BlockWork, _segment_mask, _tile_scores
 
@@ -168,6 +169,7 @@ class TiledBackend(Backend):
 
     NAME = "tiled"
     SUPPORTS_BIAS_GRAD = DOUBLE_BACKWARD = LSE_BACKWARD = True
+    INVARIANT_REFUSAL = None  # the fixed schedule (TiledOptions.fixed_blocks)
     SCORE_MODIFIERS = ("softcap", "alibi", "relative_bias", "score_function")
     DESCRIPTION = ("online-softmax tiles in PyTorch: O(T) memory, EMPTY tiles skipped, FULL tiles "
                    "unmasked; backward recomputes tiles")
@@ -187,16 +189,35 @@ class TiledBackend(Backend):
                                f"outside its closure, defaults, named globals and modules (not "
                                f"supported by tiled: it could not give them their gradient; "
                                f"list them in score_function(fn, tensors=[...]))")
+        if inputs.invariant and _left_starts(inputs) is not None:
+            batched = inputs.modifiers is not None and (inputs.modifiers.functions or any(
+                t.dim() > 1 and t.shape[0] > 1 for t in inputs.modifiers.tensors))
+            if batched or inputs.bias_grad:
+                reasons.append("invariant=True on left-padded keys with a score_function, "
+                               "per-batch modifier tensors or a bias that requires grad (not "
+                               "supported by tiled: its sequences then run one by one, each "
+                               "from its first key)")
         return reasons
+
+    def _options(self, inputs: Inputs) -> TiledOptions:
+        """The options a call runs with: the fixed schedule under the invariance contract."""
+        if inputs.invariant and not self.options.fixed_blocks:
+            return dataclasses.replace(self.options, fixed_blocks=True)
+        return self.options
 
     def forward(self, inputs: Inputs) -> BackendOutput:
         seed = 0
         if inputs.dropout_p > 0:
             seed = int(torch.randint(0, 2**62, (1,), generator=inputs.generator,
                                      device=inputs.generator.device if inputs.generator else "cpu"))
-        problem = _problem(inputs, seed, self.options)
-        out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v, problem, *inputs.biases,
-                                         *inputs.modifier_tensors)
+        options = self._options(inputs)
+        problem = _problem(inputs, seed, options)
+        starts = _left_starts(inputs) if options.fixed_blocks else None
+        if starts is not None:
+            out, lse = _from_first_keys(inputs, problem, starts)
+        else:
+            out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v, problem,
+                                             *inputs.biases, *inputs.modifier_tensors)
         weights = tiled_weights(inputs.q, inputs.k, lse, problem) if inputs.need_weights else None
         return BackendOutput(out, lse, weights)
 
@@ -212,7 +233,8 @@ class TiledBackend(Backend):
         dparams = [torch.zeros(t.shape, dtype=accum_dtype(t.dtype), device=t.device) if want
                    else None for t, want in zip(params, want_params)]
         dq, dk, dv = tiled_backward(q, inputs.k, inputs.v, out, lse, dout, dlse,
-                                    _problem(inputs, 0, self.options, bias_grad=any(want_bias)),
+                                    _problem(inputs, 0, self._options(inputs),
+                                             bias_grad=any(want_bias)),
                                     dbias=dbias, dparams=dparams)
         dparams += [None] * (len(params) - len(dparams))
         return dq, dk, dv, dbias, [None if d is None else d.to(t.dtype)
@@ -232,7 +254,75 @@ def _problem(inputs: Inputs, seed: int, options: TiledOptions,
              and not bias_grad and fused_kernel_takes(inputs.modifiers))
     plan = make_plan(inputs.mask, space, batch=batch, heads=heads_q, q_offset=0, q_count=tq,
                      kv_offset=0, kv_count=space.kv_len, fused=fused, options=options,
+                     block_k=FIXED_BLOCK_K if options.fixed_blocks else BLOCK_K,
                      block_q=_modified_block_q(inputs.modifiers, fused, batch * heads_q,
                                                space.kv_len))
     return Problem(inputs.mask, inputs.scale, space, 0, 0, plan, inputs.dropout_p, seed,
                    inputs.modifiers)
+
+
+def _left_starts(inputs: Inputs) -> Optional[list[int]]:
+    """Where each batch element's keys begin (``[B]`` ints, one host read) when some begin past
+    position 0 (left padding: :func:`~attnkit.masks.key_starts`), else ``None``."""
+    starts = key_starts(inputs.mask)
+    if starts is None:
+        return None
+    values = starts.expand(inputs.q.shape[0]).tolist()
+    return values if any(values) else None
+
+
+def _from_first_keys(inputs: Inputs, problem: Problem, starts: list[int],
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed schedule over left-padded keys: the batch elements whose keys begin at the
+    same position ``s`` run as one call over keys ``[s, Tk)`` (``kv_offset`` s: the mask and
+    the modifiers still see global positions), so every sequence's key blocks start at its
+    first key, as they do for the sequence alone. Differentiable; ``(out, lse)`` of the whole
+    batch."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    by_start: dict[int, list[int]] = {}
+    for b, start in enumerate(starts):
+        by_start.setdefault(start, []).append(b)
+    options, outs, lses, order = problem.plan.options, [], [], []
+    for start, members in by_start.items():
+        rows = torch.tensor(members, device=q.device)
+        mask = None if inputs.mask is None else _BatchRows(inputs.mask, tuple(members), rows)
+        out, lse = tiled_attention(
+            q.index_select(0, rows), k.index_select(0, rows)[:, :, start:],
+            v.index_select(0, rows)[:, :, start:], mask, scale=inputs.scale,
+            space=inputs.space, kv_offset=start, dropout_p=problem.dropout_p,
+            seed=problem.seed, block_k=FIXED_BLOCK_K, options=options,
+            modifiers=inputs.modifiers)
+        outs.append(out)
+        lses.append(lse)
+        order.extend(members)
+    inverse = torch.argsort(torch.tensor(order, device=q.device))
+    return torch.cat(outs).index_select(0, inverse), torch.cat(lses).index_select(0, inverse)
+
+
+class _BatchRows(Mask):
+    """``inner`` (over the whole batch) seen by the batch elements ``members`` alone: its tiles
+    and block maps have one entry per member (or one for all, when ``inner``'s do). Biases
+    are the inner mask's, as constants (no gradient reaches them through this view)."""
+
+    def __init__(self, inner: Mask, members: tuple, rows: torch.Tensor):
+        self.inner, self.members, self.rows = inner, members, rows
+        self.has_bias = inner.has_bias
+
+    def _select(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return t if t is None or t.shape[0] == 1 else t.index_select(0, self.rows)
+
+    def cache_key(self, keep):
+        key = cache_key(self.inner, keep)
+        return None if key is None else ("batch rows", key, self.members)
+
+    def tile(self, q_idx, kv_idx, space):
+        return self._select(self.inner.tile(q_idx, kv_idx, space))
+
+    def tile_bias(self, q_idx, kv_idx, space):
+        return self._select(self.inner.tile_bias(q_idx, kv_idx, space))
+
+    def block_map(self, block_q, block_k, space, **window):
+        return self._select(self.inner.block_map(block_q, block_k, space, **window))
+
+    def __repr__(self):
+        return f"batch_rows({self.inner!r}, {list(self.members)})"

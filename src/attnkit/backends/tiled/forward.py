@@ -10,8 +10,9 @@ from typing import Optional
 import torch
 
 from ...modifiers import Modifiers
-from ...numerics import accum_dtype, merge_into
-from .plan import FLUSH_BELOW, LOG2E, TILE_ELEMENTS, Problem, Segment, TiledOptions
+from ...numerics import accum_dtype, merge_alike_into, merge_into
+from .plan import (FIXED_BLOCK_K, FLUSH_BELOW, LOG2E, ROW_QUANTUM, TILE_ELEMENTS, Problem, Segment,
+                   TiledOptions)
 from .positions import PositionTile, Positions, _position_tile, _positions
 from .tiles import (TileMask, TileScores, _BlockWork, _dropout_keep, _RunWork, _runs_fit,
                     _segment_mask, _tile_scores, _with_positions)
@@ -35,7 +36,7 @@ def fused_kernel_takes(modifiers: Optional[Modifiers]) -> bool:
 
 
 def _segment_pieces(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
-                    dropout_p=0.0):
+                    dropout_p=0.0, fixed=False):
     """Attention of one query block over one key segment, as ``(rows, out, lse)`` pieces (the
     strips of a staircase; the rows of each stacked query head for position biases read as
     views, the keys then last to first; else one piece with ``rows = slice(None)``), each
@@ -63,7 +64,7 @@ def _segment_pieces(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fuse
                 attn_mask=tile.positions.backwards(member), scale=scale))
         return
     yield (slice(None), *_segment_forward(q_block, k_seg, v_seg, tile, scale, fused, keep,
-                                          dropout_p))
+                                          dropout_p, fixed))
 
 
 def _member_rows(positions: PositionTile) -> list[slice]:
@@ -72,44 +73,112 @@ def _member_rows(positions: PositionTile) -> list[slice]:
     return [slice(g * n, (g + 1) * n) for g in range(positions.vector.shape[2])]
 
 
+def _quantised(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., n, D]`` with copies of its last row appended up to a multiple of
+    :data:`ROW_QUANTUM` rows (itself when ``n`` is one already): each row's result is then
+    computed as in any other call of at least that many rows."""
+    extra = -x.shape[-2] % ROW_QUANTUM
+    if not extra:
+        return x
+    return torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], extra, x.shape[-1])], dim=-2)
+
+
+def _widened(x: torch.Tensor, fill: float) -> torch.Tensor:
+    """``x [..., span]`` with ``fill`` columns appended up to :data:`FIXED_BLOCK_K`."""
+    extra = FIXED_BLOCK_K - x.shape[-1]
+    if extra <= 0:
+        return x
+    return torch.cat([x, x.new_full((*x.shape[:-1], extra), fill)], dim=-1)
+
+
+def _widened_keys(x: torch.Tensor) -> torch.Tensor:
+    """Keys or values ``[..., span, D]`` with zero rows appended up to :data:`FIXED_BLOCK_K`
+    (contiguous, as every full block is: see :func:`tiled_forward`)."""
+    extra = FIXED_BLOCK_K - x.shape[-2]
+    return torch.cat([x, x.new_zeros(*x.shape[:-2], extra, x.shape[-1])], dim=-2)
+
+
+def _fixed_shapes(q_block, k_seg, v_seg, additive):
+    """A fixed-schedule segment at the shapes every call of it has: query rows padded to a
+    multiple of :data:`ROW_QUANTUM` (:func:`_quantised`), and a key block narrower than
+    :data:`FIXED_BLOCK_K` (the last one) widened with zero keys that ``additive`` forbids
+    (an additive tile is built for an unmasked segment). Torch's kernels take other code
+    paths for fewer rows or keys, which round differently."""
+    span = k_seg.shape[-2]
+    if span < FIXED_BLOCK_K:
+        k_seg, v_seg = _widened_keys(k_seg), _widened_keys(v_seg)
+        if additive is None:
+            additive = q_block.new_zeros(1, 1, 1, span)
+        additive = _widened(additive, float("-inf"))
+    if additive is not None and additive.shape[-2] != 1:  # one row of it per query row
+        additive = _quantised(additive)
+    return _quantised(q_block), k_seg, v_seg, additive
+
+
 def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
-                     dropout_p=0.0):
-    """One piece of :func:`_segment_pieces` (not strips) → ``(out, lse)``."""
+                     dropout_p=0.0, fixed=False):
+    """One piece of :func:`_segment_pieces` (not strips) → ``(out, lse)``. ``fixed``: the
+    fixed schedule's shapes (:func:`_fixed_shapes`)."""
     additive = tile.additive if tile is not None else None
+    n = q_block.shape[-2]
     if fused:
+        queries = q_block
+        if fixed:
+            queries, k_seg, v_seg, additive = _fixed_shapes(q_block, k_seg, v_seg, additive)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_block, k_seg, v_seg, 0.0, tile is not None and tile.causal, attn_mask=additive,
+            queries, k_seg, v_seg, 0.0, tile is not None and tile.causal, attn_mask=additive,
             scale=scale)
-        if additive is not None and tile.has_key is not None:  # out 0 but lse 0 on rows with no key
-            lse = lse.masked_fill(~tile.has_key, float("-inf"))
+        out, lse = out[..., :n, :], lse[..., :n]
+        if tile is not None and additive is not None and tile.has_key is not None:
+            lse = lse.masked_fill(~tile.has_key, float("-inf"))  # out 0 but lse 0 on rows with no key
         return out, lse
     modified = tile.scores if tile is not None else None
-    scores = _scores(q_block, k_seg, scale, modified)  # [B, Hkv, G·n, span]
+    span = k_seg.shape[-2]
+    if fixed:  # scores over the whole key block, the extra keys' −inf
+        queries, k_seg, v_seg, _ = _fixed_shapes(q_block, k_seg, v_seg, None)
+        whole = _scores(queries, k_seg, scale, modified)[..., :n, :]
+        scores = whole[..., :span]
+    else:
+        scores = _scores(q_block, k_seg, scale, modified)  # [B, Hkv, G·n, span]
     units = 1.0  # what one unit of `scores` is worth in scores
     if modified is not None and additive is None and modified.capped_alone:
         scores.tanh_()  # the cap's factor joins the exponent's below
         units = modified.modifiers.softcap.cap
     elif modified is not None:
-        scores = modified.apply(scores)  # softcap, biases, score functions
+        applied = modified.apply(scores)  # softcap, biases, score functions
+        if fixed and applied is not scores:
+            scores.copy_(applied)
+        scores = applied if not fixed else scores
     if additive is not None:
         scores.add_(additive)
+    if fixed:
+        whole[..., span:] = float("-inf")
+        scores = whole
+        if keep is not None:
+            keep = torch.cat([keep, keep.new_zeros(*keep.shape[:-1], scores.shape[-1] - span)], -1)
     row_max = scores.amax(dim=-1)  # [B, Hkv, G·n]
     safe_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
-    probs = _exp_(scores.sub_(safe_max[..., None]), units)
+    probs = _exp_(scores.sub_(safe_max[..., None]), units, natural=fixed)
     row_sum = probs.sum(dim=-1)
     if keep is not None:
         probs.masked_fill_(~keep, 0.0).div_(1.0 - dropout_p)
     empty = row_sum == 0
-    out = (probs @ v_seg) / torch.where(empty, 1.0, row_sum)[..., None]
+    weighted = (_quantised(probs) @ v_seg)[..., :n, :] if fixed else probs @ v_seg
+    out = weighted / torch.where(empty, 1.0, row_sum)[..., None]
     lse = torch.where(empty, float("-inf"),
                       safe_max * units + torch.log(torch.where(empty, 1.0, row_sum)))
     return out, lse
 
 
-def _exp_(x: torch.Tensor, units: float = 1.0) -> torch.Tensor:
+def _exp_(x: torch.Tensor, units: float = 1.0, natural: bool = False) -> torch.Tensor:
     """``exp(x · units)`` in place of scores less their row's maximum or LSE (``x ≤ 0``), as
     ``exp2(x · units · log2 e)`` (see :data:`LOG2E`), with weights below ``2^FLUSH_BELOW``
-    made exactly 0."""
+    made exactly 0. ``natural``: as ``exp`` itself (the fixed schedule: torch's ``exp2``
+    rounds its vectorised and scalar tails differently, so a weight's bits would depend on
+    where it sits in the tensor)."""
+    if natural:
+        return torch.nn.functional.threshold_(x.mul_(units), FLUSH_BELOW / LOG2E,
+                                              float("-inf")).exp_()
     return torch.nn.functional.threshold_(x.mul_(units * LOG2E), FLUSH_BELOW,
                                           float("-inf")).exp2_()
 
@@ -182,7 +251,8 @@ def _schedule(problem: Problem, tq: int, heads_q: int, heads_kv: int, fused: boo
     reversed keys shift against the blocks of a run); otherwise block by block."""
     block_work = _BlockWork(heads_q, heads_kv)
     runs = fused and positions is None and _runs_fit(*tensors)
-    shared_prefix = fused and heads_q == heads_kv  # results are then written in place
+    # results are then written in place; the fixed schedule merges every key block alike
+    shared_prefix = fused and heads_q == heads_kv and not problem.plan.options.fixed_blocks
     group_size = heads_q // heads_kv
     for group in problem.plan.groups(tq, runs=runs, shared_prefix=shared_prefix, dense=fused):
         if group.count == 1:
@@ -215,9 +285,12 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
         raise ValueError("tiled_forward: softcap and score functions need a plan built with "
                          "fused=False (the fused kernel takes ALiBi and relative biases alone)")
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)  # no copy when already acc
+    if problem.plan.options.fixed_blocks:  # one memory layout, whatever the caller's views
+        queries, keys, values = queries.contiguous(), keys.contiguous(), values.contiguous()
     positions = _positions(problem, acc, fused, keys, values, rows=heads_q // heads_kv * tq)
     out = _empty_like_rows(q, dv)
     lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
+    merge = merge_alike_into if problem.plan.options.fixed_blocks else merge_into
     for group, work in _schedule(problem, tq, heads_q, heads_kv, fused, (queries, keys, values),
                                  positions):
         start, stop = group.rows
@@ -231,7 +304,8 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
                                                              keys, values, fused, positions):
             for rows, seg_out, seg_lse in _segment_pieces(q_block, k_seg, v_seg, tile,
                                                           problem.scale, fused, keep,
-                                                          problem.dropout_p):
+                                                          problem.dropout_p,
+                                                          problem.plan.options.fixed_blocks):
                 if block_out is None:
                     block_out = q_block.new_empty((*q_block.shape[:-1], dv), dtype=acc)
                     block_lse = q_block.new_empty(q_block.shape[:-1], dtype=acc)
@@ -239,8 +313,8 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
                     block_out[:, :, rows] = seg_out
                     block_lse[:, :, rows] = seg_lse
                 else:
-                    merge_into(block_out[:, :, rows], block_lse[:, :, rows], seg_out.to(acc),
-                                seg_lse.to(acc))
+                    merge(block_out[:, :, rows], block_lse[:, :, rows], seg_out.to(acc),
+                          seg_lse.to(acc))
             first = False
         if first:  # no key for any of these rows (a single fresh block: runs have keys)
             out[:, :, start:stop] = 0

@@ -45,6 +45,18 @@ backward even on a fused plan: torch's fused backward then forms subnormal weigh
 ``e^-87`` below their row's sum), on which CPUs take a slow path; the matmul path flushes them
 (:data:`FLUSH_BELOW`)."""
 
+FIXED_BLOCK_K = 256
+"""Key-block width of the fixed schedule (:attr:`TiledOptions.fixed_blocks`): every
+sequence's keys are reduced in blocks ``[256·j, 256·(j + 1))`` of its own positions,
+whatever the call's shapes. Part of the invariance contract (docs/NUMERICS.md): changing it
+changes the invariant results' last bits."""
+
+ROW_QUANTUM = 16
+"""Query rows per kernel call in the fixed schedule come in multiples of this: torch's fused
+CPU kernel and BLAS compute a row alike for any row count from 16 up (``tests/
+test_invariance.py`` shows it), but fewer rows (a decoding step) can take another code
+path, so shorter calls are padded with copies of their last row."""
+
 LOG2E = 1.4426950408889634
 """``exp(x) = exp2(x · log2 e)``: the matmul path exponentiates in base 2, because torch's CPU
 ``exp`` takes a slow path for arguments below about −87 (where ALiBi puts far keys) and
@@ -73,6 +85,15 @@ class TiledOptions:
     (one set of strips, no merges: measured faster for sliding windows). A lower triangle is
     not merged with the full keys before it: those run better as one call of the whole query
     block (causal measured slower merged)."""
+
+    fixed_blocks: bool = False
+    """The fixed schedule behind ``attnkit.invariant()``: keys in blocks of
+    :data:`FIXED_BLOCK_K` at their absolute positions, one kernel call per (query block, key
+    block) merged in key order, every call on a multiple of :data:`ROW_QUANTUM` query rows; no
+    runs, shared prefixes, staircases or pieces, and position biases never read from reversed
+    keys. A query row's result then depends on its own inputs alone: not on the other rows
+    or sequences of the call, their padding, or how the queries were chunked. Plans are
+    built with ``block_k`` :data:`FIXED_BLOCK_K`."""
 
     triangle_strip: int = 64
     """Query rows per kernel call inside a staircase segment. The fused kernel skips no key of a
@@ -263,6 +284,10 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int
     tiles internally and never materialises them). ``options`` decide the staircase merges
     (``staircase_max_keys``) and runs (``batch_runs``); the plan carries them.
     """
+    fixed = options.fixed_blocks
+    if fixed and block_k != FIXED_BLOCK_K:
+        raise ValueError(f"build_plan: the fixed schedule takes block_k={FIXED_BLOCK_K}, "
+                         f"got {block_k}")
     block_q = block_q or (FUSED_BLOCK_Q if fused else choose_block_q(batch * heads, kv_count))
     nq, nk = math.ceil(q_count / block_q), math.ceil(kv_count / block_k)
     if mask is None:
@@ -274,7 +299,8 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int
         all_full = (per_bh == FULL).flatten(0, 1).all(0)
         union = torch.where(all_empty, EMPTY, torch.where(all_full, FULL, 1))
         codes = union.tolist()
-    max_blocks = max(1, TILE_ELEMENTS // (max(1, batch * heads) * block_q * block_k))
+    max_blocks = 1 if fixed else max(1, TILE_ELEMENTS // (max(1, batch * heads) * block_q
+                                                          * block_k))
     rows = []
     for i, row in enumerate(codes):
         segments, j = [], 0
@@ -285,18 +311,19 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int
                 continue
             end = j + 1
             while end < nk and row[end] == code and (
-                    end - j < max_blocks or (fused and code == FULL)):
+                    end - j < max_blocks or (fused and code == FULL and not fixed)):
                 end += 1
             segments.append(Segment(j * block_k, min(end * block_k, kv_count), code != FULL))
             j = end
-        if fused and mask is not None:
+        if fused and mask is not None and not fixed:
             segments = _with_structure(mask, space, segments, q_offset + i * block_q,
                                        q_offset + min((i + 1) * block_q, q_count), kv_offset,
                                        options.staircase_max_keys)
         rows.append(tuple(segments))
-    if fused and mask is not None:
+    if fused and mask is not None and not fixed:
         rows = _with_pieces(mask, space, rows, block_q, q_offset, q_count, kv_offset)
-    runs = _find_runs(rows, block_q, q_count) if fused and options.batch_runs else ()
+    runs = (_find_runs(rows, block_q, q_count) if fused and options.batch_runs and not fixed
+            else ())
     return Plan(block_q, block_k, tuple(rows), fused, runs, options)
 
 

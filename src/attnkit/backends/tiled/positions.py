@@ -36,7 +36,8 @@ def _positions(problem: Problem, dtype: torch.dtype, fused: bool = False,
     ``Dk + Dv`` query ``rows`` per K/V head (G·Tq): building every segment's bias then costs
     more than reversing K/V once (a decoding step builds its small bias instead)."""
     vector = problem.position_vector(dtype) if vector is None else vector
-    if vector is None or not fused or rows < keys.shape[-1] + values.shape[-1]:
+    if (vector is None or not fused or rows < keys.shape[-1] + values.shape[-1]
+            or problem.plan.options.fixed_blocks):  # the fixed schedule reads keys in order
         return None if vector is None else Positions(vector)
     return Positions(vector, vector.flip(-1), keys.flip(2), values.flip(2))
 

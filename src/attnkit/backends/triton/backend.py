@@ -143,6 +143,8 @@ class TritonBackend(Backend):
     """``options``: how the kernels run (:class:`launch.TritonOptions`)."""
 
     NAME = "triton"
+    INVARIANT_REFUSAL = ("its block sizes and decoding splits follow the call's shapes; the "
+                         "fixed schedule runs on the tiled engine")
     DEVICES = ("cpu", "cuda")
     DTYPES = (torch.float32, torch.float16, torch.bfloat16)
     SUPPORTS_DROPOUT = False
