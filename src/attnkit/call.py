@@ -86,7 +86,8 @@ def with_sinks(inputs: Inputs, result: BackendOutput) -> BackendOutput:
     :meth:`~attnkit.modifiers.Sinks.join`), the same for every backend; itself without."""
     if inputs.modifiers is None or inputs.modifiers.sinks is None:
         return result
-    return BackendOutput(*inputs.modifiers.sinks.join(result.out, result.lse, result.weights))
+    return BackendOutput(*inputs.modifiers.sinks.join(result.out, result.lse, result.weights,
+                                                       alike=inputs.invariant))
 
 
 def restored(result: BackendOutput, inputs: Inputs, return_lse: bool,

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
+
+import torch
 
 _MODE = threading.local()
 """``_MODE.on``: whether :func:`invariant` is active on this thread (absent: no)."""
@@ -59,3 +61,202 @@ def active(explicit: Optional[bool] = None) -> bool:
         raise TypeError(f"invariant={explicit!r}: pass True, False or None (None follows "
                         f"attnkit.invariant())")
     return explicit
+
+
+# ---- the checks behind ``attnkit check --invariance`` and tests/test_invariance.py ---------
+
+CHECKS = ("run to run", "batch", "chunking", "ring")
+"""The contract's points, in the order ``attnkit check --invariance`` reports them (ring: run
+to run over two gloo ranks)."""
+
+
+class Finding(NamedTuple):
+    """One check on one backend: ``status`` is ``"holds"``, ``"refused"`` (``detail``: the
+    backend's reason) or ``"BROKEN"`` (``detail``: the first differing element)."""
+
+    check: str
+    backend: str
+    status: str
+    detail: str = ""
+
+
+def first_difference(name: str, got: torch.Tensor, want: torch.Tensor) -> Optional[str]:
+    """``None`` when ``got`` and ``want`` hold the same bits (NaN where the other has NaN),
+    else where they first differ: ``"out[0, 1, 7, 3]: 0.1234567 vs 0.1234566"``."""
+    if got.shape != want.shape:
+        return f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    if bool(same.all()):
+        return None
+    index = tuple(int(i) for i in (~same).nonzero()[0])
+    return f"{name}{list(index)}: {got[index].item()!r} vs {want[index].item()!r}"
+
+
+def _differences(pairs) -> Optional[str]:
+    for name, got, want in pairs:
+        found = first_difference(name, got, want)
+        if found is not None:
+            return found
+    return None
+
+
+def _case(seed: int, device, dtype, heads_q: int = 4, heads_kv: int = 2, length: int = 300,
+          dim: int = 32) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, length, dim, generator=gen).to(device, dtype)
+               for h in (heads_q, heads_kv, heads_kv))
+    return q, k, v
+
+
+def _masks(heads: int, device) -> list:
+    """The masks every check runs: causal (torch's fused kernel per tile) and causal with a
+    softcap and ALiBi (the matmul path), both aligned bottom-right so that a chunk of queries
+    keeps its positions."""
+    from .masks import causal
+    from .modifiers import alibi, softcap
+    slopes = torch.linspace(0.05, 0.5, heads, device=device)
+    return [causal("bottom_right"),
+            causal("bottom_right") & softcap(20.0) & alibi(slopes, align="bottom_right")]
+
+
+def _call(q, k, v, mask, backend: str):
+    from .api import attention
+    return attention(q, k, v, mask, backend=backend, return_lse=True, invariant=True)
+
+
+def check_run_to_run(backend: str, device="cpu", dtype=torch.float32, seed: int = 0,
+                     ) -> Optional[str]:
+    """The same call twice, forward and (float32/float64) backward: ``None`` when every
+    output, LSE and gradient holds the same bits, else the first difference."""
+    grads = dtype in (torch.float32, torch.float64)
+    q, k, v = _case(seed, device, dtype)
+    for mask in _masks(q.shape[1], device):
+        runs = []
+        for _ in range(2):
+            leaves = [t.detach().clone().requires_grad_(grads) for t in (q, k, v)]
+            result = _call(*leaves, mask, backend)
+            tensors = [result.out.detach(), result.lse.detach()]
+            if grads:
+                (result.out.square().sum() + result.lse.sum()).backward()
+                tensors += [t.grad for t in leaves]
+            runs.append(tensors)
+        found = _differences(zip(("out", "lse", "dq", "dk", "dv"), *runs))
+        if found is not None:
+            return f"{mask!r}: {found}"
+    return None
+
+
+def check_batch(backend: str, device="cpu", dtype=torch.float32, seed: int = 0) -> Optional[str]:
+    """A sequence alone, then second of three in a right-padded and in a left-padded batch
+    (other sequences of other lengths, NaN in its padding): ``None`` when its rows hold the
+    same bits each time."""
+    from .masks import padding
+    q, k, v = _case(seed, device, dtype)
+    length, width = q.shape[2], q.shape[2] + 77
+    gen = torch.Generator().manual_seed(seed + 1)
+    for mask in _masks(q.shape[1], device):
+        alone = _call(q, k, v, mask, backend)
+        for side in ("right", "left"):
+            pad = 0 if side == "right" else width - length
+            batch = [torch.randn(3, t.shape[1], width, t.shape[3], generator=gen).to(device, dtype)
+                     for t in (q, k, v)]
+            for big, small in zip(batch, (q, k, v)):
+                big[1, :, :] = float("nan")
+                big[1, :, pad:pad + length] = small[0]
+            lengths = torch.tensor([width, length, width - 40], device=device)
+            starts = torch.tensor([0, pad, 40 if side == "left" else 0], device=device)
+            runs = padding(lengths, lengths, starts, starts)
+            within = _call(*batch, mask & runs, backend)
+            found = _differences([
+                ("out", within.out[1:2, :, pad:pad + length], alone.out),
+                ("lse", within.lse[1:2, :, pad:pad + length], alone.lse)])
+            if found is not None:
+                return f"{side}-padded, {mask!r}: {found}"
+    return None
+
+
+def check_chunking(backend: str, device="cpu", dtype=torch.float32, seed: int = 0,
+                   ) -> Optional[str]:
+    """One prefill of the sequence, then the same queries in chunks over the keys up to each
+    chunk's end (the last rows one by one: decoding steps): ``None`` when every row holds
+    the same bits."""
+    q, k, v = _case(seed, device, dtype)
+    length = q.shape[2]
+    cuts = [0, 1, 100, 290, *range(length - 3, length + 1)]
+    for mask in _masks(q.shape[1], device):
+        whole = _call(q, k, v, mask, backend)
+        for start, stop in zip(cuts, cuts[1:]):
+            part = _call(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], mask, backend)
+            found = _differences([("out", part.out, whole.out[:, :, start:stop]),
+                                  ("lse", part.lse, whole.lse[:, :, start:stop])])
+            if found is not None:
+                return f"rows {start}:{stop}, {mask!r}: {found}"
+    return None
+
+
+def _ring_twice(rank: int, world_size: int, backend: str, dtype_name: str, seed: int):
+    from .distributed import ring_attention, shard
+    dtype = getattr(torch, dtype_name)
+    q, k, v = _case(seed, "cpu", dtype, length=256)
+    results = []
+    for _ in range(2):
+        leaves = [shard(t, rank, world_size).detach().clone().requires_grad_() for t in (q, k, v)]
+        result = ring_attention(*leaves, _masks(q.shape[1], "cpu")[1], backend=backend,
+                                return_lse=True)
+        (result.out.square().sum() + result.lse.sum()).backward()
+        results.append([result.out.detach(), result.lse.detach(), *(t.grad for t in leaves)])
+    return _differences(zip(("out", "lse", "dq", "dk", "dv"), *results))
+
+
+def check_ring(backend: str, device="cpu", dtype=torch.float32, seed: int = 0) -> Optional[str]:
+    """Ring attention over two local gloo ranks, forward and backward, twice: ``None`` when
+    every rank's out, LSE and gradients hold the same bits both times. CPU float32/float64
+    only (``ValueError`` otherwise)."""
+    from .distributed import spawn
+    if backend != "tiled":
+        raise ValueError(f"the ring check runs its steps on tiled over gloo (its triton steps "
+                         f"need CUDA and NCCL), not on {backend}")
+    if str(device) != "cpu" or dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"the ring check runs on CPU in float32/float64 (gloo), not {device} "
+                         f"{dtype}")
+    found = spawn(_ring_twice, 2, backend, str(dtype).removeprefix("torch."), seed)
+    broken = [f"rank {rank}: {what}" for rank, what in enumerate(found) if what is not None]
+    return "; ".join(broken) or None
+
+
+_CHECKS = {"run to run": check_run_to_run, "batch": check_batch, "chunking": check_chunking,
+           "ring": check_ring}
+
+
+def check(backends: Sequence[str], device="cpu", dtype=torch.float32, seed: int = 0,
+          checks: Sequence[str] = CHECKS) -> list[Finding]:
+    """Every check of ``checks`` on every backend of ``backends`` (names from
+    ``attnkit.available_backends()``): a :class:`Finding` each. A backend that refuses the
+    contract (a ``ValueError`` naming ``invariant``), or a ring over a backend it does not
+    run on, is ``"refused"`` with its reason."""
+    findings = []
+    for name in checks:
+        for backend in backends:
+            try:
+                broken = _CHECKS[name](backend, device, dtype, seed)
+            except ValueError as error:
+                reason = _refusal(str(error))
+                if reason is None:
+                    raise
+                findings.append(Finding(name, backend, "refused", reason))
+                continue
+            findings.append(Finding(name, backend, "BROKEN" if broken else "holds",
+                                    broken or ""))
+    return findings
+
+
+def _refusal(message: str) -> Optional[str]:
+    """The refusal reason in a backend's ValueError (the line naming ``invariant`` or the
+    ring's backends), or ``None`` for any other error."""
+    for line in message.splitlines():
+        line = line.strip(" -")
+        if line.startswith("invariant=True (not kept by "):
+            return line.split(": ", 1)[1].removesuffix(")")
+        if "ring" in line or "gloo" in line:
+            return line
+    return None

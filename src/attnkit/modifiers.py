@@ -398,17 +398,18 @@ class Sinks(Modifier):
         return _per_head_problem("sinks logits", self.logits, space, batched=False)
 
     def join(self, out: torch.Tensor, lse: torch.Tensor, weights: Optional[torch.Tensor] = None,
-             ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+             alike: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """A finished result with the sinks in its denominators: ``out [B, H, Tq, Dv]``,
         ``lse [B, H, Tq]``, ``weights [B, H, Tq, Tk]`` or ``None`` → the same, out in its own
         dtype and lse in the accumulation dtype. The result is merged with an empty partial
         result ``(0, sink_h)`` (:func:`attnkit.numerics.merge`): ``lse' = logaddexp(lse,
         sink_h)``, ``out' = out · exp(lse − lse')``, weights scaled alike (a row's weights then
-        sum to less than 1). A fully masked row gets out 0 and ``lse' = sink_h``."""
+        sum to less than 1). A fully masked row gets out 0 and ``lse' = sink_h``. ``alike``:
+        :func:`~attnkit.numerics.merge`'s form for the invariance contract."""
         from .numerics import merge
 
         sink = self.logits.to(lse.dtype)[None, :, None].expand_as(lse)  # [B, H, Tq]
-        merged, merged_lse = merge(out, lse, torch.zeros_like(out), sink)
+        merged, merged_lse = merge(out, lse, torch.zeros_like(out), sink, alike)
         if weights is not None:
             weights = weights * torch.exp(lse - merged_lse).to(weights.dtype)[..., None]
         return merged.to(out.dtype), merged_lse, weights

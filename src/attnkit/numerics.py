@@ -58,7 +58,7 @@ def masked_softmax(scores: torch.Tensor, allowed: Optional[torch.Tensor],
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+          alike: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two partial attention results over disjoint key sets.
 
     ``out_* [..., T, D]`` (each normalised over its own keys; rows with no key are 0),
@@ -72,7 +72,9 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     precision (the lerp form ``out_a + w·(out_b − out_a)`` gives exactly 0 once ``w`` rounds to
     1, as when a sink outweighs every key). A side with ``lse = -inf`` (no keys) gets weight
     exactly 0, so the other side passes through unchanged; both ``-inf`` gives ``(0, -inf)``.
-    Only [..., T]-sized vectors need special cases.
+    Only [..., T]-sized vectors need special cases. ``alike``: weights ``exp(lse − max)``
+    instead, from operations that round alike wherever a row sits in its tensor (see
+    :func:`merge_alike_into`), for the invariance contract.
     """
     dtype = accum_dtype(out_a.dtype)
     out_a, out_b = out_a.to(dtype), out_b.to(dtype)
@@ -81,6 +83,12 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
     # gradient exp(lse_a - lse)): use 0 there, restore -inf after; masked_fill passes no gradient.
     both_empty = torch.isneginf(lse_a) & torch.isneginf(lse_b)  # [..., T]
     lse_a, lse_b = lse_a.masked_fill(both_empty, 0.0), lse_b.masked_fill(both_empty, 0.0)
+    if alike:
+        top = torch.maximum(lse_a, lse_b).detach()  # finite: both −inf was filled
+        weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+        total = weight_a + weight_b
+        out = (out_a * weight_a[..., None] + out_b * weight_b[..., None]) / total[..., None]
+        return out, (top + torch.log(total)).masked_fill(both_empty, float("-inf"))
     diff = lse_b - lse_a  # [..., T]; ±inf where exactly one side is empty
     # σ(±diff) as exp(logsigmoid): the same values, but autograd's derivative is then
     # σ(diff)·σ(−diff) from two precise factors, not y·(1 − y), which loses the small factor

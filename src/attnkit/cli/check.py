@@ -410,6 +410,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"check only these backends (default: all of {list(dispatch.BACKENDS)})")
     parser.add_argument("--seed", type=seed_type, default=0,
                         help="random seed of the inputs (default 0)")
+    parser.add_argument("--invariance", action="store_true",
+                        help="check the invariance contract instead (run to run, batch, "
+                             "chunking, ring; attnkit.invariant()): holds / refused / BROKEN per "
+                             "backend, exit 1 on BROKEN")
+    parser.add_argument("--device", default=None,
+                        help="with --invariance: the device (default cuda when present, else "
+                             "cpu)")
+
+
+def run_invariance(names: list[str], device: str, seed: int, console) -> int:
+    """``attnkit check --invariance``: :func:`attnkit.invariance.check` on ``names`` as a table
+    (check × backend); 1 when any check is BROKEN."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .. import invariance
+
+    checks = [c for c in invariance.CHECKS if c != "ring" or device == "cpu"]
+    findings = invariance.check(names, device=device, seed=seed, checks=checks)
+    table = Table(title=f"invariance contract on {device} (float32; bits, not tolerances)")
+    table.add_column("check")
+    for name in names:
+        table.add_column(name)
+    style = {"holds": "green", "refused": "yellow", "BROKEN": "bold red"}
+    for check in checks:
+        cells = []
+        for name in names:
+            found = next(f for f in findings if f.check == check and f.backend == name)
+            detail = f" [dim]{escape(found.detail)}" if found.detail else ""
+            cells.append(f"[{style[found.status]}]{found.status}[/]{detail}")
+        table.add_row(check, *cells)
+    console.print(table)
+    broken = [f for f in findings if f.status == "BROKEN"]
+    held = sum(f.status == "holds" for f in findings)
+    summary = f"{held} held, {len(broken)} broken"
+    console.print(f"[bold red]{summary}" if broken else f"[bold green]{summary}")
+    return 1 if broken else 0
 
 
 def run(args: argparse.Namespace, console) -> int:
@@ -426,6 +463,11 @@ def run(args: argparse.Namespace, console) -> int:
         usable = [n for n, b in dispatch.BACKENDS.items() if b.is_available()]
         raise UsageError(f"--backend {' '.join(missing)}: cannot run on this machine ({reasons}); "
                          f"choose from the available backends {usable} (see `attnkit info`)")
+    if args.invariance:
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return run_invariance(available, device, args.seed, console)
+    if args.device is not None:
+        raise UsageError("--device goes with --invariance (the reference check runs on CPU)")
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("checking backends", total=count_runs(args.quick, len(available)))
         results = run_checks(args.quick, names, seed=args.seed,
