@@ -100,8 +100,8 @@ def _differences(pairs) -> Optional[str]:
     return None
 
 
-def _case(seed: int, device, dtype, heads_q: int = 4, heads_kv: int = 2, length: int = 300,
-          dim: int = 32) -> tuple[torch.Tensor, ...]:
+def _case(seed: int, device, dtype, heads_q: int = 4, heads_kv: int = 2, length: int = 600,
+          dim: int = 64) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, h, length, dim, generator=gen).to(device, dtype)
                for h in (heads_q, heads_kv, heads_kv))
@@ -182,7 +182,7 @@ def check_chunking(backend: str, device="cpu", dtype=torch.float32, seed: int = 
     the same bits."""
     q, k, v = _case(seed, device, dtype)
     length = q.shape[2]
-    cuts = [0, 1, 100, 290, *range(length - 3, length + 1)]
+    cuts = [0, 1, 100, 290, 520, *range(length - 3, length + 1)]
     for mask in _masks(q.shape[1], device):
         whole = _call(q, k, v, mask, backend)
         for start, stop in zip(cuts, cuts[1:]):

@@ -191,12 +191,13 @@ class TiledBackend(Backend):
                                f"list them in score_function(fn, tensors=[...]))")
         if inputs.invariant and _left_starts(inputs) is not None:
             batched = inputs.modifiers is not None and (inputs.modifiers.functions or any(
-                t.dim() > 1 and t.shape[0] > 1 for t in inputs.modifiers.tensors))
+                part.slopes.dim() == 2 and part.slopes.shape[0] > 1
+                for part in inputs.modifiers.alibi))
             if batched or inputs.bias_grad:
                 reasons.append("invariant=True on left-padded keys with a score_function, "
-                               "per-batch modifier tensors or a bias that requires grad (not "
-                               "supported by tiled: its sequences then run one by one, each "
-                               "from its first key)")
+                               "per-batch ALiBi slopes or a bias that requires grad (not "
+                               "supported by tiled: its sequences then run in groups by first "
+                               "key, which these cannot follow; pad on the right)")
         return reasons
 
     def _options(self, inputs: Inputs) -> TiledOptions:

@@ -141,7 +141,7 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
     else:
         scores = _scores(q_block, k_seg, scale, modified)  # [B, Hkv, G·n, span]
     units = 1.0  # what one unit of `scores` is worth in scores
-    if modified is not None and additive is None and modified.capped_alone:
+    if modified is not None and additive is None and modified.capped_alone and not fixed:
         scores.tanh_()  # the cap's factor joins the exponent's below
         units = modified.modifiers.softcap.cap
     elif modified is not None:

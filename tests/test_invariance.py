@@ -1,0 +1,281 @@
+"""The invariance contract (``attnkit.invariant()``, docs/NUMERICS.md): bits, not tolerances.
+
+Every comparison is ``torch.equal`` (NaN only where both have NaN). The cases: a sequence alone
+against the same sequence inside right- and left-padded batches at a random place, with NaN in
+its padding; chunked prefills and decoding steps against one prefill; run to run with
+gradients; every mask kind and score modifier on both paths of the tiled engine (torch's
+fused kernel per tile, the matmul path); float32 and float64; GQA. Tests that make the
+schedule depend on the call's shapes (the mutations the contract guards against) must break
+the checks, and the default mode is shown not invariant on the same cases, so the checks can
+fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit as ak
+from attnkit import dispatch, invariance
+from attnkit.backends.tiled import backend as tiled_backend
+from attnkit.backends.tiled import forward, plan
+from attnkit.inputs import validate
+from attnkit.masks import MaskCache
+
+D = 16
+KINDS = ("none", "causal", "window", "softcap", "alibi", "relative", "score_function", "sinks",
+         "bias")
+"""Masks and modifiers of the batch cases, all in relative positions (a left-padded sequence
+keeps its relations): ``bias`` is a learnable-looking additive tensor of the sequence's own
+size, placed at its positions in the batch."""
+
+
+def _equal(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return invariance.first_difference("x", got, want) is None
+
+
+def _tensors(gen, batch, heads, length, dtype, dim=D):
+    return torch.randn(batch, heads, length, dim, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _mask(kind: str, heads: int, gen, length: int, pad: int, width: int):
+    """``(mask of the sequence alone, the same mask in a batch where the sequence's positions
+    start at pad, in a tensor of width positions)``."""
+    if kind == "none":
+        return None, None
+    if kind == "causal":
+        return ak.causal(), ak.causal()
+    if kind == "window":
+        return ak.sliding_window(7, 3), ak.sliding_window(7, 3)
+    if kind == "softcap":
+        m = ak.causal() & ak.softcap(2.0)
+        return m, m
+    if kind == "alibi":
+        m = ak.causal() & ak.alibi(torch.linspace(0.1, 1.0, heads))
+        return m, m
+    if kind == "relative":
+        m = ak.relative_bias(torch.randn(heads, 9, generator=gen),
+                             buckets=lambda r: r.clamp(-4, 4) + 4)
+        return m, m
+    if kind == "score_function":
+        m = ak.causal() & ak.score_function(lambda s, b, h, i, j: s - 0.05 * (i - j).abs())
+        return m, m
+    if kind == "sinks":
+        m = ak.causal() & ak.sinks(torch.randn(heads, generator=gen))
+        return m, m
+    assert kind == "bias"
+    small = torch.randn(1, 1, length, length, generator=gen)
+    big = torch.zeros(1, 1, width, width)
+    big[..., pad:pad + length, pad:pad + length] = small
+    return ak.bias(small), ak.bias(big)
+
+
+def _alone_and_in_batch(kind, length, batch, place, pad_left, pad_right, heads_kv, group, dim,
+                        dtype, seed):
+    """The sequence alone and its rows from a padded batch: ``(alone, within)`` results."""
+    gen = torch.Generator().manual_seed(seed)
+    heads = heads_kv * group
+    width = length + pad_left + pad_right
+    q1, k1, v1 = (_tensors(gen, 1, h, length, dtype, dim) for h in (heads, heads_kv, heads_kv))
+    alone_mask, batch_mask = _mask(kind, heads, gen, length, pad_left, width)
+    alone = ak.attention(q1, k1, v1, alone_mask, return_lse=True, invariant=True)
+    q, k, v = (_tensors(gen, batch, t.shape[1], width, dtype, dim) for t in (q1, k1, v1))
+    for big, small in zip((q, k, v), (q1, k1, v1)):
+        big[place] = float("nan")  # garbage in its padding: never read
+        big[place, :, pad_left:pad_left + length] = small[0]
+    starts = torch.randint(0, width, (batch,), generator=gen)
+    if kind == "score_function":  # refused on left padding (see the test below)
+        starts.zero_()
+    lengths = torch.randint(0, width + 1, (batch,), generator=gen).minimum(width - starts)
+    starts[place], lengths[place] = pad_left, length
+    runs = ak.padding(lengths, lengths, starts, starts)
+    for t in (q, k, v):  # the others' padding holds garbage too
+        t.masked_fill_(torch.isnan(t), 0.0)
+        t[place].nan_to_num_(float("nan"))
+    mask = runs if batch_mask is None else batch_mask & runs
+    within = ak.attention(q, k, v, mask, return_lse=True, invariant=True)
+    rows = slice(pad_left, pad_left + length)
+    return alone, (within.out[place:place + 1, :, rows], within.lse[place:place + 1, :, rows])
+
+
+@settings(max_examples=80)
+@given(kind=st.sampled_from(KINDS), length=st.integers(1, 560), batch=st.integers(1, 4),
+       place=st.integers(0, 3), pad_left=st.sampled_from([0, 0, 1, 37, 300]),
+       pad_right=st.sampled_from([0, 5, 256]), heads_kv=st.integers(1, 2),
+       group=st.sampled_from([1, 2]), dim=st.sampled_from([16, 64, 128]),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_a_sequence_alone_and_in_any_padded_batch_gives_the_same_bits(
+        kind, length, batch, place, pad_left, pad_right, heads_kv, group, dim, dtype, seed):
+    place = place % batch
+    if kind == "score_function":
+        pad_left = 0
+    alone, (out, lse) = _alone_and_in_batch(kind, length, batch, place, pad_left, pad_right,
+                                            heads_kv, group, dim, dtype, seed)
+    assert _equal(out, alone.out), invariance.first_difference("out", out, alone.out)
+    assert _equal(lse, alone.lse), invariance.first_difference("lse", lse, alone.lse)
+
+
+CHUNK_KINDS = ("none", "causal", "window", "softcap", "alibi", "sinks")
+
+
+def _chunk_mask(kind: str, heads: int, gen):
+    """Masks and modifiers aligned bottom-right, so a chunk of queries keeps its positions."""
+    causal = ak.causal("bottom_right")
+    return {
+        "none": None,
+        "causal": causal,
+        "window": ak.sliding_window(40, 0, align="bottom_right"),
+        "softcap": causal & ak.softcap(3.0),
+        "alibi": causal & ak.alibi(torch.linspace(0.1, 1.0, heads), align="bottom_right"),
+        "sinks": causal & ak.sinks(torch.randn(heads, generator=gen)),
+    }[kind]
+
+
+@settings(max_examples=60)
+@given(kind=st.sampled_from(CHUNK_KINDS), length=st.integers(2, 600),
+       cuts=st.lists(st.integers(1, 599), max_size=4), steps=st.integers(0, 3),
+       group=st.sampled_from([1, 3]), dim=st.sampled_from([16, 64, 128]),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_chunked_prefill_and_decoding_give_the_prefill_bits(kind, length, cuts, steps, group,
+                                                            dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = _tensors(gen, 1, 2 * group, length, dtype, dim)
+    k, v = (_tensors(gen, 1, 2, length, dtype, dim) for _ in range(2))
+    mask = _chunk_mask(kind, 2 * group, gen)
+    whole = ak.attention(q, k, v, mask, return_lse=True, invariant=True)
+    last = max(1, length - steps)  # the last `steps` rows as one-token decoding steps
+    bounds = sorted({0, last, *range(last, length + 1), *(c for c in cuts if c < last)})
+    for start, stop in zip(bounds, bounds[1:]):
+        keys = length if mask is None else stop  # without a mask every row sees every key
+        part = ak.attention(q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys], mask,
+                            return_lse=True, invariant=True)
+        assert _equal(part.out, whole.out[:, :, start:stop]), (start, stop)
+        assert _equal(part.lse, whole.lse[:, :, start:stop]), (start, stop)
+
+
+@pytest.mark.parametrize("kind", ["causal", "softcap", "alibi", "relative", "bias"])
+def test_run_to_run_gives_the_same_bits_with_gradients(kind):
+    gen = torch.Generator().manual_seed(3)
+    mask, _ = _mask(kind, 4, gen, 300, 0, 300)
+    q, k, v = (_tensors(gen, 2, h, 300, torch.float32) for h in (4, 2, 2))
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        result = ak.attention(*leaves, mask, return_lse=True, invariant=True)
+        (result.out.square().sum() + result.lse.sum()).backward()
+        runs.append([result.out, result.lse, *(t.grad for t in leaves)])
+    for got, want in zip(*runs):
+        assert torch.equal(got, want)
+
+
+def test_the_checks_hold_on_tiled_and_others_refuse():
+    findings = invariance.check(["tiled", "torch", "reference"],
+                                checks=("run to run", "batch", "chunking"))
+    assert {f.status for f in findings if f.backend == "tiled"} == {"holds"}
+    refused = [f for f in findings if f.backend != "tiled"]
+    assert refused and all(f.status == "refused" and f.detail for f in refused)
+
+
+def test_the_ring_is_deterministic_run_to_run():
+    assert invariance.check_ring("tiled") is None
+
+
+def test_threads_do_not_change_the_bits():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (_tensors(gen, 2, 4, 700, torch.float32, 64) for _ in range(3))
+    mask = ak.causal() & ak.softcap(4.0)
+    results = []
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            plain = ak.attention(q, k, v, ak.causal(), return_lse=True, invariant=True)
+            capped = ak.attention(q, k, v, mask, return_lse=True, invariant=True)
+        finally:
+            torch.set_num_threads(before)
+        results.append([plain.out, plain.lse, capped.out, capped.lse])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
+def test_auto_picks_a_backend_that_keeps_it_and_explicit_ones_refuse():
+    q = torch.randn(1, 2, 8, D)
+    inputs = validate(q, q, q, ak.causal(), invariant=True)
+    assert dispatch.select(inputs, "auto").NAME == "tiled"
+    for name in ("torch", "reference"):
+        with pytest.raises(ValueError, match="invariant=True"):
+            ak.attention(q, q, q, ak.causal(), backend=name, invariant=True)
+    with ak.invariant():
+        assert torch.equal(ak.attention(q, q, q, ak.causal()),
+                           ak.attention(q, q, q, ak.causal(), invariant=True))
+        with ak.invariant(False):
+            assert not invariance.active()
+        assert invariance.active() and not invariance.active(False)
+    assert not invariance.active()
+    with pytest.raises(TypeError, match="invariant"):
+        ak.attention(q, q, q, invariant="yes")
+
+
+def test_left_padding_with_a_score_function_is_refused_clearly():
+    q = torch.randn(2, 2, 8, D)
+    mask = ak.padding(kv_starts=[0, 3]) & ak.score_function(lambda s, b, h, i, j: s)
+    with pytest.raises(ValueError, match="pad on the right"):
+        ak.attention(q, q, q, mask, backend="tiled", invariant=True)
+
+
+# ---- the checks can fail ---------------------------------------------------------------------
+
+def test_the_default_schedule_is_not_invariant_on_the_same_cases():
+    """The default mode (torch's kernel, merged segments) differs somewhere on these cases:
+    the checks above would catch a contract that held only by accident."""
+    broken = 0
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        q, k, v = (_tensors(gen, 1, 2, 600, torch.float32, 64) for _ in range(3))
+        whole = ak.attention(q, k, v, ak.causal("bottom_right"), return_lse=True)
+        for start in (1, 100, 299, 599):
+            part = ak.attention(q[:, :, start:], k, v, ak.causal("bottom_right"),
+                                return_lse=True)
+            broken += not _equal(part.out, whole.out[:, :, start:])
+    assert broken
+
+
+@pytest.mark.parametrize("mutation", ["no widened keys", "no row quantum", "lerp merge",
+                                      "block width set by the batch",
+                                      "key order set by the batch"])
+def test_a_schedule_that_follows_the_call_shapes_breaks_the_checks(monkeypatch, mutation):
+    if mutation == "no widened keys":
+        monkeypatch.setattr(forward, "_widened_keys", lambda x: x)
+        monkeypatch.setattr(forward, "_widened", lambda x, fill: x)
+    elif mutation == "no row quantum":
+        monkeypatch.setattr(forward, "_quantised", lambda x: x)
+    elif mutation == "lerp merge":
+        monkeypatch.setattr(forward, "merge_alike_into", forward.merge_into)
+    elif mutation == "block width set by the batch":  # a split size that varies with the batch
+        problem = tiled_backend._problem
+
+        def sized(inputs, *args, **kwargs):
+            width = 128 if inputs.q.shape[0] > 1 else 256
+            for module in (plan, forward, tiled_backend):
+                monkeypatch.setattr(module, "FIXED_BLOCK_K", width)
+            return problem(inputs, *args, **kwargs)
+        monkeypatch.setattr(tiled_backend, "_problem", sized)
+    else:  # key blocks merged in another order in a batch (as atomics would)
+        build = plan.build_plan
+
+        def reordered(mask, space, **kwargs):
+            built = build(mask, space, **kwargs)
+            if kwargs["batch"] == 1:
+                return built
+            return dataclasses.replace(built, rows=tuple(row[::-1] for row in built.rows))
+        monkeypatch.setattr(plan, "build_plan", reordered)
+    monkeypatch.setattr(plan, "_PLANS", MaskCache(64))  # plans made under the mutation
+    found = [invariance.check_batch("tiled", seed=s) or invariance.check_chunking("tiled", seed=s)
+             for s in range(3)]
+    assert any(found), mutation
