@@ -279,3 +279,109 @@ def test_a_schedule_that_follows_the_call_shapes_breaks_the_checks(monkeypatch, 
     found = [invariance.check_batch("tiled", seed=s) or invariance.check_chunking("tiled", seed=s)
              for s in range(3)]
     assert any(found), mutation
+
+
+# ---- modules ---------------------------------------------------------------------------------
+
+def test_multi_head_attention_decodes_a_sequence_alone_as_in_a_ragged_batch():
+    """Three prompts in one right-padded batch with a KVCache, then decoding steps: each
+    sequence's outputs equal, bit for bit, one forward of it alone over all its tokens (a
+    prefill, chunks and steps give the same rows)."""
+    from attnkit.nn import MultiHeadAttention
+    gen = torch.Generator().manual_seed(0)
+    mha = MultiHeadAttention(64, 4, num_kv_heads=2, invariant=True)
+    sizes = (300, 2, 41)
+    prompts = [torch.randn(n, 64, generator=gen) for n in sizes]
+    steps = [torch.randn(3, 1, 64, generator=gen) for _ in range(3)]
+    batch = torch.zeros(3, max(sizes), 64)
+    for b, p in enumerate(prompts):
+        batch[b, :p.shape[0]] = p
+    with torch.no_grad():
+        out, _, cache = mha(batch, cache=mha.empty_cache(), is_causal=True,
+                            lengths=torch.tensor(sizes))
+        outs = [out]
+        for step in steps:
+            o, _, cache = mha(step, cache=cache, is_causal=True,
+                              lengths=torch.ones(3, dtype=torch.long))
+            outs.append(o)
+        for b, p in enumerate(prompts):
+            alone = torch.cat([p] + [s[b] for s in steps])[None]
+            expected, _, _ = mha(alone, is_causal=True)
+            assert torch.equal(outs[0][b, :p.shape[0]], expected[0, :p.shape[0]])
+            assert torch.equal(torch.cat([o[b] for o in outs[1:]]), expected[0, p.shape[0]:])
+
+
+def test_a_transformers_model_generates_the_same_bits_alone_and_in_a_left_padded_batch():
+    """A tiny Llama on attnkit, greedy: each prompt alone and inside a left-padded batch of
+    three gives the same tokens and the same logits at every step, bit for bit, with its
+    linear layers row-wise (rowwise_linears); without the contract the logits differ."""
+    transformers = pytest.importorskip("transformers")
+    import attnkit.integrations.transformers as ak_hf
+    ak_hf.register()
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=512,
+        initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
+    model.eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 100, (n,), generator=gen) for n in (10, 4, 7)]
+    ids = torch.zeros(3, 10, dtype=torch.long)
+    real = torch.zeros(3, 10, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, 10 - len(p):], real[b, 10 - len(p):] = p, 1
+
+    def generate(ids, real):
+        return model.generate(input_ids=ids, attention_mask=real, max_new_tokens=8,
+                              min_new_tokens=8, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+
+    def same(batch, b, alone):
+        return (torch.equal(alone.sequences[0, -8:], batch.sequences[b, -8:])
+                and all(torch.equal(a[0], s[b]) for a, s in zip(alone.logits, batch.logits)))
+
+    with torch.no_grad():
+        with ak.invariant(), invariance.rowwise_linears(model):
+            batch = generate(ids, real)
+            for b, p in enumerate(prompts):
+                assert same(batch, b, generate(p[None], torch.ones(1, len(p), dtype=torch.long)))
+        batch = generate(ids, real)  # the default: equal tokens here, logits not bit for bit
+        assert not all(same(batch, b, generate(p[None], torch.ones(1, len(p), dtype=torch.long)))
+                       for b, p in enumerate(prompts))
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "softcap", "alibi", "sinks"])
+def test_a_packed_varlen_batch_gives_each_sequence_its_bits_alone(kind):
+    gen = torch.Generator().manual_seed(2)
+    lengths = [300, 1, 57, 260]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, k, v = (torch.randn(sum(lengths), h, 64, generator=gen) for h in (4, 2, 2))
+    mask = _chunk_mask(kind, 4, gen)
+    packed = ak.varlen_attention(q, k, v, cu, mask=mask, return_lse=True, invariant=True)
+    for b in range(len(lengths)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        alone = ak.attention(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), mask,
+                             return_lse=True, invariant=True)
+        assert torch.equal(packed.out[rows], alone.out[0].transpose(0, 1))
+        assert torch.equal(packed.lse[:, rows], alone.lse[0])
+
+
+def test_a_compiled_call_keeps_the_contract():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 300, 32, generator=gen, requires_grad=True) for _ in range(3))
+    mask = ak.sliding_window(64, 0, align="bottom_right") & ak.softcap(5.0)
+
+    def step(q, k, v):
+        result = ak.attention(q, k, v, mask, return_lse=True, invariant=True)
+        return result.out, result.lse
+
+    eager = step(q, k, v)
+    compiled = torch.compile(step, fullgraph=True)(q, k, v)
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got, want)
+    chunk = torch.compile(step, fullgraph=True)(q[:, :, 250:], k[:, :, :300], v[:, :, :300])
+    assert torch.equal(chunk[0], eager[0][:, :, 250:])
+    grads = torch.autograd.grad(compiled[0].sum(), (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(
+        grads, torch.autograd.grad(step(q, k, v)[0].sum(), (q, k, v))))

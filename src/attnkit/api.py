@@ -97,9 +97,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
     if autocast:  # 1. autocast: the inputs in its dtype, as torch's SDPA takes them
         q, k, v = _autocast(device, q, k, v)
-    if torch.compiler.is_compiling() and not invariant:  # 2. in a compiled graph: its operator
+    if torch.compiler.is_compiling():  # 2. inside a compiled graph: attnkit's operator
         detour = _compiled(q, k, v, as_mask(mask), scale=scale, dropout_p=dropout_p,
-                           backend=backend, return_lse=return_lse, return_weights=return_weights)
+                           backend=backend, return_lse=return_lse, return_weights=return_weights,
+                           invariant=invariant)
         if detour is not None:
             return detour
     # 3. the eager call (validated once per signature, run, sinks joined, restored); the
@@ -114,16 +115,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         invariant=invariant)
 
 
-def _compiled(q, k, v, mask, *, scale, dropout_p, backend, return_lse, return_weights):
+def _compiled(q, k, v, mask, *, scale, dropout_p, backend, return_lse, return_weights,
+              invariant):
     """A call inside a compiled graph as attnkit's operator (:mod:`attnkit.compiled`), or
     ``None`` when the graph traces its backend directly (torch operations alone)."""
     backend = dispatch.forced(backend)
     if compiled.traced(q, k, v, mask, scale=scale, dropout_p=dropout_p, backend=backend,
-                       return_lse=return_lse, return_weights=return_weights):
+                       return_lse=return_lse, return_weights=return_weights,
+                       invariant=invariant):
         return None
     out, lse, weights = compiled.attention(q, k, v, mask, scale=scale, dropout_p=dropout_p,
                                            backend=backend, return_lse=return_lse,
-                                           return_weights=return_weights)
+                                           return_weights=return_weights, invariant=invariant)
     return AttentionResult(out, lse, weights) if return_lse or return_weights else out
 
 

@@ -107,13 +107,15 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _engine(q, k, v, mask: Mask, scale: Optional[float], backend: str, need_weights: bool):
+def _engine(q, k, v, mask: Mask, scale: Optional[float], backend: str, need_weights: bool,
+            invariant: bool = False):
     """``(inputs, backend)`` for a call whose gradients come from ``Backend.backward``; the
     forward and the backward operator make the same choice from the same arguments."""
     from .dispatch import select_with_backward
     from .inputs import validate
 
-    inputs = validate(q, k, v, mask, scale=scale, need_lse=True, need_weights=need_weights)
+    inputs = validate(q, k, v, mask, scale=scale, need_lse=True, need_weights=need_weights,
+                      invariant=invariant)
     chosen = select_with_backward(inputs, backend)
     if chosen is None:
         raise ValueError(f"attnkit under torch.compile: backend={backend!r} has no separate "
@@ -126,21 +128,22 @@ def _engine(q, k, v, mask: Mask, scale: Optional[float], backend: str, need_weig
 @torch.library.custom_op("attnkit::attention", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
                 numbers: torch.Tensor, spec: str, scale: Optional[float], backend: str,
-                need_weights: bool, need_lse: bool, trainable: bool,
+                need_weights: bool, need_lse: bool, trainable: bool, invariant: bool,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .call import run as eager
 
     mask = unflatten(spec, tensors, numbers.tolist())
     if trainable:
-        backend = _engine(q, k, v, mask, scale, backend, need_weights)[1].NAME
+        backend = _engine(q, k, v, mask, scale, backend, need_weights, invariant)[1].NAME
     result = eager(q, k, v, mask, scale=scale, dropout_p=0.0, generator=None, backend=backend,
-                   return_lse=True, return_weights=need_weights)
+                   return_lse=True, return_weights=need_weights, invariant=invariant)
     weights = result.weights if need_weights else q.new_empty(0)
     return result.out.contiguous(), result.lse.contiguous(), weights.contiguous()
 
 
 @_forward_op.register_fake
-def _(q, k, v, tensors, numbers, spec, scale, backend, need_weights, need_lse, trainable):
+def _(q, k, v, tensors, numbers, spec, scale, backend, need_weights, need_lse, trainable,
+      invariant):
     rows = q.shape[:-1]
     weights = q.new_empty((*rows, k.shape[-2])) if need_weights else q.new_empty(0)
     return (q.new_empty((*rows, v.shape[-1])), q.new_empty(rows, dtype=_lse_dtype(q)), weights)
@@ -152,7 +155,7 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
                  k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  tensors: list[torch.Tensor], wanted: list[bool], numbers: torch.Tensor,
                  spec: str, scale: Optional[float], backend: str, need_weights: bool,
-                 ) -> list[torch.Tensor]:
+                 invariant: bool) -> list[torch.Tensor]:
     if dweights is not None and bool(dweights.any()):
         raise RuntimeError("attnkit under torch.compile: the attention weights returned by "
                            "return_weights=True are not differentiable there; differentiate "
@@ -161,7 +164,7 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
     from .finite import applies, guard
 
     mask = unflatten(spec, tensors, numbers.tolist())
-    inputs, chosen = _engine(q, k, v, mask, scale, backend, need_weights)
+    inputs, chosen = _engine(q, k, v, mask, scale, backend, need_weights, invariant)
     if is_empty(inputs):  # nothing was computed (dispatch.run): every gradient is 0
         return [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 *(torch.zeros_like(t) if want else t.new_empty(0)
@@ -195,13 +198,13 @@ def _like(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 @_backward_op.register_fake
 def _(dout, dlse, dweights, q, k, v, out, lse, tensors, wanted, numbers, spec, scale, backend,
-      need_weights):
+      need_weights, invariant):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             *(torch.empty_like(t) if want else t.new_empty(0) for t, want in zip(tensors, wanted))]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, tensors, numbers, spec, scale, backend, need_weights, need_lse, _ = inputs
+    q, k, v, tensors, numbers, spec, scale, backend, need_weights, need_lse, _, invariant = inputs
     out, lse, weights = output
     # An LSE or weights the caller did not ask for get no gradient (None, not zeros: the tiled
     # backward then takes the fused kernel).
@@ -212,7 +215,7 @@ def _setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(weights)
     ctx.save_for_backward(q, k, v, out, lse, numbers, *tensors)
     ctx.wanted = [t.requires_grad and t.is_floating_point() for t in tensors]
-    ctx.options = (spec, scale, backend, need_weights)
+    ctx.options = (spec, scale, backend, need_weights, invariant)
 
 
 def _backward(ctx, dout, dlse, dweights):
@@ -222,14 +225,14 @@ def _backward(ctx, dout, dlse, dweights):
     dq, dk, dv, *extra = _backward_op(dout, dlse, dweights, q, k, v, out, lse, tensors,
                                       ctx.wanted, numbers, *ctx.options)
     dtensors = [d if want else None for d, want in zip(extra, ctx.wanted)]
-    return dq, dk, dv, dtensors, None, None, None, None, None, None, None
+    return dq, dk, dv, dtensors, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("attnkit::attention", _backward, setup_context=_setup_context)
 
 
 def traced(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, return_lse,
-           return_weights) -> bool:
+           return_weights, invariant: bool = False) -> bool:
     """Whether :func:`attnkit.attention` inside a compiled region traces its eager code (shapes
     as for it): no mask or top-left causal masking, on a backend in :data:`TRACED_BACKENDS`
     (``auto`` picks torch's fused kernel there). Every other call runs as the
@@ -237,7 +240,7 @@ def traced(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, return_l
     from .dispatch import select
     from .inputs import validate
 
-    if mask is not None and mask.band() != CAUSAL:
+    if invariant or (mask is not None and mask.band() != CAUSAL):
         return False
     inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, need_weights=return_weights,
                       need_lse=return_lse)
@@ -245,7 +248,7 @@ def traced(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, return_l
 
 
 def attention(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, return_lse,
-              return_weights):
+              return_weights, invariant: bool = False):
     """:func:`attnkit.attention` inside a compiled region, for a call that does not trace
     (:func:`traced`): the same results, through the ``attnkit::attention`` operator (see the
     module docstring)."""
@@ -273,12 +276,12 @@ def attention(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, retur
     numbers = torch.tensor(numbers, dtype=torch.float64)
     out, lse, weights = _forward_op(q, k, v, tensors, numbers, spec, scale, backend,
                                     bool(return_weights), bool(return_lse or sinks is not None),
-                                    trainable)
+                                    trainable, invariant)
     if sinks is not None:  # in the graph: autograd differentiates it, logits included
         joined = sinks.join(out.reshape(batch, heads, *out.shape[-2:]),
                             lse.reshape(batch, heads, -1),
                             weights.reshape(batch, heads, *weights.shape[-2:])
-                            if return_weights else None)
+                            if return_weights else None, alike=invariant)
         out, lse = joined[0].reshape(out.shape), joined[1].reshape(lse.shape)
         weights = joined[2].reshape(weights.shape) if return_weights else weights
     return out, (lse if return_lse else None), (weights if return_weights else None)

@@ -22,6 +22,7 @@ weight is exactly 0), so the rows around it and the keys it cannot see leave its
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import NamedTuple, Optional, Sequence
 
@@ -50,6 +51,34 @@ def invariant(enabled: bool = True):
         yield
     finally:
         _MODE.on = before
+
+
+@contextlib.contextmanager
+def rowwise_linears(model: "torch.nn.Module"):
+    """Inside the ``with`` block, every ``torch.nn.Linear`` of ``model`` computes each row as in
+    any call of at least ``ROW_QUANTUM`` rows (:func:`attnkit.nn._rowwise`: a call with fewer
+    rows, as a decoding step of one sequence, is padded with copies of its last row), so
+    the model's projections are batch-invariant too. Attention's contract covers attention;
+    torch's CPU BLAS computes one or two rows on another path that rounds differently, so a
+    model's logits alone and in a batch differ in their last bits unless its linear layers
+    are made row-wise as well. ``MultiHeadAttention(invariant=True)`` does this for its own
+    projections. For a model whose attention runs on attnkit::
+
+        with attnkit.invariant(), attnkit.invariance.rowwise_linears(model):
+            model.generate(**batch)     # the same tokens and logits alone and in any batch
+    """
+    from torch import nn
+
+    from .nn import _rowwise
+
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    for layer in layers:
+        layer.forward = functools.partial(_rowwise, layer)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            del layer.forward
 
 
 def active(explicit: Optional[bool] = None) -> bool:

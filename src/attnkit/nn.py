@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import invariance
 from .api import attention
 from .inputs import LazyText
 from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, keys_below, padding,
@@ -249,11 +250,12 @@ class KVCache:
         ``attention`` would make (another backend asked or forced, not CPU float32/float64,
         gradients, autocast, a traced or shape-only call, a step whose keys ``attention``
         looks at, a mask too large for a dense key mask, not one real query per sequence):
-        the caller then runs ``attention``."""
-        from . import dispatch, finite
+        the caller then runs ``attention``; so it does under ``attnkit.invariant()``, whose
+        schedule is the tiled engine's)."""
+        from . import dispatch, finite, invariance
 
         keys, values = self.keys, self.values
-        if (keys is None or dispatch.forced(backend) != "auto" or q.dim() != 4
+        if (keys is None or dispatch.forced(backend) != "auto" or invariance.active() or q.dim() != 4
                 or q.shape[2] != 1 or q.device.type != "cpu"
                 or q.dtype not in (torch.float32, torch.float64)
                 or not (q.dtype == keys.dtype == values.dtype and q.device == keys.device)
@@ -378,6 +380,21 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name}={value} must be positive")
 
 
+def _rowwise(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` for ``x [..., in]`` with its rows computed as in any call of at least
+    ``ROW_QUANTUM`` rows (padded with copies of the last one): BLAS takes another path for
+    one or two rows (a decoding step), which rounds differently. The projections of
+    ``MultiHeadAttention`` under the invariance contract."""
+    from .backends.tiled.plan import ROW_QUANTUM
+
+    flat = x.reshape(-1, x.shape[-1])
+    rows = flat.shape[0]
+    extra = -rows % ROW_QUANTUM if rows else 0
+    if extra:
+        flat = torch.cat([flat, flat[-1:].expand(extra, -1)])
+    return F.linear(flat, layer.weight, layer.bias)[:rows].reshape(*x.shape[:-1], -1)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention, batch first, with GQA/MQA, cross-attention and a KV cache.
 
@@ -395,11 +412,16 @@ class MultiHeadAttention(nn.Module):
         bias: whether the four projections have a bias.
         kdim, vdim: input widths of key and value (default ``embed_dim``) for cross-attention.
         backend: attnkit backend name passed to :func:`attnkit.attention` (``"auto"`` picks one).
+        invariant: run every call under the invariance contract (:mod:`attnkit.invariance`):
+            a sequence's outputs do not depend on the batch around it, its padding, or
+            whether it was prefilled at once, in chunks or decoded token by token (a
+            ``KVCache`` without a window); ``None`` follows ``attnkit.invariant()``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None,
                  dropout: float = 0.0, bias: bool = True, kdim: Optional[int] = None,
-                 vdim: Optional[int] = None, *, backend: str = "auto", device=None, dtype=None):
+                 vdim: Optional[int] = None, *, backend: str = "auto",
+                 invariant: Optional[bool] = None, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         kdim = embed_dim if kdim is None else kdim
@@ -419,12 +441,16 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"dropout={dropout!r}: must be a float in [0, 1)")
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a backend name (str), got {backend!r}")
+        if invariant is not None and not isinstance(invariant, bool):
+            raise TypeError(f"invariant={invariant!r}: pass True, False or None (None follows "
+                            f"attnkit.invariant())")
 
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
         self.kdim, self.vdim = kdim, vdim
         self.dropout = float(dropout)
         self.backend = backend
+        self.invariant = invariant
         factory = dict(device=device, dtype=dtype)
         kv_width = num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
@@ -444,7 +470,8 @@ class MultiHeadAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads="
                 f"{self.num_kv_heads}, head_dim={self.head_dim}, dropout={self.dropout}, "
-                f"backend={self.backend!r}")
+                f"backend={self.backend!r}" + ("" if self.invariant is None
+                                               else f", invariant={self.invariant}"))
 
     @staticmethod
     def empty_cache() -> KVCache:
@@ -508,10 +535,12 @@ class MultiHeadAttention(nn.Module):
             if key_valid is not None:
                 key_valid = key_valid[None]
         batch, q_len, _ = query.shape
+        invariant = invariance.active(self.invariant)
+        project = _rowwise if invariant else (lambda layer, x: layer(x))
 
-        q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)  # [B, H, Tq, D]
-        k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, Hkv, Tk, D]
-        v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, Hkv, Tk, D]
+        q = project(self.q_proj, query).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)  # [B, H, Tq, D]
+        k = project(self.k_proj, key).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, Hkv, Tk, D]
+        v = project(self.v_proj, value).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, Hkv, Tk, D]
 
         new_cache = None
         if cache is not None:
@@ -526,7 +555,8 @@ class MultiHeadAttention(nn.Module):
                             "one, pass the padding as key_valid")
 
         dropout = self.dropout if self.training else 0.0
-        plain = mask is None and key_valid is None and not need_weights and not dropout
+        plain = (mask is None and key_valid is None and not need_weights and not dropout
+                 and not invariant)
         heads_out = weights = None
         if plain and isinstance(new_cache, KVCache):  # a decoding step: None otherwise
             heads_out = new_cache.decode(q, backend=self.backend)
@@ -538,9 +568,9 @@ class MultiHeadAttention(nn.Module):
             full_mask = self._combine_masks(mask, key_valid, is_causal, cache=new_cache,
                                             batch=batch, kv_len=k.shape[2])
             result = attention(q, k, v, full_mask, dropout_p=dropout, backend=self.backend,
-                               return_weights=need_weights)
+                               return_weights=need_weights, invariant=invariant)
             heads_out, weights = (result.out, result.weights) if need_weights else (result, None)
-        out = self.out_proj(heads_out.transpose(1, 2).flatten(-2))  # [B, Tq, E]
+        out = project(self.out_proj, heads_out.transpose(1, 2).flatten(-2))  # [B, Tq, E]
         if unbatched:
             out = out[0]  # [Tq, E]
             weights = None if weights is None else weights[0]  # [H, Tq, Tk]

@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
+from . import invariance
 from .api import AttentionResult, MaskLike, attention
 from .masks import Mask, MaskCache, as_mask, documents, readable
 from .modifiers import per_sequence, split
@@ -39,7 +40,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      max_seqlen_k: Optional[int] = None, seqused_k=None, mask: MaskLike = None,
                      scale: Optional[float] = None, dropout_p: float = 0.0,
                      generator: Optional[torch.Generator] = None, backend: str = "auto",
-                     return_lse: bool = False) -> Union[torch.Tensor, AttentionResult]:
+                     return_lse: bool = False, invariant: Optional[bool] = None,
+                     ) -> Union[torch.Tensor, AttentionResult]:
     """Attention over packed sequences of different lengths, each attending only to itself.
 
     Shapes: ``q [total_q, Hq, Dk]``, ``k [total_k, Hkv, Dk]``, ``v [total_k, Hkv, Dv]`` (Hq a
@@ -58,6 +60,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``max_seqlen_q``/``max_seqlen_k`` are checked when given (at least every sequence's
     length) and otherwise not needed. ``scale``, ``dropout_p``, ``generator`` and ``backend``
     are :func:`attnkit.attention`'s. A sequence with no key gets output 0 and LSE −inf.
+    ``invariant``: the invariance contract (:mod:`attnkit.invariance`; ``None`` follows
+    ``attnkit.invariant()``): each sequence then runs as a call of its own, from its first
+    key, so its bits are those of the sequence alone.
 
     The boundaries are read on the host to check them (one read per tensor, and one for
     ``seqused_k``); the attention itself runs as one call of :func:`attnkit.attention` on
@@ -70,9 +75,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     layout = packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
     given = as_mask(mask)
-    if not layout.same_segments and reads_positions(given):
+    invariant = invariance.active(invariant)
+    if invariant or (not layout.same_segments and reads_positions(given)):
         return _each_sequence(q, k, v, layout, given, scale=scale, dropout_p=dropout_p,
-                              generator=generator, backend=backend, return_lse=return_lse)
+                              generator=generator, backend=backend, return_lse=return_lse,
+                              invariant=invariant)
     per_sequence = sequence_mask(given, layout)
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, total, D] views
     result = attention(q4, k4, v4, per_sequence, scale=scale, dropout_p=dropout_p,
@@ -89,7 +96,8 @@ def reads_positions(mask: Optional[Mask]) -> bool:
 
 
 def _each_sequence(q, k, v, layout: Layout, mask: Optional[Mask], *, scale, dropout_p,
-                   generator, backend, return_lse) -> Union[torch.Tensor, AttentionResult]:
+                   generator, backend, return_lse, invariant: bool = False,
+                   ) -> Union[torch.Tensor, AttentionResult]:
     """:func:`varlen_attention` as one :func:`attnkit.attention` call per sequence on views of
     its queries and used keys, ``mask`` aligned to its own positions; results concatenated
     in packed order (``[total_q, Hq, Dv]``, LSE ``[Hq, total_q]``)."""
@@ -99,7 +107,8 @@ def _each_sequence(q, k, v, layout: Layout, mask: Optional[Mask], *, scale, drop
         q4, k4, v4 = (t[a:b].transpose(0, 1)[None] for t, a, b in (
             (q, q_start, q_stop), (k, k_start, k_stop), (v, k_start, k_stop)))
         result = attention(q4, k4, v4, mask, scale=scale, dropout_p=dropout_p,
-                           generator=generator, backend=backend, return_lse=return_lse)
+                           generator=generator, backend=backend, return_lse=return_lse,
+                           invariant=invariant)
         outs.append((result.out if return_lse else result)[0].transpose(0, 1))
         if return_lse:
             lses.append(result.lse[0])
