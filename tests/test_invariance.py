@@ -139,7 +139,7 @@ def _chunk_mask(kind: str, heads: int, gen):
 @settings(max_examples=60)
 @given(kind=st.sampled_from(CHUNK_KINDS), length=st.integers(2, 600),
        cuts=st.lists(st.integers(1, 599), max_size=4), steps=st.integers(0, 3),
-       group=st.sampled_from([1, 3]), dim=st.sampled_from([16, 64, 128]),
+       group=st.sampled_from([1, 3]), dim=st.sampled_from([16, 64, 128, 256]),
        dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
        seed=st.integers(0, 2**16))
 def test_chunked_prefill_and_decoding_give_the_prefill_bits(kind, length, cuts, steps, group,
@@ -254,7 +254,7 @@ def test_a_schedule_that_follows_the_call_shapes_breaks_the_checks(monkeypatch, 
         monkeypatch.setattr(forward, "_widened_keys", lambda x: x)
         monkeypatch.setattr(forward, "_widened", lambda x, fill: x)
     elif mutation == "no row quantum":
-        monkeypatch.setattr(forward, "_quantised", lambda x: x)
+        monkeypatch.setattr(forward, "_quantised", lambda x, rows: x)
     elif mutation == "lerp merge":
         monkeypatch.setattr(forward, "merge_alike_into", forward.merge_into)
     elif mutation == "block width set by the batch":  # a split size that varies with the batch
@@ -385,3 +385,22 @@ def test_a_compiled_call_keeps_the_contract():
     grads = torch.autograd.grad(compiled[0].sum(), (q, k, v))
     assert all(torch.equal(a, b) for a, b in zip(
         grads, torch.autograd.grad(step(q, k, v)[0].sum(), (q, k, v))))
+
+
+def test_rowwise_linears_give_a_row_the_same_bits_for_any_row_count():
+    """Wide layers: torch's own product gives one row different bits alone and among many
+    (the test shows it), the row-wise one the same, with several threads too."""
+    gen = torch.Generator().manual_seed(6)
+    layer = torch.nn.Linear(1024, 512)
+    x = torch.randn(300, 1024, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with invariance.rowwise_linears(layer):
+                whole = layer(x)
+                assert all(torch.equal(layer(x[:n]), whole[:n]) for n in (1, 2, 5, 16, 100))
+            assert not all(torch.equal(layer(x[:n]), layer(x)[:n]) for n in (1, 2, 5, 16, 100))
+    finally:
+        torch.set_num_threads(before)
+    assert "forward" not in vars(layer)  # restored on exit

@@ -55,14 +55,14 @@ def invariant(enabled: bool = True):
 
 @contextlib.contextmanager
 def rowwise_linears(model: "torch.nn.Module"):
-    """Inside the ``with`` block, every ``torch.nn.Linear`` of ``model`` computes each row as in
-    any call of at least ``ROW_QUANTUM`` rows (:func:`attnkit.nn._rowwise`: a call with fewer
-    rows, as a decoding step of one sequence, is padded with copies of its last row), so
-    the model's projections are batch-invariant too. Attention's contract covers attention;
-    torch's CPU BLAS computes one or two rows on another path that rounds differently, so a
-    model's logits alone and in a batch differ in their last bits unless its linear layers
-    are made row-wise as well. ``MultiHeadAttention(invariant=True)`` does this for its own
-    projections. For a model whose attention runs on attnkit::
+    """Inside the ``with`` block, every ``torch.nn.Linear`` of ``model`` computes its rows in
+    products of a fixed number of rows (:func:`attnkit.nn._rowwise`), so that each row's
+    result does not depend on how many rows the call has. The contract covers attention; a
+    model's own linear layers are torch's, whose CPU BLAS computes one or two rows on another
+    path, and wide layers blocked or threaded by the row count, so its logits alone and in a
+    batch differ in their last bits unless they are row-wise too (slower: many small
+    products). ``MultiHeadAttention`` does this for its own projections under the contract.
+    For a model whose attention runs on attnkit::
 
         with attnkit.invariant(), attnkit.invariance.rowwise_linears(model):
             model.generate(**batch)     # the same tokens and logits alone and in any batch

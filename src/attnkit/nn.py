@@ -380,19 +380,24 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name}={value} must be positive")
 
 
-def _rowwise(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` for ``x [..., in]`` with its rows computed as in any call of at least
-    ``ROW_QUANTUM`` rows (padded with copies of the last one): BLAS takes another path for
-    one or two rows (a decoding step), which rounds differently. The projections of
-    ``MultiHeadAttention`` under the invariance contract."""
-    from .backends.tiled.plan import ROW_QUANTUM
+ROWWISE_ROWS = 16
+"""Rows per matrix product of :func:`_rowwise`."""
 
+
+def _rowwise(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` for ``x [..., in]`` as products of exactly :data:`ROWWISE_ROWS` rows each
+    (the last padded with copies of its last row), so that each row is computed the same
+    way whatever the number of rows: BLAS takes another path for a few rows (a decoding
+    step), and for wide layers blocks its reduction, or splits it over threads, by the row
+    count. The projections of ``MultiHeadAttention`` under the invariance contract."""
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    extra = -rows % ROW_QUANTUM if rows else 0
-    if extra:
+    extra = -rows % ROWWISE_ROWS
+    if extra and rows:
         flat = torch.cat([flat, flat[-1:].expand(extra, -1)])
-    return F.linear(flat, layer.weight, layer.bias)[:rows].reshape(*x.shape[:-1], -1)
+    parts = [F.linear(chunk, layer.weight, layer.bias) for chunk in flat.split(ROWWISE_ROWS)]
+    out = torch.cat(parts) if parts else F.linear(flat, layer.weight, layer.bias)
+    return out[:rows].reshape(*x.shape[:-1], -1)
 
 
 class MultiHeadAttention(nn.Module):

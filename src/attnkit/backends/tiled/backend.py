@@ -17,7 +17,8 @@ from ..base import Backend, BackendOutput, check_backward_modifiers
 from ..reference import steps
 from .backward import _biases, tiled_backward
 from .forward import _bounded, _exp_, _scores, fused_kernel_takes, tiled_forward, uses_fused_kernel
-from .plan import BLOCK_K, FIXED_BLOCK_K, MODIFIED_TILE_KEYS, Problem, TiledOptions, choose_block_q, make_plan
+from .plan import (BLOCK_K, FIXED_BLOCK_K, INVARIANT_MAX_HEAD_DIM, MODIFIED_TILE_KEYS, Problem,
+                   TiledOptions, choose_block_q, make_plan)
 from .positions import _position_tile, _positions
 from .tiles import _BlockWork, _segment_mask, _tile_scores
 
@@ -189,6 +190,11 @@ class TiledBackend(Backend):
                                f"outside its closure, defaults, named globals and modules (not "
                                f"supported by tiled: it could not give them their gradient; "
                                f"list them in score_function(fn, tensors=[...]))")
+        widest = max(inputs.q.shape[-1], inputs.v.shape[-1])
+        if inputs.invariant and widest > INVARIANT_MAX_HEAD_DIM:
+            reasons.append(f"invariant=True with head dim {widest} > {INVARIANT_MAX_HEAD_DIM} "
+                           f"(not supported by tiled: BLAS blocks wider reductions differently "
+                           f"for different row counts)")
         if inputs.invariant and _left_starts(inputs) is not None:
             batched = inputs.modifiers is not None and (inputs.modifiers.functions or any(
                 part.slopes.dim() == 2 and part.slopes.shape[0] > 1

@@ -11,8 +11,8 @@ import torch
 
 from ...modifiers import Modifiers
 from ...numerics import accum_dtype, merge_alike_into, merge_into
-from .plan import (FIXED_BLOCK_K, FLUSH_BELOW, LOG2E, ROW_QUANTUM, TILE_ELEMENTS, Problem, Segment,
-                   TiledOptions)
+from .plan import (FIXED_BLOCK_K, FLUSH_BELOW, LOG2E, TILE_ELEMENTS, Problem, Segment,
+                   TiledOptions, row_quantum)
 from .positions import PositionTile, Positions, _position_tile, _positions
 from .tiles import (TileMask, TileScores, _BlockWork, _dropout_keep, _RunWork, _runs_fit,
                     _segment_mask, _tile_scores, _with_positions)
@@ -73,11 +73,11 @@ def _member_rows(positions: PositionTile) -> list[slice]:
     return [slice(g * n, (g + 1) * n) for g in range(positions.vector.shape[2])]
 
 
-def _quantised(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., n, D]`` with copies of its last row appended up to a multiple of
-    :data:`ROW_QUANTUM` rows (itself when ``n`` is one already): each row's result is then
+def _quantised(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x [..., n, D]`` with copies of its last row appended up to a multiple of ``rows``
+    (:func:`row_quantum`; itself when ``n`` is one already): each row's result is then
     computed as in any other call of at least that many rows."""
-    extra = -x.shape[-2] % ROW_QUANTUM
+    extra = -x.shape[-2] % rows
     if not extra:
         return x
     return torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], extra, x.shape[-1])], dim=-2)
@@ -100,19 +100,19 @@ def _widened_keys(x: torch.Tensor) -> torch.Tensor:
 
 def _fixed_shapes(q_block, k_seg, v_seg, additive):
     """A fixed-schedule segment at the shapes every call of it has: query rows padded to a
-    multiple of :data:`ROW_QUANTUM` (:func:`_quantised`), and a key block narrower than
+    multiple of :func:`row_quantum` (:func:`_quantised`), and a key block narrower than
     :data:`FIXED_BLOCK_K` (the last one) widened with zero keys that ``additive`` forbids
     (an additive tile is built for an unmasked segment). Torch's kernels take other code
     paths for fewer rows or keys, which round differently."""
-    span = k_seg.shape[-2]
+    span, rows = k_seg.shape[-2], row_quantum(q_block.shape[-1])
     if span < FIXED_BLOCK_K:
         k_seg, v_seg = _widened_keys(k_seg), _widened_keys(v_seg)
         if additive is None:
             additive = q_block.new_zeros(1, 1, 1, span)
         additive = _widened(additive, float("-inf"))
     if additive is not None and additive.shape[-2] != 1:  # one row of it per query row
-        additive = _quantised(additive)
-    return _quantised(q_block), k_seg, v_seg, additive
+        additive = _quantised(additive, rows)
+    return _quantised(q_block, rows), k_seg, v_seg, additive
 
 
 def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
@@ -163,7 +163,8 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
     if keep is not None:
         probs.masked_fill_(~keep, 0.0).div_(1.0 - dropout_p)
     empty = row_sum == 0
-    weighted = (_quantised(probs) @ v_seg)[..., :n, :] if fixed else probs @ v_seg
+    weighted = ((_quantised(probs, row_quantum(q_block.shape[-1])) @ v_seg)[..., :n, :]
+                if fixed else probs @ v_seg)
     out = weighted / torch.where(empty, 1.0, row_sum)[..., None]
     lse = torch.where(empty, float("-inf"),
                       safe_max * units + torch.log(torch.where(empty, 1.0, row_sum)))

@@ -52,10 +52,21 @@ whatever the call's shapes. Part of the invariance contract (docs/NUMERICS.md): 
 changes the invariant results' last bits."""
 
 ROW_QUANTUM = 16
-"""Query rows per kernel call in the fixed schedule come in multiples of this: torch's fused
-CPU kernel and BLAS compute a row alike for any row count from 16 up (``tests/
-test_invariance.py`` shows it), but fewer rows (a decoding step) can take another code
-path, so shorter calls are padded with copies of their last row."""
+"""Query rows per kernel call in the fixed schedule come in multiples of :func:`row_quantum`
+(this, per 128 of head dim): torch's fused CPU kernel and BLAS compute a row alike in any
+call with that many rows or more, but fewer rows (a decoding step) take another code path
+that rounds differently (the fewer-row limit grows with the head dim), so shorter calls are
+padded with copies of their last row."""
+
+INVARIANT_MAX_HEAD_DIM = 256
+"""The widest head dim the fixed schedule takes: above it BLAS blocks the ``q·kᵀ`` reduction
+differently for different row counts."""
+
+
+def row_quantum(head_dim: int) -> int:
+    """The row multiple of the fixed schedule's kernel calls for queries of ``head_dim``."""
+    return ROW_QUANTUM * max(1, -(-head_dim // 128))
+
 
 LOG2E = 1.4426950408889634
 """``exp(x) = exp2(x · log2 e)``: the matmul path exponentiates in base 2, because torch's CPU
