@@ -11,7 +11,7 @@ contract the tiled engine's fixed schedule):
 - **padded prefill**: causal & right padding, B4 H8 T1024 D64 (lengths 1024, 700, 300, 901).
 - **forward+backward**: causal B1 H8 T1024 D64.
 - **decoding step**: one query per sequence over a right-padded cache, B8 H8 Tk 1024 D64
-  (lengths 64..1024), one ``attention`` call.
+  (lengths 64..1024), one ``attention`` call with the key padding a ``KVCache`` makes.
 - **ragged decode**: ``benchmarks/field.py``'s model (4 layers of ``MultiHeadAttention`` with
   ``KVCache(lengths=)``, 8 prompts of 2..60 tokens, 128 steps), ms per token.
 
@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import attnkit as ak  # noqa: E402
 from attnkit.bench.runner import interleaved  # noqa: E402
+from attnkit.masks import vouched_padding  # noqa: E402
 from attnkit.nn import MultiHeadAttention  # noqa: E402
 from field import PROMPT_LENGTHS, AttnkitDecode  # noqa: E402
 
@@ -96,7 +97,7 @@ def attention_rows(quick: bool, device: str) -> list[dict]:
     keys = tensors(8, tk)
     query = keys[0][:, :, :1].clone()
     lengths = torch.linspace(64 // short, tk, 8, device=device).long()
-    cache = ak.padding(kv_lengths=lengths)
+    cache = vouched_padding(None, lengths, keys_everywhere=True)  # as a KVCache hands it over
     rows.append(_pair(f"decoding step, B8 H8 Tk{tk} D64", "µs", 1e6, lambda inv: _sync(
         ak.attention(query, keys[1], keys[2], cache, invariant=inv)), blocks * 3))
     return rows

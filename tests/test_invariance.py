@@ -248,7 +248,7 @@ def test_the_default_schedule_is_not_invariant_on_the_same_cases():
 
 @pytest.mark.parametrize("mutation", ["no widened keys", "no row quantum", "lerp merge",
                                       "block width set by the batch",
-                                      "key order set by the batch"])
+                                      "key order varying by call"])
 def test_a_schedule_that_follows_the_call_shapes_breaks_the_checks(monkeypatch, mutation):
     if mutation == "no widened keys":
         monkeypatch.setattr(forward, "_widened_keys", lambda x: x)
@@ -266,15 +266,13 @@ def test_a_schedule_that_follows_the_call_shapes_breaks_the_checks(monkeypatch, 
                 monkeypatch.setattr(module, "FIXED_BLOCK_K", width)
             return problem(inputs, *args, **kwargs)
         monkeypatch.setattr(tiled_backend, "_problem", sized)
-    else:  # key blocks merged in another order in a batch (as atomics would)
-        build = plan.build_plan
+    else:  # key blocks merged in an order that changes from call to call (as atomics would)
+        calls = iter(range(10**6))
 
-        def reordered(mask, space, **kwargs):
-            built = build(mask, space, **kwargs)
-            if kwargs["batch"] == 1:
-                return built
-            return dataclasses.replace(built, rows=tuple(row[::-1] for row in built.rows))
-        monkeypatch.setattr(plan, "build_plan", reordered)
+        def varying(visits):
+            ordered = sorted(visits.items())
+            return ordered if next(calls) % 2 else ordered[::-1]
+        monkeypatch.setattr(forward, "_in_key_order", varying)
     monkeypatch.setattr(plan, "_PLANS", MaskCache(64))  # plans made under the mutation
     found = [invariance.check_batch("tiled", seed=s) or invariance.check_chunking("tiled", seed=s)
              for s in range(3)]
@@ -404,3 +402,11 @@ def test_rowwise_linears_give_a_row_the_same_bits_for_any_row_count():
     finally:
         torch.set_num_threads(before)
     assert "forward" not in vars(layer)  # restored on exit
+
+
+@pytest.mark.parametrize("what", ["dropout", "head dim"])
+def test_what_the_fixed_schedule_cannot_promise_is_refused(what):
+    q = torch.randn(1, 2, 8, 320 if what == "head dim" else D)
+    with pytest.raises(ValueError, match="invariant=True with " + what):
+        ak.attention(q, q, q, dropout_p=0.1 if what == "dropout" else 0.0, backend="tiled",
+                     invariant=True)

@@ -190,6 +190,9 @@ class TiledBackend(Backend):
                                f"outside its closure, defaults, named globals and modules (not "
                                f"supported by tiled: it could not give them their gradient; "
                                f"list them in score_function(fn, tensors=[...]))")
+        if inputs.invariant and inputs.dropout_p > 0:
+            reasons.append("invariant=True with dropout (not supported by tiled: its fixed "
+                           "schedule draws no dropout; apply dropout outside attention)")
         widest = max(inputs.q.shape[-1], inputs.v.shape[-1])
         if inputs.invariant and widest > INVARIANT_MAX_HEAD_DIM:
             reasons.append(f"invariant=True with head dim {widest} > {INVARIANT_MAX_HEAD_DIM} "

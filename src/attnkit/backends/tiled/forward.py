@@ -92,10 +92,10 @@ def _widened(x: torch.Tensor, fill: float) -> torch.Tensor:
 
 
 def _widened_keys(x: torch.Tensor) -> torch.Tensor:
-    """Keys or values ``[..., span, D]`` with zero rows appended up to :data:`FIXED_BLOCK_K`
-    (contiguous, as every full block is: see :func:`tiled_forward`)."""
-    extra = FIXED_BLOCK_K - x.shape[-2]
-    return torch.cat([x, x.new_zeros(*x.shape[:-2], extra, x.shape[-1])], dim=-2)
+    """Keys or values ``[..., span, D]`` with zero rows appended up to :data:`FIXED_BLOCK_K`."""
+    wide = x.new_zeros(*x.shape[:-2], FIXED_BLOCK_K, x.shape[-1])
+    wide[..., :x.shape[-2], :] = x
+    return wide
 
 
 def _fixed_shapes(q_block, k_seg, v_seg, additive):
@@ -286,12 +286,15 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
         raise ValueError("tiled_forward: softcap and score functions need a plan built with "
                          "fused=False (the fused kernel takes ALiBi and relative biases alone)")
     queries, keys, values = q.to(acc), k.to(acc), v.to(acc)  # no copy when already acc
-    if problem.plan.options.fixed_blocks:  # one memory layout, whatever the caller's views
-        queries, keys, values = queries.contiguous(), keys.contiguous(), values.contiguous()
+    if problem.plan.options.fixed_blocks:  # unit-stride rows, whatever the caller's views
+        queries, keys, values = (t if t.stride(-1) == 1 else t.contiguous()
+                                 for t in (queries, keys, values))
     positions = _positions(problem, acc, fused, keys, values, rows=heads_q // heads_kv * tq)
+    if problem.plan.options.fixed_blocks:
+        out, lse = _fixed_forward(problem, queries, keys, values, positions)
+        return out.to(q.dtype), lse
     out = _empty_like_rows(q, dv)
     lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
-    merge = merge_alike_into if problem.plan.options.fixed_blocks else merge_into
     for group, work in _schedule(problem, tq, heads_q, heads_kv, fused, (queries, keys, values),
                                  positions):
         start, stop = group.rows
@@ -305,8 +308,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
                                                              keys, values, fused, positions):
             for rows, seg_out, seg_lse in _segment_pieces(q_block, k_seg, v_seg, tile,
                                                           problem.scale, fused, keep,
-                                                          problem.dropout_p,
-                                                          problem.plan.options.fixed_blocks):
+                                                          problem.dropout_p):
                 if block_out is None:
                     block_out = q_block.new_empty((*q_block.shape[:-1], dv), dtype=acc)
                     block_lse = q_block.new_empty(q_block.shape[:-1], dtype=acc)
@@ -314,8 +316,8 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
                     block_out[:, :, rows] = seg_out
                     block_lse[:, :, rows] = seg_lse
                 else:
-                    merge(block_out[:, :, rows], block_lse[:, :, rows], seg_out.to(acc),
-                          seg_lse.to(acc))
+                    merge_into(block_out[:, :, rows], block_lse[:, :, rows], seg_out.to(acc),
+                               seg_lse.to(acc))
             first = False
         if first:  # no key for any of these rows (a single fresh block: runs have keys)
             out[:, :, start:stop] = 0
@@ -323,3 +325,86 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
             work.put(out, start, stop, block_out.to(q.dtype))
             work.put(lse, start, stop, block_lse)
     return out, lse
+
+
+FIXED_CALL_ROWS = 4096
+"""Most query rows (per query head) in one kernel call of the fixed schedule: bounds the
+masks and, on the matmul path, the scores a call materialises (with :data:`TILE_ELEMENTS`)."""
+
+
+def _fixed_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor, positions: Optional[Positions],
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of the fixed schedule (:attr:`TiledOptions.fixed_blocks`), key block by key
+    block in key order: each block runs as one kernel call per run of consecutive query blocks
+    that visit it alike (unmasked, or masked), and is merged into every row's running result
+    (:func:`~attnkit.numerics.merge_alike_into`, from 0 and −inf: a row's first block then
+    passes through exactly). A row thus sees its key blocks in key order, each computed at the
+    same shapes, whatever the call's other rows. Inputs in the accumulation dtype; ``out [B,
+    Hq, Tq, Dv]`` and ``lse [B, Hq, Tq]`` in it too."""
+    plan, fused = problem.plan, problem.plan.fused
+    batch, heads_q, tq, _ = queries.shape
+    heads_kv, dv = keys.shape[1], values.shape[-1]
+    group = heads_q // heads_kv
+    work = _BlockWork(heads_q, heads_kv)
+    out = queries.new_zeros(batch, heads_kv, group, tq, dv)  # the G heads of a K/V head apart
+    lse = queries.new_full((batch, heads_kv, group, tq), float("-inf"))
+    visits: dict[tuple[int, int], list[tuple[int, bool]]] = {}
+    for block, row in enumerate(plan.rows):
+        for seg in row:
+            visits.setdefault((seg.start, seg.stop), []).append((block, seg.partial))
+    rows_per_call = FIXED_CALL_ROWS if fused else TILE_ELEMENTS // (
+        batch * heads_q * FIXED_BLOCK_K)
+    blocks_per_call = max(1, rows_per_call // plan.block_q)
+    for (start, stop), blocks in _in_key_order(visits):
+        for first, last, partial in _alike_runs(blocks, blocks_per_call):
+            rows = (first * plan.block_q, min((last + 1) * plan.block_q, tq))
+            q_block = work.take(queries, *rows)  # [B, Hkv, G·n, Dk]
+            seg = Segment(start, stop, partial)
+            if partial and _lower_square(problem, rows, seg, group, positions):
+                # torch's kernel masks it itself (is_causal), bit for bit as the additive
+                # mask does, skipping what lies above the diagonal
+                k_seg, v_seg = work.take(keys, start, stop), work.take(values, start, stop)
+                tile, keep = TileMask(None, None, causal=True), None
+            else:
+                k_seg, v_seg, tile, keep = _segment_inputs(problem, work, q_block, keys, values,
+                                                           first, rows, seg, fused, positions)
+            seg_out, seg_lse = _segment_forward(q_block, k_seg, v_seg, tile, problem.scale,
+                                                fused, keep, problem.dropout_p, fixed=True)
+            n = rows[1] - rows[0]
+            merge_alike_into(out[:, :, :, rows[0]:rows[1]], lse[:, :, :, rows[0]:rows[1]],
+                             seg_out.view(batch, heads_kv, group, n, dv),
+                             seg_lse.view(batch, heads_kv, group, n))
+    return out.view(batch, heads_q, tq, dv), lse.view(batch, heads_q, tq)
+
+
+def _lower_square(problem: Problem, rows: tuple[int, int], seg: Segment, group: int,
+                  positions: Optional[Positions]) -> bool:
+    """Whether a fixed-schedule tile is a whole key block whose mask is exactly the lower
+    triangle on its diagonal (a causal diagonal), for torch's fused kernel without GQA,
+    position biases or other modifiers of the scores, at a positive scale."""
+    n = rows[1] - rows[0]
+    return (problem.plan.fused and group == 1 and positions is None and problem.scale > 0
+            and not problem.modifies_scores and n == FIXED_BLOCK_K
+            and seg.stop - seg.start == n and problem.mask is not None
+            and problem.mask.tile_structure(
+                problem.q_offset + rows[0], problem.q_offset + rows[1],
+                problem.kv_offset + seg.start, problem.kv_offset + seg.stop,
+                problem.space) == "lower")
+
+
+def _in_key_order(visits: dict) -> list:
+    """The key blocks of :func:`_fixed_forward` with the query blocks visiting each, in key
+    order: the order every row's blocks merge in."""
+    return sorted(visits.items())
+
+
+def _alike_runs(blocks: list[tuple[int, bool]], most: int):
+    """``(first, last, partial)`` for each run of consecutive query blocks (``(block,
+    partial)`` pairs in order) that visit a key block alike, at most ``most`` blocks each."""
+    run_start = 0
+    for i in range(1, len(blocks) + 1):
+        if (i == len(blocks) or blocks[i][0] != blocks[i - 1][0] + 1
+                or blocks[i][1] != blocks[run_start][1] or i - run_start == most):
+            yield blocks[run_start][0], blocks[i - 1][0], blocks[run_start][1]
+            run_start = i
