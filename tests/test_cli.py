@@ -611,3 +611,23 @@ def test_explain_refuses_object_npz_and_json_non_numbers(tmp_path, monkeypatch, 
                         (["--q", "[[1, null]]"], ["--q", "object"])):
         assert cli.main(["explain", *argv]) == 2
         assert_one_line_error(capsys, "explain", *words)
+
+
+def test_check_invariance_prints_the_contract_table(capsys, monkeypatch):
+    assert cli.main(["check", "--invariance", "--backend", "tiled", "torch"]) == 0
+    text = capsys.readouterr().out
+    assert "holds" in text and "refused" in text and "BROKEN" not in text
+    # a tiled engine that merges in another order on every call is named BROKEN, exit 1
+    from attnkit.backends.tiled import forward, plan
+    from attnkit.masks import MaskCache
+    calls = iter(range(10**6))
+    monkeypatch.setattr(forward, "_in_key_order", lambda visits: sorted(visits.items())[
+        ::1 if next(calls) % 2 else -1])
+    monkeypatch.setattr(plan, "_PLANS", MaskCache(64))
+    assert cli.main(["check", "--invariance", "--backend", "tiled"]) == 1
+    assert "BROKEN" in capsys.readouterr().out
+
+
+def test_device_goes_with_invariance(capsys):
+    assert cli.main(["check", "--device", "cpu"]) == 2
+    assert "--invariance" in capsys.readouterr().err
