@@ -52,7 +52,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: MaskLike = None, *, scale: Optional[float] = None,
               dropout_p: float = 0.0, generator: Optional[torch.Generator] = None,
               backend: str = "auto", return_lse: bool = False, return_weights: bool = False,
-              invariant: Optional[bool] = None, **unexpected) -> Union[torch.Tensor, AttentionResult]:
+              invariant: Optional[bool] = None, **unexpected,
+              ) -> Union[torch.Tensor, AttentionResult]:
     """Scaled dot-product attention ``softmax(q kᵀ · scale + mask) v``.
 
     Shapes: ``q [..., Hq, Tq, Dk]``, ``k [..., Hkv, Tk, Dk]``, ``v [..., Hkv, Tk, Dv]`` with Hq a

@@ -104,7 +104,7 @@ def _fixed_shapes(q_block, k_seg, v_seg, additive):
     :data:`FIXED_BLOCK_K` (the last one) widened with zero keys that ``additive`` forbids
     (an additive tile is built for an unmasked segment). Torch's kernels take other code
     paths for fewer rows or keys, which round differently."""
-    span, rows = k_seg.shape[-2], row_quantum(q_block.shape[-1])
+    span, rows = k_seg.shape[-2], row_quantum(q_block.shape[-1], q_block.dtype)
     if span < FIXED_BLOCK_K:
         k_seg, v_seg = _widened_keys(k_seg), _widened_keys(v_seg)
         if additive is None:
@@ -163,8 +163,11 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
     if keep is not None:
         probs.masked_fill_(~keep, 0.0).div_(1.0 - dropout_p)
     empty = row_sum == 0
-    weighted = ((_quantised(probs, row_quantum(q_block.shape[-1])) @ v_seg)[..., :n, :]
-                if fixed else probs @ v_seg)
+    if fixed:
+        rows = row_quantum(q_block.shape[-1], probs.dtype)
+        weighted = (_quantised(probs, rows) @ v_seg)[..., :n, :]
+    else:
+        weighted = probs @ v_seg
     out = weighted / torch.where(empty, 1.0, row_sum)[..., None]
     lse = torch.where(empty, float("-inf"),
                       safe_max * units + torch.log(torch.where(empty, 1.0, row_sum)))

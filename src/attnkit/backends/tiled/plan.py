@@ -6,6 +6,7 @@ without its tensors."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -52,20 +53,47 @@ whatever the call's shapes. Part of the invariance contract (docs/NUMERICS.md): 
 changes the invariant results' last bits."""
 
 ROW_QUANTUM = 16
-"""Query rows per kernel call in the fixed schedule come in multiples of :func:`row_quantum`
-(this, per 128 of head dim): torch's fused CPU kernel and BLAS compute a row alike in any
-call with that many rows or more, but fewer rows (a decoding step) take another code path
-that rounds differently (the fewer-row limit grows with the head dim), so shorter calls are
-padded with copies of their last row."""
+"""Query rows per kernel call in the fixed schedule come in multiples of :func:`row_quantum`,
+itself a multiple of this: torch's fused CPU kernel and BLAS compute a row alike in any call
+with enough rows, but fewer rows (a decoding step) take another code path that rounds
+differently, so shorter calls are padded with copies of their last row."""
 
 INVARIANT_MAX_HEAD_DIM = 256
 """The widest head dim the fixed schedule takes: above it BLAS blocks the ``q·kᵀ`` reduction
 differently for different row counts."""
 
 
-def row_quantum(head_dim: int) -> int:
-    """The row multiple of the fixed schedule's kernel calls for queries of ``head_dim``."""
-    return ROW_QUANTUM * max(1, -(-head_dim // 128))
+@functools.lru_cache(maxsize=None)
+def row_quantum(head_dim: int, dtype: torch.dtype = torch.float32) -> int:
+    """The row multiple of the fixed schedule's kernel calls for queries of ``head_dim`` in
+    ``dtype`` (the accumulation dtype), measured once per process on this machine: the
+    smallest of ``ROW_QUANTUM · ⌈head_dim / 128⌉`` and its doublings at which torch's fused
+    kernel (float32/float64) and the matmuls of a tile give the first rows the bits they get
+    among 256. How few rows take BLAS's other path depends on the CPU and grows with the head
+    dim (on AVX-512 Xeons: 2 rows at 64, 5 at 128, 10 at 256)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = 256
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    q, k, v = draw(1, 2, rows, head_dim), draw(1, 2, FIXED_BLOCK_K, head_dim), draw(
+        1, 2, FIXED_BLOCK_K, head_dim)
+    weights = torch.rand(1, 2, rows, FIXED_BLOCK_K, generator=gen, dtype=torch.float64).to(dtype)
+
+    def results(n: int) -> list[torch.Tensor]:
+        found = [q[:, :, :n] @ k.transpose(-1, -2), weights[:, :, :n] @ v]
+        if dtype in (torch.float32, torch.float64):
+            found += torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, :n], k, v, 0.0, False, scale=head_dim ** -0.5)[:2]
+        return found
+
+    whole = results(rows)
+    quantum = ROW_QUANTUM * max(1, -(-head_dim // 128))
+    while quantum < rows and not all(torch.equal(part, full.narrow(2, 0, quantum))
+                                     for part, full in zip(results(quantum), whole)):
+        quantum *= 2
+    return min(quantum, rows)
 
 
 LOG2E = 1.4426950408889634
