@@ -251,7 +251,7 @@ def test_the_default_schedule_is_not_invariant_on_the_same_cases():
                                       "key order varying by call"])
 def test_a_schedule_that_follows_the_call_shapes_breaks_the_checks(monkeypatch, mutation):
     if mutation == "no widened keys":
-        monkeypatch.setattr(forward, "_widened_keys", lambda x: x)
+        monkeypatch.setattr(forward, "_widened_keys", lambda x, role: x)
         monkeypatch.setattr(forward, "_widened", lambda x, fill: x)
     elif mutation == "no row quantum":
         monkeypatch.setattr(forward, "_quantised", lambda x, rows: x)

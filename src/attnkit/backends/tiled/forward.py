@@ -5,6 +5,8 @@ with an online softmax."""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -91,10 +93,33 @@ def _widened(x: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.cat([x, x.new_full((*x.shape[:-1], extra), fill)], dim=-1)
 
 
-def _widened_keys(x: torch.Tensor) -> torch.Tensor:
-    """Keys or values ``[..., span, D]`` with zero rows appended up to :data:`FIXED_BLOCK_K`."""
-    wide = x.new_zeros(*x.shape[:-2], FIXED_BLOCK_K, x.shape[-1])
-    wide[..., :x.shape[-2], :] = x
+WIDE_BUFFERS = 4
+"""Buffers :func:`_widened_keys` keeps per thread (by role, shape, dtype, device and inference
+mode; the least recently used goes): a decoding step widens its last key block in every
+layer, and a fresh buffer each time (allocated, its pages faulted in) costs more than the
+copy."""
+
+_WIDE = threading.local()
+
+
+def _widened_keys(x: torch.Tensor, role: str) -> torch.Tensor:
+    """Keys or values ``[..., span, D]`` (``role`` ``"k"`` or ``"v"``) with zero rows appended
+    up to :data:`FIXED_BLOCK_K`, in a buffer reused across calls (:data:`WIDE_BUFFERS`)."""
+    buffers = getattr(_WIDE, "buffers", None)
+    if buffers is None:
+        buffers = _WIDE.buffers = OrderedDict()
+    key = (role, tuple(x.shape[:-2]), FIXED_BLOCK_K, x.shape[-1], x.dtype, x.device,
+           torch.is_inference_mode_enabled())
+    wide = buffers.get(key)
+    if wide is None:
+        wide = buffers[key] = x.new_empty(*x.shape[:-2], FIXED_BLOCK_K, x.shape[-1])
+        if len(buffers) > WIDE_BUFFERS:
+            buffers.popitem(last=False)
+    else:
+        buffers.move_to_end(key)
+    span = x.shape[-2]
+    wide[..., :span, :].copy_(x)
+    wide[..., span:, :].zero_()
     return wide
 
 
@@ -106,7 +131,7 @@ def _fixed_shapes(q_block, k_seg, v_seg, additive):
     paths for fewer rows or keys, which round differently."""
     span, rows = k_seg.shape[-2], row_quantum(q_block.shape[-1], q_block.dtype)
     if span < FIXED_BLOCK_K:
-        k_seg, v_seg = _widened_keys(k_seg), _widened_keys(v_seg)
+        k_seg, v_seg = _widened_keys(k_seg, "k"), _widened_keys(v_seg, "v")
         if additive is None:
             additive = q_block.new_zeros(1, 1, 1, span)
         additive = _widened(additive, float("-inf"))

@@ -52,11 +52,12 @@ sequence's keys are reduced in blocks ``[256·j, 256·(j + 1))`` of its own posi
 whatever the call's shapes. Part of the invariance contract (docs/NUMERICS.md): changing it
 changes the invariant results' last bits."""
 
-ROW_QUANTUM = 16
-"""Query rows per kernel call in the fixed schedule come in multiples of :func:`row_quantum`,
-itself a multiple of this: torch's fused CPU kernel and BLAS compute a row alike in any call
-with enough rows, but fewer rows (a decoding step) take another code path that rounds
-differently, so shorter calls are padded with copies of their last row."""
+ROW_QUANTUM = 4
+"""The fewest query rows per kernel call of the fixed schedule: calls come in multiples of
+:func:`row_quantum` (this, or a doubling of it), because torch's fused CPU kernel and BLAS
+compute a row alike in any call with enough rows, but fewer rows (a decoding step) take
+another code path that rounds differently; shorter calls are padded with copies of their
+last row."""
 
 INVARIANT_MAX_HEAD_DIM = 256
 """The widest head dim the fixed schedule takes: above it BLAS blocks the ``q·kᵀ`` reduction
@@ -66,11 +67,13 @@ differently for different row counts."""
 @functools.lru_cache(maxsize=None)
 def row_quantum(head_dim: int, dtype: torch.dtype = torch.float32) -> int:
     """The row multiple of the fixed schedule's kernel calls for queries of ``head_dim`` in
-    ``dtype`` (the accumulation dtype), measured once per process on this machine: the
-    smallest of ``ROW_QUANTUM · ⌈head_dim / 128⌉`` and its doublings at which torch's fused
-    kernel (float32/float64) and the matmuls of a tile give the first rows the bits they get
-    among 256. How few rows take BLAS's other path depends on the CPU and grows with the head
-    dim (on AVX-512 Xeons: 2 rows at 64, 5 at 128, 10 at 256)."""
+    ``dtype`` (the accumulation dtype), measured once per process on this machine: the first
+    of :data:`ROW_QUANTUM` and its doublings (up to 256) whose every multiple up to 64 rows
+    (at least four of them) gives, through torch's fused kernel (float32/float64) and the
+    matmuls of a tile, the first rows the bits they get among 256. How few rows take
+    BLAS's other path depends on the CPU and grows with the head dim (on AVX-512 Xeons: 1
+    or 2 rows at head dim 64, 5 at 128, 10 at 256). The multiples divide 32, so torch's
+    kernel's own splits of a call's rows (32 and more) keep whole multiples too."""
     gen = torch.Generator().manual_seed(0)
     rows = 256
 
@@ -89,9 +92,14 @@ def row_quantum(head_dim: int, dtype: torch.dtype = torch.float32) -> int:
         return found
 
     whole = results(rows)
-    quantum = ROW_QUANTUM * max(1, -(-head_dim // 128))
-    while quantum < rows and not all(torch.equal(part, full.narrow(2, 0, quantum))
-                                     for part, full in zip(results(quantum), whole)):
+
+    def alike(n: int) -> bool:
+        return all(torch.equal(part, full.narrow(2, 0, n))
+                   for part, full in zip(results(n), whole))
+
+    quantum = ROW_QUANTUM
+    while quantum < rows and not all(alike(m) for m in range(quantum, max(64, 4 * quantum) + 1,
+                                                             quantum)):
         quantum *= 2
     return min(quantum, rows)
 
