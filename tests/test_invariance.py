@@ -410,3 +410,21 @@ def test_what_the_fixed_schedule_cannot_promise_is_refused(what):
     with pytest.raises(ValueError, match="invariant=True with " + what):
         ak.attention(q, q, q, dropout_p=0.1 if what == "dropout" else 0.0, backend="tiled",
                      invariant=True)
+
+
+def test_a_reused_key_buffer_never_leaks_an_earlier_calls_keys():
+    """The widened last key block lives in a buffer reused across calls: keys of an earlier,
+    longer block (NaN here) must not reach a later, shorter one."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, 300, D, generator=gen) for _ in range(3))
+    poisoned = [t.clone() for t in (k, v)]
+    for t in poisoned:
+        t[:, :, 280:] = float("nan")
+    ak.attention(q, *poisoned, invariant=True)  # block [256, 300) holds NaN in its buffer
+    short = ak.attention(q[:, :, :5], k[:, :, :270], v[:, :, :270], return_lse=True,
+                         invariant=True)
+    forward._WIDE.buffers.clear()
+    fresh = ak.attention(q[:, :, :5], k[:, :, :270], v[:, :, :270], return_lse=True,
+                         invariant=True)
+    assert not short.out.isnan().any()
+    assert torch.equal(short.out, fresh.out) and torch.equal(short.lse, fresh.lse)

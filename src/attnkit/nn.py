@@ -543,9 +543,11 @@ class MultiHeadAttention(nn.Module):
         invariant = invariance.active(self.invariant)
         project = _rowwise if invariant else (lambda layer, x: layer(x))
 
-        q = project(self.q_proj, query).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)  # [B, H, Tq, D]
-        k = project(self.k_proj, key).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, Hkv, Tk, D]
-        v = project(self.v_proj, value).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, Hkv, Tk, D]
+        heads = (self.num_heads, self.head_dim)
+        kv_heads = (self.num_kv_heads, self.head_dim)
+        q = project(self.q_proj, query).unflatten(-1, heads).transpose(1, 2)  # [B, H, Tq, D]
+        k = project(self.k_proj, key).unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
+        v = project(self.v_proj, value).unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
 
         new_cache = None
         if cache is not None:

@@ -110,16 +110,19 @@ def _widened_keys(x: torch.Tensor, role: str) -> torch.Tensor:
         buffers = _WIDE.buffers = OrderedDict()
     key = (role, tuple(x.shape[:-2]), FIXED_BLOCK_K, x.shape[-1], x.dtype, x.device,
            torch.is_inference_mode_enabled())
-    wide = buffers.get(key)
-    if wide is None:
-        wide = buffers[key] = x.new_empty(*x.shape[:-2], FIXED_BLOCK_K, x.shape[-1])
+    entry = buffers.get(key)  # [buffer, rows past which it holds zeros]
+    if entry is None:
+        entry = buffers[key] = [x.new_zeros(*x.shape[:-2], FIXED_BLOCK_K, x.shape[-1]), 0]
         if len(buffers) > WIDE_BUFFERS:
             buffers.popitem(last=False)
     else:
         buffers.move_to_end(key)
+    wide, written = entry
     span = x.shape[-2]
     wide[..., :span, :].copy_(x)
-    wide[..., span:, :].zero_()
+    if written > span:  # an earlier, longer block's keys: zero again
+        wide[..., span:written, :].zero_()
+    entry[1] = span
     return wide
 
 
@@ -155,7 +158,8 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
             scale=scale)
         out, lse = out[..., :n, :], lse[..., :n]
         if tile is not None and additive is not None and tile.has_key is not None:
-            lse = lse.masked_fill(~tile.has_key, float("-inf"))  # out 0 but lse 0 on rows with no key
+            # out 0 but lse 0 on rows with no key
+            lse = lse.masked_fill(~tile.has_key, float("-inf"))
         return out, lse
     modified = tile.scores if tile is not None else None
     span = k_seg.shape[-2]

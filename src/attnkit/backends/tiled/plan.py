@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ...masks import EMPTY, FULL, Mask, MaskCache, MaskSpace, packs_documents, run_bounds
+from ...masks import EMPTY, FULL, PARTIAL, Mask, MaskCache, MaskSpace, packs_documents, run_bounds
 from ...modifiers import Modifiers
 
 BLOCK_K = 128
@@ -312,10 +312,24 @@ def make_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
     plans it once."""
     extra = (space, batch, heads, q_offset, q_count, kv_offset, kv_count, block_q, block_k, fused,
              options)
-    return _PLANS.get(mask, extra, lambda: build_plan(
+    if _every_block_masked(mask, options):  # its plan follows the shapes alone
+        mask_key, extra = None, (*extra, "every block masked")
+    else:
+        mask_key = mask
+    return _PLANS.get(mask_key, extra, lambda: build_plan(
         mask, space, batch=batch, heads=heads, q_offset=q_offset, q_count=q_count,
         kv_offset=kv_offset, kv_count=kv_count, block_q=block_q, block_k=block_k, fused=fused,
         options=options))
+
+
+def _every_block_masked(mask: Optional[Mask], options: TiledOptions) -> bool:
+    """Whether a fixed plan (:attr:`TiledOptions.fixed_blocks`) of ``mask`` runs every block
+    masked instead of reading the mask's block map: a key padding its producer vouched for
+    (a ``KVCache``'s, new in every layer of a decoding step, its keys up to the longest
+    sequence). The fixed schedule gives a row the same bits from a block run masked as from
+    one skipped (EMPTY) or run unmasked (FULL), so the plan then follows the shapes alone and
+    is made once per shape."""
+    return options.fixed_blocks and getattr(mask, "vouched", False)
 
 
 def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int,
@@ -339,6 +353,8 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int
     nq, nk = math.ceil(q_count / block_q), math.ceil(kv_count / block_k)
     if mask is None:
         codes = [[FULL] * nk for _ in range(nq)]
+    elif _every_block_masked(mask, options):
+        codes = [[PARTIAL] * nk for _ in range(nq)]
     else:
         per_bh = mask.block_map(block_q, block_k, space, q_offset=q_offset, q_count=q_count,
                                 kv_offset=kv_offset, kv_count=kv_count)  # [Bm, Hm, nq, nk]
