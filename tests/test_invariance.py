@@ -208,6 +208,7 @@ def test_auto_picks_a_backend_that_keeps_it_and_explicit_ones_refuse():
     q = torch.randn(1, 2, 8, D)
     inputs = validate(q, q, q, ak.causal(), invariant=True)
     assert dispatch.select(inputs, "auto").NAME == "tiled"
+    assert ak.explain_dispatch(q, q, q, ak.causal(), invariant=True).backend == "tiled"
     for name in ("torch", "reference"):
         with pytest.raises(ValueError, match="invariant=True"):
             ak.attention(q, q, q, ak.causal(), backend=name, invariant=True)

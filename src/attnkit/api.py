@@ -142,13 +142,15 @@ def _autocast(device: str, *tensors):
 def explain_dispatch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None,
                      *, scale: Optional[float] = None, dropout_p: float = 0.0,
                      return_lse: bool = False, return_weights: bool = False,
-                     ) -> dispatch.Dispatch:
+                     invariant: Optional[bool] = None) -> dispatch.Dispatch:
     """What ``attention(q, k, v, mask, ...)`` with ``backend="auto"`` would run, without running
     it: the backend's name and, for every backend tried before it, why not (shapes as for
     :func:`attention`). ``print()`` it for a readable summary. Gradients count as
-    ``attention`` would see them (q/k/v/bias ``requires_grad`` under grad mode)."""
+    ``attention`` would see them (q/k/v/bias ``requires_grad`` under grad mode); so does the
+    invariance contract (``invariant``, or ``attnkit.invariant()``)."""
     inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p,
-                      need_weights=return_weights, need_lse=return_lse)
+                      need_weights=return_weights, need_lse=return_lse,
+                      invariant=invariance.active(invariant))
     return dispatch.explain(inputs)
 
 
