@@ -119,12 +119,12 @@ def merge_alike_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tens
     ``exp2`` round their vectorised and scalar tails differently), for the fixed schedule
     (:mod:`attnkit.invariance`): a row's bits then never depend on its neighbours. A side with
     LSE −inf leaves the other exactly as it was; rows empty on both sides stay 0 and −inf
-    (``out_a`` must hold 0 there)."""
+    (``out_a`` must hold 0 there). ``out_b`` is overwritten."""
     top = torch.maximum(lse_a, lse_b)
     top = torch.where(torch.isneginf(top), 0.0, top)
     weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
     total = weight_a + weight_b
-    out_a.mul_(weight_a.unsqueeze(-1)).add_(out_b * weight_b.unsqueeze(-1))
+    out_a.mul_(weight_a.unsqueeze(-1)).add_(out_b.mul_(weight_b.unsqueeze(-1)))
     out_a.div_(torch.where(total == 0, 1.0, total).unsqueeze(-1))
     lse_a.copy_(torch.where(total == 0, float("-inf"), top + torch.log(total)))
 

@@ -385,6 +385,7 @@ def _fixed_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
     for block, row in enumerate(plan.rows):
         for seg in row:
             visits.setdefault((seg.start, seg.stop), []).append((block, seg.partial))
+    seen = [False] * len(plan.rows)  # query blocks holding a result
     rows_per_call = FIXED_CALL_ROWS if fused else TILE_ELEMENTS // (
         batch * heads_q * FIXED_BLOCK_K)
     blocks_per_call = max(1, rows_per_call // plan.block_q)
@@ -404,9 +405,15 @@ def _fixed_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
             seg_out, seg_lse = _segment_forward(q_block, k_seg, v_seg, tile, problem.scale,
                                                 fused, keep, problem.dropout_p, fixed=True)
             n = rows[1] - rows[0]
-            merge_alike_into(out[:, :, :, rows[0]:rows[1]], lse[:, :, :, rows[0]:rows[1]],
-                             seg_out.view(batch, heads_kv, group, n, dv),
-                             seg_lse.view(batch, heads_kv, group, n))
+            block_out, block_lse = out[:, :, :, rows[0]:rows[1]], lse[:, :, :, rows[0]:rows[1]]
+            seg_out = seg_out.view(batch, heads_kv, group, n, dv)
+            seg_lse = seg_lse.view(batch, heads_kv, group, n)
+            if any(seen[first:last + 1]):
+                merge_alike_into(block_out, block_lse, seg_out, seg_lse)
+            else:  # what merging into (0, −inf) gives, bit for bit
+                block_out.copy_(seg_out)
+                block_lse.copy_(seg_lse)
+            seen[first:last + 1] = [True] * (last + 1 - first)
     return out.view(batch, heads_q, tq, dv), lse.view(batch, heads_q, tq)
 
 
