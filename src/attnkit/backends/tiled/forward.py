@@ -132,7 +132,8 @@ def _fixed_shapes(q_block, k_seg, v_seg, additive):
     :data:`FIXED_BLOCK_K` (the last one) widened with zero keys that ``additive`` forbids
     (an additive tile is built for an unmasked segment). Torch's kernels take other code
     paths for fewer rows or keys, which round differently."""
-    span, rows = k_seg.shape[-2], row_quantum(q_block.shape[-1], q_block.dtype)
+    span = k_seg.shape[-2]
+    rows = row_quantum(q_block.shape[-1], q_block.dtype, q_block.device)
     if span < FIXED_BLOCK_K:
         k_seg, v_seg = _widened_keys(k_seg, "k"), _widened_keys(v_seg, "v")
         if additive is None:
@@ -193,7 +194,7 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
         probs.masked_fill_(~keep, 0.0).div_(1.0 - dropout_p)
     empty = row_sum == 0
     if fixed:
-        rows = row_quantum(q_block.shape[-1], probs.dtype)
+        rows = row_quantum(q_block.shape[-1], probs.dtype, probs.device)
         weighted = (_quantised(probs, rows) @ v_seg)[..., :n, :]
     else:
         weighted = probs @ v_seg

@@ -65,9 +65,10 @@ differently for different row counts."""
 
 
 @functools.lru_cache(maxsize=None)
-def row_quantum(head_dim: int, dtype: torch.dtype = torch.float32) -> int:
+def row_quantum(head_dim: int, dtype: torch.dtype = torch.float32,
+                device: torch.device = torch.device("cpu")) -> int:
     """The row multiple of the fixed schedule's kernel calls for queries of ``head_dim`` in
-    ``dtype`` (the accumulation dtype), measured once per process on this machine: the first
+    ``dtype`` (the accumulation dtype) on ``device``, measured once per process there: the first
     of :data:`ROW_QUANTUM` and its doublings (up to 256) whose every multiple up to 64 rows
     (at least four of them) gives, through torch's fused kernel (float32/float64) and the
     matmuls of a tile, the first rows the bits they get among 256. How few rows take
@@ -78,15 +79,16 @@ def row_quantum(head_dim: int, dtype: torch.dtype = torch.float32) -> int:
     rows = 256
 
     def draw(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
 
     q, k, v = draw(1, 2, rows, head_dim), draw(1, 2, FIXED_BLOCK_K, head_dim), draw(
         1, 2, FIXED_BLOCK_K, head_dim)
-    weights = torch.rand(1, 2, rows, FIXED_BLOCK_K, generator=gen, dtype=torch.float64).to(dtype)
+    weights = torch.rand(1, 2, rows, FIXED_BLOCK_K, generator=gen,
+                         dtype=torch.float64).to(device, dtype)
 
     def results(n: int) -> list[torch.Tensor]:
         found = [q[:, :, :n] @ k.transpose(-1, -2), weights[:, :, :n] @ v]
-        if dtype in (torch.float32, torch.float64):
+        if device.type == "cpu" and dtype in (torch.float32, torch.float64):
             found += torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q[:, :, :n], k, v, 0.0, False, scale=head_dim ** -0.5)[:2]
         return found
