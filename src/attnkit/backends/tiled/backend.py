@@ -221,14 +221,15 @@ class TiledBackend(Backend):
             seed = int(torch.randint(0, 2**62, (1,), generator=inputs.generator,
                                      device=inputs.generator.device if inputs.generator else "cpu"))
         options = self._options(inputs)
-        problem = _problem(inputs, seed, options)
         starts = _left_starts(inputs) if options.fixed_blocks else None
         if starts is not None:
-            out, lse = _from_first_keys(inputs, problem, starts)
+            out, lse = _from_first_keys(inputs, options, starts)
         else:
-            out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v, problem,
-                                             *inputs.biases, *inputs.modifier_tensors)
-        weights = tiled_weights(inputs.q, inputs.k, lse, problem) if inputs.need_weights else None
+            out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v,
+                                             _problem(inputs, seed, options), *inputs.biases,
+                                             *inputs.modifier_tensors)
+        weights = (tiled_weights(inputs.q, inputs.k, lse, _problem(inputs, seed, options))
+                   if inputs.need_weights else None)
         return BackendOutput(out, lse, weights)
 
     def backward(self, inputs, out, lse, dout, dlse, want_bias, want_params=()):
@@ -281,26 +282,25 @@ def _left_starts(inputs: Inputs) -> Optional[list[int]]:
     return values if any(values) else None
 
 
-def _from_first_keys(inputs: Inputs, problem: Problem, starts: list[int],
+def _from_first_keys(inputs: Inputs, options: TiledOptions, starts: list[int],
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed schedule over left-padded keys: the batch elements whose keys begin at the
     same position ``s`` run as one call over keys ``[s, Tk)`` (``kv_offset`` s: the mask and
     the modifiers still see global positions), so every sequence's key blocks start at its
-    first key, as they do for the sequence alone. Differentiable; ``(out, lse)`` of the whole
-    batch."""
+    first key, as they do for the sequence alone (no dropout: the contract refuses it).
+    Differentiable; ``(out, lse)`` of the whole batch."""
     q, k, v = inputs.q, inputs.k, inputs.v
     by_start: dict[int, list[int]] = {}
     for b, start in enumerate(starts):
         by_start.setdefault(start, []).append(b)
-    options, outs, lses, order = problem.plan.options, [], [], []
+    outs, lses, order = [], [], []
     for start, members in by_start.items():
         rows = torch.tensor(members, device=q.device)
         mask = None if inputs.mask is None else _BatchRows(inputs.mask, tuple(members), rows)
         out, lse = tiled_attention(
             q.index_select(0, rows), k.index_select(0, rows)[:, :, start:],
             v.index_select(0, rows)[:, :, start:], mask, scale=inputs.scale,
-            space=inputs.space, kv_offset=start, dropout_p=problem.dropout_p,
-            seed=problem.seed, block_k=FIXED_BLOCK_K, options=options,
+            space=inputs.space, kv_offset=start, block_k=FIXED_BLOCK_K, options=options,
             modifiers=inputs.modifiers)
         outs.append(out)
         lses.append(lse)
