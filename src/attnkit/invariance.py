@@ -11,12 +11,15 @@ and ``auto`` passes them over), bit for bit (docs/NUMERICS.md, "Invariance"):
 3. chunking invariance: a query row computed in a full prefill, in any chunk of a chunked
    prefill, or as a decoding step over a cache gives the same bits.
 
+4. ring attention is deterministic run to run (not promised equal to one device's result).
+
 How: the tiled engine's fixed schedule (``TiledOptions.fixed_blocks``): each sequence's keys
 are reduced in blocks of ``FIXED_BLOCK_K`` at its own absolute positions (a left-padded
-sequence's blocks start at its first real key), one kernel call per (query block, key block)
-merged in key order, every call on a multiple of ``ROW_QUANTUM`` query rows, never a path
-chosen from the call's shapes. Key blocks a row may not attend change nothing (their merge
-weight is exactly 0), so the rows around it and the keys it cannot see leave its bits alone.
+sequence's blocks start at its first real key), merged in key order; every kernel call has
+256 keys and a multiple of ``row_quantum`` query rows, never a path chosen from the call's
+shapes. Key blocks a row may not attend change nothing (their merge weight is exactly 0), so
+the rows around it and the keys it cannot see leave its bits alone. Below: the checks of
+``attnkit check --invariance`` and :func:`rowwise_linears`, for a model's own layers.
 """
 
 from __future__ import annotations
