@@ -28,7 +28,7 @@ from attnkit.masks import MaskCache
 
 D = 16
 KINDS = ("none", "causal", "window", "softcap", "alibi", "relative", "score_function", "sinks",
-         "bias")
+         "bias", "dense", "documents")
 """Masks and modifiers of the batch cases, all in relative positions (a left-padded sequence
 keeps its relations): ``bias`` is a learnable-looking additive tensor of the sequence's own
 size, placed at its positions in the batch."""
@@ -67,10 +67,22 @@ def _mask(kind: str, heads: int, gen, length: int, pad: int, width: int):
     if kind == "sinks":
         m = ak.causal() & ak.sinks(torch.randn(heads, generator=gen))
         return m, m
-    assert kind == "bias"
+    if kind == "documents":  # two documents, causal, the second from a random point
+        cut = int(torch.randint(0, length + 1, (1,), generator=gen))
+        ids = (torch.arange(length) >= cut).long()
+        wide = torch.full((width,), 3, dtype=torch.long)  # each side's padding: its own document
+        wide[:pad] = 2
+        wide[pad:pad + length] = ids
+        return ak.documents(ids[None], causal="top_left"), ak.documents(wide[None],
+                                                                        causal="top_left")
     small = torch.randn(1, 1, length, length, generator=gen)
-    big = torch.zeros(1, 1, width, width)
+    if kind == "dense":
+        small = small > -0.5
+    big = torch.zeros(1, 1, width, width, dtype=small.dtype)
     big[..., pad:pad + length, pad:pad + length] = small
+    if kind == "dense":
+        return ak.dense(small), ak.dense(big)
+    assert kind == "bias"
     return ak.bias(small), ak.bias(big)
 
 
