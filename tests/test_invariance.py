@@ -267,7 +267,7 @@ def test_a_schedule_that_follows_the_call_shapes_breaks_the_checks(monkeypatch, 
         monkeypatch.setattr(forward, "_widened_keys", lambda x, role: x)
         monkeypatch.setattr(forward, "_widened", lambda x, fill: x)
     elif mutation == "no row quantum":
-        monkeypatch.setattr(forward, "_quantised", lambda x, rows: x)
+        monkeypatch.setattr(forward, "pad_rows", lambda x, rows: x)
     elif mutation == "lerp merge":
         monkeypatch.setattr(forward, "merge_alike_into", forward.merge_into)
     elif mutation == "block width set by the batch":  # a split size that varies with the batch

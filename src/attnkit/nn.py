@@ -32,7 +32,7 @@ from .api import attention
 from .inputs import LazyText
 from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, keys_below, padding,
                     readable, real_keys, sliding_window, vouched_padding)
-from .numerics import accum_dtype, masked_softmax
+from .numerics import accum_dtype, masked_softmax, pad_rows
 from .paged import PagedKVCache
 
 __all__ = ["KVCache", "PagedKVCache", "MultiHeadAttention", "AdditiveAttention"]
@@ -252,11 +252,11 @@ class KVCache:
         looks at, a mask too large for a dense key mask, not one real query per sequence):
         the caller then runs ``attention``; so it does under ``attnkit.invariant()``, whose
         schedule is the tiled engine's)."""
-        from . import dispatch, finite, invariance
+        from . import dispatch, finite
 
         keys, values = self.keys, self.values
-        if (keys is None or dispatch.forced(backend) != "auto" or invariance.active() or q.dim() != 4
-                or q.shape[2] != 1 or q.device.type != "cpu"
+        if (keys is None or dispatch.forced(backend) != "auto" or invariance.active()
+                or q.dim() != 4 or q.shape[2] != 1 or q.device.type != "cpu"
                 or q.dtype not in (torch.float32, torch.float64)
                 or not (q.dtype == keys.dtype == values.dtype and q.device == keys.device)
                 or q.shape[0] != keys.shape[0] or not q.shape[0] or not keys.shape[2]
@@ -392,10 +392,8 @@ def _rowwise(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     count. The projections of ``MultiHeadAttention`` under the invariance contract."""
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    extra = -rows % ROWWISE_ROWS
-    if extra and rows:
-        flat = torch.cat([flat, flat[-1:].expand(extra, -1)])
-    parts = [F.linear(chunk, layer.weight, layer.bias) for chunk in flat.split(ROWWISE_ROWS)]
+    parts = [F.linear(chunk, layer.weight, layer.bias)
+             for chunk in pad_rows(flat, ROWWISE_ROWS).split(ROWWISE_ROWS)]
     out = torch.cat(parts) if parts else F.linear(flat, layer.weight, layer.bias)
     return out[:rows].reshape(*x.shape[:-1], -1)
 

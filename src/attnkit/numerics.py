@@ -129,6 +129,16 @@ def merge_alike_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tens
     lse_a.copy_(torch.where(total == 0, float("-inf"), top + torch.log(total)))
 
 
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``x [..., n, D]`` with copies of its last row appended up to a multiple of ``multiple``
+    rows (itself when ``n`` is one already, or 0): a product then computes each row as in
+    any other call with that many rows (the invariance contract's row multiples)."""
+    extra = -x.shape[-2] % multiple
+    if not extra:
+        return x
+    return torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], extra, x.shape[-1])], dim=-2)
+
+
 def dropout_keep(shape, p: float, generator: Optional[torch.Generator], device) -> torch.Tensor:
     """Bool keep-mask for dropout of probability ``p`` over ``shape`` (reproducible via ``generator``)."""
     return torch.rand(shape, generator=generator, device=device) >= p

@@ -222,14 +222,15 @@ class TiledBackend(Backend):
                                      device=inputs.generator.device if inputs.generator else "cpu"))
         options = self._options(inputs)
         starts = _left_starts(inputs) if options.fixed_blocks else None
+        # left-padded calls under the contract run in groups: no whole-call plan unless weights
+        problem = (_problem(inputs, seed, options) if starts is None or inputs.need_weights
+                   else None)
         if starts is not None:
             out, lse = _from_first_keys(inputs, options, starts)
         else:
-            out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v,
-                                             _problem(inputs, seed, options), *inputs.biases,
-                                             *inputs.modifier_tensors)
-        weights = (tiled_weights(inputs.q, inputs.k, lse, _problem(inputs, seed, options))
-                   if inputs.need_weights else None)
+            out, lse = _TiledAttention.apply(inputs.q, inputs.k, inputs.v, problem,
+                                             *inputs.biases, *inputs.modifier_tensors)
+        weights = tiled_weights(inputs.q, inputs.k, lse, problem) if inputs.need_weights else None
         return BackendOutput(out, lse, weights)
 
     def backward(self, inputs, out, lse, dout, dlse, want_bias, want_params=()):

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ...modifiers import Modifiers
-from ...numerics import accum_dtype, merge_alike_into, merge_into
+from ...numerics import accum_dtype, merge_alike_into, merge_into, pad_rows
 from .plan import (FIXED_BLOCK_K, FLUSH_BELOW, LOG2E, TILE_ELEMENTS, Problem, Segment,
                    TiledOptions, row_quantum)
 from .positions import PositionTile, Positions, _position_tile, _positions
@@ -38,7 +38,7 @@ def fused_kernel_takes(modifiers: Optional[Modifiers]) -> bool:
 
 
 def _segment_pieces(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
-                    dropout_p=0.0, fixed=False):
+                    dropout_p=0.0):
     """Attention of one query block over one key segment, as ``(rows, out, lse)`` pieces (the
     strips of a staircase; the rows of each stacked query head for position biases read as
     views, the keys then last to first; else one piece with ``rows = slice(None)``), each
@@ -66,23 +66,13 @@ def _segment_pieces(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fuse
                 attn_mask=tile.positions.backwards(member), scale=scale))
         return
     yield (slice(None), *_segment_forward(q_block, k_seg, v_seg, tile, scale, fused, keep,
-                                          dropout_p, fixed))
+                                          dropout_p))
 
 
 def _member_rows(positions: PositionTile) -> list[slice]:
     """The rows of each of the G query heads stacked in a block (``[B, Hkv, G·n, ...]``)."""
     n = positions.rows
     return [slice(g * n, (g + 1) * n) for g in range(positions.vector.shape[2])]
-
-
-def _quantised(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x [..., n, D]`` with copies of its last row appended up to a multiple of ``rows``
-    (:func:`row_quantum`; itself when ``n`` is one already): each row's result is then
-    computed as in any other call of at least that many rows."""
-    extra = -x.shape[-2] % rows
-    if not extra:
-        return x
-    return torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], extra, x.shape[-1])], dim=-2)
 
 
 def _widened(x: torch.Tensor, fill: float) -> torch.Tensor:
@@ -126,22 +116,31 @@ def _widened_keys(x: torch.Tensor, role: str) -> torch.Tensor:
     return wide
 
 
-def _fixed_shapes(q_block, k_seg, v_seg, additive):
-    """A fixed-schedule segment at the shapes every call of it has: query rows padded to a
-    multiple of :func:`row_quantum` (:func:`_quantised`), and a key block narrower than
-    :data:`FIXED_BLOCK_K` (the last one) widened with zero keys that ``additive`` forbids
-    (an additive tile is built for an unmasked segment). Torch's kernels take other code
-    paths for fewer rows or keys, which round differently."""
+def _whole_block(k_seg: torch.Tensor, v_seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed-schedule key block as every call of it has it: a block narrower than
+    :data:`FIXED_BLOCK_K` (the last one) widened with zero keys (the caller forbids them).
+    Torch's kernels reduce fewer keys in another order."""
+    if k_seg.shape[-2] == FIXED_BLOCK_K:
+        return k_seg, v_seg
+    return _widened_keys(k_seg, "k"), _widened_keys(v_seg, "v")
+
+
+def _fixed_shapes(q_block, k_seg, v_seg, additive, rows: int):
+    """A fixed-schedule segment for torch's fused kernel at the shapes every call of it has:
+    query rows (and ``additive``'s) padded to a multiple of ``rows`` (:func:`row_quantum`,
+    :func:`~attnkit.numerics.pad_rows`), the key block whole (:func:`_whole_block`) with
+    ``additive`` forbidding the added keys (an additive tile is built for an unmasked
+    segment). Torch's kernels take other code paths for fewer rows, which round
+    differently."""
     span = k_seg.shape[-2]
-    rows = row_quantum(q_block.shape[-1], q_block.dtype, q_block.device)
     if span < FIXED_BLOCK_K:
-        k_seg, v_seg = _widened_keys(k_seg, "k"), _widened_keys(v_seg, "v")
+        k_seg, v_seg = _whole_block(k_seg, v_seg)
         if additive is None:
             additive = q_block.new_zeros(1, 1, 1, span)
         additive = _widened(additive, float("-inf"))
     if additive is not None and additive.shape[-2] != 1:  # one row of it per query row
-        additive = _quantised(additive, rows)
-    return _quantised(q_block, rows), k_seg, v_seg, additive
+        additive = pad_rows(additive, rows)
+    return pad_rows(q_block, rows), k_seg, v_seg, additive
 
 
 def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
@@ -150,10 +149,12 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
     fixed schedule's shapes (:func:`_fixed_shapes`)."""
     additive = tile.additive if tile is not None else None
     n = q_block.shape[-2]
+    rows = row_quantum(q_block.shape[-1], q_block.dtype, q_block.device) if fixed else 1
     if fused:
         queries = q_block
         if fixed:
-            queries, k_seg, v_seg, additive = _fixed_shapes(q_block, k_seg, v_seg, additive)
+            queries, k_seg, v_seg, additive = _fixed_shapes(q_block, k_seg, v_seg, additive,
+                                                            rows)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             queries, k_seg, v_seg, 0.0, tile is not None and tile.causal, attn_mask=additive,
             scale=scale)
@@ -165,8 +166,8 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
     modified = tile.scores if tile is not None else None
     span = k_seg.shape[-2]
     if fixed:  # scores over the whole key block, the extra keys' −inf
-        queries, k_seg, v_seg, _ = _fixed_shapes(q_block, k_seg, v_seg, None)
-        whole = _scores(queries, k_seg, scale, modified)[..., :n, :]
+        k_seg, v_seg = _whole_block(k_seg, v_seg)
+        whole = _scores(pad_rows(q_block, rows), k_seg, scale, modified)[..., :n, :]
         scores = whole[..., :span]
     else:
         scores = _scores(q_block, k_seg, scale, modified)  # [B, Hkv, G·n, span]
@@ -176,9 +177,10 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
         units = modified.modifiers.softcap.cap
     elif modified is not None:
         applied = modified.apply(scores)  # softcap, biases, score functions
-        if fixed and applied is not scores:
+        if not fixed:
+            scores = applied
+        elif applied is not scores:  # keep writing into the whole block
             scores.copy_(applied)
-        scores = applied if not fixed else scores
     if additive is not None:
         scores.add_(additive)
     if fixed:
@@ -193,11 +195,7 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
     if keep is not None:
         probs.masked_fill_(~keep, 0.0).div_(1.0 - dropout_p)
     empty = row_sum == 0
-    if fixed:
-        rows = row_quantum(q_block.shape[-1], probs.dtype, probs.device)
-        weighted = (_quantised(probs, rows) @ v_seg)[..., :n, :]
-    else:
-        weighted = probs @ v_seg
+    weighted = (pad_rows(probs, rows) @ v_seg)[..., :n, :] if fixed else probs @ v_seg
     out = weighted / torch.where(empty, 1.0, row_sum)[..., None]
     lse = torch.where(empty, float("-inf"),
                       safe_max * units + torch.log(torch.where(empty, 1.0, row_sum)))

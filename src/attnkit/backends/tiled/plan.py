@@ -137,12 +137,12 @@ class TiledOptions:
 
     fixed_blocks: bool = False
     """The fixed schedule behind ``attnkit.invariant()``: keys in blocks of
-    :data:`FIXED_BLOCK_K` at their absolute positions, one kernel call per (query block, key
-    block) merged in key order, every call on a multiple of :data:`ROW_QUANTUM` query rows; no
-    runs, shared prefixes, staircases or pieces, and position biases never read from reversed
-    keys. A query row's result then depends on its own inputs alone: not on the other rows
-    or sequences of the call, their padding, or how the queries were chunked. Plans are
-    built with ``block_k`` :data:`FIXED_BLOCK_K`."""
+    :data:`FIXED_BLOCK_K` at their absolute positions, merged in key order, each kernel call
+    on whole blocks and a multiple of :func:`row_quantum` query rows (``forward.
+    _fixed_forward``); no runs, shared prefixes, staircases or pieces, and position biases
+    never read from reversed keys. A query row's result then depends on its own inputs
+    alone: not on the other rows or sequences of the call, their padding, or how the queries
+    were chunked. Plans are built with ``block_k`` :data:`FIXED_BLOCK_K`."""
 
     triangle_strip: int = 64
     """Query rows per kernel call inside a staircase segment. The fused kernel skips no key of a
