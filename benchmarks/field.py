@@ -35,7 +35,7 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -137,16 +137,34 @@ class SdpaDecode:
         return x
 
 
-def ragged_decode(quick: bool, device: str = "cpu") -> tuple[dict, dict]:
-    """(timing row, host reads of one decode step) of the ragged decode, outputs checked first."""
+class RaggedWorkload(NamedTuple):
+    """The ragged decode's model and inputs (also timed by ``benchmarks/invariance.py``)."""
+
+    layers: Layers
+    prompt: torch.Tensor  # [B, T, E], right-padded
+    lengths: torch.Tensor  # [B]
+    tokens: torch.Tensor  # [B, steps + 2, E]: one input per step
+    capacity: int
+    steps: int
+    embed: int
+
+
+def ragged_workload(quick: bool, device: str = "cpu") -> RaggedWorkload:
+    """4 layers of E 256, 8 prompts of :data:`PROMPT_LENGTHS`, 128 steps (4 when ``quick``)."""
     torch.manual_seed(0)
     embed, steps = 256, 4 if quick else 128
     layers = [(torch.nn.LayerNorm(embed, device=device),
                MultiHeadAttention(embed, 4, device=device)) for _ in range(4)]
     lengths = torch.tensor(PROMPT_LENGTHS, device=device)
     prompt = torch.randn(len(lengths), max(PROMPT_LENGTHS), embed, device=device)
-    tokens = torch.randn(len(lengths), steps + 2, embed, device=device)  # one input per step
-    capacity = max(PROMPT_LENGTHS) + steps + 2
+    tokens = torch.randn(len(lengths), steps + 2, embed, device=device)
+    return RaggedWorkload(layers, prompt, lengths, tokens, max(PROMPT_LENGTHS) + steps + 2, steps,
+                          embed)
+
+
+def ragged_decode(quick: bool, device: str = "cpu") -> tuple[dict, dict]:
+    """(timing row, host reads of one decode step) of the ragged decode, outputs checked first."""
+    layers, prompt, lengths, tokens, capacity, steps, embed = ragged_workload(quick, device)
     kinds = {"attnkit": AttnkitDecode, "sdpa": SdpaDecode}
 
     def decode(kind) -> torch.Tensor:

@@ -39,8 +39,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import attnkit as ak  # noqa: E402
 from attnkit.bench.runner import interleaved  # noqa: E402
 from attnkit.masks import vouched_padding  # noqa: E402
-from attnkit.nn import MultiHeadAttention  # noqa: E402
-from field import PROMPT_LENGTHS, AttnkitDecode  # noqa: E402
+from field import AttnkitDecode, ragged_workload  # noqa: E402
 
 TARGETS = {"prefill": 1.10, "padded prefill": 1.10, "forward+backward": 1.10,
            "decoding step": 1.20, "ragged decode": 1.20}
@@ -104,14 +103,7 @@ def attention_rows(quick: bool, device: str) -> list[dict]:
 
 
 def ragged_decode(quick: bool, device: str) -> dict:
-    torch.manual_seed(0)
-    embed, steps = 256, 4 if quick else 128
-    layers = [(torch.nn.LayerNorm(embed, device=device),
-               MultiHeadAttention(embed, 4, device=device)) for _ in range(4)]
-    lengths = torch.tensor(PROMPT_LENGTHS, device=device)
-    prompt = torch.randn(len(lengths), max(PROMPT_LENGTHS), embed, device=device)
-    tokens = torch.randn(len(lengths), steps + 2, embed, device=device)
-    capacity = max(PROMPT_LENGTHS) + steps + 2
+    layers, prompt, lengths, tokens, capacity, steps, embed = ragged_workload(quick, device)
 
     def decode(inv: bool) -> torch.Tensor:
         with ak.invariant(inv):
