@@ -11,7 +11,9 @@ contract the tiled engine's fixed schedule):
 - **padded prefill**: causal & right padding, B4 H8 T1024 D64 (lengths 1024, 700, 300, 901).
 - **forward+backward**: causal B1 H8 T1024 D64.
 - **decoding step**: one query per sequence over a right-padded cache, B8 H8 Tk 1024 D64
-  (lengths 64..1024), one ``attention`` call with the key padding a ``KVCache`` makes.
+  (lengths 64..1024), one ``attention`` call with the key padding a ``KVCache`` makes; and
+  the same with grouped queries, Hq 32 over Hkv 8 (a K/V head's four query heads fill the
+  rows a kernel call of the contract computes anyway).
 - **ragged decode**: ``benchmarks/field.py``'s model (4 layers of ``MultiHeadAttention`` with
   ``KVCache(lengths=)``, 8 prompts of 2..60 tokens, 128 steps), ms per token.
 
@@ -99,6 +101,10 @@ def attention_rows(quick: bool, device: str) -> list[dict]:
     cache = vouched_padding(None, lengths, keys_everywhere=True)  # as a KVCache hands it over
     rows.append(_pair(f"decoding step, B8 H8 Tk{tk} D64", "µs", 1e6, lambda inv: _sync(
         ak.attention(query, keys[1], keys[2], cache, invariant=inv)), blocks * 3))
+    grouped = torch.randn(8, 32, 1, 64, generator=gen).to(device)
+    rows.append(_pair(f"decoding step, GQA B8 Hq32 Hkv8 Tk{tk} D64", "µs", 1e6,
+                      lambda inv: _sync(ak.attention(grouped, keys[1], keys[2], cache,
+                                                     invariant=inv)), blocks * 3))
     return rows
 
 

@@ -87,14 +87,15 @@ def _mask(kind: str, heads: int, gen, length: int, pad: int, width: int):
 
 
 def _alone_and_in_batch(kind, length, batch, place, pad_left, pad_right, heads_kv, group, dim,
-                        dtype, seed):
+                        dtype, seed, backend="auto"):
     """The sequence alone and its rows from a padded batch: ``(alone, within)`` results."""
     gen = torch.Generator().manual_seed(seed)
     heads = heads_kv * group
     width = length + pad_left + pad_right
     q1, k1, v1 = (_tensors(gen, 1, h, length, dtype, dim) for h in (heads, heads_kv, heads_kv))
     alone_mask, batch_mask = _mask(kind, heads, gen, length, pad_left, width)
-    alone = ak.attention(q1, k1, v1, alone_mask, return_lse=True, invariant=True)
+    alone = ak.attention(q1, k1, v1, alone_mask, return_lse=True, invariant=True,
+                         backend=backend)
     q, k, v = (_tensors(gen, batch, t.shape[1], width, dtype, dim) for t in (q1, k1, v1))
     for big, small in zip((q, k, v), (q1, k1, v1)):
         big[place] = float("nan")  # garbage in its padding: never read
@@ -109,7 +110,7 @@ def _alone_and_in_batch(kind, length, batch, place, pad_left, pad_right, heads_k
         t.masked_fill_(torch.isnan(t), 0.0)
         t[place].nan_to_num_(float("nan"))
     mask = runs if batch_mask is None else batch_mask & runs
-    within = ak.attention(q, k, v, mask, return_lse=True, invariant=True)
+    within = ak.attention(q, k, v, mask, return_lse=True, invariant=True, backend=backend)
     rows = slice(pad_left, pad_left + length)
     return alone, (within.out[place:place + 1, :, rows], within.lse[place:place + 1, :, rows])
 
@@ -156,17 +157,24 @@ def _chunk_mask(kind: str, heads: int, gen):
        seed=st.integers(0, 2**16))
 def test_chunked_prefill_and_decoding_give_the_prefill_bits(kind, length, cuts, steps, group,
                                                             dim, dtype, seed):
+    _chunks_against_one_prefill(kind, length, cuts, steps, group, dim, dtype, seed)
+
+
+def _chunks_against_one_prefill(kind, length, cuts, steps, group, dim, dtype, seed,
+                                backend="auto"):
+    """A prefill in chunks cut at ``cuts``, its last ``steps`` rows as decoding steps, against
+    one prefill: every row's out and LSE bits."""
     gen = torch.Generator().manual_seed(seed)
     q = _tensors(gen, 1, 2 * group, length, dtype, dim)
     k, v = (_tensors(gen, 1, 2, length, dtype, dim) for _ in range(2))
     mask = _chunk_mask(kind, 2 * group, gen)
-    whole = ak.attention(q, k, v, mask, return_lse=True, invariant=True)
+    whole = ak.attention(q, k, v, mask, return_lse=True, invariant=True, backend=backend)
     last = max(1, length - steps)  # the last `steps` rows as one-token decoding steps
     bounds = sorted({0, last, *range(last, length + 1), *(c for c in cuts if c < last)})
     for start, stop in zip(bounds, bounds[1:]):
         keys = length if mask is None else stop  # without a mask every row sees every key
         part = ak.attention(q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys], mask,
-                            return_lse=True, invariant=True)
+                            return_lse=True, invariant=True, backend=backend)
         assert _equal(part.out, whole.out[:, :, start:stop]), (start, stop)
         assert _equal(part.lse, whole.lse[:, :, start:stop]), (start, stop)
 

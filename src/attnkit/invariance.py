@@ -1,8 +1,8 @@
 """The invariance contract: ``with attnkit.invariant():`` (or ``attention(...,
 invariant=True)``) makes a query row's result a function of that row's own inputs alone.
 
-Under it, for every backend that accepts it (``tiled``; the others refuse with their reason
-and ``auto`` passes them over), bit for bit (docs/NUMERICS.md, "Invariance"):
+Under it, for every backend that accepts it (``tiled`` and ``triton``; the others refuse with
+their reason and ``auto`` passes them over), bit for bit (docs/NUMERICS.md, "Invariance"):
 
 1. run to run: the same inputs give the same outputs, LSE and gradients;
 2. batch invariance: a sequence's output rows and LSE do not depend on the other sequences
@@ -18,7 +18,10 @@ are reduced in blocks of ``FIXED_BLOCK_K`` at its own absolute positions (a left
 sequence's blocks start at its first real key), merged in key order; every kernel call has
 256 keys and a multiple of ``row_quantum`` query rows, never a path chosen from the call's
 shapes. Key blocks a row may not attend change nothing (their merge weight is exactly 0), so
-the rows around it and the keys it cannot see leave its bits alone. Below: the checks of
+the rows around it and the keys it cannot see leave its bits alone. The triton kernels keep
+it the same way (``launch.key_order_lists``): one online softmax over key blocks in key order
+from each sequence's first key, the mask program in every tile, fixed kernel configs, and no
+split-key decoding (a step runs the forward kernel, as a prefill's row does). Below: the checks of
 ``attnkit check --invariance`` and :func:`rowwise_linears`, for a model's own layers.
 """
 
@@ -132,7 +135,11 @@ def _differences(pairs) -> Optional[str]:
     return None
 
 
-def _case(seed: int, device, dtype, heads_q: int = 4, heads_kv: int = 2, length: int = 600,
+LENGTH = 600
+"""The checks' sequence length: several of tiled's 256-key blocks."""
+
+
+def _case(seed: int, device, dtype, heads_q: int = 4, heads_kv: int = 2, length: int = LENGTH,
           dim: int = 64) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, h, length, dim, generator=gen).to(device, dtype)
@@ -157,11 +164,12 @@ def _call(q, k, v, mask, backend: str):
 
 
 def check_run_to_run(backend: str, device="cpu", dtype=torch.float32, seed: int = 0,
-                     ) -> Optional[str]:
-    """The same call twice, forward and (float32/float64) backward: ``None`` when every
-    output, LSE and gradient holds the same bits, else the first difference."""
+                     length: int = LENGTH) -> Optional[str]:
+    """The same call twice, forward and (float32/float64) backward, on a sequence of
+    ``length``: ``None`` when every output, LSE and gradient holds the same bits, else the
+    first difference."""
     grads = dtype in (torch.float32, torch.float64)
-    q, k, v = _case(seed, device, dtype)
+    q, k, v = _case(seed, device, dtype, length=length)
     for mask in _masks(q.shape[1], device):
         runs = []
         for _ in range(2):
@@ -178,12 +186,13 @@ def check_run_to_run(backend: str, device="cpu", dtype=torch.float32, seed: int 
     return None
 
 
-def check_batch(backend: str, device="cpu", dtype=torch.float32, seed: int = 0) -> Optional[str]:
-    """A sequence alone, then second of three in a right-padded and in a left-padded batch
-    (other sequences of other lengths, NaN in its padding): ``None`` when its rows hold the
-    same bits each time."""
+def check_batch(backend: str, device="cpu", dtype=torch.float32, seed: int = 0,
+                length: int = LENGTH) -> Optional[str]:
+    """A sequence of ``length`` alone, then second of three in a right-padded and in a
+    left-padded batch (other sequences of other lengths, NaN in its padding): ``None`` when
+    its rows hold the same bits each time."""
     from .masks import padding
-    q, k, v = _case(seed, device, dtype)
+    q, k, v = _case(seed, device, dtype, length=length)
     length, width = q.shape[2], q.shape[2] + 77
     gen = torch.Generator().manual_seed(seed + 1)
     for mask in _masks(q.shape[1], device):
@@ -208,13 +217,13 @@ def check_batch(backend: str, device="cpu", dtype=torch.float32, seed: int = 0) 
 
 
 def check_chunking(backend: str, device="cpu", dtype=torch.float32, seed: int = 0,
-                   ) -> Optional[str]:
-    """One prefill of the sequence, then the same queries in chunks over the keys up to each
-    chunk's end (the last rows one by one: decoding steps): ``None`` when every row holds
-    the same bits."""
-    q, k, v = _case(seed, device, dtype)
-    length = q.shape[2]
-    cuts = [0, 1, 100, 290, 520, *range(length - 3, length + 1)]
+                   length: int = LENGTH) -> Optional[str]:
+    """One prefill of a sequence of ``length``, then the same queries in chunks over the keys
+    up to each chunk's end (the last rows one by one: decoding steps): ``None`` when every row
+    holds the same bits."""
+    q, k, v = _case(seed, device, dtype, length=length)
+    cuts = sorted({0, 1, length // 6, length // 2, 7 * length // 8,
+                   *range(max(0, length - 3), length + 1)})
     for mask in _masks(q.shape[1], device):
         whole = _call(q, k, v, mask, backend)
         for start, stop in zip(cuts, cuts[1:]):
@@ -226,10 +235,11 @@ def check_chunking(backend: str, device="cpu", dtype=torch.float32, seed: int = 
     return None
 
 
-def _ring_twice(rank: int, world_size: int, backend: str, dtype_name: str, seed: int):
+def _ring_twice(rank: int, world_size: int, backend: str, dtype_name: str, seed: int,
+                length: int):
     from .distributed import ring_attention, shard
     dtype = getattr(torch, dtype_name)
-    q, k, v = _case(seed, "cpu", dtype, length=256)
+    q, k, v = _case(seed, "cpu", dtype, length=length)
     results = []
     for _ in range(2):
         leaves = [shard(t, rank, world_size).detach().clone().requires_grad_() for t in (q, k, v)]
@@ -240,10 +250,11 @@ def _ring_twice(rank: int, world_size: int, backend: str, dtype_name: str, seed:
     return _differences(zip(("out", "lse", "dq", "dk", "dv"), *results))
 
 
-def check_ring(backend: str, device="cpu", dtype=torch.float32, seed: int = 0) -> Optional[str]:
-    """Ring attention over two local gloo ranks, forward and backward, twice: ``None`` when
-    every rank's out, LSE and gradients hold the same bits both times. CPU float32/float64
-    only (``ValueError`` otherwise)."""
+def check_ring(backend: str, device="cpu", dtype=torch.float32, seed: int = 0,
+               length: int = 256) -> Optional[str]:
+    """Ring attention over two local gloo ranks, forward and backward, twice, on a sequence
+    of ``length``: ``None`` when every rank's out, LSE and gradients hold the same bits both
+    times. CPU float32/float64 only (``ValueError`` otherwise)."""
     from .distributed import spawn
     if backend != "tiled":
         raise ValueError(f"the ring check runs its steps on tiled over gloo (its triton steps "
@@ -251,7 +262,7 @@ def check_ring(backend: str, device="cpu", dtype=torch.float32, seed: int = 0) -
     if str(device) != "cpu" or dtype not in (torch.float32, torch.float64):
         raise ValueError(f"the ring check runs on CPU in float32/float64 (gloo), not {device} "
                          f"{dtype}")
-    found = spawn(_ring_twice, 2, backend, str(dtype).removeprefix("torch."), seed)
+    found = spawn(_ring_twice, 2, backend, str(dtype).removeprefix("torch."), seed, length)
     broken = [f"rank {rank}: {what}" for rank, what in enumerate(found) if what is not None]
     return "; ".join(broken) or None
 
@@ -261,16 +272,18 @@ _CHECKS = {"run to run": check_run_to_run, "batch": check_batch, "chunking": che
 
 
 def check(backends: Sequence[str], device="cpu", dtype=torch.float32, seed: int = 0,
-          checks: Sequence[str] = CHECKS) -> list[Finding]:
+          checks: Sequence[str] = CHECKS, length: Optional[int] = None) -> list[Finding]:
     """Every check of ``checks`` on every backend of ``backends`` (names from
-    ``attnkit.available_backends()``): a :class:`Finding` each. A backend that refuses the
+    ``attnkit.available_backends()``), on sequences of ``length`` (``None``: each check's
+    own): a :class:`Finding` each. A backend that refuses the
     contract (a ``ValueError`` naming ``invariant``), or a ring over a backend it does not
     run on, is ``"refused"`` with its reason."""
     findings = []
     for name in checks:
         for backend in backends:
             try:
-                broken = _CHECKS[name](backend, device, dtype, seed)
+                sized = {} if length is None else {"length": length}
+                broken = _CHECKS[name](backend, device, dtype, seed, **sized)
             except ValueError as error:
                 reason = _refusal(str(error))
                 if reason is None:

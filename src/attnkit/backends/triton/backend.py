@@ -48,7 +48,8 @@ def backward_step(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Ten
     from (q, k, v, out, lse). ``dlse [B, H, Tq]`` (or ``None``) is the gradient of the LSE: since
     ∂lse/∂s = p, it enters as ``Δ − dlse`` in ``ds = p ∘ (dp − Δ)``. The gradients of the
     modifiers' ALiBi slopes and relative-bias vector are added into ``dslope`` and ``ddiag``
-    (float32 zeros shaped as ``mods.slopes`` and ``mods.diag``; ``None``: not wanted)."""
+    (float32 zeros shaped as ``mods.slopes`` and ``mods.diag``; ``None``: not wanted), the
+    slopes' in a fixed order under the invariance contract (``plan.invariant``)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -65,9 +66,12 @@ def backward_step(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Ten
         launch.dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan, ds).run(plan)
         launch.dq_stored_call(q, k, v, ds, dq, plan).run(plan)
     else:
-        launch.dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, dq, plan, mods, dslope,
-                       ddiag).run(plan)
+        slots = launch.slope_slots(q) if plan.invariant and dslope is not None else None
+        launch.dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, dq, plan, mods,
+                       dslope if slots is None else slots, ddiag).run(plan)
         launch.dkdv_call(q, k, v, dout, lse2, delta, dk, dv, plan, mods=mods).run(plan)
+        if slots is not None:
+            launch.sum_slots(slots, dslope)
     return dq, dk, dv
 
 
@@ -143,8 +147,7 @@ class TritonBackend(Backend):
     """``options``: how the kernels run (:class:`launch.TritonOptions`)."""
 
     NAME = "triton"
-    INVARIANT_REFUSAL = ("its block sizes and decoding splits follow the call's shapes; the "
-                         "fixed schedule runs on the tiled engine")
+    INVARIANT_REFUSAL = None  # the contract's lists and fixed configs (launch.key_order_lists)
     DEVICES = ("cpu", "cuda")
     DTYPES = (torch.float32, torch.float16, torch.bfloat16)
     SUPPORTS_DROPOUT = False
@@ -175,6 +178,11 @@ class TritonBackend(Backend):
         if inputs.scale <= 0:
             reasons.append(f"scale={inputs.scale:g} <= 0 (not supported by triton: its kernels "
                            f"give NaN there)")
+        if (inputs.invariant and inputs.modifiers is not None and torch.is_grad_enabled()
+                and any(part.table.requires_grad for part in inputs.modifiers.relative)):
+            reasons.append("invariant=True with a relative-bias table that requires grad (not "
+                           "kept by triton: its gradient is summed by atomics, one per score, "
+                           "in whatever order they land; use backend='tiled')")
         if inputs.q.device.type == "cpu" and self.unavailable_reason() is None:  # else said
             problem = launch.cpu_problem()
             if problem:

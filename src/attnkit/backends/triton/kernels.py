@@ -27,7 +27,11 @@ tensors), never imported by name: Triton decides at decoration time which one it
   a soft cap ``cap·tanh(s/cap)``, ALiBi ``slope·(k − q − shift)`` computed from positions, and
   a per-head bias by relative position ``k − q`` read from a vector (a relative-position
   table already looked up per distance, O(Tq + Tk)). The dQ kernel adds their parameters'
-  gradients by atomics: one per tile for the slope, one per score for the vector.
+  gradients by atomics: one per tile for the slope (given a slot per program, as the
+  invariance contract does, in an order fixed by the walk), one per score for the vector.
+- **Invariance** (``launch.key_order_lists``): under the contract every listed block is
+  PARTIAL, in key order, from each sequence's first key (``SHIFTED``), so a row's keys fold
+  in the same blocks, the same order and the same arithmetic whatever the batch or chunk.
 - **TMA** (``TMA`` from the config, ``TMA_OK`` from the host): walked tiles come by tensor
   descriptors made in the kernel (they zero-fill past the ends), else by pointers.
 - Head dims are padded to powers of two (``DK_PAD``/``DV_PAD``; ``EVEN_*``: no padding).
@@ -181,15 +185,15 @@ def _spacing(blocks, first, count, SPARSE: tl.constexpr, STRIDED: tl.constexpr):
 
 
 @triton.jit
-def _walk_blocks(TILE: tl.constexpr, state, c, ctx, blocks, first, split, stop,
+def _walk_blocks(TILE: tl.constexpr, state, c, ctx, blocks, first, split, stop, shift,
                  SPARSE: tl.constexpr, BLOCK: tl.constexpr, PARTIAL: tl.constexpr,
                  STRIDED: tl.constexpr):
     """Fold entries ``first … stop`` of a row's list into ``state``, one kernel block per
     iteration: ``state = TILE(state, c, ctx, t, start, partial, MAY_PARTIAL)`` (``c``: the
     :data:`Common` part, ``ctx`` the pass's own), ``t`` the kernel
     block's place in the list (entry ``t // (SPARSE // BLOCK)``), ``start`` its first
-    position. PARTIAL: 1, every entry is PARTIAL; 0, none is; 2, those before ``split``
-    (``partial`` a runtime value)."""
+    position (entry ``j`` covers ``shift + j·SPARSE …``). PARTIAL: 1, every entry is PARTIAL;
+    0, none is; 2, those before ``split`` (``partial`` a runtime value)."""
     SUBS: tl.constexpr = SPARSE // BLOCK
     p_base, p_step = _spacing(blocks, first, split - first, SPARSE, STRIDED and PARTIAL != 0)
     f_base, f_step = _spacing(blocks, split, stop - split, SPARSE, STRIDED and PARTIAL != 1)
@@ -207,7 +211,7 @@ def _walk_blocks(TILE: tl.constexpr, state, c, ctx, blocks, first, split, stop,
             start = p_base + j * p_step
         else:
             start = f_base + j * f_step
-        state = TILE(state, c, ctx, t, start + (t % SUBS) * BLOCK, partial, PARTIAL != 0)
+        state = TILE(state, c, ctx, t, shift + start + (t % SUBS) * BLOCK, partial, PARTIAL != 0)
     return state
 
 
@@ -217,22 +221,27 @@ def _walk(TILE: tl.constexpr, state, c, ctx, lists, b, h, row, SPARSE: tl.conste
     """Fold row ``row`` of the (batch ``b``, head ``h``) block lists into ``state`` with TILE
     (see :func:`_walk_blocks`): its PARTIAL entries and its FULL ones, in two loops (the FULL
     one first with FULL_FIRST: each kernel takes the order ptxas allocates its registers best
-    in) or, with ONE_LOOP, in one."""
+    in) or, with ONE_LOOP, in one. SHIFTED lists place batch ``b``'s blocks from its first
+    key, ``starts[b]`` (the invariance contract's left padding, ``launch.key_order_lists``)."""
+    shift = 0
+    if lists.SHIFTED:
+        shift = tl.load(lists.starts + b * lists.s_start)
     counts = b * lists.s_n[0] + h * lists.s_n[1] + row * lists.s_n[2]
     n_partial = tl.load(lists.num_partial + counts)
     n_full = tl.load(lists.num_full + counts)
     blocks = lists.index + b * lists.s_i[0] + h * lists.s_i[1] + row * lists.s_i[2]
     if ONE_LOOP:
         state = _walk_blocks(TILE, state, c, ctx, blocks, 0, n_partial, n_partial + n_full,
-                             SPARSE, BLOCK, 2, lists.PARTIAL_STRIDED and lists.FULL_STRIDED)
+                             shift, SPARSE, BLOCK, 2, lists.PARTIAL_STRIDED and lists.FULL_STRIDED)
     else:
         for part in tl.static_range(2):
             if (part == 0) != FULL_FIRST:
                 state = _walk_blocks(TILE, state, c, ctx, blocks, 0, n_partial, n_partial,
-                                     SPARSE, BLOCK, 1, lists.PARTIAL_STRIDED)
+                                     shift, SPARSE, BLOCK, 1, lists.PARTIAL_STRIDED)
             else:
                 state = _walk_blocks(TILE, state, c, ctx, blocks, n_partial, n_partial,
-                                     n_partial + n_full, SPARSE, BLOCK, 0, lists.FULL_STRIDED)
+                                     n_partial + n_full, shift, SPARSE, BLOCK, 0,
+                                     lists.FULL_STRIDED)
     return state
 
 
@@ -533,7 +542,9 @@ def _dq_tile(dq, c, ctx, t, start_n, partial, MAY_PARTIAL: tl.constexpr):
     if c.mods.GRAD_SLOPE or c.mods.GRAD_DIAG:
         rel = _relative(ds, ctx.q_start, start_n, False)
         if c.mods.GRAD_SLOPE:  # d slope = Σ ds · (k − q − shift)
-            tl.atomic_add(c.mods.dslope + c.b * c.mods.s_dslope[0] + c.h * c.mods.s_dslope[1],
+            slot = (ctx.q_start // 16) * c.mods.s_dslope[2]  # one per program (or shared: 0)
+            tl.atomic_add(c.mods.dslope + c.b * c.mods.s_dslope[0] + c.h * c.mods.s_dslope[1]
+                          + slot,
                           tl.sum(tl.sum(ds * (rel - c.mods.shift).to(tl.float32), 1), 0))
         if c.mods.GRAD_DIAG:  # d vector[k − q] = Σ ds along the diagonal
             at = rel + c.mods.diag_off

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from ...inputs import Inputs
-from ...masks import FULL, PARTIAL, Mask, MaskCache, MaskSpace
+from ...masks import EMPTY, FULL, PARTIAL, Mask, MaskCache, MaskSpace, key_starts
 
 LOG2E = 1.4426950408889634
 
@@ -135,8 +135,10 @@ class TritonOptions:
     row lists more than half the key blocks) whose buffer fits ``stored_ds_max_bytes``.
     ``tiles``, ``walk``: sparse blocks, and the interpreter's kernel blocks and walk.
     ``candidate``: on a GPU, run candidate ``i`` of each kernel's :data:`CONFIGS` list (the
-    last where there are fewer) instead of autotuning. ``tma``: use the TMA unit where the
-    device has one. ``autotune_cache``: keep the autotuner's timings on disk.
+    last where there are fewer) instead of autotuning (under the invariance contract, candidate
+    0 unless given: a config that follows timings would follow the machine's load).
+    ``tma``: use the TMA unit where the device has one. ``autotune_cache``: keep the
+    autotuner's timings on disk.
     ``direct_launch``: call a kernel's binary directly after its first launches (:class:`Call`).
     ``decode_splits``: the key chunks of a decoding step (:func:`decode`; default: about two
     programs per SM)."""
@@ -214,8 +216,8 @@ MaskArgs = namedtuple("MaskArgs", [
     "q_docs", "s_qdoc", "kv_docs", "s_kvdoc", "dense", "s_dense", "bias", "s_bias",
     "HAS_LO", "HAS_HI", "HAS_QLEN", "HAS_KVLEN", "HAS_DOCS", "DOC_RANGES", "HAS_DENSE",
     "HAS_BIAS"])
-Lists = namedtuple("Lists", ["num_partial", "num_full", "index", "s_n", "s_i",
-                             "PARTIAL_STRIDED", "FULL_STRIDED"])
+Lists = namedtuple("Lists", ["num_partial", "num_full", "index", "s_n", "s_i", "starts",
+                             "s_start", "PARTIAL_STRIDED", "FULL_STRIDED", "SHIFTED"])
 Stored = namedtuple("Stored", ["ds", "slots", "s_ds", "rows", "STORE", "BY_TMA"])
 ModArgs = namedtuple("ModArgs", [
     "cap", "slopes", "s_slopes", "shift", "diag", "s_diag", "diag_off", "diag_len", "dslope",
@@ -226,8 +228,9 @@ ModArgs = namedtuple("ModArgs", [
 documents (ids ``[B, T]`` or ranges ``[B, T, 2]``) with ``(batch, position)`` strides, the
 dense int8 and bias views with their four strides; unused tensors are placeholders.
 ``Lists`` (:meth:`BlockLists.args`): counts ``[B, H, R]`` and entries ``[B, H, R, C]`` with
-their strides. ``Stored`` (:func:`_stored`): the dS buffer (:func:`ds_buffer`), the slots
-(:attr:`Layout.slots`), the buffer's first four strides and its size over ``SPARSE_Q``,
+their strides, and the first keys ``[B]`` of shifted lists with their stride. ``Stored``
+(:func:`_stored`): the dS buffer (:func:`ds_buffer`), the slots (:attr:`Layout.slots`),
+the buffer's first four strides and its size over ``SPARSE_Q``,
 whether dK/dV stores dS and by TMA. ``ModArgs`` (:meth:`ScoreMods.args`): the score
 modifiers and, for dQ, the buffers their parameters' gradients are added into."""
 
@@ -239,7 +242,8 @@ class ScoreMods:
     (``cap``), ``+ slopes[b, h]·(k − q − shift)`` (``slopes`` float ``[1|B, H]``), ``+
     diag[h, k − q + diag_off]`` (``diag`` float ``[H, L]``: a relative-position bias looked up
     per distance; distances outside ``[0, L)`` add 0). Their gradients (:func:`dq_call`):
-    ``dslope`` shaped as ``slopes`` and ``ddiag`` as ``diag``, float32, added into."""
+    ``dslope`` shaped as ``slopes`` (or with a slot per dQ program, :func:`slope_slots`) and
+    ``ddiag`` as ``diag``, float32, added into."""
 
     cap: Optional[float] = None
     slopes: Optional[torch.Tensor] = None
@@ -263,8 +267,9 @@ class ScoreMods:
             return (placeholder, (0, 0)) if t is None else (
                 t, tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride())))
         diag_len = 0 if self.diag is None else self.diag.shape[-1]
+        slope_grad, s_slope_grad = given(dslope)  # a third dim: a slot per program (slope_slots)
         return ModArgs(float(self.cap or 0.0), *given(self.slopes), self.shift, *given(self.diag),
-                       self.diag_off, diag_len, *given(dslope), *given(ddiag),
+                       self.diag_off, diag_len, slope_grad, (*s_slope_grad, 0)[:3], *given(ddiag),
                        *(tl.constexpr(flag) for flag in (*self.flags(), dslope is not None,
                                                          ddiag is not None, self.any)))
 
@@ -389,19 +394,25 @@ class BlockLists:
     """Per (batch, head, row): ``num_partial``/``num_full`` int32 ``[B, H, R]`` and the listed
     blocks ``index`` int32 ``[B, H, R, C]``, PARTIAL first (entries past the counts unused;
     broadcast dims have stride 0). ``partial_strided``/``full_strided``: every row's PARTIAL
-    (FULL) blocks are evenly spaced, so the kernels compute their positions."""
+    (FULL) blocks are evenly spaced, so the kernels compute their positions. ``starts``
+    int32 ``[B]`` (shifted lists): block ``j`` of batch element ``b`` covers keys
+    ``starts[b] + j·SPARSE …`` instead of ``j·SPARSE …``."""
 
     num_partial: torch.Tensor
     num_full: torch.Tensor
     index: torch.Tensor
     partial_strided: bool = False
     full_strided: bool = False
+    starts: Optional[torch.Tensor] = None
 
     def args(self) -> Lists:
         import triton.language as tl
+        starts = self.num_partial if self.starts is None else self.starts
         return Lists(self.num_partial, self.num_full, self.index, self.num_partial.stride(),
-                     self.index.stride()[:3], tl.constexpr(self.partial_strided),
-                     tl.constexpr(self.full_strided))
+                     self.index.stride()[:3], starts,
+                     0 if self.starts is None else self.starts.stride(0),
+                     tl.constexpr(self.partial_strided), tl.constexpr(self.full_strided),
+                     tl.constexpr(self.starts is not None))
 
     def visited(self) -> int:
         """Number of (batch, head, block) tiles a kernel walking these lists visits."""
@@ -419,6 +430,40 @@ def block_lists(codes: torch.Tensor, batch: int, heads: int) -> BlockLists:
                       index.expand(batch, heads, rows, cols),
                       _strided(index, torch.zeros_like(num_partial), num_partial),
                       _strided(index, num_partial, num_full))
+
+
+def key_order_lists(codes: torch.Tensor, space: MaskSpace, sparse_k: int,
+                    starts: Optional[torch.Tensor] = None) -> BlockLists:
+    """The lists of the invariance contract from block codes ``[Bm, Hm, R, C]``: every block a
+    row may see, in key order, all PARTIAL (the mask program runs in each, so a block gives a
+    row the same bits whether or not it is whole). With ``starts`` (``[Bm]``, left padding)
+    batch element ``b``'s blocks begin at its first key, as the sequence's own do when it
+    runs alone; a shifted block is listed where either aligned block it overlaps is
+    non-EMPTY."""
+    batch, heads = space.batch, space.heads
+    if starts is not None:
+        starts = starts.to(codes.device, torch.int32).reshape(-1).expand(batch).contiguous()
+        cols = codes.shape[-1]
+        first = (starts.long() // sparse_k)[:, None] + torch.arange(cols, device=codes.device)
+        ragged = (starts.long() % sparse_k > 0)[:, None, None, None]
+        inside = starts.long()[:, None] + torch.arange(cols, device=codes.device) * sparse_k
+        wide = codes.expand(batch, *codes.shape[1:])
+
+        def seen(block: torch.Tensor) -> torch.Tensor:
+            at = block.clamp(max=cols - 1)[:, None, None, :].expand_as(wide)
+            return (wide.gather(-1, at) != EMPTY) & (block < cols)[:, None, None, :]
+        visible = ((seen(first) | (ragged & seen(first + 1)))
+                   & (inside < space.kv_len)[:, None, None, :])
+    else:
+        visible = codes != EMPTY
+    index = torch.sort((~visible).to(torch.int8), dim=-1, stable=True).indices
+    index = index.to(torch.int32).contiguous()
+    count = visible.sum(-1, dtype=torch.int32)
+    rows = codes.shape[-2]
+    shape = (batch, heads, rows)
+    return BlockLists(count.expand(shape), torch.zeros_like(count).expand(shape),
+                      index.expand(*shape, codes.shape[-1]),
+                      _strided(index, torch.zeros_like(count), count), True, starts)
 
 
 def _strided(index: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> bool:
@@ -497,13 +542,16 @@ def _unexpanded(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Plan:
-    """Everything the kernels need besides the tensors: scale, mode, options and the layout."""
+    """Everything the kernels need besides the tensors: scale, mode, options and the layout;
+    ``invariant``: the invariance contract (its lists, fixed kernel configs, no stored dS on
+    shifted lists)."""
 
     scale: float
     interpret: bool
     tiles: Tiles
     layout: Layout
     options: TritonOptions = TritonOptions()
+    invariant: bool = False
 
     @property
     def program(self) -> MaskProgram:
@@ -536,34 +584,42 @@ class Plan:
 _LAYOUTS = MaskCache(32)
 
 
-def layout(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> Layout:
+def layout(mask: Optional[Mask], space: MaskSpace, tiles: Tiles, invariant: bool = False,
+           ) -> Layout:
     """The :class:`Layout` of ``mask`` over ``space``, cached per mask (same tensors,
-    unmodified), shapes and tiles."""
+    unmodified), shapes, tiles and ``invariant`` (the contract's lists,
+    :func:`key_order_lists`, where every tile runs the whole mask program)."""
     def build() -> Layout:
         codes = block_codes(mask, space, tiles)
+        if invariant:
+            rows = key_order_lists(codes, space, tiles.sparse_k, key_starts(mask))
+            return Layout(compile_mask(mask, space), codes, space.batch, space.heads, rows)
         return Layout(compile_mask(needed_leaves(mask, codes, space, tiles), space), codes,
                       space.batch, space.heads, block_lists(codes, space.batch, space.heads))
-    return _LAYOUTS.get(mask, (space, tiles), build)
+    return _LAYOUTS.get(mask, (space, tiles, invariant), build)
 
 
 def make_plan(inputs: Inputs, options: TritonOptions = TritonOptions()) -> Plan:
     """The plan of one call: its scale, mode and options, and the mask's (cached) layout."""
-    return build_plan(inputs.mask, inputs.space, inputs.scale, options)
+    return build_plan(inputs.mask, inputs.space, inputs.scale, options, inputs.invariant)
 
 
 def build_plan(mask: Optional[Mask], space: MaskSpace, scale: float,
-               options: TritonOptions = TritonOptions()) -> Plan:
+               options: TritonOptions = TritonOptions(), invariant: bool = False) -> Plan:
     """The plan of attention under ``mask`` over ``space`` (``[B, H, Tq, Tk]``) with ``scale``
-    (ring attention's steps build theirs from a window of the whole mask)."""
+    (ring attention's steps build theirs from a window of the whole mask); ``invariant``:
+    under the invariance contract."""
     interpret = interpreting()
     tiles = options.tiles or (INTERPRETER_TILES if interpret else GPU_TILES)
-    return Plan(scale, interpret, tiles, layout(mask, space, tiles), options)
+    return Plan(scale, interpret, tiles, layout(mask, space, tiles, invariant), options,
+                invariant)
 
 
 def stores_ds(q: torch.Tensor, plan: Plan, mods: "ScoreMods" = None) -> bool:
     """Whether this backward stores dS (:attr:`TritonOptions.backward`); never with score
-    modifiers (:class:`ScoreMods`: dQ adds their parameters' gradients as it recomputes)."""
-    if mods is not None and mods.any:
+    modifiers (:class:`ScoreMods`: dQ adds their parameters' gradients as it recomputes) or
+    shifted lists (their slots would not match dK/dV's aligned ones)."""
+    if mods is not None and mods.any or plan.rows.starts is not None:
         return False
     if plan.options.backward != "auto":
         return plan.options.backward == "stored_ds"
@@ -616,9 +672,10 @@ class Call:
         if self.args.get("TMA_OK") or getattr(self.args.get("stored"), "BY_TMA", False):
             _scratch_allocator()
         options = plan.options
-        if options.candidate is not None:
+        if options.candidate is not None or plan.invariant:  # the contract: never tuned
             candidates = CONFIGS[self.name][_bucket(self.args)]
-            m, n, warps, stages, walk = candidates[min(options.candidate, len(candidates) - 1)]
+            chosen = min(options.candidate or 0, len(candidates) - 1)
+            m, n, warps, stages, walk = candidates[chosen]
             meta = kernel_meta(fn, dict(BLOCK_M=m, BLOCK_N=n, **WALKS[walk]))
             fn[self.grid(meta)](**self.args, **meta, num_warps=warps, num_stages=stages)
             return
@@ -759,7 +816,8 @@ def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> di
                 DV_PAD=head_pad(dv), EVEN_DK=dk == head_pad(dk), EVEN_DV=dv == head_pad(dv),
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 UPCAST=plan.interpret and q.dtype == torch.bfloat16, TMA_OK=False,
-                BOUNDS=bool(q.shape[2] % plan.tiles.sparse_q or k.shape[2] % plan.tiles.sparse_k))
+                BOUNDS=bool(q.shape[2] % plan.tiles.sparse_q or k.shape[2] % plan.tiles.sparse_k
+                            or plan.rows.starts is not None))
 
 
 def _tma_ok(plan: Plan, *tensors: torch.Tensor) -> bool:
@@ -805,6 +863,20 @@ def dq_call(q, k, v, dout, out, lse, dlse, lse2, delta, dq, plan: Plan,
                      extra=(dlse is not None, mods.flags(), dslope is not None, ddiag is not None))
     return _per_call(call, TMA_OK=_tma_ok(plan, k, v),
                      mods=mods.args(plan.rows.num_partial, dslope, ddiag))
+
+
+def slope_slots(q: torch.Tensor) -> torch.Tensor:
+    """Zeros ``[B, H, ⌈Tq/16⌉]`` float32: the ALiBi-slope gradient with one slot per dQ program
+    (query blocks are multiples of 16 rows), each added into by its own program in walk order,
+    then summed by :func:`sum_slots`: a fixed order, where one shared slot takes the programs'
+    atomics in whatever order they land."""
+    return torch.zeros(*q.shape[:2], cdiv(q.shape[2], 16), dtype=torch.float32, device=q.device)
+
+
+def sum_slots(slots: torch.Tensor, dslope: torch.Tensor) -> None:
+    """Add :func:`slope_slots` into ``dslope [1|B, H]`` (summed over the batch where it is 1)."""
+    total = slots.sum(2)
+    dslope += total.sum(0, keepdim=True) if dslope.shape[0] == 1 else total
 
 
 def _stored(plan: Plan, ds: Optional[torch.Tensor]) -> Stored:
@@ -867,9 +939,11 @@ def decode_form(inputs: Inputs) -> Optional[tuple[Optional[torch.Tensor], bool,
     :data:`DECODE_MAX_ROWS` query rows per kv head against at least 4× as many keys, and a mask
     whose parts are bottom-right causal, lengths of the keys, or one mask of per-query key runs
     (``ranges [B, Tq, 2]``: a :class:`~attnkit.masks.Structure`; per-sequence causal, left
-    padding, causal documents), no score modifier but sinks; else ``None``."""
+    padding, causal documents), no score modifier but sinks, and not under the invariance
+    contract (its splits follow the batch; the forward kernel computes each row as a prefill
+    does); else ``None``."""
     q, k = inputs.q, inputs.k
-    if inputs.modifiers is not None and inputs.modifiers.changes_scores:
+    if inputs.invariant or inputs.modifiers is not None and inputs.modifiers.changes_scores:
         return None
     if (inputs.need_grad or q.shape[2] > DECODE_MAX_QUERIES or k.shape[2] < 4 * q.shape[2]
             or inputs.group_size * q.shape[2] > DECODE_MAX_ROWS or not (q.shape[2] and k.shape[2])):
