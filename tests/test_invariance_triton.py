@@ -75,6 +75,13 @@ def test_the_checks_hold():
     assert [f.status for f in findings] == ["holds"] * 3, findings
 
 
+def test_the_cli_table_names_triton_holding_the_contract(capsys):
+    from attnkit import cli
+    assert cli.main(["check", "--invariance", "--quick", "--backend", "triton"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("holds") == 3 and "refused" in text  # the ring runs on tiled only
+
+
 def test_learnable_slopes_get_their_gradient_in_a_fixed_order():
     """The slope gradient goes through one slot per dQ program, summed after: equal bits run
     to run, and the gradient the reference gives."""

@@ -405,7 +405,8 @@ def results_table(results: list[CheckResult]):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a small grid (a few seconds)")
+    parser.add_argument("--quick", action="store_true", help="a small grid (a few seconds); "
+                        "with --invariance, sequences of 100 positions")
     parser.add_argument("--backend", action="extend", nargs="+", metavar="NAME", default=None,
                         help=f"check only these backends (default: all of {list(dispatch.BACKENDS)})")
     parser.add_argument("--seed", type=seed_type, default=0,
@@ -419,16 +420,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cpu)")
 
 
-def run_invariance(names: list[str], device: str, seed: int, console) -> int:
+def run_invariance(names: list[str], device: str, seed: int, console, quick: bool = False) -> int:
     """``attnkit check --invariance``: :func:`attnkit.invariance.check` on ``names`` as a table
-    (check × backend); 1 when any check is BROKEN."""
+    (check × backend); 1 when any check is BROKEN. ``quick``: sequences of 100 positions
+    (seconds on the Triton interpreter, where 600 take minutes)."""
     from rich.markup import escape
     from rich.table import Table
 
     from .. import invariance
 
     checks = [c for c in invariance.CHECKS if c != "ring" or device == "cpu"]
-    findings = invariance.check(names, device=device, seed=seed, checks=checks)
+    findings = invariance.check(names, device=device, seed=seed, checks=checks,
+                                length=100 if quick else None)
     table = Table(title=f"invariance contract on {device} (float32; bits, not tolerances)")
     table.add_column("check")
     for name in names:
@@ -465,7 +468,7 @@ def run(args: argparse.Namespace, console) -> int:
                          f"choose from the available backends {usable} (see `attnkit info`)")
     if args.invariance:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return run_invariance(available, device, args.seed, console)
+        return run_invariance(available, device, args.seed, console, args.quick)
     if args.device is not None:
         raise UsageError("--device goes with --invariance (the reference check runs on CPU)")
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
