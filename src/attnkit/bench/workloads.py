@@ -208,3 +208,19 @@ def select(workloads: list[Workload], names: Optional[list[str]]) -> list[Worklo
     if unknown:
         raise ValueError(f"unknown workload(s) {unknown}: choose from {list(known)}")
     return [known[n] for n in names]
+
+
+def packed_ids(length: int, low: int, high: int, median: float, sigma: float,
+               seed: int) -> torch.Tensor:
+    """LongTensor ``[length]``: document ids of a packed batch whose document lengths are
+    log-normal (``median``, ``sigma``) clipped to ``[low, high]``; the last one is cut to fit.
+    Seeded (``seed``), for the load-balance benchmark and its tests."""
+    import math
+
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    lengths: list[int] = []
+    while sum(lengths) < length:
+        lengths.append(int(np.clip(rng.lognormal(math.log(median), sigma), low, high)))
+    lengths[-1] -= sum(lengths) - length
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))

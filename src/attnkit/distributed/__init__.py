@@ -8,13 +8,19 @@
     out_local = ring_attention(q_local, k_local, v_local, ak.causal(), layout="zigzag")
     out = unshard(gathered_outputs, layout="zigzag")                 # [..., H, T, D]
 
+For masks other than plain causal (packed documents, windows, padding), ``plan_balance(mask, T, P)``
+plans a :class:`BalancedLayout` that evens out the work; pass it as ``layout=`` to all three.
+
 Not imported by ``import attnkit``: it loads ``torch.distributed`` on first use only.
 See docs/DISTRIBUTED.md.
 """
 
+from .balance import (BalancedLayout, balance_blocks, default_block, plan_balance, rank_work,
+                      tile_work)
 from .comm import RingComm
 from .launch import PeakMemory, spawn
 from .ring import LAYOUTS, RingStats, ring_attention, shard, unshard
 
 __all__ = ["ring_attention", "shard", "unshard", "spawn", "RingStats", "RingComm", "PeakMemory",
-           "LAYOUTS"]
+           "LAYOUTS", "plan_balance", "BalancedLayout", "balance_blocks", "default_block",
+           "tile_work", "rank_work"]

@@ -17,6 +17,9 @@ stable LSE merge (:func:`attnkit.numerics.merge`). A step runs on the fused trit
   the ring with the K/V and arrive, complete, at the rank that owns the shard.
 - ``layout="zigzag"``: the sequence is cut into 2P chunks and rank r holds chunks r and
   2P−1−r, so every rank does the same causal work. A step is then up to 4 chunk pairs.
+- ``layout=`` a :class:`~attnkit.distributed.balance.BalancedLayout`: the blocks each rank
+  holds were chosen by :func:`~attnkit.distributed.balance.plan_balance` to even out the work of
+  any mask; a rank's shard is its runs of adjacent blocks, a step one pair per run pair.
 - Agreement: before any transfer the ranks compare shapes, dtype, layout, scale, the mask's
   content digest, grad mode and ``requires_grad`` (:func:`_validate`). The backward starts with
   a handshake bounded by ``backward_timeout``: a rank that skips the backward is named on the
@@ -45,11 +48,16 @@ from ..inputs import Inputs, restore, validate
 from ..masks import Mask, MaskSpace, as_mask, digest
 from ..modifiers import Modifiers
 from ..numerics import accum_dtype, merge
+from .balance import BalancedLayout, Piece
 from .comm import RingComm
 from .window import window
 
 LAYOUTS = ("contiguous", "zigzag")
-"""How the global sequence is cut into shards (see :func:`shard`)."""
+"""The named ways to cut the global sequence into shards (see :func:`shard`); a
+:class:`~attnkit.distributed.balance.BalancedLayout` is the other kind of layout."""
+
+Layout = Union[str, BalancedLayout]
+"""A layout: one of :data:`LAYOUTS` or a :class:`BalancedLayout`."""
 
 BACKENDS = ("auto", "tiled", "triton")
 """What computes a ring step: the fused triton kernels, the tiled engine, or ``"auto"``:
@@ -68,54 +76,65 @@ process group's timeout to make a skipped backward fail first and with a clear m
 
 # ---- layouts ----------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Piece:
-    """One contiguous run of a rank's shard: local rows ``[start, start+count)`` are the global
-    positions ``[global_start, global_start+count)``."""
-
-    start: int
-    global_start: int
-    count: int
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.start, self.start + self.count)
-
-
-def _check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
+def _check_layout(layout: Layout) -> None:
+    if isinstance(layout, BalancedLayout):
+        return
+    if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: use 'contiguous' (rank r holds the r-th of P equal "
-                         f"parts) or 'zigzag' (rank r holds chunks r and 2P-1-r of 2P, balanced "
-                         f"for causal masks)")
+                         f"parts), 'zigzag' (rank r holds chunks r and 2P-1-r of 2P, balanced "
+                         f"for causal masks) or a BalancedLayout from "
+                         f"attnkit.distributed.plan_balance(mask, T, P) (balanced for any mask)")
 
 
-def pieces(local_len: int, rank: int, world_size: int, layout: str) -> list[Piece]:
+def _check_balanced(layout: BalancedLayout, world_size: int, length: int, what: str) -> None:
+    """A ``ValueError`` unless ``layout`` was planned for ``world_size`` ranks and a sequence
+    of ``length`` positions (``what`` names where the length comes from)."""
+    if layout.world_size != world_size or layout.length != length:
+        raise ValueError(f"{layout!r} was planned for world_size={layout.world_size} and length "
+                         f"{layout.length}, but {what} has world_size={world_size} and length "
+                         f"{length}: plan the layout with plan_balance(mask, {length}, "
+                         f"{world_size}, block=...) for this sequence and group")
+
+
+def pieces(local_len: int, rank: int, world_size: int, layout: Layout) -> list[Piece]:
     """The runs of global positions that rank ``rank``'s shard of ``local_len`` rows holds.
 
     contiguous: one run, ``[rank·L, (rank+1)·L)``. zigzag: two runs of ``L/2`` rows, chunks
-    ``rank`` and ``2P−1−rank`` of the 2P chunks of size ``L/2``.
+    ``rank`` and ``2P−1−rank`` of the 2P chunks of size ``L/2``. A :class:`BalancedLayout`:
+    its runs for ``rank`` (``layout.pieces(rank)``); ``local_len · world_size`` must be its
+    length.
     """
     _check_layout(layout)
+    if isinstance(layout, BalancedLayout):
+        _check_balanced(layout, world_size, local_len * world_size,
+                        f"a shard of {local_len} rows on {world_size} ranks")
+        return layout.pieces(rank)
     if layout == "contiguous":
         return [Piece(0, rank * local_len, local_len)]
     half = local_len // 2
     return [Piece(0, rank * half, half), Piece(half, (2 * world_size - 1 - rank) * half, half)]
 
 
-def shard(x: torch.Tensor, rank: int, world_size: int, layout: str = "contiguous",
+def shard(x: torch.Tensor, rank: int, world_size: int, layout: Layout = "contiguous",
           dim: int = -2) -> torch.Tensor:
     """Rank ``rank``'s shard of ``x`` along ``dim`` (default -2, the sequence of ``[..., H, T, D]``).
 
     ``x [..., T, D]`` → ``[..., T/P, D]``. contiguous: the rank-th of P equal parts. zigzag: the
     sequence cut into 2P chunks, the shard is chunk ``rank`` followed by chunk ``2P−1−rank``.
+    A :class:`~attnkit.distributed.balance.BalancedLayout` (planned for this T and P): the
+    layout's runs for ``rank``, in order (rows at global positions ``layout.positions(rank)``).
     The result is a new contiguous tensor (differentiable). :func:`unshard` is its inverse.
     """
     _check_layout(layout)
-    if not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: must be a positive int")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r}: must be an int in [0, {world_size})")
     length = x.shape[dim]
+    if isinstance(layout, BalancedLayout):
+        _check_balanced(layout, world_size, length, f"x {tuple(x.shape)} (dim {dim})")
+        return torch.cat([x.narrow(dim, run.global_start, run.count)
+                          for run in layout.pieces(rank)], dim=dim)
     parts = world_size * (2 if layout == "zigzag" else 1)
     if length % parts:
         raise ValueError(f"sequence length {length} (dim {dim} of {tuple(x.shape)}) does not split "
@@ -126,10 +145,12 @@ def shard(x: torch.Tensor, rank: int, world_size: int, layout: str = "contiguous
     return torch.cat([x.narrow(dim, run.global_start, run.count) for run in runs], dim=dim)
 
 
-def unshard(shards: Sequence[torch.Tensor], layout: str = "contiguous", dim: int = -2) -> torch.Tensor:
+def unshard(shards: Sequence[torch.Tensor], layout: Layout = "contiguous",
+            dim: int = -2) -> torch.Tensor:
     """The whole tensor from every rank's shard (rank order): the inverse of :func:`shard`.
 
-    ``shards``: P tensors ``[..., T/P, D]`` → ``[..., T, D]``.
+    ``shards``: P tensors ``[..., T/P, D]`` → ``[..., T, D]``. A
+    :class:`~attnkit.distributed.balance.BalancedLayout` must have been planned for this P and T.
     """
     _check_layout(layout)
     shards = list(shards)
@@ -139,6 +160,11 @@ def unshard(shards: Sequence[torch.Tensor], layout: str = "contiguous", dim: int
         raise ValueError(f"unshard: shards must all have one shape, got "
                          f"{[tuple(s.shape) for s in shards]}")
     world_size, local_len = len(shards), shards[0].shape[dim]
+    if isinstance(layout, BalancedLayout):
+        _check_balanced(layout, world_size, world_size * local_len,
+                        f"unshard of {world_size} shards {tuple(shards[0].shape)} (dim {dim})")
+        whole = torch.cat(shards, dim=dim)  # rows in the layout's permutation order
+        return whole.index_select(dim, layout.inverse.to(whole.device))
     if layout == "zigzag" and local_len % 2:
         raise ValueError(f"unshard: zigzag shards hold two equal chunks, so their length must be "
                          f"even; got {local_len} (dim {dim} of {tuple(shards[0].shape)})")
@@ -163,7 +189,8 @@ class RingStats:
     triton) computed at ring step i (the K/V of rank
     ``rank − i``); ``forward_tiles`` their sum; ``backward_tiles`` the same for the backward pass
     (0 until it runs). ``pairs_skipped``: (query chunk × key chunk) pairs the mask empties.
-    ``bytes_sent``: bytes this rank sent (forward, plus backward once it ran).
+    ``bytes_sent``: bytes this rank sent (forward, plus backward once it ran). ``layout``:
+    the layout's name, ``"balanced"`` for a :class:`BalancedLayout`.
     """
 
     rank: int = 0
@@ -279,7 +306,7 @@ def pair_step(backend: str, mask: Optional[Mask], space: MaskSpace, scale: float
 
 
 def _plan_steps(mask: Optional[Mask], space: MaskSpace, scale: float, local_q: int, local_kv: int,
-                comm: RingComm, layout: str, backend: str, fused: bool, block_q: Optional[int],
+                comm: RingComm, layout: Layout, backend: str, fused: bool, block_q: Optional[int],
                 block_k: Optional[int], stats: RingStats, scoring: Scoring) -> list[list[_Pair]]:
     """Every step's non-empty pairs (from the mask's block map at global positions)."""
     rank, world = comm.rank, comm.world_size
@@ -531,6 +558,15 @@ def _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout, backen
             raise ValueError(f"backward_timeout={backward_timeout!r}: use a finite positive number "
                              f"of seconds (or None for BACKWARD_TIMEOUT = {BACKWARD_TIMEOUT:g})")
         local = validate(q, k, v, None, scale=scale, need_lse=return_lse)
+        if isinstance(layout, BalancedLayout):
+            world = comm.world_size
+            if local.q.shape[2] != local.k.shape[2]:
+                raise ValueError(f"a BalancedLayout cuts queries and keys the same way: the local "
+                                 f"q length {local.q.shape[2]} and k length {local.k.shape[2]} "
+                                 f"must be equal (use layout='contiguous' or 'zigzag' for "
+                                 f"cross-attention lengths)")
+            _check_balanced(layout, world, local.q.shape[2] * world,
+                            f"this call (q {tuple(q.shape)} per rank on {world} ranks)")
         if layout == "zigzag" and (local.q.shape[2] % 2 or local.k.shape[2] % 2):
             raise ValueError(
                 f"layout='zigzag' cuts the sequence into 2P = {2 * comm.world_size} chunks and each "
@@ -589,7 +625,7 @@ def _scoring(whole: Inputs, step_backend: str) -> Scoring:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: Union[Mask, torch.Tensor, None] = None, *, scale: Optional[float] = None,
-                   group: Optional[dist.ProcessGroup] = None, layout: str = "contiguous",
+                   group: Optional[dist.ProcessGroup] = None, layout: Layout = "contiguous",
                    return_lse: bool = False, block_q: Optional[int] = None,
                    block_k: Optional[int] = None, stats: Optional[RingStats] = None,
                    backward_timeout: Optional[float] = None, backend: str = "auto",
@@ -610,8 +646,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             one. A modifier's tensors get each rank's queries' share of their gradient (sum
             it over the group, as for any replicated parameter).
         group: the process group (default: the world); its timeout bounds every wait.
-        layout: ``"contiguous"`` or ``"zigzag"`` (balanced causal work; the local length must
-            be even).
+        layout: ``"contiguous"``, ``"zigzag"`` (balanced causal work; the local length must
+            be even) or a :class:`~attnkit.distributed.balance.BalancedLayout` from
+            ``plan_balance(mask, T, P)`` (balanced work for any mask; self-attention lengths,
+            planned for this T and P; the same one on every rank).
         block_q, block_k: tile sizes of the tiled engine (default: its own choice).
         backend: what computes each step (:data:`BACKENDS`): ``"triton"`` (fused kernels; CPU
             tensors through the Triton interpreter), ``"tiled"``, or ``"auto"``: triton for
@@ -634,7 +672,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                           backward_timeout, backend, comm)
     scoring = _scoring(whole, step_backend)
     stats = stats if stats is not None else RingStats()
-    stats.rank, stats.world_size, stats.layout = comm.rank, comm.world_size, layout
+    stats.rank, stats.world_size = comm.rank, comm.world_size
+    stats.layout = "balanced" if isinstance(layout, BalancedLayout) else layout
     stats.tiles_per_step, stats.pairs_computed, stats.pairs_skipped = [], 0, 0
     stats.backward_tiles, stats.bytes_sent = 0, 0
     steps = _plan_steps(fitted, space, local.scale, local.q.shape[2], local.k.shape[2], comm,
