@@ -1,4 +1,5 @@
-"""Sequence parallelism: ring attention over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+"""Sequence parallelism over ``torch.distributed`` (gloo on CPU, NCCL on GPU): ring attention
+and Ulysses (:func:`ulysses_attention`: all-to-all to head shards of the whole sequence).
 
     import attnkit as ak
     from attnkit.distributed import ring_attention, shard, unshard
@@ -20,7 +21,8 @@ from .balance import (BalancedLayout, balance_blocks, default_block, plan_balanc
 from .comm import RingComm
 from .launch import PeakMemory, spawn
 from .ring import LAYOUTS, RingStats, ring_attention, shard, unshard
+from .ulysses import ulysses_attention, ulysses_bytes
 
 __all__ = ["ring_attention", "shard", "unshard", "spawn", "RingStats", "RingComm", "PeakMemory",
            "LAYOUTS", "plan_balance", "BalancedLayout", "balance_blocks", "default_block",
-           "tile_work", "rank_work"]
+           "tile_work", "rank_work", "ulysses_attention", "ulysses_bytes"]

@@ -127,3 +127,29 @@ class RingComm:
             return [obj]
         dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``"rank 3"`` or ``"ranks 0, 2"``: ranks named in a message."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def disagreement_text(name: str, signatures: list[dict[str, str]],
+                      fixes: dict[str, str]) -> Optional[str]:
+    """``None`` when every rank's signature (one dict per rank, rank order) is the same; else
+    what differs, on which ranks, and the fix ``fixes[key]`` of each differing key, as the
+    message of ``name`` (the collective call that compared them)."""
+    differing = [key for key in signatures[0]
+                 if any(s[key] != signatures[0][key] for s in signatures)]
+    if not differing:
+        return None
+    lines = []
+    for key in differing:
+        by_value: dict[str, list[int]] = {}
+        for rank, signature in enumerate(signatures):
+            by_value.setdefault(signature[key], []).append(rank)
+        lines.append(f"  {key}: " + "; ".join(f"{ranks_text(ranks)}: {value}"
+                                              for value, ranks in by_value.items()))
+    return (f"{name}: the {len(signatures)} ranks disagree on {', '.join(differing)}:\n"
+            + "\n".join(lines) + "\nFix:\n"
+            + "\n".join(f"  {key}: {fixes[key]}" for key in differing))

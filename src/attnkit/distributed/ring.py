@@ -49,7 +49,7 @@ from ..masks import Mask, MaskSpace, as_mask, digest
 from ..modifiers import Modifiers
 from ..numerics import accum_dtype, merge
 from .balance import BalancedLayout, Piece
-from .comm import RingComm
+from .comm import RingComm, disagreement_text, ranks_text
 from .window import window
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -449,7 +449,7 @@ def _check_everyone_backpropagates(ring: _Ring, device: torch.device) -> None:
     absent, error = ring.comm.handshake(ring.backward_timeout, tag=HANDSHAKE_TAG, device=device)
     if absent:
         raise RuntimeError(
-            f"ring_attention: {_ranks(absent)} did not run the backward of ring_attention within "
+            f"ring_attention: {ranks_text(absent)} did not run the backward of ring_attention within "
             f"backward_timeout={ring.backward_timeout:g} s (seen on rank {ring.comm.rank}); every "
             f"rank must backpropagate through its output, e.g. each rank calls loss.backward() on "
             f"a loss that uses its out (add 0 * out.sum() on a rank whose share of the loss is "
@@ -504,28 +504,6 @@ def _signature(q, k, v, mask, layout, scale) -> dict[str, str]:
             "dtype": str(getattr(q, "dtype", None)), "layout": repr(layout), "scale": repr(scale),
             "mask": mask_text, "grad mode": "enabled" if torch.is_grad_enabled() else "disabled",
             "requires_grad": grads}
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
-def _disagreement(signatures: list[dict[str, str]]) -> Optional[str]:
-    """``None`` when every rank's signature is the same; else what differs, on which ranks, and
-    how to fix it."""
-    differing = [key for key in signatures[0] if any(s[key] != signatures[0][key] for s in signatures)]
-    if not differing:
-        return None
-    lines = []
-    for key in differing:
-        by_value: dict[str, list[int]] = {}
-        for rank, signature in enumerate(signatures):
-            by_value.setdefault(signature[key], []).append(rank)
-        lines.append(f"  {key}: " + "; ".join(f"{_ranks(ranks)}: {value}"
-                                              for value, ranks in by_value.items()))
-    fixes = [f"  {key}: {_AGREEMENT[key]}" for key in differing]
-    return (f"ring_attention: the {len(signatures)} ranks disagree on {', '.join(differing)}:\n"
-            + "\n".join(lines) + "\nFix:\n" + "\n".join(fixes))
 
 
 def _step_backend(backend: str, local: Inputs) -> str:
@@ -600,7 +578,8 @@ def _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout, backen
         error_type = TypeError if kind == "TypeError" else ValueError
         raise error_type(f"ring_attention: invalid input on rank(s) "
                          f"{[rank for rank, _ in failed]} (rank {first_rank}): {message}")
-    disagreement = _disagreement([signature for _, signature in everyone])
+    disagreement = disagreement_text("ring_attention", [signature for _, signature in everyone],
+                                     _AGREEMENT)
     if disagreement:
         raise ValueError(disagreement)
     return result
