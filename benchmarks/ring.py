@@ -1,18 +1,21 @@
-"""Ring attention on CPU: time and per-rank peak memory against world size (gloo, local processes).
+"""Sequence parallelism on CPU: time, per-rank peak memory and bytes sent against world size
+(gloo, local processes), ring attention in both layouts and Ulysses side by side.
 
-    python benchmarks/ring.py                          # P = 1, 2, 4, both layouts → results/ring.json
+    python benchmarks/ring.py                          # P = 1, 2, 4 → results/ring.json
     python benchmarks/ring.py --worlds 1 2 --seq 2048  # any size; --help for the options
 
 Every world size runs in its own group of processes (``attnkit.distributed.spawn``); within it
-both layouts are measured on the same causal problem ``[B, H, T, D]`` (float32), the sequence
-sharded P ways. Per layout and world size:
+the ring's two layouts and ``ulysses_attention`` (where P divides H) are measured on the same
+causal problem ``[B, H, T, D]`` (float32), the sequence sharded P ways. Per mode and world
+size:
 
 - time of the forward and of forward+backward: the median over ``--repeats`` of the slowest
   rank's time (ranks start together after a barrier), after one untimed warm-up call;
 - per-rank peak memory: growth of the resident set over one forward+backward, the shards
   created inside the measurement (``attnkit.distributed.PeakMemory``: real pages, glibc made
   to hand big blocks back on free so nothing is reused unseen);
-- tiles each rank computed (the work balance) and the bytes it sent.
+- tiles each rank computed (the ring's work balance) and the bytes it sent over forward and
+  backward (the ring counts them as it sends; Ulysses' are ``ulysses_bytes``, computed).
 
 The P = 1 run also times ``attnkit.attention(backend="tiled")`` on the whole sequence: the
 same engine without the ring. Each rank uses ``--threads`` intra-op threads (default 1) and the
@@ -37,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 import attnkit as ak
-from attnkit.distributed import LAYOUTS, PeakMemory, RingStats, ring_attention, spawn
+from attnkit.distributed import (LAYOUTS, PeakMemory, RingStats, ring_attention, spawn,
+                                 ulysses_attention, ulysses_bytes)
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "ring.json"
 
@@ -62,12 +66,17 @@ def _worker(rank: int, world: int, config: dict) -> dict:
         return [torch.randn(b, h, length, d, generator=gen, requires_grad=True) for _ in range(3)]
 
     results = {}
-    for layout in LAYOUTS:
+    modes = {layout: (lambda q, k, v, stats=None, layout=layout:
+                       ring_attention(q, k, v, mask, layout=layout, stats=stats))
+             for layout in LAYOUTS}
+    if h % world == 0:
+        modes["ulysses"] = lambda q, k, v, stats=None: ulysses_attention(q, k, v, mask)
+    for mode, attend in modes.items():
         q, k, v = inputs(t // world)
         grad = torch.randn(b, h, t // world, d, generator=gen)
 
         def forward():
-            return ring_attention(q, k, v, mask, layout=layout)
+            return attend(q, k, v)
 
         def forward_backward():
             forward().backward(grad)
@@ -79,12 +88,18 @@ def _worker(rank: int, world: int, config: dict) -> dict:
         stats = RingStats()
         with meter:
             q, k, v = inputs(t // world)
-            out = ring_attention(q, k, v, mask, layout=layout, stats=stats)
+            out = attend(q, k, v, stats)
             out.backward(torch.ones_like(out))
             del q, k, v, out
-        results[layout] = dict(forward_s=statistics.median(fwd), forward_backward_s=statistics.median(fwd_bwd),
-                               peak_bytes=meter.peak, tiles=stats.forward_tiles,
-                               bytes_sent=stats.bytes_sent)
+        if mode == "ulysses":
+            shape = (b, h, t // world, d)
+            sent = ulysses_bytes(shape, shape, shape, world, 4)
+            tiles, bytes_sent = None, sent["forward"] + sent["backward"]
+        else:
+            tiles, bytes_sent = stats.forward_tiles, stats.bytes_sent
+        results[mode] = dict(forward_s=statistics.median(fwd),
+                             forward_backward_s=statistics.median(fwd_bwd),
+                             peak_bytes=meter.peak, tiles=tiles, bytes_sent=bytes_sent)
     if world == 1:  # the same engine on the whole sequence, no ring around it
         q, k, v = inputs(t)
         grad = torch.randn(b, h, t, d, generator=gen)
@@ -132,8 +147,10 @@ def main(argv=None) -> int:
         print(f"P={world}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
     rows = []
-    for layout in LAYOUTS:
+    for layout in (*LAYOUTS, "ulysses"):
         for world in args.worlds:
+            if layout not in runs[world][0]:
+                continue
             per_rank = [r[layout] for r in runs[world]]
             rows.append(dict(
                 layout=layout, world_size=world,
@@ -145,7 +162,7 @@ def main(argv=None) -> int:
 
     header = (f"{'layout':<11} {'P':>2} {'fwd s':>7} {'fwd+bwd s':>10} {'peak MiB/rank (max)':>20} "
               f"{'P·peak / peak(P=1)':>19} {'tiles max/min':>14} {'MiB sent/rank':>14}")
-    print(f"\nring attention, causal, float32 [B={args.batch}, H={args.heads}, T={args.seq}, "
+    print(f"\nring attention and Ulysses, causal, float32 [B={args.batch}, H={args.heads}, T={args.seq}, "
           f"D={args.dim}], gloo on {os.cpu_count()} CPUs, {args.threads} thread(s) per rank; "
           f"load average {load_before}")
     print(header)
@@ -155,15 +172,16 @@ def main(argv=None) -> int:
         one = next((r for r in rows if r["layout"] == row["layout"] and r["world_size"] == 1), None)
         scaled = f"{peak * row['world_size'] / max(one['peak_mib_per_rank']):.2f}" if one else "-"
         tiles = row["tiles_per_rank"]
+        spread = "-" if None in tiles else f"{max(tiles) / max(1, min(tiles)):.2f}"
         print(f"{row['layout']:<11} {row['world_size']:>2} {row['forward_s']:>7.3f} "
               f"{row['forward_backward_s']:>10.3f} {peak:>20.1f} {scaled:>19} "
-              f"{max(tiles) / max(1, min(tiles)):>14.2f} {max(row['mib_sent_per_rank']):>14.1f}")
+              f"{spread:>14} {max(row['mib_sent_per_rank']):>14.1f}")
     if baseline:
         print(f"{'(no ring)':<11} {1:>2} {baseline['forward_s']:>7.3f} {baseline['forward_backward_s']:>10.3f}"
               f"   ← attention(backend='tiled') on the whole sequence, same process count as P=1")
 
     document = dict(
-        benchmark="ring attention (attnkit.distributed), CPU, gloo",
+        benchmark="ring attention and Ulysses (attnkit.distributed), CPU, gloo",
         command=" ".join(["python", "benchmarks/ring.py", *(argv if argv is not None else sys.argv[1:])]),
         date=datetime.datetime.now().isoformat(timespec="seconds"),
         machine=dict(platform=platform.platform(), python=platform.python_version(),
