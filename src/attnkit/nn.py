@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, keys_bel
                     readable, real_keys, sliding_window, vouched_padding)
 from .numerics import accum_dtype, masked_softmax, pad_rows
 from .paged import PagedKVCache
+
+if TYPE_CHECKING:  # torch.distributed loads only when sequence parallelism is used
+    from .distributed.parallel import SequenceParallel
 
 __all__ = ["KVCache", "PagedKVCache", "MultiHeadAttention", "AdditiveAttention"]
 
@@ -380,6 +383,35 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name}={value} must be positive")
 
 
+def _check_parallel(parallel):
+    """``parallel`` when it is ``None`` or a ``SequenceParallel``; else a ``TypeError``."""
+    if parallel is None:
+        return None
+    from .distributed.parallel import SequenceParallel
+
+    if not isinstance(parallel, SequenceParallel):
+        raise TypeError(f"sequence_parallel must be an attnkit.distributed.parallel."
+                        f"SequenceParallel (e.g. SequenceParallel(kind='ring')) or None, got "
+                        f"{type(parallel).__name__}")
+    return parallel
+
+
+def _refuse_with_parallel(parallel, *, cache, lengths, need_weights: bool) -> None:
+    """A ``ValueError`` for what a sequence-parallel call cannot do."""
+    what = f"sequence_parallel=SequenceParallel(kind={parallel.kind!r})"
+    if cache is not None:
+        raise ValueError(f"{what} does not take a cache ({type(cache).__name__}): each rank "
+                         f"holds a shard of the sequence, not the whole of it; decode "
+                         f"incrementally without sequence_parallel")
+    if lengths is not None:
+        raise ValueError(f"{what} does not take lengths (they describe a cache's chunks); "
+                         f"pass the padding of the whole sequence as key_valid [B, Tk]")
+    if need_weights:
+        raise ValueError(f"{what} returns no attention weights: no rank holds a whole "
+                         f"[Tq, Tk] row block of them; call with need_weights=False, or "
+                         f"without sequence_parallel on the whole sequence")
+
+
 ROWWISE_ROWS = 16
 """Rows per matrix product of :func:`_rowwise`."""
 
@@ -419,12 +451,18 @@ class MultiHeadAttention(nn.Module):
             a sequence's outputs do not depend on the batch around it, its padding, or
             whether it was prefilled at once, in chunks or decoded token by token (a
             ``KVCache`` without a window); ``None`` follows ``attnkit.invariant()``.
+        sequence_parallel: a :class:`attnkit.distributed.parallel.SequenceParallel`: every
+            call attends across the ranks of its group (``ring_attention`` or
+            ``ulysses_attention``); see :meth:`forward`. ``None``: one process. Stored as the
+            attribute ``sequence_parallel``; a call's ``sequence_parallel=`` overrides it.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None,
                  dropout: float = 0.0, bias: bool = True, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, *, backend: str = "auto",
-                 invariant: Optional[bool] = None, device=None, dtype=None):
+                 invariant: Optional[bool] = None,
+                 sequence_parallel: Optional["SequenceParallel"] = None, device=None,
+                 dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         kdim = embed_dim if kdim is None else kdim
@@ -454,6 +492,7 @@ class MultiHeadAttention(nn.Module):
         self.dropout = float(dropout)
         self.backend = backend
         self.invariant = invariant
+        self.sequence_parallel = _check_parallel(sequence_parallel)
         factory = dict(device=device, dtype=dtype)
         kv_width = num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
@@ -474,7 +513,9 @@ class MultiHeadAttention(nn.Module):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads="
                 f"{self.num_kv_heads}, head_dim={self.head_dim}, dropout={self.dropout}, "
                 f"backend={self.backend!r}" + ("" if self.invariant is None
-                                               else f", invariant={self.invariant}"))
+                                               else f", invariant={self.invariant}")
+                + ("" if self.sequence_parallel is None
+                   else f", sequence_parallel={self.sequence_parallel.kind!r}"))
 
     @staticmethod
     def empty_cache() -> KVCache:
@@ -487,6 +528,7 @@ class MultiHeadAttention(nn.Module):
                 key_valid: Optional[torch.Tensor] = None, need_weights: bool = False,
                 cache: Union[KVCache, PagedKVCache, None] = None, is_causal: bool = False,
                 lengths: Optional[torch.Tensor] = None, key_padding_mask: None = None,
+                sequence_parallel: Optional["SequenceParallel"] = None,
                 ) -> "MHAOutput":
         """Attend from ``query`` to ``key``/``value`` (both default to ``query``: self-attention).
 
@@ -520,6 +562,15 @@ class MultiHeadAttention(nn.Module):
                 Its real keys/values go right after that sequence's cached ones
                 (:meth:`KVCache.append`), its real queries see only its own tokens, and its
                 padded queries get output 0.
+            sequence_parallel: a :class:`~attnkit.distributed.parallel.SequenceParallel`
+                for this call (default: the module's ``sequence_parallel``). Then ``query``,
+                ``key`` and ``value`` are this rank's shards ``[B, T/P, ·]`` of the sequence
+                (cut by its layout, e.g. ``sequence_parallel.shard(x, dim=1)``), ``out`` is
+                this rank's shard ``[B, Tq/P, E]``, and ``mask``, ``key_valid`` (``[B, Tk]``)
+                and ``is_causal`` describe the WHOLE sequence, at global positions; every
+                rank passes the same ones, and every rank must run the backward. Not with a
+                ``cache``, ``lengths`` or ``need_weights`` (``ValueError``); attention dropout
+                in training needs ``kind="ulysses"``.
 
         Returns:
             :class:`MHAOutput` ``(out, weights, cache)``: ``out [B, Tq, E]``, ``weights
@@ -539,6 +590,11 @@ class MultiHeadAttention(nn.Module):
                 key_valid = key_valid[None]
         batch, q_len, _ = query.shape
         invariant = invariance.active(self.invariant)
+        parallel = (self.sequence_parallel if sequence_parallel is None
+                    else _check_parallel(sequence_parallel))
+        if parallel is not None:
+            _refuse_with_parallel(parallel, cache=cache, lengths=lengths,
+                                  need_weights=need_weights)
         project = _rowwise if invariant else (lambda layer, x: layer(x))
 
         heads = (self.num_heads, self.head_dim)
@@ -548,6 +604,15 @@ class MultiHeadAttention(nn.Module):
         v = project(self.v_proj, value).unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
 
         new_cache = None
+        if parallel is not None:
+            world = parallel.world_size()
+            full_mask = self._combine_masks(mask, key_valid, is_causal, cache=None,
+                                            batch=batch, kv_len=k.shape[2] * world)
+            dropout = self.dropout if self.training else 0.0
+            heads_out = parallel.attend(q, k, v, full_mask, dropout_p=dropout,
+                                        invariant=invariant)  # [B, H, Tq/P, D]
+            out = project(self.out_proj, heads_out.transpose(1, 2).flatten(-2))  # [B, Tq/P, E]
+            return MHAOutput(out[0] if unbatched else out, None, None)
         if cache is not None:
             if not isinstance(cache, (KVCache, PagedKVCache)):
                 raise TypeError(f"cache must be a KVCache (MultiHeadAttention.empty_cache()) or "

@@ -20,9 +20,10 @@ from .balance import (BalancedLayout, balance_blocks, default_block, plan_balanc
                       tile_work)
 from .comm import RingComm
 from .launch import PeakMemory, spawn
+from .parallel import SequenceParallel
 from .ring import LAYOUTS, RingStats, ring_attention, shard, unshard
 from .ulysses import ulysses_attention, ulysses_bytes
 
 __all__ = ["ring_attention", "shard", "unshard", "spawn", "RingStats", "RingComm", "PeakMemory",
            "LAYOUTS", "plan_balance", "BalancedLayout", "balance_blocks", "default_block",
-           "tile_work", "rank_work", "ulysses_attention", "ulysses_bytes"]
+           "tile_work", "rank_work", "ulysses_attention", "ulysses_bytes", "SequenceParallel"]

@@ -54,20 +54,51 @@ Logit softcapping (Gemma 2's ``attn_logit_softcapping``, the call's ``softcap=``
 ``attnkit.softcap``, learned attention sinks (gpt-oss's ``s_aux=``, ``sinks=``) as
 ``attnkit.sinks``. Features attnkit does not compute raise ``NotImplementedError`` naming them:
 sparse-attention index selections. Dropout in training is attnkit's ``dropout_p``.
+
+Sequence parallelism (:func:`sequence_parallel`): inside ``with sequence_parallel(sp):``
+every attention call of the model runs ``ring_attention`` or ``ulysses_attention`` over
+``sp.group``, each rank feeding its shard of the sequence::
+
+    sp = SequenceParallel(kind="ring")                      # attnkit.distributed.parallel
+    ids = sp.shard(input_ids, dim=1)                        # [B, T/P]
+    positions = sp.shard(position_ids, dim=1)               # global positions, [B, T/P]
+    targets = sp.shard(next_tokens, dim=1)                  # labels shifted on the WHOLE row
+    with sequence_parallel(sp):
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    (loss / global_token_count).backward()                  # then all-reduce (sum) the grads
+
+What each rank shards, cut by ``sp.shard`` (the same layout for all): ``input_ids``,
+``position_ids`` (REQUIRED: the positions of the whole row, e.g. restarting at 0 for each
+packed document; without them each rank would number its shard from 0) and the targets.
+The targets are shifted on the whole row before sharding (``targets[t] = input_ids[t + 1]``,
+``-100`` at the row's end and where a packed document ends), since the model's own
+``labels=`` shifts within each shard; so the loss is computed from the logits: each rank's
+summed token loss, divided by the global count of targets that are not ``-100``. Its
+all-reduced sum is the single-process mean loss, and the parameter gradients summed over the
+ranks (``dist.all_reduce``, as DDP does) are the single-process ones.
+
+The mask is that of the whole sequence: by default causal (for causal layers) and, for a
+batch of one whose global ``position_ids`` restart, the packed documents they delimit (the
+ranks exchange their ``position_ids`` once per forward pass), as in one process. Anything
+else (padding, sliding windows, chunked attention) is given as ``mask=``, the attnkit mask
+of the whole sequence; a 2-D ``attention_mask`` is refused under sequence parallelism.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 import attnkit as ak
-from attnkit.masks import UNBOUNDED, Mask, real_keys
+from attnkit.masks import UNBOUNDED, Mask, as_mask, real_keys
 
 try:
     import transformers
@@ -76,7 +107,11 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
     raise ImportError("attnkit.integrations.transformers needs Hugging Face transformers: "
                       "pip install 'attnkit[transformers]'") from error
 
-__all__ = ["NAME", "register", "attention_forward", "mask_forward", "TransformersMask"]
+if TYPE_CHECKING:  # torch.distributed loads only when sequence parallelism is used
+    from attnkit.distributed.parallel import SequenceParallel
+
+__all__ = ["NAME", "register", "attention_forward", "mask_forward", "TransformersMask",
+           "sequence_parallel"]
 
 NAME = "attnkit"
 """The ``attn_implementation`` name :func:`register` adds."""
@@ -90,6 +125,48 @@ _UNSUPPORTED = {
 """Keyword arguments of transformers' attention calls that change the computation in ways
 attnkit does not implement, with the feature each one names. Present and not ``None``, they
 raise instead of being ignored."""
+
+
+_PARALLEL: contextvars.ContextVar = contextvars.ContextVar("attnkit_sequence_parallel",
+                                                          default=None)
+"""The ``(SequenceParallel, mask)`` of the innermost :func:`sequence_parallel` block."""
+
+
+@contextlib.contextmanager
+def sequence_parallel(parallel: "SequenceParallel",
+                      mask: Union[Mask, torch.Tensor, None] = None) -> Iterator["SequenceParallel"]:
+    """Within the block, every ``attn_implementation="attnkit"`` attention call attends
+    across the ranks of ``parallel.group`` (ring or Ulysses, as ``parallel.kind`` says).
+
+    Each rank calls the model on its shard of the sequence, cut by ``parallel.shard(x,
+    dim=1)``: ``input_ids [B, T/P]`` with ``position_ids [B, T/P]`` (the shard of the whole
+    row's positions; required), ``use_cache=False``, no ``attention_mask``. Each attention
+    layer then receives ``query [B, Hq, T/P, D]``, ``key``/``value [B, Hkv, T/P, D]`` and
+    returns this rank's rows ``[B, T/P, Hq, D]`` of attention over the whole sequence.
+
+    ``mask``: the attnkit mask of the WHOLE sequence ``[B, H, T, T]`` (the same on every
+    rank), used by every layer. ``None``: causal for causal layers (none for the others),
+    ``& documents`` of the packed sequences when a batch of one has global ``position_ids``
+    that restart; layers with a sliding window and 2-D padding masks then raise
+    ``ValueError`` (pass their mask here). The backward runs after the block as well; with
+    gradient checkpointing (which reruns the forward) run it inside. Every rank must run
+    the same forward and backward passes (the collectives pair up across ranks).
+    """
+    from attnkit.distributed.parallel import SequenceParallel
+
+    if not isinstance(parallel, SequenceParallel):
+        raise TypeError(f"sequence_parallel takes an attnkit.distributed.parallel."
+                        f"SequenceParallel (e.g. SequenceParallel(kind='ring')), got "
+                        f"{type(parallel).__name__}")
+    if mask is not None and not isinstance(mask, (Mask, torch.Tensor)):
+        raise TypeError(f"sequence_parallel(mask=...) takes an attnkit mask of the whole "
+                        f"sequence (or a tensor attnkit.attention accepts), got "
+                        f"{type(mask).__name__}")
+    token = _PARALLEL.set((parallel, mask))
+    try:
+        yield parallel
+    finally:
+        _PARALLEL.reset(token)
 
 
 def register() -> None:
@@ -371,7 +448,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     sequences in one row (a batch of one, as ``DataCollatorWithFlattening`` makes) are kept
     apart, with or without a mask, as ``flash_attention_2`` keeps them: by
     ``cu_seq_lens_q``/``cu_seq_lens_k`` when given, else by ``position_ids`` that restart
-    (without a padding mask; read once per forward pass). ``softcap`` (a float) caps the
+    (without a padding mask; read once per forward pass). Inside :func:`sequence_parallel`
+    the tensors are this rank's shards and the call runs across the ranks (see there).
+    ``softcap`` (a float) caps the
     scaled scores (:func:`attnkit.softcap`); ``s_aux`` or ``sinks`` (``[Hq]``) are per-head
     sink logits (:func:`attnkit.sinks`).
 
@@ -383,6 +462,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                 f"attn_implementation='attnkit' does not support {feature}: "
                 f"{type(module).__name__} passed {name}=...; load this model with "
                 f"attn_implementation='eager' instead")
+    active = _PARALLEL.get()
+    if active is not None:
+        return _parallel_forward(module, query, key, value, attention_mask, dropout, scaling,
+                                 is_causal, *active, kwargs)
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if isinstance(attention_mask, TransformersMask):
         if (attention_mask.q_len, attention_mask.kv_len) != (q_len, kv_len):
@@ -461,19 +544,25 @@ def _packed(kwargs: dict, mask: Optional[Mask], batch: int, q_len: int, kv_len: 
 _SHARED: list = []
 """The packed documents of the latest forward pass: ``[sources, versions, documents]``."""
 
+_SHARED_PARALLEL: list = []
+"""As :data:`_SHARED`, for the whole-sequence documents of a sequence-parallel pass."""
 
-def _shared_documents(sources: tuple, make: Callable[[], Optional[Mask]]) -> Optional[Mask]:
+
+def _shared_documents(sources: tuple, make: Callable[[], Optional[Mask]],
+                      store: Optional[list] = None) -> Optional[Mask]:
     """``make()``, shared by the layers of a forward pass (they receive the same ``sources``
     tensors): kept for the latest ``sources`` while they are unchanged. Inference tensors (no
-    version counter) and compiled graphs are not kept: made in every layer."""
+    version counter) and compiled graphs are not kept: made in every layer. ``store``: the
+    list that keeps them (default :data:`_SHARED`)."""
+    store = _SHARED if store is None else store
     if torch.compiler.is_compiling() or any(t.is_inference() for t in sources):
         return make()
     versions = tuple(t._version for t in sources)
-    if (_SHARED and len(_SHARED[0]) == len(sources)
-            and all(a is b for a, b in zip(_SHARED[0], sources)) and _SHARED[1] == versions):
-        return _SHARED[2]
+    if (store and len(store[0]) == len(sources)
+            and all(a is b for a, b in zip(store[0], sources)) and store[1] == versions):
+        return store[2]
     documents = make()
-    _SHARED[:] = [sources, versions, documents]
+    store[:] = [sources, versions, documents]
     return documents
 
 
@@ -499,3 +588,102 @@ def _documents_from_boundaries(cu_q: torch.Tensor, cu_k: torch.Tensor, length: i
     ids = torch.searchsorted(cu_q[1:].to(torch.long),
                              torch.arange(length, device=cu_q.device), right=True)
     return ak.documents(ids[None])
+
+
+# ---- sequence parallelism --------------------------------------------------------------------
+_PARALLEL_UNSUPPORTED = {
+    "position_bias": "a position bias [B, H, Tq, Tk] (it covers the shard only)",
+    "cu_seq_lens_q": "cu_seq_lens_q/k (they describe the shard only; pass position_ids)",
+    "cu_seq_lens_k": "cu_seq_lens_q/k (they describe the shard only; pass position_ids)",
+}
+"""Keyword arguments that describe the local shard as if it were the whole sequence, with
+what each one is; :func:`sequence_parallel` refuses them."""
+
+
+def _parallel_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask, dropout: float,
+                      scaling: Optional[float], is_causal: Optional[bool],
+                      parallel: "SequenceParallel", mask: Union[Mask, torch.Tensor, None],
+                      kwargs: dict) -> tuple[torch.Tensor, None]:
+    """:func:`attention_forward` inside :func:`sequence_parallel`: ``query [B, Hq, T/P, D]``,
+    ``key``/``value [B, Hkv, T/P, D]`` (this rank's shards) → ``(out [B, T/P, Hq, D], None)``,
+    this rank's rows of attention over the whole sequence."""
+    name = type(module).__name__
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"{name}: output_attentions=True under sequence_parallel: no rank "
+                         f"holds whole rows of the weights; call without output_attentions")
+    if q_len != kv_len:
+        raise ValueError(f"{name} attends {q_len} queries to {kv_len} keys under "
+                         f"sequence_parallel (query {tuple(query.shape)}, key "
+                         f"{tuple(key.shape)}): each rank must attend its shard of one sequence "
+                         f"to the same shard of keys; call the model with use_cache=False and "
+                         f"no past_key_values")
+    for keyword, what in _PARALLEL_UNSUPPORTED.items():
+        if kwargs.get(keyword) is not None:
+            raise ValueError(f"{name} passed {keyword}=... under sequence_parallel, which does "
+                             f"not support {what}")
+    if mask is None:
+        mask = _parallel_mask(module, attention_mask, is_causal, parallel, query.shape[0],
+                              q_len, kwargs)
+    if kwargs.get("softcap") is not None:
+        cap = ak.softcap(float(kwargs["softcap"]))
+        mask = cap if mask is None else as_mask(mask) & cap
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if sinks is not None:
+        mask = ak.sinks(sinks) if mask is None else as_mask(mask) & ak.sinks(sinks)
+    out = parallel.attend(query, key, value, mask, scale=scaling, dropout_p=dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _parallel_mask(module: torch.nn.Module, attention_mask, is_causal: Optional[bool],
+                   parallel: "SequenceParallel", batch: int, q_len: int,
+                   kwargs: dict) -> Optional[Mask]:
+    """The whole sequence's mask when :func:`sequence_parallel` was given none: ``causal()``
+    for causal layers, ``& documents`` of packed sequences from the gathered ``position_ids``;
+    a ``ValueError`` for what only an explicit mask can say."""
+    name = type(module).__name__
+    padded = (isinstance(attention_mask, TransformersMask) and attention_mask.padded) or (
+        isinstance(attention_mask, torch.Tensor))
+    if padded:
+        raise ValueError(f"{name} got a padding attention_mask under sequence_parallel: it "
+                         f"covers this rank's shard only; call the model without "
+                         f"attention_mask and pass the whole sequence's padding as "
+                         f"sequence_parallel(sp, mask=attnkit.padding(...) & attnkit.causal())")
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if window is not None:
+        raise ValueError(f"{name} has a sliding window ({window!r}): under sequence_parallel "
+                         f"pass the whole sequence's mask, e.g. sequence_parallel(sp, "
+                         f"mask=attnkit.sliding_window({window!r} - 1)) for a window of "
+                         f"{window!r} keys")
+    positions = kwargs.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or (
+            positions.shape[-1] != q_len or positions.shape[0] not in (1, batch)):
+        shape = None if positions is None else tuple(getattr(positions, "shape", ()))
+        raise ValueError(f"{name} needs position_ids [B, T/P] = [{batch}, {q_len}] under "
+                         f"sequence_parallel (the shard of the whole row's positions, "
+                         f"sp.shard(position_ids, dim=1)), got {shape}: call the model with "
+                         f"position_ids=...")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    mask = ak.causal() if causal else None
+    if batch != 1 or positions.shape[0] != 1:
+        return mask
+    documents = _shared_documents(
+        (positions,), lambda: _documents_from_positions(_gathered(positions, parallel)),
+        _SHARED_PARALLEL)
+    if documents is None:
+        return mask
+    return documents if mask is None else mask & documents
+
+
+def _gathered(positions: torch.Tensor, parallel: "SequenceParallel") -> torch.Tensor:
+    """The whole row's ``position_ids [1, T]`` from every rank's shard ``[1, T/P]`` (one
+    all-gather over ``parallel.group``, put in order by its layout)."""
+    import torch.distributed as dist
+
+    from attnkit.distributed import unshard
+
+    world = parallel.world_size()
+    shards = [torch.empty_like(positions) for _ in range(world)]
+    dist.all_gather(shards, positions.contiguous(), group=parallel.group)
+    return unshard(shards, parallel.layout, dim=-1)
