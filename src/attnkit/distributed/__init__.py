@@ -1,5 +1,6 @@
-"""Sequence parallelism over ``torch.distributed`` (gloo on CPU, NCCL on GPU): ring attention
-and Ulysses (:func:`ulysses_attention`: all-to-all to head shards of the whole sequence).
+"""Sequence parallelism over ``torch.distributed`` (gloo on CPU, NCCL on GPU): ring attention,
+Ulysses (:func:`ulysses_attention`: all-to-all to head shards of the whole sequence) and their
+hybrid on a 2-D mesh (:func:`hybrid_attention`: Ulysses inside a group, ring across groups).
 
     import attnkit as ak
     from attnkit.distributed import ring_attention, shard, unshard
@@ -19,6 +20,7 @@ See docs/DISTRIBUTED.md.
 from .balance import (BalancedLayout, balance_blocks, default_block, plan_balance, rank_work,
                       tile_work)
 from .comm import RingComm
+from .hybrid import hybrid_attention, hybrid_bytes, hybrid_shard, hybrid_unshard
 from .launch import PeakMemory, spawn
 from .parallel import SequenceParallel
 from .ring import LAYOUTS, RingStats, ring_attention, shard, unshard
@@ -26,4 +28,5 @@ from .ulysses import ulysses_attention, ulysses_bytes
 
 __all__ = ["ring_attention", "shard", "unshard", "spawn", "RingStats", "RingComm", "PeakMemory",
            "LAYOUTS", "plan_balance", "BalancedLayout", "balance_blocks", "default_block",
-           "tile_work", "rank_work", "ulysses_attention", "ulysses_bytes", "SequenceParallel"]
+           "tile_work", "rank_work", "ulysses_attention", "ulysses_bytes", "SequenceParallel",
+           "hybrid_attention", "hybrid_bytes", "hybrid_shard", "hybrid_unshard"]

@@ -110,7 +110,8 @@ def _narrowed(part: Mask, **tensors: torch.Tensor) -> Mask:
     return part
 
 
-def heads_of(mask: Optional[Mask], start: int, count: int, heads: int) -> Optional[Mask]:
+def heads_of(mask: Optional[Mask], start: int, count: int, heads: int, *,
+             caller: str = "ulysses_attention") -> Optional[Mask]:
     """``mask`` (over ``heads`` query heads, its tensors fitted as validation fits them: dense
     and bias ``[Bm, Hm, Tq|1, Tk|1]``) as seen by query heads ``[start, start + count)`` alone.
 
@@ -123,12 +124,12 @@ def heads_of(mask: Optional[Mask], start: int, count: int, heads: int) -> Option
 
     Raises ``ValueError`` for kinds whose dependence on the head cannot be restricted
     (``from_function`` and ``score_function``, which see local head indices ``0 … count − 1``;
-    any other mask class).
+    any other mask class); ``caller`` names the function in its message.
     """
     if mask is None:
         return None
     if type(mask) in (_And, _Or, _Not):
-        parts = [heads_of(p, start, count, heads) for p in mask.parts]
+        parts = [heads_of(p, start, count, heads, caller=caller) for p in mask.parts]
         if all(new is old for new, old in zip(parts, mask.parts)):
             return mask
         return type(mask)(*parts)
@@ -153,25 +154,25 @@ def heads_of(mask: Optional[Mask], start: int, count: int, heads: int) -> Option
     kind = getattr(mask, "kind", None) or type(mask).__name__.lstrip("_")
     if kind in ("Function", "score_function"):
         raise ValueError(
-            f"ulysses_attention cannot restrict {mask!r} to a rank's heads: each rank would "
+            f"{caller} cannot restrict {mask!r} to a rank's heads: each rank would "
             f"call its function with head indices 0 … {count - 1} for its own {count} of the "
             f"{heads} heads (heads {start} … {start + count - 1} here). Express it with "
             f"head-free masks and alibi / "
             f"relative_bias / bias / dense tensors, or use ring_attention, whose ranks hold "
             f"every head")
-    raise ValueError(f"ulysses_attention does not know how mask kind {kind} ({mask!r}) depends "
+    raise ValueError(f"{caller} does not know how mask kind {kind} ({mask!r}) depends "
                      f"on the head, so it cannot restrict it to a rank's heads; use "
                      f"ring_attention, whose ranks hold every head")
 
 
 def _mask_for_heads(whole_mask: Optional[Mask], modifiers, start: int, count: int,
-                    heads: int) -> Optional[Mask]:
+                    heads: int, caller: str = "ulysses_attention") -> Optional[Mask]:
     """The validated whole-sequence mask and modifiers as one mask for heads ``[start, start +
-    count)`` (:func:`heads_of` of each)."""
+    count)`` (:func:`heads_of` of each; ``caller`` names the function in its errors)."""
     parts = [] if whole_mask is None else [whole_mask]
     if modifiers is not None:
         parts.extend(modifiers.parts())
-    parts = [heads_of(part, start, count, heads) for part in parts]
+    parts = [heads_of(part, start, count, heads, caller=caller) for part in parts]
     return functools.reduce(lambda a, b: a & b, parts) if parts else None
 
 
