@@ -1,12 +1,13 @@
 """Sequence parallelism on CPU: time, per-rank peak memory and bytes sent against world size
-(gloo, local processes), ring attention in both layouts and Ulysses side by side.
+(gloo, local processes): ring attention in both layouts, Ulysses and their hybrid side by
+side.
 
     python benchmarks/ring.py                          # P = 1, 2, 4 → results/ring.json
     python benchmarks/ring.py --worlds 1 2 --seq 2048  # any size; --help for the options
 
 Every world size runs in its own group of processes (``attnkit.distributed.spawn``); within it
-the ring's two layouts and ``ulysses_attention`` (where P divides H) are measured on the same
-causal problem ``[B, H, T, D]`` (float32), the sequence sharded P ways. Per mode and world
+the ring's two layouts, ``ulysses_attention`` (where P divides H) and ``hybrid_attention`` on
+a (2, P/2) mesh (P ≥ 4) are measured on the same causal problem ``[B, H, T, D]`` (float32), the sequence sharded P ways. Per mode and world
 size:
 
 - time of the forward and of forward+backward: the median over ``--repeats`` of the slowest
@@ -15,7 +16,8 @@ size:
   created inside the measurement (``attnkit.distributed.PeakMemory``: real pages, glibc made
   to hand big blocks back on free so nothing is reused unseen);
 - tiles each rank computed (the ring's work balance) and the bytes it sent over forward and
-  backward (the ring counts them as it sends; Ulysses' are ``ulysses_bytes``, computed).
+  backward (the ring counts them as it sends; Ulysses' are ``ulysses_bytes`` and the
+  hybrid's ``hybrid_bytes``, computed).
 
 The P = 1 run also times ``attnkit.attention(backend="tiled")`` on the whole sequence: the
 same engine without the ring. Each rank uses ``--threads`` intra-op threads (default 1) and the
@@ -40,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 import attnkit as ak
-from attnkit.distributed import (LAYOUTS, PeakMemory, RingStats, ring_attention, spawn,
-                                 ulysses_attention, ulysses_bytes)
+from attnkit.distributed import (LAYOUTS, PeakMemory, RingStats, hybrid_attention, hybrid_bytes,
+                                 ring_attention, spawn, ulysses_attention, ulysses_bytes)
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "ring.json"
 
@@ -71,6 +73,12 @@ def _worker(rank: int, world: int, config: dict) -> dict:
              for layout in LAYOUTS}
     if h % world == 0:
         modes["ulysses"] = lambda q, k, v, stats=None: ulysses_attention(q, k, v, mask)
+    mesh_shape = (2, world // 2)
+    if world >= 4 and world % 2 == 0 and h % mesh_shape[1] == 0:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", mesh_shape)
+        modes["hybrid"] = lambda q, k, v, stats=None: hybrid_attention(q, k, v, mask, mesh=mesh,
+                                                                       stats=stats)
     for mode, attend in modes.items():
         q, k, v = inputs(t // world)
         grad = torch.randn(b, h, t // world, d, generator=gen)
@@ -91,9 +99,10 @@ def _worker(rank: int, world: int, config: dict) -> dict:
             out = attend(q, k, v, stats)
             out.backward(torch.ones_like(out))
             del q, k, v, out
-        if mode == "ulysses":
-            shape = (b, h, t // world, d)
-            sent = ulysses_bytes(shape, shape, shape, world, 4)
+        shape = (b, h, t // world, d)
+        if mode in ("ulysses", "hybrid"):
+            sent = (ulysses_bytes(shape, shape, shape, world, 4) if mode == "ulysses"
+                    else hybrid_bytes(shape, shape, shape, mesh_shape, 4))
             tiles, bytes_sent = None, sent["forward"] + sent["backward"]
         else:
             tiles, bytes_sent = stats.forward_tiles, stats.bytes_sent
@@ -147,7 +156,7 @@ def main(argv=None) -> int:
         print(f"P={world}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
     rows = []
-    for layout in (*LAYOUTS, "ulysses"):
+    for layout in (*LAYOUTS, "ulysses", "hybrid"):
         for world in args.worlds:
             if layout not in runs[world][0]:
                 continue
@@ -162,7 +171,7 @@ def main(argv=None) -> int:
 
     header = (f"{'layout':<11} {'P':>2} {'fwd s':>7} {'fwd+bwd s':>10} {'peak MiB/rank (max)':>20} "
               f"{'P·peak / peak(P=1)':>19} {'tiles max/min':>14} {'MiB sent/rank':>14}")
-    print(f"\nring attention and Ulysses, causal, float32 [B={args.batch}, H={args.heads}, T={args.seq}, "
+    print(f"\nring attention, Ulysses and hybrid (mesh 2 × P/2), causal, float32 [B={args.batch}, H={args.heads}, T={args.seq}, "
           f"D={args.dim}], gloo on {os.cpu_count()} CPUs, {args.threads} thread(s) per rank; "
           f"load average {load_before}")
     print(header)
@@ -181,7 +190,7 @@ def main(argv=None) -> int:
               f"   ← attention(backend='tiled') on the whole sequence, same process count as P=1")
 
     document = dict(
-        benchmark="ring attention and Ulysses (attnkit.distributed), CPU, gloo",
+        benchmark="ring attention, Ulysses and hybrid (attnkit.distributed), CPU, gloo",
         command=" ".join(["python", "benchmarks/ring.py", *(argv if argv is not None else sys.argv[1:])]),
         date=datetime.datetime.now().isoformat(timespec="seconds"),
         machine=dict(platform=platform.platform(), python=platform.python_version(),
