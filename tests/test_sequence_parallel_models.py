@@ -7,6 +7,8 @@
 - A tiny Llama (``attn_implementation="attnkit"`` inside ``sequence_parallel(sp)``) trained
   for 3 SGD steps on packed documents on 2 ranks, ring and Ulysses: the per-step losses and the
   final weights equal one process's.
+- The hybrid (``kind="hybrid"``, a (2, 2) mesh of 4 ranks): the same module cases, the Llama,
+  and ``shard``/``positions``/``gather`` of its layout.
 
 Each world size is started once (``spawn``, cached per module) and one worker runs every case
 in it; a case's failed check is recorded with its message and raised by the pytest test of
@@ -40,8 +42,22 @@ LLAMA_KINDS = ("ring", "ring-zigzag", "ulysses")
 STEPS, LR = 3, 0.5
 
 
+HYBRID_WORLD, HYBRID_MESH = 4, (2, 2)
+_MESHES: dict = {}
+
+
 def mha_cases() -> list[str]:
     return [f"{kind}/{mask}" for kind in PARALLEL for mask in MASKS]
+
+
+def _parallel(kind: str) -> SequenceParallel:
+    """The SequenceParallel of ``kind`` (``"hybrid"``: on this process's (2, 2) mesh, made once)."""
+    if kind != "hybrid":
+        return SequenceParallel(**PARALLEL[kind])
+    if "mesh" not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+        _MESHES["mesh"] = init_device_mesh("cpu", HYBRID_MESH)
+    return SequenceParallel(kind="hybrid", mesh=_MESHES["mesh"])
 
 
 # ---- MultiHeadAttention ----------------------------------------------------------------------
@@ -67,7 +83,7 @@ def _mha_case(name: str, rank: int, world: int) -> str:
     import torch.distributed as dist
 
     kind, mask_kind = name.split("/")
-    sp = SequenceParallel(**PARALLEL[kind])
+    sp = _parallel(kind)
     torch.manual_seed(0)
     module = MultiHeadAttention(EMBED, HEADS, KV_HEADS, dtype=torch.float64)
     with torch.no_grad():  # nonzero biases: their gradients are checked too
@@ -202,7 +218,7 @@ def _llama_case(kind: str, rank: int, world: int) -> str:
     reference = _llama()
     losses = _train(reference, ids, positions, targets)
     model = _llama()
-    sp = SequenceParallel(**PARALLEL[kind])
+    sp = _parallel(kind)
     sharded_losses = _train(model, ids, positions, targets, sp)
     problems = []
     if not all(abs(a - b) <= 1e-10 * max(1.0, abs(b)) for a, b in zip(sharded_losses, losses)):
@@ -221,7 +237,9 @@ def _llama_case(kind: str, rank: int, world: int) -> str:
         right = model(input_ids=local_ids, position_ids=sp.shard(positions, dim=1),
                       use_cache=False).logits
         wrong = model(input_ids=local_ids, use_cache=False).logits
-    if torch.allclose(right, wrong, rtol=1e-6, atol=1e-6) and rank:
+    own = sp.shard(positions, dim=1)
+    numbered_from_0 = torch.equal(own, torch.arange(own.shape[1])[None])  # nothing to tell
+    if torch.allclose(right, wrong, rtol=1e-6, atol=1e-6) and not numbered_from_0:
         problems.append("local position_ids give the same logits: the check is blind")
     return "\n".join(problems)
 
@@ -233,6 +251,29 @@ def _record(run, *args) -> str:
         return run(*args)
     except Exception as error:  # noqa: BLE001 - recorded and raised by the case's test
         return f"{type(error).__name__}: {error}"
+
+
+def _hybrid_worker(rank: int, world: int) -> dict:
+    """The hybrid's cases on a (2, 2) mesh: the module, the Llama, and its layout's helpers."""
+    result = {"mha": {mask: _record(_mha_case, f"hybrid/{mask}", rank, world) for mask in MASKS}}
+    sp = _parallel("hybrid")
+    whole = torch.arange(SEQ)
+    local = sp.shard(whole, dim=0)
+    problems = []
+    if not torch.equal(sp.positions(SEQ // world), local):
+        problems.append(f"positions {sp.positions(SEQ // world).tolist()} != {local.tolist()}")
+    if not torch.equal(sp.gather(local, dim=0), whole):
+        problems.append(f"gather gives {sp.gather(local, dim=0).tolist()}")
+    if sp.world_size() != world or not 0 <= sp.rank() < world:
+        problems.append(f"rank {sp.rank()} of {sp.world_size()}")
+    result["layout"] = "\n".join(problems)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        result["llama"] = None
+    else:
+        result["llama"] = _record(_llama_case, "hybrid", rank, world)
+    return result
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -257,6 +298,13 @@ def run_world(world: int) -> list[dict]:
     if world not in _RUNS:
         _RUNS[world] = spawn(_worker, world, threads=1)
     return _RUNS[world]
+
+
+def run_hybrid() -> list[dict]:
+    """Every rank's results of the hybrid cases (4 processes, started once)."""
+    if "hybrid" not in _RUNS:
+        _RUNS["hybrid"] = spawn(_hybrid_worker, HYBRID_WORLD, threads=1)
+    return _RUNS["hybrid"]
 
 
 # ---- the tests -------------------------------------------------------------------------------
@@ -287,6 +335,26 @@ def test_llama_trained_on_two_ranks_matches_one_process(kind):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("mask", MASKS)
+def test_hybrid_multi_head_attention_matches_one_process(mask):
+    problems = [f"rank {rank}: {r['mha'][mask]}" for rank, r in enumerate(run_hybrid())
+                if r["mha"][mask]]
+    assert not problems, "\n".join(problems)
+
+
+def test_hybrid_layout_shards_positions_and_gathers():
+    problems = [f"rank {rank}: {r['layout']}" for rank, r in enumerate(run_hybrid())
+                if r["layout"]]
+    assert not problems, "\n".join(problems)
+
+
+def test_llama_trained_on_a_hybrid_mesh_matches_one_process():
+    pytest.importorskip("transformers")
+    problems = [f"rank {rank}: {r['llama']}" for rank, r in enumerate(run_hybrid())
+                if r["llama"]]
+    assert not problems, "\n".join(problems)
+
+
 # ---- refusals that need no group -------------------------------------------------------------
 
 def test_sequence_parallel_validates_its_fields():
@@ -300,6 +368,10 @@ def test_sequence_parallel_validates_its_fields():
         SequenceParallel(backend="reference")
     with pytest.raises(TypeError, match="ProcessGroup"):
         SequenceParallel(group=0)
+    with pytest.raises(ValueError, match="takes a mesh"):
+        SequenceParallel(kind="hybrid")
+    with pytest.raises(ValueError, match="takes a mesh"):
+        SequenceParallel(kind="ring", mesh=(None, None))
     assert SequenceParallel() == SequenceParallel(kind="ring", layout="contiguous")
 
 

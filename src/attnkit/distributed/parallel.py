@@ -9,8 +9,9 @@
 
 :class:`attnkit.nn.MultiHeadAttention` (``sequence_parallel=``) and the Hugging Face
 integration (:func:`attnkit.integrations.transformers.sequence_parallel`) take one; both run
-their attention through :meth:`SequenceParallel.attend`, i.e. :func:`ring_attention` or
-:func:`ulysses_attention`, with the mask of the WHOLE sequence.
+their attention through :meth:`SequenceParallel.attend`, i.e. :func:`ring_attention`,
+:func:`ulysses_attention` or :func:`hybrid_attention` (``kind="hybrid"`` with a 2-D
+``mesh``), with the mask of the WHOLE sequence.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from ..masks import Mask
+from .hybrid import _mesh_groups, hybrid_attention, hybrid_shard
 from .ring import BACKENDS as RING_BACKENDS
-from .ring import Layout, _check_layout, pieces, ring_attention, shard
+from .ring import Layout, _check_layout, pieces, ring_attention, shard, unshard
 from .ulysses import ulysses_attention
 
 __all__ = ["SequenceParallel", "KINDS"]
 
-KINDS = ("ring", "ulysses")
+KINDS = ("ring", "ulysses", "hybrid")
 """The parallel attentions :class:`SequenceParallel` can name."""
 
 
@@ -42,12 +44,17 @@ class SequenceParallel:
         kind: ``"ring"`` (:func:`~attnkit.distributed.ring_attention`: K/V shards travel around
             the ring; every rank holds every head) or ``"ulysses"``
             (:func:`~attnkit.distributed.ulysses.ulysses_attention`: all-to-all to head shards;
-            the number of query heads must be a multiple of the group size).
+            the number of query heads must be a multiple of the group size) or ``"hybrid"``
+            (:func:`~attnkit.distributed.hybrid_attention`: Ulysses inside the groups of a 2-D
+            ``mesh``, ring across them).
         layout: how the sequence is cut into shards: ``"contiguous"`` (rank r holds positions
             ``[r·T/P, (r+1)·T/P)``), ``"zigzag"`` or a ``BalancedLayout`` (ring only; Ulysses
-            takes contiguous shards only).
-        backend: what computes each rank's part: for ring one of ``"auto"``, ``"tiled"``,
-            ``"triton"``; for Ulysses any :func:`attnkit.attention` backend name.
+            takes contiguous shards only); for the hybrid, the layout of its ring across the
+            groups (:func:`~attnkit.distributed.hybrid_shard`).
+        backend: what computes each rank's part: for ring and hybrid one of ``"auto"``,
+            ``"tiled"``, ``"triton"``; for Ulysses any :func:`attnkit.attention` backend name.
+        mesh: for ``kind="hybrid"`` only (and then required, with ``group`` None): a 2-D
+            ``DeviceMesh`` of shape ``(R, U)`` or a pair ``(ring_group, ulysses_group)``.
 
     Frozen and compared by value; it holds no tensors. The ring, Ulysses, shapes and masks are
     checked by the functions it calls, on every rank, before any transfer.
@@ -57,11 +64,19 @@ class SequenceParallel:
     kind: str = "ring"
     layout: Layout = "contiguous"
     backend: str = "auto"
+    mesh: object = None
 
     def __post_init__(self):
         if not isinstance(self.kind, str) or self.kind not in KINDS:
             raise ValueError(f"SequenceParallel(kind={self.kind!r}): use 'ring' "
-                             f"(ring_attention) or 'ulysses' (ulysses_attention)")
+                             f"(ring_attention), 'ulysses' (ulysses_attention) or 'hybrid' "
+                             f"(hybrid_attention, with mesh=)")
+        if (self.kind == "hybrid") != (self.mesh is not None) or (
+                self.kind == "hybrid" and self.group is not None):
+            raise ValueError(f"SequenceParallel(kind={self.kind!r}, mesh={self.mesh!r}, "
+                             f"group={self.group!r}): kind='hybrid' takes a mesh (a 2-D "
+                             f"DeviceMesh (R, U) or a pair of groups) and no group; the other "
+                             f"kinds take a group and no mesh")
         _check_layout(self.layout)
         if self.kind == "ulysses" and not (isinstance(self.layout, str)
                                            and self.layout == "contiguous"):
@@ -70,9 +85,9 @@ class SequenceParallel:
                              f"or kind='ring' for zigzag and balanced layouts")
         if not isinstance(self.backend, str):
             raise TypeError(f"SequenceParallel(backend={self.backend!r}): pass a backend name")
-        if self.kind == "ring" and self.backend not in RING_BACKENDS:
-            raise ValueError(f"SequenceParallel(kind='ring', backend={self.backend!r}): a ring "
-                             f"step runs on one of {list(RING_BACKENDS)}")
+        if self.kind != "ulysses" and self.backend not in RING_BACKENDS:
+            raise ValueError(f"SequenceParallel(kind={self.kind!r}, backend={self.backend!r}): "
+                             f"a ring step runs on one of {list(RING_BACKENDS)}")
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
             raise TypeError(f"SequenceParallel(group=...) takes a torch.distributed "
                             f"ProcessGroup or None (the world), got {type(self.group).__name__}")
@@ -85,27 +100,58 @@ class SequenceParallel:
                 "launch with torchrun and call torch.distributed.init_process_group(...), or use "
                 "attnkit.distributed.spawn(fn, world_size) for local processes")
 
-    def rank(self) -> int:
-        """This process's rank in :attr:`group`."""
+    def _mesh(self) -> tuple:
+        """The hybrid's ``(ring_group, ulysses_group, r, u, R, U)`` on this rank."""
         self._check_initialised()
+        return _mesh_groups(self.mesh)
+
+    def rank(self) -> int:
+        """This process's rank in :attr:`group` (the hybrid: ``r·U + u`` in its mesh)."""
+        self._check_initialised()
+        if self.kind == "hybrid":
+            _, _, r, u, _, ulysses = self._mesh()
+            return r * ulysses + u
         return dist.get_rank(self.group)
 
     def world_size(self) -> int:
-        """P, the number of ranks in :attr:`group`."""
+        """P, the number of ranks in :attr:`group` (the hybrid: ``R·U``)."""
         self._check_initialised()
+        if self.kind == "hybrid":
+            _, _, _, _, ring, ulysses = self._mesh()
+            return ring * ulysses
         return dist.get_world_size(self.group)
 
     def shard(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
         """This rank's shard of the whole-sequence ``x`` along ``dim``, cut by :attr:`layout`:
         ``[..., T, ...]`` → ``[..., T/P, ...]`` (``dim=1`` for ``[B, T, E]`` hidden states or
         ``[B, T]`` token ids; the default -2 for ``[B, H, T, D]``)."""
+        if self.kind == "hybrid":
+            _, _, r, u, ring, ulysses = self._mesh()
+            return hybrid_shard(x, (r, u), (ring, ulysses), self.layout, dim=dim)
         return shard(x, self.rank(), self.world_size(), self.layout, dim=dim)
+
+    def gather(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
+        """The whole-sequence tensor from every rank's shard ``x`` along ``dim`` (the inverse
+        of :meth:`shard`, by all-gathers; no gradient): ``[..., T/P, ...]`` → ``[..., T, ...]``,
+        e.g. the whole row's ``position_ids``. Call on every rank."""
+        def everyone(t: torch.Tensor, group) -> list[torch.Tensor]:
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            return parts
+        if self.kind == "hybrid":
+            ring_group, ulysses_group = self._mesh()[:2]
+            chunk = unshard(everyone(x, ulysses_group), "contiguous", dim=dim)
+            return unshard(everyone(chunk, ring_group), self.layout, dim=dim)
+        self._check_initialised()
+        return unshard(everyone(x, self.group), self.layout, dim=dim)
 
     def positions(self, local_len: int, device=None) -> torch.Tensor:
         """LongTensor ``[T/P]``: the global position of each of the ``local_len`` rows of this
         rank's shard (``local_len · P = T``), e.g. the ``position_ids`` of an unpacked row."""
         if isinstance(local_len, bool) or not isinstance(local_len, int) or local_len < 0:
             raise ValueError(f"local_len={local_len!r}: pass the shard's length, an int >= 0")
+        if self.kind == "hybrid":
+            return self.shard(torch.arange(local_len * self.world_size(), device=device), dim=0)
         runs = pieces(local_len, self.rank(), self.world_size(), self.layout)
         parts = [torch.arange(run.global_start, run.global_start + run.count, device=device)
                  for run in runs]
@@ -123,14 +169,18 @@ class SequenceParallel:
         the backward. ``dropout_p`` and ``invariant`` are Ulysses-only (each rank then draws
         its own dropout pattern); with ring they raise ``ValueError``.
         """
-        if self.kind == "ring":
+        if self.kind != "ulysses":
             if dropout_p:
-                raise ValueError(f"ring_attention has no attention dropout (dropout_p="
-                                 f"{dropout_p}); set the dropout to 0 (or call eval()), or use "
-                                 f"SequenceParallel(kind='ulysses')")
+                raise ValueError(f"{self.kind} attention has no attention dropout (dropout_p="
+                                 f"{dropout_p}): its ring steps have none; set the dropout to 0 "
+                                 f"(or call eval()), or use SequenceParallel(kind='ulysses')")
             if invariant:
-                raise ValueError("ring_attention does not run under the invariance contract; "
-                                 "leave attnkit.invariant() off, or use kind='ulysses'")
+                raise ValueError(f"{self.kind} attention does not run under the invariance "
+                                 f"contract (its ring merges steps in ring order); leave "
+                                 f"attnkit.invariant() off, or use kind='ulysses'")
+            if self.kind == "hybrid":
+                return hybrid_attention(q, k, v, mask, mesh=self.mesh, scale=scale,
+                                        ring_layout=self.layout, backend=self.backend)
             return ring_attention(q, k, v, mask, scale=scale, group=self.group,
                                   layout=self.layout, backend=self.backend)
         extra = {}

@@ -136,7 +136,7 @@ _PARALLEL: contextvars.ContextVar = contextvars.ContextVar("attnkit_sequence_par
 def sequence_parallel(parallel: "SequenceParallel",
                       mask: Union[Mask, torch.Tensor, None] = None) -> Iterator["SequenceParallel"]:
     """Within the block, every ``attn_implementation="attnkit"`` attention call attends
-    across the ranks of ``parallel.group`` (ring or Ulysses, as ``parallel.kind`` says).
+    across the ranks of ``parallel`` (ring, Ulysses or hybrid, as ``parallel.kind`` says).
 
     Each rank calls the model on its shard of the sequence, cut by ``parallel.shard(x,
     dim=1)``: ``input_ids [B, T/P]`` with ``position_ids [B, T/P]`` (the shard of the whole
@@ -677,13 +677,6 @@ def _parallel_mask(module: torch.nn.Module, attention_mask, is_causal: Optional[
 
 
 def _gathered(positions: torch.Tensor, parallel: "SequenceParallel") -> torch.Tensor:
-    """The whole row's ``position_ids [1, T]`` from every rank's shard ``[1, T/P]`` (one
-    all-gather over ``parallel.group``, put in order by its layout)."""
-    import torch.distributed as dist
-
-    from attnkit.distributed import unshard
-
-    world = parallel.world_size()
-    shards = [torch.empty_like(positions) for _ in range(world)]
-    dist.all_gather(shards, positions.contiguous(), group=parallel.group)
-    return unshard(shards, parallel.layout, dim=-1)
+    """The whole row's ``position_ids [1, T]`` from every rank's shard ``[1, T/P]``
+    (:meth:`SequenceParallel.gather`: all-gathers, put in order by its layout)."""
+    return parallel.gather(positions, dim=-1)
