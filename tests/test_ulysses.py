@@ -9,6 +9,9 @@ of that case. H = 12 query heads, so worlds 2, 3 and 4 all divide it; the local 
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -346,3 +349,42 @@ def test_needs_a_process_group():
     with pytest.raises(RuntimeError, match="process group"):
         ulysses_attention(q, q, q)
 
+
+
+# ---- a rank that skips the backward: named within backward_timeout ----------------------------
+
+SKIP_TIMEOUT = 2.0  # seconds; the group's own timeout is spawn's 60 s
+
+
+def _skips_backward(rank: int, world: int, log_dir: str) -> None:
+    """Rank 1 never calls backward; the others run it and record the error they get."""
+    q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
+    out = ulysses_attention(q, k, v, ak.causal(), backward_timeout=SKIP_TIMEOUT)
+    if rank == 1:
+        time.sleep(60)  # stopped by spawn once a waiting rank has raised
+        return
+    try:
+        out.sum().backward()
+    except RuntimeError as error:
+        record = Path(log_dir, f"rank{rank}.txt")
+        record.with_suffix(".tmp").write_text(str(error))
+        record.with_suffix(".tmp").rename(record)
+        raise
+    raise AssertionError(f"rank {rank}: the backward finished although rank 1 skipped it")
+
+
+def test_a_rank_that_skips_the_backward_is_named_within_the_backward_timeout(tmp_path):
+    """2 ranks, rank 1 skips the backward: rank 0 raises the backward_timeout's error (2 s),
+    naming rank 1 and the fix, instead of waiting in the all-to-all for the group timeout."""
+    with pytest.raises(Exception, match="did not run the backward"):
+        spawn(_skips_backward, 2, str(tmp_path))
+    message = Path(tmp_path, "rank0.txt").read_text()
+    assert "rank 1 of its all-to-all group did not run the backward" in message, message
+    assert "every rank must backpropagate through its output" in message, message
+
+
+def test_backward_timeout_must_be_a_positive_number():
+    q = torch.randn(1, 2, 4, 8)
+    for bad in (0, -1.0, float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="backward_timeout="):
+            ulysses_attention(q, q, q, backward_timeout=bad)

@@ -44,8 +44,8 @@ from .balance import BalancedLayout
 from .comm import disagreement_text
 from .ring import (BACKENDS, Layout, RingStats, _check_balanced, _check_layout, ring_attention,
                    shard, unshard)
-from .ulysses import (_ToHeads, _ToSequence, _mask_for_heads, _q_head_index, _signature,
-                      _stand_in, kv_head_index, ulysses_bytes)
+from .ulysses import (_mask_for_heads, _q_head_index, _signature, _stand_in, _ToHeads,
+                      _ToSequence, backward_timeout_of, kv_head_index, ulysses_bytes)
 
 __all__ = ["hybrid_attention", "hybrid_bytes", "hybrid_shard", "hybrid_unshard"]
 
@@ -258,7 +258,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: Union[Mask, torch.Tensor, None] = None, *,
                      mesh: MeshLike, scale: Optional[float] = None, return_lse: bool = False,
                      backend: str = "auto", ring_layout: Layout = "contiguous",
-                     stats: Optional[RingStats] = None,
+                     stats: Optional[RingStats] = None, backward_timeout: Optional[float] = None,
                      ) -> Union[torch.Tensor, AttentionResult]:
     """Exact attention over a sequence sharded across a 2-D mesh ``(R, U)``: Ulysses'
     all-to-all inside each group of U ranks, ring attention across the R groups; call on every
@@ -286,6 +286,9 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and the whole length; shard the inputs with the same one.
         stats: a :class:`~attnkit.distributed.ring.RingStats` the ring fills (its steps and
             bytes sent across groups).
+        backward_timeout: seconds each backward handshake (the Ulysses group's, then the
+            ring's) waits for the other ranks (default: the ring's ``BACKWARD_TIMEOUT``, read
+            at call time); ranks that do not come are named in a ``RuntimeError``.
 
     K/V heads (GQA/MQA) go to the Ulysses ranks as
     :func:`~attnkit.distributed.ulysses.kv_head_index` picks them for U ranks (replicated when
@@ -299,6 +302,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             "hybrid_attention needs an initialised torch.distributed process group: launch with "
             "torchrun and call torch.distributed.init_process_group(...), or use "
             "attnkit.distributed.spawn(fn, world_size) for local processes")
+    timeout = backward_timeout_of(backward_timeout, "hybrid_attention")
     groups = _mesh_groups(mesh)
     ring_group, ulysses_group, _, _, _, ulysses_size = groups
     local_mask = _validate(q, k, v, mask, scale, return_lse, backend, ring_layout, groups)
@@ -308,12 +312,13 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_h, k_h, v_h = _ToHeads.apply(ulysses_group, q_index, kv_index, q, k, v)
     result = ring_attention(q_h, k_h, v_h, local_mask, scale=scale, group=ring_group,
                             layout=ring_layout, return_lse=return_lse, stats=stats,
-                            backend=backend)
+                            backend=backend, backward_timeout=timeout)
     if not return_lse:
-        (out,) = _ToSequence.apply(ulysses_group, q_index, heads, result)
+        (out,) = _ToSequence.apply(ulysses_group, q_index, heads, timeout, "hybrid_attention",
+                                   result)
         return out
-    out, lse = _ToSequence.apply(ulysses_group, q_index, heads, result.out,
-                                 result.lse.unsqueeze(-1))
+    out, lse = _ToSequence.apply(ulysses_group, q_index, heads, timeout, "hybrid_attention",
+                                 result.out, result.lse.unsqueeze(-1))
     return AttentionResult(out, lse.squeeze(-1), None)
 
 

@@ -47,7 +47,8 @@ from ..inputs import validate
 from ..masks import (Mask, _And, _Band, _Bias, _CausalDocuments, _Dense, _Documents, _Not, _Or,
                      _Padding, _SequenceBand, as_mask, digest)
 from ..modifiers import Alibi, RelativeBias, Sinks, Softcap
-from .comm import disagreement_text
+from . import ring as _ring  # its BACKWARD_TIMEOUT, read at call time
+from .comm import RingComm, disagreement_text, ranks_text
 
 __all__ = ["ulysses_attention", "ulysses_bytes", "heads_of", "kv_head_index"]
 
@@ -239,21 +240,50 @@ class _ToHeads(torch.autograd.Function):
         return None, None, None, dq, dk, dv
 
 
+HANDSHAKE_TAG = 32
+"""The tag of the backward's handshake (apart from the ring's tags: a hybrid runs both)."""
+
+
+def backward_timeout_of(value: Optional[float], caller: str) -> float:
+    """``value`` checked (a finite positive number of seconds), or the ring's
+    ``BACKWARD_TIMEOUT`` read now when ``None``."""
+    if value is None:
+        return _ring.BACKWARD_TIMEOUT
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and value > 0)):
+        raise ValueError(f"{caller}: backward_timeout={value!r}: use a finite positive number of "
+                         f"seconds (default {_ring.BACKWARD_TIMEOUT:g}), below the process "
+                         f"group's own timeout")
+    return float(value)
+
+
 class _ToSequence(torch.autograd.Function):
     """Head shards of the whole sequence (``out``, and ``lse`` as ``[B, H/P, T, 1]``) → sequence
-    shards (:func:`_to_sequence`); the backward is the reverse all-to-all. A gradient that
-    autograd does not give (an unused LSE) travels as zeros, so every rank makes the same
-    transfers."""
+    shards (:func:`_to_sequence`); the backward is the reverse all-to-all, after a handshake
+    bounded by ``timeout`` seconds: a rank that skipped the backward is named on the others
+    (``caller``'s message) instead of leaving them in the all-to-all until the group's
+    timeout. A gradient that autograd does not give (an unused LSE) travels as zeros, so every
+    rank makes the same transfers."""
 
     @staticmethod
-    def forward(ctx, group, q_index, heads, *tensors):
-        ctx.group, ctx.q_index = group, q_index
+    def forward(ctx, group, q_index, heads, timeout, caller, *tensors):
+        ctx.group, ctx.q_index, ctx.timeout, ctx.caller = group, q_index, timeout, caller
         return tuple(_to_sequence(t, q_index, heads, group) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, None, *(_to_heads(g.contiguous(), ctx.q_index, ctx.group)
-                                    for g in grads))
+        comm = RingComm(ctx.group)
+        absent, error = comm.handshake(ctx.timeout, tag=HANDSHAKE_TAG, device=grads[0].device)
+        if absent:
+            raise RuntimeError(
+                f"{ctx.caller}: {ranks_text(absent)} of its all-to-all group did not run the "
+                f"backward of {ctx.caller} within backward_timeout={ctx.timeout:g} s (seen on "
+                f"rank {comm.rank} of that group); every rank must backpropagate through its "
+                f"output, e.g. each rank calls loss.backward() on a loss that uses its out (add "
+                f"0 * out.sum() on a rank whose share of the loss is zero). The process group "
+                f"cannot be used after this error. Transport error: {error}")
+        return (None, None, None, None, None,
+                *(_to_heads(g.contiguous(), ctx.q_index, ctx.group) for g in grads))
 
 
 # ---- validation (every rank agrees, or every rank raises) -------------------------------------
@@ -365,7 +395,8 @@ def _validate(q, k, v, mask, scale, return_lse, backend, kwargs, group, rank: in
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: Union[Mask, torch.Tensor, None] = None, *,
                       scale: Optional[float] = None, group: Optional[dist.ProcessGroup] = None,
-                      return_lse: bool = False, backend: str = "auto", **attention_kwargs,
+                      return_lse: bool = False, backend: str = "auto",
+                      backward_timeout: Optional[float] = None, **attention_kwargs,
                       ) -> Union[torch.Tensor, AttentionResult]:
     """Exact attention over a sequence sharded across the ranks of ``group`` by Ulysses'
     all-to-all (sequence shards → head shards → sequence shards); call on every rank.
@@ -399,6 +430,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ``ValueError`` (they would see local head indices).
         group: the process group (default: the world); its timeout bounds every wait.
         backend: the :func:`attnkit.attention` backend of each rank's heads.
+        backward_timeout: seconds the backward waits for every other rank to reach it
+            (default: ``attnkit.distributed.ring.BACKWARD_TIMEOUT``, read at call time); the
+            ranks that do not are named in a ``RuntimeError`` on the others.
 
     Communication, per rank: four all-to-alls forward (q, k, v, out; a fifth for the LSE with
     ``return_lse``), the same four (five) backward; bytes in :func:`ulysses_bytes`.
@@ -408,6 +442,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     the mask's contents, grad mode and ``requires_grad`` are compared across ranks before any
     transfer: a problem on any rank raises the same error on every rank.
     """
+    timeout = backward_timeout_of(backward_timeout, "ulysses_attention")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "ulysses_attention needs an initialised torch.distributed process group: launch with "
@@ -423,9 +458,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     result = attention(q_h, k_h, v_h, local_mask, scale=scale, backend=backend,
                        return_lse=return_lse, **attention_kwargs)
     if not return_lse:
-        (out,) = _ToSequence.apply(group, q_index, heads, result)
+        (out,) = _ToSequence.apply(group, q_index, heads, timeout, "ulysses_attention", result)
         return out
-    out, lse = _ToSequence.apply(group, q_index, heads, result.out, result.lse.unsqueeze(-1))
+    out, lse = _ToSequence.apply(group, q_index, heads, timeout, "ulysses_attention", result.out,
+                                 result.lse.unsqueeze(-1))
     return AttentionResult(out, lse.squeeze(-1), None)
 
 
