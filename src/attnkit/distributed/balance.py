@@ -395,9 +395,9 @@ def plan_balance(mask, space: Union[MaskSpace, int], world_size: int, *, tile: i
     _check_world(world_size)
     if space.q_len != space.kv_len:
         raise ValueError(f"plan_balance: query length {space.q_len} != key length "
-                         f"{space.kv_len}; a balanced layout cuts queries and keys the same way, so it needs "
-                         f"self-attention lengths (use layout='contiguous' or 'zigzag' for "
-                         f"cross-attention lengths)")
+                         f"{space.kv_len}; a balanced layout cuts queries and keys the same "
+                         f"way, so it needs self-attention lengths (use layout='contiguous' or "
+                         f"'zigzag' for cross-attention lengths)")
     length = space.q_len
     if length % (tile * world_size):
         raise ValueError(f"plan_balance: sequence length {length} is not a multiple of tile × "
@@ -407,7 +407,8 @@ def plan_balance(mask, space: Union[MaskSpace, int], world_size: int, *, tile: i
     _check_size("block", block)
     if block % tile or (length // world_size) % block:
         raise ValueError(f"plan_balance: block={block} must be a multiple of tile={tile} that "
-                         f"divides the {length // world_size} positions of each rank; pass block=None "
-                         f"for default_block(), {default_block(length, world_size, tile)} here")
+                         f"divides the {length // world_size} positions of each rank; pass "
+                         f"block=None for default_block(), "
+                         f"{default_block(length, world_size, tile)} here")
     rows = _tiles(fitted, space, 0, length, tile)  # [T / tile]
     return balance_blocks(rows.view(-1, block // tile).sum(1), world_size, block)
