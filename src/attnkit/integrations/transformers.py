@@ -88,9 +88,9 @@ of the whole sequence; a 2-D ``attention_mask`` is refused under sequence parall
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import math
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
@@ -127,9 +127,10 @@ attnkit does not implement, with the feature each one names. Present and not ``N
 raise instead of being ignored."""
 
 
-_PARALLEL: contextvars.ContextVar = contextvars.ContextVar("attnkit_sequence_parallel",
-                                                          default=None)
-"""The ``(SequenceParallel, mask)`` of the innermost :func:`sequence_parallel` block."""
+_PARALLEL = threading.local()
+"""``_PARALLEL.active``: the ``(SequenceParallel, mask)`` of this thread's innermost
+:func:`sequence_parallel` block (absent: none). Thread-local, as ``attnkit.invariant()`` is:
+torch.compile traces its reads (it cannot trace a ``ContextVar``'s)."""
 
 
 @contextlib.contextmanager
@@ -162,11 +163,12 @@ def sequence_parallel(parallel: "SequenceParallel",
         raise TypeError(f"sequence_parallel(mask=...) takes an attnkit mask of the whole "
                         f"sequence (or a tensor attnkit.attention accepts), got "
                         f"{type(mask).__name__}")
-    token = _PARALLEL.set((parallel, mask))
+    before = getattr(_PARALLEL, "active", None)
+    _PARALLEL.active = (parallel, mask)
     try:
         yield parallel
     finally:
-        _PARALLEL.reset(token)
+        _PARALLEL.active = before
 
 
 def register() -> None:
@@ -462,7 +464,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                 f"attn_implementation='attnkit' does not support {feature}: "
                 f"{type(module).__name__} passed {name}=...; load this model with "
                 f"attn_implementation='eager' instead")
-    active = _PARALLEL.get()
+    active = getattr(_PARALLEL, "active", None)
     if active is not None:
         return _parallel_forward(module, query, key, value, attention_mask, dropout, scaling,
                                  is_causal, *active, kwargs)
