@@ -4,6 +4,7 @@ side.
 
     python benchmarks/ring.py                          # P = 1, 2, 4 → results/ring.json
     python benchmarks/ring.py --worlds 1 2 --seq 2048  # any size; --help for the options
+    python benchmarks/ring.py --mask documents --worlds 2 4   # packed documents, + balanced
 
 Every world size runs in its own group of processes (``attnkit.distributed.spawn``); within it
 the ring's two layouts, ``ulysses_attention`` (where P divides H) and ``hybrid_attention`` on
@@ -18,6 +19,10 @@ size:
 - tiles each rank computed (the ring's work balance) and the bytes it sent over forward and
   backward (the ring counts them as it sends; Ulysses' are ``ulysses_bytes`` and the
   hybrid's ``hybrid_bytes``, computed).
+
+``--mask documents``: causal packed documents (log-normal lengths, ``packed_ids``) instead of
+plain causal, and the ring also over ``plan_balance``'s layout for that mask (``balanced``),
+whose work the zigzag layout does not even out.
 
 The P = 1 run also times ``attnkit.attention(backend="tiled")`` on the whole sequence: the
 same engine without the ring. Each rank uses ``--threads`` intra-op threads (default 1) and the
@@ -42,8 +47,10 @@ import torch
 import torch.distributed as dist
 
 import attnkit as ak
+from attnkit.bench.workloads import packed_ids
 from attnkit.distributed import (LAYOUTS, PeakMemory, RingStats, hybrid_attention, hybrid_bytes,
-                                 ring_attention, spawn, ulysses_attention, ulysses_bytes)
+                                 plan_balance, ring_attention, spawn, ulysses_attention,
+                                 ulysses_bytes)
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "ring.json"
 
@@ -62,15 +69,18 @@ def _worker(rank: int, world: int, config: dict) -> dict:
     meter = PeakMemory()  # first, before any big allocation (see its docstring)
     b, h, t, d = config["batch"], config["heads"], config["seq"], config["dim"]
     gen = torch.Generator().manual_seed(rank)
-    mask = ak.causal()
+    mask = _mask(config)
 
     def inputs(length):
         return [torch.randn(b, h, length, d, generator=gen, requires_grad=True) for _ in range(3)]
 
     results = {}
-    modes = {layout: (lambda q, k, v, stats=None, layout=layout:
-                       ring_attention(q, k, v, mask, layout=layout, stats=stats))
-             for layout in LAYOUTS}
+    layouts = {name: name for name in LAYOUTS}
+    if config["mask"] == "documents":
+        layouts["balanced"] = plan_balance(mask, t, world, tile=64)
+    modes = {name: (lambda q, k, v, stats=None, layout=layout:
+                    ring_attention(q, k, v, mask, layout=layout, stats=stats))
+             for name, layout in layouts.items()}
     if h % world == 0:
         modes["ulysses"] = lambda q, k, v, stats=None: ulysses_attention(q, k, v, mask)
     mesh_shape = (2, world // 2)
@@ -123,6 +133,15 @@ def _worker(rank: int, world: int, config: dict) -> dict:
     return results
 
 
+def _mask(config: dict):
+    """The benchmark's mask: causal, or causal packed documents of the whole sequence."""
+    if config["mask"] == "causal":
+        return ak.causal()
+    ids = packed_ids(config["seq"], low=64, high=config["seq"] // 2, median=config["seq"] / 16,
+                     sigma=1.0, seed=0)
+    return ak.documents(ids[None], causal="top_left")
+
+
 def _load() -> str:
     try:
         return " ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -141,10 +160,14 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads per rank (default 1: on a shared machine extra "
                              "threads mostly wait for each other)")
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--mask", choices=("causal", "documents"), default="causal",
+                        help="plain causal, or causal packed documents (adds the balanced "
+                             "layout)")
+    parser.add_argument("--out", default=None, help="JSON path (default results/ring.json, "
+                        "results/ring_documents.json with --mask documents)")
     args = parser.parse_args(argv)
     config = dict(batch=args.batch, heads=args.heads, seq=args.seq, dim=args.dim, repeats=args.repeats,
-                  threads_per_rank=args.threads)
+                  threads_per_rank=args.threads, mask=args.mask)
     for world in args.worlds:
         if args.seq % (2 * world):
             parser.error(f"--seq {args.seq} must be a multiple of 2·P = {2 * world} (zigzag)")
@@ -156,7 +179,7 @@ def main(argv=None) -> int:
         print(f"P={world}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
     rows = []
-    for layout in (*LAYOUTS, "ulysses", "hybrid"):
+    for layout in (*LAYOUTS, "balanced", "ulysses", "hybrid"):
         for world in args.worlds:
             if layout not in runs[world][0]:
                 continue
@@ -171,7 +194,7 @@ def main(argv=None) -> int:
 
     header = (f"{'layout':<11} {'P':>2} {'fwd s':>7} {'fwd+bwd s':>10} {'peak MiB/rank (max)':>20} "
               f"{'P·peak / peak(P=1)':>19} {'tiles max/min':>14} {'MiB sent/rank':>14}")
-    print(f"\nring attention, Ulysses and hybrid (mesh 2 × P/2), causal, float32 [B={args.batch}, H={args.heads}, T={args.seq}, "
+    print(f"\nring attention, Ulysses and hybrid (mesh 2 × P/2), {args.mask}, float32 [B={args.batch}, H={args.heads}, T={args.seq}, "
           f"D={args.dim}], gloo on {os.cpu_count()} CPUs, {args.threads} thread(s) per rank; "
           f"load average {load_before}")
     print(header)
@@ -197,10 +220,11 @@ def main(argv=None) -> int:
                      torch=torch.__version__, cpus=os.cpu_count(),
                      cores_usable=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                      load_average_before=load_before, load_average_after=_load()),
-        config=dict(config, dtype="float32", mask="causal"), rows=rows, tiled_no_ring=baseline,
+        config=dict(config, dtype="float32"), rows=rows, tiled_no_ring=baseline,
         notes="time: median over repeats of the slowest rank; peak: per-rank resident-set growth "
               "over one forward+backward with the shards created inside; shared machine: noisy")
-    out = Path(args.out)
+    out = Path(args.out or (RESULTS if args.mask == "causal"
+                            else RESULTS.with_name("ring_documents.json")))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=2) + "\n")
     print(f"\nwrote {out}")
