@@ -10,6 +10,9 @@ local shards are 4 positions long.
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -358,3 +361,30 @@ def test_needs_a_process_group():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(RuntimeError, match="process group"):
         hybrid_attention(q, q, q, mesh=None)
+
+
+# ---- a rank that skips the backward: named within backward_timeout ----------------------------
+
+def _skips_backward(rank: int, world: int, log_dir: str) -> None:
+    """A (1, 2) mesh (the Ulysses group's handshake); rank 1 never calls backward."""
+    mesh = init_device_mesh("cpu", (1, 2))
+    q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
+    out = hybrid_attention(q, k, v, ak.causal(), mesh=mesh, backward_timeout=2.0)
+    if rank == 1:
+        time.sleep(60)  # stopped by spawn once the waiting rank has raised
+        return
+    try:
+        out.sum().backward()
+    except RuntimeError as error:
+        record = Path(log_dir, "rank0.txt")
+        record.with_suffix(".tmp").write_text(str(error))
+        record.with_suffix(".tmp").rename(record)
+        raise
+    raise AssertionError("the backward finished although rank 1 skipped it")
+
+
+def test_a_rank_that_skips_the_backward_is_named_within_the_backward_timeout(tmp_path):
+    with pytest.raises(Exception, match="did not run the backward"):
+        spawn(_skips_backward, 2, str(tmp_path))
+    message = Path(tmp_path, "rank0.txt").read_text()
+    assert "hybrid_attention: rank 1 of its all-to-all group did not run the backward" in message
