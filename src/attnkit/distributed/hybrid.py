@@ -43,9 +43,9 @@ from ..masks import Mask
 from .balance import BalancedLayout
 from .comm import disagreement_text
 from .ring import (BACKENDS, Layout, RingStats, _check_balanced, _check_layout, ring_attention,
-                   shard, unshard)
-from .ulysses import (_mask_for_heads, _q_head_index, _signature, _stand_in, _ToHeads,
-                      _ToSequence, backward_timeout_of, kv_head_index, ulysses_bytes)
+                   shard, unshard, whole_inputs)
+from .ulysses import (_mask_for_heads, _q_head_index, _signature, _ToHeads, _ToSequence,
+                      backward_timeout_of, check_shards, kv_head_index, ulysses_bytes)
 
 __all__ = ["hybrid_attention", "hybrid_bytes", "hybrid_shard", "hybrid_unshard"]
 
@@ -149,14 +149,7 @@ def _check_local(q, k, v, mask, scale, return_lse, backend, ring_layout, u: int,
                  ulysses_size: int):
     """This rank's checks; returns the whole-sequence mask restricted to this rank's query heads
     after the all-to-all. Raises ``TypeError``/``ValueError`` naming the shapes and the fix."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"hybrid_attention takes 4-D shards [B, H, T/P, D]; {name} has shape "
-                f"{tuple(t.shape)} (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-                f"). Add the missing dims (x[None] for a batch of one, x[:, None] for one head)")
+    check_shards(q, k, v, "hybrid_attention")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: use one of {BACKENDS} (what computes each ring "
                          f"step)")
@@ -187,13 +180,7 @@ def _check_local(q, k, v, mask, scale, return_lse, backend, ring_layout, u: int,
         _check_balanced(ring_layout, ring_size, chunk_q * ring_size,
                         f"this call (q {tuple(q.shape)} per rank, mesh ({ring_size}, "
                         f"{ulysses_size}))")
-    world = ring_size * ulysses_size
-    try:
-        whole = validate(*(_stand_in(t, world) for t in (q, k, v)), mask, scale=scale)
-    except ValueError as error:
-        raise ValueError(f"mask at global positions (the whole sequence is P={world} × the local "
-                         f"shard: q {tuple(q.shape)} → [B, H, {q.shape[2] * world}, Dk]): "
-                         f"{error}") from None
+    whole = whole_inputs(q, k, v, mask, scale, ring_size * ulysses_size)
     if whole.bias_grad:
         raise ValueError("hybrid_attention takes a bias as a constant (its ring steps give it no "
                          "gradient); detach it (bias.detach()) or call attnkit.attention on one "

@@ -466,6 +466,20 @@ def _whole(t: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.zeros(t.shape[-1], dtype=t.dtype, device=t.device).expand(shape)
 
 
+def whole_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: Optional[float],
+                 world_size: int) -> Inputs:
+    """The validated inputs of the WHOLE sequence that ``world_size`` local shards ``q [B, H,
+    T/P, Dk]``, ``k``, ``v`` make up, with ``mask`` at global positions (stand-ins: no data is
+    gathered); a ``ValueError`` naming the whole length when the mask does not fit it. Ring,
+    Ulysses and the hybrid check their masks with it."""
+    try:
+        return validate(*(_whole(t, world_size) for t in (q, k, v)), mask, scale=scale)
+    except ValueError as error:
+        raise ValueError(f"mask at global positions (the whole sequence is P={world_size} × the "
+                         f"local shard: q {tuple(q.shape)} → [B, H, {q.shape[2] * world_size}, "
+                         f"Dk]): {error}") from None
+
+
 _AGREEMENT = {
     "shapes": "every rank passes shards of one shape: the whole sequence cut into equal parts "
               "along dim -2 (see shard())",
@@ -551,11 +565,7 @@ def _validate(q, k, v, mask, scale, layout, return_lse, backward_timeout, backen
                 f"rank holds two of them, so the local length must be even; got q length "
                 f"{local.q.shape[2]}, k length {local.k.shape[2]}: pad the global sequence to a "
                 f"multiple of {2 * comm.world_size}")
-        try:
-            whole = validate(*(_whole(t, comm.world_size) for t in (q, k, v)), mask, scale=scale)
-        except ValueError as error:
-            raise ValueError(f"mask at global positions (the whole sequence is world_size="
-                             f"{comm.world_size} × the local shard): {error}") from None
+        whole = whole_inputs(q, k, v, mask, scale, comm.world_size)
         if whole.bias_grad:
             raise ValueError("ring_attention takes a bias as a constant and gives it no gradient; "
                              "detach it (bias.detach()) or use attention() on one device, whose "

@@ -47,7 +47,7 @@ from ..inputs import validate
 from ..masks import (Mask, _And, _Band, _Bias, _CausalDocuments, _Dense, _Documents, _Not, _Or,
                      _Padding, _SequenceBand, as_mask, digest)
 from ..modifiers import Alibi, RelativeBias, Sinks, Softcap
-from . import ring as _ring  # its BACKWARD_TIMEOUT, read at call time
+from . import ring as _ring  # BACKWARD_TIMEOUT (read at call time) and whole_inputs
 from .comm import RingComm, disagreement_text, ranks_text
 
 __all__ = ["ulysses_attention", "ulysses_bytes", "heads_of", "kv_head_index"]
@@ -320,25 +320,24 @@ def _signature(q, k, v, mask, scale, return_lse, backend, kwargs) -> dict[str, s
             "grad": f"grad mode {torch.is_grad_enabled()}, requires_grad {grads}"}
 
 
-def _stand_in(t: torch.Tensor, world_size: int) -> torch.Tensor:
-    """A view shaped like the whole sequence of ``t`` (``[B, H, T/P, D]`` → ``[B, H, T, D]``)
-    holding one row of zeros; only its shape, dtype and device are read."""
-    shape = (*t.shape[:-2], t.shape[-2] * world_size, t.shape[-1])
-    return torch.zeros(t.shape[-1], dtype=t.dtype, device=t.device).expand(shape)
+def check_shards(q, k, v, caller: str) -> None:
+    """``q``, ``k``, ``v`` are 4-D tensors (``[B, H, T/P, D]`` shards), else a ``TypeError`` /
+    ``ValueError`` from ``caller`` naming the shapes and the fix."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{caller} takes 4-D shards [B, H, T/P, D]; {name} has shape "
+                f"{tuple(t.shape)} (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+                f"). Add the missing dims (x[None] for a batch of one, x[:, None] for one head)")
 
 
 def _check_local(q, k, v, mask, scale, return_lse, backend, kwargs, rank: int,
                  world_size: int) -> Optional[Mask]:
     """This rank's checks; returns the mask restricted to this rank's query heads. Raises
     ``TypeError``/``ValueError`` naming the shapes and the fix."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"ulysses_attention takes 4-D shards [B, H, T/P, D]; {name} has shape "
-                f"{tuple(t.shape)} (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-                f"). Add the missing dims (x[None] for a batch of one, x[:, None] for one head)")
+    check_shards(q, k, v, "ulysses_attention")
     unknown = sorted(set(kwargs) - set(PASSED_KEYWORDS))
     if "return_weights" in unknown:
         raise ValueError("ulysses_attention does not return attention weights: each rank holds "
@@ -350,12 +349,7 @@ def _check_local(q, k, v, mask, scale, return_lse, backend, kwargs, rank: int,
     validate(q, k, v, None, scale=scale, need_lse=return_lse)  # the attention() checks
     heads, kv_heads = q.shape[1], k.shape[1]
     _check_heads(heads, kv_heads, world_size)
-    try:
-        whole = validate(*(_stand_in(t, world_size) for t in (q, k, v)), mask, scale=scale)
-    except ValueError as error:
-        raise ValueError(f"mask at global positions (the whole sequence is P={world_size} × the "
-                         f"local shard: q {tuple(q.shape)} → [B, H, {q.shape[2] * world_size}, "
-                         f"Dk]): {error}") from None
+    whole = _ring.whole_inputs(q, k, v, mask, scale, world_size)
     count = heads // world_size
     return _mask_for_heads(whole.mask, whole.modifiers, rank * count, count, heads)
 
