@@ -480,3 +480,46 @@ def validations(monkeypatch):
         return real(*args, **kwargs)
     monkeypatch.setattr(call, "validate", counted)
     return count
+
+
+# ---- multi-process tests: one set of ranks per module, errors recorded per case ---------------
+
+_SPAWNED: dict = {}
+
+
+def spawned_once(worker, world: int, **kwargs) -> list:
+    """Every rank's return value of ``worker(rank, world)`` on ``world`` local gloo ranks
+    (``attnkit.distributed.spawn``, one thread each, ``kwargs`` passed on), spawned once per
+    test process for each worker and world size: one set of processes runs every case of a
+    module, and each case's test reads its part of the results."""
+    key = (worker.__module__, worker.__qualname__, world)
+    if key not in _SPAWNED:
+        from attnkit.distributed import spawn
+        _SPAWNED[key] = spawn(worker, world, threads=1, **kwargs)
+    return _SPAWNED[key]
+
+
+def expect_error(call, error_type, words) -> None:
+    """``call()`` must raise ``error_type`` whose message holds every one of ``words``, else
+    an ``AssertionError`` saying what happened."""
+    try:
+        call()
+    except error_type as error:
+        message = str(error)
+        for word in words:
+            assert word in message, f"{word!r} not in {message!r}"
+        return
+    raise AssertionError(f"no {error_type.__name__} raised")
+
+
+def error_failures(cases: dict) -> dict:
+    """``{name: (call, error_type, words)}`` → ``{name: None, or why the call did not raise as
+    expected}`` (:func:`expect_error` on each; a rank's cases run alike on every rank)."""
+    failures = {}
+    for name, (call, error_type, words) in cases.items():
+        try:
+            expect_error(call, error_type, words)
+            failures[name] = None
+        except AssertionError as error:
+            failures[name] = str(error)
+    return failures

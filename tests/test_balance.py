@@ -19,8 +19,9 @@ import torch
 import attnkit as ak
 from attnkit.bench.workloads import packed_ids
 from attnkit.distributed import (BalancedLayout, balance_blocks, default_block, plan_balance,
-                                 rank_work, ring_attention, shard, spawn, tile_work, unshard)
+                                 rank_work, ring_attention, shard, tile_work, unshard)
 from attnkit.masks import MaskSpace
+from conftest import spawned_once
 
 
 def _dense_tile_work(mask, space: MaskSpace, tile: int) -> torch.Tensor:
@@ -328,14 +329,9 @@ def _worker(rank: int, world: int) -> dict:
     return dict(failures=failures, wrong_layout=_wrong_layout(rank, world))
 
 
-_RUNS: dict[int, list[dict]] = {}
-
-
 def run_world(world: int) -> list[dict]:
     """Every rank's results for ``world`` processes (started once per test run)."""
-    if world not in _RUNS:
-        _RUNS[world] = spawn(_worker, world, threads=1)
-    return _RUNS[world]
+    return spawned_once(_worker, world)
 
 
 @pytest.mark.parametrize("world", (2, 3))
@@ -352,15 +348,11 @@ def test_ring_over_balanced_layout_on_triton_steps(name):
     """Steps on the fused triton kernels (Triton interpreter, 2 ranks, float32): each pair's
     window of the mask at the runs' offsets, forward and backward."""
     pytest.importorskip("triton")
-    if "triton" not in _RUNS_TRITON:
-        _RUNS_TRITON["triton"] = spawn(_triton_worker, 2, threads=1,
-                                       env={"TRITON_INTERPRET": "1"})
+    runs = spawned_once(_triton_worker, 2, env={"TRITON_INTERPRET": "1"})
     problems = [f"rank {rank}: {failures[name]}"
-                for rank, failures in enumerate(_RUNS_TRITON["triton"]) if failures[name]]
+                for rank, failures in enumerate(runs) if failures[name]]
     assert not problems, "\n".join(problems)
 
-
-_RUNS_TRITON: dict[str, list[dict]] = {}
 
 
 @pytest.mark.parametrize("world", (2, 3))

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import attnkit as ak
 from attnkit.distributed import plan_balance, spawn
+from conftest import error_failures, expect_error, spawned_once
 from attnkit.distributed.hybrid import (hybrid_attention, hybrid_bytes, hybrid_shard,
                                         hybrid_unshard)
 from attnkit.distributed.ring import RingStats
@@ -157,17 +158,6 @@ def _run_case(case: dict, shape, mesh, rank: int) -> None:
 
 # ---- error cases: every rank raises, nobody hangs ---------------------------------------------
 
-def _expect_error(call, error_type, words: list[str]) -> None:
-    try:
-        call()
-    except error_type as error:
-        message = str(error)
-        for word in words:
-            assert word in message, f"{word!r} not in {message!r}"
-        return
-    raise AssertionError(f"no {error_type.__name__} raised")
-
-
 def _error_cases(mesh, flat, rank: int) -> dict:
     def shards(heads=HEADS, length=LOCAL):
         return [torch.randn(1, heads, length, DK, dtype=torch.float64) for _ in range(3)]
@@ -193,14 +183,7 @@ def _error_cases(mesh, flat, rank: int) -> dict:
             *shards(), ak.documents(torch.zeros(LOCAL, dtype=torch.long)), mesh=mesh),
             ValueError, ["global positions", f"{LOCAL * 4}"]),
     }
-    failures = {}
-    for name, (call, error_type, words) in cases.items():
-        try:
-            _expect_error(call, error_type, words)
-            failures[name] = None
-        except AssertionError as error:
-            failures[name] = str(error)
-    return failures
+    return error_failures(cases)
 
 
 # ---- bytes sent, counted at the all-to-all and by the ring -----------------------------------
@@ -257,7 +240,7 @@ def _worker(rank: int, world: int) -> dict:
     if world == 2:  # a ring of 2 groups of 1: a chunk of 3 does not cut into 2·2 equal parts
         results["errors"] = {"zigzag_odd_chunk": None}
         try:
-            _expect_error(lambda: hybrid_attention(
+            expect_error(lambda: hybrid_attention(
                 *(torch.randn(1, HEADS, 3, DK, dtype=torch.float64) for _ in range(3)),
                 ak.causal(), mesh=init_device_mesh("cpu", (2, 1)), ring_layout="zigzag"),
                 ValueError, ["zigzag", "even", "multiple of 4"])
@@ -276,14 +259,9 @@ def _worker(rank: int, world: int) -> dict:
     return results
 
 
-_RUNS: dict[int, list[dict]] = {}
-
-
 def run_world(world: int) -> list[dict]:
-    """Every rank's results for ``world`` processes (started once per test module run)."""
-    if world not in _RUNS:
-        _RUNS[world] = spawn(_worker, world, threads=1)
-    return _RUNS[world]
+    """Every rank's results for ``world`` processes (started once per test run)."""
+    return spawned_once(_worker, world)
 
 
 # ---- the tests --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit as ak
-from attnkit.distributed import spawn
+from conftest import spawned_once
 from attnkit.distributed.parallel import SequenceParallel
 from attnkit.nn import MultiHeadAttention
 
@@ -290,21 +290,14 @@ def _worker(rank: int, world: int) -> dict:
     return result
 
 
-_RUNS: dict[int, list[dict]] = {}
-
-
 def run_world(world: int) -> list[dict]:
-    """Every rank's results for ``world`` processes (started once per test module run)."""
-    if world not in _RUNS:
-        _RUNS[world] = spawn(_worker, world, threads=1)
-    return _RUNS[world]
+    """Every rank's results for ``world`` processes (started once per test run)."""
+    return spawned_once(_worker, world)
 
 
 def run_hybrid() -> list[dict]:
     """Every rank's results of the hybrid cases (4 processes, started once)."""
-    if "hybrid" not in _RUNS:
-        _RUNS["hybrid"] = spawn(_hybrid_worker, HYBRID_WORLD, threads=1)
-    return _RUNS["hybrid"]
+    return spawned_once(_hybrid_worker, HYBRID_WORLD)
 
 
 # ---- the tests -------------------------------------------------------------------------------

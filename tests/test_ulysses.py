@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import attnkit as ak
 from attnkit.distributed import shard, spawn
+from conftest import error_failures, spawned_once
 from attnkit.distributed.ulysses import (heads_of, kv_head_index, ulysses_attention,
                                          ulysses_bytes)
 
@@ -154,17 +155,6 @@ def _run_case(case: dict, rank: int, world: int) -> None:
 
 # ---- error cases: every rank raises, nobody hangs ---------------------------------------------
 
-def _expect_error(call, error_type, words: list[str]) -> None:
-    try:
-        call()
-    except error_type as error:
-        message = str(error)
-        for word in words:
-            assert word in message, f"{word!r} not in {message!r}"
-        return
-    raise AssertionError(f"no {error_type.__name__} raised")
-
-
 def _error_cases(rank: int, world: int) -> dict:
     def shards(heads=HEADS, length=LOCAL_Q, kv_heads=None):
         return [torch.randn(1, h, length, DK, dtype=torch.float64)
@@ -191,14 +181,7 @@ def _error_cases(rank: int, world: int) -> dict:
             *shards(), ak.documents(torch.zeros(LOCAL_Q, dtype=torch.long))),
             ValueError, ["global positions", f"{LOCAL_Q * world}"]),
     }
-    failures = {}
-    for name, (call, error_type, words) in cases.items():
-        try:
-            _expect_error(call, error_type, words)
-            failures[name] = None
-        except AssertionError as error:
-            failures[name] = str(error)
-    return failures
+    return error_failures(cases)
 
 
 # ---- bytes sent, counted at the all-to-all ----------------------------------------------------
@@ -256,14 +239,9 @@ def _worker(rank: int, world: int) -> dict:
                 bytes=_measured_bytes(rank, world))
 
 
-_RUNS: dict[int, list[dict]] = {}
-
-
 def run_world(world: int) -> list[dict]:
-    """Every rank's results for ``world`` processes (started once per test module run)."""
-    if world not in _RUNS:
-        _RUNS[world] = spawn(_worker, world, threads=1)
-    return _RUNS[world]
+    """Every rank's results for ``world`` processes (started once per test run)."""
+    return spawned_once(_worker, world)
 
 
 # ---- the tests --------------------------------------------------------------------------------
