@@ -17,7 +17,7 @@ import attnkit as ak
 from attnkit import dispatch, finite
 from attnkit.backends import tiled
 from attnkit.inputs import validate
-from attnkit.masks import MaskCache, MaskSpace
+from attnkit.masks import UNBOUNDED, MaskCache, MaskSpace
 
 from conftest import naive_attention
 
@@ -410,6 +410,37 @@ def test_masks_made_under_inference_mode(make):
     torch.testing.assert_close(out, ak.attention(q, q, q, make()))
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("q_len,kv_len,align,right", [(12, 12, "top_left", 0),
+                                                      (5, 12, "bottom_right", 0),
+                                                      (12, 5, "bottom_right", 0),
+                                                      (5, 12, "top_left", 0),
+                                                      (12, 12, "top_left", 3),
+                                                      (12, 5, "top_left", 1)])
+def test_a_key_that_silently_drops_out_poisons_the_rows_that_see_it(backend, q_len, kv_len,
+                                                                      align, right, gen):
+    """A key holding +inf where every query is negative scores −inf for every row, which a
+    kernel would weigh 0 (a wrong finite number): causal masks and bands without a lower
+    bound make exactly the rows that see it NaN, in every size of call; the others are
+    exact, and a row without keys stays 0."""
+    q, k, v = torch.randn(3, 2, 4, 12, 8, dtype=torch.float64, generator=gen).unbind(0)
+    q, k, v = q[:, :2, :q_len], k[:, :2, :kv_len].clone(), v[:, :2, :kv_len]
+    q = q.clone()
+    q[..., 3] = -q[..., 3].abs() - 0.1
+    bad = 3
+    k[0, 1, bad, 3] = INF
+    mask = ak.sliding_window(UNBOUNDED, right, align=align)
+    allowed = mask.to_dense(MaskSpace(1, 1, q_len, kv_len))[0, 0]  # [Tq, Tk]
+    out = ak.attention(q, k, v, mask, backend=backend)
+    clean = ak.attention(q, k.nan_to_num(posinf=0.0), v, mask, backend="reference")
+    sees = allowed[:, bad]
+    assert sees.any()
+    assert torch.isnan(out[0, 1, sees]).all()
+    others = torch.ones_like(out, dtype=torch.bool)
+    others[0, 1, sees] = False
+    torch.testing.assert_close(out[others], clean[others], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("mask", ["documents", "window", "cross_documents"])
 def test_non_finite_keys_of_a_long_call_reach_every_row_that_sees_them(mask, gen):
     """Beyond ``finite.CHUNK_ELEMENTS`` scores, rows that may see a non-finite key are found
@@ -442,7 +473,8 @@ def test_non_finite_keys_of_a_long_call_reach_every_row_that_sees_them(mask, gen
                                   "window", "causal_bottom_right", "none_left"])
 def test_the_key_scan_by_runs_equals_the_scan_by_evaluation(mask, gen, monkeypatch):
     """Rows that may see a non-finite key, rows with a key, keys some row sees: from each
-    row's run of keys (prefix sums) exactly as from evaluating the mask."""
+    row's run of keys (prefix sums; running flags for a band without a lower bound) exactly
+    as from evaluating the mask."""
     tq, tk = 2100, 2300  # Tq·Tk beyond CHUNK_ELEMENTS: the scan by runs
     assert tq * tk > finite.CHUNK_ELEMENTS
     q_ids = torch.arange(tq) * 5 // tq
@@ -463,11 +495,34 @@ def test_the_key_scan_by_runs_equals_the_scan_by_evaluation(mask, gen, monkeypat
     by_runs = finite._scan(inputs)
     assert finite._mask_runs(inputs) is not None
     monkeypatch.setattr(finite, "_mask_runs", lambda inputs: None)
+    monkeypatch.setattr(finite, "_up_to_a_diagonal", lambda mask: False)
     by_evaluation = finite._scan(inputs)
     for name, got, want in zip(("has_key", "seen", "key_any"), by_runs, by_evaluation):
         if got is None or want is None:  # known without a scan (a band over these shapes)
-            assert got is None and want is None and name == "has_key", name
+            assert got is None and name != "seen" and (want is None or want.all()), name
             continue
+        if name == "seen" and got.shape[1] != want.shape[1]:  # per K/V head
+            got = got.repeat_interleave(want.shape[1] // got.shape[1], 1)
         got, want = torch.broadcast_tensors(got, want)
         assert torch.equal(got.isnan() if name == "seen" else got,
                            want.isnan() if name == "seen" else want), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_zero_outside_clears_whatever_is_there(dtype, gen):
+    """Cleared bits give +0 where ``where`` gives 0, over NaN, ±inf and the largest values, on a
+    broadcast mask and a strided view; with autograd the gradient is 0 outside."""
+    x = torch.randn(2, 3, 10, 16, generator=gen).to(dtype)
+    x[0, 1, 2, 3], x[1, 0, 7, 0], x[1, 2, 9, 5] = NAN, INF, torch.finfo(dtype).max
+    keep = torch.rand(2, 1, 10, 1, generator=gen) < 0.5
+    view = x.transpose(1, 2)  # [2, 10, 3, 16], strided
+    for t, mask in ((x, keep), (view, keep.transpose(1, 2))):
+        got = finite.zero_outside(t, mask)
+        assert torch.equal(got.nan_to_num(7.0, 8.0, 9.0),
+                           t.where(mask, 0.0).nan_to_num(7.0, 8.0, 9.0))
+        assert not torch.signbit(got[~mask.expand_as(t)]).any()
+        assert torch.equal(finite.zero_outside(t, finite.keep_for(mask, t)).nan_to_num(7.0),
+                           got.nan_to_num(7.0))
+    leaf = x.detach().clone().nan_to_num(0.0, 0.0, 0.0).requires_grad_()
+    finite.zero_outside(leaf, keep).sum().backward()
+    assert torch.equal(leaf.grad, keep.expand_as(leaf).to(dtype))

@@ -25,13 +25,12 @@ kernels propagate NaN themselves.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
-from .inputs import Inputs
+from .inputs import Inputs, _is_wrapped
 from .masks import every_key_seen, every_row_has_key, mask_tensors, memo
 
 KV_CHECK_MIN_ROWS = 64
@@ -83,29 +82,68 @@ def guard(inputs: Inputs, poisons: bool) -> Guarded:
         key_seen = None
     # keys no query sees (which include those outside the runs), else those outside the runs
     real = key_seen if key_seen is not None else (
-        None if runs.kv is None else _runs_mask(mask, runs.kv, inputs.k.shape[2], "kv"))
+        None if runs.kv is None else _runs_mask(mask, runs.kv, inputs.k.shape[2], "kv",
+                                                inputs.k))
     if real is not None:
-        fixed["k"], fixed["v"] = inputs.k.where(real, 0.0), inputs.v.where(real, 0.0)
+        if real.dtype == torch.bool:  # key_seen: one conversion for K and V
+            real = keep_for(real, inputs.k)
+        fixed["k"], fixed["v"] = zero_outside(inputs.k, real), zero_outside(inputs.v, real)
     if has_key is not None:
-        fixed["q"] = inputs.q.where(has_key, 0.0)
+        fixed["q"] = zero_outside(inputs.q, has_key)
     elif runs.q is not None:
-        fixed["q"] = inputs.q.where(_runs_mask(mask, runs.q, inputs.q.shape[2], "q"), 0.0)
-    return Guarded(replace(inputs, **fixed) if fixed else inputs, poisons, seen, has_key)
+        fixed["q"] = zero_outside(inputs.q, _runs_mask(mask, runs.q, inputs.q.shape[2], "q",
+                                                                inputs.q))
+    return Guarded(inputs.replaced(**fixed) if fixed else inputs, poisons, seen, has_key)
 
 
-def _runs_mask(mask, run: tuple[torch.Tensor, torch.Tensor], length: int, side: str
-               ) -> torch.Tensor:
-    """Bool ``[Bm, 1, length, 1]``: the positions inside the run ``[lo, hi)`` of each batch
-    element; kept on ``mask`` while its tensors are unchanged, so the layers of a step that
-    pass one mask compute it once."""
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+         torch.float64: torch.int64}
+"""The integer dtype of each float dtype's width: :func:`zero_outside` clears bits."""
+
+
+def zero_outside(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``x`` with +0 wherever ``keep`` (broadcastable to ``x``) is False, whatever ``x`` holds
+    there (NaN and ±inf too). ``keep`` is bool, or :func:`keep_for` ``x``'s form. Without
+    autograd the bits are cleared (``x`` seen as integers ``& keep``): one pass that vectorises
+    over a broadcast mask, several times cheaper than ``where`` on CPU; with autograd (or
+    inside a ``torch.func`` transform) ``where``, whose gradient is 0 outside ``keep``."""
+    bits = _bits(x)
+    if bits is None:
+        return x.where(keep if keep.dtype == torch.bool else keep != 0, 0.0)
+    if keep.dtype != bits:
+        keep = keep_for(keep, x)
+    return (x.view(bits) & keep).view(x.dtype)
+
+
+def keep_for(keep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``keep`` (bool) in the form :func:`zero_outside` reads fastest for ``x``: all bits set
+    where True in ``x``'s integer width, or ``keep`` itself where ``x`` takes ``where``."""
+    bits = _bits(x)
+    return keep if bits is None else keep.to(bits).neg_()
+
+
+def _bits(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The integer dtype :func:`zero_outside` clears ``x``'s bits in, or ``None`` (autograd,
+    a ``torch.func`` transform, a dtype without one)."""
+    if x.requires_grad or _is_wrapped(x):
+        return None
+    return _BITS.get(x.dtype)
+
+
+def _runs_mask(mask, run: tuple[torch.Tensor, torch.Tensor], length: int, side: str,
+               like: torch.Tensor) -> torch.Tensor:
+    """``[Bm, 1, length, 1]``: the positions inside the run ``[lo, hi)`` of each batch element,
+    in :func:`keep_for` ``like``'s form; kept on ``mask`` while its tensors are unchanged, so
+    the layers of a step that pass one mask compute it once."""
     def inside():
         lo, hi = run
         positions = torch.arange(length, device=lo.device)
-        return ((positions >= lo[:, None]) & (positions < hi[:, None]))[:, None, :, None]
+        keep = ((positions >= lo[:, None]) & (positions < hi[:, None]))[:, None, :, None]
+        return keep_for(keep, like)
     tensors = mask_tensors(mask)
     if tensors is None:
         return inside()
-    return memo(mask, ("guard", side, length, run[0].device), tensors, inside)
+    return memo(mask, ("guard", side, length, run[0].device, _bits(like)), tensors, inside)
 
 
 def applies(inputs: Inputs, backend) -> bool:
@@ -144,9 +182,9 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
     weights = None if weights is None else weights + flag.to(weights.dtype)
     has_key = guarded.has_key
     if has_key is not None:  # a kernel may spread a tile's NaN into a row with no key
-        out = out.where(has_key, 0.0)
+        out = zero_outside(out, has_key)
         lse = None if lse is None else lse.where(has_key[..., 0], float("-inf"))
-        weights = None if weights is None else weights.where(has_key, 0.0)
+        weights = None if weights is None else zero_outside(weights, has_key)
     return out, lse, weights
 
 
@@ -300,6 +338,8 @@ def _scan(inputs: Inputs) -> tuple:
     """From one evaluation of the mask: per query row, whether it has an allowed key (bool
     ``[Bm|B, Hm|Hq, Tq, 1]``), and, when :func:`checks_keys`, :attr:`Guarded.seen` and per
     key whether some query may see it (bool ``[Bm|B, Hm|Hkv, Tk, 1]``; else ``None``)."""
+    if _up_to_a_diagonal(inputs.mask):
+        return _scan_prefix(inputs)
     k, dtype = _plain(inputs.k), _dtype(inputs)
     batch, heads, q_len, _ = inputs.q.shape
     bad = None
@@ -341,3 +381,39 @@ def _scan(inputs: Inputs) -> tuple:
     if key_any.shape[1] != 1 and group > 1:  # a key counts when a query of its group sees it
         key_any = key_any.unflatten(1, (heads_kv, group)).any(2)
     return has_key, seen, key_any[..., None]
+
+
+def _up_to_a_diagonal(mask) -> bool:
+    """Whether ``mask`` is a band with an upper bound and no lower one (causal and its
+    shifts): :func:`_scan_prefix` reads it."""
+    band = mask.band()
+    return band is not None and band.left is None and band.right is not None
+
+
+def _scan_prefix(inputs: Inputs) -> tuple:
+    """:func:`_scan` for a band with no lower bound (causal, top-left or bottom-right, and its
+    shifts): row ``i`` sees keys ``[0, i + hi]``, so its :attr:`Guarded.seen` is the running
+    sum of the keys' flags (0, or NaN from the first non-finite key on) at its last key,
+    per K/V head ``[B, Hkv, Tq, 1]``: no mask evaluation, O(Tk) per head."""
+    space = inputs.space
+    q_len, kv_len = space.q_len, space.kv_len
+    hi = inputs.mask.structure(space).diagonals[1]  # row i's last key: i + hi
+    device = inputs.q.device
+    has_key = None
+    if not every_row_has_key(inputs.mask, space):
+        has_key = (torch.arange(q_len, device=device) + hi >= 0)[None, None, :, None]
+    if not checks_keys(inputs):
+        return has_key, None, None
+    k = _plain(inputs.k)
+    running = (k @ _zeros(k)).cumsum(-2)  # [B, Hkv, Tk, 1]
+    if 0 <= hi and hi + q_len <= kv_len:  # every row's last key in range: a slice
+        seen = running[:, :, hi:hi + q_len]
+    else:
+        last = (torch.arange(q_len, device=device) + hi).clamp(0, kv_len - 1)
+        seen = running.index_select(2, last)
+        if has_key is not None:  # a row without keys sees nothing
+            seen = zero_outside(seen, has_key)
+    key_seen = None
+    if not every_key_seen(inputs.mask, space):
+        key_seen = (torch.arange(kv_len, device=device) <= q_len - 1 + hi)[None, None, :, None]
+    return has_key, seen.to(inputs.q.dtype), key_seen

@@ -74,6 +74,15 @@ class Inputs:
             self._has_key = self.allowed().any(-1, keepdim=True)
         return self._has_key
 
+    def replaced(self, **tensors: torch.Tensor) -> "Inputs":
+        """A copy with ``q``, ``k`` or ``v`` replaced by tensors of the same shapes (what the
+        call computed from its mask is kept); cheaper than ``dataclasses.replace``, which runs
+        ``__init__`` again."""
+        new = object.__new__(Inputs)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(tensors)
+        return new
+
     @property
     def space(self) -> MaskSpace:
         """The call's extent, made once per call (q and k are never replaced in place; a plain

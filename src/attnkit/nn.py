@@ -29,6 +29,7 @@ from torch import nn
 
 from . import invariance
 from .api import attention
+from .finite import zero_outside
 from .inputs import LazyText
 from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, keys_below, padding,
                     readable, real_keys, sliding_window, vouched_padding)
@@ -190,7 +191,7 @@ class KVCache:
         if padded:  # zeros in a chunk's padding (past its new length: no cache of the chain reads it)
             offset = torch.arange(new, device=keys.device)
             real = (offset[None, :] < lengths[:, None])[:, None, :, None]  # [B, 1, t, 1]
-            keys, values = keys.where(real, 0.0), values.where(real, 0.0)
+            keys, values = zero_outside(keys, real), zero_outside(values, real)
         # Sequence b's chunk goes to positions before[b] + [0, t).
         slots = (before.view(-1, 1, 1, 1) if new == 1
                  else (before[:, None] + torch.arange(new, device=keys.device))[:, None, :, None])
