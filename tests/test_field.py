@@ -526,3 +526,39 @@ def test_zero_outside_clears_whatever_is_there(dtype, gen):
     leaf = x.detach().clone().nan_to_num(0.0, 0.0, 0.0).requires_grad_()
     finite.zero_outside(leaf, keep).sum().backward()
     assert torch.equal(leaf.grad, keep.expand_as(leaf).to(dtype))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("q_len", [6, 70])
+@pytest.mark.parametrize("kind", ["kv_lengths", "kv_starts", "kv_mask", "q_and_kv"])
+def test_padding_poisons_exactly_the_rows_of_a_sequence_with_a_bad_real_key(backend, q_len,
+                                                                             kind, gen):
+    """Under a padding mask every real query sees all of its sequence's real keys: a key
+    holding +inf where every query is negative (which a kernel would weigh 0) makes every
+    real row of that sequence and head NaN, garbage past the real keys reaches nothing, and
+    padded queries stay 0."""
+    kv_len = 10
+    q, k, v = (torch.randn(3, 3, 2, max(q_len, kv_len), 8, dtype=torch.float64,
+                           generator=gen).unbind(0))
+    q, k, v = q[:, :, :q_len].clone(), k[:, :, :kv_len].clone(), v[:, :, :kv_len].clone()
+    q[..., 2] = -q[..., 2].abs() - 0.1
+    lengths, starts = torch.tensor([7, 10, 4]), torch.tensor([3, 0, 6])
+    mask = {"kv_lengths": ak.padding(kv_lengths=lengths),
+            "kv_starts": ak.padding(kv_starts=starts),
+            "kv_mask": ak.padding(kv_mask=torch.arange(kv_len) < lengths[:, None]),
+            "q_and_kv": ak.padding(q_lengths=[q_len - 1, q_len, 2], kv_lengths=lengths)}[kind]
+    space = MaskSpace(3, 2, q_len, kv_len)
+    allowed = mask.to_dense(space)  # [B, 1, Tq, Tk]
+    real_key = allowed.any(-2)[:, 0]  # [B, Tk]
+    garbage = ~real_key[:, None, :, None].expand_as(k)
+    k_bad, v_bad = k.masked_fill(garbage, NAN), v.masked_fill(garbage, INF)
+    first = int(real_key[1].nonzero()[0])
+    k_bad[1, 0, first, 2] = INF  # a real key of sequence 1, head 0
+    out = ak.attention(q, k_bad, v_bad, mask, backend=backend)
+    clean = ak.attention(q, k, v, mask, backend="reference")
+    rows = allowed[1, 0].any(-1)  # the real rows of sequence 1
+    assert torch.isnan(out[1, 0, rows]).all()
+    others = torch.ones_like(out, dtype=torch.bool)
+    others[1, 0, rows] = False
+    torch.testing.assert_close(out[others], clean[others], rtol=1e-6, atol=1e-6)
+    assert (out[~allowed.any(-1, keepdim=True).expand_as(out)] == 0).all()

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .inputs import Inputs, _is_wrapped
-from .masks import every_key_seen, every_row_has_key, mask_tensors, memo
+from .masks import Padding, every_key_seen, every_row_has_key, mask_tensors, memo
 
 KV_CHECK_MIN_ROWS = 64
 """Calls with at least this many query rows also look at the keys in :func:`poison`: at most
@@ -72,11 +72,13 @@ def guard(inputs: Inputs, poisons: bool) -> Guarded:
     mask = inputs.mask
     if mask is None:
         return Guarded(inputs, poisons,
-                       _seen_unmasked(inputs) if poisons and checks_keys(inputs) else None)
+                       _seen_unmasked(inputs.k) if poisons and checks_keys(inputs) else None)
     runs = mask.guard_runs(inputs.space)
     has_key = seen = key_seen = None
-    if poisons:  # one evaluation of the mask (garbage outside the runs is never counted)
-        has_key, seen, key_seen = _scan(inputs)
+    # a padding mask whose key runs are zeroed below: a real row sees its element's real keys
+    padding = isinstance(mask, Padding) and not mask.vouched
+    if poisons and not padding:  # one evaluation of the mask (garbage outside the runs is
+        has_key, seen, key_seen = _scan(inputs)  # never counted)
     fixed = {}
     if every_key_seen(mask, inputs.space):
         key_seen = None
@@ -84,10 +86,16 @@ def guard(inputs: Inputs, poisons: bool) -> Guarded:
     real = key_seen if key_seen is not None else (
         None if runs.kv is None else _runs_mask(mask, runs.kv, inputs.k.shape[2], "kv",
                                                 inputs.k))
+    if poisons and padding and runs.q is not None:  # and the keys of an element without queries
+        real = _padding_keys(mask, inputs.space, inputs.k)
     if real is not None:
         if real.dtype == torch.bool:  # key_seen: one conversion for K and V
             real = keep_for(real, inputs.k)
         fixed["k"], fixed["v"] = zero_outside(inputs.k, real), zero_outside(inputs.v, real)
+    if poisons and padding:
+        has_key = _padding_rows(mask, inputs.space)
+        if checks_keys(inputs):  # the keys as zeroed: every real row sees all of its own
+            seen = _seen_unmasked(fixed.get("k", inputs.k))
     if has_key is not None:
         fixed["q"] = zero_outside(inputs.q, has_key)
     elif runs.q is not None:
@@ -263,13 +271,43 @@ def _dtype(inputs: Inputs) -> torch.dtype:
     return torch.float64 if inputs.q.dtype == torch.float64 else torch.float32
 
 
-def _seen_unmasked(inputs: Inputs) -> torch.Tensor:
-    """:attr:`Guarded.seen` without a mask, where every row attends every key: per K/V head
+def _seen_unmasked(k: torch.Tensor) -> torch.Tensor:
+    """:attr:`Guarded.seen` where every row attends every key of ``k [B, Hkv, Tk, Dk]`` (no
+    mask, or a padding mask once the keys outside each run are zeroed): per K/V head
     ``[B, Hkv, 1, 1]``, NaN exactly where its K holds a non-finite value. V is not looked at:
     a non-finite value row shows in the output rows that weigh it, which :func:`poison`
     looks at."""
-    k = _plain(inputs.k)
+    k = _plain(k)
     return (k @ _zeros(k)).sum(-2, keepdim=True)  # a sum of zeros and NaN: no overflow
+
+
+def _padding_keys(mask: Padding, space, like: torch.Tensor) -> torch.Tensor:
+    """The keys some query of a padding mask sees, ``[Bm, 1, Tk, 1]`` in :func:`keep_for`
+    ``like``'s form: the real keys of a batch element with a real query. Kept on the mask
+    while its tensors are unchanged."""
+    def keys():
+        q_lo, q_hi, kv_lo, kv_hi = mask.runs(space)
+        positions = torch.arange(space.kv_len, device=space.device)
+        seen = (positions >= kv_lo[:, None]) & (positions < kv_hi[:, None]) & (q_hi > q_lo)[:, None]
+        return keep_for(seen[:, None, :, None], like)
+    return memo(mask, ("keys", space.q_len, space.kv_len, space.device, _bits(like)),
+                mask_tensors(mask), keys)
+
+
+def _padding_rows(mask: Padding, space) -> Optional[torch.Tensor]:
+    """The rows with an allowed key of a padding mask, bool ``[Bm, 1, Tq, 1]``: real queries
+    of a batch element with a real key; ``None`` when every row has one. Kept on the mask
+    while its tensors are unchanged."""
+    if every_row_has_key(mask, space):
+        return None
+
+    def rows():
+        q_lo, q_hi, kv_lo, kv_hi = mask.runs(space)
+        positions = torch.arange(space.q_len, device=space.device)
+        real = (positions >= q_lo[:, None]) & (positions < q_hi[:, None]) & (kv_hi > kv_lo)[:, None]
+        return real[:, None, :, None]
+    return memo(mask, ("rows", space.q_len, space.kv_len, space.device), mask_tensors(mask),
+                rows)
 
 
 def _count(allowed: torch.Tensor, bad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -822,7 +822,7 @@ class _Padding(Mask):
         kv_runs = not (self.vouched or (self.kv_lengths is None and self.kv_starts is None))
         if not (q_runs or kv_runs):
             return NO_RUNS
-        q_lo, q_hi, kv_lo, kv_hi = self._bounds(space)
+        q_lo, q_hi, kv_lo, kv_hi = self.runs(space)
         return GuardRuns((q_lo, q_hi) if q_runs else None, (kv_lo, kv_hi) if kv_runs else None)
 
     def has_starts(self) -> bool:
@@ -927,7 +927,7 @@ class _Padding(Mask):
         lo, hi = torch.broadcast_tensors(lo, hi)
         return lo, hi
 
-    def _bounds(self, space):
+    def runs(self, space):
         """``(q_lo, q_hi, kv_lo, kv_hi)``: the real runs ``[lo, hi)``, each long ``[Bm]``;
         computed once per extent while the mask's tensors are unchanged (:func:`memo`)."""
         return memo(self, ("bounds", space.q_len, space.kv_len, space.device),
@@ -939,7 +939,7 @@ class _Padding(Mask):
     def structure(self, space):
         if not self.has_starts():
             return Structure(lengths=(self.q_lengths, self.kv_lengths))
-        q_lo, q_hi, kv_lo, kv_hi = (t.expand(space.batch) for t in self._bounds(space))
+        q_lo, q_hi, kv_lo, kv_hi = (t.expand(space.batch) for t in self.runs(space))
 
         def ranges(lo, hi, length, other_lo, other_hi):  # a real row's range: the other side's run
             pos = torch.arange(length, device=space.device)[None, :]
@@ -963,7 +963,7 @@ class _Padding(Mask):
                 return None
             if starts is None:  # right padding, runs [0, length): no bounds to build
                 return idx[None, :] < lengths.reshape(-1).to(space.device)[:, None]
-            bounds = self._bounds(space)  # [Bm] each: (q_lo, q_hi, kv_lo, kv_hi)
+            bounds = self.runs(space)  # [Bm] each: (q_lo, q_hi, kv_lo, kv_hi)
             lo, hi = bounds[:2] if side == "q" else bounds[2:]
             return (idx[None, :] >= lo[:, None]) & (idx[None, :] < hi[:, None])
         q_ok = inside(q_idx, self.q_starts, self.q_lengths, "q")
@@ -979,7 +979,7 @@ class _Padding(Mask):
     def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
                   kv_count=None):
         q_count, kv_count = _counts(space, q_offset, q_count, kv_offset, kv_count)
-        q_lo, q_hi, kv_lo, kv_hi = self._bounds(space)
+        q_lo, q_hi, kv_lo, kv_hi = self.runs(space)
         b_qlo, b_qhi = _block_bounds(q_offset, q_count, block_q, space.device)
         b_klo, b_khi = _block_bounds(kv_offset, kv_count, block_k, space.device)
 
@@ -998,7 +998,7 @@ class _Padding(Mask):
     def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
         if q_stop <= q_start or kv_stop <= kv_start:
             return None
-        q_lo, q_hi, kv_lo, kv_hi = self._bounds(space)  # [Bm] each
+        q_lo, q_hi, kv_lo, kv_hi = self.runs(space)  # [Bm] each
         if not q_lo.numel() or not kv_lo.numel():
             return None
         if (q_start >= int(q_lo.max()) and q_stop <= int(q_hi.min())
@@ -1015,6 +1015,10 @@ class _Padding(Mask):
                  for name in ("q_lengths", "kv_lengths", "q_starts", "kv_starts")
                  if getattr(self, name) is not None]
         return f"padding({', '.join(parts)})"
+
+
+Padding = _Padding
+"""The class of :func:`padding` masks (for ``isinstance``)."""
 
 
 def padding(q_lengths=None, kv_lengths=None, q_starts=None, kv_starts=None, *,
@@ -1265,7 +1269,7 @@ class _SequenceBand(_Intervals):
     def _aligned(self, space) -> tuple[torch.Tensor, ...]:
         """``(q_lo, q_hi, kv_lo, kv_hi, shift)``: the runs and the shift, long ``[Bm]`` each."""
         def aligned():
-            q_lo, q_hi, kv_lo, kv_hi = torch.broadcast_tensors(*self.sequences._bounds(space))
+            q_lo, q_hi, kv_lo, kv_hi = torch.broadcast_tensors(*self.sequences.runs(space))
             shift = kv_lo - q_lo if self.align == "top_left" else kv_hi - q_hi
             return q_lo, q_hi, kv_lo, kv_hi, shift
         sequences = self.sequences
