@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from .inputs import Inputs, _is_wrapped
+from .inputs import Inputs, _is_wrapped, derived
 from .masks import Padding, every_key_seen, every_row_has_key, mask_tensors, memo
 
 KV_CHECK_MIN_ROWS = 64
@@ -73,35 +73,52 @@ def guard(inputs: Inputs, poisons: bool) -> Guarded:
     if mask is None:
         return Guarded(inputs, poisons,
                        _seen_unmasked(inputs.k) if poisons and checks_keys(inputs) else None)
-    runs = mask.guard_runs(inputs.space)
+    prep = derived(inputs, ("guard", poisons), lambda: _prepare(inputs, poisons))
     has_key = seen = key_seen = None
-    # a padding mask whose key runs are zeroed below: a real row sees its element's real keys
-    padding = isinstance(mask, Padding) and not mask.vouched
-    if poisons and not padding:  # one evaluation of the mask (garbage outside the runs is
-        has_key, seen, key_seen = _scan(inputs)  # never counted)
+    if poisons and not prep.padding:  # one evaluation of the mask (garbage outside the runs
+        has_key, seen, key_seen = _scan(inputs)  # is never counted)
     fixed = {}
-    if every_key_seen(mask, inputs.space):
-        key_seen = None
     # keys no query sees (which include those outside the runs), else those outside the runs
-    real = key_seen if key_seen is not None else (
-        None if runs.kv is None else _runs_mask(mask, runs.kv, inputs.k.shape[2], "kv",
-                                                inputs.k))
-    if poisons and padding and runs.q is not None:  # and the keys of an element without queries
-        real = _padding_keys(mask, inputs.space, inputs.k)
+    real = (keep_for(key_seen, inputs.k) if key_seen is not None and not prep.every_key_seen
+            else prep.kv)
     if real is not None:
-        if real.dtype == torch.bool:  # key_seen: one conversion for K and V
-            real = keep_for(real, inputs.k)
         fixed["k"], fixed["v"] = zero_outside(inputs.k, real), zero_outside(inputs.v, real)
-    if poisons and padding:
-        has_key = _padding_rows(mask, inputs.space)
+    if poisons and prep.padding:
+        has_key = prep.rows
         if checks_keys(inputs):  # the keys as zeroed: every real row sees all of its own
             seen = _seen_unmasked(fixed.get("k", inputs.k))
     if has_key is not None:
         fixed["q"] = zero_outside(inputs.q, has_key)
-    elif runs.q is not None:
-        fixed["q"] = zero_outside(inputs.q, _runs_mask(mask, runs.q, inputs.q.shape[2], "q",
-                                                                inputs.q))
+    elif prep.q is not None:
+        fixed["q"] = zero_outside(inputs.q, prep.q)
     return Guarded(inputs.replaced(**fixed) if fixed else inputs, poisons, seen, has_key)
+
+
+class _Prepared(NamedTuple):
+    """What :func:`guard` derives from the mask alone (:func:`_prepare`), once per shared
+    validation (:func:`~attnkit.inputs.derived`)."""
+
+    kv: Optional[torch.Tensor]
+    """The keys to keep, ``[Bm, 1, Tk, 1]`` in :func:`keep_for` K's form, or ``None``."""
+    q: Optional[torch.Tensor]
+    """The queries inside the real runs, ``[Bm, 1, Tq, 1]`` in q's form, or ``None``."""
+    padding: bool
+    """A padding mask whose key runs are zeroed: a real row sees its element's real keys."""
+    rows: Optional[torch.Tensor]
+    """With ``padding`` and poison: :func:`_padding_rows`."""
+    every_key_seen: bool
+
+
+def _prepare(inputs: Inputs, poisons: bool) -> _Prepared:
+    mask, space = inputs.mask, inputs.space
+    runs = mask.guard_runs(space)
+    padding = isinstance(mask, Padding) and not mask.vouched
+    kv = None if runs.kv is None else _runs_mask(mask, runs.kv, space.kv_len, "kv", inputs.k)
+    if poisons and padding and runs.q is not None:  # and the keys of an element without queries
+        kv = _padding_keys(mask, space, inputs.k)
+    q = None if runs.q is None else _runs_mask(mask, runs.q, space.q_len, "q", inputs.q)
+    return _Prepared(kv, q, padding, _padding_rows(mask, space) if poisons and padding else None,
+                     every_key_seen(mask, space))
 
 
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,

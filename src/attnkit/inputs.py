@@ -54,13 +54,18 @@ class Inputs:
     _allowed: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _has_key: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _space: Optional[MaskSpace] = field(default=None, repr=False, compare=False)
+    derived: Optional[dict] = field(default=None, repr=False, compare=False)
+    """What the guard and the backend derived from the mask for this call's validation, shared
+    by every call that reuses it (:class:`CallCache`, :class:`attnkit.Plan`): its key holds
+    the mask's tensors by identity and version, so what is kept here stays right. ``None``
+    where calls do not share a validation (:func:`derived` then computes)."""
 
     def allowed(self) -> torch.Tensor:
         """The mask evaluated over the whole call, bool ``[Bm, Hm, Tq, Tk]``, computed once per
         call (the torch backend's bias and :func:`attnkit.finite.guard` both read it). Only
         for calls whose mask is small enough to materialise."""
         if self._allowed is None:
-            self._allowed = self.mask.to_dense(self.space)
+            self._allowed = derived(self, "allowed", lambda: self.mask.to_dense(self.space))
         return self._allowed
 
     def has_key(self) -> Optional[torch.Tensor]:
@@ -122,6 +127,17 @@ class Inputs:
         if self.modifiers is not None:
             lines.append(f"  modifiers: {self.modifiers!r}")
         return "\n".join(lines)
+
+
+def derived(inputs: Inputs, key, compute: Callable[[], object]):
+    """``compute()``, kept in :attr:`Inputs.derived` under ``key`` when the call shares its
+    validation with others (computed once for all of them), else computed."""
+    kept = inputs.derived
+    if kept is None:
+        return compute()
+    if key not in kept:
+        kept[key] = compute()
+    return kept[key]
 
 
 def _is_wrapped(t: torch.Tensor) -> bool:
@@ -324,6 +340,8 @@ class CallCache:
             if key is not None and (not by_shape or inputs.mask is mask):
                 if len(self._calls) >= self.entries:
                     self._calls.popitem(last=False)
+                if not by_shape:  # what the call derives from its mask, for every hit
+                    inputs.derived = {}
                 kept = dataclasses.replace(inputs, q=None, k=None, v=None, _allowed=None,
                                            _has_key=None)
                 self._calls[key] = (kept, choice, keep)
@@ -333,7 +351,7 @@ class CallCache:
         return Inputs(_bhtd(q, rank, batch), _bhtd(k, rank, batch), _bhtd(v, rank, batch),
                       mask if by_shape else t.mask, t.scale, t.dropout_p, t.generator, batch,
                       rank, t.need_weights, t.need_lse, t.need_grad, t.bias_grad, t.transformed,
-                      t.modifiers, t.invariant), choice
+                      t.modifiers, t.invariant, derived=t.derived), choice
 
     @staticmethod
     def _signature(q, k, v, mask, options: tuple) -> tuple[Optional[tuple], list, bool]:

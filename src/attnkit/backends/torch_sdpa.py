@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..inputs import Inputs
+from ..inputs import Inputs, derived
 from ..masks import CAUSAL, DENSE_MAX_SCORES
 from ..numerics import accum_dtype, additive_mask
 from .base import Backend, BackendOutput
@@ -159,7 +159,8 @@ class TorchBackend(Backend):
         additive = row_ok = None
         fused_lse = inputs.need_lse and _fused_cpu(inputs)  # its kernel takes a float bias only
         if (mask is not None and not is_causal) or positions:
-            additive, row_ok = dense_bias(inputs, bool_ok=not fused_lse)
+            additive, row_ok = derived(inputs, ("dense_bias", not fused_lse),
+                                       lambda: dense_bias(inputs, bool_ok=not fused_lse))
         if fused_lse:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, is_causal, attn_mask=additive, scale=inputs.scale)
