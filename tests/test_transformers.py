@@ -96,15 +96,21 @@ def _limit(eager: torch.Tensor, sdpa: torch.Tensor, real: torch.Tensor, terms: i
 
 @pytest.fixture
 def captured(monkeypatch) -> list:
-    """The masks handed to ``ak.attention`` while the test runs, in call order."""
+    """The masks of the attention calls while the test runs (``ak.attention``, and the runs of
+    the plans the integration makes for a forward pass's layers), in call order."""
     masks = []
-    real_attention = ak.attention
+    real_attention, real_run = ak.attention, ak.Plan.__call__
 
     def spy(q, k, v, mask=None, **kwargs):
         masks.append(mask)
         return real_attention(q, k, v, mask, **kwargs)
 
+    def spy_run(plan, q, k, v):
+        masks.append(plan.mask)
+        return real_run(plan, q, k, v)
+
     monkeypatch.setattr(ak, "attention", spy)
+    monkeypatch.setattr(ak.Plan, "__call__", spy_run)
     return masks
 
 

@@ -6,7 +6,8 @@
 """
 
 from . import masks, modifiers
-from .api import AttentionResult, attention, available_backends, explain_dispatch
+from .api import AttentionResult, attention, available_backends, explain_dispatch, plan
+from .call import Plan
 from .dispatch import use_backend
 from .invariance import invariant
 from .masks import bias, causal, dense, documents, from_function, padding, sliding_window
@@ -17,7 +18,8 @@ from .varlen import varlen_attention
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "varlen_attention", "paged_attention", "AttentionResult", "available_backends",
+    "attention", "plan", "Plan", "varlen_attention", "paged_attention", "AttentionResult",
+    "available_backends",
     "explain_dispatch", "use_backend", "invariant",
     "masks", "modifiers", "nn", "causal", "sliding_window",
     "padding", "documents", "dense", "bias", "from_function",

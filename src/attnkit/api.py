@@ -139,6 +139,26 @@ def _autocast(device: str, *tensors):
                  and t.dtype != torch.float64 else t for t in tensors)
 
 
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None, *,
+         scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
+         return_weights: bool = False, invariant: Optional[bool] = None) -> call.Plan:
+    """``attention(q, k, v, mask, ...)`` validated and planned once, to run on new tensors of
+    the same signature: ``plan = attnkit.plan(q, k, v, mask)``, then ``plan(q, k, v)`` in
+    every layer of a step that passes ``mask`` (or every step of a loop whose shapes repeat).
+
+    Shapes and arguments as for :func:`attention` (no dropout). Making the plan validates the
+    call, chooses the backend and may read the mask's values on the host (its range checks);
+    running it makes no such decision again: it checks the tensors' shapes, strides, dtypes,
+    devices and gradient flags against the plan's and the mask's tensors against in-place
+    writes (``ValueError`` on either), then runs the planned call, which returns what
+    :func:`attention` returns, bit for bit. A plan holds what it derived from the mask's
+    values (runs of real keys, the dense key mask of torch's kernel) for its lifetime: make a
+    new one for a new mask, as each step of a decoding loop does. Make and run plans outside
+    ``torch.autocast``; inside a compiled region a plan runs as :func:`attention`."""
+    return call.Plan(q, k, v, mask, scale=scale, backend=backend, return_lse=return_lse,
+                     return_weights=return_weights, invariant=invariance.active(invariant))
+
+
 def explain_dispatch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None,
                      *, scale: Optional[float] = None, dropout_p: float = 0.0,
                      return_lse: bool = False, return_weights: bool = False,

@@ -19,7 +19,8 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend, BackendOutput
-from .inputs import CallCache, Inputs, restore, validate
+from .inputs import CallCache, Inputs, _bhtd, restore, validate
+from .masks import mask_tensors
 
 
 class AttentionResult(NamedTuple):
@@ -51,10 +52,109 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, *, scale: Optio
                                generator=generator, backend=backend, return_lse=return_lse,
                                return_weights=return_weights, compiling=compiling,
                                invariant=invariant)
+    return executed(inputs, chosen, return_lse, return_weights, compiling)
+
+
+def executed(inputs: Inputs, chosen: Backend, return_lse: bool, return_weights: bool,
+             compiling: bool = False) -> Union[torch.Tensor, AttentionResult]:
+    """A validated call run on ``chosen``: dispatch.run, sinks joined, a double backward
+    refused where the backend has none, the result in the caller's layout."""
     result = with_sinks(inputs, dispatch.run(chosen, inputs))
     if inputs.need_grad and not chosen.DOUBLE_BACKWARD and not compiling:
         dispatch.refuse_double_backward(result, chosen.NAME)
     return restored(result, inputs, return_lse, return_weights)
+
+
+class Plan:
+    """One attention call validated and planned once, run on new tensors of the same
+    signature (:func:`attnkit.plan`): the layers of a step that pass one mask, a decoding
+    loop's repeated shapes. Running a plan validates nothing, chooses nothing and derives
+    nothing from the mask again (each layer pays only the kernel and the per-call operations
+    on its own q, k, v); it checks that the tensors have the planned shapes, strides, dtypes,
+    devices and gradient flags, and that the mask's tensors were not written in place since
+    (their version counters), raising ``ValueError`` otherwise. Made and run outside
+    ``torch.autocast``; inside a compiled region it runs as :func:`attnkit.attention`."""
+
+    def __init__(self, q, k, v, mask, *, scale, backend, return_lse, return_weights,
+                 invariant):
+        if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+            raise ValueError("attnkit.plan under torch.autocast: make and run plans in the "
+                             "dtype the call runs in (autocast casts per call: use attention())")
+        inputs = validate(q, k, v, mask, scale=scale, need_weights=return_weights,
+                          need_lse=return_lse, invariant=invariant)
+        self.backend = dispatch.select(inputs, backend)
+        self._inputs = inputs.replaced(q=None, k=None, v=None, derived={})
+        self.mask, self.scale, self.backend_name = mask, scale, backend
+        self.return_lse, self.return_weights, self.invariant = return_lse, return_weights, invariant
+        self._signature = _plan_signature(q, k, v)
+        self._tensors = _versions(inputs.mask, inputs.modifiers)
+
+    @staticmethod
+    def signature_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """What a plan is made for: the shapes, strides, dtypes, devices and gradient flags of
+        ``q, k, v`` and the grad mode (hashable)."""
+        return _plan_signature(q, k, v)
+
+    def fits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether ``q, k, v`` have the planned signature (:meth:`signature_of`)."""
+        return _plan_signature(q, k, v) == self._signature
+
+    def stale(self) -> bool:
+        """Whether a tensor of the mask (or of its score modifiers) was written in place since
+        the plan was made (its version counter moved): running it would then raise."""
+        return _versions(self._inputs.mask, self._inputs.modifiers) != self._tensors
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 ) -> Union[torch.Tensor, AttentionResult]:
+        """The planned call on ``q, k, v``: what ``attention(q, k, v, mask, ...)`` with the
+        plan's arguments returns."""
+        if torch.compiler.is_compiling():
+            from .api import attention
+            return attention(q, k, v, self.mask, scale=self.scale, backend=self.backend_name,
+                             return_lse=self.return_lse, return_weights=self.return_weights,
+                             invariant=self.invariant)
+        if not self.fits(q, k, v):
+            raise ValueError(f"this plan was made for {_describe(self._signature)}; got "
+                             f"{_describe(_plan_signature(q, k, v))}: make a plan for these "
+                             f"tensors (attnkit.plan), or call attnkit.attention")
+        if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+            raise ValueError("a plan runs outside torch.autocast (autocast casts per call: use "
+                             "attention())")
+        if self.stale():
+            raise ValueError("the mask's tensors were written in place after the plan was "
+                             "made: what the plan derived from them is stale; make a new plan")
+        template = self._inputs
+        rank, batch = template.input_rank, template.batch_shape
+        inputs = template.replaced(q=_bhtd(q, rank, batch), k=_bhtd(k, rank, batch),
+                                   v=_bhtd(v, rank, batch))
+        return executed(inputs, self.backend, self.return_lse, self.return_weights)
+
+    def __repr__(self) -> str:
+        return (f"Plan({_describe(self._signature)}, mask {self._inputs.mask!r}, backend "
+                f"{self.backend.NAME})")
+
+
+def _plan_signature(q, k, v) -> tuple:
+    return (tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in (q, k, v)),
+            torch.is_grad_enabled())
+
+
+def _describe(signature: tuple) -> str:
+    tensors, grad_mode = signature
+    parts = [f"{name} {tuple(shape)} stride {stride} {dtype} {device}"
+             + (" requires_grad" if grad else "")
+             for name, (shape, stride, dtype, device, grad) in zip("qkv", tensors)]
+    return ", ".join(parts) + f" (grad mode {'on' if grad_mode else 'off'})"
+
+
+def _versions(mask, modifiers) -> tuple:
+    """The identity and version counter of every tensor of the mask and modifiers (inference
+    tensors, which have none, by identity)."""
+    tensors = [] if mask is None else list(mask_tensors(mask) or ())
+    if modifiers is not None:
+        tensors.extend(modifiers.tensors)
+    return tuple((id(t), None if t.is_inference() else t._version) for t in tensors
+                 if t is not None)
 
 
 def validated(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse,

@@ -202,6 +202,24 @@ class TransformersMask:
                  structured: bool = True, packed: bool = False, padded: bool = False):
         self.mask, self.batch, self.q_len, self.kv_len = mask, batch, q_len, kv_len
         self.structured, self.packed, self.padded = structured, packed, padded
+        self._plans: dict = {}
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: Optional[float]) -> torch.Tensor:
+        """``attnkit.attention(query, key, value, self.mask, scale=scale)`` through a plan
+        (:func:`attnkit.plan`) kept on this mask: the mask function makes one mask per forward
+        pass, so the first layer of each signature plans the call (validation, the backend's
+        choice, what is derived from the mask's values) and the others only run it. Without a
+        mask (the call cache serves every step alike), under ``torch.autocast`` or inside a
+        compiled region, the call itself."""
+        if (self.mask is None or torch.compiler.is_compiling()
+                or torch.is_autocast_enabled(query.device.type)):
+            return ak.attention(query, key, value, self.mask, scale=scale)
+        signature = (scale, ak.Plan.signature_of(query, key, value))
+        plan = self._plans.get(signature)
+        if plan is None or plan.stale():  # (a mask kept across passes, written in place)
+            plan = self._plans[signature] = ak.plan(query, key, value, self.mask, scale=scale)
+        return plan(query, key, value)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -507,6 +525,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     for modifier in modifiers:
         mask = modifier if mask is None else mask & modifier
     weights_wanted = bool(kwargs.get("output_attentions", False))
+    if (isinstance(attention_mask, TransformersMask) and mask is attention_mask.mask
+            and not dropout and not weights_wanted):  # the layers share the mask: one plan
+        out = attention_mask.attend(query, key, value, scaling)
+        return out.transpose(1, 2).contiguous(), None
     result = ak.attention(query, key, value, mask, scale=scaling, dropout_p=dropout,
                           return_weights=weights_wanted)
     out, weights = (result.out, result.weights) if weights_wanted else (result, None)

@@ -1,0 +1,156 @@
+"""attnkit.plan: a call validated and planned once, run on new tensors of its signature, gives
+what attention() gives, bit for bit, with no host read; a mismatch or a stale mask raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import attnkit as ak
+from attnkit.bench.hostreads import HostReads
+
+B, HQ, HKV, T, D = 2, 4, 2, 24, 16
+
+
+def _masks() -> dict:
+    lens = torch.tensor([15, T])
+    ids = torch.arange(T) // 7
+    return {
+        "none": None,
+        "causal": ak.causal(),
+        "bottom_right": ak.causal("bottom_right"),
+        "window": ak.sliding_window(5),
+        "padding": ak.padding(kv_lengths=lens),
+        "left padding": ak.padding(kv_starts=T - lens),
+        "kv_mask": ak.padding(kv_mask=torch.arange(T) < lens[:, None]),
+        "q and kv": ak.padding(q_lengths=lens, kv_lengths=lens),
+        "causal & padding": ak.causal() & ak.padding(kv_lengths=lens),
+        "documents": ak.documents(ids),
+        "documents(causal)": ak.documents(ids, causal="top_left"),
+        "dense": ak.dense(torch.rand(T, T, generator=torch.Generator().manual_seed(1)) < 0.8),
+        "softcap": ak.causal() & ak.softcap(5.0),
+        "alibi": ak.causal() & ak.alibi(torch.rand(HQ)),
+        "sinks": ak.padding(kv_lengths=lens) & ak.sinks(torch.zeros(HQ)),
+    }
+
+
+def _qkv(gen, dtype=torch.float32, grad=False):
+    q = torch.randn(B, HQ, T, D, generator=gen, dtype=dtype)
+    k, v = torch.randn(2, B, HKV, T, D, generator=gen, dtype=dtype).unbind(0)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("backend", ["auto", "tiled", "reference"])
+@pytest.mark.parametrize("name", list(_masks()))
+def test_a_plan_gives_what_attention_gives(name, backend, gen):
+    mask = _masks()[name]
+    plan = ak.plan(*_qkv(gen), mask, backend=backend, return_lse=True)
+    for _ in range(3):  # new tensors of the signature, every layer of a step
+        q, k, v = _qkv(gen)
+        got = plan(q, k, v)
+        want = ak.attention(q, k, v, mask, backend=backend, return_lse=True)
+        assert torch.equal(got.out.nan_to_num(7.0), want.out.nan_to_num(7.0)), name
+        assert torch.equal(got.lse, want.lse), name
+
+
+@pytest.mark.parametrize("name", ["causal", "padding", "left padding", "alibi"])
+def test_gradients_through_a_plan_equal_attention_s(name, gen):
+    mask = _masks()[name]
+    plan = ak.plan(*_qkv(gen, torch.float64, grad=True), mask)
+    leaves = _qkv(gen, torch.float64, grad=True)
+    grads = []
+    for run in (lambda q, k, v: plan(q, k, v), lambda q, k, v: ak.attention(q, k, v, mask)):
+        copies = [t.detach().clone().requires_grad_() for t in leaves]
+        out = run(*copies)
+        out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape))
+        grads.append([t.grad for t in copies])
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)
+
+
+def test_garbage_and_non_finite_values_follow_the_rules(gen):
+    """Garbage past the real keys never reaches the result; a non-finite real key makes its
+    rows NaN: the plan keeps attention()'s rules."""
+    lens = torch.tensor([10, T])
+    mask = ak.padding(kv_lengths=lens)
+    plan = ak.plan(*_qkv(gen), mask)
+    q, k, v = _qkv(gen)
+    clean = plan(q, k, v)
+    k[0, :, 10:], v[0, :, 10:] = float("nan"), float("inf")
+    assert torch.equal(plan(q, k, v), clean)
+    k[1, 0, 3, 0] = float("nan")
+    out = plan(q, k, v)
+    assert torch.isnan(out[1, :2]).all() and torch.equal(out[1, 2:], clean[1, 2:])
+
+
+def test_running_a_plan_reads_no_value(gen):
+    """Making a plan may read the mask's values (its checks); running it reads none."""
+    masks = _masks()
+    for name in ("padding", "left padding", "causal & padding", "documents", "window"):
+        plan = ak.plan(*_qkv(gen), masks[name])
+        q, k, v = _qkv(gen)
+        plan(q, k, v)
+        with HostReads() as reads:
+            plan(q, k, v)
+        assert reads.count == 0, (name, dict(reads.by_kind))
+
+
+def test_other_tensors_raise_with_both_signatures(gen):
+    plan = ak.plan(*_qkv(gen), ak.causal())
+    q, k, v = _qkv(gen)
+    for args in ((q[:, :, :8], k, v), (q.double(), k.double(), v.double()),
+                 (q.transpose(2, 3).contiguous().transpose(2, 3), k, v),
+                 (q.requires_grad_(), k, v)):
+        with pytest.raises(ValueError, match=r"plan was made for q \(2, 4, 24, 16\).*got q"):
+            plan(*args)
+    assert plan.fits(*_qkv(gen)) and not plan.fits(q[:, :1], k, v)
+
+
+def test_a_mask_written_in_place_after_planning_raises(gen):
+    lens = torch.tensor([10, T])
+    plan = ak.plan(*_qkv(gen), ak.padding(kv_lengths=lens))
+    lens[0] = 12
+    with pytest.raises(ValueError, match="written in place"):
+        plan(*_qkv(gen))
+
+
+def test_plans_refuse_autocast(gen):
+    q, k, v = _qkv(gen)
+    plan = ak.plan(q, k, v, ak.causal())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match="autocast"):
+            plan(q, k, v)
+        with pytest.raises(ValueError, match="autocast"):
+            ak.plan(q, k, v, ak.causal())
+
+
+def test_a_plan_inside_a_compiled_function_runs_as_attention(gen):
+    q, k, v = _qkv(gen)
+    mask = ak.padding(kv_lengths=torch.tensor([10, T]))
+    plan = ak.plan(q, k, v, mask)
+    compiled = torch.compile(lambda q, k, v: plan(q, k, v), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), ak.attention(q, k, v, mask))
+
+
+@pytest.mark.parametrize("device", ["meta", "fake"])
+def test_plans_propagate_shapes_on_meta_and_fake_tensors(device):
+    def run(q, k, v):
+        mask = ak.padding(kv_lengths=torch.tensor([10, T], device=q.device))
+        plan = ak.plan(q, k, v, mask)
+        return plan(q, k, v)
+    shapes = [(B, HQ, T, D), (B, HKV, T, D), (B, HKV, T, D)]
+    if device == "meta":
+        out = run(*(torch.empty(s, device="meta") for s in shapes))
+    else:
+        with FakeTensorMode():
+            out = run(*(torch.empty(s) for s in shapes))
+    assert out.shape == (B, HQ, T, D)
+
+
+def test_stale_says_whether_the_mask_was_written(gen):
+    lens = torch.tensor([10, T])
+    plan = ak.plan(*_qkv(gen), ak.padding(kv_lengths=lens))
+    assert not plan.stale()
+    lens.add_(0)
+    assert plan.stale()
