@@ -491,6 +491,34 @@ def test_a_decode_step_replays_in_a_cuda_graph():
 
 
 @gpu
+def test_a_plan_runs_without_sync_and_replays_in_a_cuda_graph():
+    """A plan (``attnkit.plan``) of a left-padded decode step: its run makes no device sync,
+    and captured in a CUDA graph and replayed after new q, k, v were written into its
+    inputs it equals ``attention`` on them."""
+    import attnkit as ak
+
+    q, k, v, _ = make_inputs(4, 8, 2, 1, 2048, 128, torch.bfloat16, seed=6)
+    mask = ak.padding(kv_starts=torch.tensor([0, 700, 2047, 31], device=DEVICE))
+    plan = ak.plan(q, k, v, mask)
+    plan(q, k, v)  # the first run derives the mask's runs
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan(q, k, v)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = plan(q, k, v)
+    fresh = make_inputs(4, 8, 2, 1, 2048, 128, torch.bfloat16, seed=7)[:3]
+    for buffer, value in zip((q, k, v), fresh):
+        buffer.copy_(value)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, ak.attention(*fresh, mask))
+
+
+@gpu
 def test_garbage_in_padding_and_unwritten_slots_is_never_read():
     """NaN past each sequence's keys (padding, unwritten cache slots) gives exactly the result
     of zeros there, on the triton kernels, forward and, for the prefill, backward."""
@@ -585,6 +613,7 @@ def test_paged_cache_on_the_device():
 
 
 FIRST = ("test_steps_make_no_device_sync", "test_a_decode_step_replays_in_a_cuda_graph",
+         "test_a_plan_runs_without_sync_and_replays_in_a_cuda_graph",
          "test_garbage_in_padding_and_unwritten_slots_is_never_read",
          "test_varlen_packed_sequences", "test_paged_cache_on_the_device")
 """Run first by :func:`main`: the checks no GPU run has made yet (a cut-off run reports them)."""
