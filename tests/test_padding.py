@@ -191,3 +191,21 @@ def test_real_keys_is_padding_for_one_run_per_row_else_dense():
         mask = ak.masks.real_keys(real)
         assert type(mask) is kind
         assert torch.equal(mask.to_dense(space), real[:, None, None, :].expand(2, 1, 3, 5))
+
+
+def test_a_key_mask_read_into_padding_is_its_own_copy():
+    """``padding(kv_mask=...)`` keeps the mask it read (its dense form and the guard use it):
+    its dense form equals the element-wise evaluation, and writing the caller's tensor later
+    changes neither."""
+    real = torch.arange(10) >= torch.tensor([3, 0, 7])[:, None]  # left padding, [B, Tk]
+    mask = ak.padding(kv_mask=real)
+    space = MaskSpace(3, 2, 4, 10)
+    dense = mask.to_dense(space).clone()
+    evaluated = mask.tile(torch.arange(4), torch.arange(10), space)
+    assert torch.equal(dense, evaluated.expand_as(dense))
+    q = torch.randn(3, 2, 4, 8)
+    before = ak.attention(q, q.repeat(1, 1, 3, 1)[:, :, :10], q.repeat(1, 1, 3, 1)[:, :, :10], mask)
+    real.fill_(True)
+    assert torch.equal(mask.to_dense(space), dense)
+    after = ak.attention(q, q.repeat(1, 1, 3, 1)[:, :, :10], q.repeat(1, 1, 3, 1)[:, :, :10], mask)
+    assert torch.equal(before, after)

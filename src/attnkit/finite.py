@@ -111,8 +111,13 @@ class _Prepared(NamedTuple):
 
 def _prepare(inputs: Inputs, poisons: bool) -> _Prepared:
     mask, space = inputs.mask, inputs.space
-    runs = mask.guard_runs(space)
     padding = isinstance(mask, Padding) and not mask.vouched
+    keys = mask.key_mask(space) if padding else None
+    if keys is not None:  # the real-key mask itself: no runs to build
+        return _Prepared(keep_for(keys[:, None, :, None], inputs.k), None, True,
+                         _padding_rows(mask, space) if poisons else None,
+                         every_key_seen(mask, space))
+    runs = mask.guard_runs(space)
     kv = None if runs.kv is None else _runs_mask(mask, runs.kv, space.kv_len, "kv", inputs.k)
     if poisons and padding and runs.q is not None:  # and the keys of an element without queries
         kv = _padding_keys(mask, space, inputs.k)

@@ -575,6 +575,7 @@ class _Runs(NamedTuple):
     broken: Optional[torch.Tensor]  # bool [B], inside a compiled region: real tokens not one run
     empty: Optional[torch.Tensor]  # bool [B], inside a compiled region: no real token (refused)
     every_row: bool = False  # every row holds a real token (read; False when unknown)
+    real: Optional[torch.Tensor] = None  # bool [B, T]: the mask itself, a copy of its own
 
 
 def run_bounds(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -624,6 +625,8 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
             raise ValueError(f"padding {name} holds values {bad}: an integer 'real token' mask "
                              f"must hold only 0 (padding) and 1 (real token)")
         m = m != 0
+    else:
+        m = m.clone()  # kept (_Runs.real): a later write to the caller's tensor changes nothing
     width = m.shape[1]
     count, first, last = run_bounds(m)  # [B] each
     broken = (count > 0) & (last - first + 1 != count)
@@ -648,7 +651,7 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
     if empty is not None and any_empty:
         raise ValueError(_empty_rows_message(name, empty.nonzero().flatten().tolist(),
                                              tuple(m.shape), bool(_one_run(~m).all())))
-    return _Runs(starts, count.to(torch.long), width, None, None, not any_empty)
+    return _Runs(starts, count.to(torch.long), width, None, None, not any_empty, m)
 
 
 def _rows(rows: list) -> str:
@@ -787,10 +790,12 @@ class _Padding(Mask):
         if q_mask is not None:
             self.q_starts, self.q_lengths, self.q_width, self.q_broken, self.q_empty = _runs(
                 "q_mask", q_mask, allow_empty_rows)[:5]
+        self.kv_real = None
         if kv_mask is not None:
             runs = _runs("kv_mask", kv_mask, allow_empty_rows)
             (self.kv_starts, self.kv_lengths, self.kv_width, self.kv_broken,
              self.kv_empty) = runs[:5]
+            self.kv_real = runs.real  # the runs as read: bool [B, Tk] (None when compiling)
             # every query real and every row of keys non-empty (read with the runs): every
             # row has a key (every_row_has_key)
             self.keys_everywhere = runs.every_row and q_mask is None and all(
@@ -949,7 +954,19 @@ class _Padding(Mask):
         return Structure(ranges=(ranges(q_lo, q_hi, space.q_len, kv_lo, kv_hi),
                                  ranges(kv_lo, kv_hi, space.kv_len, q_lo, q_hi)))
 
+    def key_mask(self, space) -> Optional[torch.Tensor]:
+        """Bool ``[B, Tk]``: the real keys as read from ``kv_mask``, when that is this mask's
+        whole content (no query side) and it spans the call's keys; else ``None``."""
+        real = self.kv_real
+        if (real is None or self.q_lengths is not None or self.q_starts is not None
+                or real.shape[1] != space.kv_len):
+            return None
+        return real if real.device == space.device else real.to(space.device)
+
     def to_dense(self, space):
+        keys = self.key_mask(space)
+        if keys is not None:  # key padding read from a real-key mask: that mask, broadcast
+            return keys[:, None, None, :].expand(-1, 1, space.q_len, -1)  # [B, 1, Tq, Tk]
         if not self.vouched or self.q_lengths is not None:
             return super().to_dense(space)
         # a decoding step's key padding, made anew in every layer (no memo would be read
@@ -1073,6 +1090,7 @@ def vouched_padding(q_lengths: Optional[torch.Tensor], kv_lengths: torch.Tensor,
         raise ValueError("vouched_padding(keys_everywhere=True) needs q_lengths=None: a padded "
                          "query has no key")
     mask = _Padding.__new__(_Padding)
+    mask.kv_real = None
     mask.q_width = mask.kv_width = mask.q_broken = mask.kv_broken = None
     mask.q_empty = mask.kv_empty = None
     mask.q_lengths, mask.kv_lengths = q_lengths, kv_lengths
