@@ -99,7 +99,7 @@ def captured(monkeypatch) -> list:
     """The masks of the attention calls while the test runs (``ak.attention``, and the runs of
     the plans the integration makes for a forward pass's layers), in call order."""
     masks = []
-    real_attention, real_run = ak.attention, ak.Plan.__call__
+    real_attention, real_run = ak.attention, ak.Plan._run
 
     def spy(q, k, v, mask=None, **kwargs):
         masks.append(mask)
@@ -110,7 +110,7 @@ def captured(monkeypatch) -> list:
         return real_run(plan, q, k, v)
 
     monkeypatch.setattr(ak, "attention", spy)
-    monkeypatch.setattr(ak.Plan, "__call__", spy_run)
+    monkeypatch.setattr(ak.Plan, "_run", spy_run)
     return masks
 
 

@@ -123,6 +123,12 @@ class Plan:
         if self.stale():
             raise ValueError("the mask's tensors were written in place after the plan was "
                              "made: what the plan derived from them is stale; make a new plan")
+        return self._run(q, k, v)
+
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             ) -> Union[torch.Tensor, AttentionResult]:
+        """:meth:`__call__` once its checks have passed (a caller that keys its plans by
+        :meth:`signature_of` and checks :meth:`stale` itself)."""
         template = self._inputs
         rank, batch = template.input_rank, template.batch_shape
         inputs = template.replaced(q=_bhtd(q, rank, batch), k=_bhtd(k, rank, batch),

@@ -219,7 +219,7 @@ class TransformersMask:
         plan = self._plans.get(signature)
         if plan is None or plan.stale():  # (a mask kept across passes, written in place)
             plan = self._plans[signature] = ak.plan(query, key, value, self.mask, scale=scale)
-        return plan(query, key, value)
+        return plan._run(query, key, value)  # the plan fits: it is kept by its signature
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
