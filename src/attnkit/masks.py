@@ -961,7 +961,10 @@ class _Padding(Mask):
         if (real is None or self.q_lengths is not None or self.q_starts is not None
                 or real.shape[1] != space.kv_len):
             return None
-        return real if real.device == space.device else real.to(space.device)
+        if real.device == space.device:
+            return real
+        return memo(self, ("key mask", space.device), mask_tensors(self),  # moved once
+                    lambda: real.to(space.device))
 
     def to_dense(self, space):
         keys = self.key_mask(space)
