@@ -48,10 +48,10 @@ CHUNK_ELEMENTS = 1 << 22
 
 class Guarded(NamedTuple):
     """What :func:`guard` makes of a call: ``inputs`` without garbage where no result needs it,
-    and ``seen`` in q's dtype, per query row ``[B, Hq, Tq, 1]`` or per K/V head
-    ``[B, Hkv, 1, 1]``, NaN where the row may attend a non-finite key row and 0 elsewhere
-    (``None`` when
-    :func:`poison` does not run or the keys are not looked at, :func:`checks_keys`)."""
+    and ``seen`` in q's dtype, per query row ``[B, Hq, Tq, 1]``, per K/V head and row
+    ``[B, Hkv, Tq, 1]`` or per K/V head ``[B, Hkv, 1, 1]``, NaN where the row may attend a
+    non-finite key row and 0 elsewhere (``None`` when :func:`poison` does not run or the keys
+    are not looked at, :func:`checks_keys`)."""
 
     inputs: Inputs
     poisons: bool
@@ -110,6 +110,7 @@ class _Prepared(NamedTuple):
 
 
 def _prepare(inputs: Inputs, poisons: bool) -> _Prepared:
+    """:class:`_Prepared` for the call's mask (``poisons``: :func:`applies`)."""
     mask, space = inputs.mask, inputs.space
     padding = isinstance(mask, Padding) and not mask.vouched
     keys = mask.key_mask(space) if padding else None
