@@ -523,3 +523,22 @@ def error_failures(cases: dict) -> dict:
         except AssertionError as error:
             failures[name] = str(error)
     return failures
+
+
+def backward_unless_rank_1(out: torch.Tensor, rank: int, log_dir: str) -> None:
+    """A worker whose rank 1 never calls backward: rank 1 waits (spawn stops it once another
+    rank has raised); every other rank runs ``out.sum().backward()`` and, when that raises,
+    writes the error to ``log_dir/rank{rank}.txt`` (whole, by a rename) and raises it."""
+    import time
+    from pathlib import Path
+
+    if rank == 1:
+        time.sleep(60)
+        return
+    try:
+        out.sum().backward()
+    except RuntimeError as error:
+        record = Path(log_dir, f"rank{rank}.txt")
+        record.with_suffix(".tmp").write_text(str(error))
+        record.with_suffix(".tmp").rename(record)
+        raise

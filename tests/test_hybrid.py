@@ -10,7 +10,6 @@ local shards are 4 positions long.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import attnkit as ak
 from attnkit.distributed import plan_balance, spawn
-from conftest import error_failures, expect_error, spawned_once
+from conftest import backward_unless_rank_1, error_failures, expect_error, spawned_once
 from attnkit.distributed.hybrid import (hybrid_attention, hybrid_bytes, hybrid_shard,
                                         hybrid_unshard)
 from attnkit.distributed.ring import RingStats
@@ -348,16 +347,7 @@ def _skips_backward(rank: int, world: int, log_dir: str) -> None:
     mesh = init_device_mesh("cpu", (1, 2))
     q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
     out = hybrid_attention(q, k, v, ak.causal(), mesh=mesh, backward_timeout=2.0)
-    if rank == 1:
-        time.sleep(60)  # stopped by spawn once the waiting rank has raised
-        return
-    try:
-        out.sum().backward()
-    except RuntimeError as error:
-        record = Path(log_dir, "rank0.txt")
-        record.with_suffix(".tmp").write_text(str(error))
-        record.with_suffix(".tmp").rename(record)
-        raise
+    backward_unless_rank_1(out, rank, log_dir)
     raise AssertionError("the backward finished although rank 1 skipped it")
 
 

@@ -9,7 +9,6 @@ of that case. H = 12 query heads, so worlds 2, 3 and 4 all divide it; the local 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 import attnkit as ak
 from attnkit.distributed import shard, spawn
-from conftest import error_failures, spawned_once
+from conftest import backward_unless_rank_1, error_failures, spawned_once
 from attnkit.distributed.ulysses import (heads_of, kv_head_index, ulysses_attention,
                                          ulysses_bytes)
 
@@ -338,16 +337,7 @@ def _skips_backward(rank: int, world: int, log_dir: str) -> None:
     """Rank 1 never calls backward; the others run it and record the error they get."""
     q, k, v = (torch.randn(1, 2, 8, 8, requires_grad=True) for _ in range(3))
     out = ulysses_attention(q, k, v, ak.causal(), backward_timeout=SKIP_TIMEOUT)
-    if rank == 1:
-        time.sleep(60)  # stopped by spawn once a waiting rank has raised
-        return
-    try:
-        out.sum().backward()
-    except RuntimeError as error:
-        record = Path(log_dir, f"rank{rank}.txt")
-        record.with_suffix(".tmp").write_text(str(error))
-        record.with_suffix(".tmp").rename(record)
-        raise
+    backward_unless_rank_1(out, rank, log_dir)
     raise AssertionError(f"rank {rank}: the backward finished although rank 1 skipped it")
 
 
