@@ -306,31 +306,35 @@ def _seen_unmasked(k: torch.Tensor) -> torch.Tensor:
 
 def _padding_keys(mask: Padding, space, like: torch.Tensor) -> torch.Tensor:
     """The keys some query of a padding mask sees, ``[Bm, 1, Tk, 1]`` in :func:`keep_for`
-    ``like``'s form: the real keys of a batch element with a real query. Kept on the mask
-    while its tensors are unchanged."""
-    def keys():
-        q_lo, q_hi, kv_lo, kv_hi = mask.runs(space)
-        positions = torch.arange(space.kv_len, device=space.device)
-        seen = (positions >= kv_lo[:, None]) & (positions < kv_hi[:, None]) & (q_hi > q_lo)[:, None]
-        return keep_for(seen[:, None, :, None], like)
-    return memo(mask, ("keys", space.q_len, space.kv_len, space.device, _bits(like)),
-                mask_tensors(mask), keys)
+    ``like``'s form: the real keys of a batch element with a real query."""
+    return _padding_real(mask, space, "kv", like)
 
 
 def _padding_rows(mask: Padding, space) -> Optional[torch.Tensor]:
     """The rows with an allowed key of a padding mask, bool ``[Bm, 1, Tq, 1]``: real queries
-    of a batch element with a real key; ``None`` when every row has one. Kept on the mask
-    while its tensors are unchanged."""
+    of a batch element with a real key; ``None`` when every row has one."""
     if every_row_has_key(mask, space):
         return None
+    return _padding_real(mask, space, "q", None)
 
-    def rows():
+
+def _padding_real(mask: Padding, space, side: str, like: Optional[torch.Tensor]
+                  ) -> torch.Tensor:
+    """``[Bm, 1, T, 1]`` over ``side``'s positions: those inside its real run, in batch
+    elements whose other side's run is not empty; bool, or in :func:`keep_for` ``like``'s
+    form. Kept on the mask while its tensors are unchanged."""
+    def real():
         q_lo, q_hi, kv_lo, kv_hi = mask.runs(space)
-        positions = torch.arange(space.q_len, device=space.device)
-        real = (positions >= q_lo[:, None]) & (positions < q_hi[:, None]) & (kv_hi > kv_lo)[:, None]
-        return real[:, None, :, None]
-    return memo(mask, ("rows", space.q_len, space.kv_len, space.device), mask_tensors(mask),
-                rows)
+        lo, hi, other = ((q_lo, q_hi, kv_hi > kv_lo) if side == "q"
+                         else (kv_lo, kv_hi, q_hi > q_lo))
+        positions = torch.arange(space.q_len if side == "q" else space.kv_len,
+                                 device=space.device)
+        inside = (positions >= lo[:, None]) & (positions < hi[:, None]) & other[:, None]
+        inside = inside[:, None, :, None]
+        return inside if like is None else keep_for(inside, like)
+    key = ("padding real", side, space.q_len, space.kv_len, space.device,
+           None if like is None else _bits(like))
+    return memo(mask, key, mask_tensors(mask), real)
 
 
 def _count(allowed: torch.Tensor, bad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
