@@ -77,12 +77,13 @@ class Plan:
 
     def __init__(self, q, k, v, mask, *, scale, backend, return_lse, return_weights,
                  invariant):
-        if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+        if _autocast_on():
             raise ValueError("attnkit.plan under torch.autocast: make and run plans in the "
                              "dtype the call runs in (autocast casts per call: use attention())")
-        inputs = validate(q, k, v, mask, scale=scale, need_weights=return_weights,
-                          need_lse=return_lse, invariant=invariant)
-        self.backend = dispatch.select(inputs, backend)
+        inputs, self.backend = _validated_now(q, k, v, mask, scale=scale, dropout_p=0.0,
+                                              generator=None, backend=backend,
+                                              return_lse=return_lse,
+                                              return_weights=return_weights, invariant=invariant)
         self._inputs = inputs.replaced(q=None, k=None, v=None, derived={})
         self.mask, self.scale, self.backend_name = mask, scale, backend
         self.return_lse, self.return_weights, self.invariant = return_lse, return_weights, invariant
@@ -117,7 +118,7 @@ class Plan:
             raise ValueError(f"this plan was made for {_describe(self._signature)}; got "
                              f"{_describe(_plan_signature(q, k, v))}: make a plan for these "
                              f"tensors (attnkit.plan), or call attnkit.attention")
-        if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+        if _autocast_on():
             raise ValueError("a plan runs outside torch.autocast (autocast casts per call: use "
                              "attention())")
         if self.stale():
@@ -138,6 +139,10 @@ class Plan:
     def __repr__(self) -> str:
         return (f"Plan({_describe(self._signature)}, mask {self._inputs.mask!r}, backend "
                 f"{self.backend.NAME})")
+
+
+def _autocast_on() -> bool:
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
 
 
 def _plan_signature(q, k, v) -> tuple:
@@ -170,10 +175,9 @@ def validated(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse
     (never with dropout, which draws from a generator, nor inside a compiled graph:
     ``compiling``)."""
     def validate_and_choose():
-        inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
-                          need_weights=return_weights, need_lse=return_lse,
-                          invariant=invariant)
-        return inputs, dispatch.select(inputs, backend)
+        return _validated_now(q, k, v, mask, scale=scale, dropout_p=dropout_p,
+                              generator=generator, backend=backend, return_lse=return_lse,
+                              return_weights=return_weights, invariant=invariant)
     if dropout_p or compiling:
         inputs, chosen = validate_and_choose()
     else:
@@ -185,6 +189,14 @@ def validated(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse
                            chosen.NAME, backend, tuple(inputs.q.shape), tuple(inputs.k.shape),
                            inputs.q.dtype, inputs.mask)
     return inputs, chosen
+
+
+def _validated_now(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse,
+                   return_weights, invariant) -> tuple[Inputs, Backend]:
+    """``(inputs, backend)``: the call validated and its backend chosen, here."""
+    inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
+                      need_weights=return_weights, need_lse=return_lse, invariant=invariant)
+    return inputs, dispatch.select(inputs, backend)
 
 
 def with_sinks(inputs: Inputs, result: BackendOutput) -> BackendOutput:

@@ -967,14 +967,14 @@ class _Padding(Mask):
                     lambda: real.to(space.device))
 
     def to_dense(self, space):
+        # key padding alone, its real keys broadcast over the queries: read from a real-key
+        # mask, or a decoding step's (made anew in every layer: no memo would be read again),
+        # positions below each sequence's length
         keys = self.key_mask(space)
-        if keys is not None:  # key padding read from a real-key mask: that mask, broadcast
-            return keys[:, None, None, :].expand(-1, 1, space.q_len, -1)  # [B, 1, Tq, Tk]
-        if not self.vouched or self.q_lengths is not None:
+        if keys is None and self.vouched and self.q_lengths is None:
+            keys = keys_below(self.kv_lengths, space.kv_len, space.device)
+        if keys is None:
             return super().to_dense(space)
-        # a decoding step's key padding, made anew in every layer (no memo would be read
-        # again): positions below each sequence's length
-        keys = keys_below(self.kv_lengths, space.kv_len, space.device)
         return keys[:, None, None, :].expand(-1, 1, space.q_len, -1)  # [B, 1, Tq, Tk]
 
     def tile(self, q_idx, kv_idx, space):
