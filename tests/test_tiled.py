@@ -254,6 +254,127 @@ def test_block_skipping(mask, expected):
         assert any(not s.partial for row in plan.rows for s in row)
 
 
+def _square_masks() -> dict:
+    ids = torch.tensor([0] * 200 + [1] * 320 + [2] * 80)
+    starts, lengths = torch.tensor([0, 90]), torch.tensor([600, 510])
+    return {
+        "causal": ak.causal(),
+        "causal, bottom right": ak.causal("bottom_right"),
+        "window": ak.sliding_window(255),
+        "window both sides": ak.sliding_window(256, 256),
+        "padding": ak.padding(kv_lengths=torch.tensor([300, 600])),
+        "left padding": ak.padding(q_starts=starts, kv_starts=starts),
+        "causal & padding": ak.causal() & ak.padding(q_lengths=lengths, kv_lengths=lengths),
+        "causal(sequences)": ak.causal("bottom_right", sequences=ak.padding(
+            q_starts=starts, kv_starts=starts)),
+        "window(sequences)": ak.sliding_window(256, align="bottom_right", sequences=ak.padding(
+            kv_lengths=lengths, q_lengths=lengths)),
+        "documents & causal": ak.documents(ids) & ak.causal(),
+        "documents(causal)": ak.documents(ids, causal="top_left"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_square_masks()))
+@pytest.mark.parametrize("block_q, q_offset", [(256, 0), (64, 100), (40, 3)])
+def test_square_summaries_answer_as_the_mask_does(name, block_q, q_offset):
+    """The squares' structures the fused plan reads in one host read with its block codes
+    (``_square_summaries``, from the mask's key ranges) are the mask's own ``tile_structure``
+    answers (full, lower, upper) for every query block and key offset, ragged last blocks and
+    a chunk's query offset included."""
+    from attnkit.backends.tiled.plan import _square_summaries, _Squares
+    from attnkit.masks import key_ranges
+
+    mask, space = _square_masks()[name], MaskSpace(2, 1, 600, 600)
+    q_count = space.q_len - q_offset
+    ranges = key_ranges(mask, space)
+    assert ranges.exact is None or bool(ranges.exact)
+    lo, hi = (t[:, q_offset:] for t in ranges[:2])
+    squares = _Squares(_square_summaries(lo, hi, block_q).tolist())
+    seen = set()
+    for i in range(math.ceil(q_count / block_q)):
+        q_start = q_offset + i * block_q
+        n = min(block_q, space.q_len - q_start)
+        for k0 in range(0, space.kv_len - n + 1, 1 if n < 64 else 4):
+            want = mask.tile_structure(q_start, q_start + n, k0, k0 + n, space)
+            want = want if want in ("full", "lower", "upper") else None
+            assert squares.structure(i, n, k0, k0 + n) == want, (i, n, k0)
+            seen.add(want)
+    assert len(seen) > 1  # the mask has squares of some structure and squares of none
+
+
+@pytest.mark.parametrize("name", list(_square_masks()) + [
+    "documents, not one run each", "short documents", "short documents(causal)",
+    "short documents per sequence"])
+@pytest.mark.parametrize("q_offset, q_count", [(0, 600), (100, 300)])
+def test_a_plan_from_key_ranges_is_the_plan_from_the_mask(monkeypatch, name, q_offset, q_count):
+    """The fused plan built with one host read (block codes, squares and each row's keys from
+    the mask's key ranges) equals the plan built from the mask's own answers (a
+    ``tile_structure`` per square, the pieces' rows from the evaluated mask)."""
+    masks = _square_masks()
+    split = torch.arange(600) // 50
+    split[550:] = 0  # document 0 in two runs: its key ranges do not hold
+    masks["documents, not one run each"] = ak.documents(split)
+    masks["short documents"] = ak.documents(torch.arange(600) // 50)
+    masks["short documents(causal)"] = ak.documents(torch.arange(600) // 50, causal="top_left")
+    masks["short documents per sequence"] = ak.documents(torch.stack([
+        torch.arange(600) // 50, torch.arange(600) // 60]))
+    mask, space = masks[name], MaskSpace(2, 1, 600, 600)
+
+    def plan():
+        return tiled.plan.build_plan(mask, space, batch=2, heads=1, q_offset=q_offset,
+                                     q_count=q_count, kv_offset=0, kv_count=600, fused=True)
+    read_once = plan()
+    monkeypatch.setattr(tiled.plan, "key_ranges", lambda mask, space: None)
+    assert read_once == plan()
+    if q_offset == 0 and name in ("causal", "causal(sequences)"):
+        assert any(seg.structure for row in read_once.rows for seg in row)
+    if name.startswith("short documents"):
+        assert any(seg.pieces for row in read_once.rows for seg in row)
+
+
+def _structure_by_rows(lo: torch.Tensor, hi: torch.Tensor, k0: int, n: int):
+    """A square's structure from its rows' key runs, clamped to it (``[Bm, n]`` each)."""
+    lo, hi, row = lo.clamp(min=k0), hi.clamp(max=k0 + n), torch.arange(n)
+    for name, first, stop in (("full", k0, k0 + n), ("lower", k0, k0 + row + 1),
+                              ("upper", k0 + row, k0 + n)):
+        if bool(((lo == first) & (hi == stop)).all()):
+            return name
+    return None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_square_summaries_on_random_key_runs(seed):
+    """``_Squares`` against the square's rows, on random runs drawn near each structure with
+    rows moved outward (a first row seeing further left, a last row further right: the
+    structure holds) or anywhere (it breaks)."""
+    from attnkit.backends.tiled.plan import _square_summaries, _Squares
+
+    gen = torch.Generator().manual_seed(seed)
+    seen = set()
+    for _ in range(60):
+        batch, rows, block_q = (int(torch.randint(a, b, (), generator=gen))
+                                for a, b in ((1, 3), (1, 24), (1, 9)))
+        row = torch.arange(rows) % block_q
+        k0 = torch.randint(0, 6, (1, rows), generator=gen)  # per row: blocks mostly share it
+        k0 = k0[:, :1].expand(batch, rows).clone()
+        kind = int(torch.randint(0, 3, (), generator=gen))
+        lo = k0 + (row if kind == 2 else 0)
+        hi = k0 + (row + 1 if kind == 1 else block_q)
+        moved = torch.rand(batch, rows, generator=gen) < 0.3
+        lo = torch.where(moved, lo - torch.randint(0, 3, lo.shape, generator=gen), lo)
+        moved = torch.rand(batch, rows, generator=gen) < 0.3
+        hi = torch.where(moved, hi + torch.randint(-1, 3, hi.shape, generator=gen), hi)
+        squares = _Squares(_square_summaries(lo, hi, block_q).tolist())
+        for i in range(math.ceil(rows / block_q)):
+            n = min(block_q, rows - i * block_q)
+            block = slice(i * block_q, i * block_q + n)
+            for start in range(0, 8):
+                want = _structure_by_rows(lo[:, block], hi[:, block], start, n)
+                assert squares.structure(i, n, start, start + n) == want, (lo, hi, i, start)
+                seen.add(want)
+    assert seen == {None, "full", "lower", "upper"}
+
+
 def test_empty_tiles_are_never_evaluated(monkeypatch, gen):
     """PARTIAL tiles evaluate the element mask; FULL and EMPTY tiles never do."""
     calls = []

@@ -315,10 +315,9 @@ def _reduce_blocks(allowed: torch.Tensor, block_q: int, block_k: int, has_bias: 
     blocks = blocks.reshape(bm, hm, nq, nk, block_q * block_k)
     any_allowed = (blocks == 1).any(-1)
     all_allowed = (blocks != 0).all(-1)
-    codes = torch.full((bm, hm, nq, nk), PARTIAL, dtype=torch.int8, device=allowed.device)
-    codes[~any_allowed] = EMPTY
+    codes = any_allowed.to(torch.int8)  # EMPTY (0) or PARTIAL (1)
     if not has_bias:
-        codes[all_allowed & any_allowed] = FULL
+        codes = codes + (any_allowed & all_allowed)  # FULL (2)
     return codes
 
 
@@ -1156,6 +1155,61 @@ def key_starts(mask: Optional[Mask]) -> Optional[torch.Tensor]:
     return starts[0].reshape(-1) if len(starts) == 1 else None
 
 
+class KeyRanges(NamedTuple):
+    """Each query's allowed keys as one run ``[lo, hi)`` (:func:`key_ranges`): long ``[Bm,
+    Tq]`` each, global key positions within ``[0, Tk]`` (``lo ≥ hi``: a row without a key);
+    ``exact``: ``None``, or a bool 0-d tensor that must hold for the runs to describe the mask
+    (document ids, each one contiguous run), to be read with whatever else the caller reads."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    exact: Optional[torch.Tensor]
+
+
+def key_ranges(mask: Optional[Mask], space: MaskSpace) -> Optional[KeyRanges]:
+    """``mask`` as each query's one run of allowed keys (:class:`KeyRanges`), from the
+    :meth:`~Mask.structure` of every part of its ``&`` chain (bands, lengths, ranges, document
+    ids: runs intersect into a run), computed on the device without reading a value; ``None``
+    when a part has another form (a bias, a dense or function mask, ``|``, ``~``)."""
+    if mask is None or mask.has_bias:
+        return None
+    rows = torch.arange(space.q_len, device=space.device)
+    lo = torch.zeros(1, space.q_len, dtype=torch.long, device=space.device)
+    hi = torch.full_like(lo, space.kv_len)
+    exact = None
+    for leaf in mask.leaves():
+        if isinstance(leaf, _Documents):  # the ranges form, exact when each id is one run
+            q_runs, kv_runs, whole = leaf.spans(space)
+            exact = whole if exact is None else exact & whole
+            form = Structure(ranges=(q_runs, kv_runs))
+        elif isinstance(leaf, _Padding):  # its runs, whether or not they start at 0
+            q_lo, q_hi, kv_lo, kv_hi = (t[:, None] for t in leaf.runs(space))
+            real = (rows >= q_lo) & (rows < q_hi)
+            lo, hi = torch.maximum(lo, kv_lo), torch.minimum(hi, torch.where(real, kv_hi, 0))
+            continue
+        else:
+            form = leaf.structure(space)
+        if form is None or not (form.diagonals or form.lengths or form.ranges):
+            return None
+        if form.diagonals is not None:  # lo ≤ k − q ≤ hi
+            low, high = form.diagonals
+            if low is not None:
+                lo = torch.maximum(lo, rows + low)
+            if high is not None:
+                hi = torch.minimum(hi, rows + high + 1)
+        elif form.lengths is not None:  # queries [0, q_len) see keys [0, kv_len); others none
+            q_len, kv_len = (None if t is None else t.reshape(-1, 1).to(space.device)
+                             for t in form.lengths)
+            if kv_len is not None:
+                hi = torch.minimum(hi, kv_len)
+            if q_len is not None:
+                hi = torch.where(rows < q_len, hi, 0)
+        else:
+            runs = form.ranges[0].to(space.device, torch.long)  # [B, Tq, 2]
+            lo, hi = torch.maximum(lo, runs[..., 0]), torch.minimum(hi, runs[..., 1])
+    return KeyRanges(lo.clamp(0, space.kv_len), hi.clamp(0, space.kv_len), exact)
+
+
 def packs_documents(mask: Optional[Mask]) -> bool:
     """Whether ``mask`` (or a part of its ``&`` chain) keeps packed documents apart
     (``documents``, with or without ``causal=``; the per-sequence masks of a packed batch):
@@ -1417,12 +1471,20 @@ class _Documents(Mask):
         return problems
 
     def structure(self, space):
-        q_ids, kv_ids = self.q_ids.to(space.device), self.kv_ids.to(space.device)
-        q_ranges = _id_ranges(q_ids, kv_ids, space.batch)
-        kv_ranges = _id_ranges(kv_ids, q_ids, space.batch) if q_ranges is not None else None
-        if kv_ranges is None:
-            return Structure(ids=(q_ids, kv_ids))
+        q_ranges, kv_ranges, whole = self.spans(space)
+        if not bool(whole):
+            return Structure(ids=(self.q_ids.to(space.device), self.kv_ids.to(space.device)))
         return Structure(ranges=(q_ranges, kv_ranges))
+
+    def spans(self, space) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The ranges form (:class:`Structure`) of this mask without reading a value: each
+        query's keys and each key's queries of the same id, int32 ``[B, Tq, 2]`` and ``[B, Tk,
+        2]``, and a bool 0-d tensor saying whether they describe the mask (every id's positions
+        on each side one contiguous run)."""
+        q_ids, kv_ids = self.q_ids.to(space.device), self.kv_ids.to(space.device)
+        q_ranges, q_whole = _id_ranges(q_ids, kv_ids, space.batch)
+        kv_ranges, kv_whole = _id_ranges(kv_ids, q_ids, space.batch)
+        return q_ranges, kv_ranges, q_whole & kv_whole
 
     def _ids(self, ids, idx, space):
         ids = ids.to(space.device)
@@ -1440,8 +1502,10 @@ class _Documents(Mask):
             part = self._ids(ids, torch.arange(offset, offset + count, device=space.device), space)
             n = math.ceil(count / block)
             pad = n * block - count
-            lo = torch.nn.functional.pad(part, (0, pad), value=int(part.max()) if part.numel() else 0)
-            hi = torch.nn.functional.pad(part, (0, pad), value=int(part.min()) if part.numel() else 0)
+            part = part.long()
+            bounds = torch.iinfo(part.dtype)  # padding that changes no block's least or greatest
+            lo = torch.cat([part, part.new_full((part.shape[0], pad), bounds.max)], 1)
+            hi = torch.cat([part, part.new_full((part.shape[0], pad), bounds.min)], 1)
             return (lo.reshape(part.shape[0], n, block).amin(-1),
                     hi.reshape(part.shape[0], n, block).amax(-1))  # [Bm, n] each
 
@@ -1486,29 +1550,38 @@ def _show_ids(ids: torch.Tensor) -> str:
     return f"<ids {list(ids.shape)}: {number} document{plural}{' per row' if ids.dim() == 2 else ''}>"
 
 
-def _id_ranges(own: torch.Tensor, other: torch.Tensor, batch: int) -> Optional[torch.Tensor]:
+def _id_spans(own: torch.Tensor, other: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each position of ``own`` (long ids ``[T]``), the positions of ``other`` (``[T']``)
+    holding its id → ``(lo, hi, whole)`` ``[T]`` each: the first of them and one past the last
+    (``0, 0`` where there is none), and whether they are all of ``[lo, hi)`` (bool: the id's
+    positions are one contiguous run). On the device, reading no value."""
+    zero = torch.zeros_like(own)
+    if not other.numel():
+        return zero, zero, torch.ones_like(own, dtype=torch.bool)
+    ids, order = other.sort(stable=True)  # equal ids in position order
+    first, stop = torch.searchsorted(ids, own), torch.searchsorted(ids, own, right=True)
+    found = stop > first
+    lo = torch.where(found, order[first.clamp(max=other.numel() - 1)], zero)
+    hi = torch.where(found, order[(stop - 1).clamp(min=0)] + 1, zero)
+    return lo, hi, hi - lo == stop - first
+
+
+def _id_ranges(own: torch.Tensor, other: torch.Tensor, batch: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """For each position of ``own`` (ids ``[T]`` or ``[B, T]``), the positions ``[lo, hi)`` of
-    ``other`` that hold the same id (``[0, 0)`` when none do) → int32 ``[B, T, 2]``; ``None``
-    when some id's positions in ``other`` are not one contiguous run."""
+    ``other`` that hold the same id (``[0, 0)`` when none do) → int32 ``[B, T, 2]``, and a bool
+    0-d tensor: whether each of these ids' positions in ``other`` is one contiguous run (else
+    the ranges do not describe the mask). Reads no value."""
     rows = max(own.shape[0] if own.dim() == 2 else 1, other.shape[0] if other.dim() == 2 else 1)
     own, other = (ids.to(torch.int64).reshape(-1, ids.shape[-1]) for ids in (own, other))
-    result = []
+    spans, whole = [], []
     for row in range(rows):
-        mine, theirs = own[min(row, own.shape[0] - 1)], other[min(row, other.shape[0] - 1)]
-        span = torch.zeros(mine.shape[0], 2, dtype=torch.int64, device=mine.device)
-        if theirs.numel():
-            change = torch.ones(theirs.shape[0], dtype=torch.bool, device=theirs.device)
-            change[1:] = theirs[1:] != theirs[:-1]
-            starts = change.nonzero().flatten()  # the first position of each run
-            stops = torch.cat([starts[1:], starts.new_tensor([theirs.shape[0]])])
-            run_ids, order = theirs[starts].sort()
-            if bool((run_ids[1:] == run_ids[:-1]).any()):  # an id in two runs
-                return None
-            at = torch.searchsorted(run_ids, mine).clamp_(max=run_ids.shape[0] - 1)
-            found = (run_ids[at] == mine)[:, None]
-            span = torch.where(found, torch.stack([starts, stops], dim=-1)[order][at], 0)
-        result.append(span)
-    return torch.stack(result).to(torch.int32).expand(batch, -1, 2)
+        lo, hi, one_run = _id_spans(own[min(row, own.shape[0] - 1)],
+                                    other[min(row, other.shape[0] - 1)])
+        spans.append(torch.stack([lo, hi], dim=-1))
+        whole.append(one_run.all())
+    return torch.stack(spans).to(torch.int32).expand(batch, -1, 2), torch.stack(whole).all()
 
 
 def documents(q_ids, kv_ids=None, causal: Optional[str] = None) -> Mask:
@@ -1556,75 +1629,53 @@ ids' identity and version (:func:`tensor_key`) and the device in ``key`` (kept o
 ``digest`` sees only its parameters)."""
 
 
-def _id_runs(ids: torch.Tensor, name: str, row: Optional[int], align: str,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The runs of equal ids in ``ids`` (long ``[T]``) → ``(run [T], starts [R], stops [R],
-    run_ids [R])``: each position's run, each run's first and one-past-last position and id.
-    ValueError when a document has more than one run (``name``/``row`` say where)."""
-    length = ids.shape[0]
-    change = torch.ones(length, dtype=torch.bool, device=ids.device)
+def _not_one_run(ids: torch.Tensor, name: str, row: Optional[int], align: str) -> ValueError:
+    """The error for ids (long ``[T]``) in which some document has more than one run
+    (``name``/``row`` say where); reads the ids."""
+    change = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
     change[1:] = ids[1:] != ids[:-1]
-    run = torch.cumsum(change, 0) - 1
-    starts = change.nonzero().flatten()
-    stops = torch.cat([starts[1:], starts.new_tensor([length])]) if length else starts
-    run_ids = ids[starts]
-    sorted_ids = run_ids.sort().values
-    repeated = sorted_ids[1:][sorted_ids[1:] == sorted_ids[:-1]]
-    if repeated.numel():
-        doc = int(repeated[0])
-        at = (ids == doc).nonzero().flatten().tolist()
-        where = name if row is None else f"{name} row {row}"
-        raise ValueError(
-            f"documents(causal={align!r}): document {doc} sits at positions {at[:12]}"
-            f"{'...' if len(at) > 12 else ''} of {where}, not one contiguous run; causal= aligns "
-            f"each document's query and key segments, so each document's positions must be "
-            f"contiguous on each side: pack each document's tokens together (sorted by document), "
-            f"or drop causal= and combine documents(q_ids, kv_ids) with ak.dense(...) or "
-            f"ak.from_function(...) for this layout")
-    return run, starts, stops, run_ids
+    run_ids = ids[change].sort().values
+    doc = int(run_ids[1:][run_ids[1:] == run_ids[:-1]][0])
+    at = (ids == doc).nonzero().flatten().tolist()
+    where = name if row is None else f"{name} row {row}"
+    return ValueError(
+        f"documents(causal={align!r}): document {doc} sits at positions {at[:12]}"
+        f"{'...' if len(at) > 12 else ''} of {where}, not one contiguous run; causal= aligns "
+        f"each document's query and key segments, so each document's positions must be "
+        f"contiguous on each side: pack each document's tokens together (sorted by document), "
+        f"or drop causal= and combine documents(q_ids, kv_ids) with ak.dense(...) or "
+        f"ak.from_function(...) for this layout")
 
 
-def _document_runs(q_ids: torch.Tensor, kv_ids: torch.Tensor, align: str, q_row: Optional[int],
-                   kv_row: Optional[int], left: Optional[int] = None,
-                   right: Optional[int] = 0) -> tuple[torch.Tensor, ...]:
+def _document_runs(q_ids: torch.Tensor, kv_ids: torch.Tensor, align: str,
+                   left: Optional[int] = None, right: Optional[int] = 0
+                   ) -> tuple[torch.Tensor, ...]:
     """One row of :meth:`_CausalDocuments._runs_per_position` from long ids ``[Tq]``, ``[Tk]``:
     keys ``diagonal − left ≤ j ≤ diagonal + right`` of each query's document (``None``:
-    unbounded)."""
-    q_run, q_starts, q_stops, q_doc = _id_runs(q_ids, "q_ids", q_row, align)
-    kv_run, kv_starts, kv_stops, kv_doc = _id_runs(kv_ids, "kv_ids", kv_row, align)
-
-    def partner(own_doc, other_doc, other_starts, other_stops):
-        """For each run of one side, the same document's run on the other side → ``(start,
-        stop, found)``, ``[R]`` each (``0, 0, False`` where the other side lacks it)."""
-        if not own_doc.numel() or not other_doc.numel():
-            zero = torch.zeros_like(own_doc)
-            return zero, zero, torch.zeros(own_doc.shape, dtype=torch.bool, device=own_doc.device)
-        other_sorted, order = other_doc.sort()
-        at = torch.searchsorted(other_sorted, own_doc).clamp(max=other_doc.numel() - 1)
-        found = other_sorted[at] == own_doc
-        run = order[at]
-        return torch.where(found, other_starts[run], 0), torch.where(found, other_stops[run], 0), found
+    unbounded), and whether each side's documents are one run each (two bool 0-d tensors; the
+    runs hold only then). Reads no value."""
+    q_start, q_stop, q_whole = _id_spans(q_ids, q_ids)  # each position's own document run
+    kv_start, kv_stop, kv_whole = _id_spans(kv_ids, kv_ids)
 
     def shift(own_start, own_stop, other_start, other_stop):  # key offset - query offset on the diagonal
         return other_start - own_start if align == "top_left" else other_stop - own_stop
 
-    # queries: the keys [kv_start, kv_stop) of their document, within the band
-    kv_start, kv_stop, found = (t[q_run] for t in partner(q_doc, kv_doc, kv_starts, kv_stops))
-    diagonal = torch.arange(q_ids.shape[0], device=q_ids.device) + shift(
-        q_starts[q_run], q_stops[q_run], kv_start, kv_stop)
-    q_lo = kv_start if left is None else torch.maximum(kv_start, diagonal - left)
-    q_hi = kv_stop if right is None else torch.minimum(kv_stop, diagonal + right + 1)
-    empty = ~found | (q_hi <= q_lo)
+    # queries: the keys [lo, hi) of their document, within the band
+    lo, hi, _ = _id_spans(q_ids, kv_ids)
+    diagonal = torch.arange(q_ids.shape[0], device=q_ids.device) + shift(q_start, q_stop, lo, hi)
+    q_lo = lo if left is None else torch.maximum(lo, diagonal - left)
+    q_hi = hi if right is None else torch.minimum(hi, diagonal + right + 1)
+    empty = (hi <= lo) | (q_hi <= q_lo)
     q_lo, q_hi = q_lo.masked_fill(empty, 0), q_hi.masked_fill(empty, 0)
-    # keys: the queries [q_start, q_stop) of their document whose band holds them
-    q_start, q_stop, found = (t[kv_run] for t in partner(kv_doc, q_doc, q_starts, q_stops))
-    diagonal = torch.arange(kv_ids.shape[0], device=kv_ids.device) - shift(
-        q_start, q_stop, kv_starts[kv_run], kv_stops[kv_run])
-    kv_lo = q_start if right is None else torch.maximum(q_start, diagonal - right)
-    kv_hi = q_stop if left is None else torch.minimum(q_stop, diagonal + left + 1)
-    empty = ~found | (kv_hi <= kv_lo)
+    # keys: the queries [lo, hi) of their document whose band holds them
+    lo, hi, _ = _id_spans(kv_ids, q_ids)
+    diagonal = torch.arange(kv_ids.shape[0], device=kv_ids.device) - shift(lo, hi, kv_start,
+                                                                           kv_stop)
+    kv_lo = lo if right is None else torch.maximum(lo, diagonal - right)
+    kv_hi = hi if left is None else torch.minimum(hi, diagonal + left + 1)
+    empty = (hi <= lo) | (kv_hi <= kv_lo)
     kv_lo, kv_hi = kv_lo.masked_fill(empty, 0), kv_hi.masked_fill(empty, 0)
-    return q_lo, q_hi, kv_lo, kv_hi, q_run
+    return q_lo, q_hi, kv_lo, kv_hi, q_start, q_whole.all(), kv_whole.all()
 
 
 class _CausalDocuments(_Intervals):
@@ -1666,7 +1717,7 @@ class _CausalDocuments(_Intervals):
     def _runs_per_position(self, device) -> tuple[torch.Tensor, ...]:
         """``(q_lo, q_hi, kv_lo, kv_hi, q_run)``: each query's key run ``[q_lo, q_hi)`` and
         each key's query run ``[kv_lo, kv_hi)`` (long ``[Bm, Tq]`` and ``[Bm, Tk]``, an empty run
-        as ``[0, 0)``), and the index of each query's document run ``[Bm, Tq]``; derived from
+        as ``[0, 0)``), and where each query's document run starts ``[Bm, Tq]``; derived from
         the ids once per content of the ids and device. ValueError when a document is not
         one run on each side."""
         q_ids, kv_ids = self.documents.q_ids, self.documents.kv_ids
@@ -1678,10 +1729,19 @@ class _CausalDocuments(_Intervals):
         q2, kv2 = (ids.long() if ids.dim() == 2 else ids.long()[None] for ids in (q_ids, kv_ids))
         rows = max(q2.shape[0], kv2.shape[0])
         per_row = [_document_runs(q2[min(r, q2.shape[0] - 1)], kv2[min(r, kv2.shape[0] - 1)],
-                                  self.align, r if q_ids.dim() == 2 else None,
-                                  r if kv_ids.dim() == 2 else None, self.left, self.right)
-                   for r in range(rows)]
-        runs = tuple(torch.stack(parts).to(device) for parts in zip(*per_row))
+                                  self.align, self.left, self.right) for r in range(rows)]
+        if not per_row:  # no batch element
+            return tuple(torch.zeros(0, n, dtype=torch.long, device=device) for n in (
+                q2.shape[1], q2.shape[1], kv2.shape[1], kv2.shape[1], q2.shape[1]))
+        *runs, q_whole, kv_whole = (torch.stack(parts) for parts in zip(*per_row))
+        if not bool(torch.cat([q_whole, kv_whole]).all()):  # one read for every row and side
+            name, ids, whole = (("q_ids", q2, q_whole) if not bool(q_whole.all())
+                                else ("kv_ids", kv2, kv_whole))
+            row = int((~whole).nonzero()[0])
+            raise _not_one_run(ids[min(row, ids.shape[0] - 1)], name,
+                               row if (q_ids if name == "q_ids" else kv_ids).dim() == 2 else None,
+                               self.align)
+        runs = tuple(t.to(device) for t in runs)
         if key is not None:
             _DOCUMENT_RUNS[self] = (key, runs)
         return runs
@@ -1711,8 +1771,7 @@ class _CausalDocuments(_Intervals):
         starts = torch.ones_like(q_run, dtype=torch.bool)  # [Bm, n]: a piece begins here
         starts[:, 1:] = (q_run[:, 1:] != q_run[:, :-1]) | (block[1:] != block[:-1])
         piece = starts.flatten().cumsum(0) - 1  # each position's piece (pieces never span rows)
-        first = starts.flatten().nonzero().flatten()  # each piece's first position
-        count = first.shape[0]
+        count = piece.shape[0]  # room for a piece per position: their number is not read
         lo, hi = q_lo.flatten(), q_hi.flatten()
         seen = hi > lo
         far = torch.iinfo(lo.dtype).max
@@ -1723,8 +1782,11 @@ class _CausalDocuments(_Intervals):
         some_lo = reduce(lo.masked_fill(~seen, far), "amin", far)[:, None]  # [P, 1]
         some_hi = reduce(hi.masked_fill(~seen, 0), "amax", 0)[:, None]
         every_lo, every_hi = reduce(lo, "amax", 0)[:, None], reduce(hi, "amin", far)[:, None]
-        row, at = first // q_count, first % q_count
-        slot = row * nq + block[at]  # [P]: the (row, query block) of each piece
+        # [P]: the (row, query block) of each piece (0 for the room no piece uses: its
+        # extremes hold nowhere)
+        position = torch.arange(count, device=space.device)
+        slot = torch.zeros_like(piece).scatter_(
+            0, piece, position // q_count * nq + block[position % q_count])
 
         def per_block(holds):  # count, per (row, query block, key block), pieces where holds
             counts = torch.zeros(rows * nq, k_first.shape[0], dtype=torch.int32, device=space.device)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ...masks import EMPTY, FULL, PARTIAL, Mask, MaskCache, MaskSpace, packs_documents, run_bounds
+from ...masks import (EMPTY, FULL, PARTIAL, KeyRanges, Mask, MaskCache, MaskSpace, key_ranges,
+                      packs_documents, run_bounds)
 from ...modifiers import Modifiers
 
 BLOCK_K = 128
@@ -353,6 +354,8 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int
                          f"got {block_k}")
     block_q = block_q or (FUSED_BLOCK_Q if fused else choose_block_q(batch * heads, kv_count))
     nq, nk = math.ceil(q_count / block_q), math.ceil(kv_count / block_k)
+    structured = fused and mask is not None and not fixed
+    squares = hull = None
     if mask is None:
         codes = [[FULL] * nk for _ in range(nq)]
     elif _every_block_masked(mask, options):
@@ -362,8 +365,10 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int
                                 kv_offset=kv_offset, kv_count=kv_count)  # [Bm, Hm, nq, nk]
         all_empty = (per_bh == EMPTY).flatten(0, 1).all(0)
         all_full = (per_bh == FULL).flatten(0, 1).all(0)
-        union = torch.where(all_empty, EMPTY, torch.where(all_full, FULL, 1))
-        codes = union.tolist()
+        union = torch.where(all_empty, EMPTY, torch.where(all_full, FULL, 1)).long()
+        codes, squares, hull = _read_blocks(
+            union, key_ranges(mask, space) if structured else None, q_offset, q_count, block_q,
+            packs_documents(mask))
     max_blocks = 1 if fixed else max(1, TILE_ELEMENTS // (max(1, batch * heads) * block_q
                                                           * block_k))
     rows = []
@@ -380,26 +385,60 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int
                 end += 1
             segments.append(Segment(j * block_k, min(end * block_k, kv_count), code != FULL))
             j = end
-        if fused and mask is not None and not fixed:
-            segments = _with_structure(mask, space, segments, q_offset + i * block_q,
-                                       q_offset + min((i + 1) * block_q, q_count), kv_offset,
+        if structured:
+            q_start, q_stop = q_offset + i * block_q, q_offset + min((i + 1) * block_q, q_count)
+            if squares is not None:
+                structure_at = functools.partial(squares.structure, i, q_stop - q_start)
+            else:
+                structure_at = (lambda k0, k1, q_start=q_start, q_stop=q_stop: mask.tile_structure(
+                    q_start, q_stop, k0, k1, space))
+            segments = _with_structure(segments, q_stop - q_start, kv_offset, structure_at,
                                        options.staircase_max_keys)
         rows.append(tuple(segments))
-    if fused and mask is not None and not fixed:
-        rows = _with_pieces(mask, space, rows, block_q, q_offset, q_count, kv_offset)
+    if structured:
+        rows = _with_pieces(mask, space, rows, block_q, q_offset, q_count, kv_offset, hull)
     runs = (_find_runs(rows, block_q, q_count) if fused and options.batch_runs and not fixed
             else ())
     return Plan(block_q, block_k, tuple(rows), fused, runs, options)
 
 
-def _with_structure(mask: Mask, space: MaskSpace, segments: list, q_start: int, q_stop: int,
-                    kv_offset: int, max_keys: int) -> list:
-    """Mark the partial square segments of one query block (global queries ``[q_start,
-    q_stop)``) that the mask knows to be lower or upper triangles (a partial run of several
-    squares, all known, is split into them), and merge each adjacent run ``upper, full…,
-    [lower]`` into one staircase segment of at most ``max_keys`` keys (see
-    :class:`Segment`). The element mask of these segments is never evaluated."""
-    n = q_stop - q_start
+def _read_blocks(union: torch.Tensor, ranges: Optional[KeyRanges], q_offset: int, q_count: int,
+                 block_q: int, hulls: bool) -> tuple[list, Optional["_Squares"], Optional[tuple]]:
+    """The block codes ``union [nq, nk]`` read as lists, with, in the same host read, what the
+    mask's key ``ranges`` (:func:`~attnkit.masks.key_ranges`, or ``None``) give where they
+    hold: the squares' structures (:class:`_Squares`) and, with ``hulls``, each row's keys
+    over the batch, ``[lo, hi)`` (two lists of ``q_count``; ``lo ≥ hi`` where it has none) →
+    ``(codes, squares, hull)``, ``None`` for what is not known."""
+    if ranges is None:
+        return union.tolist(), None, None
+    nq, nk = union.shape
+    lo, hi = (t[:, q_offset:q_offset + q_count] for t in ranges[:2])
+    exact = torch.ones(()) if ranges.exact is None else ranges.exact
+    table = torch.cat([union, _square_summaries(lo, hi, block_q),
+                       exact.to(union).expand(nq, 1)], 1)  # [nq, nk + 9]
+    parts = [table.flatten()]
+    if hulls:
+        seen = hi > lo
+        parts += [torch.where(seen, lo, _FAR).amin(0), torch.where(seen, hi, -_FAR).amax(0)]
+    values = torch.cat(parts).tolist()
+    width = table.shape[1]
+    rows = [values[i * width:(i + 1) * width] for i in range(nq)]
+    codes = [row[:nk] for row in rows]
+    if not rows or not rows[0][-1]:
+        return codes, None, None
+    rest = values[nq * width:]
+    return (codes, _Squares([row[nk:-1] for row in rows]),
+            (rest[:q_count], rest[q_count:]) if hulls else None)
+
+
+def _with_structure(segments: list, n: int, kv_offset: int, structure_at: Callable,
+                    max_keys: int) -> list:
+    """Mark the partial square segments of one query block of ``n`` rows that the mask knows
+    to be lower or upper triangles (``structure_at(k0, k1)``: the answer of
+    :meth:`~attnkit.masks.Mask.tile_structure` for the block's rows × global keys ``[k0,
+    k1)``; a partial run of several squares, all known, is split into them), and merge each
+    adjacent run ``upper, full…, [lower]`` into one staircase segment of at most ``max_keys``
+    keys (see :class:`Segment`). The element mask of these segments is never evaluated."""
     marked = []
     for seg in segments:
         width = seg.stop - seg.start
@@ -410,8 +449,7 @@ def _with_structure(mask: Mask, space: MaskSpace, segments: list, q_start: int, 
         # as the block): known when every square is known.
         squares = []
         for start in range(seg.start, seg.stop, n):
-            structure = mask.tile_structure(q_start, q_stop, kv_offset + start,
-                                            kv_offset + start + n, space)
+            structure = structure_at(kv_offset + start, kv_offset + start + n)
             if structure not in ("lower", "upper", "full"):
                 break
             squares.append(Segment(start, start + n, structure != "full",
@@ -439,39 +477,103 @@ def _with_structure(mask: Mask, space: MaskSpace, segments: list, q_start: int, 
     return merged
 
 
+_FAR = 1 << 62
+"""A key position beyond any tensor's: the neutral value of the summaries' reductions."""
+
+
+def _square_summaries(lo: torch.Tensor, hi: torch.Tensor, block_q: int) -> torch.Tensor:
+    """For the query blocks of ``block_q`` rows over each row's keys ``[lo, hi)`` (long
+    ``[Bm, Tq]``): what decides which square tiles of keys a block sees as full, lower or upper
+    triangles (:class:`_Squares`), long ``[nq, 8]``, every batch element at once. With ``ρ``
+    a row's place in its block of ``n`` rows: the largest ``lo`` and smallest ``hi``; the
+    smallest and largest ``hi − ρ − 1`` over rows ``ρ ≤ n − 2`` (a lower triangle from key
+    ``k0`` has ``hi = k0 + ρ + 1`` there) and the smallest ``hi`` of the last row; the
+    smallest and largest ``lo − ρ`` over rows ``ρ ≥ 1`` (an upper triangle has ``lo = k0 +
+    ρ``) and the largest ``lo`` of the first row."""
+    rows = lo.shape[-1]
+    nq = math.ceil(rows / block_q)
+    rho = torch.arange(block_q, device=lo.device)
+    n = (rows - torch.arange(nq, device=lo.device) * block_q).clamp(max=block_q)[:, None]
+    real = rho < n  # [nq, block_q]
+    lo, hi = (torch.nn.functional.pad(t, (0, nq * block_q - rows)).view(-1, nq, block_q)
+              for t in (lo, hi))
+
+    def least(values, where):
+        return torch.where(where, values, _FAR).amin((0, 2))
+
+    def most(values, where):
+        return torch.where(where, values, -_FAR).amax((0, 2))
+    lower, upper = hi - rho - 1, lo - rho
+    return torch.stack([most(lo, real), least(hi, real),
+                        least(lower, real & (rho <= n - 2)), most(lower, real & (rho <= n - 2)),
+                        least(hi, rho == n - 1),
+                        least(upper, real & (rho >= 1)), most(upper, real & (rho >= 1)),
+                        most(lo, rho == 0)], 1)
+
+
+class _Squares(NamedTuple):
+    """The :func:`_square_summaries` of a plan's query blocks, read: answers
+    :meth:`~attnkit.masks.Mask.tile_structure`'s ``"full"``, ``"lower"`` and ``"upper"`` for
+    a block's square tiles exactly as the mask would, from one host read for all of them."""
+
+    blocks: list
+
+    def structure(self, i: int, n: int, k0: int, k1: int) -> Optional[str]:
+        """The structure of query block ``i`` (``n`` rows) × keys ``[k0, k1)``, or ``None``."""
+        most_lo, least_hi, lower_lo, lower_hi, last_hi, upper_lo, upper_hi, first_lo = (
+            self.blocks[i])
+        if most_lo <= k0 and k1 <= least_hi:
+            return "full"
+        if k1 - k0 != n:
+            return None
+        if lower_lo == lower_hi == k0 and most_lo <= k0 and last_hi >= k1:
+            return "lower"
+        if upper_lo == upper_hi == k0 and first_lo <= k0 and least_hi >= k1:
+            return "upper"
+        return None
+
+
 PIECES_BELOW = 0.75
 """A partial segment runs as pieces (:attr:`Segment.pieces`) when they hold at most this
 fraction of its ``rows × keys`` scores."""
 
 
 def _with_pieces(mask: Mask, space: MaskSpace, rows: list, block_q: int, q_offset: int,
-                 q_count: int, kv_offset: int) -> list:
+                 q_count: int, kv_offset: int, hull: Optional[tuple] = None) -> list:
     """``rows`` with :attr:`Segment.pieces` set on the partial segments without a known
     structure where that computes at most :data:`PIECES_BELOW` of their scores, for masks
     that keep packed documents apart (:func:`~attnkit.masks.packs_documents`; in other masks
-    consecutive rows see overlapping keys). Each such segment's mask is evaluated once here
-    (its union over batch and heads), and the first and last allowed key of every row read
-    in one host read for all of them."""
+    consecutive rows see overlapping keys). Each row's first and last key in a segment come
+    from ``hull`` (each row's keys over the batch, :func:`_read_blocks`: read with the block
+    codes) or, without it, from each such segment's mask evaluated once here (its union over
+    batch and heads), read in one host read for all of them."""
     todo = [(i, j) for i, row in enumerate(rows) for j, seg in enumerate(row)
             if seg.partial and seg.structure is None] if packs_documents(mask) else []
     if not todo:
         return rows
-    extents = []
-    for i, j in todo:
-        seg = rows[i][j]
-        q_idx = torch.arange(q_offset + i * block_q, q_offset + min((i + 1) * block_q, q_count),
-                             device=space.device)
-        kv_idx = torch.arange(kv_offset + seg.start, kv_offset + seg.stop, device=space.device)
-        allowed = mask.tile(q_idx, kv_idx, space).flatten(0, 1).any(0)  # [n, span]
-        _, first, last = run_bounds(allowed)  # span and -1 for a row without a key
-        extents.append(torch.stack([first, last + 1]))
-    values = torch.cat(extents, 1).tolist()  # [2, Σ n]: each row's [first, last + 1) key
+    if hull is None:
+        extents = []
+        for i, j in todo:
+            seg = rows[i][j]
+            q_idx = torch.arange(q_offset + i * block_q,
+                                 q_offset + min((i + 1) * block_q, q_count), device=space.device)
+            kv_idx = torch.arange(kv_offset + seg.start, kv_offset + seg.stop, device=space.device)
+            allowed = mask.tile(q_idx, kv_idx, space).flatten(0, 1).any(0)  # [n, span]
+            _, first, last = run_bounds(allowed)  # span and -1 for a row without a key
+            extents.append(torch.stack([first, last + 1]))
+        values = torch.cat(extents, 1).tolist()  # [2, Σ n]: each row's [first, last + 1) key
     rows, at = [list(row) for row in rows], 0
     for i, j in todo:
         seg = rows[i][j]
         n = min((i + 1) * block_q, q_count) - i * block_q
-        pieces = _pieces(values[0][at:at + n], values[1][at:at + n])
-        at += n
+        if hull is None:
+            first, last = values[0][at:at + n], values[1][at:at + n]
+            at += n
+        else:  # the row's keys clipped to the segment
+            start, span = kv_offset + seg.start, seg.stop - seg.start
+            first = [max(lo - start, 0) for lo in hull[0][i * block_q:i * block_q + n]]
+            last = [min(hi - start, span) for hi in hull[1][i * block_q:i * block_q + n]]
+        pieces = _pieces(first, last)
         work = sum((r1 - r0) * (k1 - k0) for r0, r1, k0, k1 in pieces)
         if work <= PIECES_BELOW * n * (seg.stop - seg.start):
             rows[i][j] = Segment(seg.start, seg.stop, True, None, pieces)
