@@ -49,13 +49,17 @@ def _reads(fn) -> int:
     return reads.count
 
 
+@pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize("backend", ["auto", "tiled"])
 @pytest.mark.parametrize("name", list(_masks()))
-def test_a_mask_seen_before_reads_no_value(name, backend):
+def test_a_mask_seen_before_reads_no_value(name, backend, invariant):
+    """Also under the invariance contract (the fixed schedule, left padding in groups by
+    first key)."""
     q, k, v = _qkv()
     mask = _masks()[name]()
-    ak.attention(q, k, v, mask, backend=backend)
-    assert _reads(lambda: ak.attention(q, k, v, mask, backend=backend)) == 0
+    ak.attention(q, k, v, mask, backend=backend, invariant=invariant)
+    assert _reads(lambda: ak.attention(q, k, v, mask, backend=backend,
+                                       invariant=invariant)) == 0
 
 
 @pytest.mark.parametrize("backend", ["auto", "tiled"])

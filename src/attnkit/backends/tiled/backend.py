@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from ...inputs import Inputs
+from ...inputs import Inputs, derived
 from ...masks import Mask, MaskSpace, cache_key, key_starts
 from ...modifiers import Modifiers
 from ...numerics import accum_dtype
@@ -274,12 +274,13 @@ def _problem(inputs: Inputs, seed: int, options: TiledOptions,
 
 
 def _left_starts(inputs: Inputs) -> Optional[list[int]]:
-    """Where each batch element's keys begin (``[B]`` ints, one host read) when some begin past
-    position 0 (left padding: :func:`~attnkit.masks.key_starts`), else ``None``."""
+    """Where each batch element's keys begin (``[B]`` ints, one host read, once for the calls
+    that share the validation, :func:`~attnkit.inputs.derived`) when some begin past position
+    0 (left padding: :func:`~attnkit.masks.key_starts`), else ``None``."""
     starts = key_starts(inputs.mask)
     if starts is None:
         return None
-    values = starts.expand(inputs.q.shape[0]).tolist()
+    values = derived(inputs, "left starts", lambda: starts.expand(inputs.q.shape[0]).tolist())
     return values if any(values) else None
 
 
