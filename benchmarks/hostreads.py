@@ -4,7 +4,8 @@
 
 For every mask kind and score modifier: the reads of the first call with a new mask
 (validation, planning) and of a repeated call with the same mask (what every layer of a model
-pays), on ``auto`` and ``tiled``; an ``nn.MultiHeadAttention`` decode step over a
+pays), on ``auto``, ``tiled`` and, where triton is installed, ``triton`` (through its
+interpreter on a machine without CUDA); an ``nn.MultiHeadAttention`` decode step over a
 ``KVCache(lengths=)``; a whole decode step of a tiny transformers Llama (2 layers) with
 left-padded prompts, when transformers is installed. Counted with
 :class:`attnkit.bench.hostreads.HostReads`.
@@ -18,10 +19,15 @@ import os
 import sys
 from pathlib import Path
 
+import importlib.util
+
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+TRITON = importlib.util.find_spec("triton") is not None
+if TRITON and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton's import: its kernels run on CPU
 
 import attnkit as ak  # noqa: E402
 from attnkit.bench.hostreads import HostReads  # noqa: E402
@@ -114,15 +120,16 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results"))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = {"calls": {backend: per_call(backend) for backend in ("auto", "tiled")},
+    backends = ("auto", "tiled", "triton") if TRITON else ("auto", "tiled")
+    results = {"calls": {backend: per_call(backend) for backend in backends},
                "mha_decode_step": mha_decode_step(),
                "transformers_decode_step": transformers_decode_step()}
     print(f"host reads per call (B{B} H{H} T{T} D{D}): first call with a new mask / repeated")
-    print(f"{'mask':28s} {'auto':>12s} {'tiled':>12s}")
+    print(f"{'mask':28s}" + "".join(f" {backend:>12s}" for backend in backends))
     for name in results["calls"]["auto"]:
         cells = [f"{r[name]['first']:>5d} / {r[name]['repeated']:<4d}"
                  for r in results["calls"].values()]
-        print(f"{name:28s} {cells[0]:>12s} {cells[1]:>12s}")
+        print(f"{name:28s}" + "".join(f" {cell:>12s}" for cell in cells))
     print(f"MultiHeadAttention decode step, KVCache(lengths=): {results['mha_decode_step']}")
     print(f"transformers tiny Llama (2 layers) decode step, left-padded: "
           f"{results['transformers_decode_step']}")

@@ -52,7 +52,7 @@ def test_the_report_script_writes_every_row(tmp_path):
                     str(tmp_path)], check=True, capture_output=True, timeout=600,
                    env={**os.environ, "PYTHONPATH": str(REPO / "src")})
     saved = json.loads((tmp_path / "hostreads.json").read_text())
-    assert set(saved["calls"]) == {"auto", "tiled"}
+    assert set(saved["calls"]) - {"triton"} == {"auto", "tiled"}
     assert {"padding(kv_lengths)", "documents(causal)", "causal & alibi"} <= set(saved["calls"]["auto"])
     for row in saved["calls"]["auto"].values():
         assert row["first"] >= row["repeated"] >= 0

@@ -423,3 +423,29 @@ def test_mask_program_features():
     assert program.features() == ["dense"] and program.allowed.stride()[:2] == (0, 0)
     program = launch.compile_mask(ak.bias(torch.zeros(40, 40)) & ak.causal("bottom_right"), space)
     assert program.features() == ["band_hi", "bias"]
+
+
+# ---- host reads ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("name", ["padding", "left padding", "causal & padding",
+                                  "causal(sequences)", "padding(kv_mask)", "documents",
+                                  "documents & causal", "documents(causal)"])
+def test_a_new_mask_reads_at_most_two_values_and_a_known_one_none(name, invariant):
+    """Validating a new mask and laying it out for the kernels (block codes, the lists'
+    spacing, the parts PARTIAL tiles need, the mask program: one read) read at most two values
+    (each a device sync on CUDA); the same mask again reads none."""
+    from attnkit.bench.hostreads import HostReads
+    from test_host_reads import _masks, _qkv
+
+    q, k, v = _qkv()
+
+    def call(mask):
+        return ak.attention(q, k, v, mask, backend="triton", invariant=invariant)
+    call(_masks()[name]())  # the backend's own first-call work
+    mask = _masks()[name]()
+    with HostReads() as new:
+        call(mask)
+    with HostReads() as again:
+        call(mask)
+    assert new.count <= 2 and again.count == 0, (new.by_kind, again.by_kind)

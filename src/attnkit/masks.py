@@ -575,6 +575,7 @@ class _Runs(NamedTuple):
     empty: Optional[torch.Tensor]  # bool [B], inside a compiled region: no real token (refused)
     every_row: bool = False  # every row holds a real token (read; False when unknown)
     real: Optional[torch.Tensor] = None  # bool [B, T]: the mask itself, a copy of its own
+    shifted: Optional[bool] = None  # some row starts past position 0 (read; None when unknown)
 
 
 def run_bounds(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -636,7 +637,8 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
     # One host read for both checks. torch's key_padding_mask (True = padding) read as a
     # real-token mask: an unpadded row is all False, padding at both ends is True at both ends.
     # Its inverse is one run per row, so the messages below suggest ~mask when that holds.
-    any_broken, any_empty = torch.stack([broken.any(), (count == 0).any()]).tolist()
+    any_broken, any_empty, shifted = torch.stack([broken.any(), (count == 0).any(),
+                                                  (starts != 0).any()]).tolist()
     if any_broken:
         rows = broken.nonzero().flatten().tolist()
         example = "".join("1" if x else "0" for x in m[rows[0]].tolist()[:40])
@@ -650,7 +652,7 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
     if empty is not None and any_empty:
         raise ValueError(_empty_rows_message(name, empty.nonzero().flatten().tolist(),
                                              tuple(m.shape), bool(_one_run(~m).all())))
-    return _Runs(starts, count.to(torch.long), width, None, None, not any_empty, m)
+    return _Runs(starts, count.to(torch.long), width, None, None, not any_empty, m, shifted)
 
 
 def _rows(rows: list) -> str:
@@ -787,14 +789,16 @@ class _Padding(Mask):
                           ("q_lengths", "kv_lengths", "q_starts", "kv_starts")})
         # runs read from a 2-D mask lie within its width by construction (check(): width only)
         if q_mask is not None:
-            self.q_starts, self.q_lengths, self.q_width, self.q_broken, self.q_empty = _runs(
-                "q_mask", q_mask, allow_empty_rows)[:5]
+            runs = _runs("q_mask", q_mask, allow_empty_rows)
+            self.q_starts, self.q_lengths, self.q_width, self.q_broken, self.q_empty = runs[:5]
+            self._know_shifted("q", runs.shifted)
         self.kv_real = None
         if kv_mask is not None:
             runs = _runs("kv_mask", kv_mask, allow_empty_rows)
             (self.kv_starts, self.kv_lengths, self.kv_width, self.kv_broken,
              self.kv_empty) = runs[:5]
             self.kv_real = runs.real  # the runs as read: bool [B, Tk] (None when compiling)
+            self._know_shifted("kv", runs.shifted)
             # every query real and every row of keys non-empty (read with the runs): every
             # row has a key (every_row_has_key)
             self.keys_everywhere = runs.every_row and q_mask is None and all(
@@ -830,9 +834,22 @@ class _Padding(Mask):
         return GuardRuns((q_lo, q_hi) if q_runs else None, (kv_lo, kv_hi) if kv_runs else None)
 
     def has_starts(self) -> bool:
-        """True when some real run does not begin at position 0 (left padding)."""
-        return any(t is not None and t.numel() and bool((t != 0).any())
-                   for t in (self.q_starts, self.kv_starts))
+        """True when some real run does not begin at position 0 (left padding). Read once per
+        content of the starts (:func:`memo`), or known without a read of its own: from the
+        read that found a real-token mask's runs, or the one that validated the starts."""
+        return self._shifted("q") or self._shifted("kv")
+
+    def _shifted(self, side: str) -> bool:
+        starts = getattr(self, f"{side}_starts")
+        if starts is None or not starts.numel():
+            return False
+        return memo(self, ("shifted", side), (starts,), lambda: bool((starts != 0).any()))
+
+    def _know_shifted(self, side: str, shifted: Optional[bool]) -> None:
+        """Keep what a read found of ``side``'s starts (``None``: nothing)."""
+        starts = getattr(self, f"{side}_starts")
+        if shifted is not None and starts is not None:
+            memo(self, ("shifted", side), (starts,), lambda: shifted)
 
     def check(self, space):
         if self.vouched:
@@ -883,6 +900,8 @@ class _Padding(Mask):
                     problems.append(f"padding {side}_lengths={lengths.tolist()} out of range: each "
                                     f"must be in [0, {limit}] (the {noun} length)")
                 continue
+            if "starts" in low:
+                self._know_shifted(side, high["starts"] > 0)
             if "starts" in low and (low["starts"] < 0 or high["starts"] > limit):
                 problems.append(f"padding {side}_starts={starts.tolist()} out of range: each must be "
                                 f"in [0, {limit}] (the {noun} length)")
@@ -1471,10 +1490,13 @@ class _Documents(Mask):
         return problems
 
     def structure(self, space):
-        q_ranges, kv_ranges, whole = self.spans(space)
-        if not bool(whole):
-            return Structure(ids=(self.q_ids.to(space.device), self.kv_ids.to(space.device)))
-        return Structure(ranges=(q_ranges, kv_ranges))
+        def form():
+            q_ranges, kv_ranges, whole = self.spans(space)
+            if not bool(whole):
+                return Structure(ids=(self.q_ids.to(space.device), self.kv_ids.to(space.device)))
+            return Structure(ranges=(q_ranges, kv_ranges))
+        return memo(self, ("structure", space.batch, space.device), (self.q_ids, self.kv_ids),
+                    form)  # one read per content of the ids
 
     def spans(self, space) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The ranges form (:class:`Structure`) of this mask without reading a value: each

@@ -335,19 +335,35 @@ def needed_leaves(mask: Optional[Mask], codes: torch.Tensor, space: MaskSpace,
     wherever ``codes`` (:func:`block_codes`) is PARTIAL: they forbid nothing a PARTIAL tile
     must check (EMPTY and FULL blocks already carry them). E.g. documents aligned to the
     sparse blocks under causal: the PARTIAL tiles evaluate causal alone. Dense parts and
-    biases are always kept."""
+    biases are always kept. One host read (:func:`_leaf_needs`)."""
+    needs = _leaf_needs(mask, codes, space, tiles)
+    return _kept(mask, torch.stack(needs).tolist() if needs else [])
+
+
+def _leaf_needs(mask: Optional[Mask], codes: torch.Tensor, space: MaskSpace,
+                tiles: Tiles) -> list[torch.Tensor]:
+    """Per part of ``mask``'s ``&`` chain (none for a mask of one part), whether
+    :func:`needed_leaves` keeps it: bool 0-d tensors, not read."""
     leaves = mask.leaves() if mask is not None else []
     if len(leaves) < 2:
-        return mask
+        return []
     partial = codes == PARTIAL
 
-    def needed(leaf: Mask) -> bool:
+    def needed(leaf: Mask) -> torch.Tensor:
         form = leaf.structure(space)
         if form is None or form.bias is not None:
-            return True
+            return torch.ones((), dtype=torch.bool, device=codes.device)
         own = leaf.block_map(tiles.sparse_q, tiles.sparse_k, space)
-        return bool((partial & (own != FULL)).any())
-    kept = [leaf for leaf in leaves if needed(leaf)]
+        return (partial & (own != FULL)).any()
+    return [needed(leaf) for leaf in leaves]
+
+
+def _kept(mask: Optional[Mask], needs: list) -> Optional[Mask]:
+    """``mask`` with the parts of its ``&`` chain whose ``needs`` (read :func:`_leaf_needs`)
+    are true; ``mask`` itself without ``needs``."""
+    if not needs:
+        return mask
+    kept = [leaf for leaf, need in zip(mask.leaves(), needs) if need]
     return functools.reduce(operator.and_, kept) if kept else None
 
 
@@ -420,7 +436,25 @@ class BlockLists:
 
 
 def block_lists(codes: torch.Tensor, batch: int, heads: int) -> BlockLists:
-    """Block codes ``[Bm, Hm, R, C]`` → :class:`BlockLists` over rows R."""
+    """Block codes ``[Bm, Hm, R, C]`` → :class:`BlockLists` over rows R (one host read: its
+    spacing flags)."""
+    return _read_flags([_block_lists(codes, batch, heads)])[0][0]
+
+
+def _read_flags(lists: list[BlockLists], more: list[torch.Tensor] = ()
+                ) -> tuple[list[BlockLists], list[bool]]:
+    """``lists`` (from :func:`_block_lists`) with their spacing flags, and the bool 0-d
+    tensors ``more``, read in one host read."""
+    flags = [flag for each in lists for flag in (each.partial_strided, each.full_strided)]
+    values = torch.stack([torch.as_tensor(flag, device=lists[0].index.device)
+                          for flag in [*flags, *more]]).tolist()
+    read = [dataclasses.replace(each, partial_strided=values[2 * i],
+                                full_strided=values[2 * i + 1]) for i, each in enumerate(lists)]
+    return read, values[len(flags):]
+
+
+def _block_lists(codes: torch.Tensor, batch: int, heads: int) -> BlockLists:
+    """:func:`block_lists` with its spacing flags as bool 0-d tensors, not read."""
     rank = torch.where(codes == PARTIAL, 0, torch.where(codes == FULL, 1, 2))
     index = torch.sort(rank, dim=-1, stable=True).indices.to(torch.int32).contiguous()
     num_partial = (codes == PARTIAL).sum(-1, dtype=torch.int32)
@@ -439,7 +473,7 @@ def key_order_lists(codes: torch.Tensor, space: MaskSpace, sparse_k: int,
     row the same bits whether or not it is whole). With ``starts`` (``[Bm]``, left padding)
     batch element ``b``'s blocks begin at its first key, as the sequence's own do when it
     runs alone; a shifted block is listed where either aligned block it overlaps is
-    non-EMPTY."""
+    non-EMPTY. Its spacing flag is a bool 0-d tensor, not read (:func:`_read_flags`)."""
     batch, heads = space.batch, space.heads
     if starts is not None:
         starts = starts.to(codes.device, torch.int32).reshape(-1).expand(batch).contiguous()
@@ -466,12 +500,13 @@ def key_order_lists(codes: torch.Tensor, space: MaskSpace, sparse_k: int,
                       _strided(index, torch.zeros_like(count), count), True, starts)
 
 
-def _strided(index: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> bool:
+def _strided(index: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Whether in every row of ``index [..., R, C]`` the ``count [..., R]`` entries from
-    ``first [..., R]`` on are evenly spaced (the kernels' step: the first two's difference)."""
+    ``first [..., R]`` on are evenly spaced (the kernels' step: the first two's difference):
+    a bool 0-d tensor, not read."""
     cols = index.shape[-1]
     if cols == 0:
-        return True
+        return torch.ones((), dtype=torch.bool, device=index.device)
     start = first.long().unsqueeze(-1)
     offset = torch.arange(cols, device=index.device) - start
     inside = (offset >= 0) & (offset < count.long().unsqueeze(-1))
@@ -479,7 +514,7 @@ def _strided(index: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> b
     base = entries.gather(-1, start.clamp(max=cols - 1))
     step = entries.gather(-1, (start + 1).clamp(max=cols - 1)) - base
     step = torch.where(count.long().unsqueeze(-1) > 1, step, 1)
-    return bool(((entries == base + offset * step) | ~inside).all())
+    return ((entries == base + offset * step) | ~inside).all()
 
 
 def block_codes(mask: Optional[Mask], space: MaskSpace, tiles: Tiles) -> torch.Tensor:
@@ -589,13 +624,18 @@ def layout(mask: Optional[Mask], space: MaskSpace, tiles: Tiles, invariant: bool
     """The :class:`Layout` of ``mask`` over ``space``, cached per mask (same tensors,
     unmodified), shapes, tiles and ``invariant`` (the contract's lists,
     :func:`key_order_lists`, where every tile runs the whole mask program)."""
-    def build() -> Layout:
+    def build() -> Layout:  # one host read: the lists' spacing, the parts the tiles need
         codes = block_codes(mask, space, tiles)
         if invariant:
-            rows = key_order_lists(codes, space, tiles.sparse_k, key_starts(mask))
+            (rows,), _ = _read_flags([key_order_lists(codes, space, tiles.sparse_k,
+                                                      key_starts(mask))])
             return Layout(compile_mask(mask, space), codes, space.batch, space.heads, rows)
-        return Layout(compile_mask(needed_leaves(mask, codes, space, tiles), space), codes,
-                      space.batch, space.heads, block_lists(codes, space.batch, space.heads))
+        needs = _leaf_needs(mask, codes, space, tiles)
+        (rows, cols), needs = _read_flags(
+            [_block_lists(codes, space.batch, space.heads),
+             _block_lists(codes.transpose(-1, -2), space.batch, space.heads)], needs)
+        return Layout(compile_mask(_kept(mask, needs), space), codes, space.batch,
+                      space.heads, rows, cols)
     return _LAYOUTS.get(mask, (space, tiles, invariant), build)
 
 
