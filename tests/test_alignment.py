@@ -300,39 +300,53 @@ def test_block_maps_are_analytic_and_skip_padded_tiles(monkeypatch):
     assert sum(seg.stop - seg.start for seg in plan.rows[0]) <= 32
 
 
-@pytest.mark.parametrize("maker", ["band", "documents"])
-def test_tile_structure_is_never_wrong(maker):
+@pytest.mark.parametrize("maker", ["band", "documents", "padding"])
+def test_square_structures_are_never_wrong(maker):
+    """What a fused plan knows of a square tile from the mask's key ranges (full, lower or
+    upper triangle: ``plan._Squares``) is what the dense mask holds there, for every query
+    block of 1–5 rows and every key offset."""
+    from attnkit.backends.tiled.plan import _square_summaries, _Squares
+    from attnkit.masks import key_ranges
+
     if maker == "band":
         same = ak.padding(q_lengths=[12, 12], kv_lengths=[12, 12], q_starts=[0, 0], kv_starts=[2, 2])
         masks = [band_case(s)[0] for s in (0, 5, 7)] + [
             ak.causal(sequences=same), ak.sliding_window(3, sequences=same),
             ak.causal("bottom_right", sequences=ak.padding(q_lengths=[6, 12], kv_lengths=[8, 14]))]
         spaces = [band_case(s)[2] for s in (0, 5, 7)] + [MaskSpace(2, 1, 12, 14)] * 3
-    else:
+    elif maker == "documents":
         masks = [documents_case(s)[0] for s in (0, 1, 6)] + [
             ak.documents(torch.arange(12) // 4, torch.arange(12) // 4, causal="bottom_right")]
         spaces = [documents_case(s)[2] for s in (0, 1, 6)] + [MaskSpace(1, 1, 12, 12)]
+    else:
+        masks = [ak.padding(q_starts=[2, 4, 3], kv_starts=[5, 1, 6], kv_lengths=[8, 9, 3]),
+                 ak.padding(kv_starts=[4]) & ak.causal("bottom_right"),
+                 ak.padding(q_starts=[12, 12, 12])]
+        spaces = [MaskSpace(3, 1, 12, 14)] * 3
     claims = set()
     for mask, space in zip(masks, spaces):
         dense = full(mask.to_dense(space), space)
+        ranges = key_ranges(mask, space)
+        if ranges.exact is not None and not bool(ranges.exact):
+            continue  # documents not one run each: a plan knows no square of theirs
         for q0 in range(space.q_len):
-            for q1 in range(q0 + 1, min(q0 + 5, space.q_len) + 1):
-                for k0 in range(space.kv_len):
-                    for k1 in (k0 + q1 - q0, k0 + 3):
-                        if k1 > space.kv_len:
-                            continue
-                        claim = mask.tile_structure(q0, q1, k0, k1, space)
-                        claims.add(claim)
-                        tile = dense[:, :, q0:q1, k0:k1]
-                        n = q1 - q0
-                        rows, cols = torch.arange(n)[:, None], torch.arange(k1 - k0)[None, :]
-                        shape = {"empty": torch.zeros_like(tile), "full": torch.ones_like(tile)}
-                        if k1 - k0 == n:
-                            shape.update(lower=(cols <= rows).expand_as(tile),
-                                         upper=(cols >= rows).expand_as(tile))
-                        if claim is not None:
-                            assert torch.equal(tile, shape[claim]), (mask, q0, q1, k0, k1, claim)
-    assert {"empty", "full", "lower"} <= claims
+            for n in range(1, min(5, space.q_len - q0) + 1):
+                lo, hi = (t[:, q0:q0 + n] for t in ranges[:2])
+                squares = _Squares(_square_summaries(lo, hi, n).tolist())
+                rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
+                for k0 in range(space.kv_len - n + 1):
+                    claim = squares.structure(0, n, k0, k0 + n)
+                    claims.add(claim)
+                    tile = dense[:, :, q0:q0 + n, k0:k0 + n]
+                    shape = {"full": torch.ones(n, n, dtype=torch.bool), "lower": cols <= rows,
+                             "upper": cols >= rows}
+                    if claim is not None:
+                        assert torch.equal(tile, shape[claim].expand_as(tile)), (
+                            mask, q0, n, k0, claim)
+                    else:  # and never unsure where the dense mask is one of them
+                        assert not any(torch.equal(tile, s.expand_as(tile))
+                                       for s in shape.values()), (mask, q0, n, k0)
+    assert {"full", "lower", None} <= claims
 
 
 # ---- attention on every backend ---------------------------------------------------------------

@@ -160,29 +160,6 @@ def test_padding_starts_repr_cache_key_and_digest():
     assert ak.masks.digest(a) == ak.masks.digest(ak.padding(kv_lengths=[3, 4], kv_starts=[1, 0]))
 
 
-def test_padding_starts_tile_structure_never_wrong():
-    sp = space(batch=3, q_len=12, kv_len=14)
-    masks = [ak.padding(q_starts=[2, 4, 3], kv_starts=[5, 1, 6], kv_lengths=[8, 9, 3]),
-             ak.padding(kv_starts=[4]), ak.padding(q_starts=[12, 12, 12])]
-    claims = set()
-    for mask in masks:
-        dense = full_shape(mask.to_dense(sp), sp)
-        for q0 in range(12):
-            for q1 in range(q0 + 1, 13, 3):
-                for k0 in range(14):
-                    for k1 in range(k0 + 1, 15, 4):
-                        claim = mask.tile_structure(q0, q1, k0, k1, sp)
-                        claims.add(claim)
-                        tile = dense[:, :, q0:q1, k0:k1]
-                        if claim == "full":
-                            assert tile.all(), (mask, q0, q1, k0, k1)
-                        elif claim == "empty":
-                            assert not tile.any(), (mask, q0, q1, k0, k1)
-                        else:
-                            assert claim is None
-    assert claims == {"full", "empty", None}
-
-
 def test_padding_accepts_tensor_lengths():
     sp = space(batch=2, q_len=4, kv_len=4)
     assert_dense(ak.padding(kv_lengths=torch.tensor([1, 3])), dense_padding(4, 4, None, [1, 3], 2), sp)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 import pytest
 import torch
@@ -274,17 +275,30 @@ def _square_masks() -> dict:
     }
 
 
+def _square_of(dense: torch.Tensor, q0: int, n: int, k0: int) -> Optional[str]:
+    """The structure of the square ``[q0, q0 + n) × [k0, k0 + n)`` of a dense mask ``[Bm, Hm,
+    Tq, Tk]``, for every batch element and head: full, lower, upper triangle, or ``None``."""
+    tile = dense[..., q0:q0 + n, k0:k0 + n]
+    row, col = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    for name, shape in (("full", torch.ones(n, n, dtype=torch.bool)), ("lower", col <= row),
+                        ("upper", col >= row)):
+        if torch.equal(tile, shape.expand_as(tile)):
+            return name
+    return None
+
+
 @pytest.mark.parametrize("name", list(_square_masks()))
 @pytest.mark.parametrize("block_q, q_offset", [(256, 0), (64, 100), (40, 3)])
-def test_square_summaries_answer_as_the_mask_does(name, block_q, q_offset):
-    """The squares' structures the fused plan reads in one host read with its block codes
-    (``_square_summaries``, from the mask's key ranges) are the mask's own ``tile_structure``
-    answers (full, lower, upper) for every query block and key offset, ragged last blocks and
-    a chunk's query offset included."""
+def test_square_summaries_answer_as_the_dense_mask_does(name, block_q, q_offset):
+    """The squares' structures a fused plan reads in one host read with its block codes
+    (``_square_summaries``, from the mask's key ranges) are the dense mask's (full, lower,
+    upper) for every query block and key offset, ragged last blocks and a chunk's query
+    offset included."""
     from attnkit.backends.tiled.plan import _square_summaries, _Squares
     from attnkit.masks import key_ranges
 
     mask, space = _square_masks()[name], MaskSpace(2, 1, 600, 600)
+    dense = mask.to_dense(space)
     q_count = space.q_len - q_offset
     ranges = key_ranges(mask, space)
     assert ranges.exact is None or bool(ranges.exact)
@@ -295,41 +309,65 @@ def test_square_summaries_answer_as_the_mask_does(name, block_q, q_offset):
         q_start = q_offset + i * block_q
         n = min(block_q, space.q_len - q_start)
         for k0 in range(0, space.kv_len - n + 1, 1 if n < 64 else 4):
-            want = mask.tile_structure(q_start, q_start + n, k0, k0 + n, space)
-            want = want if want in ("full", "lower", "upper") else None
+            want = _square_of(dense, q_start, n, k0)
             assert squares.structure(i, n, k0, k0 + n) == want, (i, n, k0)
             seen.add(want)
     assert len(seen) > 1  # the mask has squares of some structure and squares of none
 
 
-@pytest.mark.parametrize("name", list(_square_masks()) + [
-    "documents, not one run each", "short documents", "short documents(causal)",
-    "short documents per sequence"])
-@pytest.mark.parametrize("q_offset, q_count", [(0, 600), (100, 300)])
-def test_a_plan_from_key_ranges_is_the_plan_from_the_mask(monkeypatch, name, q_offset, q_count):
-    """The fused plan built with one host read (block codes, squares and each row's keys from
-    the mask's key ranges) equals the plan built from the mask's own answers (a
-    ``tile_structure`` per square, the pieces' rows from the evaluated mask)."""
+def _plan_masks() -> dict:
     masks = _square_masks()
     split = torch.arange(600) // 50
     split[550:] = 0  # document 0 in two runs: its key ranges do not hold
     masks["documents, not one run each"] = ak.documents(split)
+    masks["documents, not one run each, & causal"] = ak.documents(split) & ak.causal()
     masks["short documents"] = ak.documents(torch.arange(600) // 50)
     masks["short documents(causal)"] = ak.documents(torch.arange(600) // 50, causal="top_left")
     masks["short documents per sequence"] = ak.documents(torch.stack([
         torch.arange(600) // 50, torch.arange(600) // 60]))
-    mask, space = masks[name], MaskSpace(2, 1, 600, 600)
+    return masks
 
-    def plan():
-        return tiled.plan.build_plan(mask, space, batch=2, heads=1, q_offset=q_offset,
-                                     q_count=q_count, kv_offset=0, kv_count=600, fused=True)
-    read_once = plan()
-    monkeypatch.setattr(tiled.plan, "key_ranges", lambda mask, space: None)
-    assert read_once == plan()
+
+@pytest.mark.parametrize("name", list(_plan_masks()))
+@pytest.mark.parametrize("q_offset, q_count", [(0, 600), (100, 300)])
+def test_a_fused_plans_known_tiles_are_the_masks(name, q_offset, q_count):
+    """A fused plan (one host read: block codes, squares and each row's keys from the mask's
+    key ranges) marks as staircases only tiles whose dense mask is that staircase, and its
+    pieces are the ones the evaluated mask gives; documents whose key ranges do not hold
+    (an id in two runs) get no staircase, and pieces from the evaluated mask."""
+    from attnkit.backends.tiled.plan import _with_pieces
+
+    mask, space = _plan_masks()[name], MaskSpace(2, 1, 600, 600)
+    dense = mask.to_dense(space).expand(2, 1, 600, 600)
+    plan = tiled.plan.build_plan(mask, space, batch=2, heads=1, q_offset=q_offset,
+                                 q_count=q_count, kv_offset=0, kv_count=600, fused=True)
+    for i, row in enumerate(plan.rows):
+        q0 = q_offset + i * plan.block_q
+        n = min(plan.block_q, q_offset + q_count - q0)
+        tile = dense[..., q0:q0 + n, :]
+        for seg in row:
+            keys = tile[..., seg.start:seg.stop]
+            if not seg.partial:
+                assert keys.all()
+            elif seg.structure is not None:  # upper triangle first, lower last, full between
+                width = seg.stop - seg.start
+                col = torch.arange(width)[None, :]
+                row_ = torch.arange(n)[:, None]
+                shape = torch.ones(n, width, dtype=torch.bool)
+                if seg.structure in ("upper", "band"):
+                    shape &= col >= row_
+                if seg.structure in ("lower", "band"):
+                    shape &= col <= row_ + width - n
+                assert torch.equal(keys, shape.expand_as(keys)), (i, seg)
+    bare = [tuple(dataclasses.replace(seg, pieces=None) for seg in row) for row in plan.rows]
+    evaluated = _with_pieces(mask, space, bare, plan.block_q, q_offset, q_count, 0)
+    assert tuple(evaluated) == plan.rows
+    if "not one run" in name:
+        assert not any(seg.structure for row in plan.rows for seg in row)
     if q_offset == 0 and name in ("causal", "causal(sequences)"):
-        assert any(seg.structure for row in read_once.rows for seg in row)
+        assert any(seg.structure for row in plan.rows for seg in row)
     if name.startswith("short documents"):
-        assert any(seg.pieces for row in read_once.rows for seg in row)
+        assert any(seg.pieces for row in plan.rows for seg in row)
 
 
 def _structure_by_rows(lo: torch.Tensor, hi: torch.Tensor, k0: int, n: int):
@@ -448,30 +486,35 @@ def _structure_cases():
 
 
 @pytest.mark.parametrize("case", range(len(_structure_cases())))
-def test_tile_structure_is_never_wrong(case):
-    """Every structure a mask claims for a tile equals its hand-built dense form there, for every
-    batch element; and the claims do occur (lower and upper triangles, full tiles)."""
+def test_square_structures_match_the_hand_built_masks(case):
+    """Every structure a fused plan knows of a square tile from the mask's key ranges
+    (``plan._Squares``) equals the hand-built dense form there, for every batch element; the
+    claims do occur (lower and upper triangles, full tiles); masks without key ranges (a bias,
+    ``|``) claim none."""
+    from attnkit.backends.tiled.plan import _square_summaries, _Squares
+    from attnkit.masks import key_ranges
+
     mask, dense = _structure_cases()[case]
     space = MaskSpace(2, 1, 40, 44)
-    tiles = [(q0, q0 + n, k0, k0 + n) for n in (1, 3, 8, 9, 16)
-             for q0 in range(0, 41 - n) for k0 in range(0, 45 - n)]  # every square tile
-    tiles += [(q0, q0 + 8, k0, k0 + 12) for q0 in range(0, 33, 4) for k0 in range(0, 33, 4)]
-    claims = set()
-    for q0, q1, k0, k1 in tiles:
-        claim = mask.tile_structure(q0, q1, k0, k1, space)
-        claims.add(claim)
-        if claim is None:
-            continue
-        assert dense is not None, f"{mask!r} claimed {claim}"
-        got = dense[..., q0:q1, k0:k1].expand(2, 1, q1 - q0, k1 - k0)
-        square = torch.ones(q1 - q0, q1 - q0, dtype=torch.bool)
-        want = {"empty": lambda: torch.zeros_like(got), "full": lambda: torch.ones_like(got),
-                "lower": lambda: square.tril().expand_as(got),
-                "upper": lambda: square.triu().expand_as(got)}[claim]()
-        assert torch.equal(got, want), (mask, (q0, q1, k0, k1), claim)
+    ranges = key_ranges(mask, space)
     if dense is None:
-        assert claims == {None}
-    elif case < 6:  # bands and documents&causal: triangles must be recognised
+        assert ranges is None
+        return
+    claims = set()
+    for n in (1, 3, 8, 9, 16):
+        for q0 in range(0, 41 - n):
+            lo, hi = (t[:, q0:q0 + n] for t in ranges[:2])
+            squares = _Squares(_square_summaries(lo, hi, n).tolist())
+            for k0 in range(0, 45 - n):
+                claim = squares.structure(0, n, k0, k0 + n)
+                claims.add(claim)
+                if claim is None:
+                    continue
+                got = dense[..., q0:q0 + n, k0:k0 + n].expand(2, 1, n, n)
+                square = torch.ones(n, n, dtype=torch.bool)
+                want = {"full": square, "lower": square.tril(), "upper": square.triu()}[claim]
+                assert torch.equal(got, want.expand_as(got)), (mask, (q0, n, k0), claim)
+    if case < 6:  # bands and documents&causal: triangles must be recognised
         assert claims & {"lower", "upper"}, claims
 
 

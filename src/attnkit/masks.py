@@ -203,27 +203,6 @@ class Mask:
                             _positions(kv_offset, kv_offset + kv_count, space.device), space)
         return _reduce_blocks(allowed, block_q, block_k, self.has_bias)
 
-    def tile_structure(self, q_start: int, q_stop: int, kv_start: int, kv_stop: int,
-                       space: MaskSpace) -> Optional[str]:
-        """What the tile of queries ``[q_start, q_stop)`` × keys ``[kv_start, kv_stop)`` (global
-        positions) is, for every batch element and head, when the mask knows it *without
-        evaluating elements*; ``None`` when it cannot tell (the caller then evaluates
-        :meth:`tile`). Never a guess: a mask that is unsure says ``None``. Answers:
-
-        - ``"empty"`` / ``"full"``: nothing / everything allowed,
-        - ``"lower"`` (square tile): key ≤ query counted from the tile's corner, i.e. torch's
-          ``is_causal`` on the tile; ``"upper"`` (square tile): key ≥ query from the corner::
-
-              lower  upper
-              █░░░   ████
-              ██░░   ░███
-              ███░   ░░██
-              ████   ░░░█
-
-        Masks with a bias always answer ``None``. The base class knows nothing.
-        """
-        return None
-
     def to_dense(self, space: MaskSpace) -> torch.Tensor:
         """The whole bool mask ``[Bm, Hm, q_len, kv_len]`` (for the reference backend, the
         torch backend's bias and pictures; not to be written to). Kept on the mask while its
@@ -395,25 +374,6 @@ class _Band(Mask):
         any_allowed = (rel_min <= hi) & (rel_max >= lo)
         all_allowed = (rel_max <= hi) & (rel_min >= lo)
         return _codes_from_bounds(any_allowed, all_allowed)[None, None]  # [1, 1, nq, nk]
-
-    def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
-        if q_stop <= q_start or kv_stop <= kv_start:
-            return None
-        hi = self.right if self.right is not None else math.inf
-        lo = -self.left if self.left is not None else -math.inf
-        corner = kv_start - q_start - self._shift(space)  # rel = k - q - shift at the corner
-        rel_min = corner - (q_stop - 1 - q_start)  # rel over the tile spans [rel_min, rel_max]
-        rel_max = corner + (kv_stop - 1 - kv_start)
-        if rel_min > hi or rel_max < lo:
-            return "empty"
-        if lo <= rel_min and rel_max <= hi:
-            return "full"
-        if q_stop - q_start == kv_stop - kv_start:  # square: rel - corner = column - row
-            if hi == corner and lo <= rel_min:
-                return "lower"
-            if lo == corner and rel_max <= hi:
-                return "upper"
-        return None
 
     def __repr__(self):
         return _band_call(self.left, self.right, self.align)
@@ -1033,21 +993,6 @@ class _Padding(Mask):
         all_allowed = q_all[:, :, None] & k_all[:, None, :]
         return _codes_from_bounds(any_allowed, all_allowed)[:, None]  # [Bm, 1, nq, nk]
 
-    def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
-        if q_stop <= q_start or kv_stop <= kv_start:
-            return None
-        q_lo, q_hi, kv_lo, kv_hi = self.runs(space)  # [Bm] each
-        if not q_lo.numel() or not kv_lo.numel():
-            return None
-        if (q_start >= int(q_lo.max()) and q_stop <= int(q_hi.min())
-                and kv_start >= int(kv_lo.max()) and kv_stop <= int(kv_hi.min())):
-            return "full"
-        q_none = (q_stop <= q_lo) | (q_start >= q_hi) | (q_hi <= q_lo)  # [Bm]: no real query
-        kv_none = (kv_stop <= kv_lo) | (kv_start >= kv_hi) | (kv_hi <= kv_lo)  # [Bm]: no real key
-        if bool((q_none | kv_none).all()):
-            return "empty"
-        return None
-
     def __repr__(self):
         parts = [f"{name}={_show(getattr(self, name))}"
                  for name in ("q_lengths", "kv_lengths", "q_starts", "kv_starts")
@@ -1262,8 +1207,8 @@ class _Intervals(Mask):
     """A mask in which each query's allowed keys are one run of positions ``[lo, hi)``, and each
     key's allowed queries one run too (a run with ``lo ≥ hi`` is empty). Subclasses give the
     runs (:meth:`_key_runs`, :meth:`_query_runs`) and an analytic :meth:`block_map`; the
-    element mask, :meth:`tile_structure` and :meth:`ranges` (the triton kernels' range form)
-    follow from the runs."""
+    element mask and :meth:`structure` (the ranges form: the triton kernels' and
+    :func:`key_ranges`') follow from the runs."""
 
     def _key_runs(self, q_idx: torch.Tensor, space: MaskSpace) -> tuple[torch.Tensor, torch.Tensor]:
         """The allowed keys ``[lo, hi)`` of the queries at positions ``q_idx`` [tq] → two long
@@ -1279,25 +1224,6 @@ class _Intervals(Mask):
         lo, hi = self._key_runs(q_idx, space)  # [Bm, tq]
         kv = kv_idx[None, None, :]
         return ((kv >= lo[:, :, None]) & (kv < hi[:, :, None]))[:, None]  # [Bm, 1, tq, tk]
-
-    def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
-        if q_stop <= q_start or kv_stop <= kv_start:
-            return None
-        lo, hi = self._key_runs(_positions(q_start, q_stop, space.device), space)  # [Bm, tq]
-        if not lo.numel():
-            return None
-        lo, hi = lo.clamp(min=kv_start), hi.clamp(max=kv_stop)  # each row's keys inside the tile
-        if bool((lo >= hi).all()):
-            return "empty"
-        if bool(((lo == kv_start) & (hi == kv_stop)).all()):
-            return "full"
-        if q_stop - q_start == kv_stop - kv_start:  # square: row r of "lower" sees keys 0..r
-            row = _positions(0, q_stop - q_start, space.device)
-            if bool(((lo == kv_start) & (hi == kv_start + row + 1)).all()):
-                return "lower"
-            if bool(((lo == kv_start + row) & (hi == kv_stop)).all()):
-                return "upper"
-        return None
 
     def structure(self, space):
         def form(runs, limit):  # clipped to the sequence, an empty run as [0, 0)
@@ -1538,16 +1464,6 @@ class _Documents(Mask):
         all_allowed = ((q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]
                        & (q_min[:, :, None] == k_min[:, None, :]))
         return _codes_from_bounds(any_allowed, all_allowed)[:, None]  # [Bm, 1, nq, nk]
-
-    def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
-        if q_stop <= q_start or kv_stop <= kv_start:
-            return None
-        q_doc = self.q_ids.to(space.device)[..., q_start:q_stop]  # [Bm?, tq]
-        kv_doc = self.kv_ids.to(space.device)[..., kv_start:kv_stop]  # [Bm?, tk]
-        first = q_doc[..., :1]  # [Bm?, 1]: each batch row's document must be the same throughout
-        if bool((q_doc == first).all()) and bool((kv_doc == first).all()):
-            return "full"
-        return None
 
     def _arguments(self) -> list[str]:
         """The ids as :func:`documents` takes them: one argument when the sides share them."""
@@ -2038,19 +1954,6 @@ class _And(_Combined):
         if self.has_bias:
             codes = torch.clamp(codes, max=PARTIAL)
         return codes
-
-    def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
-        if self.has_bias:
-            return None
-        first = self.parts[0].tile_structure(q_start, q_stop, kv_start, kv_stop, space)
-        if first is None:
-            return None
-        if first == "empty":
-            return "empty"
-        second = self.parts[1].tile_structure(q_start, q_stop, kv_start, kv_stop, space)
-        if second in ("empty", "full"):
-            return "empty" if second == "empty" else first
-        return second if first in ("full", second) else None
 
     def __repr__(self):
         return " & ".join(_operand(part, _And) for part in self.parts)

@@ -88,9 +88,6 @@ class Modifier(Mask):
         return torch.full((1, 1, math.ceil(q_count / block_q), math.ceil(kv_count / block_k)),
                           FULL, dtype=torch.int8, device=space.device)
 
-    def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
-        return "full"
-
 
 def _per_head_problem(what: str, t: torch.Tensor, space: MaskSpace, batched: bool) -> list[str]:
     """Problems of a per-head tensor ``[H]`` (or ``[B, H]`` when ``batched``) against ``space``

@@ -61,11 +61,6 @@ class _Window(Mask):
     def tile_bias(self, q_idx, kv_idx, space):
         return self.inner.tile_bias(q_idx + self.q_offset, kv_idx + self.kv_offset, self.whole)
 
-    def tile_structure(self, q_start, q_stop, kv_start, kv_stop, space):
-        return self.inner.tile_structure(q_start + self.q_offset, q_stop + self.q_offset,
-                                         kv_start + self.kv_offset, kv_stop + self.kv_offset,
-                                         self.whole)
-
     def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
                   kv_count=None):
         q_count = self.local.q_len - q_offset if q_count is None else q_count

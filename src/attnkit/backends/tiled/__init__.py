@@ -6,8 +6,9 @@ The score matrix is never built: queries are processed ``block_q`` rows at a tim
 - EMPTY blocks are never computed,
 - FULL runs apply no mask,
 - PARTIAL runs evaluate ``mask.tile`` (and ``tile_bias``) for that run only, except, with
-  torch's fused CPU kernel, square tiles the mask knows to be lower/upper triangles
-  (``Mask.tile_structure``): those are never evaluated and run as *staircase* segments (a
+  torch's fused CPU kernel, square tiles the mask's key ranges show to be lower/upper
+  triangles (``masks.key_ranges``, read with the plan): those are never evaluated and run as
+  *staircase* segments (a
   sliding-window row: upper triangle, full keys, lower triangle) in strips of
   ``TiledOptions.triangle_strip`` query rows that each see only their allowed keys; and
   partial runs whose rows fall into groups over disjoint keys (the documents of a packed

@@ -424,11 +424,10 @@ def _lower_square(problem: Problem, rows: tuple[int, int], seg: Segment, group: 
     n = rows[1] - rows[0]
     return (problem.plan.fused and group == 1 and positions is None and problem.scale > 0
             and not problem.modifies_scores and n == FIXED_BLOCK_K
-            and seg.stop - seg.start == n and problem.mask is not None
-            and problem.mask.tile_structure(
-                problem.q_offset + rows[0], problem.q_offset + rows[1],
-                problem.kv_offset + seg.start, problem.kv_offset + seg.stop,
-                problem.space) == "lower")
+            and seg.stop - seg.start == n and rows[0] % problem.plan.block_q == 0
+            and problem.plan.structure(rows[0] // problem.plan.block_q, n,
+                                       problem.kv_offset + seg.start,
+                                       problem.kv_offset + seg.stop) == "lower")
 
 
 def _in_key_order(visits: dict) -> list:

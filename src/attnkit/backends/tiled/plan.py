@@ -157,7 +157,7 @@ class Segment:
     """Keys ``[start, stop)`` (local) computed together; ``partial``: apply the element mask.
 
     ``structure`` (fused plans only): the segment's mask, known without evaluating it (see
-    :meth:`~attnkit.masks.Mask.tile_structure`), as a *staircase* over the query block's ``n``
+    :class:`_Squares`), as a *staircase* over the query block's ``n``
     rows: ``"lower"``: its last ``n`` keys are a lower triangle, every key before them allowed;
     ``"upper"``: its first ``n`` keys are an upper triangle, every key after them allowed;
     ``"band"``: both. A square triangle tile is the case ``stop - start == n``. ``None``: the
@@ -202,6 +202,17 @@ class Plan:
     fused: bool = False
     runs: tuple[tuple[int, int, int], ...] = ()
     options: TiledOptions = TiledOptions()
+    squares: Optional["_Squares"] = None
+    """(fused plans) The structure of each query block's square tiles, where the mask's key
+    ranges tell it (:func:`~attnkit.masks.key_ranges`); ``None`` where they do not."""
+
+    def structure(self, block: int, n: int, k0: int, k1: int) -> Optional[str]:
+        """``"full"``, ``"lower"`` or ``"upper"`` for query block ``block`` (its ``n`` rows) ×
+        global keys ``[k0, k1)`` where :attr:`squares` knows it; else ``None`` (also for rows
+        of more than one block)."""
+        if self.squares is None or n > self.block_q:
+            return None
+        return self.squares.structure(block, n, k0, k1)
 
     def groups(self, tq: int, *, runs: bool = False, shared_prefix: bool = False,
                dense: bool = False):
@@ -367,8 +378,8 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int
         all_full = (per_bh == FULL).flatten(0, 1).all(0)
         union = torch.where(all_empty, EMPTY, torch.where(all_full, FULL, 1)).long()
         codes, squares, hull = _read_blocks(
-            union, key_ranges(mask, space) if structured else None, q_offset, q_count, block_q,
-            packs_documents(mask))
+            union, key_ranges(mask, space) if fused else None, q_offset, q_count, block_q,
+            structured and packs_documents(mask))
     max_blocks = 1 if fixed else max(1, TILE_ELEMENTS // (max(1, batch * heads) * block_q
                                                           * block_k))
     rows = []
@@ -385,21 +396,17 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int
                 end += 1
             segments.append(Segment(j * block_k, min(end * block_k, kv_count), code != FULL))
             j = end
-        if structured:
-            q_start, q_stop = q_offset + i * block_q, q_offset + min((i + 1) * block_q, q_count)
-            if squares is not None:
-                structure_at = functools.partial(squares.structure, i, q_stop - q_start)
-            else:
-                structure_at = (lambda k0, k1, q_start=q_start, q_stop=q_stop: mask.tile_structure(
-                    q_start, q_stop, k0, k1, space))
-            segments = _with_structure(segments, q_stop - q_start, kv_offset, structure_at,
+        if structured and squares is not None:
+            n = min((i + 1) * block_q, q_count) - i * block_q
+            segments = _with_structure(segments, n, kv_offset,
+                                       functools.partial(squares.structure, i, n),
                                        options.staircase_max_keys)
         rows.append(tuple(segments))
     if structured:
         rows = _with_pieces(mask, space, rows, block_q, q_offset, q_count, kv_offset, hull)
     runs = (_find_runs(rows, block_q, q_count) if fused and options.batch_runs and not fixed
             else ())
-    return Plan(block_q, block_k, tuple(rows), fused, runs, options)
+    return Plan(block_q, block_k, tuple(rows), fused, runs, options, squares)
 
 
 def _read_blocks(union: torch.Tensor, ranges: Optional[KeyRanges], q_offset: int, q_count: int,
@@ -427,16 +434,16 @@ def _read_blocks(union: torch.Tensor, ranges: Optional[KeyRanges], q_offset: int
     if not rows or not rows[0][-1]:
         return codes, None, None
     rest = values[nq * width:]
-    return (codes, _Squares([row[nk:-1] for row in rows]),
+    return (codes, _Squares(tuple(tuple(row[nk:-1]) for row in rows)),
             (rest[:q_count], rest[q_count:]) if hulls else None)
 
 
 def _with_structure(segments: list, n: int, kv_offset: int, structure_at: Callable,
                     max_keys: int) -> list:
-    """Mark the partial square segments of one query block of ``n`` rows that the mask knows
-    to be lower or upper triangles (``structure_at(k0, k1)``: the answer of
-    :meth:`~attnkit.masks.Mask.tile_structure` for the block's rows × global keys ``[k0,
-    k1)``; a partial run of several squares, all known, is split into them), and merge each
+    """Mark the partial square segments of one query block of ``n`` rows that the mask makes
+    lower or upper triangles (``structure_at(k0, k1)``: :meth:`_Squares.structure` for the
+    block's rows × global keys ``[k0, k1)``; a partial run of several squares, all known, is
+    split into them), and merge each
     adjacent run ``upper, full…, [lower]`` into one staircase segment of at most ``max_keys``
     keys (see :class:`Segment`). The element mask of these segments is never evaluated."""
     marked = []
@@ -512,11 +519,19 @@ def _square_summaries(lo: torch.Tensor, hi: torch.Tensor, block_q: int) -> torch
 
 
 class _Squares(NamedTuple):
-    """The :func:`_square_summaries` of a plan's query blocks, read: answers
-    :meth:`~attnkit.masks.Mask.tile_structure`'s ``"full"``, ``"lower"`` and ``"upper"`` for
-    a block's square tiles exactly as the mask would, from one host read for all of them."""
+    """The :func:`_square_summaries` of a plan's query blocks, read: which of a block's
+    square tiles the mask makes full (every key allowed), a lower triangle (``k ≤ q`` counted
+    from the tile's corner: torch's ``is_causal`` on the tile) or an upper one (``k ≥ q``),
+    for every batch element and head, from one host read for all of them::
 
-    blocks: list
+        lower  upper
+        █░░░   ████
+        ██░░   ░███
+        ███░   ░░██
+        ████   ░░░█
+    """
+
+    blocks: tuple
 
     def structure(self, i: int, n: int, k0: int, k1: int) -> Optional[str]:
         """The structure of query block ``i`` (``n`` rows) × keys ``[k0, k1)``, or ``None``."""
