@@ -355,7 +355,7 @@ def test_documents_as_ranges_when_contiguous():
 
 @pytest.mark.parametrize("length", [96, 90])
 def test_parts_that_forbid_nothing_in_partial_tiles_are_left_out(length, gen):
-    """``launch.needed_leaves``: documents aligned to the sparse blocks under causal leave the
+    """``launch._leaf_needs``: documents aligned to the sparse blocks under causal leave the
     PARTIAL tiles (the diagonal ones, and a ragged tail) to causal alone, with the same
     results; misaligned documents, a bias and a dense part stay in the program; padding that
     covers everything goes."""

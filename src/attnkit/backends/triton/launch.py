@@ -329,21 +329,14 @@ def _as_ids(q_ids: torch.Tensor, kv_ids: torch.Tensor, space: MaskSpace) -> tupl
                  for ids, length in ((q_ids, space.q_len), (kv_ids, space.kv_len)))
 
 
-def needed_leaves(mask: Optional[Mask], codes: torch.Tensor, space: MaskSpace,
-                  tiles: Tiles) -> Optional[Mask]:
-    """``mask`` without the structured parts of its ``&`` chain whose own block map is FULL
-    wherever ``codes`` (:func:`block_codes`) is PARTIAL: they forbid nothing a PARTIAL tile
-    must check (EMPTY and FULL blocks already carry them). E.g. documents aligned to the
-    sparse blocks under causal: the PARTIAL tiles evaluate causal alone. Dense parts and
-    biases are always kept. One host read (:func:`_leaf_needs`)."""
-    needs = _leaf_needs(mask, codes, space, tiles)
-    return _kept(mask, torch.stack(needs).tolist() if needs else [])
-
-
 def _leaf_needs(mask: Optional[Mask], codes: torch.Tensor, space: MaskSpace,
                 tiles: Tiles) -> list[torch.Tensor]:
-    """Per part of ``mask``'s ``&`` chain (none for a mask of one part), whether
-    :func:`needed_leaves` keeps it: bool 0-d tensors, not read."""
+    """Per part of ``mask``'s ``&`` chain (none for a mask of one part), whether a PARTIAL
+    tile needs it: bool 0-d tensors, not read (:func:`_kept` keeps those read true). Not
+    needed: a structured part whose own block map is FULL wherever ``codes``
+    (:func:`block_codes`) is PARTIAL, which forbids nothing such a tile must check (EMPTY and
+    FULL blocks already carry it); e.g. documents aligned to the sparse blocks under causal,
+    whose PARTIAL tiles evaluate causal alone. Dense parts and biases are always needed."""
     leaves = mask.leaves() if mask is not None else []
     if len(leaves) < 2:
         return []
