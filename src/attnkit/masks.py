@@ -594,9 +594,10 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
     starts = torch.where(count > 0, first, 0).to(torch.long)
     if compiling:
         return _Runs(starts, count.to(torch.long), width, broken, empty)
-    # One host read for both checks. torch's key_padding_mask (True = padding) read as a
-    # real-token mask: an unpadded row is all False, padding at both ends is True at both ends.
-    # Its inverse is one run per row, so the messages below suggest ~mask when that holds.
+    # One host read for both checks and the left-padding flag. torch's key_padding_mask (True
+    # = padding) read as a real-token mask: an unpadded row is all False, padding at both ends
+    # is True at both ends. Its inverse is one run per row, so the messages below suggest
+    # ~mask when that holds.
     any_broken, any_empty, shifted = torch.stack([broken.any(), (count == 0).any(),
                                                   (starts != 0).any()]).tolist()
     if any_broken:

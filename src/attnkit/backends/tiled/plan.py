@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -397,10 +397,8 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, *, batch: int, heads: int
             segments.append(Segment(j * block_k, min(end * block_k, kv_count), code != FULL))
             j = end
         if structured and squares is not None:
-            n = min((i + 1) * block_q, q_count) - i * block_q
-            segments = _with_structure(segments, n, kv_offset,
-                                       functools.partial(squares.structure, i, n),
-                                       options.staircase_max_keys)
+            segments = _with_structure(segments, squares, i, min((i + 1) * block_q, q_count)
+                                       - i * block_q, kv_offset, options.staircase_max_keys)
         rows.append(tuple(segments))
     if structured:
         rows = _with_pieces(mask, space, rows, block_q, q_offset, q_count, kv_offset, hull)
@@ -438,14 +436,13 @@ def _read_blocks(union: torch.Tensor, ranges: Optional[KeyRanges], q_offset: int
             (rest[:q_count], rest[q_count:]) if hulls else None)
 
 
-def _with_structure(segments: list, n: int, kv_offset: int, structure_at: Callable,
+def _with_structure(segments: list, known: "_Squares", i: int, n: int, kv_offset: int,
                     max_keys: int) -> list:
-    """Mark the partial square segments of one query block of ``n`` rows that the mask makes
-    lower or upper triangles (``structure_at(k0, k1)``: :meth:`_Squares.structure` for the
-    block's rows × global keys ``[k0, k1)``; a partial run of several squares, all known, is
-    split into them), and merge each
-    adjacent run ``upper, full…, [lower]`` into one staircase segment of at most ``max_keys``
-    keys (see :class:`Segment`). The element mask of these segments is never evaluated."""
+    """Mark the partial square segments of query block ``i`` (``n`` rows) that ``known``
+    shows to be lower or upper triangles (a partial run of several squares, all known, is
+    split into them), and merge each adjacent run ``upper, full…, [lower]`` into one
+    staircase segment of at most ``max_keys`` keys (see :class:`Segment`). The element mask
+    of these segments is never evaluated."""
     marked = []
     for seg in segments:
         width = seg.stop - seg.start
@@ -456,7 +453,7 @@ def _with_structure(segments: list, n: int, kv_offset: int, structure_at: Callab
         # as the block): known when every square is known.
         squares = []
         for start in range(seg.start, seg.stop, n):
-            structure = structure_at(kv_offset + start, kv_offset + start + n)
+            structure = known.structure(i, n, kv_offset + start, kv_offset + start + n)
             if structure not in ("lower", "upper", "full"):
                 break
             squares.append(Segment(start, start + n, structure != "full",
