@@ -99,6 +99,24 @@ def test_a_decode_step_over_a_ragged_cache_reads_no_value():
         assert _reads(step) == 0
 
 
+def test_chunk_lengths_are_validated_once_while_unchanged():
+    """A chunked loop passing one lengths tensor every step (int32 here: converted once) reads
+    it on the first append only; written in place, it is read and checked again."""
+    lengths = torch.tensor([3, 1], dtype=torch.int32)
+    cache = KVCache.empty(capacity=64)
+
+    def append():
+        nonlocal cache
+        cache = cache.append(torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8), lengths)
+
+    append()
+    assert _reads(append) == 0
+    assert cache.lengths.tolist() == [6, 2] and cache.appended.dtype == torch.long
+    lengths[0] = 5  # more than the chunk's 4 positions
+    with pytest.raises(ValueError, match=r"lie in \[0, 4\]"):
+        append()
+
+
 def test_a_transformers_decode_step_reads_at_most_two_values():
     """The mask function runs once per forward pass (it reads the padding's runs); every layer
     then calls attention with that mask, reading nothing."""

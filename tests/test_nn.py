@@ -3,6 +3,7 @@ weights, dropout, gradients) and AdditiveAttention (vs a hand-written float64 co
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -524,6 +525,20 @@ def test_batched_decoding_of_sequences_of_different_lengths(gen):
         expected, _, _ = mha(alone, is_causal=True)
         torch.testing.assert_close(outs[0][b, :p.shape[0]], expected[0, :p.shape[0]])
         torch.testing.assert_close(torch.cat([o[b] for o in outs[1:]]), expected[0, p.shape[0]:])
+
+
+def test_an_appended_cache_is_the_cache_its_fields_describe(gen):
+    """``append`` builds its result without the dataclass's checks: every field is set, and
+    the result equals (field by field) a cache built from them; ``appended`` of a step with no
+    ``lengths`` counts its positions."""
+    k = torch.randn(2, 2, 3, 4, generator=gen)
+    for lengths in (None, torch.tensor([3, 1])):
+        cache = KVCache.empty(capacity=8).append(k, k, lengths).append(k[:, :, :1], k[:, :, :1])
+        assert set(vars(cache)) == {f.name for f in dataclasses.fields(KVCache)}
+        rebuilt = KVCache(**{f.name: getattr(cache, f.name) for f in dataclasses.fields(KVCache)})
+        assert rebuilt.length == cache.length == cache.keys.shape[2] == 4
+        if lengths is not None:
+            assert cache.appended.tolist() == [1, 1] and cache.lengths.tolist() == [4, 2]
 
 
 def test_lengths_need_a_cache_and_must_fit():

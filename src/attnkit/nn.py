@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import invariance
+from . import dispatch, finite, invariance
 from .api import attention
 from .finite import zero_outside
 from .inputs import LazyText
@@ -73,11 +73,32 @@ class _Store:
         self.keys = like_keys.new_zeros(batch, heads, capacity, like_keys.shape[-1])
         self.values = like_values.new_zeros(batch, heads, capacity, like_values.shape[-1])
         self.generation = 0
-        self.checked: Optional[tuple] = None  # the lengths the last append validated (_checked)
+        # (what _checked remembers of the lengths the last append validated, those lengths
+        # as a long tensor on the device)
+        self.checked: Optional[tuple] = None
+        self._whole: dict[int, torch.Tensor] = {}
+        self._positions: Optional[torch.Tensor] = None
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]
+
+    def whole(self, new: int) -> torch.Tensor:
+        """Long ``[B]`` filled with ``new``: the ``appended`` of a step whose ``new``
+        positions are all real, made once per store (never written in place)."""
+        counts = self._whole.get(new)
+        if counts is None:
+            counts = self._whole[new] = torch.full(self.keys.shape[:1], new, dtype=torch.long,
+                                                   device=self.keys.device)
+        return counts
+
+    def key_mask(self, lengths: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Bool ``[B, 1, 1, kv_len]``: position j of sequence b is real when ``j <
+        lengths[b]`` (:func:`~attnkit.masks.keys_below`), in one comparison against the
+        store's positions."""
+        if self._positions is None:
+            self._positions = torch.arange(self.capacity, device=self.keys.device).view(1, 1, 1, -1)
+        return self._positions[..., :kv_len] < lengths.view(-1, 1, 1, 1)
 
 
 def _checked(lengths, new: int) -> Optional[tuple]:
@@ -177,17 +198,20 @@ class KVCache:
             raise ValueError(f"KVCache(window={self.window}) keeps every sequence's last keys "
                              f"alike: per-sequence lengths are not supported with a window; "
                              f"decode equal-length sequences, or use a cache without window")
-        store = self._store
         padded = lengths is not None  # else every new position is real
         seen = _checked(lengths, new) if padded else None
-        if not (store is not None and seen is not None and store.checked == seen):
-            lengths = self._new_lengths(lengths, batch, new, keys.device)
-        before = (self.lengths if self.lengths is not None
-                  else torch.full((batch,), self.length, dtype=torch.long, device=keys.device))
         # T grows by the chunk's width: a bound on every sequence's length read from no value
         length = self.length + new
         store, _ = self._room(keys, values, self.length, length)
-        store.checked = _checked(lengths, new)
+        if not padded:
+            lengths = store.whole(new)
+        elif seen is not None and store.checked is not None and store.checked[0] == seen:
+            lengths = store.checked[1]  # validated by an earlier append, unchanged since
+        else:
+            lengths = self._new_lengths(lengths, batch, new, keys.device)
+        store.checked = None if seen is None else (seen, lengths)
+        before = (self.lengths if self.lengths is not None
+                  else torch.full((batch,), self.length, dtype=torch.long, device=keys.device))
         if padded:  # zeros in a chunk's padding (past its new length: no cache of the chain reads it)
             offset = torch.arange(new, device=keys.device)
             real = (offset[None, :] < lengths[:, None])[:, None, :, None]  # [B, 1, t, 1]
@@ -197,7 +221,7 @@ class KVCache:
                  else (before[:, None] + torch.arange(new, device=keys.device))[:, None, :, None])
         store.keys.scatter_(2, slots.expand(-1, keys.shape[1], -1, keys.shape[3]), keys)
         store.values.scatter_(2, slots.expand(-1, values.shape[1], -1, values.shape[3]), values)
-        return self._extended(store, length, before + lengths, lengths,
+        return self._extended(store, length, before + (lengths if padded else new), lengths,
                               None if padded else new)
 
     def reorder(self, index) -> "KVCache":
@@ -256,28 +280,36 @@ class KVCache:
         looks at, a mask too large for a dense key mask, not one real query per sequence):
         the caller then runs ``attention``; so it does under ``attnkit.invariant()``, whose
         schedule is the tiled engine's)."""
-        from . import dispatch, finite
 
         keys, values = self.keys, self.values
-        if (keys is None or dispatch.forced(backend) != "auto" or invariance.active()
-                or q.dim() != 4 or q.shape[2] != 1 or q.device.type != "cpu"
-                or q.dtype not in (torch.float32, torch.float64)
-                or not (q.dtype == keys.dtype == values.dtype and q.device == keys.device)
-                or q.shape[0] != keys.shape[0] or not q.shape[0] or not keys.shape[2]
-                or q.shape[1] % keys.shape[1] or q.shape[3] != keys.shape[3]
+        # Plain CPU tensors only (not fake, not meta, not a subclass): ``type(q)`` inside a
+        # compiled region is a plain tensor's, hence the compiling check.
+        if (keys is None or type(q) is not torch.Tensor or not q.is_cpu or q.dim() != 4
+                or type(keys) is not torch.Tensor or type(values) is not torch.Tensor
+                or torch.compiler.is_compiling()):
+            return None
+        batch, heads, q_len, head_dim = q.shape
+        _, kv_heads, kv_len, key_dim = keys.shape
+        if (q_len != 1 or q.dtype not in (torch.float32, torch.float64)
+                or not (q.dtype == keys.dtype == values.dtype and keys.is_cpu)
+                or batch != keys.shape[0] or not batch or not kv_len
+                or heads % kv_heads or head_dim != key_dim
                 or (self.lengths is not None and self._whole != 1)
-                or keys.shape[2] > DENSE_MAX_SCORES
+                or kv_len > DENSE_MAX_SCORES
                 or keys.numel() <= finite.KV_CHECK_MAX_ELEMENTS
                 or (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad
                                                  or values.requires_grad))
-                or torch.is_autocast_enabled("cpu") or not readable(q, keys, values)):
+                or torch.is_autocast_enabled("cpu") or dispatch.forced(backend) != "auto"
+                or invariance.active()):
             return None
         key_mask = None
         if self.lengths is not None:  # [B, 1, 1, T]: each sequence's real keys
-            key_mask = keys_below(self.lengths, keys.shape[2], q.device)[:, None, None, :]
+            key_mask = (self._store.key_mask(self.lengths, kv_len)
+                        if self._store is not None and not self._start
+                        else keys_below(self.lengths, kv_len, q.device)[:, None, None, :])
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask,
-                                             scale=1.0 / math.sqrt(q.shape[-1]),
-                                             enable_gqa=q.shape[1] != keys.shape[1])
+                                             scale=1.0 / math.sqrt(head_dim),
+                                             enable_gqa=heads != kv_heads)
         return out.add_(finite.query_and_output_flags(out, q))
 
     def _room(self, keys: torch.Tensor, values: torch.Tensor, keep: int,
@@ -304,14 +336,25 @@ class KVCache:
                   appended: Optional[torch.Tensor], whole: Optional[int] = None, *,
                   start: int = 0, offset: int = 0) -> "KVCache":
         store.generation += 1  # the new cache is the latest of the chain
-        return KVCache(store.keys[:, :, start:start + length],
-                       store.values[:, :, start:start + length], length, lengths, appended,
-                       self.capacity, self.window, offset, _store=store,
-                       _generation=store.generation, _whole=whole, _start=start)
+        cache = object.__new__(KVCache)  # valid by construction: no __post_init__ checks
+        cache.__dict__.update(
+            keys=store.keys[:, :, start:start + length],
+            values=store.values[:, :, start:start + length], length=length, lengths=lengths,
+            appended=appended, capacity=self.capacity, window=self.window, offset=offset,
+            _store=store, _generation=store.generation, _whole=whole, _start=start)
+        return cache
 
     def _check_step(self, keys, values) -> None:
         """Raise unless ``keys``/``values`` are one step ``[B, Hkv, t, D]`` that continues
         this cache (the same B, Hkv, head dims, dtype and device)."""
+        cached = self.keys
+        if (cached is not None and type(keys) is type(values) is torch.Tensor
+                and keys.dim() == values.dim() == 4 and keys.shape[:3] == values.shape[:3]
+                and keys.shape[:2] == cached.shape[:2] and keys.shape[3] == cached.shape[3]
+                and values.shape[3] == self.values.shape[3] and keys.dtype == values.dtype
+                and keys.dtype == cached.dtype and keys.device == values.device == cached.device
+                and keys.is_floating_point()):
+            return  # the common step, accepted at once; the checks below name what is wrong
         for name, t in (("keys", keys), ("values", values)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"KVCache.append takes keys and values as torch.Tensors "
@@ -415,6 +458,11 @@ def _refuse_with_parallel(parallel, *, cache, lengths, need_weights: bool) -> No
 
 ROWWISE_ROWS = 16
 """Rows per matrix product of :func:`_rowwise`."""
+
+
+def _whole_batch(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``: the projections of ``MultiHeadAttention`` outside the invariance contract."""
+    return layer(x)
 
 
 def _rowwise(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -596,7 +644,7 @@ class MultiHeadAttention(nn.Module):
         if parallel is not None:
             _refuse_with_parallel(parallel, cache=cache, lengths=lengths,
                                   need_weights=need_weights)
-        project = _rowwise if invariant else (lambda layer, x: layer(x))
+        project = _rowwise if invariant else _whole_batch
 
         heads = (self.num_heads, self.head_dim)
         kv_heads = (self.num_kv_heads, self.head_dim)
@@ -649,6 +697,10 @@ class MultiHeadAttention(nn.Module):
 
     def _check_inputs(self, query, key, value) -> bool:
         """Raise on shapes the projections cannot take; return True for unbatched input."""
+        if (type(query) is torch.Tensor and key is query and value is query
+                and query.dim() == 3 and query.shape[-1] == self.embed_dim == self.kdim
+                == self.vdim):
+            return False  # batched self-attention, accepted at once
         where = LazyText(lambda: ", ".join(f"{n} {tuple(t.shape)}" for n, t in (
             ("query", query), ("key", key), ("value", value)) if isinstance(t, torch.Tensor)))
         for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim),
