@@ -280,6 +280,24 @@ def test_bad_calls_still_raise_after_good_ones(validations):
         ak.attention(q, q, q, scale=[0.5])  # unhashable: validation says what is wrong
 
 
+def test_decode_steps_over_a_concatenated_cache_validate_once(validations):
+    """A cache grown by ``torch.cat`` (transformers' dynamic cache) is a new contiguous tensor
+    each step, its strides changing with its length: the steps after the first still hit,
+    and compute the step they are given."""
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 2, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
+    before = None
+    for _ in range(4):
+        new = torch.randn(2, 2, 1, 8, generator=gen)
+        k, v = torch.cat([k, new], 2), torch.cat([v, 2 * new], 2)
+        q = torch.randn(2, 1, 4, 8, generator=gen).transpose(1, 2)  # [B, H, 1, D], a view
+        out = ak.attention(q, k, v, scale=0.5)
+        want = naive_attention(q.double(), k.double(), v.double(), scale=0.5)[0]
+        torch.testing.assert_close(out, want.float())
+        before = len(validations) if before is None else before
+    assert len(validations) == before == 1
+
+
 def test_decode_steps_over_a_growing_cache_validate_once(validations):
     """One query under bottom-right causal (or no mask) over a cache that grows by a position
     a step: the key length does not change the validation or the backend, so the steps after

@@ -223,8 +223,21 @@ def query_and_output_flags(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Per row ``[..., 1]``: 0, or NaN where the row of ``out`` or of ``q`` holds a NaN or
     ±inf (:func:`row_flags` of each, summed): what :func:`poison` adds to every result whose
     keys it does not look at."""
+    out_rows, q_rows = _logical_rows(out), _logical_rows(q)
+    if out_rows is not None and q_rows is not None:  # one product adds to the other
+        flags = torch.addmm(q_rows @ _zeros(q), out_rows, _zeros(out))  # [N, 1]
+        return flags.view(*out.shape[:-1], 1)
     flag = row_flags(out)
     return flag.add_(row_flags(q))
+
+
+def _logical_rows(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """``x [..., D]`` as a view ``[N, D]`` of its rows in index order, or ``None`` where that
+    needs a copy (rows laid out in another order)."""
+    x = _plain(x)
+    if x.is_contiguous() or _flat_rows(x):
+        return x.view(-1, x.shape[-1])
+    return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -248,10 +261,11 @@ def row_flags(x: torch.Tensor) -> torch.Tensor:
     one matrix product on the rows laid out flat, in memory order (a ``[B, T, H, D]`` tensor
     seen as ``[B, H, T, D]`` too), where that needs no copy."""
     x = _plain(x)
-    if x.is_contiguous() or not x.numel():  # the matmul folds the rows itself
+    if not x.numel():
         return x @ _zeros(x)
-    if _flat_rows(x):
-        return (x.view(-1, x.shape[-1]) @ _zeros(x)).view(*x.shape[:-1], 1)
+    rows = _logical_rows(x)
+    if rows is not None:
+        return (rows @ _zeros(x)).view(*x.shape[:-1], 1)
     lead = x.dim() - 1
     order = sorted(range(lead), key=lambda d: -x.stride(d))  # leading dims, outermost first
     stored = x.permute(*order, lead)

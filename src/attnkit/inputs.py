@@ -309,8 +309,9 @@ LAST_QUERY_CAUSAL = Band(None, 0, "bottom_right")
 
 class CallCache:
     """Validated calls by signature, so a model's many identical small calls validate (and pick
-    a backend) once: the tensors' shapes, strides, dtypes, devices and ``requires_grad``, grad
-    mode, the mask's :func:`~attnkit.masks.validation_key` (tensors by identity and version
+    a backend) once: the tensors' shapes, whether their rows have unit stride (nothing else
+    of a layout changes validation or the choice: a growing cache's views, whose strides
+    change with its length, hit), dtypes, devices and ``requires_grad``, grad mode, the mask's :func:`~attnkit.masks.validation_key` (tensors by identity and version
     counter, so a mask whose lengths or ids were written to in place through torch is
     validated again, and keying reads no value; score modifiers in it too, their tensors with
     ``requires_grad``; a decoding step's vouched padding by its shapes), and every other
@@ -388,9 +389,9 @@ class CallCache:
             v_shape = v_shape[:-2] + v_shape[-1:]
         # the interpreter matters only to the triton backend, named (auto never takes it on CPU)
         interpreted = os.environ.get("TRITON_INTERPRET") if "triton" in options else None
-        return (q.shape, q.stride(), q.dtype, q.device, q.requires_grad,
-                k_shape, k.stride(), k.dtype, k.device, k.requires_grad,
-                v_shape, v.stride(), v.dtype, v.device, v.requires_grad,
+        return (q.shape, q.stride(-1) == 1, q.dtype, q.device, q.requires_grad,
+                k_shape, k.stride(-1) == 1, k.dtype, k.device, k.requires_grad,
+                v_shape, v.stride(-1) == 1, v.dtype, v.device, v.requires_grad,
                 mask_key, torch.is_grad_enabled(), interpreted, options), keep, by_shape
 
 
