@@ -432,3 +432,30 @@ def test_a_band_knows_its_rows_and_keys_from_the_shapes(align):
                 claimed += rows + keys
     assert claimed > 50
     assert not every_row_has_key(ak.causal()) and not every_key_seen(ak.causal())  # no space
+
+
+def test_a_validated_call_derives_once_and_shares_only_what_its_mask_keys(validations):
+    """Validation gives a call its own store of derived values (the backend's choice and its
+    run ask alike: computed once); a hit shares it when the mask is keyed by its tensors, not
+    when it is keyed by shape (each hit then brings a new mask)."""
+    from attnkit import call
+    from attnkit.inputs import derived
+    from attnkit.masks import vouched_padding
+
+    q = torch.randn(2, 1, 1, 8)
+    k = torch.randn(2, 1, 6, 8)
+
+    def validated(mask):
+        return call.validated(q, k, k, mask, scale=None, dropout_p=0.0, generator=None,
+                              backend="auto", return_lse=False, return_weights=False,
+                              compiling=False)[0]
+
+    padding = ak.padding(kv_lengths=torch.tensor([3, 6]))
+    first, computed = validated(padding), []
+    for _ in range(2):
+        assert derived(first, "value", lambda: computed.append(1) or len(computed)) == 1
+    assert validated(padding).derived is first.derived and len(validations) == 1
+    lengths = torch.tensor([3, 6])
+    alone = validated(vouched_padding(None, lengths))
+    hit = validated(vouched_padding(None, lengths.clone()))
+    assert len(validations) == 2 and isinstance(alone.derived, dict) and hit.derived is None

@@ -84,7 +84,7 @@ class Plan:
                                               generator=None, backend=backend,
                                               return_lse=return_lse,
                                               return_weights=return_weights, invariant=invariant)
-        self._inputs = inputs.replaced(q=None, k=None, v=None, derived={})
+        self._inputs = inputs.replaced(q=None, k=None, v=None)
         self.mask, self.scale, self.backend_name = mask, scale, backend
         self.return_lse, self.return_weights, self.invariant = return_lse, return_weights, invariant
         self._signature = _plan_signature(q, k, v)

@@ -55,10 +55,11 @@ class Inputs:
     _has_key: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _space: Optional[MaskSpace] = field(default=None, repr=False, compare=False)
     derived: Optional[dict] = field(default=None, repr=False, compare=False)
-    """What the guard and the backend derived from the mask for this call's validation, shared
-    by every call that reuses it (:class:`CallCache`, :class:`attnkit.Plan`): its key holds
-    the mask's tensors by identity and version, so what is kept here stays right. ``None``
-    where calls do not share a validation (:func:`derived` then computes)."""
+    """What validation, the guard and the backend derived from the mask for this call's
+    validation (computed once, whichever asks first), shared by every call that reuses it
+    (:class:`CallCache`, :class:`attnkit.Plan`): its key holds the mask's tensors by identity
+    and version, so what is kept here stays right. ``None`` on a hit of a mask keyed by shape
+    (a new mask each call: :func:`derived` then computes)."""
 
     def allowed(self) -> torch.Tensor:
         """The mask evaluated over the whole call, bool ``[Bm, Hm, Tq, Tk]``, computed once per
@@ -130,8 +131,8 @@ class Inputs:
 
 
 def derived(inputs: Inputs, key, compute: Callable[[], object]):
-    """``compute()``, kept in :attr:`Inputs.derived` under ``key`` when the call shares its
-    validation with others (computed once for all of them), else computed."""
+    """``compute()``, kept in :attr:`Inputs.derived` under ``key`` (computed once for every
+    call that shares the validation), or computed where the call keeps nothing."""
     kept = inputs.derived
     if kept is None:
         return compute()
@@ -279,7 +280,7 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     inputs = Inputs(q=q4, k=k4, v=v4, mask=mask, scale=float(scale), dropout_p=float(dropout_p),
                     generator=generator, batch_shape=batch_shape, input_rank=rank,
                     need_weights=need_weights, need_lse=need_lse, modifiers=modifiers,
-                    invariant=invariant)
+                    invariant=invariant, derived={})
     if modifiers is not None:
         problems = modifiers.check(inputs.space)
         if problems:
@@ -341,10 +342,11 @@ class CallCache:
             if key is not None and (not by_shape or inputs.mask is mask):
                 if len(self._calls) >= self.entries:
                     self._calls.popitem(last=False)
-                if not by_shape:  # what the call derives from its mask, for every hit
-                    inputs.derived = {}
+                # what the call derived from its mask, for every hit: not for a mask keyed by
+                # shape, a new mask at every hit
                 kept = dataclasses.replace(inputs, q=None, k=None, v=None, _allowed=None,
-                                           _has_key=None)
+                                           _has_key=None,
+                                           derived=None if by_shape else inputs.derived)
                 self._calls[key] = (kept, choice, keep)
             return inputs, choice
         t, choice, _ = hit
