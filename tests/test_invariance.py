@@ -267,13 +267,17 @@ def test_the_default_schedule_is_not_invariant_on_the_same_cases():
     assert broken
 
 
-@pytest.mark.parametrize("mutation", ["no widened keys", "no row quantum", "lerp merge",
+@pytest.mark.parametrize("mutation", ["no widened keys", "kernel splits cut by the call",
+                                      "no row quantum", "lerp merge",
                                       "block width set by the batch",
                                       "key order varying by call"])
 def test_a_schedule_that_follows_the_call_shapes_breaks_the_checks(monkeypatch, mutation):
-    if mutation == "no widened keys":
-        monkeypatch.setattr(forward, "_widened_keys", lambda x, role: x)
+    if mutation == "no widened keys":  # nor whole kernel splits
+        monkeypatch.setattr(forward, "_widened_keys", lambda x, role, width=None: x)
         monkeypatch.setattr(forward, "_widened", lambda x, fill: x)
+        monkeypatch.setattr(forward, "KV_SPLIT", 1)
+    elif mutation == "kernel splits cut by the call":  # keys from the first a call needs
+        monkeypatch.setattr(forward, "KV_SPLIT", 1)
     elif mutation == "no row quantum":
         monkeypatch.setattr(forward, "pad_rows", lambda x, rows: x)
     elif mutation == "lerp merge":

@@ -13,15 +13,16 @@ their reason and ``auto`` passes them over), bit for bit (docs/NUMERICS.md, "Inv
 
 4. ring attention is deterministic run to run (not promised equal to one device's result).
 
-How: the tiled engine's fixed schedule (``TiledOptions.fixed_blocks``): each sequence's keys
-are reduced in blocks of ``FIXED_BLOCK_K`` at its own absolute positions (a left-padded
-sequence's blocks start at its first real key), merged in key order; every kernel call has
-256 keys and a multiple of ``row_quantum`` query rows, never a path chosen from the call's
-shapes. Key blocks a row may not attend change nothing (their merge weight is exactly 0), so
-the rows around it and the keys it cannot see leave its bits alone. The triton kernels keep
-it the same way (``launch.key_order_lists``): one online softmax over key blocks in key order
-from each sequence's first key, the mask program in every tile, fixed kernel configs, and no
-split-key decoding (a step runs the forward kernel, as a prefill's row does). Below: the checks of
+How: the tiled engine's fixed schedule (``TiledOptions.fixed_blocks``): on torch's fused
+kernel each sequence's keys go through the kernel in whole splits of 512 from its own first
+key (a left-padded sequence's from its first real key), which the kernel merges in key order;
+on the matmul path they are reduced in blocks of ``FIXED_BLOCK_K`` merged in key order; every
+kernel call has a multiple of ``row_quantum`` query rows, never a path chosen from the call's
+shapes. Keys a row may not attend change nothing, so the rows around it and the keys it cannot
+see leave its bits alone. The triton kernels keep it the same way
+(``launch.key_order_lists``): one online softmax over key blocks in key order from each
+sequence's first key, the mask program in every tile, fixed kernel configs, and no split-key
+decoding (a step runs the forward kernel, as a prefill's row does). Below: the checks of
 ``attnkit check --invariance`` and :func:`rowwise_linears`, for a model's own layers.
 """
 

@@ -11,13 +11,14 @@ from typing import Optional
 
 import torch
 
+from ...masks import CAUSAL, KeyRanges, key_ranges
 from ...modifiers import Modifiers
-from ...numerics import accum_dtype, merge_alike_into, merge_into, pad_rows
+from ...numerics import accum_dtype, additive_mask, merge_alike_into, merge_into, pad_rows
 from .plan import (FIXED_BLOCK_K, FLUSH_BELOW, LOG2E, TILE_ELEMENTS, Problem, Segment,
                    TiledOptions, row_quantum)
 from .positions import PositionTile, Positions, _position_tile, _positions
-from .tiles import (TileMask, TileScores, _BlockWork, _dropout_keep, _RunWork, _runs_fit,
-                    _segment_mask, _tile_scores, _with_positions)
+from .tiles import (TileMask, TileScores, _BlockWork, _dropout_keep, _evaluated, _RunWork,
+                    _runs_fit, _segment_mask, _tile_scores, _with_positions)
 
 
 def uses_fused_kernel(q: torch.Tensor, v: torch.Tensor, dropout_p: float,
@@ -92,17 +93,17 @@ copy."""
 _WIDE = threading.local()
 
 
-def _widened_keys(x: torch.Tensor, role: str) -> torch.Tensor:
+def _widened_keys(x: torch.Tensor, role: str, width: int = FIXED_BLOCK_K) -> torch.Tensor:
     """Keys or values ``[..., span, D]`` (``role`` ``"k"`` or ``"v"``) with zero rows appended
-    up to :data:`FIXED_BLOCK_K`, in a buffer reused across calls (:data:`WIDE_BUFFERS`)."""
+    up to ``width`` rows, in a buffer reused across calls (:data:`WIDE_BUFFERS`)."""
     buffers = getattr(_WIDE, "buffers", None)
     if buffers is None:
         buffers = _WIDE.buffers = OrderedDict()
-    key = (role, tuple(x.shape[:-2]), FIXED_BLOCK_K, x.shape[-1], x.dtype, x.device,
+    key = (role, tuple(x.shape[:-2]), width, x.shape[-1], x.dtype, x.device,
            torch.is_inference_mode_enabled())
     entry = buffers.get(key)  # [buffer, rows past which it holds zeros]
     if entry is None:
-        entry = buffers[key] = [x.new_zeros(*x.shape[:-2], FIXED_BLOCK_K, x.shape[-1]), 0]
+        entry = buffers[key] = [x.new_zeros(*x.shape[:-2], width, x.shape[-1]), 0]
         if len(buffers) > WIDE_BUFFERS:
             buffers.popitem(last=False)
     else:
@@ -322,7 +323,9 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
                                  for t in (queries, keys, values))
     positions = _positions(problem, acc, fused, keys, values, rows=heads_q // heads_kv * tq)
     if problem.plan.options.fixed_blocks:
-        out, lse = _fixed_forward(problem, queries, keys, values, positions)
+        whole = fused and positions is None  # the kernel takes the mask as its additive mask
+        out, lse = (_kernel_forward(problem, queries, keys, values) if whole
+                    else _fixed_forward(problem, queries, keys, values, positions))
         return out.to(q.dtype), lse
     out = _empty_like_rows(q, dv)
     lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
@@ -414,6 +417,134 @@ def _fixed_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
                 block_lse.copy_(seg_lse)
             seen[first:last + 1] = [True] * (last + 1 - first)
     return out.view(batch, heads_q, tq, dv), lse.view(batch, heads_q, tq)
+
+
+KV_SPLIT = 512
+"""The key split of torch's fused CPU kernel: it reduces a call's keys in splits of this many
+from the call's first key (the last split holds the rest; a call of fewer keys, one split),
+merging the splits itself. :func:`_kernel_forward` gives every call whole splits of the
+sequence's keys: BLAS reduces a narrower split's keys in an order of its own (even one that
+ends in forbidden zero keys)."""
+
+KERNEL_CALL_SCORES = 1 << 23
+"""Most mask entries (batch elements × query rows × keys) one call of :func:`_kernel_forward`
+evaluates: bounds its additive mask; the whole-causal call evaluates none."""
+
+
+KERNEL_CALL_ROWS = 256
+"""Most query rows per query head in one masked call of :func:`_kernel_forward`: the kernel
+computes every split of a call's keys for every row of it, so shorter calls skip more of
+what a causal mask forbids."""
+
+
+def _kernel_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed schedule on torch's fused kernel, without merges of ours: each run of query
+    blocks is one kernel call over whole splits of keys (:data:`KV_SPLIT`, counted from the
+    sequence's first key, the last padded with zero keys the mask forbids), from the split of
+    its first allowed key to that of its last, with a multiple of :func:`row_quantum` rows. A
+    row's bits are then those of its own splits, merged by the kernel in key order, whatever
+    the call's other rows, its padding or how the queries were chunked (a fully masked split
+    changes no row: skipped or computed, alike). A plain top-left causal mask from position 0 runs as
+    one call with the kernel's own causal mask, nothing materialised. Inputs in the
+    accumulation dtype; ``out [B, Hkv, G, Tq, Dv]`` (viewed ``[B, Hq, Tq, Dv]``) and ``lse``
+    in it too."""
+    plan = problem.plan
+    batch, heads_q, tq, head_dim = queries.shape
+    heads_kv, kv_len, dv = keys.shape[1], keys.shape[2], values.shape[-1]
+    group = heads_q // heads_kv
+    width = -(-kv_len // KV_SPLIT) * KV_SPLIT
+    if width != kv_len:  # zero keys up to whole splits, in buffers reused across calls
+        keys, values = _widened_keys(keys, "k", width), _widened_keys(values, "v", width)
+    rows = row_quantum(head_dim, queries.dtype, queries.device)
+    if (group == 1 and problem.q_offset == problem.kv_offset == 0 and problem.scale > 0
+            and problem.mask is not None and problem.mask.band() == CAUSAL
+            and problem.modifiers is None):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            pad_rows(queries, rows), keys, values, 0.0, True, scale=problem.scale)[:2]
+        return out[:, :, :tq], lse[:, :, :tq]
+    work = _BlockWork(heads_q, heads_kv)
+    out = queries.new_zeros(batch, heads_kv, group, tq, dv)
+    lse = queries.new_full((batch, heads_kv, group, tq), float("-inf"))
+    ranges = key_ranges(problem.mask, problem.space)
+    if ranges is not None and ranges.exact is not None:  # documents: evaluated, as planned
+        ranges = None
+    for first, last, lo, hi in _kernel_calls(plan, tq, batch, width):
+        r0, r1 = first * plan.block_q, min((last + 1) * plan.block_q, tq)
+        n = r1 - r0
+        additive = has_key = None
+        if ranges is not None:
+            additive, has_key = _ranges_tile(problem, ranges, (r0, r1), (lo, min(hi, kv_len)),
+                                             queries.dtype, _stacked(group, heads_kv, n))
+        elif problem.mask is not None:
+            tile = _evaluated(problem, (r0, r1), (lo, min(hi, kv_len)), queries.dtype, True,
+                              _stacked(group, heads_kv, n))
+            additive, has_key = tile.additive, tile.has_key
+        if hi > kv_len:  # the padding keys: forbidden
+            if additive is None:
+                additive = queries.new_zeros(1, 1, 1, kv_len - lo)
+            additive = torch.nn.functional.pad(additive, (0, hi - kv_len), value=float("-inf"))
+        if additive is not None and additive.shape[-2] != 1:
+            additive = pad_rows(additive, rows)
+        seg_out, seg_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            pad_rows(work.take(queries, r0, r1), rows), keys[:, :, lo:hi],
+            values[:, :, lo:hi], 0.0, False, attn_mask=additive, scale=problem.scale)[:2]
+        seg_out, seg_lse = seg_out[:, :, :group * n], seg_lse[:, :, :group * n]
+        if has_key is not None:  # out 0 but lse 0 on rows with no key
+            seg_lse = seg_lse.masked_fill(~has_key, float("-inf"))
+        out[:, :, :, r0:r1] = seg_out.view(batch, heads_kv, group, n, dv)
+        lse[:, :, :, r0:r1] = seg_lse.view(batch, heads_kv, group, n)
+    return out.view(batch, heads_q, tq, dv), lse.view(batch, heads_q, tq)
+
+
+def _kernel_calls(plan, tq: int, batch: int, width: int):
+    """``(first, last, lo, hi)`` per call of :func:`_kernel_forward`: query blocks
+    ``[first, last]`` and the whole splits ``[lo, hi)`` of keys their segments reach (query
+    blocks without one get none: their rows stay 0 and −inf), at most
+    :data:`KERNEL_CALL_SCORES` mask entries a call."""
+    spans = []
+    for block, segments in enumerate(plan.rows):
+        if segments:
+            lo = min(seg.start for seg in segments) // KV_SPLIT * KV_SPLIT
+            hi = min(width, -(-max(seg.stop for seg in segments) // KV_SPLIT) * KV_SPLIT)
+            spans.append((block, lo, hi))
+    most = max(1, min(KERNEL_CALL_SCORES // (max(1, batch) * plan.block_q * width),
+                      KERNEL_CALL_ROWS // plan.block_q))
+    start = 0
+    while start < len(spans):
+        stop = start + 1
+        while (stop < len(spans) and stop - start < most
+               and spans[stop][0] == spans[stop - 1][0] + 1):
+            stop += 1
+        yield (spans[start][0], spans[stop - 1][0], min(s[1] for s in spans[start:stop]),
+               max(s[2] for s in spans[start:stop]))
+        start = stop
+
+
+def _ranges_tile(problem: Problem, ranges: KeyRanges, rows: tuple[int, int],
+                 keys: tuple[int, int], dtype: torch.dtype, layout,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(additive, has_key)`` of the local queries ``rows`` over the local keys ``keys`` from
+    each row's one run of keys (:func:`~attnkit.masks.key_ranges`, exact: no documents),
+    laid out by ``layout`` as :func:`~.tiles._evaluated` lays out its tile."""
+    first = problem.q_offset + rows[0]
+    lo = ranges.lo[:, first:first + rows[1] - rows[0], None] - problem.kv_offset  # [Bm, n, 1]
+    hi = ranges.hi[:, first:first + rows[1] - rows[0], None] - problem.kv_offset
+    positions = torch.arange(keys[0], keys[1], device=lo.device)
+    allowed = (positions >= lo) & (positions < hi)  # [Bm, n, span]
+    additive = additive_mask(allowed[:, None], None, dtype)
+    return layout(additive), layout((hi > lo)[:, None])[..., 0]
+
+
+def _stacked(group: int, heads_kv: int, n: int):
+    """A mask tile ``[Bm, Hm, n, span]`` → ``[Bm, Hkv|1, G·n, span]``: the rows of the G query
+    heads of a K/V head stacked, as :class:`_BlockWork` takes queries."""
+    def layout(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[1] == 1:
+            return t.expand(t.shape[0], group, n, t.shape[-1]).reshape(
+                t.shape[0], 1, group * n, -1)
+        return t.reshape(t.shape[0], heads_kv, group * n, t.shape[-1])
+    return layout
 
 
 def _lower_square(problem: Problem, rows: tuple[int, int], seg: Segment, group: int,

@@ -48,10 +48,12 @@ backward even on a fused plan: torch's fused backward then forms subnormal weigh
 (:data:`FLUSH_BELOW`)."""
 
 FIXED_BLOCK_K = 256
-"""Key-block width of the fixed schedule (:attr:`TiledOptions.fixed_blocks`): every
-sequence's keys are reduced in blocks ``[256·j, 256·(j + 1))`` of its own positions,
-whatever the call's shapes. Part of the invariance contract (docs/NUMERICS.md): changing it
-changes the invariant results' last bits."""
+"""Key-block width of the fixed schedule (:attr:`TiledOptions.fixed_blocks`): its plans'
+blocks, and on the matmul path (and with position biases) the blocks ``[256·j, 256·(j +
+1))`` of each sequence's own positions its keys are reduced and merged in, whatever the
+call's shapes (torch's fused kernel takes whole splits of 512 instead, ``forward.
+KV_SPLIT``). Part of the invariance contract (docs/NUMERICS.md): changing it changes the
+invariant results' last bits."""
 
 ROW_QUANTUM = 4
 """The fewest query rows per kernel call of the fixed schedule: calls come in multiples of
@@ -137,11 +139,12 @@ class TiledOptions:
     block (causal measured slower merged)."""
 
     fixed_blocks: bool = False
-    """The fixed schedule behind ``attnkit.invariant()``: keys in blocks of
-    :data:`FIXED_BLOCK_K` at their absolute positions, merged in key order, each kernel call
-    on whole blocks and a multiple of :func:`row_quantum` query rows (``forward.
-    _fixed_forward``); no runs, shared prefixes, staircases or pieces, and position biases
-    never read from reversed keys. A query row's result then depends on its own inputs
+    """The fixed schedule behind ``attnkit.invariant()``: keys at their absolute positions in
+    whole splits of torch's fused kernel (``forward._kernel_forward``), or in blocks of
+    :data:`FIXED_BLOCK_K` merged in key order (``forward._fixed_forward``: the matmul path,
+    position biases), each kernel call with a multiple of :func:`row_quantum` query rows; no
+    runs, shared prefixes, staircases or pieces, and position biases never read from reversed
+    keys. A query row's result then depends on its own inputs
     alone: not on the other rows or sequences of the call, their padding, or how the queries
     were chunked. Plans are built with ``block_k`` :data:`FIXED_BLOCK_K`."""
 
