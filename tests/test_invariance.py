@@ -250,6 +250,29 @@ def test_left_padding_with_a_score_function_is_refused_clearly():
         ak.attention(q, q, q, mask, backend="tiled", invariant=True)
 
 
+def test_kernel_calls_bound_their_masks_and_their_rows_change_no_bits(monkeypatch):
+    """The kernel path cuts a query block into calls of fewer rows when the batch times the
+    keys would make its additive mask too large; each row keeps its bits whatever its call."""
+    gen = torch.Generator().manual_seed(5)
+    q = _tensors(gen, 3, 4, 700, torch.float32)
+    k, v = (_tensors(gen, 3, 2, 700, torch.float32) for _ in range(2))
+    mask = ak.causal() & ak.padding(kv_lengths=torch.tensor([700, 513, 90]))
+    whole = ak.attention(q, k, v, mask, return_lse=True, invariant=True, backend="tiled")
+    calls = []
+    real = forward._kernel_calls
+
+    def counted(*args):
+        found = list(real(*args))
+        calls.append(found)
+        return iter(found)
+    monkeypatch.setattr(forward, "_kernel_calls", counted)
+    monkeypatch.setattr(forward, "KERNEL_CALL_SCORES", 3 * 2 * 1024 * 24)  # 24 rows a call
+    monkeypatch.setattr(plan, "_PLANS", MaskCache(64))
+    cut = ak.attention(q, k, v, mask, return_lse=True, invariant=True, backend="tiled")
+    assert calls and all(r1 - r0 <= 24 for r0, r1, _, _ in calls[0])
+    assert _equal(cut.out, whole.out) and _equal(cut.lse, whole.lse)
+
+
 # ---- the checks can fail ---------------------------------------------------------------------
 
 def test_the_default_schedule_is_not_invariant_on_the_same_cases():

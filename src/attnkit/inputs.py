@@ -312,9 +312,10 @@ class CallCache:
     """Validated calls by signature, so a model's many identical small calls validate (and pick
     a backend) once: the tensors' shapes, whether their rows have unit stride (nothing else
     of a layout changes validation or the choice: a growing cache's views, whose strides
-    change with its length, hit), dtypes, devices and ``requires_grad``, grad mode, the mask's :func:`~attnkit.masks.validation_key` (tensors by identity and version
-    counter, so a mask whose lengths or ids were written to in place through torch is
-    validated again, and keying reads no value; score modifiers in it too, their tensors with
+    change with its length, hit), dtypes, devices and ``requires_grad``, grad mode, the
+    mask's :func:`~attnkit.masks.validation_key` (tensors by identity and version counter,
+    so a mask whose lengths or ids were written to in place through torch is validated
+    again, and keying reads no value; score modifiers in it too, their tensors with
     ``requires_grad``; a decoding step's vouched padding by its shapes), and every other
     argument. A hit rebuilds the :class:`Inputs` from the current tensors with the remembered
     layout, mask (the call's own, for a mask keyed by shape), modifiers and choice, and skips

@@ -430,7 +430,6 @@ KERNEL_CALL_SCORES = 1 << 23
 """Most mask entries (batch elements × query rows × keys) one call of :func:`_kernel_forward`
 evaluates: bounds its additive mask; the whole-causal call evaluates none."""
 
-
 KERNEL_CALL_ROWS = 256
 """Most query rows per query head in one masked call of :func:`_kernel_forward`: the kernel
 computes every split of a call's keys for every row of it, so shorter calls skip more of
@@ -445,10 +444,9 @@ def _kernel_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
     its first allowed key to that of its last, with a multiple of :func:`row_quantum` rows. A
     row's bits are then those of its own splits, merged by the kernel in key order, whatever
     the call's other rows, its padding or how the queries were chunked (a fully masked split
-    changes no row: skipped or computed, alike). A plain top-left causal mask from position 0 runs as
-    one call with the kernel's own causal mask, nothing materialised. Inputs in the
-    accumulation dtype; ``out [B, Hkv, G, Tq, Dv]`` (viewed ``[B, Hq, Tq, Dv]``) and ``lse``
-    in it too."""
+    changes no row: skipped or computed, alike). A plain top-left causal mask from position 0
+    runs as one call with the kernel's own causal mask, nothing materialised. Inputs in the
+    accumulation dtype; ``out [B, Hq, Tq, Dv]`` and ``lse [B, Hq, Tq]`` in it too."""
     plan = problem.plan
     batch, heads_q, tq, head_dim = queries.shape
     heads_kv, kv_len, dv = keys.shape[1], keys.shape[2], values.shape[-1]
@@ -469,8 +467,7 @@ def _kernel_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
     ranges = key_ranges(problem.mask, problem.space)
     if ranges is not None and ranges.exact is not None:  # documents: evaluated, as planned
         ranges = None
-    for first, last, lo, hi in _kernel_calls(plan, tq, batch, width):
-        r0, r1 = first * plan.block_q, min((last + 1) * plan.block_q, tq)
+    for r0, r1, lo, hi in _kernel_calls(plan, tq, batch * group, width):
         n = r1 - r0
         additive = has_key = None
         if ranges is not None:
@@ -497,28 +494,28 @@ def _kernel_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
     return out.view(batch, heads_q, tq, dv), lse.view(batch, heads_q, tq)
 
 
-def _kernel_calls(plan, tq: int, batch: int, width: int):
-    """``(first, last, lo, hi)`` per call of :func:`_kernel_forward`: query blocks
-    ``[first, last]`` and the whole splits ``[lo, hi)`` of keys their segments reach (query
-    blocks without one get none: their rows stay 0 and −inf), at most
-    :data:`KERNEL_CALL_SCORES` mask entries a call."""
-    spans = []
+def _kernel_calls(plan, tq: int, rows_each: int, width: int):
+    """``(r0, r1, lo, hi)`` per call of :func:`_kernel_forward`: query rows ``[r0, r1)`` and the
+    whole splits ``[lo, hi)`` of keys their blocks' segments reach; consecutive query blocks
+    that reach the same splits share a call, of at most :data:`KERNEL_CALL_ROWS` rows and
+    :data:`KERNEL_CALL_SCORES` mask entries (``rows_each``: entries per query row and key, the
+    batch elements times the stacked query heads). Query blocks without a segment get no
+    call: their rows stay 0 and −inf."""
+    most = max(1, min(KERNEL_CALL_ROWS, KERNEL_CALL_SCORES // max(1, rows_each * width)))
+    runs: list[list[int]] = []  # [r0, r1, lo, hi]
     for block, segments in enumerate(plan.rows):
-        if segments:
-            lo = min(seg.start for seg in segments) // KV_SPLIT * KV_SPLIT
-            hi = min(width, -(-max(seg.stop for seg in segments) // KV_SPLIT) * KV_SPLIT)
-            spans.append((block, lo, hi))
-    most = max(1, min(KERNEL_CALL_SCORES // (max(1, batch) * plan.block_q * width),
-                      KERNEL_CALL_ROWS // plan.block_q))
-    start = 0
-    while start < len(spans):
-        stop = start + 1
-        while (stop < len(spans) and stop - start < most
-               and spans[stop][0] == spans[stop - 1][0] + 1):
-            stop += 1
-        yield (spans[start][0], spans[stop - 1][0], min(s[1] for s in spans[start:stop]),
-               max(s[2] for s in spans[start:stop]))
-        start = stop
+        if not segments:
+            continue
+        lo = min(seg.start for seg in segments) // KV_SPLIT * KV_SPLIT
+        hi = min(width, -(-max(seg.stop for seg in segments) // KV_SPLIT) * KV_SPLIT)
+        r0, r1 = block * plan.block_q, min((block + 1) * plan.block_q, tq)
+        if runs and runs[-1][1] == r0 and runs[-1][2:] == [lo, hi]:
+            runs[-1][1] = r1
+        else:
+            runs.append([r0, r1, lo, hi])
+    for r0, r1, lo, hi in runs:
+        for start in range(r0, r1, most):
+            yield start, min(start + most, r1), lo, hi
 
 
 def _ranges_tile(problem: Problem, ranges: KeyRanges, rows: tuple[int, int],
