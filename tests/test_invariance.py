@@ -273,6 +273,20 @@ def test_kernel_calls_bound_their_masks_and_their_rows_change_no_bits(monkeypatc
     assert _equal(cut.out, whole.out) and _equal(cut.lse, whole.lse)
 
 
+@pytest.mark.parametrize("q_len,kv_len", [(600, 300), (300, 600), (512, 512), (70, 40)])
+def test_top_left_causal_of_any_lengths_is_exact(q_len, kv_len):
+    """Top-left causal with more queries than keys: rows past the last key see every key and
+    never the zero keys the kernel path pads with (against the float64 reference)."""
+    gen = torch.Generator().manual_seed(6)
+    q = _tensors(gen, 1, 2, q_len, torch.float32)
+    k, v = (_tensors(gen, 1, 2, kv_len, torch.float32) for _ in range(2))
+    got = ak.attention(q, k, v, ak.causal(), return_lse=True, invariant=True)
+    want = ak.attention(q.double(), k.double(), v.double(), ak.causal(), return_lse=True,
+                        backend="reference")
+    torch.testing.assert_close(got.out, want.out.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.lse, want.lse.float(), rtol=1e-5, atol=1e-5)
+
+
 # ---- the checks can fail ---------------------------------------------------------------------
 
 def test_the_default_schedule_is_not_invariant_on_the_same_cases():

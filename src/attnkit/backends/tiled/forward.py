@@ -445,7 +445,8 @@ def _kernel_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
     row's bits are then those of its own splits, merged by the kernel in key order, whatever
     the call's other rows, its padding or how the queries were chunked (a fully masked split
     changes no row: skipped or computed, alike). A plain top-left causal mask from position 0
-    runs as one call with the kernel's own causal mask, nothing materialised. Inputs in the
+    runs as one call with the kernel's own causal mask, nothing materialised, where no row
+    reaches a padding key. Inputs in the
     accumulation dtype; ``out [B, Hq, Tq, Dv]`` and ``lse [B, Hq, Tq]`` in it too."""
     plan = problem.plan
     batch, heads_q, tq, head_dim = queries.shape
@@ -457,7 +458,8 @@ def _kernel_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
     rows = row_quantum(head_dim, queries.dtype, queries.device)
     if (group == 1 and problem.q_offset == problem.kv_offset == 0 and problem.scale > 0
             and problem.mask is not None and problem.mask.band() == CAUSAL
-            and problem.modifiers is None):
+            and problem.modifiers is None and (tq <= kv_len or width == kv_len)):
+        # (rows past the keys would reach the padding keys under the kernel's causal mask)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             pad_rows(queries, rows), keys, values, 0.0, True, scale=problem.scale)[:2]
         return out[:, :, :tq], lse[:, :, :tq]
