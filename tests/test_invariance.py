@@ -12,6 +12,7 @@ fail.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -285,6 +286,20 @@ def test_top_left_causal_of_any_lengths_is_exact(q_len, kv_len):
                         backend="reference")
     torch.testing.assert_close(got.out, want.out.float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.lse, want.lse.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_widened_keys_past_the_bound_are_not_kept(monkeypatch):
+    """Keys widened to whole splits are held for reuse only up to a size: a long prefill's
+    are made for its call alone, with the same bits."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (_tensors(gen, 1, 2, 700, torch.float32) for _ in range(3))
+    kept = ak.attention(q, k, v, ak.causal(), return_lse=True, invariant=True)
+    monkeypatch.setattr(forward._WIDE, "buffers", collections.OrderedDict())
+    monkeypatch.setattr(forward, "WIDE_BUFFER_ELEMENTS", 1024)
+    monkeypatch.setattr(plan, "_PLANS", MaskCache(64))
+    alone = ak.attention(q, k, v, ak.causal(), return_lse=True, invariant=True)
+    assert not forward._WIDE.buffers
+    assert _equal(alone.out, kept.out) and _equal(alone.lse, kept.lse)
 
 
 # ---- the checks can fail ---------------------------------------------------------------------

@@ -90,12 +90,21 @@ mode; the least recently used goes): a decoding step widens its last key block i
 layer, and a fresh buffer each time (allocated, its pages faulted in) costs more than the
 copy."""
 
+WIDE_BUFFER_ELEMENTS = 1 << 24
+"""The largest buffer :func:`_widened_keys` keeps (elements): a longer prefill's widened keys
+are made for the call alone, not held after it."""
+
 _WIDE = threading.local()
 
 
 def _widened_keys(x: torch.Tensor, role: str, width: int = FIXED_BLOCK_K) -> torch.Tensor:
     """Keys or values ``[..., span, D]`` (``role`` ``"k"`` or ``"v"``) with zero rows appended
-    up to ``width`` rows, in a buffer reused across calls (:data:`WIDE_BUFFERS`)."""
+    up to ``width`` rows, in a buffer reused across calls (:data:`WIDE_BUFFERS`) up to
+    :data:`WIDE_BUFFER_ELEMENTS`, else a new one."""
+    if x[..., :1, :].numel() * width > WIDE_BUFFER_ELEMENTS:
+        wide = x.new_zeros(*x.shape[:-2], width, x.shape[-1])
+        wide[..., :x.shape[-2], :].copy_(x)
+        return wide
     buffers = getattr(_WIDE, "buffers", None)
     if buffers is None:
         buffers = _WIDE.buffers = OrderedDict()
