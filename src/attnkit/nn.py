@@ -20,6 +20,7 @@ Shapes (E = embed_dim, H = num_heads, Hkv = num_kv_heads, D = E // H)::
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
@@ -280,7 +281,6 @@ class KVCache:
         looks at, a mask too large for a dense key mask, not one real query per sequence):
         the caller then runs ``attention``; so it does under ``attnkit.invariant()``, whose
         schedule is the tiled engine's)."""
-
         keys, values = self.keys, self.values
         # Plain CPU tensors only (not fake, not meta, not a subclass): ``type(q)`` inside a
         # compiled region is a plain tensor's, hence the compiling check.
@@ -639,16 +639,14 @@ class MultiHeadAttention(nn.Module):
         if parallel is not None:
             _refuse_with_parallel(parallel, cache=cache, lengths=lengths,
                                   need_weights=need_weights)
-        if invariant:  # each row's product computed alike whatever the row count
-            q, k, v = (_rowwise(self.q_proj, query), _rowwise(self.k_proj, key),
-                       _rowwise(self.v_proj, value))
-        else:
-            q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        # each row's product computed alike whatever the row count, under the contract
+        project = _rowwise if invariant else operator.call  # layer(x)
+
         heads = (self.num_heads, self.head_dim)
         kv_heads = (self.num_kv_heads, self.head_dim)
-        q = q.unflatten(-1, heads).transpose(1, 2)  # [B, H, Tq, D]
-        k = k.unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
-        v = v.unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
+        q = project(self.q_proj, query).unflatten(-1, heads).transpose(1, 2)  # [B, H, Tq, D]
+        k = project(self.k_proj, key).unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
+        v = project(self.v_proj, value).unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
 
         new_cache = None
         if parallel is not None:
@@ -658,8 +656,7 @@ class MultiHeadAttention(nn.Module):
             dropout = self.dropout if self.training else 0.0
             heads_out = parallel.attend(q, k, v, full_mask, dropout_p=dropout,
                                         invariant=invariant)  # [B, H, Tq/P, D]
-            heads_out = heads_out.transpose(1, 2).flatten(-2)  # [B, Tq/P, H·D]
-            out = _rowwise(self.out_proj, heads_out) if invariant else self.out_proj(heads_out)
+            out = project(self.out_proj, heads_out.transpose(1, 2).flatten(-2))  # [B, Tq/P, E]
             return MHAOutput(out[0] if unbatched else out, None, None)
         if cache is not None:
             if not isinstance(cache, (KVCache, PagedKVCache)):
@@ -688,8 +685,7 @@ class MultiHeadAttention(nn.Module):
             result = attention(q, k, v, full_mask, dropout_p=dropout, backend=self.backend,
                                return_weights=need_weights, invariant=invariant)
             heads_out, weights = (result.out, result.weights) if need_weights else (result, None)
-        heads_out = heads_out.transpose(1, 2).flatten(-2)  # [B, Tq, H·D]
-        out = _rowwise(self.out_proj, heads_out) if invariant else self.out_proj(heads_out)
+        out = project(self.out_proj, heads_out.transpose(1, 2).flatten(-2))  # [B, Tq, E]
         if unbatched:
             out = out[0]  # [Tq, E]
             weights = None if weights is None else weights[0]  # [H, Tq, Tk]

@@ -11,14 +11,15 @@ from typing import Optional
 
 import torch
 
-from ...masks import CAUSAL, KeyRanges, key_ranges
+from ...masks import KeyRanges, key_ranges
 from ...modifiers import Modifiers
 from ...numerics import accum_dtype, additive_mask, merge_alike_into, merge_into, pad_rows
+from ..torch_sdpa import is_plain_causal
 from .plan import (FIXED_BLOCK_K, FLUSH_BELOW, LOG2E, TILE_ELEMENTS, Problem, Segment,
                    TiledOptions, row_quantum)
 from .positions import PositionTile, Positions, _position_tile, _positions
 from .tiles import (TileMask, TileScores, _BlockWork, _dropout_keep, _evaluated, _RunWork,
-                    _runs_fit, _segment_mask, _tile_scores, _with_positions)
+                    _runs_fit, _segment_mask, _stacked, _tile_scores, _with_positions)
 
 
 def uses_fused_kernel(q: torch.Tensor, v: torch.Tensor, dropout_p: float,
@@ -455,8 +456,8 @@ def _kernel_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
     the call's other rows, its padding or how the queries were chunked (a fully masked split
     changes no row: skipped or computed, alike). A plain top-left causal mask from position 0
     runs as one call with the kernel's own causal mask, nothing materialised, where no row
-    reaches a padding key. Inputs in the
-    accumulation dtype; ``out [B, Hq, Tq, Dv]`` and ``lse [B, Hq, Tq]`` in it too."""
+    reaches a padding key. Inputs in the accumulation dtype; ``out [B, Hq, Tq, Dv]`` and
+    ``lse [B, Hq, Tq]`` in it too."""
     plan = problem.plan
     batch, heads_q, tq, head_dim = queries.shape
     heads_kv, kv_len, dv = keys.shape[1], keys.shape[2], values.shape[-1]
@@ -465,8 +466,8 @@ def _kernel_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
     if width != kv_len:  # zero keys up to whole splits, in buffers reused across calls
         keys, values = _widened_keys(keys, "k", width), _widened_keys(values, "v", width)
     rows = row_quantum(head_dim, queries.dtype, queries.device)
-    if (group == 1 and problem.q_offset == problem.kv_offset == 0 and problem.scale > 0
-            and problem.mask is not None and problem.mask.band() == CAUSAL
+    if (group == 1 and problem.q_offset == problem.kv_offset == 0
+            and is_plain_causal(problem.mask, problem.scale)
             and problem.modifiers is None and (tq <= kv_len or width == kv_len)):
         # (rows past the keys would reach the padding keys under the kernel's causal mask)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -542,17 +543,6 @@ def _ranges_tile(problem: Problem, ranges: KeyRanges, rows: tuple[int, int],
     allowed = (positions >= lo) & (positions < hi)  # [Bm, n, span]
     additive = additive_mask(allowed[:, None], None, dtype)
     return layout(additive), layout((hi > lo)[:, None])[..., 0]
-
-
-def _stacked(group: int, heads_kv: int, n: int):
-    """A mask tile ``[Bm, Hm, n, span]`` → ``[Bm, Hkv|1, G·n, span]``: the rows of the G query
-    heads of a K/V head stacked, as :class:`_BlockWork` takes queries."""
-    def layout(t: torch.Tensor) -> torch.Tensor:
-        if t.shape[1] == 1:
-            return t.expand(t.shape[0], group, n, t.shape[-1]).reshape(
-                t.shape[0], 1, group * n, -1)
-        return t.reshape(t.shape[0], heads_kv, group * n, t.shape[-1])
-    return layout
 
 
 def _lower_square(problem: Problem, rows: tuple[int, int], seg: Segment, group: int,

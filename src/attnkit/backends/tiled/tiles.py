@@ -212,12 +212,19 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
             return TileMask(None, None, causal=True)
         return TileMask(_staircase_additive(seg.structure, n, width, group, dtype, device), None)
 
-    def grouped(t: torch.Tensor) -> torch.Tensor:  # [Bm, Hm, n, span] → [Bm, Hkv|1, G·n, span]
-        if t.shape[1] == 1:
-            return t.expand(t.shape[0], group, n, t.shape[-1]).reshape(t.shape[0], 1, group * n, -1)
-        return t.reshape(t.shape[0], heads_kv, group * n, t.shape[-1])
+    return _evaluated(problem, rows, (seg.start, seg.stop), dtype, with_bias,
+                      _stacked(group, heads_kv, n))
 
-    return _evaluated(problem, rows, (seg.start, seg.stop), dtype, with_bias, grouped)
+
+def _stacked(group: int, heads_kv: int, n: int):
+    """A mask tile ``[Bm, Hm, n, span]`` → ``[Bm, Hkv|1, G·n, span]``: the rows of the G query
+    heads of a K/V head stacked, as :class:`_BlockWork` takes queries."""
+    def layout(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[1] == 1:
+            return t.expand(t.shape[0], group, n, t.shape[-1]).reshape(
+                t.shape[0], 1, group * n, -1)
+        return t.reshape(t.shape[0], heads_kv, group * n, t.shape[-1])
+    return layout
 
 
 def _evaluated(problem: Problem, rows: tuple[int, int], keys: tuple[int, int],
