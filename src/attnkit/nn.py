@@ -20,7 +20,6 @@ Shapes (E = embed_dim, H = num_heads, Hkv = num_kv_heads, D = E // H)::
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
@@ -639,14 +638,16 @@ class MultiHeadAttention(nn.Module):
         if parallel is not None:
             _refuse_with_parallel(parallel, cache=cache, lengths=lengths,
                                   need_weights=need_weights)
-        # each row's product computed alike whatever the row count, under the contract
-        project = _rowwise if invariant else operator.call  # layer(x)
-
+        if invariant:  # each row's product computed alike whatever the row count
+            q, k, v = (_rowwise(self.q_proj, query), _rowwise(self.k_proj, key),
+                       _rowwise(self.v_proj, value))
+        else:
+            q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         heads = (self.num_heads, self.head_dim)
         kv_heads = (self.num_kv_heads, self.head_dim)
-        q = project(self.q_proj, query).unflatten(-1, heads).transpose(1, 2)  # [B, H, Tq, D]
-        k = project(self.k_proj, key).unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
-        v = project(self.v_proj, value).unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
+        q = q.unflatten(-1, heads).transpose(1, 2)  # [B, H, Tq, D]
+        k = k.unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
+        v = v.unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
 
         new_cache = None
         if parallel is not None:
@@ -656,7 +657,8 @@ class MultiHeadAttention(nn.Module):
             dropout = self.dropout if self.training else 0.0
             heads_out = parallel.attend(q, k, v, full_mask, dropout_p=dropout,
                                         invariant=invariant)  # [B, H, Tq/P, D]
-            out = project(self.out_proj, heads_out.transpose(1, 2).flatten(-2))  # [B, Tq/P, E]
+            heads_out = heads_out.transpose(1, 2).flatten(-2)  # [B, Tq/P, H·D]
+            out = _rowwise(self.out_proj, heads_out) if invariant else self.out_proj(heads_out)
             return MHAOutput(out[0] if unbatched else out, None, None)
         if cache is not None:
             if not isinstance(cache, (KVCache, PagedKVCache)):
@@ -685,7 +687,8 @@ class MultiHeadAttention(nn.Module):
             result = attention(q, k, v, full_mask, dropout_p=dropout, backend=self.backend,
                                return_weights=need_weights, invariant=invariant)
             heads_out, weights = (result.out, result.weights) if need_weights else (result, None)
-        out = project(self.out_proj, heads_out.transpose(1, 2).flatten(-2))  # [B, Tq, E]
+        heads_out = heads_out.transpose(1, 2).flatten(-2)  # [B, Tq, H·D]
+        out = _rowwise(self.out_proj, heads_out) if invariant else self.out_proj(heads_out)
         if unbatched:
             out = out[0]  # [Tq, E]
             weights = None if weights is None else weights[0]  # [H, Tq, Tk]
