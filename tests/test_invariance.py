@@ -358,13 +358,18 @@ def test_a_schedule_that_follows_the_call_shapes_breaks_the_checks(monkeypatch, 
 
 # ---- modules ---------------------------------------------------------------------------------
 
-def test_multi_head_attention_decodes_a_sequence_alone_as_in_a_ragged_batch():
-    """Three prompts in one right-padded batch with a KVCache, then decoding steps: each
-    sequence's outputs equal, bit for bit, one forward of it alone over all its tokens (a
-    prefill, chunks and steps give the same rows)."""
+@pytest.mark.parametrize("step_lengths", [True, False], ids=["steps with lengths",
+                                                            "steps without"])
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_multi_head_attention_decodes_a_sequence_alone_as_in_a_ragged_batch(step_lengths,
+                                                                             kv_heads):
+    """Three prompts in one right-padded batch with a KVCache, then decoding steps (each
+    passing ``lengths`` of ones, or none: the cache's own decoding call): each sequence's
+    outputs equal, bit for bit, one forward of it alone over all its tokens (a prefill,
+    chunks and steps give the same rows)."""
     from attnkit.nn import MultiHeadAttention
     gen = torch.Generator().manual_seed(0)
-    mha = MultiHeadAttention(64, 4, num_kv_heads=2, invariant=True)
+    mha = MultiHeadAttention(64, 4, num_kv_heads=kv_heads, invariant=True)
     sizes = (300, 2, 41)
     prompts = [torch.randn(n, 64, generator=gen) for n in sizes]
     steps = [torch.randn(3, 1, 64, generator=gen) for _ in range(3)]
@@ -377,7 +382,7 @@ def test_multi_head_attention_decodes_a_sequence_alone_as_in_a_ragged_batch():
         outs = [out]
         for step in steps:
             o, _, cache = mha(step, cache=cache, is_causal=True,
-                              lengths=torch.ones(3, dtype=torch.long))
+                              lengths=torch.ones(3, dtype=torch.long) if step_lengths else None)
             outs.append(o)
         for b, p in enumerate(prompts):
             alone = torch.cat([p] + [s[b] for s in steps])[None]

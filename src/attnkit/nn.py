@@ -29,11 +29,14 @@ from torch import nn
 
 from . import dispatch, finite, invariance
 from .api import attention
+from .backends.tiled.forward import KV_SPLIT, kernel_call
+from .backends.tiled.plan import INVARIANT_MAX_HEAD_DIM
+from .backends.tiled.tiles import _grouped, _ungrouped
 from .finite import zero_outside
 from .inputs import LazyText
 from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, keys_below, padding,
                     readable, real_keys, sliding_window, vouched_padding)
-from .numerics import accum_dtype, masked_softmax, pad_rows
+from .numerics import accum_dtype, additive_mask, masked_softmax, pad_rows
 from .paged import PagedKVCache
 
 if TYPE_CHECKING:  # torch.distributed loads only when sequence parallelism is used
@@ -92,13 +95,17 @@ class _Store:
                                                    device=self.keys.device)
         return counts
 
+    def positions(self, count: int) -> torch.Tensor:
+        """Long ``[1, 1, 1, count]``: the store's first ``count`` positions, made once."""
+        if self._positions is None:
+            self._positions = torch.arange(self.capacity, device=self.keys.device).view(1, 1, 1, -1)
+        return self._positions[..., :count]
+
     def key_mask(self, lengths: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Bool ``[B, 1, 1, kv_len]``: position j of sequence b is real when ``j <
         lengths[b]`` (:func:`~attnkit.masks.keys_below`), in one comparison against the
         store's positions."""
-        if self._positions is None:
-            self._positions = torch.arange(self.capacity, device=self.keys.device).view(1, 1, 1, -1)
-        return self._positions[..., :kv_len] < lengths.view(-1, 1, 1, 1)
+        return self.positions(kv_len) < lengths.view(-1, 1, 1, 1)
 
 
 def _checked(lengths, new: int) -> Optional[tuple]:
@@ -184,12 +191,18 @@ class KVCache:
         positions of sequence b are real (a right-padded chunk); they go right after that
         sequence's own tokens, and the cache keeps per-sequence :attr:`lengths` from then on.
         """
+        return self._append(keys, values, lengths, 1)
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor, lengths: Optional[torch.Tensor],
+                split: int) -> "KVCache":
+        """:meth:`append`, with new buffers holding a multiple of ``split`` positions (whole
+        key splits of the invariance contract, so that :meth:`decode` reads them in place)."""
         self._check_step(keys, values)
         batch, new = keys.shape[0], keys.shape[2]
         if lengths is None and self.lengths is None:
             # a window keeps the last w - 1 keys: each new query then sees its w
             keep = self.length if self.window is None else min(self.length, self.window - 1)
-            store, start = self._room(keys, values, keep, keep + new)
+            store, start = self._room(keys, values, keep, keep + new, split)
             store.keys[:, :, start + keep:start + keep + new] = keys
             store.values[:, :, start + keep:start + keep + new] = values
             return self._extended(store, keep + new, None, None, start=start,
@@ -202,7 +215,7 @@ class KVCache:
         seen = _checked(lengths, new) if padded else None
         # T grows by the chunk's width: a bound on every sequence's length read from no value
         length = self.length + new
-        store, _ = self._room(keys, values, self.length, length)
+        store, _ = self._room(keys, values, self.length, length, split)
         if not padded:
             lengths = store.whole(new)
         elif seen is not None and store.checked is not None and store.checked[0] == seen:
@@ -267,19 +280,25 @@ class KVCache:
         real = vouched_padding(self.appended, self.lengths)
         return causal("bottom_right", sequences=real) if is_causal else real
 
-    def decode(self, q: torch.Tensor, backend: str = "auto") -> Optional[torch.Tensor]:
+    def decode(self, q: torch.Tensor, backend: str = "auto", invariant: Optional[bool] = None,
+               ) -> Optional[torch.Tensor]:
         """One new query per sequence over this cache, ``q [B, Hq, 1, D]`` → ``[B, Hq, 1,
         Dv]``, as :func:`attnkit.attention` with :meth:`mask` gives it, without its per-call
         validation and dispatch: the cache made its keys and lengths, so the call is known
         to be torch's fused kernel over a key mask ``position < lengths[b]`` (none without
         lengths, nor with a window, which keeps only the keys the query sees), then the
         non-finite flags of q and the output (:func:`attnkit.finite.poison`'s rule for a
-        step that does not look at its keys). ``None`` where that is not the call
-        ``attention`` would make (another backend asked or forced, not CPU float32/float64,
-        gradients, autocast, a traced or shape-only call, a step whose keys ``attention``
-        looks at, a mask too large for a dense key mask, not one real query per sequence):
-        the caller then runs ``attention``; so it does under ``attnkit.invariant()``, whose
-        schedule is the tiled engine's)."""
+        step that does not look at its keys). Under the invariance contract (``invariant``,
+        or ``attnkit.invariant()``) the call is the fixed schedule's
+        (:func:`~attnkit.backends.tiled.forward.kernel_call`) over the store's whole key
+        splits, read in place: it needs a store allocated in whole splits
+        (``MultiHeadAttention`` appends so under the contract). ``None`` where that is not
+        the call ``attention`` would make (another backend asked or forced, not CPU
+        float32/float64, gradients, autocast, a traced or shape-only call, a step whose keys
+        ``attention`` looks at, a mask too large for a dense key mask, not one real query
+        per sequence; under the contract also a window, head dims that differ or exceed
+        :data:`~attnkit.backends.tiled.plan.INVARIANT_MAX_HEAD_DIM`, or a store without
+        whole splits): the caller then runs ``attention``."""
         keys, values = self.keys, self.values
         # Plain CPU tensors only (not fake, not meta, not a subclass): ``type(q)`` inside a
         # compiled region is a plain tensor's, hence the compiling check.
@@ -298,25 +317,48 @@ class KVCache:
                 or keys.numel() <= finite.KV_CHECK_MAX_ELEMENTS
                 or (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad
                                                  or values.requires_grad))
-                or torch.is_autocast_enabled("cpu") or dispatch.forced(backend) != "auto"
-                or invariance.active()):
+                or torch.is_autocast_enabled("cpu") or dispatch.forced(backend) != "auto"):
             return None
-        key_mask = None
-        if self.lengths is not None:  # [B, 1, 1, T]: each sequence's real keys
-            key_mask = (self._store.key_mask(self.lengths, kv_len)
-                        if self._store is not None and not self._start
-                        else keys_below(self.lengths, kv_len, q.device)[:, None, None, :])
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask,
-                                             scale=1.0 / math.sqrt(head_dim),
-                                             enable_gqa=heads != kv_heads)
-        return out.add_(finite.query_and_output_flags(out, q))
+        scale = 1.0 / math.sqrt(head_dim)
+        if invariance.active(invariant):
+            out = self._decode_in_splits(q, scale)
+        else:
+            key_mask = None
+            if self.lengths is not None:  # [B, 1, 1, T]: each sequence's real keys
+                key_mask = (self._store.key_mask(self.lengths, kv_len)
+                            if self._store is not None and not self._start
+                            else keys_below(self.lengths, kv_len, q.device)[:, None, None, :])
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask,
+                                                 scale=scale, enable_gqa=heads != kv_heads)
+        return None if out is None else out.add_(finite.query_and_output_flags(out, q))
 
-    def _room(self, keys: torch.Tensor, values: torch.Tensor, keep: int,
-              needed: int) -> tuple[_Store, int]:
+    def _decode_in_splits(self, q: torch.Tensor, scale: float) -> Optional[torch.Tensor]:
+        """:meth:`decode` under the invariance contract: the fixed schedule's one kernel call
+        over the store's keys up to whole splits (:data:`~attnkit.backends.tiled.forward.
+        KV_SPLIT`), those past each sequence's length forbidden (the store holds finite
+        values there: zeros, or that sequence's own keys), the query heads of a K/V head
+        stacked as rows; ``None`` where the store lacks whole splits or the contract's tiled
+        call would take another path."""
+        store, kv_len = self._store, self.length
+        width = -(-kv_len // KV_SPLIT) * KV_SPLIT
+        head_dim, heads_kv = q.shape[-1], self.keys.shape[1]
+        if (store is None or self._start or self.window is not None or store.capacity < width
+                or self.values.shape[-1] != head_dim or head_dim > INVARIANT_MAX_HEAD_DIM):
+            return None
+        allowed = (store.positions(width) < kv_len if self.lengths is None  # [B|1, 1, 1, width]
+                   else store.key_mask(self.lengths, width))
+        out, _ = kernel_call(_grouped(q, heads_kv), store.keys[:, :, :width],
+                             store.values[:, :, :width], additive_mask(allowed, None, q.dtype),
+                             scale)
+        return _ungrouped(out, q.shape[1])
+
+    def _room(self, keys: torch.Tensor, values: torch.Tensor, keep: int, needed: int,
+              split: int = 1) -> tuple[_Store, int]:
         """``(store, start)``: a store holding this cache's last ``keep`` positions from
         ``start`` on, with room for ``needed`` positions from there: this one's, when this is
         the latest cache of its chain and it has room; else a new one (geometric growth, about
-        ``2 · window`` with a window, or ``capacity``) with them copied to its start."""
+        ``2 · window`` with a window, or ``capacity``; rounded up to a multiple of ``split``)
+        with them copied to its start."""
         store = self._store
         start = self._start + self.length - keep
         if (store is not None and store.generation == self._generation
@@ -325,6 +367,7 @@ class KVCache:
         grown = 2 * (store.capacity if store is not None else 0)
         capacity = max(needed, self.capacity or 0,
                        grown if self.window is None else 2 * self.window)
+        capacity = -(-capacity // split) * split
         fresh = _Store(keys, values, capacity)
         if keep:
             fresh.keys[:, :, :keep] = self.keys[:, :, self.length - keep:]
@@ -493,7 +536,9 @@ class MultiHeadAttention(nn.Module):
         invariant: run every call under the invariance contract (:mod:`attnkit.invariance`):
             a sequence's outputs do not depend on the batch around it, its padding, or
             whether it was prefilled at once, in chunks or decoded token by token (a
-            ``KVCache`` without a window); ``None`` follows ``attnkit.invariant()``.
+            ``KVCache`` without a window); ``None`` follows ``attnkit.invariant()``. Under
+            the contract a ``KVCache``'s buffers grow in whole key splits (512 positions),
+            which its decoding steps read in place.
         sequence_parallel: a :class:`attnkit.distributed.parallel.SequenceParallel`: every
             call attends across the ranks of its group (``ring_attention`` or
             ``ulysses_attention``); see :meth:`forward`. ``None``: one process. Stored as the
@@ -664,7 +709,9 @@ class MultiHeadAttention(nn.Module):
             if not isinstance(cache, (KVCache, PagedKVCache)):
                 raise TypeError(f"cache must be a KVCache (MultiHeadAttention.empty_cache()) or "
                                 f"a PagedKVCache, got {type(cache).__name__}")
-            new_cache = cache.append(k, v, lengths)
+            new_cache = (cache._append(k, v, lengths, KV_SPLIT)  # read in place by decode
+                         if invariant and isinstance(cache, KVCache)
+                         else cache.append(k, v, lengths))
             if not isinstance(new_cache, PagedKVCache):  # a paged cache gathers only if asked
                 k, v = new_cache.keys, new_cache.values  # [B, Hkv, T_cache + Tk, D]
         elif lengths is not None:
@@ -672,12 +719,11 @@ class MultiHeadAttention(nn.Module):
                             "one, pass the padding as key_valid")
 
         dropout = self.dropout if self.training else 0.0
-        plain = (mask is None and key_valid is None and not need_weights and not dropout
-                 and not invariant)
+        plain = mask is None and key_valid is None and not need_weights and not dropout
         heads_out = weights = None
         if plain and isinstance(new_cache, KVCache):  # a decoding step: None otherwise
-            heads_out = new_cache.decode(q, backend=self.backend)
-        elif plain and isinstance(new_cache, PagedKVCache):
+            heads_out = new_cache.decode(q, backend=self.backend, invariant=invariant)
+        elif plain and not invariant and isinstance(new_cache, PagedKVCache):
             heads_out = new_cache.attend(q, is_causal=is_causal, backend=self.backend)
         if heads_out is None:
             if isinstance(new_cache, PagedKVCache):

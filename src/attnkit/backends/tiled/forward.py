@@ -465,14 +465,11 @@ def _kernel_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
     width = -(-kv_len // KV_SPLIT) * KV_SPLIT
     if width != kv_len:  # zero keys up to whole splits, in buffers reused across calls
         keys, values = _widened_keys(keys, "k", width), _widened_keys(values, "v", width)
-    rows = row_quantum(head_dim, queries.dtype, queries.device)
     if (group == 1 and problem.q_offset == problem.kv_offset == 0
             and is_plain_causal(problem.mask, problem.scale)
             and problem.modifiers is None and (tq <= kv_len or width == kv_len)):
         # (rows past the keys would reach the padding keys under the kernel's causal mask)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            pad_rows(queries, rows), keys, values, 0.0, True, scale=problem.scale)[:2]
-        return out[:, :, :tq], lse[:, :, :tq]
+        return kernel_call(queries, keys, values, None, problem.scale, causal=True)
     work = _BlockWork(heads_q, heads_kv)
     out = queries.new_zeros(batch, heads_kv, group, tq, dv)
     lse = queries.new_full((batch, heads_kv, group, tq), float("-inf"))
@@ -493,17 +490,34 @@ def _kernel_forward(problem: Problem, queries: torch.Tensor, keys: torch.Tensor,
             if additive is None:
                 additive = queries.new_zeros(1, 1, 1, kv_len - lo)
             additive = torch.nn.functional.pad(additive, (0, hi - kv_len), value=float("-inf"))
-        if additive is not None and additive.shape[-2] != 1:
-            additive = pad_rows(additive, rows)
-        seg_out, seg_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            pad_rows(work.take(queries, r0, r1), rows), keys[:, :, lo:hi],
-            values[:, :, lo:hi], 0.0, False, attn_mask=additive, scale=problem.scale)[:2]
-        seg_out, seg_lse = seg_out[:, :, :group * n], seg_lse[:, :, :group * n]
+        seg_out, seg_lse = kernel_call(work.take(queries, r0, r1), keys[:, :, lo:hi],
+                                       values[:, :, lo:hi], additive, problem.scale)
         if has_key is not None:  # out 0 but lse 0 on rows with no key
             seg_lse = seg_lse.masked_fill(~has_key, float("-inf"))
         out[:, :, :, r0:r1] = seg_out.view(batch, heads_kv, group, n, dv)
         lse[:, :, :, r0:r1] = seg_lse.view(batch, heads_kv, group, n)
     return out.view(batch, heads_q, tq, dv), lse.view(batch, heads_q, tq)
+
+
+def kernel_call(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                additive: Optional[torch.Tensor], scale: float, causal: bool = False,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call of torch's fused kernel as the fixed schedule makes it: ``queries [B, Hkv, n,
+    Dk]`` (a K/V head's query heads stacked as rows, :class:`~.tiles._BlockWork`) padded to
+    a multiple of :func:`row_quantum` rows, over ``keys``/``values [B, Hkv, S, D]`` that
+    start at a split of the sequence's keys and hold whole splits (:data:`KV_SPLIT`; keys
+    past the sequence's own are finite and forbidden by ``additive``), with ``additive [Bm,
+    1|Hkv, 1|n, S]`` (0 or −inf; ``None``: every key) or the kernel's own ``causal`` mask.
+    A row's bits then depend on its own query and allowed keys alone. Inputs in the
+    accumulation dtype; returns ``out [B, Hkv, n, Dv]`` and ``lse [B, Hkv, n]`` (a row with
+    no allowed key gets out 0 and lse 0: the caller marks it)."""
+    rows = row_quantum(queries.shape[-1], queries.dtype, queries.device)
+    if additive is not None and additive.shape[-2] != 1:
+        additive = pad_rows(additive, rows)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        pad_rows(queries, rows), keys, values, 0.0, causal, attn_mask=additive, scale=scale)[:2]
+    n = queries.shape[-2]
+    return out[:, :, :n], lse[:, :, :n]
 
 
 def _kernel_calls(plan, tq: int, rows_each: int, width: int):
