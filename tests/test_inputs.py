@@ -344,6 +344,31 @@ def test_ragged_decode_validates_once_and_runs_each_layer_on_its_own_lengths(val
     assert len(validations) - before == 1  # the first call: later steps key alike
 
 
+def test_left_padded_decode_masks_read_from_key_masks_validate_once(validations):
+    """transformers makes a new padding from its ``attention_mask`` every decoding step, the
+    keys one longer each time: the runs are read and checked when the mask is made, so the
+    call is keyed by shapes and validates once; each step still runs on its own runs.
+    Whether runs start past 0 (left padding) and whether the widths are the call's are
+    keyed: a mask of the wrong width still raises, and right padding validates anew."""
+    gen = torch.Generator().manual_seed(4)
+    starts = torch.tensor([3, 0, 5])
+    before = len(validations)
+    for length in range(8, 12):
+        q = torch.randn(3, 2, 1, 8, generator=gen)
+        k, v = (torch.randn(3, 2, length, 8, generator=gen) for _ in range(2))
+        real = torch.arange(length) >= starts[:, None]  # [B, Tk], left padding
+        for _ in range(2):  # two layers, each with its own plan
+            out = ak.plan(q, k, v, ak.padding(kv_mask=real))(q, k, v)
+            want = naive_attention(q.double(), k.double(), v.double(),
+                                   real[:, None, None, :])[0]
+            torch.testing.assert_close(out, want.float())
+    assert len(validations) - before == 1
+    with pytest.raises(ValueError, match="columns"):
+        ak.attention(q, k, v, ak.padding(kv_mask=real[:, 1:]))
+    ak.attention(q, k, v, ak.padding(kv_mask=torch.arange(length) < 9 - starts[:, None]))
+    assert len(validations) - before == 3
+
+
 def test_known_keys_everywhere_skips_the_row_flags():
     """A decoding step's mask vouches that every row has a key, a key mask's runs show it:
     no per-row flags are made."""

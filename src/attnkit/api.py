@@ -147,7 +147,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = Non
     every layer of a step that passes ``mask`` (or every step of a loop whose shapes repeat).
 
     Shapes and arguments as for :func:`attention` (no dropout). Making the plan validates the
-    call, chooses the backend and may read the mask's values on the host (its range checks);
+    call, chooses the backend (or finds both in the call cache, as :func:`attention` does)
+    and may read the mask's values on the host (its range checks);
     running it makes no such decision again: it checks the tensors' shapes, strides, dtypes,
     devices and gradient flags against the plan's and the mask's tensors against in-place
     writes (``ValueError`` on either), then runs the planned call, which returns what

@@ -80,11 +80,14 @@ class Plan:
         if _autocast_on():
             raise ValueError("attnkit.plan under torch.autocast: make and run plans in the "
                              "dtype the call runs in (autocast casts per call: use attention())")
-        inputs, self.backend = _validated_now(q, k, v, mask, scale=scale, dropout_p=0.0,
-                                              generator=None, backend=backend,
-                                              return_lse=return_lse,
-                                              return_weights=return_weights, invariant=invariant)
-        self._inputs = inputs.replaced(q=None, k=None, v=None)
+        inputs, self.backend = validated(q, k, v, mask, scale=scale, dropout_p=0.0,
+                                         generator=None, backend=backend, return_lse=return_lse,
+                                         return_weights=return_weights, compiling=False,
+                                         invariant=invariant)
+        # what runs derive from the mask, kept for the plan's lifetime (a call cache hit of a
+        # mask keyed by shape shares nothing)
+        self._inputs = inputs.replaced(q=None, k=None, v=None,
+                                       derived={} if inputs.derived is None else inputs.derived)
         self.mask, self.scale, self.backend_name = mask, scale, backend
         self.return_lse, self.return_weights, self.invariant = return_lse, return_weights, invariant
         self._signature = _plan_signature(q, k, v)

@@ -316,7 +316,8 @@ class CallCache:
     mask's :func:`~attnkit.masks.validation_key` (tensors by identity and version counter,
     so a mask whose lengths or ids were written to in place through torch is validated
     again, and keying reads no value; score modifiers in it too, their tensors with
-    ``requires_grad``; a decoding step's vouched padding by its shapes), and every other
+    ``requires_grad``; a decoding step's vouched padding, and a padding read from ``[B, T]``
+    masks, by its shapes), and every other
     argument. A hit rebuilds the :class:`Inputs` from the current tensors with the remembered
     layout, mask (the call's own, for a mask keyed by shape), modifiers and choice, and skips
     the checks that gave the same answer before. Calls that cannot be keyed are never cached:
@@ -371,7 +372,9 @@ class CallCache:
         if mask is None:
             mask_key = None
         elif isinstance(mask, Mask):
-            mask_key, by_shape = validation_key(mask, keep)
+            if min(q.dim(), k.dim()) < 2:  # validation says what is wrong
+                return None, keep, False
+            mask_key, by_shape = validation_key(mask, keep, q.shape[-2], k.shape[-2])
             if mask_key is None:
                 return None, keep, False
         else:

@@ -776,6 +776,16 @@ class _Padding(Mask):
                                  f"{side}_lengths has {lengths.numel()}: give one start and one "
                                  f"length per batch element (or a single one for all)")
 
+    def runs_read(self) -> bool:
+        """Whether every run of this padding was read from a ``[B, T]`` mask on the host and
+        found valid there (its :meth:`check` then compares widths only)."""
+        return all((lengths is None and starts is None)
+                   or (width is not None and broken is None and empty is None)
+                   for lengths, starts, width, broken, empty in (
+                       (self.q_lengths, self.q_starts, self.q_width, self.q_broken, self.q_empty),
+                       (self.kv_lengths, self.kv_starts, self.kv_width, self.kv_broken,
+                        self.kv_empty)))
+
     def _min_batch(self):
         return max(t.numel() for t in (self.q_lengths, self.kv_lengths, self.q_starts,
                                        self.kv_starts) if t is not None)
@@ -2096,16 +2106,29 @@ def cache_key(mask: Optional[Mask], keep: list) -> Optional[tuple]:
     return () if mask is None else mask.cache_key(keep)
 
 
-def validation_key(mask: Mask, keep: list) -> tuple[Optional[tuple], bool]:
+def validation_key(mask: Mask, keep: list, q_len: int, kv_len: int,
+                   ) -> tuple[Optional[tuple], bool]:
     """``(key, by_shape)``: the key under which validating ``mask`` gives the same answer.
-    A vouched padding (:func:`vouched_padding`, which a decoding step makes anew every layer
-    and step) validates from the shapes of its lengths alone, so its key names shapes, not
-    tensors, and ``by_shape`` is True: a call cache hit must then run on the call's own mask.
-    Any other mask: :meth:`Mask.cache_key`, ``by_shape`` False. Plans derived from a mask's
-    values (block lists, run masks) never use this key."""
+    Two paddings validate from shapes alone, so their key names shapes, not tensors, and
+    ``by_shape`` is True (a call cache hit must then run on the call's own mask): a vouched
+    padding (:func:`vouched_padding`, which a decoding step makes anew every layer and step),
+    and one whose runs were all read from ``[B, T]`` masks on the host (:func:`real_keys`:
+    transformers' padding, a new mask every step), checked when read; what a backend's
+    choice reads of their values (whether some run starts past 0, whether every row has a
+    key, as is whether its widths are the call's ``q_len`` and ``kv_len``. Any other mask:
+    :meth:`Mask.cache_key`,
+    ``by_shape`` False. Plans derived from a mask's values (block lists, run masks) never use
+    this key."""
     if isinstance(mask, _Padding) and mask.vouched:
         return ("vouched", *(None if t is None else (tuple(t.shape), t.dtype, t.device)
                              for t in (mask.q_lengths, mask.kv_lengths))), True
+    if isinstance(mask, _Padding) and mask.runs_read():
+        return ("read runs", mask.q_width in (None, q_len), mask.kv_width in (None, kv_len),
+                mask.has_starts(),
+                mask.keys_everywhere,
+                *(None if t is None else (tuple(t.shape), t.dtype, t.device)
+                  for t in (mask.q_starts, mask.q_lengths, mask.kv_starts, mask.kv_lengths))
+                ), True
     return mask.cache_key(keep), False
 
 

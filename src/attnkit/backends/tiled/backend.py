@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from ...inputs import Inputs, derived
-from ...masks import Mask, MaskSpace, cache_key, key_starts
+from ...inputs import Inputs
+from ...masks import Mask, MaskSpace, cache_key, key_starts, mask_tensors, memo
 from ...modifiers import Modifiers
 from ...numerics import accum_dtype
 from ..base import Backend, BackendOutput, check_backward_modifiers
@@ -274,13 +274,17 @@ def _problem(inputs: Inputs, seed: int, options: TiledOptions,
 
 
 def _left_starts(inputs: Inputs) -> Optional[list[int]]:
-    """Where each batch element's keys begin (``[B]`` ints, one host read, once for the calls
-    that share the validation, :func:`~attnkit.inputs.derived`) when some begin past position
-    0 (left padding: :func:`~attnkit.masks.key_starts`), else ``None``."""
+    """Where each batch element's keys begin (``[B]`` ints, one host read, kept on the mask
+    while its starts are unchanged, :func:`~attnkit.masks.memo`) when some begin past
+    position 0 (left padding: :func:`~attnkit.masks.key_starts`), else ``None``."""
     starts = key_starts(inputs.mask)
     if starts is None:
         return None
-    values = derived(inputs, "left starts", lambda: starts.expand(inputs.q.shape[0]).tolist())
+    batch = inputs.q.shape[0]
+    tensors = mask_tensors(inputs.mask)
+    read = lambda: starts.expand(batch).tolist()  # noqa: E731
+    values = read() if tensors is None else memo(inputs.mask, ("left starts", batch), tensors,
+                                                 read)
     return values if any(values) else None
 
 
