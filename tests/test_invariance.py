@@ -391,6 +391,29 @@ def test_multi_head_attention_decodes_a_sequence_alone_as_in_a_ragged_batch(step
             assert torch.equal(torch.cat([o[b] for o in outs[1:]]), expected[0, p.shape[0]:])
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_cache_in_whole_splits_decodes_in_place_with_attentions_bits(ragged):
+    """Under the contract ``KVCache.decode`` reads a store of whole key splits in place and
+    gives the bits ``attention()`` gives over the cache's keys and mask; a store without room
+    for whole splits declines (the caller runs ``attention()``)."""
+    from attnkit.nn import KVCache
+
+    gen = torch.Generator().manual_seed(2)
+    keys, values = (torch.randn(3, 2, 600, 16, generator=gen) for _ in range(2))
+    lengths = torch.tensor([600, 37, 511]) if ragged else None
+    step_k, step_v = (torch.randn(3, 2, 1, 16, generator=gen) for _ in range(2))
+    q = torch.randn(3, 4, 1, 16, generator=gen)
+    whole = KVCache.empty()._append(keys, values, lengths, 512)._append(step_k, step_v, None,
+                                                                       512)
+    assert whole._store.capacity % 512 == 0
+    out = whole.decode(q, invariant=True)
+    assert out is not None
+    want = ak.attention(q, whole.keys, whole.values, whole.mask(), invariant=True)
+    assert torch.equal(out, want)
+    short = KVCache.empty(capacity=601).append(keys, values, lengths).append(step_k, step_v)
+    assert short._store.capacity < 1024 and short.decode(q, invariant=True) is None
+
+
 def test_a_transformers_model_generates_the_same_bits_alone_and_in_a_left_padded_batch():
     """A tiny Llama on attnkit, greedy: each prompt alone and inside a left-padded batch of
     three gives the same tokens and the same logits at every step, bit for bit, with its
