@@ -537,8 +537,8 @@ class MultiHeadAttention(nn.Module):
             a sequence's outputs do not depend on the batch around it, its padding, or
             whether it was prefilled at once, in chunks or decoded token by token (a
             ``KVCache`` without a window); ``None`` follows ``attnkit.invariant()``. Under
-            the contract a ``KVCache``'s buffers grow in whole key splits (512 positions),
-            which its decoding steps read in place.
+            the contract a ``KVCache`` without a window grows its buffers in whole key splits
+            (512 positions), which its decoding steps read in place.
         sequence_parallel: a :class:`attnkit.distributed.parallel.SequenceParallel`: every
             call attends across the ranks of its group (``ring_attention`` or
             ``ulysses_attention``); see :meth:`forward`. ``None``: one process. Stored as the
@@ -710,7 +710,7 @@ class MultiHeadAttention(nn.Module):
                 raise TypeError(f"cache must be a KVCache (MultiHeadAttention.empty_cache()) or "
                                 f"a PagedKVCache, got {type(cache).__name__}")
             new_cache = (cache._append(k, v, lengths, KV_SPLIT)  # read in place by decode
-                         if invariant and isinstance(cache, KVCache)
+                         if invariant and isinstance(cache, KVCache) and cache.window is None
                          else cache.append(k, v, lengths))
             if not isinstance(new_cache, PagedKVCache):  # a paged cache gathers only if asked
                 k, v = new_cache.keys, new_cache.values  # [B, Hkv, T_cache + Tk, D]
