@@ -171,10 +171,8 @@ def _runs_mask(mask, run: tuple[torch.Tensor, torch.Tensor], length: int, side: 
         positions = torch.arange(length, device=lo.device)
         keep = ((positions >= lo[:, None]) & (positions < hi[:, None]))[:, None, :, None]
         return keep_for(keep, like)
-    tensors = mask_tensors(mask)
-    if tensors is None:
-        return inside()
-    return memo(mask, ("guard", side, length, run[0].device, _bits(like)), tensors, inside)
+    return memo(mask, ("guard", side, length, run[0].device, _bits(like)), mask_tensors(mask),
+                inside)
 
 
 def applies(inputs: Inputs, backend) -> bool:
@@ -391,11 +389,8 @@ def _mask_runs(inputs: Inputs) -> Optional[tuple]:
             return None
         return q_lo, torch.maximum(q_lo, q_hi), kv_lo, torch.maximum(kv_lo, kv_hi)
 
-    tensors = mask_tensors(mask)
-    if tensors is None:
-        return build()
-    return memo(mask, ("runs", space.batch, space.q_len, space.kv_len, space.device), tensors,
-                build)
+    return memo(mask, ("runs", space.batch, space.q_len, space.kv_len, space.device),
+                mask_tensors(mask), build)
 
 
 def _count_runs(runs: tuple, bad: Optional[torch.Tensor], batch: int) -> tuple:

@@ -366,26 +366,23 @@ class CallCache:
         tensor = torch.Tensor
         if (type(q) is not tensor or type(k) is not tensor or type(v) is not tensor
                 or q.is_nested or k.is_nested or v.is_nested
-                or _is_wrapped(q) or _is_wrapped(k) or _is_wrapped(v)):
+                or _is_wrapped(q) or _is_wrapped(k) or _is_wrapped(v)
+                or min(q.dim(), k.dim(), v.dim()) < 2):  # validation says what is wrong
             return None, keep, False
         by_shape = False
         if mask is None:
             mask_key = None
         elif isinstance(mask, Mask):
-            if min(q.dim(), k.dim()) < 2:  # validation says what is wrong
-                return None, keep, False
             mask_key, by_shape = validation_key(mask, keep, q.shape[-2], k.shape[-2])
             if mask_key is None:
                 return None, keep, False
         else:
             return None, keep, False
         k_shape, v_shape = k.shape, v.shape
-        if by_shape or mask is None or (mask.band() == LAST_QUERY_CAUSAL and q.dim() >= 2
-                                        and q.shape[-2] == 1):
+        if by_shape or mask is None or (mask.band() == LAST_QUERY_CAUSAL and q.shape[-2] == 1):
             # no mask left over any keys, or one validated from its shapes: validation and the
             # backend do not depend on Tk ≥ 1 (a decode loop's growing cache hits)
-            if (min(q.dim(), k.dim(), v.dim()) < 2 or k_shape[-2] == 0
-                    or k_shape[-2:-1] != v_shape[-2:-1]):
+            if k_shape[-2] == 0 or k_shape[-2:-1] != v_shape[-2:-1]:
                 return None, keep, False
             # what the choice may still depend on: a cache at least 4x the queries (decoding),
             # a mask small enough to materialise (the torch backend's dense bias)

@@ -211,11 +211,10 @@ class Mask:
         def evaluate():
             return self.tile(_positions(0, space.q_len, space.device),
                              _positions(0, space.kv_len, space.device), space)
-        tensors = mask_tensors(self)
-        if tensors is None or space.q_len * space.kv_len > DENSE_MEMO_ELEMENTS:
+        if space.q_len * space.kv_len > DENSE_MEMO_ELEMENTS:
             return evaluate()
         return memo(self, ("dense", space.batch, space.heads, space.q_len, space.kv_len,
-                            space.device), tensors, evaluate)
+                            space.device), mask_tensors(self), evaluate)
 
     def dense_bias(self, space: MaskSpace) -> Optional[torch.Tensor]:
         """The whole additive bias ``[Bm, Hm, q_len, kv_len]``, or ``None``."""
@@ -696,10 +695,11 @@ MEMO_ENTRIES = 8
 
 def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
     """``compute()``, kept on ``mask`` under ``key`` and the version counters of ``tensors``
-    (the mask's own, ``None`` allowed), so each layer of a step evaluating one mask pays once,
-    and an in-place write to a tensor recomputes. Not kept inside a compiled region, for
+    (the mask's own, :func:`mask_tensors`; ``None`` entries allowed), so each layer of a step
+    evaluating one mask pays once, and an in-place write to a tensor recomputes. Not kept
+    where ``tensors`` is ``None`` (a mask that runs user code), inside a compiled region, for
     inference tensors (no version counter) or tensor subclasses (fake tensors): computed."""
-    if torch.compiler.is_compiling() or any(
+    if tensors is None or torch.compiler.is_compiling() or any(
             t is not None and (type(t) is not torch.Tensor or t.is_inference()) for t in tensors):
         return compute()
     key = (*key, *(None if t is None else (id(t), t._version) for t in tensors))
@@ -2113,12 +2113,11 @@ def validation_key(mask: Mask, keep: list, q_len: int, kv_len: int,
     ``by_shape`` is True (a call cache hit must then run on the call's own mask): a vouched
     padding (:func:`vouched_padding`, which a decoding step makes anew every layer and step),
     and one whose runs were all read from ``[B, T]`` masks on the host (:func:`real_keys`:
-    transformers' padding, a new mask every step), checked when read; what a backend's
-    choice reads of their values (whether some run starts past 0, whether every row has a
-    key, as is whether its widths are the call's ``q_len`` and ``kv_len``. Any other mask:
-    :meth:`Mask.cache_key`,
-    ``by_shape`` False. Plans derived from a mask's values (block lists, run masks) never use
-    this key."""
+    transformers' padding, a new mask every step), checked when read. The key of the latter
+    also holds whether its widths are the call's ``q_len`` and ``kv_len``, and what a
+    backend's choice reads of its values (whether some run starts past 0, whether every row
+    has a key). Any other mask: :meth:`Mask.cache_key`, ``by_shape`` False. Plans derived
+    from a mask's values (block lists, run masks) never use this key."""
     if isinstance(mask, _Padding) and mask.vouched:
         return ("vouched", *(None if t is None else (tuple(t.shape), t.dtype, t.device)
                              for t in (mask.q_lengths, mask.kv_lengths))), True

@@ -281,10 +281,8 @@ def _left_starts(inputs: Inputs) -> Optional[list[int]]:
     if starts is None:
         return None
     batch = inputs.q.shape[0]
-    tensors = mask_tensors(inputs.mask)
-    read = lambda: starts.expand(batch).tolist()  # noqa: E731
-    values = read() if tensors is None else memo(inputs.mask, ("left starts", batch), tensors,
-                                                 read)
+    values = memo(inputs.mask, ("left starts", batch), mask_tensors(inputs.mask),
+                  lambda: starts.expand(batch).tolist())
     return values if any(values) else None
 
 
