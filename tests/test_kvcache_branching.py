@@ -150,3 +150,29 @@ def test_branches_of_a_ragged_cache_where_only_short_sequences_grow():
     assert bool((left.keys[1, 0, 3] == 1).all()) and bool((left.values[1, 0, 3] == 1).all())
     assert bool((right.keys[1, 0, 3] == 2).all()) and bool((right.values[1, 0, 3] == 2).all())
     assert parent.lengths.tolist() == [5, 3] and bool((parent.keys[:, :, :3] == 0).all())
+
+
+@pytest.mark.parametrize("first_lengths", [None, [5, 3]])
+def test_padded_chunks_write_their_real_positions_and_zeros_past_them(first_lengths):
+    """Each sequence's real positions land right after its own tokens, and the slots past its
+    length hold zeros however NaN the chunk's padding was (the cache's masks vouch for those
+    slots: no guard copies them). An append to a cache whose sequences are all alike fills one
+    slice of the store; one to a ragged cache writes per sequence."""
+    def chunk(width, start):
+        keys = torch.arange(start, start + 2 * width, dtype=torch.float32).view(2, 1, width, 1)
+        return keys.expand(2, 1, width, 2).clone()
+
+    first, second = chunk(5, 0), chunk(1, 100)
+    lengths = None if first_lengths is None else torch.tensor(first_lengths)
+    if lengths is not None:
+        first[1, :, 3:] = float("nan")
+    second[1] = float("nan")
+    cache = KVCache.empty(16).append(first, first.clone(), lengths=lengths)
+    cache = cache.append(second, second.clone(), lengths=torch.tensor([1, 0]))
+    before = [5, 5] if lengths is None else [5, 3]
+    assert cache.lengths.tolist() == [before[0] + 1, before[1]]
+    for b, (old, new) in enumerate(zip(before, [1, 0])):
+        for stored in (cache.keys[b, 0, :, 0], cache.values[b, 0, :, 0]):
+            want = torch.cat([first[b, 0, :old, 0], second[b, 0, :new, 0]])
+            assert torch.equal(stored[:old + new], want), (b, stored)
+            assert bool((stored[old + new:] == 0).all()), (b, stored)

@@ -229,11 +229,15 @@ class KVCache:
             offset = torch.arange(new, device=keys.device)
             real = (offset[None, :] < lengths[:, None])[:, None, :, None]  # [B, 1, t, 1]
             keys, values = zero_outside(keys, real), zero_outside(values, real)
-        # Sequence b's chunk goes to positions before[b] + [0, t).
-        slots = (before.view(-1, 1, 1, 1) if new == 1
-                 else (before[:, None] + torch.arange(new, device=keys.device))[:, None, :, None])
-        store.keys.scatter_(2, slots.expand(-1, keys.shape[1], -1, keys.shape[3]), keys)
-        store.values.scatter_(2, slots.expand(-1, values.shape[1], -1, values.shape[3]), values)
+        if self.lengths is None:  # every sequence holds self.length: one slice of the store
+            store.keys[:, :, self.length:length] = keys
+            store.values[:, :, self.length:length] = values
+        else:  # sequence b's chunk goes to positions before[b] + [0, t)
+            slots = (before.view(-1, 1, 1, 1) if new == 1 else
+                     (before[:, None] + torch.arange(new, device=keys.device))[:, None, :, None])
+            store.keys.scatter_(2, slots.expand(-1, keys.shape[1], -1, keys.shape[3]), keys)
+            store.values.scatter_(2, slots.expand(-1, values.shape[1], -1, values.shape[3]),
+                                  values)
         return self._extended(store, length, before + (lengths if padded else new), lengths,
                               None if padded else new)
 

@@ -170,8 +170,10 @@ class TorchBackend(Backend):
                                                  scale=inputs.scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
             lse = None
-        if row_ok is not None:
-            out = out.masked_fill(~row_ok, 0.0)
+        if row_ok is not None:  # in place where autograd does not keep the kernel's output
+            no_key = ~row_ok
+            out = (out.masked_fill(no_key, 0.0) if out.requires_grad
+                   else out.masked_fill_(no_key, 0.0))
             if lse is not None:
-                lse = lse.masked_fill(~row_ok[..., 0], float("-inf"))
+                lse = lse.masked_fill(no_key[..., 0], float("-inf"))
         return BackendOutput(out, lse, None)
