@@ -91,7 +91,8 @@ class Plan:
         self.mask, self.scale, self.backend_name = mask, scale, backend
         self.return_lse, self.return_weights, self.invariant = return_lse, return_weights, invariant
         self._signature = _plan_signature(q, k, v)
-        self._tensors = _versions(inputs.mask, inputs.modifiers)
+        self._watched = _watched(inputs.mask, inputs.modifiers)  # found once: no mask walk
+        self._tensors = _versions(self._watched)
 
     @staticmethod
     def signature_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -106,7 +107,7 @@ class Plan:
     def stale(self) -> bool:
         """Whether a tensor of the mask (or of its score modifiers) was written in place since
         the plan was made (its version counter moved): running it would then raise."""
-        return _versions(self._inputs.mask, self._inputs.modifiers) != self._tensors
+        return _versions(self._watched) != self._tensors
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  ) -> Union[torch.Tensor, AttentionResult]:
@@ -161,14 +162,18 @@ def _describe(signature: tuple) -> str:
     return ", ".join(parts) + f" (grad mode {'on' if grad_mode else 'off'})"
 
 
-def _versions(mask, modifiers) -> tuple:
-    """The identity and version counter of every tensor of the mask and modifiers (inference
-    tensors, which have none, by identity)."""
+def _watched(mask, modifiers) -> tuple:
+    """Every tensor of the mask and modifiers, whose in-place writes make a plan stale."""
     tensors = [] if mask is None else list(mask_tensors(mask) or ())
     if modifiers is not None:
         tensors.extend(modifiers.tensors)
-    return tuple((id(t), None if t.is_inference() else t._version) for t in tensors
-                 if t is not None)
+    return tuple(t for t in tensors if t is not None)
+
+
+def _versions(tensors: tuple) -> tuple:
+    """The version counter of each tensor (inference tensors, which have none: ``None``; the
+    plan holds the tensors, so their identities stay theirs)."""
+    return tuple(None if t.is_inference() else t._version for t in tensors)
 
 
 def validated(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse,

@@ -81,6 +81,7 @@ class _Store:
         self.checked: Optional[tuple] = None
         self._whole: dict[int, torch.Tensor] = {}
         self._positions: Optional[torch.Tensor] = None
+        self._bias_values: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def capacity(self) -> int:
@@ -101,11 +102,19 @@ class _Store:
             self._positions = torch.arange(self.capacity, device=self.keys.device).view(1, 1, 1, -1)
         return self._positions[..., :count]
 
-    def key_mask(self, lengths: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Bool ``[B, 1, 1, kv_len]``: position j of sequence b is real when ``j <
-        lengths[b]`` (:func:`~attnkit.masks.keys_below`), in one comparison against the
-        store's positions."""
-        return self.positions(kv_len) < lengths.view(-1, 1, 1, 1)
+    def key_bias(self, lengths: Union[torch.Tensor, int], kv_len: int) -> torch.Tensor:
+        """Additive ``[B|1, 1, 1, kv_len]`` in the store's dtype: 0 where position j of
+        sequence b is real, ``j < lengths[b]`` (``lengths`` an int: the same for every
+        sequence), −inf elsewhere (:func:`~attnkit.masks.keys_below`'s keys, as
+        :func:`~attnkit.numerics.additive_mask` gives them). One comparison against the
+        store's positions and one ``where`` from values made once: torch's kernel would turn a
+        bool mask into this on every call."""
+        if self._bias_values is None:
+            dtype, device = self.keys.dtype, self.keys.device
+            self._bias_values = (torch.zeros((), dtype=dtype, device=device),
+                                 torch.tensor(float("-inf"), dtype=dtype, device=device))
+        bound = lengths if isinstance(lengths, int) else lengths.view(-1, 1, 1, 1)
+        return torch.where(self.positions(kv_len) < bound, *self._bias_values)
 
 
 def _checked(lengths, new: int) -> Optional[tuple]:
@@ -327,12 +336,13 @@ class KVCache:
         if invariance.active(invariant):
             out = self._decode_in_splits(q, scale)
         else:
-            key_mask = None
+            key_bias = None
             if self.lengths is not None:  # [B, 1, 1, T]: each sequence's real keys
-                key_mask = (self._store.key_mask(self.lengths, kv_len)
+                key_bias = (self._store.key_bias(self.lengths, kv_len)
                             if self._store is not None and not self._start
-                            else keys_below(self.lengths, kv_len, q.device)[:, None, None, :])
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask,
+                            else additive_mask(keys_below(self.lengths, kv_len, q.device)
+                                               [:, None, None, :], None, q.dtype))
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_bias,
                                                  scale=scale, enable_gqa=heads != kv_heads)
         return None if out is None else out.add_(finite.query_and_output_flags(out, q))
 
@@ -349,11 +359,9 @@ class KVCache:
         if (store is None or self._start or self.window is not None or store.capacity < width
                 or self.values.shape[-1] != head_dim or head_dim > INVARIANT_MAX_HEAD_DIM):
             return None
-        allowed = (store.positions(width) < kv_len if self.lengths is None  # [B|1, 1, 1, width]
-                   else store.key_mask(self.lengths, width))
+        bias = store.key_bias(kv_len if self.lengths is None else self.lengths, width)
         out, _ = kernel_call(_grouped(q, heads_kv), store.keys[:, :, :width],
-                             store.values[:, :, :width], additive_mask(allowed, None, q.dtype),
-                             scale)
+                             store.values[:, :, :width], bias, scale)  # bias [B|1, 1, 1, width]
         return _ungrouped(out, q.shape[1])
 
     def _room(self, keys: torch.Tensor, values: torch.Tensor, keep: int, needed: int,

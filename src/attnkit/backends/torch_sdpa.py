@@ -42,13 +42,12 @@ tiled engine; from about 16 queries on the two are level, and with many queries 
 engine, which reads the bias by position, is faster (docs/BENCHMARKS.md)."""
 
 
-def dense_bias(inputs: Inputs, bool_ok: bool = False,
-               ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def dense_bias(inputs: Inputs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The mask (and the position biases, see :func:`position_bias`) as an additive bias in
     q's dtype ``[Bm, Hm, Tq, Tk]`` (−inf where forbidden), and the per-row "has an allowed
     key" flags ``[Bm, Hm, Tq, 1]`` (``None`` when every row has one: :meth:`Inputs.has_key`).
-    With ``bool_ok``, a mask without bias values is returned as the bool mask itself (torch's
-    public entry point takes it)."""
+    Additive even for a mask without bias values: torch's entry point would convert a bool
+    mask on every call, the bias is made once per validation (bit for bit the same scores)."""
     space = inputs.space
     positions = position_bias(inputs)
     if inputs.mask is None:
@@ -57,10 +56,7 @@ def dense_bias(inputs: Inputs, bool_ok: bool = False,
     values = inputs.mask.dense_bias(space)
     if positions is not None:
         values = positions if values is None else values + positions
-    row_ok = inputs.has_key()
-    if values is None and bool_ok:
-        return allowed, row_ok
-    return additive_mask(allowed, values, inputs.q.dtype), row_ok
+    return additive_mask(allowed, values, inputs.q.dtype), inputs.has_key()
 
 
 def position_bias(inputs: Inputs) -> Optional[torch.Tensor]:
@@ -157,11 +153,9 @@ class TorchBackend(Backend):
         positions = inputs.modifiers is not None and _position_biased(inputs)
         is_causal = mask is not None and is_plain_causal(mask, inputs.scale) and not positions
         additive = row_ok = None
-        fused_lse = inputs.need_lse and _fused_cpu(inputs)  # its kernel takes a float bias only
         if (mask is not None and not is_causal) or positions:
-            additive, row_ok = derived(inputs, ("dense_bias", not fused_lse),
-                                       lambda: dense_bias(inputs, bool_ok=not fused_lse))
-        if fused_lse:
+            additive, row_ok = derived(inputs, "dense_bias", lambda: dense_bias(inputs))
+        if inputs.need_lse and _fused_cpu(inputs):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, is_causal, attn_mask=additive, scale=inputs.scale)
             lse = lse.to(accum_dtype(q.dtype))
