@@ -1145,9 +1145,17 @@ def key_ranges(mask: Optional[Mask], space: MaskSpace) -> Optional[KeyRanges]:
     """``mask`` as each query's one run of allowed keys (:class:`KeyRanges`), from the
     :meth:`~Mask.structure` of every part of its ``&`` chain (bands, lengths, ranges, document
     ids: runs intersect into a run), computed on the device without reading a value; ``None``
-    when a part has another form (a bias, a dense or function mask, ``|``, ``~``)."""
+    when a part has another form (a bias, a dense or function mask, ``|``, ``~``). Kept on the
+    mask while its tensors are unchanged (:func:`memo`): a call's planner and run, and every
+    layer of a step that passes the mask, share one."""
     if mask is None or mask.has_bias:
         return None
+    return memo(mask, ("key ranges", space), mask_tensors(mask),
+                lambda: _key_ranges(mask, space))
+
+
+def _key_ranges(mask: Mask, space: MaskSpace) -> Optional[KeyRanges]:
+    """:func:`key_ranges`, computed."""
     rows = torch.arange(space.q_len, device=space.device)
     lo = torch.zeros(1, space.q_len, dtype=torch.long, device=space.device)
     hi = torch.full_like(lo, space.kv_len)
