@@ -45,9 +45,13 @@ ALL_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 def import_triton_interpreted() -> None:
     """Import triton in interpreter mode (``TRITON_INTERPRET=1`` while ``triton.language`` is
     first imported decorates its library so kernels run on CPU tensors), unless triton is
-    missing, already imported, or a CUDA device runs it compiled. Test modules that launch
-    kernels call this before importing attnkit's triton backend."""
-    if importlib.util.find_spec("triton") is None or "triton" in sys.modules or torch.cuda.is_available():
+    missing, already imported, or a CUDA device runs it compiled; its ``tl.dot`` then computes
+    each row alike wherever it sits (:func:`rowwise_interpreter_dots`). Test modules that
+    launch kernels call this before importing attnkit's triton backend."""
+    if importlib.util.find_spec("triton") is None or torch.cuda.is_available():
+        return
+    if "triton" in sys.modules:
+        rowwise_interpreter_dots()
         return
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -58,6 +62,49 @@ def import_triton_interpreted() -> None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = before
+    rowwise_interpreter_dots()
+
+
+def _blas_rows_alike() -> bool:
+    """Whether numpy's matmul computes a row of a product alike wherever the row sits in its
+    operand and however many rows it has (OpenBLAS's Haswell/Zen float32 kernel does not: a
+    row's last bits follow its position)."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((32, 64), dtype=np.float32)
+    b = rng.standard_normal((64, 32), dtype=np.float32)
+    whole = a @ b
+    return np.array_equal(a[:16] @ b, whole[:16]) and all(
+        np.array_equal(np.roll(a, shift, 0) @ b, np.roll(whole, shift, 0)) for shift in (1, 3))
+
+
+def rowwise_interpreter_dots() -> None:
+    """Make the Triton interpreter's ``tl.dot`` compute each output element from its own row
+    and column alone, where numpy's BLAS does not on this CPU (:func:`_blas_rows_alike`).
+
+    The interpreter runs ``tl.dot`` as ``numpy.matmul``; the invariance tests check that a
+    sequence's rows get the same bits wherever its padding or chunking puts them in a query
+    block, as the GPU's matrix units give them. A BLAS whose rows round by position would fail
+    them on CPU for a reason no GPU has, so there the products run through ``numpy.einsum``
+    (numpy's own loops, one fixed order per element) on contiguous operands."""
+    if importlib.util.find_spec("triton") is None:
+        return
+    from triton.runtime import interpreter
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_rowwise_dots", False) or _blas_rows_alike():
+        return
+    import numpy as np
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if any(t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating() for t in (a, b)):
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.einsum("...ij,...jk->...ik", np.ascontiguousarray(a.data),
+                            np.ascontiguousarray(b.data), dtype=d.data.dtype, optimize=False)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+    builder._rowwise_dots = True
 
 
 def interpreted_triton_launch():
@@ -68,6 +115,7 @@ def interpreted_triton_launch():
     from attnkit.backends.triton import launch
     if not launch.interpreting():
         pytest.skip("triton runs compiled in this process: these are interpreter tests on CPU")
+    rowwise_interpreter_dots()
     import triton
     if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9):
         pytest.skip(f"the Triton interpreter before 3.9 cannot run these kernels ({triton.__version__})")
