@@ -44,8 +44,8 @@ engine, which reads the bias by position, is faster (docs/BENCHMARKS.md)."""
 
 def dense_bias(inputs: Inputs) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The mask (and the position biases, see :func:`position_bias`) as an additive bias in
-    q's dtype ``[Bm, Hm, Tq, Tk]`` (−inf where forbidden), and the per-row "has an allowed
-    key" flags ``[Bm, Hm, Tq, 1]`` (``None`` when every row has one: :meth:`Inputs.has_key`).
+    q's dtype ``[Bm, Hm, Tq, Tk]`` (−inf where forbidden), and the rows without an allowed
+    key, bool ``[Bm, Hm, Tq, 1]`` (``None`` when every row has one: :meth:`Inputs.has_key`).
     Additive even for a mask without bias values: torch's entry point would convert a bool
     mask on every call, the bias is made once per validation (bit for bit the same scores)."""
     space = inputs.space
@@ -56,7 +56,8 @@ def dense_bias(inputs: Inputs) -> tuple[Optional[torch.Tensor], Optional[torch.T
     values = inputs.mask.dense_bias(space)
     if positions is not None:
         values = positions if values is None else values + positions
-    return additive_mask(allowed, values, inputs.q.dtype), inputs.has_key()
+    has_key = inputs.has_key()
+    return additive_mask(allowed, values, inputs.q.dtype), None if has_key is None else ~has_key
 
 
 def position_bias(inputs: Inputs) -> Optional[torch.Tensor]:
@@ -152,9 +153,9 @@ class TorchBackend(Backend):
         q, k, v, mask = inputs.q, inputs.k, inputs.v, inputs.mask
         positions = inputs.modifiers is not None and _position_biased(inputs)
         is_causal = mask is not None and is_plain_causal(mask, inputs.scale) and not positions
-        additive = row_ok = None
+        additive = no_key = None
         if (mask is not None and not is_causal) or positions:
-            additive, row_ok = derived(inputs, "dense_bias", lambda: dense_bias(inputs))
+            additive, no_key = derived(inputs, "dense_bias", lambda: dense_bias(inputs))
         if inputs.need_lse and _fused_cpu(inputs):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, is_causal, attn_mask=additive, scale=inputs.scale)
@@ -164,8 +165,7 @@ class TorchBackend(Backend):
                                                  scale=inputs.scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
             lse = None
-        if row_ok is not None:  # in place where autograd does not keep the kernel's output
-            no_key = ~row_ok
+        if no_key is not None:  # in place where autograd does not keep the kernel's output
             out = (out.masked_fill(no_key, 0.0) if out.requires_grad
                    else out.masked_fill_(no_key, 0.0))
             if lse is not None:
