@@ -2127,16 +2127,17 @@ def validation_key(mask: Mask, keep: list, q_len: int, kv_len: int,
     has a key). Any other mask: :meth:`Mask.cache_key`, ``by_shape`` False. Plans derived
     from a mask's values (block lists, run masks) never use this key."""
     if isinstance(mask, _Padding) and mask.vouched:
-        return ("vouched", *(None if t is None else (tuple(t.shape), t.dtype, t.device)
-                             for t in (mask.q_lengths, mask.kv_lengths))), True
+        return ("vouched", *_layouts(mask.q_lengths, mask.kv_lengths)), True
     if isinstance(mask, _Padding) and mask.runs_read():
         return ("read runs", mask.q_width in (None, q_len), mask.kv_width in (None, kv_len),
-                mask.has_starts(),
-                mask.keys_everywhere,
-                *(None if t is None else (tuple(t.shape), t.dtype, t.device)
-                  for t in (mask.q_starts, mask.q_lengths, mask.kv_starts, mask.kv_lengths))
-                ), True
+                mask.has_starts(), mask.keys_everywhere,
+                *_layouts(mask.q_starts, mask.q_lengths, mask.kv_starts, mask.kv_lengths)), True
     return mask.cache_key(keep), False
+
+
+def _layouts(*tensors) -> tuple:
+    """Each tensor's shape, dtype and device (``None`` for ``None``): a key by layout."""
+    return tuple(None if t is None else (tuple(t.shape), t.dtype, t.device) for t in tensors)
 
 
 def _tensors_key(mask: Mask, names: tuple[str, ...], keep: list) -> Optional[tuple]:
