@@ -117,9 +117,11 @@ def test_chunk_lengths_are_validated_once_while_unchanged():
         append()
 
 
-def test_a_transformers_decode_step_reads_at_most_two_values():
-    """The mask function runs once per forward pass (it reads the padding's runs); every layer
-    then calls attention with that mask, reading nothing."""
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_transformers_decode_step_reads_once(padded):
+    """The mask function runs once per forward pass and reads the padding's runs (and whether
+    every key is real) in one read; every layer then calls attention with that mask, reading
+    nothing."""
     transformers = pytest.importorskip("transformers")
     import attnkit.integrations.transformers as akhf
     akhf.register()
@@ -129,12 +131,12 @@ def test_a_transformers_decode_step_reads_at_most_two_values():
                                       vocab_size=100, max_position_embeddings=64)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
     ids = torch.randint(3, 100, (2, 6))
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    mask = torch.tensor([[0 if padded else 1] * 2 + [1] * 4, [1] * 6])
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
         for _ in range(2):  # a warm-up step, then the counted one
             mask = torch.cat([mask, mask.new_ones(2, 1)], 1)
             with HostReads() as reads:
                 out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask,
-                            past_key_values=out.past_key_values, use_cache=True)
-    assert reads.count <= 2
+                            cache=out.cache, use_cache=True)
+    assert reads.count == 1

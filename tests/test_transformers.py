@@ -30,6 +30,7 @@ BATCH, SEQ, WINDOW = 3, 24, 5
 
 PADDING = type(ak.padding(kv_lengths=[1]))
 DENSE = type(ak.dense(torch.ones(1, 1, dtype=torch.bool)))
+PADDING = type(ak.padding(kv_lengths=[1]))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -588,3 +589,6 @@ def test_mask_function_equals_transformers_dense_mask(kind, q_len, kv_len, q_off
     if result.structured and padding in ("left", "right"):
         leaves = _leaves(result.mask)
         assert not any(isinstance(leaf, DENSE) for leaf in leaves), result
+    if result.structured and padding == "ones" and seen >= kv_offset + kv_len:  # all real
+        assert result.mask is None or not any(isinstance(leaf, PADDING)
+                                              for leaf in _leaves(result.mask)), result

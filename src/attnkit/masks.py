@@ -535,6 +535,7 @@ class _Runs(NamedTuple):
     every_row: bool = False  # every row holds a real token (read; False when unknown)
     real: Optional[torch.Tensor] = None  # bool [B, T]: the mask itself, a copy of its own
     shifted: Optional[bool] = None  # some row starts past position 0 (read; None when unknown)
+    full: bool = False  # every token is real (read; False when unknown)
 
 
 def run_bounds(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -587,32 +588,37 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
     else:
         m = m.clone()  # kept (_Runs.real): a later write to the caller's tensor changes nothing
     width = m.shape[1]
-    count, first, last = run_bounds(m)  # [B] each
-    broken = (count > 0) & (last - first + 1 != count)
-    empty = None if allow_empty_rows else count == 0
-    starts = torch.where(count > 0, first, 0).to(torch.long)
+    # per row [B]: its real tokens, the first one's position (0 in a row without one), the runs
+    # that open past position 0 and whether position 0 is real (one run: opens + that ≤ 1)
+    count = m.sum(-1)
+    starts = m.to(torch.uint8).argmax(-1) if width else torch.zeros_like(count)
+    opens = (m[:, 1:] > m[:, :-1]).sum(-1)
+    first_real = m[:, 0] if width else torch.zeros_like(count, dtype=torch.bool)
     if compiling:
-        return _Runs(starts, count.to(torch.long), width, broken, empty)
-    # One host read for both checks and the left-padding flag. torch's key_padding_mask (True
-    # = padding) read as a real-token mask: an unpadded row is all False, padding at both ends
-    # is True at both ends. Its inverse is one run per row, so the messages below suggest
-    # ~mask when that holds.
-    any_broken, any_empty, shifted = torch.stack([broken.any(), (count == 0).any(),
-                                                  (starts != 0).any()]).tolist()
-    if any_broken:
-        rows = broken.nonzero().flatten().tolist()
-        example = "".join("1" if x else "0" for x in m[rows[0]].tolist()[:40])
+        return _Runs(starts, count, width, (opens + first_real) > 1,
+                     None if allow_empty_rows else count == 0)
+    # One host read for both checks and what the padding keeps: whether some row starts past
+    # 0, whether every row has a real token, whether every token is real.
+    counts, firsts, opened, real_first = torch.stack([count, starts, opens, first_real]).tolist()
+    broken = [row for row, runs in enumerate(map(sum, zip(opened, real_first))) if runs > 1]
+    empty = [row for row, n in enumerate(counts) if not n]
+    if broken:
+        # torch's key_padding_mask (True = padding) read as a real-token mask: an unpadded row
+        # is all False, padding at both ends is True at both ends. Its inverse is one run per
+        # row, so the message suggests ~mask when that holds.
+        example = "".join("1" if x else "0" for x in m[broken[0]].tolist()[:40])
         inverse = (f"; if True marks padding in this mask (torch's key_padding_mask), pass "
                    f"{name}=~mask, whose rows are one run each" if bool(_one_run(~m).all()) else "")
         raise ValueError(f"padding {name} of shape {tuple(m.shape)}: the real tokens of rows "
-                         f"{_rows(rows)} are not one contiguous run "
-                         f"(row {rows[0]}: {example}{'...' if width > 40 else ''}); padding() "
+                         f"{_rows(broken)} are not one contiguous run "
+                         f"(row {broken[0]}: {example}{'...' if width > 40 else ''}); padding() "
                          f"takes left or right padding only: use {dense_fix} for this mask"
                          f"{inverse}")
-    if empty is not None and any_empty:
-        raise ValueError(_empty_rows_message(name, empty.nonzero().flatten().tolist(),
-                                             tuple(m.shape), bool(_one_run(~m).all())))
-    return _Runs(starts, count.to(torch.long), width, None, None, not any_empty, m, shifted)
+    if empty and not allow_empty_rows:
+        raise ValueError(_empty_rows_message(name, empty, tuple(m.shape),
+                                             bool(_one_run(~m).all())))
+    return _Runs(starts, count, width, None, None, not empty, m, any(firsts),
+                 all(n == width for n in counts))
 
 
 def _rows(rows: list) -> str:
@@ -730,6 +736,9 @@ class _Padding(Mask):
     keys_everywhere: bool = False
     """Every query is real and every key run non-empty, known without a further read: said
     by a vouching producer, or read with the runs of a ``kv_mask`` (:func:`every_row_has_key`)."""
+    every_key_real: bool = False
+    """A ``kv_mask`` without a query side whose every key is real (read with its runs): the
+    mask allows every pair."""
 
     def __init__(self, q_lengths, kv_lengths, q_starts=None, kv_starts=None, *,
                  q_mask=None, kv_mask=None, allow_empty_rows: bool = False):
@@ -762,8 +771,9 @@ class _Padding(Mask):
             self._know_shifted("kv", runs.shifted)
             # every query real and every row of keys non-empty (read with the runs): every
             # row has a key (every_row_has_key)
-            self.keys_everywhere = runs.every_row and q_mask is None and all(
-                t is None for t in (self.q_lengths, self.q_starts))
+            no_query_side = q_mask is None and self.q_lengths is None and self.q_starts is None
+            self.keys_everywhere = runs.every_row and no_query_side
+            self.every_key_real = runs.full and no_query_side
         if all(t is None for t in (self.q_lengths, self.kv_lengths, self.q_starts, self.kv_starts)):
             raise ValueError("padding() needs q_lengths or kv_lengths (a length per batch element), "
                              "q_starts/kv_starts (left padding), or q_mask/kv_mask (a [B, T] "

@@ -439,10 +439,8 @@ def _key_padding(attention_mask: Optional[torch.Tensor], kv_len: int,
     end = kv_offset + kv_len
     if real.shape[-1] < end:
         real = F.pad(real, (0, end - real.shape[-1]), value=False)
-    real = real[:, kv_offset:end]
-    if bool(real.all()):
-        return None
-    return real_keys(real)
+    mask = real_keys(real[:, kv_offset:end])
+    return None if getattr(mask, "every_key_real", False) else mask  # read with its runs
 
 
 # ---- the attention function ------------------------------------------------------------------
