@@ -15,6 +15,9 @@
   left-padded prompts of different lengths and unpadded equal-length prompts. ms per token.
 - **MiniLM-L6-shaped BERT forward** (random weights): batch 32, lengths 8..128 padded to the
   longest, ``attnkit`` against ``sdpa``. ms per forward.
+- **GQA decoding step** B4 Hq32 Hkv8 D128 over a cache of 2048 keys: ``attnkit.attention``
+  against ``F.scaled_dot_product_attention(..., enable_gqa=True)``, every key real, and ragged
+  (512..2048 real keys: ``padding(kv_lengths=)`` against a bool key mask). µs per step.
 - **Tiny call** B1 H1 T16 D64: ``attnkit.attention`` against ``F.scaled_dot_product_attention``,
   forward and forward+backward. µs per call.
 - **Host reads** (:class:`attnkit.bench.hostreads.HostReads`, the CPU proxy for device syncs)
@@ -292,6 +295,37 @@ def tiny_call(quick: bool, device: str = "cpu") -> list[dict]:
     return rows
 
 
+# ---- 5. GQA decoding step ------------------------------------------------------------------------
+def gqa_decode_steps(quick: bool, device: str = "cpu") -> list[dict]:
+    """Timing rows of one decoding step with grouped-query heads, over a full cache and over a
+    ragged one (a key padding mask over a cache that holds garbage past each length), outputs
+    checked first."""
+    gen = torch.Generator().manual_seed(3)
+    batch, heads_q, heads_kv, width, dim = (2, 8, 2, 256, 64) if quick else (4, 32, 8, 2048, 128)
+    q = torch.randn(batch, heads_q, 1, dim, generator=gen).to(device)
+    k, v = (torch.randn(batch, heads_kv, width, dim, generator=gen).to(device) for _ in range(2))
+    lengths = torch.linspace(width // 4, width, batch).long().to(device)
+    real = (torch.arange(width, device=device) < lengths[:, None])[:, None, None, :]  # [B,1,1,T]
+    rows = []
+    for case, mask, bool_mask in (("full", None, None),
+                                  ("ragged", ak.padding(kv_lengths=lengths), real)):
+        runs = {"attnkit": lambda m=mask: ak.attention(q, k, v, m),
+                "sdpa": lambda m=bool_mask: F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=m, enable_gqa=True)}
+        torch.testing.assert_close(runs["attnkit"](), runs["sdpa"](), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"GQA decoding step: attnkit and sdpa differ\n{m}")
+
+        def synced(run):
+            out = run()
+            if out.is_cuda:
+                torch.cuda.synchronize()
+        seconds = interleaved({name: lambda r=run: synced(r) for name, run in runs.items()},
+                              calls=2 if quick else 10, blocks=2 if quick else 9, warmup=3)
+        rows.append(row(f"GQA decoding step, {case} cache, B{batch} Hq{heads_q} Hkv{heads_kv} "
+                        f"Tk{width} D{dim}, {device}", "µs/step", seconds, 1e6))
+    return rows
+
+
 # ---- report ----------------------------------------------------------------------------------------
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -312,7 +346,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         generate_rows, generate_reads = llama_generate(args.quick)
         rows += [*generate_rows, minilm_forward(args.quick)]
         reads.append(generate_reads)
-    rows += tiny_call(args.quick, args.device)
+    rows += [*gqa_decode_steps(args.quick, args.device), *tiny_call(args.quick, args.device)]
 
     print("| case | unit | attnkit | SDPA | attnkit / SDPA |\n|---|---|---:|---:|---:|")
     for r in rows:

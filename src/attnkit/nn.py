@@ -31,12 +31,12 @@ from . import dispatch, finite, invariance
 from .api import attention
 from .backends.tiled.forward import KV_SPLIT, kernel_call
 from .backends.tiled.plan import INVARIANT_MAX_HEAD_DIM
-from .backends.tiled.tiles import _grouped, _ungrouped
 from .finite import zero_outside
 from .inputs import LazyText
 from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, keys_below, padding,
                     readable, real_keys, sliding_window, vouched_padding)
-from .numerics import accum_dtype, additive_mask, masked_softmax, pad_rows
+from .numerics import (accum_dtype, additive_mask, grouped, masked_softmax, pad_rows,
+                       ungrouped)
 from .paged import PagedKVCache
 
 if TYPE_CHECKING:  # torch.distributed loads only when sequence parallelism is used
@@ -342,8 +342,10 @@ class KVCache:
                             if self._store is not None and not self._start
                             else additive_mask(keys_below(self.lengths, kv_len, q.device)
                                                [:, None, None, :], None, q.dtype))
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_bias,
-                                                 scale=scale, enable_gqa=heads != kv_heads)
+            # the query heads of a K/V head as its rows, as the torch backend runs a step
+            out = ungrouped(F.scaled_dot_product_attention(grouped(q, kv_heads), keys, values,
+                                                           attn_mask=key_bias, scale=scale),
+                            heads)
         return None if out is None else out.add_(finite.query_and_output_flags(out, q))
 
     def _decode_in_splits(self, q: torch.Tensor, scale: float) -> Optional[torch.Tensor]:
@@ -360,9 +362,9 @@ class KVCache:
                 or self.values.shape[-1] != head_dim or head_dim > INVARIANT_MAX_HEAD_DIM):
             return None
         bias = store.key_bias(kv_len if self.lengths is None else self.lengths, width)
-        out, _ = kernel_call(_grouped(q, heads_kv), store.keys[:, :, :width],
+        out, _ = kernel_call(grouped(q, heads_kv), store.keys[:, :, :width],
                              store.values[:, :, :width], bias, scale)  # bias [B|1, 1, 1, width]
-        return _ungrouped(out, q.shape[1])
+        return ungrouped(out, q.shape[1])
 
     def _room(self, keys: torch.Tensor, values: torch.Tensor, keep: int, needed: int,
               split: int = 1) -> tuple[_Store, int]:

@@ -142,3 +142,16 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 def dropout_keep(shape, p: float, generator: Optional[torch.Generator], device) -> torch.Tensor:
     """Bool keep-mask for dropout of probability ``p`` over ``shape`` (reproducible via ``generator``)."""
     return torch.rand(shape, generator=generator, device=device) >= p
+
+
+def grouped(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """``[B, Hq, n, ...]`` → ``[B, Hkv, G·n, ...]``: the ``G = Hq / Hkv`` query heads of each
+    K/V head stacked as its rows (a view where the layout allows)."""
+    b, hq, n = x.shape[:3]
+    return x.reshape(b, heads_kv, (hq // heads_kv) * n, *x.shape[3:])
+
+
+def ungrouped(x: torch.Tensor, heads_q: int) -> torch.Tensor:
+    """Inverse of :func:`grouped`: ``[B, Hkv, G·n, ...]`` → ``[B, Hq, n, ...]``."""
+    b, hkv, gn = x.shape[:3]
+    return x.reshape(b, heads_q, gn // (heads_q // hkv), *x.shape[3:])

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..inputs import Inputs, derived
 from ..masks import CAUSAL, DENSE_MAX_SCORES
-from ..numerics import accum_dtype, additive_mask
+from ..numerics import accum_dtype, additive_mask, grouped, ungrouped
 from .base import Backend, BackendOutput
 
 
@@ -87,6 +87,16 @@ def _lse_use(inputs: Inputs) -> str:
     """What asks for the LSE, in reasons: the caller, or sinks (which join through it)."""
     sinks = inputs.modifiers is not None and inputs.modifiers.sinks is not None
     return "return_lse=True or sinks (they join through the LSE)" if sinks else "return_lse=True"
+
+
+def _stacks_heads(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
+    """Whether a call runs the ``Hq / Hkv`` query heads of each K/V head as the rows of one
+    call (:func:`~attnkit.numerics.grouped`): a CPU decoding step (one query) with GQA/MQA, without the
+    kernel's own causal mask (which reads the row index). The kernel then reads each K/V head
+    once for all of its query heads, where ``enable_gqa`` runs every query head on its own:
+    measured never slower and up to several times faster (docs/BENCHMARKS.md)."""
+    return (q.device.type == "cpu" and q.shape[2] == 1 and q.shape[1] != k.shape[1]
+            and not is_causal)
 
 
 class TorchBackend(Backend):
@@ -156,6 +166,12 @@ class TorchBackend(Backend):
         additive = no_key = None
         if (mask is not None and not is_causal) or positions:
             additive, no_key = derived(inputs, "dense_bias", lambda: dense_bias(inputs))
+        heads_q = q.shape[1]
+        stacked = _stacks_heads(q, k, is_causal)
+        if stacked:  # the query heads of a K/V head as the rows of one call
+            q = grouped(q, k.shape[1])
+            if additive is not None and additive.shape[1] != 1:  # [Bm, Hq, 1, Tk]
+                additive = grouped(additive, k.shape[1])
         if inputs.need_lse and _fused_cpu(inputs):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, is_causal, attn_mask=additive, scale=inputs.scale)
@@ -165,6 +181,9 @@ class TorchBackend(Backend):
                                                  scale=inputs.scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
             lse = None
+        if stacked:  # (a copy where the kernel lays its output out as [B, Tq, H, D])
+            out = ungrouped(out, heads_q)
+            lse = None if lse is None else ungrouped(lse, heads_q)
         if no_key is not None:  # in place where autograd does not keep the kernel's output
             out = (out.masked_fill(no_key, 0.0) if out.requires_grad
                    else out.masked_fill_(no_key, 0.0))

@@ -10,11 +10,11 @@ from typing import Optional, Sequence
 import torch
 
 from ...masks import Mask
-from ...numerics import accum_dtype
+from ...numerics import accum_dtype, grouped, ungrouped
 from .forward import _exp_, _group_segments, _member_rows, _schedule
 from .plan import WIDE_BIAS, Problem, Segment
 from .positions import _add_position_grad, _add_position_param_grads, _positions, _spread
-from .tiles import TileMask, TileScores, _grouped, _ungrouped
+from .tiles import TileMask, TileScores
 
 
 def _write_or_add(dest: torch.Tensor, value: torch.Tensor, write: bool) -> None:
@@ -105,7 +105,7 @@ def _segment_backward_matmul(q_block, k_seg, v_seg, do_block, lse_block, delta_b
     if by_autograd:
         traced = modified.trace(scores)
         # a copy to work on in place (autograd may have saved `final` itself)
-        scores = _grouped(traced.final.detach().clone(memory_format=torch.contiguous_format),
+        scores = grouped(traced.final.detach().clone(memory_format=torch.contiguous_format),
                           scores.shape[1])
     elif softcap is not None:
         tanh = scores.tanh_()  # kept for the cap's derivative
@@ -131,7 +131,7 @@ def _segment_backward_matmul(q_block, k_seg, v_seg, do_block, lse_block, delta_b
         grad_scores, grad_biased, param_grads = modified.grads(traced, grad_scores, params,
                                                                want_grad_scores)
         if grad_biased is not None:
-            grad_biased = _grouped(grad_biased, grad_scores.shape[1])
+            grad_biased = grouped(grad_biased, grad_scores.shape[1])
     elif tanh is not None:  # through the cap, in tanh's buffer: dS · (1 − tanh²)
         grad_scores = tanh.square_().neg_().add_(1.0).mul_(grad_biased)
     dq = (grad_scores @ k_seg).mul_(scale)  # [B, Hkv, G·n, Dk]
@@ -227,7 +227,7 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
                     work.add(dk, key_range.start, key_range.stop, dk_piece)
                     work.add(dv, key_range.start, key_range.stop, dv_piece)
                 if grad_scores is not None:
-                    per_head = _ungrouped(grad_scores, heads_q)  # [B, Hq, n, span]
+                    per_head = ungrouped(grad_scores, heads_q)  # [B, Hq, n, span]
                     _add_bias_grad(wanted, per_head, group.rows, seg)
                     if grad_vector is not None:
                         _add_position_grad(grad_vector, per_head, tile.scores.positions.first)

@@ -14,27 +14,15 @@ import torch
 
 from ...masks import MaskSpace
 from ...modifiers import Modifiers
-from ...numerics import additive_mask
+from ...numerics import additive_mask, grouped, ungrouped
 from .plan import _FOLD_LIMIT, Problem, Segment
 from .positions import PositionTile
 
 
-def _grouped(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """``[B, Hq, n, ...]`` → ``[B, Hkv, G·n, ...]`` (query heads of one K/V head stacked as
-    rows)."""
-    b, hq, n = x.shape[:3]
-    return x.reshape(b, heads_kv, (hq // heads_kv) * n, *x.shape[3:])
-
-
-def _ungrouped(x: torch.Tensor, heads_q: int) -> torch.Tensor:
-    """Inverse of :func:`_grouped` for ``[B, Hkv, G·n, ...]``."""
-    b, hkv, gn = x.shape[:3]
-    return x.reshape(b, heads_q, gn // (heads_q // hkv), *x.shape[3:])
-
-
 class _BlockWork:
     """Where one query block (or dense row range) reads and writes: rows ``[start, stop)`` of a
-    ``[B, H, T, ...]`` tensor as ``[B, Hkv, G·n, ...]`` (see :func:`_grouped`). ``views``: the
+    ``[B, H, T, ...]`` tensor as ``[B, Hkv, G·n, ...]`` (see
+    :func:`~attnkit.numerics.grouped`). ``views``: the
     query-side tensors it takes are views (no GQA), so results can be written in place;
     ``mask_heads``: the query heads a segment mask is laid out for."""
 
@@ -43,10 +31,10 @@ class _BlockWork:
         self.views = heads_q == heads_kv
 
     def take(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        return _grouped(x[:, :, start:stop], self.heads_kv)
+        return grouped(x[:, :, start:stop], self.heads_kv)
 
     def put(self, dest: torch.Tensor, start: int, stop: int, value: torch.Tensor) -> None:
-        dest[:, :, start:stop] = _ungrouped(value, dest.shape[1])
+        dest[:, :, start:stop] = ungrouped(value, dest.shape[1])
 
     def add(self, dest: torch.Tensor, start: int, stop: int, value: torch.Tensor) -> None:
         dest[:, :, start:stop].add_(value)  # in place: `+=` on a slice copies back
@@ -322,21 +310,21 @@ class TileScores(NamedTuple):
             scores.add_(self.positions.natural())
         if not self.modifiers.functions:
             return scores
-        per_head = _ungrouped(scores, self.heads_q)  # [B, Hq, n, span]
+        per_head = ungrouped(scores, self.heads_q)  # [B, Hq, n, span]
         if self.bias is not None:
             per_head = per_head + self.bias.to(per_head.dtype)
         modified = self.modifiers.call_functions(per_head, self.q_idx, self.kv_idx)
-        return _grouped(modified.contiguous(), scores.shape[1])
+        return grouped(modified.contiguous(), scores.shape[1])
 
     def trace(self, scores: torch.Tensor) -> Traced:
         """:meth:`apply` recorded by autograd from a leaf copy of the scaled scores ``q·kᵀ·scale
         [B, Hkv, G·n, span]`` (not divided by the cap: :meth:`Modifiers.cap` divides), for
         :meth:`grads`."""
         with torch.enable_grad():
-            raw = _ungrouped(scores, self.heads_q).detach().requires_grad_()  # [B, Hq, n, span]
+            raw = ungrouped(scores, self.heads_q).detach().requires_grad_()  # [B, Hq, n, span]
             biased = self.modifiers.cap(raw)
             if self.positions is not None:
-                biased = biased + _ungrouped(self.positions.natural(), self.heads_q)
+                biased = biased + ungrouped(self.positions.natural(), self.heads_q)
             if self.bias is not None:
                 biased = biased + self.bias.to(biased.dtype)
             return Traced(raw, biased, self.modifiers.call_functions(biased, self.q_idx,
@@ -350,16 +338,16 @@ class TileScores(NamedTuple):
         gradient where biases are added (the mask's bias and the position biases get it);
         ``params`` get what flows to them through the score functions."""
         heads_kv = grad_final.shape[1]
-        grad_final = _ungrouped(grad_final, self.heads_q)
+        grad_final = ungrouped(grad_final, self.heads_q)
         if not traced.final.requires_grad:  # score functions that ignore the scores
             zeros = torch.zeros_like(grad_final)
-            return (_grouped(zeros, heads_kv), zeros if want_biased else None,
+            return (grouped(zeros, heads_kv), zeros if want_biased else None,
                     [None] * len(params))
         wanted = [traced.raw, traced.biased, *params]
         found = torch.autograd.grad(traced.final, wanted, grad_final, allow_unused=True)
         grad_raw = found[0] if found[0] is not None else torch.zeros_like(traced.raw)
         grad_biased = found[1] if found[1] is not None else torch.zeros_like(traced.raw)
-        return _grouped(grad_raw, heads_kv), grad_biased if want_biased else None, list(found[2:])
+        return grouped(grad_raw, heads_kv), grad_biased if want_biased else None, list(found[2:])
 
 
 def _tile_scores(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q: int,
