@@ -41,6 +41,17 @@ def _llama():
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit").eval()
 
 
+def _mistral():
+    """Sliding window (a mask function that closes over the window): transformers' dense mask
+    inside the compiled graph."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        vocab_size=100, max_position_embeddings=64,
+                                        sliding_window=4)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit").eval()
+
+
 def _bert():
     torch.manual_seed(0)
     config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -54,7 +65,7 @@ def _padded(batch: int, seq: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
-@pytest.mark.parametrize("make", [_llama, _bert], ids=["llama", "bert"])
+@pytest.mark.parametrize("make", [_llama, _mistral, _bert], ids=["llama", "mistral", "bert"])
 def test_a_model_compiles_to_one_graph_equal_to_eager(make, padded):
     model = make()
     ids = torch.randint(3, 100, (3, 10))

@@ -308,7 +308,8 @@ def _window(value) -> Optional[int]:
 
 def _read(fn: Callable) -> Optional[_Pattern]:
     """The pattern of one of transformers' own mask functions (read from its name and the
-    values it closes over), or ``None`` for anything else."""
+    values it closes over), or ``None`` for anything else; inside a compiled region only the
+    functions without a closure (causal, bidirectional) are read."""
     if getattr(fn, "__module__", None) != masking_utils.__name__:
         return None
     name = getattr(fn, "__qualname__", "")
@@ -316,6 +317,8 @@ def _read(fn: Callable) -> Optional[_Pattern]:
         return _Pattern(hi=0)
     if name == "bidirectional_mask_function":
         return _Pattern()
+    if torch.compiler.is_compiling():  # dynamo cannot read a closure's cells: the dense mask
+        return None
     free = _free_variables(fn)
     if name == "sliding_window_overlay.<locals>.inner_mask":
         window = _window(free.get("sliding_window"))
