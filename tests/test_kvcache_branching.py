@@ -14,7 +14,8 @@ from typing import Optional
 import pytest
 import torch
 
-from attnkit.nn import KVCache
+import attnkit as ak
+from attnkit.nn import KVCache, MultiHeadAttention
 
 BATCH, HEADS, DK, DV = 3, 2, 4, 3
 
@@ -176,3 +177,31 @@ def test_padded_chunks_write_their_real_positions_and_zeros_past_them(first_leng
             want = torch.cat([first[b, 0, :old, 0], second[b, 0, :new, 0]])
             assert torch.equal(stored[:old + new], want), (b, stored)
             assert bool((stored[old + new:] == 0).all()), (b, stored)
+
+
+@pytest.mark.parametrize("width", [8, 200])
+@pytest.mark.parametrize("backend", ["auto", "torch", "tiled"])
+def test_a_cache_of_the_callers_tensors_never_reads_past_its_lengths(backend, width):
+    """A ``KVCache(keys, values, length, lengths)`` built from the caller's tensors vouches for
+    nothing past each length: NaN there reaches no output, neither through its own mask nor
+    through the step ``MultiHeadAttention`` appends to it (the store the step writes into
+    holds zeros there), and the results equal those of the same cache holding zeros."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([width, width // 2, 3])
+    keys = torch.randn(3, 2, width, 16, generator=gen, dtype=torch.float64)
+    values = torch.randn(3, 2, width, 16, generator=gen, dtype=torch.float64)
+    past = (torch.arange(width) >= lengths[:, None])[:, None, :, None]  # [B, 1, T, 1]
+    clean = [keys.masked_fill(past, 0.0), values.masked_fill(past, 0.0)]
+    dirty = [keys.masked_fill(past, float("nan")), values.masked_fill(past, float("nan"))]
+    mha = MultiHeadAttention(64, 4, 2, dtype=torch.float64, backend=backend)
+    x = torch.randn(3, 1, 64, generator=gen, dtype=torch.float64)
+    q = torch.randn(3, 4, 1, 16, generator=gen, dtype=torch.float64)
+    results = []
+    for k, v in (clean, dirty):
+        cache = KVCache(k, v, length=width, lengths=lengths)
+        step = mha(x, is_causal=True, cache=cache, lengths=torch.ones(3, dtype=torch.long)).out
+        direct = ak.attention(q, k, v, cache.mask(is_causal=False), backend=backend)
+        results.append((step, direct))
+    for got, want in zip(results[1], results[0]):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -416,6 +416,23 @@ def test_additive_attention_accepts_attnkit_masks():
     torch.testing.assert_close(out32.double(), expected_out[0], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["padding", "bool", "bool [Tk]"])
+def test_additive_attention_never_reads_padded_keys_or_values(form):
+    """NaN in the keys and values no query may attend (padding) reaches no output and no
+    weight: the result equals that of zeros there."""
+    module = AdditiveAttention(4, 4, 6).double()
+    query, keys, values = _rand(2, 3, 4, seed=40), _rand(2, 5, 4, seed=41), _rand(2, 5, 3, seed=42)
+    lengths = torch.tensor([5, 3]) if form != "bool [Tk]" else torch.tensor([3, 3])
+    real = torch.arange(5) < lengths[:, None]  # [B, Tk]
+    mask = {"padding": ak.padding(kv_lengths=lengths), "bool": real[:, None, :],
+            "bool [Tk]": real[0]}[form]
+    clean = module(query, keys, values, mask=mask)
+    dirty = module(query, keys.masked_fill(~real[..., None], float("nan")),
+                   values.masked_fill(~real[..., None], float("nan")), mask=mask)
+    for got, want in zip(dirty, clean):
+        assert torch.equal(got, want)
+
+
 def test_combined_mask_object_is_reusable():
     """Regression (core fix in inputs._fit_mask): validating a call must not rewrite the parts
     of the caller's combined mask, or a reused mask fails in the next call (rank-3 inputs)."""

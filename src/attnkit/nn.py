@@ -143,7 +143,9 @@ class KVCache:
     ``capacity`` positions from the start); extending an older cache again (beam search,
     speculative decoding) copies it first, so no cache's real positions ever change. With
     per-sequence ``lengths``, a sequence's positions past ``lengths[b]`` are padding, which
-    :meth:`mask` excludes; a later append of the chain may write there.
+    :meth:`mask` excludes; a later append of the chain may write there. A cache built from
+    the caller's tensors may hold anything there: it is never read (the first append copies
+    zeros in its place).
 
     ``window`` (Mistral-style sliding-window attention, ``KVCache.empty(window=w)``): each
     append first drops all but the last ``w − 1`` keys, so a query sees at most ``w`` keys, its
@@ -287,6 +289,9 @@ class KVCache:
             if self.window is not None and is_causal:  # each query sees its last w keys
                 return sliding_window(self.window - 1, 0, "bottom_right")
             return causal("bottom_right") if is_causal else None
+        if self._store is None:  # the caller's tensors: what lies past each length is unknown
+            real = padding(self.appended, self.lengths, allow_empty_rows=True)
+            return causal("bottom_right", sequences=real) if is_causal else real
         if self._whole is not None and (self._whole == 1 or not is_causal):
             # every query real; one new query per sequence sees all its keys: key padding only
             return vouched_padding(None, self.lengths, keys_everywhere=self._whole >= 1)
@@ -384,8 +389,15 @@ class KVCache:
         capacity = -(-capacity // split) * split
         fresh = _Store(keys, values, capacity)
         if keep:
-            fresh.keys[:, :, :keep] = self.keys[:, :, self.length - keep:]
-            fresh.values[:, :, :keep] = self.values[:, :, self.length - keep:]
+            kept_keys = self.keys[:, :, self.length - keep:]
+            kept_values = self.values[:, :, self.length - keep:]
+            if store is None and self.lengths is not None:  # the caller's tensors: zeros past
+                real = keys_below(self.lengths, self.length, kept_keys.device)  # each length
+                real = real[:, None, self.length - keep:, None]  # [B, 1, keep, 1]
+                kept_keys, kept_values = zero_outside(kept_keys, real), zero_outside(kept_values,
+                                                                                     real)
+            fresh.keys[:, :, :keep] = kept_keys
+            fresh.values[:, :, :keep] = kept_values
         return fresh, 0
 
     def _extended(self, store: _Store, length: int, lengths: Optional[torch.Tensor],
@@ -920,6 +932,9 @@ class AdditiveAttention(nn.Module):
         work = accum_dtype(scores.dtype)
         weights, _ = masked_softmax(scores.to(work), allowed)  # [B, Tq, Tk]
         weights = weights.to(values.dtype)
+        if allowed is not None:  # values no query may weigh (padding) are never read: 0 · NaN
+            seen = allowed[(None,) * (3 - allowed.dim())].any(-2)  # [B|1, Tk]
+            values = zero_outside(values, seen[..., None])
         out = weights @ values  # [B, Tq, Dv]
         if unbatched:
             return out[0], weights[0]
