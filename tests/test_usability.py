@@ -54,6 +54,18 @@ def test_use_backend_forces_auto_in_a_region(gen, caplog):
     assert ran == ["reference", "tiled", "reference", "torch", "torch"]
 
 
+def test_explain_dispatch_tells_what_use_backend_runs(gen):
+    q, k, v = _qkv(gen)
+    assert not ak.explain_dispatch(q, k, v).forced
+    with ak.use_backend("tiled"):
+        told = ak.explain_dispatch(q, k, v)
+        assert (told.backend, told.forced) == ("tiled", True)
+        assert str(told).startswith("use_backend('tiled') runs: tiled")
+    with ak.use_backend("torch"):
+        told = ak.explain_dispatch(q, k, v, return_weights=True)
+        assert told.backend is None and "return_weights" in str(told.reasons["torch"])
+
+
 def test_use_backend_that_cannot_run_raises_with_reasons(gen):
     q, k, v = _qkv(gen)
     with pytest.raises(ValueError, match="unknown backend"):

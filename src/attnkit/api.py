@@ -166,7 +166,8 @@ def explain_dispatch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Ma
                      invariant: Optional[bool] = None) -> dispatch.Dispatch:
     """What ``attention(q, k, v, mask, ...)`` with ``backend="auto"`` would run, without running
     it: the backend's name and, for every backend tried before it, why not (shapes as for
-    :func:`attention`). ``print()`` it for a readable summary. Gradients count as
+    :func:`attention`); inside ``attnkit.use_backend(name)``, that backend (``forced``), or
+    why it cannot run the input. ``print()`` it for a readable summary. Gradients count as
     ``attention`` would see them (q/k/v/bias ``requires_grad`` under grad mode); so does the
     invariance contract (``invariant``, or ``attnkit.invariant()``)."""
     inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p,

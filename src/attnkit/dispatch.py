@@ -94,16 +94,34 @@ class Dispatch(NamedTuple):
 
     backend: Optional[str]
     reasons: dict[str, list[str]]
+    forced: bool = False
+    """Inside :func:`use_backend`: ``backend`` is the one it names (``None`` with its reasons
+    when that one cannot run the input), not auto's pick."""
 
     def __str__(self) -> str:
-        lines = [f"auto picks: {self.backend or 'nothing (no backend can run these inputs)'}"]
+        if self.forced:
+            name = self.backend or next(iter(self.reasons))
+            lines = [f"use_backend({name!r}) runs: "
+                     f"{self.backend or 'nothing (it cannot run these inputs)'}"]
+        else:
+            lines = [f"auto picks: {self.backend or 'nothing (no backend can run these inputs)'}"]
         lines += [f"  {name}: " + "; ".join(why) for name, why in self.reasons.items()]
         return "\n".join(lines)
 
 
 def explain(inputs: Inputs) -> Dispatch:
     """:class:`Dispatch` for ``inputs``: the backend auto picks and why each one before it
-    was passed over (backends after the pick are not asked)."""
+    was passed over (backends after the pick are not asked); inside :func:`use_backend`, the
+    backend it names, or why that one cannot run the input."""
+    name = forced("auto")
+    if name != "auto":
+        why = BACKENDS[name].not_supported_reasons(inputs)
+        return Dispatch(None, {name: why}, forced=True) if why else Dispatch(name, {}, True)
+    return _pick(inputs)
+
+
+def _pick(inputs: Inputs) -> Dispatch:
+    """:func:`explain` outside :func:`use_backend`: auto's pick."""
     reasons = {}
     for name in PRIORITY:
         candidate = BACKENDS[name]
@@ -148,7 +166,7 @@ def select(inputs: Inputs, backend: str) -> Backend:
                              + "\n  - ".join(reasons) + f"\nInputs:\n{inputs.describe()}\n"
                              f"Use backend='auto' to pick one that can.")
         return chosen
-    picked = explain(inputs)
+    picked = _pick(inputs)
     if picked.backend is not None:
         return BACKENDS[picked.backend]
     detail = "\n".join(f"  {name}: " + "; ".join(r) for name, r in picked.reasons.items())
