@@ -185,7 +185,8 @@ def test_a_cache_of_the_callers_tensors_never_reads_past_its_lengths(backend, wi
     """A ``KVCache(keys, values, length, lengths)`` built from the caller's tensors vouches for
     nothing past each length: NaN there reaches no output, neither through its own mask nor
     through the step ``MultiHeadAttention`` appends to it (the store the step writes into
-    holds zeros there), and the results equal those of the same cache holding zeros."""
+    holds zeros there) nor through a reordered copy, and the results equal those of the same
+    cache holding zeros."""
     gen = torch.Generator().manual_seed(0)
     lengths = torch.tensor([width, width // 2, 3])
     keys = torch.randn(3, 2, width, 16, generator=gen, dtype=torch.float64)
@@ -201,7 +202,23 @@ def test_a_cache_of_the_callers_tensors_never_reads_past_its_lengths(backend, wi
         cache = KVCache(k, v, length=width, lengths=lengths)
         step = mha(x, is_causal=True, cache=cache, lengths=torch.ones(3, dtype=torch.long)).out
         direct = ak.attention(q, k, v, cache.mask(is_causal=False), backend=backend)
-        results.append((step, direct))
+        kept = cache.reorder(torch.arange(3))  # a copy the cache vouches for
+        reordered = ak.attention(q, kept.keys, kept.values, kept.mask(is_causal=False),
+                                 backend=backend)
+        results.append((step, direct, reordered))
     for got, want in zip(results[1], results[0]):
         assert not got.isnan().any()
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("lengths,error,match", [
+    ([1, 2, 3], TypeError, "integer tensor"),
+    (torch.tensor([1.5, 1.0, 1.0]), TypeError, "dtype"),
+    (torch.tensor([1, 2]), ValueError, r"shape \(2,\)"),
+    (torch.tensor([9, 1, 1]), ValueError, r"outside \[0, 8\]"),
+    (torch.tensor([-1, 1, 1]), ValueError, r"outside \[0, 8\]"),
+])
+def test_a_cache_of_the_callers_tensors_checks_its_lengths(lengths, error, match):
+    keys = torch.zeros(3, 2, 8, 4)
+    with pytest.raises(error, match=match):
+        KVCache(keys, keys.clone(), length=8, lengths=lengths)

@@ -182,10 +182,34 @@ class KVCache:
                              f"got keys {tuple(self.keys.shape)}, values {tuple(self.values.shape)}")
         if self.length != stored:
             raise ValueError(f"KVCache length={self.length} but the keys hold {stored} positions")
+        if self.lengths is not None and self._store is None:  # the caller's (not reorder's)
+            self._check_lengths()
         if self.capacity is not None:
             _check_positive_int("capacity", self.capacity)
         if self.window is not None:
             _check_positive_int("window", self.window)
+
+    def _check_lengths(self) -> None:
+        """Raise unless ``lengths`` is an integer tensor ``[B]`` on the keys' device with every
+        value in ``[0, length]`` (values are read where they can be: not when compiling)."""
+        lengths, keys = self.lengths, self.keys
+        batch = None if keys is None else keys.shape[0]
+        fix = (f"pass lengths as an integer tensor [B] = [{batch}] on the keys' device, each "
+               f"sequence's real positions (at most length={self.length})")
+        if keys is None:
+            raise ValueError("KVCache lengths= needs keys and values (an empty cache has none: "
+                             "KVCache.empty(), then append(..., lengths=...))")
+        if not isinstance(lengths, torch.Tensor):
+            raise TypeError(f"KVCache lengths={lengths!r}: {fix}, e.g. torch.tensor(lengths)")
+        if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+            raise TypeError(f"KVCache lengths has dtype {lengths.dtype}: {fix}")
+        if tuple(lengths.shape) != (batch,) or lengths.device != keys.device:
+            raise ValueError(f"KVCache lengths has shape {tuple(lengths.shape)} on "
+                             f"{lengths.device}, keys {tuple(keys.shape)} on {keys.device}: {fix}")
+        if readable(lengths) and batch and not bool(((lengths >= 0) & (lengths <= self.length))
+                                                    .all()):
+            raise ValueError(f"KVCache lengths={lengths.tolist()} outside [0, {self.length}]: "
+                             f"{fix}")
 
     @classmethod
     def empty(cls, capacity: Optional[int] = None, window: Optional[int] = None) -> "KVCache":
@@ -268,6 +292,9 @@ class KVCache:
             raise ValueError(f"index {index.tolist()} names rows outside this cache's batch of "
                              f"{batch}")
         keys, values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        if self._store is None and self.lengths is not None:  # the caller's tensors: zeros
+            real = keys_below(self.lengths.index_select(0, index), self.length, keys.device)
+            keys, values = (zero_outside(t, real[:, None, :, None]) for t in (keys, values))
         store = _Store(keys, values, max(self.length, self._store.capacity
                                          if self._store is not None else 0))
         store.keys[:, :, :self.length] = keys
