@@ -509,6 +509,23 @@ def test_rowwise_linears_give_a_row_the_same_bits_for_any_row_count():
     assert "forward" not in vars(layer)  # restored on exit
 
 
+def test_rowwise_linears_take_transformers_conv1d_too():
+    """GPT-2's projections (transformers' ``Conv1D``: ``x @ weight + bias``) run row-wise as
+    well, with the layer's own result."""
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    gen = torch.Generator().manual_seed(7)
+    layer = pytorch_utils.Conv1D(512, 1024)  # nf (out), nx (in)
+    torch.nn.init.normal_(layer.bias, generator=gen)
+    x = torch.randn(300, 1024, generator=gen)
+    own = layer(x)
+    with invariance.rowwise_linears(torch.nn.Sequential(layer)):
+        whole = layer(x)
+        assert "forward" in vars(layer)
+        assert all(torch.equal(layer(x[:n]), whole[:n]) for n in (1, 2, 5, 16, 100))
+    torch.testing.assert_close(whole, own)
+    assert "forward" not in vars(layer)
+
+
 @pytest.mark.parametrize("what", ["dropout", "head dim"])
 def test_what_the_fixed_schedule_cannot_promise_is_refused(what):
     q = torch.randn(1, 2, 8, 320 if what == "head dim" else D)

@@ -62,8 +62,10 @@ def invariant(enabled: bool = True):
 
 @contextlib.contextmanager
 def rowwise_linears(model: "torch.nn.Module"):
-    """Inside the ``with`` block, every ``torch.nn.Linear`` of ``model`` computes its rows in
-    products of a fixed number of rows (:func:`attnkit.nn._rowwise`), so that each row's
+    """Inside the ``with`` block, every ``torch.nn.Linear`` of ``model`` (and every
+    transformers ``Conv1D``, GPT-2's projections: a linear layer with its weight transposed)
+    computes its rows in products of a fixed number of rows (:func:`attnkit.nn._rowwise`),
+    so that each row's
     result does not depend on how many rows the call has. The contract covers attention; a
     model's own linear layers are torch's, whose CPU BLAS computes one or two rows on another
     path, and wide layers blocked or threaded by the row count, so its logits alone and in a
@@ -78,7 +80,7 @@ def rowwise_linears(model: "torch.nn.Module"):
 
     from .nn import _rowwise
 
-    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear) or _conv1d(m)]
     for layer in layers:
         layer.forward = functools.partial(_rowwise, layer)
     try:
@@ -86,6 +88,13 @@ def rowwise_linears(model: "torch.nn.Module"):
     finally:
         for layer in layers:
             del layer.forward
+
+
+def _conv1d(module: "torch.nn.Module") -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (``x @ weight + bias``, weight ``[in,
+    out]``), recognised without importing transformers."""
+    return (type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+            and getattr(module, "weight", None) is not None and module.weight.dim() == 2)
 
 
 def active(explicit: Optional[bool] = None) -> bool:

@@ -555,17 +555,19 @@ ROWWISE_ROWS = 16
 """Rows per matrix product of :func:`_rowwise`."""
 
 
-def _rowwise(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _rowwise(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` for ``x [..., in]`` as products of exactly :data:`ROWWISE_ROWS` rows each
     (the last padded with copies of its last row), so that each row is computed the same
     way whatever the number of rows: BLAS takes another path for a few rows (a decoding
     step), and for wide layers blocks its reduction, or splits it over threads, by the row
-    count. The projections of ``MultiHeadAttention`` under the invariance contract."""
+    count. The projections of ``MultiHeadAttention`` under the invariance contract.
+    ``layer``: an ``nn.Linear``, or transformers' ``Conv1D`` (weight ``[in, out]``)."""
+    weight = layer.weight if isinstance(layer, nn.Linear) else layer.weight.t()
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    parts = [F.linear(chunk, layer.weight, layer.bias)
+    parts = [F.linear(chunk, weight, layer.bias)
              for chunk in pad_rows(flat, ROWWISE_ROWS).split(ROWWISE_ROWS)]
-    out = torch.cat(parts) if parts else F.linear(flat, layer.weight, layer.bias)
+    out = torch.cat(parts) if parts else F.linear(flat, weight, layer.bias)
     return out[:rows].reshape(*x.shape[:-1], -1)
 
 
