@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 import attnkit as ak
 from attnkit import dispatch, finite
@@ -105,6 +106,61 @@ def test_garbage_outside_the_real_keys_is_never_read(backend, value, gen):
     for b, h in ((0, 1), (1, 0)):  # rows before the poisoned real key: exact, or NaN
         rows = out[b, h, :12]
         assert (torch.isnan(rows) | torch.isclose(rows, truth[0][b, h, :12])).all()
+
+
+@pytest.mark.parametrize("form", ["kv_mask", "kv_starts"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("queries", [1, 3])
+def test_a_step_over_a_key_padding_reads_each_sequence_alone(queries, dtype, form, gen):
+    """A decoding step (few queries, a large cache) over a padding of its keys alone (read
+    from transformers' 2-D mask, or given by starts and lengths; left padding, a sequence
+    without keys) runs on torch per sequence over its real keys: no copy of K/V, NaN outside
+    them never read; out, LSE and gradients equal the float64 math, with zero gradients
+    outside the real keys."""
+    starts = torch.tensor([0, 37, 301, 600])
+    q = torch.randn(4, 8, queries, 64, generator=gen, dtype=dtype)
+    k, v = (torch.randn(4, 2, 600, 64, generator=gen, dtype=dtype) for _ in range(2))
+    real = torch.arange(600) >= starts[:, None]  # [B, Tk]; the last row has no real key
+    poison = ~real[:, None, :, None]
+    dirty = [t.masked_fill(poison, NAN) for t in (k, v)]
+    mask = (ak.masks.real_keys(real) if form == "kv_mask" else
+            ak.padding(kv_starts=starts, kv_lengths=600 - starts, allow_empty_rows=True))
+    inputs = validate(q, *dirty, mask, need_lse=True)
+    assert not dispatch.BACKENDS["torch"].reads_padding(inputs)  # the per-sequence path
+    copies = _CopiesOf(k.numel())
+    with copies:
+        r = ak.attention(q, *dirty, mask, backend="torch", return_lse=True)
+    assert copies.count == 0
+    out, (dq, dk, dv) = _grads("torch", q, *dirty, mask)
+    allowed = real[:, None, None, :]
+    want, lse, _ = naive_attention(q, k.masked_fill(poison, 0), v.masked_fill(poison, 0),
+                                   allowed)
+    torch.testing.assert_close(r.out, want.to(dtype))
+    torch.testing.assert_close(out, want.to(dtype))
+    torch.testing.assert_close(r.lse, lse.to(r.lse.dtype))
+    leaves = [t.double().requires_grad_() for t in (q, k.masked_fill(poison, 0),
+                                                    v.masked_fill(poison, 0))]
+    ref = ak.attention(*leaves, mask, backend="reference")
+    ref.backward(torch.linspace(-1, 1, ref.numel()).reshape(ref.shape).double())
+    for got, leaf in zip((dq, dk, dv), leaves):
+        torch.testing.assert_close(got, leaf.grad.to(dtype))
+    assert (dk.masked_select(poison) == 0).all() and (dv.masked_select(poison) == 0).all()
+
+
+class _CopiesOf(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operations whose output holds ``numel`` elements (a copy of K or V)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.numel() == self.numel and func not in (
+                torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
+                torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            self.count += 1
+        return out
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

@@ -62,13 +62,15 @@ class Guarded(NamedTuple):
     :func:`poison` does not run)."""
 
 
-def guard(inputs: Inputs, poisons: bool) -> Guarded:
+def guard(inputs: Inputs, poisons: bool, zero_kv: bool = True) -> Guarded:
     """Zero what no result needs and may hold garbage: K/V outside each batch element's real
     keys, where the mask gives such runs and does not vouch for them
     (:meth:`~attnkit.masks.Mask.guard_runs`), and the queries with no allowed key (on CPU,
     where :func:`poison` runs: every such row; elsewhere the padded ones of such runs): their
     result is 0 and their gradient 0 whatever they hold. On the device, whatever the values;
-    ``inputs`` itself when there is nothing to zero. ``poisons``: :func:`applies`."""
+    ``inputs`` itself when there is nothing to zero. ``poisons``: :func:`applies`;
+    ``zero_kv``: whether the backend reads K/V outside the runs
+    (:meth:`~attnkit.backends.base.Backend.reads_padding`)."""
     mask = inputs.mask
     if mask is None:
         return Guarded(inputs, poisons,
@@ -81,7 +83,7 @@ def guard(inputs: Inputs, poisons: bool) -> Guarded:
     # keys no query sees (which include those outside the runs), else those outside the runs
     real = (keep_for(key_seen, inputs.k) if key_seen is not None and not prep.every_key_seen
             else prep.kv)
-    if real is not None:
+    if real is not None and zero_kv:
         fixed["k"], fixed["v"] = zero_outside(inputs.k, real), zero_outside(inputs.v, real)
     if poisons and prep.padding:
         has_key = prep.rows

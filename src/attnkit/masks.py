@@ -536,6 +536,7 @@ class _Runs(NamedTuple):
     real: Optional[torch.Tensor] = None  # bool [B, T]: the mask itself, a copy of its own
     shifted: Optional[bool] = None  # some row starts past position 0 (read; None when unknown)
     full: bool = False  # every token is real (read; False when unknown)
+    spans: Optional[tuple] = None  # ((start, stop) per row, read; None when unknown)
 
 
 def run_bounds(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -618,7 +619,8 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
         raise ValueError(_empty_rows_message(name, empty, tuple(m.shape),
                                              bool(_one_run(~m).all())))
     return _Runs(starts, count, width, None, None, not empty, m, any(firsts),
-                 all(n == width for n in counts))
+                 all(n == width for n in counts),
+                 tuple((first, first + n) for first, n in zip(firsts, counts)))
 
 
 def _rows(rows: list) -> str:
@@ -739,6 +741,9 @@ class _Padding(Mask):
     every_key_real: bool = False
     """A ``kv_mask`` without a query side whose every key is real (read with its runs): the
     mask allows every pair."""
+    kv_spans: Optional[tuple] = None
+    """A ``kv_mask`` without a query side: each row's real keys ``(start, stop)`` as read
+    with its runs (Python ints), or ``None``."""
 
     def __init__(self, q_lengths, kv_lengths, q_starts=None, kv_starts=None, *,
                  q_mask=None, kv_mask=None, allow_empty_rows: bool = False):
@@ -774,6 +779,7 @@ class _Padding(Mask):
             no_query_side = q_mask is None and self.q_lengths is None and self.q_starts is None
             self.keys_everywhere = runs.every_row and no_query_side
             self.every_key_real = runs.full and no_query_side
+            self.kv_spans = runs.spans if no_query_side else None
         if all(t is None for t in (self.q_lengths, self.kv_lengths, self.q_starts, self.kv_starts)):
             raise ValueError("padding() needs q_lengths or kv_lengths (a length per batch element), "
                              "q_starts/kv_starts (left padding), or q_mask/kv_mask (a [B, T] "
@@ -939,6 +945,24 @@ class _Padding(Mask):
                      lambda: (*self._side(self.q_lengths, self.q_starts, space.q_len, space.device),
                               *self._side(self.kv_lengths, self.kv_starts, space.kv_len,
                                           space.device)))
+
+    def key_spans(self, space) -> Optional[tuple]:
+        """Each batch element's real keys ``(start, stop)`` as Python ints, for a padding of
+        the keys alone that does not vouch for what lies outside them: as read with a
+        ``kv_mask``'s runs, else read once (one host read, kept while the mask's tensors are
+        unchanged); ``None`` for any other padding, or where values cannot be read."""
+        if self.kv_spans is not None:
+            return self.kv_spans
+        if (self.vouched or self.q_lengths is not None or self.q_starts is not None
+                or self.kv_width is not None
+                or not readable(*(t for t in (self.kv_lengths, self.kv_starts) if t is not None))):
+            return None
+
+        def read():
+            _, _, lo, hi = self.runs(space)
+            lo, hi = torch.broadcast_tensors(lo.clamp(0, space.kv_len), hi.clamp(0, space.kv_len))
+            return tuple((a, max(a, b)) for a, b in zip(*torch.stack([lo, hi]).tolist()))
+        return memo(self, ("key spans", space.kv_len), mask_tensors(self), read)
 
     def structure(self, space):
         if not self.has_starts():

@@ -95,6 +95,11 @@ class Backend:
         reasons.extend(self.extra_reasons(inputs))
         return reasons
 
+    def reads_padding(self, inputs: Inputs) -> bool:
+        """Whether the call reads K/V outside each sequence's real keys (then
+        :func:`attnkit.finite.guard` zeroes them there first)."""
+        return True
+
     def extra_reasons(self, inputs: Inputs) -> list[str]:
         """Backend-specific refusals beyond the capability fields."""
         return []

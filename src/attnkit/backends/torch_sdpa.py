@@ -18,8 +18,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..finite import checks_keys
 from ..inputs import Inputs, derived
-from ..masks import CAUSAL, DENSE_MAX_SCORES
+from ..masks import CAUSAL, DENSE_MAX_SCORES, Padding
 from ..numerics import accum_dtype, additive_mask, grouped, ungrouped
 from .base import Backend, BackendOutput
 
@@ -99,6 +100,77 @@ def _stacks_heads(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
             and not is_causal)
 
 
+def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: Optional[torch.Tensor],
+            is_causal: bool, scale: float, fused: bool,
+            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(out [B, Hq, Tq, Dv], lse [B, Hq, Tq] or None)`` of one call of torch's kernel:
+    ``fused``, the CPU flash kernel that also returns the LSE, else the public entry point; a
+    decoding step with GQA as one call per K/V head over its query heads
+    (:func:`_stacks_heads`)."""
+    heads_q = q.shape[1]
+    stacked = _stacks_heads(q, k, is_causal)
+    if stacked:  # the query heads of a K/V head as the rows of one call
+        q = grouped(q, k.shape[1])
+        if additive is not None and additive.shape[1] != 1:  # [Bm, Hq, 1, Tk]
+            additive = grouped(additive, k.shape[1])
+    if fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=additive, scale=scale)
+        lse = lse.to(accum_dtype(q.dtype))
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, is_causal=is_causal,
+                                             scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        lse = None
+    if stacked:  # (a copy where the kernel lays its output out as [B, Tq, H, D])
+        out = ungrouped(out, heads_q)
+        lse = None if lse is None else ungrouped(lse, heads_q)
+    return out, lse
+
+
+SEQUENCE_MAX_QUERIES = 16
+"""A key padding call runs per sequence (:func:`_sequence_spans`) with at most this many
+queries (decoding steps, short chunks), where copying K/V costs as much as the attention."""
+
+SEQUENCE_MIN_ELEMENTS = 1 << 16
+"""... and with at least this many K elements per sequence, where the copies cost more than a
+kernel call per sequence (docs/BENCHMARKS.md)."""
+
+
+def _sequence_spans(inputs: Inputs) -> Optional[tuple]:
+    """Each sequence's real keys ``(start, stop)`` where the call runs per sequence over
+    them alone (:func:`_per_sequence`: no K/V copy, nothing outside them read): a CPU call
+    whose mask is a padding of the keys alone (:meth:`~attnkit.masks.Padding.key_spans`),
+    without modifiers, of at most :data:`SEQUENCE_MAX_QUERIES` queries and at least
+    :data:`SEQUENCE_MIN_ELEMENTS` K elements per sequence, whose keys
+    :func:`~attnkit.finite.poison` does not look at; else ``None``."""
+    mask, q, k = inputs.mask, inputs.q, inputs.k
+    if (not isinstance(mask, Padding) or inputs.modifiers is not None or q.device.type != "cpu"
+            or q.shape[2] > SEQUENCE_MAX_QUERIES or k[0].numel() < SEQUENCE_MIN_ELEMENTS
+            or checks_keys(inputs)):
+        return None
+    spans = mask.key_spans(inputs.space)
+    return spans if spans is not None and len(spans) == q.shape[0] else None
+
+
+def _per_sequence(inputs: Inputs, spans: tuple) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(out, lse)`` of a key padding call as one kernel call per sequence over its real
+    keys (views; a sequence without one gets out 0 and LSE −inf)."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    fused = inputs.need_lse and _fused_cpu(inputs)
+    outs, lses = [], []
+    for b, (start, stop) in enumerate(spans):
+        if stop > start:
+            out, lse = _kernel(q[b:b + 1], k[b:b + 1, :, start:stop], v[b:b + 1, :, start:stop],
+                               None, False, inputs.scale, fused)
+        else:
+            out = q.new_zeros(1, q.shape[1], q.shape[2], v.shape[-1])
+            lse = q.new_full((1, q.shape[1], q.shape[2]), float("-inf"),
+                             dtype=accum_dtype(q.dtype)) if fused else None
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses) if fused else None
+
+
 class TorchBackend(Backend):
     NAME = "torch"
     SUPPORTS_DROPOUT = False  # torch's dropout cannot follow attnkit's generator contract
@@ -159,31 +231,21 @@ class TorchBackend(Backend):
                     f"docs/BENCHMARKS.md)"]
         return []
 
+    def reads_padding(self, inputs: Inputs) -> bool:
+        return _sequence_spans(inputs) is None
+
     def forward(self, inputs: Inputs) -> BackendOutput:
+        spans = _sequence_spans(inputs)
+        if spans is not None:  # each sequence over its own keys
+            return BackendOutput(*_per_sequence(inputs, spans), None)
         q, k, v, mask = inputs.q, inputs.k, inputs.v, inputs.mask
         positions = inputs.modifiers is not None and _position_biased(inputs)
         is_causal = mask is not None and is_plain_causal(mask, inputs.scale) and not positions
         additive = no_key = None
         if (mask is not None and not is_causal) or positions:
             additive, no_key = derived(inputs, "dense_bias", lambda: dense_bias(inputs))
-        heads_q = q.shape[1]
-        stacked = _stacks_heads(q, k, is_causal)
-        if stacked:  # the query heads of a K/V head as the rows of one call
-            q = grouped(q, k.shape[1])
-            if additive is not None and additive.shape[1] != 1:  # [Bm, Hq, 1, Tk]
-                additive = grouped(additive, k.shape[1])
-        if inputs.need_lse and _fused_cpu(inputs):
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, is_causal, attn_mask=additive, scale=inputs.scale)
-            lse = lse.to(accum_dtype(q.dtype))
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, is_causal=is_causal,
-                                                 scale=inputs.scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
-            lse = None
-        if stacked:  # (a copy where the kernel lays its output out as [B, Tq, H, D])
-            out = ungrouped(out, heads_q)
-            lse = None if lse is None else ungrouped(lse, heads_q)
+        out, lse = _kernel(q, k, v, additive, is_causal, inputs.scale,
+                           inputs.need_lse and _fused_cpu(inputs))
         if no_key is not None:  # in place where autograd does not keep the kernel's output
             out = (out.masked_fill(no_key, 0.0) if out.requires_grad
                    else out.masked_fill_(no_key, 0.0))
