@@ -49,7 +49,8 @@ def _mistral():
                                         num_attention_heads=4, num_key_value_heads=2,
                                         vocab_size=100, max_position_embeddings=64,
                                         sliding_window=4)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit").eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
+    return model.eval()
 
 
 def _bert():

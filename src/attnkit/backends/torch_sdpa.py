@@ -9,6 +9,10 @@ vector per head by relative position (:meth:`~attnkit.modifiers.Modifiers.positi
 ``auto`` takes them here only without a mask and for few queries (a decoding step), where the
 bias is small. Empty calls (B, Tq or Tk of 0) never reach the kernel: ``attention()`` gives
 their result itself (:func:`attnkit.dispatch.run`).
+
+On CPU a decoding step with GQA runs each K/V head's query heads as the rows of one call, and
+a call of few queries over a padding of the keys alone and a large cache runs per sequence
+over its real keys (no copy of K/V: :meth:`TorchBackend.reads_padding`).
 """
 
 from __future__ import annotations
@@ -92,10 +96,10 @@ def _lse_use(inputs: Inputs) -> str:
 
 def _stacks_heads(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
     """Whether a call runs the ``Hq / Hkv`` query heads of each K/V head as the rows of one
-    call (:func:`~attnkit.numerics.grouped`): a CPU decoding step (one query) with GQA/MQA, without the
-    kernel's own causal mask (which reads the row index). The kernel then reads each K/V head
-    once for all of its query heads, where ``enable_gqa`` runs every query head on its own:
-    measured never slower and up to several times faster (docs/BENCHMARKS.md)."""
+    call (:func:`~attnkit.numerics.grouped`): a CPU decoding step (one query) with GQA/MQA,
+    without the kernel's own causal mask (which reads the row index). The kernel then reads
+    each K/V head once for all of its query heads, where ``enable_gqa`` runs every query head
+    on its own: measured never slower and up to several times faster (docs/BENCHMARKS.md)."""
     return (q.device.type == "cpu" and q.shape[2] == 1 and q.shape[1] != k.shape[1]
             and not is_causal)
 
