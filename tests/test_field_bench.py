@@ -24,7 +24,8 @@ def test_field_script_reports_every_row(tmp_path, monkeypatch):
         torch.set_num_threads(threads)
     data = json.loads((tmp_path / "field_quick.json").read_text())
 
-    rows = ["ragged decode", "tiny call fwd", "tiny call fwd+bwd"]
+    rows = ["ragged decode", "GQA decoding step", "GQA decoding step", "tiny call fwd",
+            "tiny call fwd+bwd"]
     reads = ["ragged decode step"]
     if importlib.util.find_spec("transformers") is not None:  # the rows that need transformers
         rows += ["Llama generate left-padded", "Llama generate equal lengths", "MiniLM-L6 forward"]
