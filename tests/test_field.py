@@ -147,6 +147,48 @@ def test_a_step_over_a_key_padding_reads_each_sequence_alone(queries, dtype, for
     assert (dk.masked_select(poison) == 0).all() and (dv.masked_select(poison) == 0).all()
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_random_steps_over_a_key_padding_equal_the_math(seed):
+    """Random batches (1..5 sequences, GQA 1..4, 1..16 queries, Dv ≠ Dk, right or left or both
+    padding, empty sequences, NaN outside the keys) through the per-sequence path: out, LSE
+    and gradients as the float64 reference over zeros there."""
+    rng = torch.Generator().manual_seed(seed)
+
+    def pick(*options):
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    batch, heads_kv, group = pick(1, 2, 5), pick(1, 2, 4), pick(1, 3, 4)
+    queries, dim, dim_v = pick(1, 4, 16), pick(16, 64), pick(24, 64)
+    width = (1 << 16) // (heads_kv * dim) + int(torch.randint(300, (1,), generator=rng))
+    dtype = pick(torch.float32, torch.float64)
+    q = torch.randn(batch, heads_kv * group, queries, dim, generator=rng, dtype=dtype)
+    k = torch.randn(batch, heads_kv, width, dim, generator=rng, dtype=dtype)
+    v = torch.randn(batch, heads_kv, width, dim_v, generator=rng, dtype=dtype)
+    starts = torch.randint(width + 1, (batch,), generator=rng) * pick(0, 1)
+    lengths = (torch.rand(batch, generator=rng) * (width - starts + 1)).long()
+    positions = torch.arange(width)
+    real = (positions >= starts[:, None]) & (positions < (starts + lengths)[:, None])
+    mask = pick(ak.padding(kv_lengths=lengths, kv_starts=starts, allow_empty_rows=True),
+                ak.masks.real_keys(real))
+    poison = ~real[:, None, :, None]
+    leaves = [q.clone().requires_grad_(),
+              *(t.masked_fill(poison, NAN).requires_grad_() for t in (k, v))]
+    out = ak.attention(*leaves, mask, backend="torch")
+    out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype))
+    clean = [t.double().requires_grad_() for t in (q, k.masked_fill(poison, 0),
+                                                   v.masked_fill(poison, 0))]
+    want = ak.attention(*clean, mask, backend="reference", return_lse=True)
+    want.out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape).double())
+    torch.testing.assert_close(out, want.out.to(dtype))
+    for got, ref in zip(leaves, clean):
+        torch.testing.assert_close(got.grad, ref.grad.to(dtype))
+    if dim_v == dim:
+        with torch.no_grad():
+            lse = ak.attention(*(t.detach() for t in leaves), mask, backend="torch",
+                               return_lse=True).lse
+        torch.testing.assert_close(lse, want.lse.to(lse.dtype))
+
+
 class _CopiesOf(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the operations whose output holds ``numel`` elements (a copy of K or V)."""
 

@@ -153,7 +153,9 @@ def _sequence_spans(inputs: Inputs) -> Optional[tuple]:
             or checks_keys(inputs)):
         return None
     spans = mask.key_spans(inputs.space)
-    return spans if spans is not None and len(spans) == q.shape[0] else None
+    if spans is None or len(spans) != q.shape[0] or all(stop <= start for start, stop in spans):
+        return None  # (no key anywhere: the whole call's zeros come from the kernel's graph)
+    return spans
 
 
 def _per_sequence(inputs: Inputs, spans: tuple) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
