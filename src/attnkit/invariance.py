@@ -65,12 +65,12 @@ def rowwise_linears(model: "torch.nn.Module"):
     """Inside the ``with`` block, every ``torch.nn.Linear`` of ``model`` (and every
     transformers ``Conv1D``, GPT-2's projections: a linear layer with its weight transposed)
     computes its rows in products of a fixed number of rows (:func:`attnkit.nn._rowwise`),
-    so that each row's
-    result does not depend on how many rows the call has. The contract covers attention; a
-    model's own linear layers are torch's, whose CPU BLAS computes one or two rows on another
-    path, and wide layers blocked or threaded by the row count, so its logits alone and in a
-    batch differ in their last bits unless they are row-wise too (slower: many small
-    products). ``MultiHeadAttention`` does this for its own projections under the contract.
+    so that each row's result does not depend on how many rows the call has. The contract
+    covers attention; a model's own linear layers are torch's, whose CPU BLAS computes one or
+    two rows on another path, and wide layers blocked or threaded by the row count, so its
+    logits alone and in a batch differ in their last bits unless they are row-wise too
+    (slower: many small products). ``MultiHeadAttention`` does this for its own projections
+    under the contract.
     For a model whose attention runs on attnkit::
 
         with attnkit.invariant(), attnkit.invariance.rowwise_linears(model):

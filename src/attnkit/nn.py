@@ -31,6 +31,7 @@ from . import dispatch, finite, invariance
 from .api import attention
 from .backends.tiled.forward import KV_SPLIT, kernel_call
 from .backends.tiled.plan import INVARIANT_MAX_HEAD_DIM
+from .backends.torch_sdpa import sdpa_call
 from .finite import zero_outside
 from .inputs import LazyText
 from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, keys_below, padding,
@@ -193,12 +194,12 @@ class KVCache:
         """Raise unless ``lengths`` is an integer tensor ``[B]`` on the keys' device with every
         value in ``[0, length]`` (values are read where they can be: not when compiling)."""
         lengths, keys = self.lengths, self.keys
-        batch = None if keys is None else keys.shape[0]
-        fix = (f"pass lengths as an integer tensor [B] = [{batch}] on the keys' device, each "
-               f"sequence's real positions (at most length={self.length})")
         if keys is None:
             raise ValueError("KVCache lengths= needs keys and values (an empty cache has none: "
                              "KVCache.empty(), then append(..., lengths=...))")
+        batch = keys.shape[0]
+        fix = (f"pass lengths as an integer tensor [B] = [{batch}] on the keys' device, each "
+               f"sequence's real positions (at most length={self.length})")
         if not isinstance(lengths, torch.Tensor):
             raise TypeError(f"KVCache lengths={lengths!r}: {fix}, e.g. torch.tensor(lengths)")
         if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
@@ -291,10 +292,7 @@ class KVCache:
                                                       and int(index.max()) < batch):
             raise ValueError(f"index {index.tolist()} names rows outside this cache's batch of "
                              f"{batch}")
-        keys, values = self.keys.index_select(0, index), self.values.index_select(0, index)
-        if self._store is None and self.lengths is not None:  # the caller's tensors: zeros
-            real = keys_below(self.lengths.index_select(0, index), self.length, keys.device)
-            keys, values = (zero_outside(t, real[:, None, :, None]) for t in (keys, values))
+        keys, values = (t.index_select(0, index) for t in self._vouchable())
         store = _Store(keys, values, max(self.length, self._store.capacity
                                          if self._store is not None else 0))
         store.keys[:, :, :self.length] = keys
@@ -374,10 +372,7 @@ class KVCache:
                             if self._store is not None and not self._start
                             else additive_mask(keys_below(self.lengths, kv_len, q.device)
                                                [:, None, None, :], None, q.dtype))
-            # the query heads of a K/V head as its rows, as the torch backend runs a step
-            out = ungrouped(F.scaled_dot_product_attention(grouped(q, kv_heads), keys, values,
-                                                           attn_mask=key_bias, scale=scale),
-                            heads)
+            out, _ = sdpa_call(q, keys, values, key_bias, False, scale, False)
         return None if out is None else out.add_(finite.query_and_output_flags(out, q))
 
     def _decode_in_splits(self, q: torch.Tensor, scale: float) -> Optional[torch.Tensor]:
@@ -398,6 +393,15 @@ class KVCache:
                              store.values[:, :, :width], bias, scale)  # bias [B|1, 1, 1, width]
         return ungrouped(out, q.shape[1])
 
+    def _vouchable(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` as a store of this chain may hold them, its masks vouching for
+        what lies past each length: with zeros there where they are the caller's tensors
+        (copies), else themselves."""
+        if self._store is not None or self.lengths is None:
+            return self.keys, self.values
+        real = keys_below(self.lengths, self.length, self.keys.device)[:, None, :, None]
+        return zero_outside(self.keys, real), zero_outside(self.values, real)
+
     def _room(self, keys: torch.Tensor, values: torch.Tensor, keep: int, needed: int,
               split: int = 1) -> tuple[_Store, int]:
         """``(store, start)``: a store holding this cache's last ``keep`` positions from
@@ -416,13 +420,7 @@ class KVCache:
         capacity = -(-capacity // split) * split
         fresh = _Store(keys, values, capacity)
         if keep:
-            kept_keys = self.keys[:, :, self.length - keep:]
-            kept_values = self.values[:, :, self.length - keep:]
-            if store is None and self.lengths is not None:  # the caller's tensors: zeros past
-                real = keys_below(self.lengths, self.length, kept_keys.device)  # each length
-                real = real[:, None, self.length - keep:, None]  # [B, 1, keep, 1]
-                kept_keys, kept_values = zero_outside(kept_keys, real), zero_outside(kept_values,
-                                                                                     real)
+            kept_keys, kept_values = (t[:, :, self.length - keep:] for t in self._vouchable())
             fresh.keys[:, :, :keep] = kept_keys
             fresh.values[:, :, :keep] = kept_values
         return fresh, 0

@@ -17,6 +17,7 @@ over its real keys (no copy of K/V: :meth:`TorchBackend.reads_padding`).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -104,13 +105,13 @@ def _stacks_heads(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
             and not is_causal)
 
 
-def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: Optional[torch.Tensor],
-            is_causal: bool, scale: float, fused: bool,
-            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              additive: Optional[torch.Tensor], is_causal: bool, scale: float, fused: bool,
+              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(out [B, Hq, Tq, Dv], lse [B, Hq, Tq] or None)`` of one call of torch's kernel:
     ``fused``, the CPU flash kernel that also returns the LSE, else the public entry point; a
     decoding step with GQA as one call per K/V head over its query heads
-    (:func:`_stacks_heads`)."""
+    (:func:`_stacks_heads`; :meth:`attnkit.nn.KVCache.decode` makes its call here too)."""
     heads_q = q.shape[1]
     stacked = _stacks_heads(q, k, is_causal)
     if stacked:  # the query heads of a K/V head as the rows of one call
@@ -146,16 +147,20 @@ def _sequence_spans(inputs: Inputs) -> Optional[tuple]:
     whose mask is a padding of the keys alone (:meth:`~attnkit.masks.Padding.key_spans`),
     without modifiers, of at most :data:`SEQUENCE_MAX_QUERIES` queries and at least
     :data:`SEQUENCE_MIN_ELEMENTS` K elements per sequence, whose keys
-    :func:`~attnkit.finite.poison` does not look at; else ``None``."""
+    :func:`~attnkit.finite.poison` does not look at; else ``None``. Found once per
+    validation (the guard asks, then the forward)."""
     mask, q, k = inputs.mask, inputs.q, inputs.k
     if (not isinstance(mask, Padding) or inputs.modifiers is not None or q.device.type != "cpu"
-            or q.shape[2] > SEQUENCE_MAX_QUERIES or k[0].numel() < SEQUENCE_MIN_ELEMENTS
+            or q.shape[2] > SEQUENCE_MAX_QUERIES or math.prod(k.shape[1:]) < SEQUENCE_MIN_ELEMENTS
             or checks_keys(inputs)):
         return None
-    spans = mask.key_spans(inputs.space)
-    if spans is None or len(spans) != q.shape[0] or all(stop <= start for start, stop in spans):
-        return None  # (no key anywhere: the whole call's zeros come from the kernel's graph)
-    return spans
+
+    def spans():
+        found = mask.key_spans(inputs.space)
+        if found is None or len(found) != q.shape[0] or all(b <= a for a, b in found):
+            return None  # (no key anywhere: the whole call's zeros come from the kernel's graph)
+        return found
+    return derived(inputs, "sequence spans", spans)
 
 
 def _per_sequence(inputs: Inputs, spans: tuple) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -166,8 +171,8 @@ def _per_sequence(inputs: Inputs, spans: tuple) -> tuple[torch.Tensor, Optional[
     outs, lses = [], []
     for b, (start, stop) in enumerate(spans):
         if stop > start:
-            out, lse = _kernel(q[b:b + 1], k[b:b + 1, :, start:stop], v[b:b + 1, :, start:stop],
-                               None, False, inputs.scale, fused)
+            out, lse = sdpa_call(q[b:b + 1], k[b:b + 1, :, start:stop],
+                                 v[b:b + 1, :, start:stop], None, False, inputs.scale, fused)
         else:
             out = q.new_zeros(1, q.shape[1], q.shape[2], v.shape[-1])
             lse = q.new_full((1, q.shape[1], q.shape[2]), float("-inf"),
@@ -250,8 +255,8 @@ class TorchBackend(Backend):
         additive = no_key = None
         if (mask is not None and not is_causal) or positions:
             additive, no_key = derived(inputs, "dense_bias", lambda: dense_bias(inputs))
-        out, lse = _kernel(q, k, v, additive, is_causal, inputs.scale,
-                           inputs.need_lse and _fused_cpu(inputs))
+        out, lse = sdpa_call(q, k, v, additive, is_causal, inputs.scale,
+                             inputs.need_lse and _fused_cpu(inputs))
         if no_key is not None:  # in place where autograd does not keep the kernel's output
             out = (out.masked_fill(no_key, 0.0) if out.requires_grad
                    else out.masked_fill_(no_key, 0.0))
