@@ -220,6 +220,26 @@ def test_nan_in_q_propagates(backend, mask, gen):
         assert torch.isnan(r.lse[0, 1, 5]) and torch.isfinite(r.lse[1]).all()
 
 
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("place", ["first", "last"])
+@pytest.mark.parametrize("q_len", [3, 64])  # the keys looked at because K is small / rows many
+def test_inf_anywhere_in_the_keys_reaches_every_row_of_its_group(backend, place, q_len, gen):
+    """An ±inf in one element of K (its first or its last, whose score is −inf for some rows:
+    torch's kernel drops those as a masked key) makes every query row of that K/V head's
+    group NaN, and leaves every other row exact."""
+    q = torch.randn(2, 4, q_len, 8, generator=gen)
+    k, v = torch.randn(2, 2, 2, 40, 8, generator=gen).unbind(0)
+    bad = k.clone()
+    where = (1, 0, 0, 0) if place == "first" else (1, 0, 39, 7)
+    bad[where] = -INF if place == "first" else INF
+    out = ak.attention(q, bad, v, backend=backend)
+    assert torch.isnan(out[1, :2]).all()  # the query heads of K/V head 0 in batch element 1
+    others = torch.ones(2, 4, dtype=torch.bool)
+    others[1, :2] = False
+    clean = ak.attention(q, k, v, backend=backend)
+    torch.testing.assert_close(out[others], clean[others], rtol=0, atol=0)
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_nan_in_q_of_a_fully_masked_row_stays_zero(backend, gen):
     q, k, v = torch.randn(3, 2, 1, 6, 8, generator=gen).unbind(0)
