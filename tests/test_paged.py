@@ -13,7 +13,7 @@ from attnkit.paged import paged_attention
 from conftest import naive_attention
 
 F64 = torch.float64
-NAN = float("nan")
+NAN, INF = float("nan"), float("inf")
 
 
 def _pools(lengths, block_size, heads_kv=2, dk=8, dv=6, spare=3, seed=0):
@@ -216,9 +216,11 @@ def test_contiguous_cache_reorder_follows_rows():
 
 
 # ---- decoding by runs of blocks (the pool read in place) ---------------------------------
-def _forked_cache(dtype=torch.float32, block_size=4, prompt=11, seed=4):
+def _forked_cache(dtype=torch.float32, block_size=4, prompt=47, seed=4):
     """Two prompts, each forked twice and reordered once, then decoded a few steps: runs of
-    blocks shared by several sequences, copied-on-write last blocks, scattered new blocks."""
+    blocks shared by several sequences, copied-on-write last blocks, scattered new blocks;
+    more keys than ``attention`` looks at for non-finite values, so that a decoding step
+    reads the pool by runs (:func:`attnkit.paged.decode_spans`)."""
     gen = torch.Generator().manual_seed(seed)
     cache = PagedKVCache(64, block_size)
     first = torch.randn(2, 2, prompt, 8, generator=gen, dtype=dtype)
@@ -285,7 +287,7 @@ def test_decoding_by_runs_reads_a_shared_run_once():
     """A run of blocks held by several sequences (a forked prompt) is one kernel call."""
     from attnkit import paged
 
-    cache, gen = _forked_cache(block_size=4, prompt=16)
+    cache, gen = _forked_cache(block_size=4)
     calls = []
     real = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -403,15 +405,80 @@ def test_decoding_by_runs_keeps_the_non_finite_rules():
     assert torch.isfinite(out[rest]).all()
 
 
-def test_paged_attention_decodes_by_runs_as_it_gathers():
-    key_pool, value_pool, table, _, _ = _pools([5, 12, 9], 4)
+def test_paged_attention_decodes_by_runs_as_it_gathers(monkeypatch):
+    lengths = [50, 120, 90]
+    key_pool, value_pool, table, _, _ = _pools(lengths, 4, dv=8)
     key_pool, value_pool = key_pool.float(), value_pool.float()
     q = torch.randn(3, 4, 1, 8)
+    runs = _counted(monkeypatch, "decode_by_runs")
     for mask in (None, ak.causal("bottom_right"), ak.sliding_window(4, align="bottom_right")):
-        by_runs = paged_attention(q, key_pool, value_pool, table, [5, 12, 9], mask=mask)
-        gathered = paged_attention(q, key_pool, value_pool, table, [5, 12, 9], mask=mask,
+        by_runs = paged_attention(q, key_pool, value_pool, table, lengths, mask=mask)
+        gathered = paged_attention(q, key_pool, value_pool, table, lengths, mask=mask,
                                    backend="reference")
         torch.testing.assert_close(by_runs, gathered)
+    assert len(runs) == 3
+
+
+def _counted(monkeypatch, name: str) -> list:
+    """The calls of ``attnkit.paged.<name>`` from here on, one entry each."""
+    from attnkit import paged
+
+    calls, real = [], getattr(paged, name)
+    monkeypatch.setattr(paged, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def test_a_small_decoding_step_looks_at_its_keys(monkeypatch):
+    """A step whose gathered keys are few enough for ``attention`` to look at them for
+    non-finite values gathers them and is looked at too: an ±inf key whose score is −inf
+    (which torch's kernel drops as a masked key) makes the rows that see it NaN, never a
+    finite number."""
+    key_pool, value_pool, table, _, _ = _pools([5, 3], 4, dv=8)
+    key_pool, value_pool = key_pool.float(), value_pool.float()
+    key_pool[table[0, 0], 1, 0, 3] = INF  # sequence 0, position 1, K/V head 0
+    q = torch.randn(2, 4, 1, 8)
+    q[..., 3] = -1.0  # the score of that key: −inf
+    runs = _counted(monkeypatch, "decode_by_runs")
+    got = paged_attention(q, key_pool, value_pool, table, [5, 3], return_lse=True)
+    assert not runs
+    assert torch.isnan(got.out[0, :2]).all() and torch.isnan(got.lse[0, :2]).all()
+    assert torch.isfinite(got.out[0, 2:]).all() and torch.isfinite(got.out[1]).all()
+
+
+@pytest.mark.parametrize("call", ["paged_attention", "attend"])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf")])
+def test_a_decoding_step_by_runs_refuses_a_non_finite_scale(call, scale):
+    key_pool, value_pool, table, _, _ = _pools([50, 120], 4, dv=8)
+    key_pool, value_pool = key_pool.float(), value_pool.float()
+    q = torch.randn(2, 4, 1, 8)
+    with pytest.raises(ValueError, match="use a finite number"):
+        if call == "paged_attention":
+            paged_attention(q, key_pool, value_pool, table, [50, 120], scale=scale)
+        else:
+            cache, _ = _forked_cache()
+            cache.attend(torch.randn(cache.batch, 4, 1, 8), scale=scale)
+
+
+def test_integer_queries_and_pools_are_refused_by_dtype():
+    key_pool, value_pool, table, _, _ = _pools([50, 120], 4, dv=8)
+    with pytest.raises(TypeError, match="floating point"):
+        paged_attention(torch.zeros(2, 4, 1, 8, dtype=torch.long), key_pool.long(),
+                        value_pool.long(), table, [50, 120])
+
+
+@pytest.mark.parametrize("table, seqlens, where", [
+    ([[0, 1], [2, 3]], [4.5, 8], "seqlens"),
+    ([[0.9, 1], [2, 3]], [5, 8], "block_table"),
+])
+def test_fractional_tables_and_lengths_are_refused_not_truncated(table, seqlens, where):
+    pool = torch.zeros(4, 4, 2, 8)
+    with pytest.raises(TypeError, match=where):
+        paged_attention(torch.zeros(2, 2, 1, 8), pool, pool, table, seqlens)
+    cache = PagedKVCache(8, 4)
+    cache.append(torch.zeros(2, 2, 3, 8), torch.zeros(2, 2, 3, 8))
+    with pytest.raises(TypeError, match="lengths"):
+        cache.append(torch.zeros(2, 2, 1, 8), torch.zeros(2, 2, 1, 8), lengths=[0.5, 1])
+    assert cache.lengths == [3, 3]
 
 
 # ---- a contiguous cache with a sliding window --------------------------------------------------

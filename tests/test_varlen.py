@@ -210,6 +210,9 @@ def test_cu_seqlens_as_lists_and_defaults():
     (lambda q, k, v: ak.varlen_attention(q, k, v, [0, 2, 4]), ValueError, "end at"),
     (lambda q, k, v: ak.varlen_attention(q, k, v, torch.tensor([0.0, 2, 5])), TypeError,
      "integers"),
+    (lambda q, k, v: ak.varlen_attention(q, k, v, [0.0, 2.5, 5.0]), TypeError, "integers"),
+    (lambda q, k, v: ak.varlen_attention(q, k[:, :0], v[:, :0], [0, 2, 5]), ValueError,
+     "Hkv ≥ 1"),
     (lambda q, k, v: ak.varlen_attention(q, k, v, [0, 2, 5], [0, 5]), ValueError,
      "same sequences"),
     (lambda q, k, v: ak.varlen_attention(q, k, v, [0, 2, 5], max_seqlen_q=2), ValueError,
@@ -234,3 +237,12 @@ def test_bad_input_is_refused_by_name(call, error, words):
     with pytest.raises(error) as raised:
         call(q, k, v)
     assert words in str(raised.value)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_no_sequence_gives_an_empty_lse_in_the_accumulation_dtype(invariant, dtype):
+    q, k = torch.zeros(0, 4, 8, dtype=dtype), torch.zeros(0, 2, 8, dtype=dtype)
+    result = ak.varlen_attention(q, k, k, [0], return_lse=True, invariant=invariant)
+    assert result.out.shape == (0, 4, 8) and result.lse.shape == (4, 0)
+    assert result.lse.dtype == dtype  # float32 and float64 accumulate in themselves

@@ -262,13 +262,7 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     # projection, a strided slice) is copied, since the fused CPU kernels read rows as vectors.
     q4, k4, v4 = (_bhtd(t, rank, batch_shape) for t in (q, k, v))
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float (or None for 1/sqrt(Dk)), got {scale!r}")
-    elif not math.isfinite(scale):
-        raise ValueError(f"scale={scale!r}: use a finite number (a temperature τ is "
-                         f"scale=1/(τ·sqrt(Dk)))")
+    scale = checked_scale(scale, q.shape[-1])
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p!r}: must be a float in [0, 1)")
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -306,6 +300,19 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
 
 LAST_QUERY_CAUSAL = Band(None, 0, "bottom_right")
 """``causal("bottom_right")``: with one query it allows every key."""
+
+
+def checked_scale(scale, head_dim: int) -> float:
+    """``scale`` as a call uses it: ``1/sqrt(head_dim)`` for ``None``; ``TypeError`` for a
+    non-number, ``ValueError`` for NaN or ±inf."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float (or None for 1/sqrt(Dk)), got {scale!r}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale={scale!r}: use a finite number (a temperature τ is "
+                         f"scale=1/(τ·sqrt(Dk)))")
+    return scale
 
 
 class CallCache:

@@ -486,6 +486,17 @@ UNBOUNDED = 1 << 30
 any sequence, and small enough for 32-bit index arithmetic in kernels."""
 
 
+def integer_tensor(value) -> torch.Tensor:
+    """``value`` (a tensor, or nested lists of numbers) as a tensor of its own dtype, for the
+    caller to refuse unless integer: a list holding a float becomes a float tensor, never
+    truncated; an empty list (no dtype of its own) becomes long, for the caller's shape
+    check. Raises what ``torch.as_tensor`` raises for anything else."""
+    t = torch.as_tensor(value)
+    if t.numel() == 0 and not isinstance(value, torch.Tensor):
+        t = t.to(torch.long)
+    return t
+
+
 def _lengths(name: str, value) -> Optional[torch.Tensor]:
     """``value`` as a long tensor of shape ``[B]`` (or ``[]``/``[1]``), ``None`` kept; ``name``
     is the argument (``q_lengths``, ``kv_starts``, ...) the messages name."""
@@ -493,12 +504,10 @@ def _lengths(name: str, value) -> Optional[torch.Tensor]:
         return None
     what = "start" if name.endswith("starts") else "length"
     try:
-        t = torch.as_tensor(value)
+        t = integer_tensor(value)
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"padding {name}={value!r}: pass integer {what}s, one per batch element "
                         f"(a list of ints or an integer tensor of shape [B])") from None
-    if t.numel() == 0 and not isinstance(value, torch.Tensor):
-        t = t.to(torch.long)  # an empty list has no dtype (as_tensor says float): validation reports the count
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"padding {name} has dtype {t.dtype}: pass integer {what}s, one per batch "
                         f"element (for a 2-D 'real token' mask [B, T] use padding("

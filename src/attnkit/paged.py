@@ -14,6 +14,7 @@ prompt) costs no pool memory; each sequence's gathered keys are its own.
 
 from __future__ import annotations
 
+import math
 from itertools import chain
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -21,8 +22,9 @@ import numpy as np
 import torch
 
 from .api import AttentionResult, MaskLike, attention
-from .finite import query_and_output_flags
-from .masks import Mask, as_mask, causal, readable, vouched_padding
+from .finite import KV_CHECK_MAX_ELEMENTS, query_and_output_flags
+from .inputs import checked_scale
+from .masks import Mask, as_mask, causal, integer_tensor, readable, vouched_padding
 from .modifiers import per_sequence
 from .numerics import accum_dtype, merge_into
 
@@ -76,7 +78,7 @@ def decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
     its :func:`shared_runs` when known), returned as :func:`attnkit.attention` returns it
     (:func:`decode_result`)."""
     out, lse = decode_by_runs(q, key_pool, value_pool, tables, spans,
-                              q.shape[-1] ** -0.5 if scale is None else scale, runs)
+                              checked_scale(scale, q.shape[-1]), runs)
     return decode_result(q, out, lse, return_lse)
 
 
@@ -208,7 +210,7 @@ def _integers(name: str, value, dims: int) -> list:
             raise ValueError(f"{name} must have {dims} dims, got shape {tuple(value.shape)}")
         return value.tolist()
     try:
-        as_tensor = torch.tensor(value, dtype=torch.long)
+        as_tensor = integer_tensor(value)
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"{name} must be integers ({dims}-D), got {type(value).__name__}") from None
     return _integers(name, as_tensor, dims)
@@ -232,9 +234,14 @@ def decode_spans(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tens
     can run the call: a decoding step (one query per sequence) on CPU tensors holding values
     (not fake) without autograd, ``backend="auto"``, equal key and value head dims (the fused
     kernel's), and no mask but a bottom-right causal band (all keys, or a window's last
-    ones); ``None`` otherwise (the gathered path runs it)."""
+    ones), over keys that :func:`attnkit.attention` would not look at for non-finite values
+    (:func:`~attnkit.finite.checks_keys`: the gathered keys hold more than
+    :data:`~attnkit.finite.KV_CHECK_MAX_ELEMENTS` elements); ``None`` otherwise (the gathered
+    path runs it, and validates it)."""
+    gathered = len(lengths) * max(lengths, default=0) * math.prod(key_pool.shape[2:])
     if (backend != "auto" or q.device.type != "cpu" or not readable(q, key_pool, value_pool)
-            or q.dim() != 4 or q.shape[2] != 1
+            or q.dim() != 4 or q.shape[2] != 1 or not q.is_floating_point()
+            or gathered <= KV_CHECK_MAX_ELEMENTS
             or q.dtype != key_pool.dtype or q.shape[-1] != key_pool.shape[-1]
             or value_pool.shape[-1] != q.shape[-1]
             or q.shape[1] % key_pool.shape[2] or q.shape[0] != len(lengths)
@@ -520,7 +527,7 @@ def kernel_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Ten
     from .backends.triton import launch
 
     batch, heads_q, q_len, _ = q.shape
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = checked_scale(scale, q.shape[-1])
     device = q.device
     counts = torch.tensor(lengths, dtype=torch.int32, device=device)  # [B]
     last = counts[:, None] - q_len + torch.arange(q_len, dtype=torch.int32, device=device)

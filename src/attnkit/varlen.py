@@ -16,8 +16,9 @@ import torch
 
 from . import invariance
 from .api import AttentionResult, MaskLike, attention
-from .masks import Mask, MaskCache, as_mask, documents, readable
+from .masks import Mask, MaskCache, as_mask, documents, integer_tensor, readable
 from .modifiers import per_sequence, split
+from .numerics import accum_dtype
 
 
 class Layout(NamedTuple):
@@ -115,7 +116,8 @@ def _each_sequence(q, k, v, layout: Layout, mask: Optional[Mask], *, scale, drop
     out = torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[2])
     if not return_lse:
         return out
-    lse = torch.cat(lses, 1) if lses else q.new_zeros(q.shape[1], 0, dtype=torch.float32)
+    lse = torch.cat(lses, 1) if lses else q.new_zeros(q.shape[1], 0,
+                                                       dtype=accum_dtype(q.dtype))
     return AttentionResult(out, lse, None)
 
 
@@ -135,9 +137,9 @@ def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q=None
                          f"padded batch's real tokens with x[real] for a [B, T] bool mask")
     if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must hold the same tokens and heads (dims 0, 1), got {shapes}")
-    if q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"varlen_attention needs Hq a multiple of Hkv (dim 1) and q, k of one "
-                         f"head dim (dim 2), got {shapes}")
+    if not k.shape[1] or q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"varlen_attention needs Hq a multiple of Hkv ≥ 1 (dim 1) and q, k of "
+                         f"one head dim (dim 2), got {shapes}")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise TypeError(f"q, k and v must share one dtype and device, got q {q.dtype} {q.device}, "
                         f"k {k.dtype} {k.device}, v {v.dtype} {v.device}: cast with .to(q)")
@@ -195,7 +197,7 @@ def _boundaries(name: str, value, total: int, device) -> tuple[torch.Tensor, lis
     """``cu_seqlens`` as a long tensor on ``device`` and as a list (one host read), checked."""
     if not isinstance(value, torch.Tensor):
         try:
-            value = torch.tensor(value, dtype=torch.long)
+            value = integer_tensor(value)
         except (TypeError, ValueError, RuntimeError):
             raise TypeError(f"{name} must be integers [n + 1] (a tensor or a list), got "
                             f"{type(value).__name__}") from None
