@@ -341,6 +341,27 @@ def test_fp16_bias_beyond_range_is_not_nan(gen):
         ak.attention(q, k, v, ak.bias(bias), backend="torch")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["alibi", "float32 bias"])
+def test_a_bias_low_precision_cannot_hold_is_added_in_float32(dtype, kind, gen):
+    """fp16/bf16 scores are float32 (docs/NUMERICS.md): ALiBi over 600 keys and a float32
+    bias reach values (~180) that bf16 rounds by up to 1/2 and fp16 by 1/16, so torch's
+    kernel, which takes the bias in q's dtype, refuses them and auto's result is within the
+    output's own rounding of the float64 truth."""
+    q_len = 1 if kind == "alibi" else 16
+    q, k, v = (torch.randn(1, 2, t, 32, generator=gen).to(dtype) for t in (q_len, 600, 600))
+    slopes = torch.tensor([0.3, 0.1])
+    distance = (torch.arange(600) - torch.arange(600 - q_len, 600)[:, None]).float()
+    bias = slopes[:, None, None] * distance  # [H, Tq, Tk], what ALiBi adds (bottom-right)
+    mask = ak.alibi(slopes, "bottom_right") if kind == "alibi" else ak.bias(bias)
+    with pytest.raises(ValueError, match="cannot hold"):
+        ak.attention(q, k, v, mask, backend="torch")
+    truth = naive_attention(q, k, v, None, bias.double())[0]
+    out = ak.attention(q, k, v, mask)
+    limit = 2 * torch.finfo(dtype).eps * float(truth.abs().max())
+    assert float((out.double() - truth).abs().max()) <= limit
+
+
 # ---- torch.func and double backward --------------------------------------------------------
 
 def test_torch_func_transforms_take_the_reference(gen):

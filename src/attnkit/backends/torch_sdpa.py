@@ -95,6 +95,12 @@ def _lse_use(inputs: Inputs) -> str:
     return "return_lse=True or sinks (they join through the LSE)" if sinks else "return_lse=True"
 
 
+def _kept_in(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every value of ``values`` survives a round trip through ``dtype`` (−inf and a
+    mask's 0 do in every dtype; one host read)."""
+    return bool(torch.equal(values.to(dtype).to(values.dtype), values))
+
+
 def _stacks_heads(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
     """Whether a call runs the ``Hq / Hkv`` query heads of each K/V head as the rows of one
     call (:func:`~attnkit.numerics.grouped`): a CPU decoding step (one query) with GQA/MQA,
@@ -198,22 +204,33 @@ class TorchBackend(Backend):
         if inputs.need_lse and not _fused_cpu(inputs):
             reasons.append(f"{lse_use} needs the CPU fused kernel with Dk == Dv "
                            "(not supported by torch)")
-        limit = torch.finfo(inputs.q.dtype).max
+        dtype = inputs.q.dtype
+        limit = torch.finfo(dtype).max
         for values in inputs.biases:  # the kernel takes the bias in q's dtype
+            if values.dtype == dtype:
+                continue
+            values = values.detach()
             if torch.finfo(values.dtype).max > limit and bool(
-                    (values.detach().abs() > limit).logical_and_(~torch.isneginf(values)).any()):
-                reasons.append(f"a bias beyond {inputs.q.dtype}'s range (|bias| > {limit:g}) "
-                               f"(not supported by torch: its kernel takes the bias in "
-                               f"{inputs.q.dtype}, where it would overflow)")
-        if (_position_biased(inputs)
-                and torch.finfo(inputs.q.dtype).max < torch.finfo(torch.float32).max):
-            # every relative position occurs in the built bias: the vector's extremes are its
-            vector = inputs.modifiers.position_bias(inputs.space, torch.float32)
-            largest = float(vector.detach().abs().max()) if vector.numel() else 0.0
+                    (values.abs() > limit).logical_and_(~torch.isneginf(values)).any()):
+                reasons.append(f"a bias beyond {dtype}'s range (|bias| > {limit:g}) (not "
+                               f"supported by torch: its kernel takes the bias in {dtype}, "
+                               f"where it would overflow)")
+            elif accum_dtype(dtype) != dtype and not _kept_in(values, dtype):
+                reasons.append(f"a {values.dtype} bias whose values {dtype} cannot hold (not "
+                               f"supported by torch: its kernel takes the bias in {dtype}, "
+                               f"where they would be rounded; the others add it in float32)")
+        if _position_biased(inputs) and accum_dtype(dtype) != dtype:
+            # every relative position occurs in the built bias: the vector holds its values
+            vector = inputs.modifiers.position_bias(inputs.space, torch.float32).detach()
+            largest = float(vector.abs().max()) if vector.numel() else 0.0
             if largest > limit:
-                reasons.append(f"alibi or relative_bias values beyond {inputs.q.dtype}'s range "
+                reasons.append(f"alibi or relative_bias values beyond {dtype}'s range "
                                f"(|bias| up to {largest:g} > {limit:g}) (not supported by "
-                               f"torch: its kernel takes the bias in {inputs.q.dtype})")
+                               f"torch: its kernel takes the bias in {dtype})")
+            elif not _kept_in(vector, dtype):
+                reasons.append(f"alibi or relative_bias values that {dtype} cannot hold (not "
+                               f"supported by torch: its kernel takes the bias in {dtype}, "
+                               f"where they would be rounded; the others add them in float32)")
         if inputs.modifiers is not None and any(t.requires_grad for t in
                                                 inputs.modifiers.position_tensors):
             reasons.append("alibi or relative_bias tensors that require grad (not supported by "
