@@ -325,6 +325,22 @@ def test_bad_inputs_raise():
             key_padding_mask=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="hidden_dim=0"):
         AdditiveAttention(4, 4, 0)
+    with pytest.raises(TypeError, match="True = real"):  # unbatched: the same message
+        mha(torch.randn(3, 8), torch.randn(4, 5), torch.randn(4, 8), key_valid=[True] * 4)
+    with pytest.raises(ValueError, match=r"unbatched keys take \[Tk\] = \[4\]"):
+        mha(torch.randn(3, 8), torch.randn(4, 5), torch.randn(4, 8),
+            key_valid=torch.ones(1, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("values, error", [
+    (torch.randint(1, 9, (2, 5, 3)), "floating-point dtype"),  # integer weights would be 0
+    (torch.randn(2, 5, 3).half(), "floating-point dtype"),  # weights silently fp16
+    ([[0.0] * 3] * 5, "values must be a torch.Tensor"),
+])
+def test_additive_attention_refuses_values_it_cannot_weigh(values, error):
+    module = AdditiveAttention(4, 6, 8)
+    with pytest.raises(TypeError, match=error):
+        module(torch.randn(2, 3, 4), torch.randn(2, 5, 6), values)
 
 
 # ---- gradients --------------------------------------------------------------------------------------

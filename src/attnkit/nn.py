@@ -727,7 +727,10 @@ class MultiHeadAttention(nn.Module):
         unbatched = self._check_inputs(query, key, value)
         if unbatched:
             query, key, value = query[None], key[None], value[None]
-            if key_valid is not None:
+            if isinstance(key_valid, torch.Tensor):  # anything else: _combine_masks says why
+                if key_valid.dim() != 1:
+                    raise ValueError(f"key_valid has shape {tuple(key_valid.shape)} but unbatched "
+                                     f"keys take [Tk] = [{key.shape[1]}]; True = real key")
                 key_valid = key_valid[None]
         batch, q_len, _ = query.shape
         invariant = invariance.active(self.invariant)
@@ -968,6 +971,12 @@ class AdditiveAttention(nn.Module):
         return out, weights
 
     def _check_inputs(self, query, keys, values) -> bool:
+        for name, t in (("query", query), ("keys", keys), ("values", values)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not (query.is_floating_point() and query.dtype == keys.dtype == values.dtype):
+            raise TypeError(f"query, keys and values must share one floating-point dtype, got "
+                            f"{query.dtype}, {keys.dtype}, {values.dtype}: cast with .to(query)")
         where = f"query {tuple(query.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
         if not query.dim() == keys.dim() == values.dim() or query.dim() not in (2, 3):
             raise ValueError(f"query, keys and values must all be [B, T, D] (or all unbatched "
