@@ -109,7 +109,8 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     the pool.
 
     A decoding step (one query per sequence, CPU, no autograd, no mask but a bottom-right
-    band) reads the pool by runs of consecutive blocks: a long run in place (one fused-kernel
+    band, gathered keys too many for :func:`attnkit.attention` to look at them for non-finite
+    values) reads the pool by runs of consecutive blocks: a long run in place (one fused-kernel
     call), a run shared by several sequences once for all of them, the short rest of every
     sequence in one batched call (:func:`decode_by_runs`). On the triton kernel (CUDA with
     ``backend="auto"``, or ``backend="triton"``), a call without autograd and with no mask
