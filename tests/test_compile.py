@@ -236,6 +236,47 @@ def test_multi_head_attention_compiles_with_key_padding_and_causal():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("heads_kv", [2, 1])
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_dynamic_shapes_trace_torch_s_kernel(mask, heads_kv):
+    """With ``dynamic=True`` every size is symbolic: no mask and top-left causal, traced as
+    torch's own kernel, still compile to one graph equal to eager, GQA included."""
+    torch._dynamo.reset()
+    q = _qkv(2, (B, H, 12, D))[0]
+    k, v = _qkv(3, (B, heads_kv, 12, D))[:2]
+
+    def fn(q, k, v):
+        return ak.attention(q, k, v, None if mask is None else ak.causal())
+
+    out, grads = _run(torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True),
+                      [q, k, v])
+    want, want_grads = _run(fn, [q, k, v])
+    torch.testing.assert_close(out, want)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_cache_with_lengths_and_a_plan_made_inside_compile():
+    """A ``KVCache`` appended with per-sequence ``lengths`` and a plan made inside the compiled
+    region trace to one graph each, equal to eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(6)
+    module = MultiHeadAttention(32, 4, 2).eval()
+    chunk, lengths = torch.randn(2, 5, 32), torch.tensor([5, 2])
+
+    def prefill(x, lengths):
+        out, _, cache = module(x, is_causal=True, cache=module.empty_cache(), lengths=lengths)
+        return out, cache.keys
+
+    def planned(q, k, v):
+        return ak.plan(q, k, v, ak.sliding_window(3))(q, k, v)
+
+    with torch.no_grad():
+        for fn, args in ((prefill, (chunk, lengths)), (planned, _qkv(7, (B, H, 12, D)))):
+            got = torch.compile(fn, backend="aot_eager", fullgraph=True)(*args)
+            torch.testing.assert_close(got, fn(*args))
+
+
 def test_bad_values_are_reported_when_the_compiled_graph_runs():
     """Values a trace cannot read (a padding mask whose real tokens are not one run) are
     checked when the operator runs, with the eager message's advice."""

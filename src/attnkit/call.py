@@ -73,13 +73,18 @@ class Plan:
     on its own q, k, v); it checks that the tensors have the planned shapes, strides, dtypes,
     devices and gradient flags, and that the mask's tensors were not written in place since
     (their version counters), raising ``ValueError`` otherwise. Made and run outside
-    ``torch.autocast``; inside a compiled region it runs as :func:`attnkit.attention`."""
+    ``torch.autocast``; made or run inside a compiled region, it runs as
+    :func:`attnkit.attention`."""
 
     def __init__(self, q, k, v, mask, *, scale, backend, return_lse, return_weights,
                  invariant):
         if _autocast_on():
             raise ValueError("attnkit.plan under torch.autocast: make and run plans in the "
                              "dtype the call runs in (autocast casts per call: use attention())")
+        self.mask, self.scale, self.backend_name = mask, scale, backend
+        self.return_lse, self.return_weights, self.invariant = return_lse, return_weights, invariant
+        if torch.compiler.is_compiling():  # made in a compiled region, it runs as attention()
+            return
         inputs, self.backend = validated(q, k, v, mask, scale=scale, dropout_p=0.0,
                                          generator=None, backend=backend, return_lse=return_lse,
                                          return_weights=return_weights, compiling=False,
@@ -88,8 +93,6 @@ class Plan:
         # mask keyed by shape shares nothing)
         self._inputs = inputs.replaced(q=None, k=None, v=None,
                                        derived={} if inputs.derived is None else inputs.derived)
-        self.mask, self.scale, self.backend_name = mask, scale, backend
-        self.return_lse, self.return_weights, self.invariant = return_lse, return_weights, invariant
         self._signature = _plan_signature(q, k, v)
         self._watched = _watched(inputs.mask, inputs.modifiers)  # found once: no mask walk
         self._tensors = _versions(self._watched)

@@ -142,7 +142,10 @@ def derived(inputs: Inputs, key, compute: Callable[[], object]):
 
 
 def _is_wrapped(t: torch.Tensor) -> bool:
-    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+    """Whether ``t`` is a ``torch.func`` transform's wrapper (never inside a compiled region,
+    where dynamo cannot call the check and traces the transforms itself)."""
+    return (not torch.compiler.is_compiling()
+            and torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def _describe(**tensors) -> str:

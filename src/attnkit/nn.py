@@ -122,7 +122,8 @@ def _checked(lengths, new: int) -> Optional[tuple]:
     """What :meth:`KVCache.append` remembers of ``lengths`` it validated for chunks of ``new``
     positions: the tensor, its version counter and ``new``, so a decode loop passing the same
     unchanged tensor every step validates it (one host read) once."""
-    if type(lengths) is not torch.Tensor or lengths.is_inference():
+    if (type(lengths) is not torch.Tensor or torch.compiler.is_compiling()
+            or lengths.is_inference()):  # (a compiled region keeps no state across calls)
         return None
     return (id(lengths), lengths._version, new, lengths)
 

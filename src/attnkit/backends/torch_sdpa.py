@@ -95,12 +95,6 @@ def _lse_use(inputs: Inputs) -> str:
     return "return_lse=True or sinks (they join through the LSE)" if sinks else "return_lse=True"
 
 
-def _kept_in(values: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether every value of ``values`` survives a round trip through ``dtype`` (−inf and a
-    mask's 0 do in every dtype; one host read)."""
-    return bool(torch.equal(values.to(dtype).to(values.dtype), values))
-
-
 def _stacks_heads(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
     """Whether a call runs the ``Hq / Hkv`` query heads of each K/V head as the rows of one
     call (:func:`~attnkit.numerics.grouped`): a CPU decoding step (one query) with GQA/MQA,
@@ -129,8 +123,11 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q, k, v, 0.0, is_causal, attn_mask=additive, scale=scale)
         lse = lse.to(accum_dtype(q.dtype))
     else:
+        # (a branch, not the comparison itself: under dynamic shapes that is a SymBool, which
+        # the kernel's argument parser refuses)
+        gqa = True if q.shape[1] != k.shape[1] else False
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, is_causal=is_causal,
-                                             scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+                                             scale=scale, enable_gqa=gqa)
         lse = None
     if stacked:  # (a copy where the kernel lays its output out as [B, Tq, H, D])
         out = ungrouped(out, heads_q)
@@ -206,31 +203,24 @@ class TorchBackend(Backend):
                            "(not supported by torch)")
         dtype = inputs.q.dtype
         limit = torch.finfo(dtype).max
+        low = accum_dtype(dtype) != dtype  # fp16/bf16: the others add biases in float32
         for values in inputs.biases:  # the kernel takes the bias in q's dtype
             if values.dtype == dtype:
                 continue
-            values = values.detach()
-            if torch.finfo(values.dtype).max > limit and bool(
-                    (values.abs() > limit).logical_and_(~torch.isneginf(values)).any()):
+            if low:
+                reasons.append(f"a {values.dtype} bias with {dtype} inputs (not supported by "
+                               f"torch: its kernel would round the bias to {dtype}; tiled and "
+                               f"reference add it in float32; pass it in {dtype} to run on "
+                               f"torch)")
+            elif torch.finfo(values.dtype).max > limit and bool(
+                    (values.detach().abs() > limit).logical_and_(~torch.isneginf(values)).any()):
                 reasons.append(f"a bias beyond {dtype}'s range (|bias| > {limit:g}) (not "
                                f"supported by torch: its kernel takes the bias in {dtype}, "
                                f"where it would overflow)")
-            elif accum_dtype(dtype) != dtype and not _kept_in(values, dtype):
-                reasons.append(f"a {values.dtype} bias whose values {dtype} cannot hold (not "
-                               f"supported by torch: its kernel takes the bias in {dtype}, "
-                               f"where they would be rounded; the others add it in float32)")
-        if _position_biased(inputs) and accum_dtype(dtype) != dtype:
-            # every relative position occurs in the built bias: the vector holds its values
-            vector = inputs.modifiers.position_bias(inputs.space, torch.float32).detach()
-            largest = float(vector.abs().max()) if vector.numel() else 0.0
-            if largest > limit:
-                reasons.append(f"alibi or relative_bias values beyond {dtype}'s range "
-                               f"(|bias| up to {largest:g} > {limit:g}) (not supported by "
-                               f"torch: its kernel takes the bias in {dtype})")
-            elif not _kept_in(vector, dtype):
-                reasons.append(f"alibi or relative_bias values that {dtype} cannot hold (not "
-                               f"supported by torch: its kernel takes the bias in {dtype}, "
-                               f"where they would be rounded; the others add them in float32)")
+        if low and _position_biased(inputs):
+            reasons.append(f"alibi or relative_bias with {dtype} inputs (not supported by torch: "
+                           f"its kernel would round their bias to {dtype}; tiled and reference "
+                           f"add it in float32)")
         if inputs.modifiers is not None and any(t.requires_grad for t in
                                                 inputs.modifiers.position_tensors):
             reasons.append("alibi or relative_bias tensors that require grad (not supported by "
