@@ -631,3 +631,13 @@ def test_check_invariance_prints_the_contract_table(capsys, monkeypatch):
 def test_device_goes_with_invariance(capsys):
     assert cli.main(["check", "--device", "cpu"]) == 2
     assert "--invariance" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device, words", [("nope", "not a device name"),
+                                           ("meta:x", "not a device name")]
+                         + ([] if torch.cuda.is_available() else
+                            [("cuda", "not a device this machine has")]))
+def test_a_device_this_machine_lacks_is_a_usage_error(device, words, capsys):
+    assert cli.main(["check", "--invariance", "--quick", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert f"--device {device}: {words}" in err and "Traceback" not in err

@@ -225,10 +225,21 @@ class Mask:
 
     def draw(self, q_len: int = 8, kv_len: Optional[int] = None, *, batch: int = 0,
              head: int = 0) -> str:
-        """Text picture of the mask: █ may attend, ░ masked (one line per query)."""
+        """Text picture of the mask: █ may attend, ░ masked (one line per query), for batch
+        element ``batch`` and head ``head`` of a ``q_len × kv_len`` call; ``ValueError`` for
+        a size or index the mask cannot be drawn at (a negative size, an element past the
+        mask's own batch)."""
         kv_len = q_len if kv_len is None else kv_len
+        for name, value in (("q_len", q_len), ("kv_len", kv_len), ("batch", batch),
+                            ("head", head)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"draw({name}={value!r}): pass an int ≥ 0")
         space = MaskSpace(batch=max(batch + 1, self._min_batch()), heads=head + 1,
                           q_len=q_len, kv_len=kv_len)
+        problems = self.check(space)
+        if problems:
+            raise ValueError(f"draw(q_len={q_len}, kv_len={kv_len}, batch={batch}, "
+                             f"head={head}) does not fit the mask:\n  " + "\n  ".join(problems))
         grid = self.to_dense(space)
         grid = grid[min(batch, grid.shape[0] - 1), min(head, grid.shape[1] - 1)]
         return "\n".join("".join("█" if a else "░" for a in row.tolist()) for row in grid)

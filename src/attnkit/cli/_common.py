@@ -19,6 +19,23 @@ class UsageError(ValueError):
     Messages name the argument, what is wrong with it and how to fix it."""
 
 
+def check_device(option: str, value: str) -> str:
+    """``value`` when it names a device this machine can allocate on (``cpu``, ``cuda``,
+    ``cuda:1`` ...); else :class:`UsageError` naming ``option``."""
+    usable = "cpu" + (", or cuda" if torch.cuda.is_available() else "")
+    try:
+        torch.device(value)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"{option} {value}: not a device name; use {usable}") from None
+    try:
+        torch.empty(0, device=value)
+    except (RuntimeError, AssertionError, ValueError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UsageError(f"{option} {value}: not a device this machine has ({reason}); use "
+                         f"{usable}") from None
+    return value
+
+
 def check_output(option: str, value, *names: str) -> Path:
     """Make sure a command can write its output, before it starts any work.
 

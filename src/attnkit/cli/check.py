@@ -36,7 +36,7 @@ from ..inputs import validate
 from ..masks import Mask, MaskSpace, bias, causal, dense, documents, padding, sliding_window
 from ..numerics import accum_dtype
 
-from ._common import UsageError, seed_type
+from ._common import UsageError, check_device, seed_type
 
 HELP = ("check every available backend against the float64 reference (exit 1 on any failure "
         "or when nothing could be checked)")
@@ -467,7 +467,8 @@ def run(args: argparse.Namespace, console) -> int:
         raise UsageError(f"--backend {' '.join(missing)}: cannot run on this machine ({reasons}); "
                          f"choose from the available backends {usable} (see `attnkit info`)")
     if args.invariance:
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = (check_device("--device", args.device) if args.device is not None
+                  else "cuda" if torch.cuda.is_available() else "cpu")
         return run_invariance(available, device, args.seed, console, args.quick)
     if args.device is not None:
         raise UsageError("--device goes with --invariance (the reference check runs on CPU)")
