@@ -592,3 +592,18 @@ def test_mask_function_equals_transformers_dense_mask(kind, q_len, kv_len, q_off
     if result.structured and padding == "ones" and seen >= kv_offset + kv_len:  # all real
         assert result.mask is None or not any(isinstance(leaf, PADDING)
                                               for leaf in _leaves(result.mask)), result
+
+
+@pytest.mark.parametrize("config", [
+    lambda: transformers.FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                      vocab_size=100, alibi=True),
+    lambda: transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=4, vocab_size=100),
+], ids=["falcon-alibi", "bloom"])
+def test_a_model_that_adds_to_its_mask_tensor_is_told_why_it_cannot_run(config):
+    """Falcon with ALiBi and BLOOM add their ALiBi bias to the attention mask themselves,
+    as a tensor: the error names that and the implementations that can run them."""
+    model = transformers.AutoModelForCausalLM.from_config(config(), attn_implementation="attnkit")
+    ids, mask = torch.randint(3, 100, (2, 6)), torch.tensor([[1] * 6, [0, 0] + [1] * 4])
+    with pytest.raises((TypeError, AttributeError), match="attn_implementation='sdpa'"):
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)

@@ -230,6 +230,26 @@ class TransformersMask:
         kind = "" if self.structured else ", dense fallback"
         return f"TransformersMask({self.mask!r}, {list(self.shape)}{kind})"
 
+    # A model that uses the mask as a tensor instead of handing it to the attention function
+    # (Falcon with alibi=True and BLOOM add their ALiBi bias to it) gets a message that says
+    # so, not a missing attribute or operand of a private class.
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"the attnkit mask has no attribute {name!r}: {_TENSOR_USE}")
+
+    def _as_tensor(self, *_):
+        raise TypeError(f"the attnkit mask is not a tensor: {_TENSOR_USE}")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _as_tensor
+    __and__ = __rand__ = __or__ = __ror__ = __invert__ = __neg__ = _as_tensor
+
+
+_TENSOR_USE = ("this model uses its attention mask as a tensor (Falcon with alibi=True and "
+               "BLOOM add their ALiBi bias to it themselves) instead of passing it to the "
+               "attention function, so attnkit cannot run its attention; load it with "
+               "attn_implementation='sdpa' or 'eager'")
+
 
 # ---- the mask function -----------------------------------------------------------------------
 def mask_forward(batch_size: int, q_length: int, kv_length: int,
