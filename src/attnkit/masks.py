@@ -1083,8 +1083,9 @@ def padding(q_lengths=None, kv_lengths=None, q_starts=None, kv_starts=None, *,
     ``0 ≤ start`` and ``start + length ≤`` the query/key length.
 
     ``q_mask`` / ``kv_mask``: a 2-D "real token" mask ``[B, T]`` instead (bool, or 0/1
-    integers; True = real token, as Hugging Face's ``attention_mask``), read into starts and
-    lengths; a row's real tokens must be one contiguous run (any other pattern is a general
+    integers; True = real token, as Hugging Face's ``attention_mask``), read here into starts
+    and lengths (so later in-place writes to it are not seen: build a new mask after them); a
+    row's real tokens must be one contiguous run (any other pattern is a general
     mask: ``ak.dense(mask[:, None, None, :])``). Its width ``T`` must equal the sequence length.
     A row with no real token (all False) is refused (ValueError naming the rows) unless
     ``allow_empty_rows=True``: it is what torch's ``key_padding_mask`` (True = padding) gives
