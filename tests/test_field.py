@@ -364,6 +364,20 @@ def test_a_float32_bias_with_low_precision_inputs_is_added_in_float32(dtype, kin
 
 # ---- torch.func and double backward --------------------------------------------------------
 
+def test_vmap_over_per_example_padding_lengths(gen):
+    """A mask built inside ``vmap`` from per-example lengths (batched tensors, whose values
+    cannot be read) is evaluated as tensors: each example gets its own padding."""
+    from torch.func import vmap
+    q, k, v = (torch.randn(3, 2, t, 4, dtype=torch.float64, generator=gen) for t in (3, 5, 5))
+    lengths = torch.tensor([1, 5, 2])
+
+    def one(q, k, v, n):
+        return ak.attention(q[None], k[None], v[None], ak.padding(kv_lengths=n[None]))[0]
+
+    torch.testing.assert_close(vmap(one)(q, k, v, lengths),
+                               ak.attention(q, k, v, ak.padding(kv_lengths=lengths)))
+
+
 def test_torch_func_transforms_take_the_reference(gen):
     from torch.func import grad, jacrev, vmap
     q, k, v = torch.randn(3, 3, 2, 8, 4, dtype=torch.float64, generator=gen).unbind(0)
@@ -393,6 +407,39 @@ def test_double_backward(backend, gen):
         return [t.grad for t in leaves]
 
     for got, want in zip(penalty(backend), penalty("reference")):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_double_backward_with_sinks_and_a_fully_masked_row(backend, gen):
+    """A row with no key gets LSE sink_h from a merge with one side empty: its second
+    derivatives are finite and equal those of the softmax with the sink as one more column
+    (logaddexp at −inf has a NaN second derivative)."""
+    import math
+    allowed = torch.ones(3, 4, dtype=torch.bool)
+    allowed[1] = False
+    q, k = (torch.randn(1, 1, t, 3, dtype=torch.float64, generator=gen) for t in (3, 4))
+    v = torch.randn(1, 1, 4, 2, dtype=torch.float64, generator=gen)
+    sink = torch.randn(1, dtype=torch.float64, generator=gen)
+
+    def by_hand(q, k, v, s):
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(3)).masked_fill(~allowed, -math.inf)
+        scores = torch.cat([scores, s[None, :, None, None].expand(1, 1, 3, 1)], -1)
+        return torch.softmax(scores, -1)[..., :-1] @ v, torch.logsumexp(scores, -1)
+
+    def attnkit(q, k, v, s):
+        r = ak.attention(q, k, v, ak.dense(allowed) & ak.sinks(s), backend=backend,
+                         return_lse=True)
+        return r.out, r.lse
+
+    def second(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+        out, lse = fn(*leaves)
+        dq, = torch.autograd.grad(out.sum() + lse.sum(), leaves[0], create_graph=True)
+        return torch.autograd.grad(dq.pow(2).sum(), leaves)
+
+    for got, want in zip(second(attnkit), second(by_hand)):
+        assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want)
 
 

@@ -486,7 +486,7 @@ def test_draw_per_batch_and_head():
     mask = ak.padding(kv_lengths=[1, 3])
     assert mask.draw(2, 4, batch=1) == "███░\n███░"
     assert mask.draw(2, 4, batch=0) == "█░░░\n█░░░"
-    with pytest.raises(ValueError, match="2 entries"):  # an element past the mask's batch
+    with pytest.raises(ValueError, match="holds 2 along batch"):  # past the mask's batch
         mask.draw(2, 4, batch=5)
     for bad in (dict(q_len=-1), dict(kv_len=-2), dict(head=-1), dict(q_len=2.5)):
         with pytest.raises(ValueError, match="pass an int ≥ 0"):

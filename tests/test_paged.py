@@ -566,3 +566,25 @@ def test_packed_queries_over_paged_keys_equal_each_sequence_alone(mask):
         torch.testing.assert_close(got.lse[:, a:e], want.lse[0].to(got.lse.dtype))
     with pytest.raises(ValueError, match="packed q"):
         paged_attention(q[None], key_pool, value_pool, table, lengths, cu_seqlens_q=cu_q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_a_decoding_step_keeps_the_invariance_contract(dtype):
+    """Under ``attnkit.invariant()`` a paged decoding step (``attend`` and ``paged_attention``)
+    gives the bits of the same query row in one causal prefill: it takes the gathered call,
+    whose fixed schedule keeps them, not the reading by runs."""
+    gen = torch.Generator().manual_seed(0)
+    length = 600
+    q, k, v = (torch.randn(1, 2, length, 64, generator=gen, dtype=dtype) for _ in range(3))
+    with ak.invariant():
+        full = ak.attention(q, k, v, ak.causal(), return_lse=True)
+        cache = PagedKVCache(num_blocks=40, block_size=32)
+        cache.append(k[:, :, :-1], v[:, :, :-1])
+        cache.append(k[:, :, -1:], v[:, :, -1:])
+        steps = [cache.attend(q[:, :, -1:], return_lse=True),
+                 paged_attention(q[:, :, -1:], cache.key_pool, cache.value_pool,
+                                 cache.block_table(), [length], mask=ak.causal("bottom_right"),
+                                 return_lse=True)]
+    for step in steps:
+        assert torch.equal(step.out, full.out[:, :, -1:])
+        assert torch.equal(step.lse, full.lse[:, :, -1:])

@@ -18,7 +18,7 @@ from .backends.tiled import TiledBackend
 from .backends.torch_sdpa import TorchBackend
 from .backends.triton import TritonBackend
 from .inputs import Inputs
-from .masks import readable
+from .masks import shapes_only
 
 BACKENDS: dict[str, Backend] = {b.NAME: b for b in (ReferenceBackend(), TorchBackend(), TiledBackend(),
                                                   TritonBackend())}
@@ -145,7 +145,8 @@ def shape_only(inputs: Inputs) -> bool:
     """Whether the call only propagates shapes: its tensors are on ``meta`` or fake
     (``FakeTensorMode``: meta-device initialisation, dry runs, memory estimators), outside a
     compiled region (which has its own operator, :mod:`attnkit.compiled`)."""
-    return not torch.compiler.is_compiling() and not readable(inputs.q, inputs.k, inputs.v)
+    return not torch.compiler.is_compiling() and any(
+        shapes_only(t) for t in (inputs.q, inputs.k, inputs.v))
 
 
 def select(inputs: Inputs, backend: str) -> Backend:

@@ -236,11 +236,11 @@ class Mask:
                 raise ValueError(f"draw({name}={value!r}): pass an int ≥ 0")
         space = MaskSpace(batch=max(batch + 1, self._min_batch()), heads=head + 1,
                           q_len=q_len, kv_len=kv_len)
-        problems = self.check(space)
-        if problems:
-            raise ValueError(f"draw(q_len={q_len}, kv_len={kv_len}, batch={batch}, "
-                             f"head={head}) does not fit the mask:\n  " + "\n  ".join(problems))
         grid = self.to_dense(space)
+        for name, index, size in (("batch", batch, grid.shape[0]), ("head", head, grid.shape[1])):
+            if size > 1 and index >= size:  # (a mask of one broadcasts to any index)
+                raise ValueError(f"draw({name}={index}): the mask holds {size} along {name} "
+                                 f"(indices 0..{size - 1})")
         grid = grid[min(batch, grid.shape[0] - 1), min(head, grid.shape[1] - 1)]
         return "\n".join("".join("█" if a else "░" for a in row.tolist()) for row in grid)
 
@@ -667,12 +667,20 @@ def _empty_rows_message(name: str, rows: list, shape: Optional[tuple], inverse_f
 def readable(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether the values of ``tensors`` can be read on the host: not inside a compiled region
     (no value exists while tracing), not on ``meta``, not fake (``FakeTensorMode``: shape
-    propagation, memory estimates). Value checks are skipped where they cannot be made; the
-    call then propagates shapes only (:func:`attnkit.dispatch.select`)."""
+    propagation, memory estimates), not batched by a ``torch.func`` transform (``vmap`` over
+    per-example lengths). Value checks are skipped where they cannot be made; the call then
+    propagates shapes only (:func:`attnkit.dispatch.select`), or evaluates the mask as
+    tensors (under ``vmap``)."""
     if torch.compiler.is_compiling():
         return False
-    return not any(t is not None and (t.device.type == "meta" or isinstance(t, FakeTensor))
+    return not any(t is not None and (shapes_only(t)
+                                      or torch._C._functorch.is_functorch_wrapped_tensor(t))
                    for t in tensors)
+
+
+def shapes_only(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no values at all: on ``meta``, or fake (``FakeTensorMode``)."""
+    return t.device.type == "meta" or isinstance(t, FakeTensor)
 
 
 DENSE_MEMO_ELEMENTS = 1 << 20

@@ -89,14 +89,24 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: 
         total = weight_a + weight_b
         out = (out_a * weight_a[..., None] + out_b * weight_b[..., None]) / total[..., None]
         return out, (top + torch.log(total)).masked_fill(both_empty, float("-inf"))
-    diff = lse_b - lse_a  # [..., T]; ±inf where exactly one side is empty
+    # Where exactly one side is empty, its weight is exactly 0 and the other's 1, and the
+    # union's LSE is the other's: chosen by where(), so that logsigmoid and logaddexp never
+    # see an infinite argument, whose second derivative (a double backward) is NaN.
+    empty_a, empty_b = torch.isneginf(lse_a), torch.isneginf(lse_b)
+    one_empty = empty_a | empty_b
+    filled_a, filled_b = lse_a.masked_fill(one_empty, 0.0), lse_b.masked_fill(one_empty, 0.0)
+    diff = filled_b - filled_a  # [..., T]
     # σ(±diff) as exp(logsigmoid): the same values, but autograd's derivative is then
     # σ(diff)·σ(−diff) from two precise factors, not y·(1 − y), which loses the small factor
     # once y rounds to 1
-    weight_a = torch.exp(torch.nn.functional.logsigmoid(-diff))[..., None]
-    weight_b = torch.exp(torch.nn.functional.logsigmoid(diff))[..., None]
+    weight_a = torch.exp(torch.nn.functional.logsigmoid(-diff))
+    weight_b = torch.exp(torch.nn.functional.logsigmoid(diff))
+    weight_a = torch.where(one_empty, (~empty_a).to(dtype), weight_a)[..., None]
+    weight_b = torch.where(one_empty, (~empty_b).to(dtype), weight_b)[..., None]
     out = out_a * weight_a + out_b * weight_b
-    return out, torch.logaddexp(lse_a, lse_b).masked_fill(both_empty, float("-inf"))
+    lse = torch.where(empty_a, lse_b, torch.where(empty_b, lse_a,
+                                                  torch.logaddexp(filled_a, filled_b)))
+    return out, lse.masked_fill(both_empty, float("-inf"))
 
 
 def merge_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

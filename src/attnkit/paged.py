@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from . import invariance
 from .api import AttentionResult, MaskLike, attention
 from .finite import KV_CHECK_MAX_ELEMENTS, query_and_output_flags
 from .inputs import checked_scale
@@ -238,9 +239,11 @@ def decode_spans(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tens
     ones), over keys that :func:`attnkit.attention` would not look at for non-finite values
     (:func:`~attnkit.finite.checks_keys`: the gathered keys hold more than
     :data:`~attnkit.finite.KV_CHECK_MAX_ELEMENTS` elements); ``None`` otherwise (the gathered
-    path runs it, and validates it)."""
+    path runs it, and validates it); ``None`` under the invariance contract too, whose
+    fixed schedule the gathered call keeps (:mod:`attnkit.invariance`)."""
     gathered = len(lengths) * max(lengths, default=0) * math.prod(key_pool.shape[2:])
-    if (backend != "auto" or q.device.type != "cpu" or not readable(q, key_pool, value_pool)
+    if (backend != "auto" or invariance.active(None) or q.device.type != "cpu"
+            or not readable(q, key_pool, value_pool)
             or q.dim() != 4 or q.shape[2] != 1 or not q.is_floating_point()
             or gathered <= KV_CHECK_MAX_ELEMENTS
             or q.dtype != key_pool.dtype or q.shape[-1] != key_pool.shape[-1]
@@ -469,8 +472,9 @@ def kernel_band(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tenso
     """The band ``(left, right)`` (``None``: unbounded) of a step the triton split-key kernel
     runs reading blocks through the table (:func:`kernel_decode`): ``backend="triton"``, or
     ``"auto"`` on CUDA with triton usable; no autograd; float32, float16 or bfloat16; no mask
-    but a bottom-right band. ``None`` otherwise."""
-    if backend not in ("triton", "auto") or (backend == "auto" and q.device.type != "cuda"):
+    but a bottom-right band; not under the invariance contract. ``None`` otherwise."""
+    if (backend not in ("triton", "auto") or (backend == "auto" and q.device.type != "cuda")
+            or invariance.active(None)):  # (the gathered call keeps the fixed schedule)
         return None
     from .backends.triton import TritonBackend
 
