@@ -123,6 +123,19 @@ def test_explain_json_inputs(capsys):
     assert "no mask" in text
 
 
+def test_explain_says_how_it_shows_a_non_finite_row(capsys):
+    argv = ["explain", "--q", "[[1, NaN], [1, 2]]", "--k", "[[1, 0], [2, 1]]", "--causal"]
+    assert cli.main(argv) == 0
+    assert "holds NaN or ±inf: the steps below use it as zeros" in capsys.readouterr().out
+    assert cli.main(["explain", "--q", "[[1, 0], [1, 2]]", "--k", "[[1, 0], [2, 1]]"]) == 0
+    assert "NaN" not in capsys.readouterr().out
+
+
+def test_explain_refuses_a_single_number(capsys):
+    assert cli.main(["explain", "--q", "5"]) == 2
+    assert "single number (shape ())" in capsys.readouterr().err
+
+
 def test_explain_npy_inputs_with_causal_and_scale(tmp_path, capsys):
     rng = np.random.default_rng(3)
     q, k, v = rng.normal(size=(4, 3)), rng.normal(size=(4, 3)), rng.normal(size=(4, 2))

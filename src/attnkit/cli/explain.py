@@ -101,6 +101,9 @@ def parse_matrix(text: str) -> torch.Tensor:
     if array.size == 0:
         raise ValueError(f"{text!r} is empty (shape {array.shape}); pass at least one row "
                          f"and one column")
+    if array.ndim == 0:
+        raise ValueError(f"{text!r} is a single number (shape ()); pass a matrix such as "
+                         f"'[[1,0],[2,0]]'")
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float64))
 
 
@@ -218,6 +221,9 @@ def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
         f"scale = {scale_note}{gqa}")
     for name, t in (("Q", q), ("K", k), ("V", v)):
         console.print(matrix_table(t.double(), title=name, row_name="row"))
+    if not all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
+        say("A row of Q, K or V holds NaN or ±inf: the steps below use it as zeros, and every "
+            "row that holds or may attend it comes out NaN (docs/NUMERICS.md).")
 
     console.rule("[bold]2. Scores  S = Q Kᵀ")
     say(f"S[i, j] = q_i · k_j   shape [{tq}, {tk}]")
