@@ -30,8 +30,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from .inputs import Inputs, _is_wrapped, derived
-from .masks import Padding, every_key_seen, every_row_has_key, mask_tensors, memo
+from .inputs import Inputs, derived
+from .masks import Padding, _is_wrapped, every_key_seen, every_row_has_key, mask_tensors, memo
 
 KV_CHECK_MIN_ROWS = 64
 """Calls with at least this many query rows also look at the keys in :func:`poison`: at most
@@ -186,10 +186,16 @@ def applies(inputs: Inputs, backend) -> bool:
 
 
 def checks_keys(inputs: Inputs) -> bool:
-    """Whether :func:`poison` looks at the keys too: calls of at least
-    :data:`KV_CHECK_MIN_ROWS` query rows, or with K of at most :data:`KV_CHECK_MAX_ELEMENTS`
-    elements."""
-    return inputs.q.shape[2] >= KV_CHECK_MIN_ROWS or inputs.k.numel() <= KV_CHECK_MAX_ELEMENTS
+    """Whether :func:`poison` looks at the keys too (:func:`looks_at_keys`)."""
+    return looks_at_keys(inputs.q.shape[2], inputs.k.numel())
+
+
+def looks_at_keys(query_rows: int, key_elements: int) -> bool:
+    """Whether a call of ``query_rows`` query rows over K of ``key_elements`` elements has its
+    keys looked at for non-finite values: at least :data:`KV_CHECK_MIN_ROWS` rows, or at most
+    :data:`KV_CHECK_MAX_ELEMENTS` elements. Paths that run torch's kernel without
+    :func:`guard` (a cache's decoding step) keep the same rule by taking ``attention`` there."""
+    return query_rows >= KV_CHECK_MIN_ROWS or key_elements <= KV_CHECK_MAX_ELEMENTS
 
 
 def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],

@@ -17,8 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .masks import (DENSE_MAX_SCORES, Band, Mask, MaskSpace, as_mask, every_row_has_key,
-                    validation_key)
+from .masks import (DENSE_MAX_SCORES, Band, Mask, MaskSpace, _is_wrapped, as_mask,
+                    every_row_has_key, validation_key)
 from .modifiers import Modifiers, split
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -139,13 +139,6 @@ def derived(inputs: Inputs, key, compute: Callable[[], object]):
     if key not in kept:
         kept[key] = compute()
     return kept[key]
-
-
-def _is_wrapped(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``torch.func`` transform's wrapper (never inside a compiled region,
-    where dynamo cannot call the check and traces the transforms itself)."""
-    return (not torch.compiler.is_compiling()
-            and torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def _describe(**tensors) -> str:

@@ -673,9 +673,14 @@ def readable(*tensors: Optional[torch.Tensor]) -> bool:
     tensors (under ``vmap``)."""
     if torch.compiler.is_compiling():
         return False
-    return not any(t is not None and (shapes_only(t)
-                                      or torch._C._functorch.is_functorch_wrapped_tensor(t))
-                   for t in tensors)
+    return not any(t is not None and (shapes_only(t) or _is_wrapped(t)) for t in tensors)
+
+
+def _is_wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch.func`` transform's wrapper (never inside a compiled region,
+    where dynamo cannot call the check and traces the transforms itself)."""
+    return (not torch.compiler.is_compiling()
+            and torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def shapes_only(t: torch.Tensor) -> bool:

@@ -358,7 +358,7 @@ class KVCache:
                 or heads % kv_heads or head_dim != key_dim
                 or (self.lengths is not None and self._whole != 1)
                 or kv_len > DENSE_MAX_SCORES
-                or keys.numel() <= finite.KV_CHECK_MAX_ELEMENTS
+                or finite.looks_at_keys(q_len, keys.numel())
                 or (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad
                                                  or values.requires_grad))
                 or torch.is_autocast_enabled("cpu") or dispatch.forced(backend) != "auto"):

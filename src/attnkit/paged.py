@@ -23,7 +23,7 @@ import torch
 
 from . import invariance
 from .api import AttentionResult, MaskLike, attention
-from .finite import KV_CHECK_MAX_ELEMENTS, query_and_output_flags
+from .finite import looks_at_keys, query_and_output_flags
 from .inputs import checked_scale
 from .masks import Mask, as_mask, causal, integer_tensor, readable, vouched_padding
 from .modifiers import per_sequence
@@ -237,15 +237,14 @@ def decode_spans(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tens
     (not fake) without autograd, ``backend="auto"``, equal key and value head dims (the fused
     kernel's), and no mask but a bottom-right causal band (all keys, or a window's last
     ones), over keys that :func:`attnkit.attention` would not look at for non-finite values
-    (:func:`~attnkit.finite.checks_keys`: the gathered keys hold more than
-    :data:`~attnkit.finite.KV_CHECK_MAX_ELEMENTS` elements); ``None`` otherwise (the gathered
-    path runs it, and validates it); ``None`` under the invariance contract too, whose
-    fixed schedule the gathered call keeps (:mod:`attnkit.invariance`)."""
+    (:func:`~attnkit.finite.looks_at_keys` of the keys it would gather); ``None`` otherwise
+    (the gathered path runs it, and validates it); ``None`` under the invariance contract
+    too, whose fixed schedule the gathered call keeps (:mod:`attnkit.invariance`)."""
     gathered = len(lengths) * max(lengths, default=0) * math.prod(key_pool.shape[2:])
     if (backend != "auto" or invariance.active(None) or q.device.type != "cpu"
             or not readable(q, key_pool, value_pool)
             or q.dim() != 4 or q.shape[2] != 1 or not q.is_floating_point()
-            or gathered <= KV_CHECK_MAX_ELEMENTS
+            or looks_at_keys(1, gathered)
             or q.dtype != key_pool.dtype or q.shape[-1] != key_pool.shape[-1]
             or value_pool.shape[-1] != q.shape[-1]
             or q.shape[1] % key_pool.shape[2] or q.shape[0] != len(lengths)
