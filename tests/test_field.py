@@ -341,6 +341,24 @@ def test_fp16_bias_beyond_range_is_not_nan(gen):
         ak.attention(q, k, v, ak.bias(bias), backend="torch")
 
 
+@pytest.mark.parametrize("value", [1e39, -1e39])
+def test_a_float64_bias_beyond_float32_is_refused_where_it_would_overflow(value, gen):
+    """A finite float64 bias past float32's range with float32 inputs: the backends that add
+    it in float32 refuse it (+1e39 would be inf there, and the row NaN; a row of -1e39 would
+    read as fully masked), and auto's result is the float64 truth."""
+    q, k, v = torch.randn(3, 1, 1, 6, 8, generator=gen).unbind(0)
+    bias = torch.zeros(6, 6, dtype=torch.float64)
+    bias[0, 0] = value
+    bias[1] = value  # every key of row 1: a constant shift, which softmax ignores
+    for backend in ("torch", "tiled"):
+        with pytest.raises(ValueError, match="beyond torch.float32's range"):
+            ak.attention(q, k, v, ak.bias(bias), backend=backend)
+    out = ak.attention(q, k, v, ak.bias(bias))
+    truth = naive_attention(q.double(), k.double(), v.double(), None, bias)[0]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), truth, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", ["alibi", "float32 bias"])
 def test_a_float32_bias_with_low_precision_inputs_is_added_in_float32(dtype, kind, gen):

@@ -64,6 +64,23 @@ def test_paged_attention_equals_each_sequence_alone(block_size, mask):
         torch.testing.assert_close(got.lse[b:b + 1], want.lse, rtol=1e-12, atol=1e-12)
 
 
+def test_paged_attention_refuses_a_relative_bias():
+    """A relative bias would read a decoding query at position 0 of the call, not at its
+    position in its sequence: the last row of a prefill differs (ALiBi, whose alignment adds a
+    constant per row, runs)."""
+    key_pool, value_pool, table, keys, values = _pools([7], 4)
+    q = torch.randn(1, 4, 1, 8, dtype=F64)
+    with pytest.raises(ValueError, match="does not take relative_bias"):
+        paged_attention(q, key_pool, value_pool, table, [7],
+                        mask=ak.relative_bias(torch.randn(4, 32, dtype=F64)))
+    cache = PagedKVCache.from_tables(key_pool, value_pool, table, [7])
+    with pytest.raises(ValueError, match="does not take relative_bias"):
+        cache.attend(q, mask=ak.relative_bias(torch.randn(4, 32, dtype=F64)))
+    alibi = ak.alibi(torch.linspace(0.1, 0.5, 4, dtype=F64))
+    torch.testing.assert_close(cache.attend(q, mask=alibi, is_causal=False),
+                               paged_attention(q, key_pool, value_pool, table, [7], mask=alibi))
+
+
 def test_paged_attention_gradients_reach_q():
     key_pool, value_pool, table, keys, values = _pools([4, 9], 4)
     q = torch.randn(2, 4, 3, 8, dtype=F64, requires_grad=True)

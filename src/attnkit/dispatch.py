@@ -31,9 +31,10 @@ AUTO_RULES = (
     "triton: CUDA, a mask torch's fused kernel can't take (or an LSE), fp16/bf16/fp32, "
     "head dim <= 256, no dropout/weights; never on CPU",
     "torch: no mask or top-left causal (its fused kernel: cuDNN/flash on CUDA, measured faster "
-    "than triton there; auto costs only dispatch overhead), no dropout, no weights, no "
+    "than triton there; auto costs only dispatch overhead), or any other mask with Tq*Tk <= "
+    "DENSE_MAX_SCORES (made once into a dense bias), no dropout, no weights, no "
     "differentiated LSE",
-    "tiled: every other mask (skipping empty tiles beats torch with a dense mask, measured in "
+    "tiled: every larger mask (skipping empty tiles beats torch with a dense mask, measured in "
     "docs/BENCHMARKS.md), dropout, weights without autograd, score modifiers (softcap, alibi, "
     "relative_bias, score_function; sinks run on any backend that returns an LSE); O(T) memory",
     "reference: whatever is left (returned weights with autograd); float64, O(Tq*Tk) memory",

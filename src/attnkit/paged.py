@@ -26,7 +26,7 @@ from .api import AttentionResult, MaskLike, attention
 from .finite import looks_at_keys, query_and_output_flags
 from .inputs import checked_scale
 from .masks import Mask, as_mask, causal, integer_tensor, readable, vouched_padding
-from .modifiers import per_sequence
+from .modifiers import per_sequence, split
 from .numerics import accum_dtype, merge_into
 
 
@@ -99,8 +99,9 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     ``mask`` applies per sequence over its own keys: ``causal(align)`` and
     ``sliding_window(...)`` are aligned to each sequence (bottom-right: its last query sees
     its last key, as ``flash_attn_with_kvcache``'s ``causal``), and the score modifiers join
-    by ``&`` (ALiBi and relative biases with one query per sequence, where no alignment
-    matters). The table and lengths are read once on the host to check them (block ids in
+    by ``&`` (ALiBi with one query per sequence, where its alignment adds a constant per
+    row; relative biases are refused: their buckets would read a decoding query at position
+    0). The table and lengths are read once on the host to check them (block ids in
     range, no block twice in one sequence, lengths within the blocks).
 
     ``cu_seqlens_q`` (``[B + 1]``, as :func:`attnkit.varlen_attention` takes it): ``q`` is
@@ -220,8 +221,15 @@ def _integers(name: str, value, dims: int) -> list:
 
 def sequence_mask(mask: Optional[Mask], sequences: Mask, q_len: int) -> Mask:
     """``mask`` applied per sequence over ``sequences`` (a padding of each sequence's keys,
-    :func:`~attnkit.modifiers.per_sequence`): ALiBi and relative biases with one query per
-    sequence only, where no alignment matters."""
+    :func:`~attnkit.modifiers.per_sequence`): ALiBi with one query per sequence only, where
+    its alignment adds a constant per row (which softmax ignores). Relative biases are
+    refused: their buckets would read a decoding query at position 0, not at its own."""
+    _, modifiers = split(mask)
+    if modifiers is not None and modifiers.relative:
+        raise ValueError("a paged call does not take relative_bias: its buckets read each "
+                         "query's position in the call (a decoding query at 0), not in its "
+                         "sequence, so they would be wrong; attend a contiguous cache with "
+                         "the step's bias as a tensor (attnkit.bias) instead")
     positions = None if q_len == 1 else (
         f"with one query per sequence (got {q_len}): with more, their alignment differs per "
         f"sequence; attend a contiguous cache for this")

@@ -18,6 +18,24 @@ class BackendOutput(NamedTuple):
     weights: Optional[torch.Tensor]
 
 
+def beyond_range(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the bias ``values`` hold finite numbers beyond ``dtype``'s range, which adding
+    them in ``dtype`` would turn into ±inf (and the softmax into NaN, or a row wrongly masked):
+    one read of the values, only for a bias in a wider dtype than ``dtype``."""
+    limit = torch.finfo(dtype).max
+    return torch.finfo(values.dtype).max > limit and bool(
+        (values.detach().abs() > limit).logical_and_(~torch.isinf(values)).any())
+
+
+def bias_range_reasons(inputs: Inputs, dtype: torch.dtype, name: str) -> list[str]:
+    """The refusal of a backend that adds the mask's biases in ``dtype``, for each bias with
+    finite values beyond its range (:func:`beyond_range`)."""
+    return [f"a bias beyond {dtype}'s range (|bias| > {torch.finfo(dtype).max:g}) (not "
+            f"supported by {name}: it adds the bias in {dtype}, where it would overflow; "
+            f"reference adds it in float64)"
+            for values in inputs.biases if beyond_range(values, dtype)]
+
+
 class Backend:
     """A way to compute attention. Subclasses set the capability fields and ``forward``.
 

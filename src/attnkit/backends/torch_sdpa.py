@@ -27,7 +27,7 @@ from ..finite import checks_keys
 from ..inputs import Inputs, derived
 from ..masks import CAUSAL, DENSE_MAX_SCORES, Padding
 from ..numerics import accum_dtype, additive_mask, grouped, ungrouped
-from .base import Backend, BackendOutput
+from .base import Backend, BackendOutput, bias_range_reasons
 
 
 def _fused_cpu(inputs: Inputs) -> bool:
@@ -202,21 +202,14 @@ class TorchBackend(Backend):
             reasons.append(f"{lse_use} needs the CPU fused kernel with Dk == Dv "
                            "(not supported by torch)")
         dtype = inputs.q.dtype
-        limit = torch.finfo(dtype).max
         low = accum_dtype(dtype) != dtype  # fp16/bf16: the others add biases in float32
-        for values in inputs.biases:  # the kernel takes the bias in q's dtype
-            if values.dtype == dtype:
-                continue
-            if low:
-                reasons.append(f"a {values.dtype} bias with {dtype} inputs (not supported by "
-                               f"torch: its kernel would round the bias to {dtype}; tiled and "
-                               f"reference add it in float32; pass it in {dtype} to run on "
-                               f"torch)")
-            elif torch.finfo(values.dtype).max > limit and bool(
-                    (values.detach().abs() > limit).logical_and_(~torch.isneginf(values)).any()):
-                reasons.append(f"a bias beyond {dtype}'s range (|bias| > {limit:g}) (not "
-                               f"supported by torch: its kernel takes the bias in {dtype}, "
-                               f"where it would overflow)")
+        if low:
+            reasons.extend(f"a {values.dtype} bias with {dtype} inputs (not supported by "
+                           f"torch: its kernel would round the bias to {dtype}; tiled and "
+                           f"reference add it in float32; pass it in {dtype} to run on torch)"
+                           for values in inputs.biases if values.dtype != dtype)
+        else:  # the kernel takes the bias in q's dtype
+            reasons.extend(bias_range_reasons(inputs, dtype, "torch"))
         if low and _position_biased(inputs):
             reasons.append(f"alibi or relative_bias with {dtype} inputs (not supported by torch: "
                            f"its kernel would round their bias to {dtype}; tiled and reference "

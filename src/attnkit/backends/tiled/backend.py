@@ -13,7 +13,7 @@ from ...inputs import Inputs
 from ...masks import Mask, MaskSpace, cache_key, key_starts, mask_tensors, memo
 from ...modifiers import Modifiers
 from ...numerics import accum_dtype
-from ..base import Backend, BackendOutput, check_backward_modifiers
+from ..base import Backend, BackendOutput, bias_range_reasons, check_backward_modifiers
 from ..reference import steps
 from .backward import _biases, tiled_backward
 from .forward import _bounded, _exp_, _scores, fused_kernel_takes, tiled_forward, uses_fused_kernel
@@ -190,6 +190,7 @@ class TiledBackend(Backend):
                                f"outside its closure, defaults, named globals and modules (not "
                                f"supported by tiled: it could not give them their gradient; "
                                f"list them in score_function(fn, tensors=[...]))")
+        reasons.extend(bias_range_reasons(inputs, accum_dtype(inputs.q.dtype), "tiled"))
         if inputs.invariant and inputs.dropout_p > 0:
             reasons.append("invariant=True with dropout (not supported by tiled: its fixed "
                            "schedule draws no dropout; apply dropout outside attention)")

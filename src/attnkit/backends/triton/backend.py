@@ -18,7 +18,7 @@ import torch
 
 from ...inputs import Inputs
 from ...modifiers import relative_positions
-from ..base import Backend, BackendOutput, check_backward_modifiers
+from ..base import Backend, BackendOutput, bias_range_reasons, check_backward_modifiers
 from . import launch
 
 
@@ -175,6 +175,7 @@ class TritonBackend(Backend):
         if inputs.modifiers is not None and len(inputs.modifiers.alibi) > 1:
             reasons.append(f"{len(inputs.modifiers.alibi)} alibi modifiers (not supported by "
                            f"triton: its kernels add one; sum their slopes into one alibi)")
+        reasons.extend(bias_range_reasons(inputs, torch.float32, "triton"))  # its scores' dtype
         if inputs.scale <= 0:
             reasons.append(f"scale={inputs.scale:g} <= 0 (not supported by triton: its kernels "
                            f"give NaN there)")
