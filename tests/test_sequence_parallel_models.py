@@ -17,6 +17,8 @@ that case. Each rank computes the single-process reference itself (float64, dete
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -244,6 +246,44 @@ def _llama_case(kind: str, rank: int, world: int) -> str:
     return "\n".join(problems)
 
 
+def _mixed_layers_case(rank: int, world: int) -> str:
+    """A Qwen2 whose layer 0 is full attention and layer 1 a sliding window of 4, on the
+    ranks with one mask per layer kind: its logits shard equals one process's."""
+    import transformers
+
+    import attnkit.integrations.transformers as ak_hf
+
+    ak_hf.register()
+    config = transformers.Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, use_sliding_window=True, sliding_window=4,
+        max_window_layers=1, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
+    model = model.to(torch.float64).eval()
+    ids = torch.randint(3, 100, (1, SEQ), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(SEQ)[None]
+    sp = _parallel("ring")
+    masks = {"full_attention": None, "sliding_attention": ak.sliding_window(3)}
+    with torch.no_grad():
+        whole = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        with ak_hf.sequence_parallel(sp, mask=masks):
+            shard = model(input_ids=sp.shard(ids, dim=1), position_ids=sp.shard(positions, dim=1),
+                          use_cache=False).logits
+        with ak_hf.sequence_parallel(sp, mask=ak.sliding_window(3)):  # one mask for both kinds
+            try:
+                model(input_ids=sp.shard(ids, dim=1), position_ids=sp.shard(positions, dim=1),
+                      use_cache=False)
+                refused = "one mask for layers of two kinds ran"
+            except ValueError as error:
+                refused = "" if "layer_types" in str(error) else str(error)
+    try:
+        torch.testing.assert_close(shard, sp.shard(whole, dim=1), **TOL)
+    except AssertionError as error:
+        return f"logits: {error}"
+    return refused
+
+
 # ---- the workers -----------------------------------------------------------------------------
 
 def _record(run, *args) -> str:
@@ -287,6 +327,7 @@ def _worker(rank: int, world: int) -> dict:
         else:
             result["llama"] = {kind: _record(_llama_case, kind, rank, world)
                                for kind in LLAMA_KINDS}
+            result["mixed"] = _record(_mixed_layers_case, rank, world)
     return result
 
 
@@ -392,6 +433,37 @@ def _attention_module(**attributes):
     for name, value in attributes.items():
         setattr(module, name, value)
     return module
+
+
+def test_mixed_layer_kinds_take_one_mask_per_kind():
+    """Full and sliding layers under one sequence_parallel block, each with its own mask."""
+    pytest.importorskip("transformers")
+    problems = [f"rank {rank}: {r['mixed']}" for rank, r in enumerate(run_world(2))
+                if r["mixed"]]
+    assert not problems, "\n".join(problems)
+
+
+def test_transformers_sequence_parallel_masks_per_layer_kind():
+    """One mask over layers of different kinds is refused (it would be wrong for some); a
+    dict must name the layer's kind; a sliding layer's error shows the dict."""
+    ak_hf = pytest.importorskip("attnkit.integrations.transformers")
+    q = torch.randn(1, 4, 4, 8)
+    k = v = torch.randn(1, 2, 4, 8)
+    mask = ak_hf.TransformersMask(ak.causal(), 1, 4, 4)
+    config = torch.nn.Module()
+    config.layer_types = ["full_attention", "sliding_attention"]
+    sliding = _attention_module(sliding_window=3, layer_idx=1, config=config)
+    keywords = dict(position_ids=torch.arange(4)[None])
+    cases = [(ak.sliding_window(2), "layer_types"),
+             ({"full_attention": None}, "add the whole sequence's mask for 'sliding_attention'"),
+             ({"sliding_attention": None}, "'full_attention': None")]
+    for given, words in cases:
+        with ak_hf.sequence_parallel(SequenceParallel(), mask=given):
+            with pytest.raises(ValueError, match=re.escape(words)):
+                ak_hf.attention_forward(sliding, q, k, v, mask, **keywords)
+    with pytest.raises(TypeError, match="layer kind"):
+        with ak_hf.sequence_parallel(SequenceParallel(), mask={"full_attention": "causal"}):
+            pass
 
 
 @pytest.mark.parametrize("case, words", [

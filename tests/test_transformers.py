@@ -262,6 +262,26 @@ def test_output_attentions_match_eager():
         assert diff.abs().max().item() <= SEQ * torch.finfo(F32).eps
 
 
+def test_output_attentions_reach_models_that_record_them():
+    """GPT-2 takes output_attentions out of its attention calls and records their weights
+    through transformers' output capture: attnkit returns them all the same."""
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100,
+                                     bos_token_id=1, eos_token_id=2)
+    models = _models(config, impls=("eager", "attnkit"))
+    ids, mask = _batch("right")
+    with torch.no_grad():
+        out = {impl: m(input_ids=ids, attention_mask=mask, output_attentions=True)
+               for impl, m in models.items()}
+        plain = models["attnkit"](input_ids=ids, attention_mask=mask)
+    assert not plain.attentions
+    real = mask.bool()
+    assert len(out["attnkit"].attentions) == 2
+    for mine, eager in zip(out["attnkit"].attentions, out["eager"].attentions):
+        assert mine.shape == eager.shape == (BATCH, 4, SEQ, SEQ)
+        diff = (mine - eager).transpose(1, 2)[real]
+        assert diff.abs().max().item() <= SEQ * torch.finfo(F32).eps
+
+
 # ---- encoders --------------------------------------------------------------------------------
 def _bert_config(**extra):
     return transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -598,12 +618,15 @@ def test_mask_function_equals_transformers_dense_mask(kind, q_len, kv_len, q_off
     lambda: transformers.FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                       vocab_size=100, alibi=True),
     lambda: transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=4, vocab_size=100),
-], ids=["falcon-alibi", "bloom"])
+    lambda: transformers.XGLMConfig(d_model=32, num_layers=1, attention_heads=4, ffn_dim=64,
+                                    vocab_size=100),
+], ids=["falcon-alibi", "bloom", "xglm"])
 def test_a_model_that_adds_to_its_mask_tensor_is_told_why_it_cannot_run(config):
     """Falcon with ALiBi and BLOOM add their ALiBi bias to the attention mask themselves,
-    as a tensor: the error names that and the implementations that can run them."""
+    as a tensor, and XGLM computes attention itself: the error names that and the
+    implementation that can run them."""
     model = transformers.AutoModelForCausalLM.from_config(config(), attn_implementation="attnkit")
     ids, mask = torch.randint(3, 100, (2, 6)), torch.tensor([[1] * 6, [0, 0] + [1] * 4])
-    with pytest.raises((TypeError, AttributeError), match="attn_implementation='sdpa'"):
+    with pytest.raises((TypeError, AttributeError), match="attn_implementation='eager'"):
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask)

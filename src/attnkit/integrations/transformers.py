@@ -106,6 +106,10 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError("attnkit.integrations.transformers needs Hugging Face transformers: "
                       "pip install 'attnkit[transformers]'") from error
+try:  # where transformers records the outputs a forward pass was asked for
+    from transformers.utils.output_capturing import _active_collector as _COLLECTOR
+except ImportError:  # pragma: no cover - versions that pass output_attentions to every call
+    _COLLECTOR = None
 
 if TYPE_CHECKING:  # torch.distributed loads only when sequence parallelism is used
     from attnkit.distributed.parallel import SequenceParallel
@@ -146,10 +150,12 @@ def sequence_parallel(parallel: "SequenceParallel",
     returns this rank's rows ``[B, T/P, Hq, D]`` of attention over the whole sequence.
 
     ``mask``: the attnkit mask of the WHOLE sequence ``[B, H, T, T]`` (the same on every
-    rank), used by every layer. ``None``: causal for causal layers (none for the others),
-    ``& documents`` of the packed sequences when a batch of one has global ``position_ids``
-    that restart; layers with a sliding window and 2-D padding masks then raise
-    ``ValueError`` (pass their mask here). The backward runs after the block as well; with
+    rank), used by every layer; or a dict from layer kind to such a mask (or ``None``), for
+    models whose layers differ (``config.layer_types``: ``"full_attention"``,
+    ``"sliding_attention"``, ...), which refuse a single mask. ``None``: causal for causal
+    layers (none for the others), ``& documents`` of the packed sequences when a batch of one
+    has global ``position_ids`` that restart; layers with a sliding window and 2-D padding
+    masks then raise ``ValueError`` (pass their mask here). The backward runs after the block as well; with
     gradient checkpointing (which reruns the forward) run it inside. Every rank must run
     the same forward and backward passes (the collectives pair up across ranks).
     """
@@ -159,10 +165,12 @@ def sequence_parallel(parallel: "SequenceParallel",
         raise TypeError(f"sequence_parallel takes an attnkit.distributed.parallel."
                         f"SequenceParallel (e.g. SequenceParallel(kind='ring')), got "
                         f"{type(parallel).__name__}")
-    if mask is not None and not isinstance(mask, (Mask, torch.Tensor)):
+    given = mask.values() if isinstance(mask, dict) else (mask,)
+    if not all(m is None or isinstance(m, (Mask, torch.Tensor)) for m in given) or (
+            isinstance(mask, dict) and not all(isinstance(kind, str) for kind in mask)):
         raise TypeError(f"sequence_parallel(mask=...) takes an attnkit mask of the whole "
-                        f"sequence (or a tensor attnkit.attention accepts), got "
-                        f"{type(mask).__name__}")
+                        f"sequence (or a tensor attnkit.attention accepts), or a dict from "
+                        f"layer kind (config.layer_types) to such masks, got {mask!r:.80}")
     before = getattr(_PARALLEL, "active", None)
     _PARALLEL.active = (parallel, mask)
     try:
@@ -245,10 +253,11 @@ class TransformersMask:
     __and__ = __rand__ = __or__ = __ror__ = __invert__ = __neg__ = _as_tensor
 
 
-_TENSOR_USE = ("this model uses its attention mask as a tensor (Falcon with alibi=True and "
-               "BLOOM add their ALiBi bias to it themselves) instead of passing it to the "
-               "attention function, so attnkit cannot run its attention; load it with "
-               "attn_implementation='sdpa' or 'eager'")
+_TENSOR_USE = ("this model uses its attention mask as a tensor (as Falcon with alibi=True "
+               "and BLOOM do, adding their ALiBi bias to it, and models that compute "
+               "attention themselves, such as XGLM and MPNet) instead of passing it to "
+               "transformers' attention function, so attnkit cannot run its attention; load "
+               "it with attn_implementation='eager' (or 'sdpa' where the model supports it)")
 
 
 # ---- the mask function -----------------------------------------------------------------------
@@ -545,7 +554,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         modifiers.append(ak.sinks(sinks))
     for modifier in modifiers:
         mask = modifier if mask is None else mask & modifier
-    weights_wanted = bool(kwargs.get("output_attentions", False))
+    weights_wanted = _weights_wanted(kwargs)
     if (isinstance(attention_mask, TransformersMask) and mask is attention_mask.mask
             and not dropout and not weights_wanted):  # the layers share the mask: one plan
         out = attention_mask.attend(query, key, value, scaling)
@@ -554,6 +563,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                           return_weights=weights_wanted)
     out, weights = (result.out, result.weights) if weights_wanted else (result, None)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _weights_wanted(kwargs: dict) -> bool:
+    """Whether the forward pass asked for the attention weights: ``output_attentions`` in the
+    call's keyword arguments, or, for models that take it out before their attention calls
+    (GPT-2, OPT, Falcon, ...), the attentions transformers records from this pass's layers."""
+    if kwargs.get("output_attentions"):
+        return True
+    recorded = None if _COLLECTOR is None else _COLLECTOR.get()
+    return isinstance(recorded, dict) and ("attentions" in recorded
+                                           or "cross_attentions" in recorded)
 
 
 def _packed(kwargs: dict, mask: Optional[Mask], batch: int, q_len: int, kv_len: int, *,
@@ -655,7 +675,7 @@ def _parallel_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     this rank's rows of attention over the whole sequence."""
     name = type(module).__name__
     q_len, kv_len = query.shape[-2], key.shape[-2]
-    if kwargs.get("output_attentions"):
+    if _weights_wanted(kwargs):
         raise ValueError(f"{name}: output_attentions=True under sequence_parallel: no rank "
                          f"holds whole rows of the weights; call without output_attentions")
     if q_len != kv_len:
@@ -668,6 +688,7 @@ def _parallel_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if kwargs.get(keyword) is not None:
             raise ValueError(f"{name} passed {keyword}=... under sequence_parallel, which does "
                              f"not support {what}")
+    mask = _layer_mask(module, mask, kwargs)
     if mask is None:
         mask = _parallel_mask(module, attention_mask, is_causal, parallel, query.shape[0],
                               q_len, kwargs)
@@ -679,6 +700,40 @@ def _parallel_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         mask = ak.sinks(sinks) if mask is None else as_mask(mask) & ak.sinks(sinks)
     out = parallel.attend(query, key, value, mask, scale=scaling, dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _layer_kinds(module: torch.nn.Module) -> Optional[list]:
+    """The model's ``config.layer_types`` (the kind of each layer), or ``None``."""
+    kinds = getattr(getattr(module, "config", None), "layer_types", None)
+    return list(kinds) if isinstance(kinds, (list, tuple)) and kinds else None
+
+
+def _layer_mask(module: torch.nn.Module, given, kwargs: dict):
+    """The mask :func:`sequence_parallel` gives this layer: the one mask, or the dict's entry
+    for the layer's kind (``config.layer_types[layer_idx]``; else by whether it has a sliding
+    window); a ``ValueError`` for one mask over layers of different kinds, which would be
+    wrong for some of them."""
+    name = type(module).__name__
+    kinds = _layer_kinds(module)
+    if isinstance(given, dict):
+        index = getattr(module, "layer_idx", None)
+        if kinds is not None and isinstance(index, int) and 0 <= index < len(kinds):
+            kind = kinds[index]
+        else:
+            window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+            kind = "full_attention" if window is None else "sliding_attention"
+        if kind not in given:
+            raise ValueError(f"{name} is a {kind!r} layer but sequence_parallel(mask=...) "
+                             f"names {sorted(given)}: add the whole sequence's mask for "
+                             f"{kind!r} (None for the default)")
+        return given[kind]
+    if given is not None and kinds is not None and len(set(kinds)) > 1:
+        example = ", ".join(f"{kind!r}: ..." for kind in sorted(set(kinds)))
+        raise ValueError(f"{name}: the model's layers are of kinds {sorted(set(kinds))} "
+                         f"(config.layer_types), and one mask for all of them would be wrong "
+                         f"for some; pass sequence_parallel(sp, mask={{{example}}}), the whole "
+                         f"sequence's mask of each kind")
+    return given
 
 
 def _parallel_mask(module: torch.nn.Module, attention_mask, is_causal: Optional[bool],
@@ -697,10 +752,16 @@ def _parallel_mask(module: torch.nn.Module, attention_mask, is_causal: Optional[
                          f"sequence_parallel(sp, mask=attnkit.padding(...) & attnkit.causal())")
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if window is not None:
+        kinds = _layer_kinds(module)
+        mixed = kinds is not None and len(set(kinds)) > 1
+        example = (f"{{'sliding_attention': attnkit.sliding_window({window!r} - 1), "
+                   f"'full_attention': None}}" if mixed
+                   else f"attnkit.sliding_window({window!r} - 1)")
         raise ValueError(f"{name} has a sliding window ({window!r}): under sequence_parallel "
                          f"pass the whole sequence's mask, e.g. sequence_parallel(sp, "
-                         f"mask=attnkit.sliding_window({window!r} - 1)) for a window of "
-                         f"{window!r} keys")
+                         f"mask={example}) for a window of {window!r} keys"
+                         + (" in the sliding layers (the model's layers are of kinds "
+                            f"{sorted(set(kinds))})" if mixed else ""))
     positions = kwargs.get("position_ids")
     if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or (
             positions.shape[-1] != q_len or positions.shape[0] not in (1, batch)):
