@@ -614,6 +614,29 @@ def test_masks_made_under_inference_mode(make):
     torch.testing.assert_close(out, ak.attention(q, q, q, make()))
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "tiled"])
+@pytest.mark.parametrize("make", [lambda: ak.padding(kv_lengths=[40, 23]),
+                                  lambda: ak.padding(kv_starts=[0, 9]),
+                                  lambda: ak.padding(kv_lengths=[40, 23])
+                                  & ak.alibi(torch.tensor([0.5, 0.25]))],
+                         ids=["kv_lengths", "kv_starts", "kv_lengths-alibi"])
+def test_a_mask_used_in_inference_mode_then_in_training(make, backend, gen):
+    """A mask a model holds serves an inference-mode pass, then a training step: what the
+    first call keeps on the mask serves the second (autograd saves it), as a fresh mask."""
+    q, k, v = torch.randn(3, 2, 2, 40, 8, generator=gen).unbind(0)
+    mask = make()
+    with torch.inference_mode():
+        ak.attention(q, k, v, mask, backend=backend)
+    for grad in ("q", "k"):
+        leaves = {name: t.clone().requires_grad_(name == grad) for name, t in zip("qkv", (q, k, v))}
+        out = ak.attention(*leaves.values(), mask, backend=backend)
+        (got,) = torch.autograd.grad(out.sum(), leaves[grad])
+        fresh = {name: t.clone().requires_grad_(name == grad) for name, t in zip("qkv", (q, k, v))}
+        want = ak.attention(*fresh.values(), make(), backend=backend)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(got, torch.autograd.grad(want.sum(), fresh[grad])[0])
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("q_len,kv_len,align,right", [(12, 12, "top_left", 0),
                                                       (5, 12, "bottom_right", 0),

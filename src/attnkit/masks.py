@@ -739,7 +739,9 @@ def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
     (the mask's own, :func:`mask_tensors`; ``None`` entries allowed), so each layer of a step
     evaluating one mask pays once, and an in-place write to a tensor recomputes. Not kept
     where ``tensors`` is ``None`` (a mask that runs user code), inside a compiled region, for
-    inference tensors (no version counter) or tensor subclasses (fake tensors): computed."""
+    inference tensors (no version counter) or tensor subclasses (fake tensors): computed. A
+    value kept is computed outside inference mode, so a mask first used in an inference-mode
+    pass still serves calls that autograd records."""
     if tensors is None or torch.compiler.is_compiling() or any(
             t is not None and (type(t) is not torch.Tensor or t.is_inference()) for t in tensors):
         return compute()
@@ -752,7 +754,11 @@ def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
             kept.clear()
             if tensors is not None:
                 kept["tensors"] = tensors
-        value = kept[key] = compute()
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                value = kept[key] = compute()
+        else:
+            value = kept[key] = compute()
     return value
 
 
