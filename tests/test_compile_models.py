@@ -109,3 +109,18 @@ def test_a_row_of_one_compiles_to_one_graph_with_its_position_ids(positions):
         got = compiled(input_ids=ids, position_ids=position_ids).logits
     assert graphs.count == 1
     torch.testing.assert_close(got, want)
+
+
+def test_a_layer_compiled_inside_an_eager_model_is_one_graph():
+    """transformers' output capture begins outside the compiled layer (the model's forward is
+    eager): whether attention weights are recorded is read without a graph break."""
+    model = _llama()
+    ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits
+        graphs = Graphs()
+        layer = model.model.layers[0]
+        layer.forward = torch.compile(layer.forward, fullgraph=True, backend=graphs)
+        compiled = model(input_ids=ids).logits
+    assert graphs.count == 1
+    torch.testing.assert_close(compiled, eager)

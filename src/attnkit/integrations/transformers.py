@@ -569,9 +569,14 @@ def _weights_wanted(kwargs: dict) -> bool:
     """Whether the forward pass asked for the attention weights: ``output_attentions`` in the
     call's keyword arguments, or, for models that take it out before their attention calls
     (GPT-2, OPT, Falcon, ...), the attentions transformers records from this pass's layers."""
-    if kwargs.get("output_attentions"):
-        return True
-    recorded = None if _COLLECTOR is None else _COLLECTOR.get()
+    if kwargs.get("output_attentions") or _COLLECTOR is None:
+        return bool(kwargs.get("output_attentions"))
+    if torch.compiler.is_compiling():  # dynamo cannot trace a ContextVar's read: the value
+        # transformers keeps for a capture begun inside the compiled region, else none
+        recorded = getattr(_COLLECTOR, "global_var", None) if getattr(
+            _COLLECTOR, "compiling", False) else None
+    else:
+        recorded = _COLLECTOR.get()
     return isinstance(recorded, dict) and ("attentions" in recorded
                                            or "cross_attentions" in recorded)
 
