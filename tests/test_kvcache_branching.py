@@ -222,3 +222,45 @@ def test_a_cache_of_the_callers_tensors_checks_its_lengths(lengths, error, match
     keys = torch.zeros(3, 2, 8, 4)
     with pytest.raises(error, match=match):
         KVCache(keys, keys.clone(), length=8, lengths=lengths)
+
+
+def test_threads_extending_one_cache_each_keep_their_own_keys():
+    """Request threads continuing one cached prompt at once: one appends in place, the others
+    copy, and every new cache holds the prompt and its own keys (the claim on the store is
+    made under a lock, not after the writes)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = torch.Generator().manual_seed(0)
+    threads, wrong = 4, 0
+    for _ in range(25):
+        k0, v0 = torch.randn(2, 2, 16, 64, generator=gen), torch.randn(2, 2, 16, 64, generator=gen)
+        prefix = KVCache.empty(capacity=1024).append(k0, v0)
+        news = [(torch.randn(2, 2, 64, 64, generator=gen), torch.randn(2, 2, 64, 64, generator=gen))
+                for _ in range(threads)]
+        barrier = threading.Barrier(threads)
+
+        def extend(i):
+            barrier.wait()
+            return prefix.append(*news[i])
+        with ThreadPoolExecutor(threads) as pool:
+            caches = list(pool.map(extend, range(threads)))
+        for (k, v), cache in zip(news, caches):
+            wrong += not (torch.equal(cache.keys, torch.cat([k0, k], 2))
+                          and torch.equal(cache.values, torch.cat([v0, v], 2)))
+        assert torch.equal(prefix.keys, k0) and torch.equal(prefix.values, v0)
+    assert wrong == 0, f"{wrong} of {25 * threads} caches hold another thread's keys"
+
+
+def test_a_cache_made_without_grad_extends_twice_with_grad():
+    """A prompt cached under no_grad, continued twice with grad mode on (the second copies
+    the prompt): both give what a fresh cache of the same tokens gives."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 4)
+    prompt, step = torch.randn(1, 10, 32), torch.randn(2, 1, 3, 32)
+    with torch.no_grad():
+        prefix = mha(prompt, cache=mha.empty_cache(), is_causal=True).cache
+    for x in step:  # the first appends in place, the second copies
+        got = mha(x, cache=prefix, is_causal=True).out
+        want = mha(torch.cat([prompt, x], 1), is_causal=True).out[:, -3:]
+        torch.testing.assert_close(got, want)

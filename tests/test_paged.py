@@ -605,3 +605,18 @@ def test_a_decoding_step_keeps_the_invariance_contract(dtype):
     for step in steps:
         assert torch.equal(step.out, full.out[:, :, -1:])
         assert torch.equal(step.lse, full.lse[:, :, -1:])
+
+
+def test_a_decoding_step_follows_use_backend():
+    """Inside use_backend(name), a CPU decoding step runs on name as attention() does (not on
+    the shortcut that reads the pool by runs)."""
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(num_blocks=64, block_size=16)
+    cache.append(torch.randn(3, 4, 40, 32, generator=gen), torch.randn(3, 4, 40, 32, generator=gen),
+                 lengths=[40, 23, 7])
+    cache.append(torch.randn(3, 4, 1, 32, generator=gen), torch.randn(3, 4, 1, 32, generator=gen))
+    q = torch.randn(3, 4, 1, 32, generator=gen)
+    want = ak.attention(q, cache.keys, cache.values, cache.mask(), backend="reference")
+    with ak.use_backend("reference"):
+        assert torch.equal(cache.attend(q), want)
+    assert torch.equal(cache.attend(q, backend="reference"), want)

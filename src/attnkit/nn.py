@@ -20,6 +20,7 @@ Shapes (E = embed_dim, H = num_heads, Hkv = num_kv_heads, D = E // H)::
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
@@ -116,6 +117,26 @@ class _Store:
                                  torch.tensor(float("-inf"), dtype=dtype, device=device))
         bound = lengths if isinstance(lengths, int) else lengths.view(-1, 1, 1, 1)
         return torch.where(self.positions(kv_len) < bound, *self._bias_values)
+
+
+_CLAIMS = threading.Lock()
+"""Held while a cache claims its store for an append (:func:`_claimed`)."""
+
+
+def _claimed(store: _Store, generation: int, needed: int) -> bool:
+    """Whether the cache of ``generation`` may append in place into ``store`` (it is the
+    latest of its chain and the store holds ``needed`` positions), and if so, that claim
+    made: the store's generation moves on at once, so of several threads extending one
+    cache (a shared prompt), one writes in place and the others copy."""
+    def claim() -> bool:
+        if store.generation != generation or store.capacity < needed:
+            return False
+        store.generation += 1
+        return True
+    if torch.compiler.is_compiling():  # (dynamo traces no lock; a trace runs on one thread)
+        return claim()
+    with _CLAIMS:
+        return claim()
 
 
 def _checked(lengths, new: int) -> Optional[tuple]:
@@ -397,8 +418,12 @@ class KVCache:
     def _vouchable(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` as a store of this chain may hold them, its masks vouching for
         what lies past each length: with zeros there where they are the caller's tensors
-        (copies), else themselves."""
-        if self._store is not None or self.lengths is None:
+        (copies), else themselves; a store's as views made now (a view made under
+        ``no_grad`` of a store a later cache wrote to with grad mode on cannot be read)."""
+        if self._store is not None:
+            start, end = self._start, self._start + self.length
+            return self._store.keys[:, :, start:end], self._store.values[:, :, start:end]
+        if self.lengths is None:
             return self.keys, self.values
         real = keys_below(self.lengths, self.length, self.keys.device)[:, None, :, None]
         return zero_outside(self.keys, real), zero_outside(self.values, real)
@@ -412,14 +437,14 @@ class KVCache:
         with them copied to its start."""
         store = self._store
         start = self._start + self.length - keep
-        if (store is not None and store.generation == self._generation
-                and store.capacity >= start + needed):
+        if store is not None and _claimed(store, self._generation, start + needed):
             return store, start
         grown = 2 * (store.capacity if store is not None else 0)
         capacity = max(needed, self.capacity or 0,
                        grown if self.window is None else 2 * self.window)
         capacity = -(-capacity // split) * split
         fresh = _Store(keys, values, capacity)
+        fresh.generation = 1  # claimed by the cache this append makes
         if keep:
             kept_keys, kept_values = (t[:, :, self.length - keep:] for t in self._vouchable())
             fresh.keys[:, :, :keep] = kept_keys
@@ -429,8 +454,9 @@ class KVCache:
     def _extended(self, store: _Store, length: int, lengths: Optional[torch.Tensor],
                   appended: Optional[torch.Tensor], whole: Optional[int] = None, *,
                   start: int = 0, offset: int = 0) -> "KVCache":
-        store.generation += 1  # the new cache is the latest of the chain
-        cache = object.__new__(KVCache)  # valid by construction: no __post_init__ checks
+        # valid by construction (no __post_init__ checks); the latest of its chain (_room
+        # claimed the store for it)
+        cache = object.__new__(KVCache)
         cache.__dict__.update(
             keys=store.keys[:, :, start:start + length],
             values=store.values[:, :, start:start + length], length=length, lengths=lengths,

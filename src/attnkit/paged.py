@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import invariance
+from . import dispatch, invariance
 from .api import AttentionResult, MaskLike, attention
 from .finite import looks_at_keys, query_and_output_flags
 from .inputs import checked_scale
@@ -249,7 +249,7 @@ def decode_spans(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tens
     (the gathered path runs it, and validates it); ``None`` under the invariance contract
     too, whose fixed schedule the gathered call keeps (:mod:`attnkit.invariance`)."""
     gathered = len(lengths) * max(lengths, default=0) * math.prod(key_pool.shape[2:])
-    if (backend != "auto" or invariance.active(None) or q.device.type != "cpu"
+    if (dispatch.forced(backend) != "auto" or invariance.active(None) or q.device.type != "cpu"
             or not readable(q, key_pool, value_pool)
             or q.dim() != 4 or q.shape[2] != 1 or not q.is_floating_point()
             or looks_at_keys(1, gathered)
@@ -480,6 +480,7 @@ def kernel_band(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tenso
     runs reading blocks through the table (:func:`kernel_decode`): ``backend="triton"``, or
     ``"auto"`` on CUDA with triton usable; no autograd; float32, float16 or bfloat16; no mask
     but a bottom-right band; not under the invariance contract. ``None`` otherwise."""
+    backend = dispatch.forced(backend)  # (auto inside use_backend(name) means name)
     if (backend not in ("triton", "auto") or (backend == "auto" and q.device.type != "cuda")
             or invariance.active(None)):  # (the gathered call keeps the fixed schedule)
         return None
