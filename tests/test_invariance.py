@@ -509,6 +509,38 @@ def test_rowwise_linears_give_a_row_the_same_bits_for_any_row_count():
     assert "forward" not in vars(layer)  # restored on exit
 
 
+def test_rowwise_linears_hold_per_thread():
+    """Threads sharing one model: those inside a block (some nested) compute row-wise, the
+    others torch's own product, and the layer is restored when the last block ends."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from attnkit.nn import _rowwise
+
+    gen = torch.Generator().manual_seed(8)
+    layer = torch.nn.Linear(64, 32)
+    x = torch.randn(3, 64, generator=gen)  # few rows: BLAS's own path differs from row-wise
+    rowwise, own = _rowwise(layer, x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+    barrier = threading.Barrier(4, timeout=60)  # a thread that fails breaks it: no hang
+
+    def work(i: int) -> bool:
+        ok = True
+        for _ in range(50):
+            barrier.wait()
+            if i % 2:
+                with invariance.rowwise_linears(layer):
+                    if i == 3:
+                        with invariance.rowwise_linears(layer):
+                            ok &= torch.equal(layer(x), rowwise)
+                    ok &= torch.equal(layer(x), rowwise)
+            else:
+                ok &= torch.equal(layer(x), own)
+        return ok
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(4)))
+    assert "forward" not in vars(layer)
+
+
 def test_rowwise_linears_take_transformers_conv1d_too():
     """GPT-2's projections (transformers' ``Conv1D``: ``x @ weight + bias``) run row-wise as
     well, with the layer's own result."""

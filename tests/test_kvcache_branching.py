@@ -238,7 +238,7 @@ def test_threads_extending_one_cache_each_keep_their_own_keys():
         prefix = KVCache.empty(capacity=1024).append(k0, v0)
         news = [(torch.randn(2, 2, 64, 64, generator=gen), torch.randn(2, 2, 64, 64, generator=gen))
                 for _ in range(threads)]
-        barrier = threading.Barrier(threads)
+        barrier = threading.Barrier(threads, timeout=60)  # a failing thread breaks it
 
         def extend(i):
             barrier.wait()

@@ -75,19 +75,54 @@ def rowwise_linears(model: "torch.nn.Module"):
 
         with attnkit.invariant(), attnkit.invariance.rowwise_linears(model):
             model.generate(**batch)     # the same tokens and logits alone and in any batch
+
+    Per thread, as :func:`invariant` is: a model shared by several threads computes row-wise
+    only in the threads inside a block (blocks may nest and overlap across threads).
     """
     from torch import nn
 
-    from .nn import _rowwise
-
     layers = [m for m in model.modules() if isinstance(m, nn.Linear) or _conv1d(m)]
+    here = _ROWWISE_HERE.__dict__.setdefault("layers", {})  # this thread's blocks per layer
+    with _ROWWISE_LOCK:
+        for layer in layers:
+            users = _ROWWISE_USERS.get(id(layer), 0)
+            if not users:
+                layer.forward = functools.partial(_linear_forward, layer)
+            _ROWWISE_USERS[id(layer)] = users + 1
     for layer in layers:
-        layer.forward = functools.partial(_rowwise, layer)
+        here[id(layer)] = here.get(id(layer), 0) + 1
     try:
         yield model
     finally:
         for layer in layers:
-            del layer.forward
+            here[id(layer)] -= 1
+            if not here[id(layer)]:
+                del here[id(layer)]
+        with _ROWWISE_LOCK:
+            for layer in layers:
+                users = _ROWWISE_USERS.pop(id(layer)) - 1
+                if users:
+                    _ROWWISE_USERS[id(layer)] = users
+                else:
+                    layer.__dict__.pop("forward", None)
+
+
+_ROWWISE_LOCK = threading.Lock()
+_ROWWISE_USERS: dict = {}
+"""``id(layer)`` → the :func:`rowwise_linears` blocks, on any thread, that hold the layer (its
+patched ``forward`` goes when the last one ends)."""
+_ROWWISE_HERE = threading.local()
+"""``_ROWWISE_HERE.layers``: ``id(layer)`` → this thread's blocks that hold the layer."""
+
+
+def _linear_forward(layer: "torch.nn.Module", x: torch.Tensor) -> torch.Tensor:
+    """A linear layer's forward while a :func:`rowwise_linears` block holds it: row-wise on a
+    thread inside such a block, the layer's own forward on any other."""
+    from .nn import _rowwise
+
+    if getattr(_ROWWISE_HERE, "layers", {}).get(id(layer)):
+        return _rowwise(layer, x)
+    return type(layer).forward(layer, x)
 
 
 def _conv1d(module: "torch.nn.Module") -> bool:
