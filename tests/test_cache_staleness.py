@@ -161,3 +161,33 @@ def test_cache_keys_follow_versions_and_identity():
     with torch.inference_mode():
         too_big = too_big.clone()
     assert ak.masks.cache_key(ak.documents(too_big), []) is None
+
+
+def test_the_call_cache_keeps_a_bounded_amount_of_what_masks_derive(monkeypatch):
+    """A server with a new padding mask each call: the cache keeps the dense biases those
+    masks derived for its latest calls only, about its byte bound, not one per entry."""
+    from attnkit import call
+    from attnkit.inputs import CallCache, _nbytes
+
+    cache = CallCache(derived_bytes=16 << 20)
+    monkeypatch.setattr(call, "CALLS", cache)
+    q = torch.randn(4, 2, 256, 32)
+    for n in range(40):  # a bias [4, 1, 256, 256] float32 (1 MiB) and more per call
+        ak.attention(q, q, q, ak.padding(kv_lengths=[256, 200, 100 + n, 50]), backend="torch")
+    kept = sum(_nbytes(entry[0].derived) for entry in cache._calls.values())
+    assert 4 << 20 < kept <= (16 + 4) << 20, kept  # the bound, and one entry not yet counted
+    assert len(cache._calls) < 40
+
+
+def test_the_call_cache_keeps_no_tensor_with_autograd_history():
+    """ALiBi slopes computed each step (by a small network): the call's cache entry would
+    keep them and their graph alive; such calls are not cached."""
+    import weakref
+
+    net = torch.nn.Linear(4, 2)
+    q = torch.randn(1, 2, 8, 4)
+    slopes = net(torch.ones(4)).sigmoid()  # [2], with a graph
+    ak.attention(q, q, q, ak.causal() & ak.alibi(slopes))
+    gone = weakref.ref(slopes)
+    del slopes
+    assert gone() is None

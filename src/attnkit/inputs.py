@@ -325,12 +325,43 @@ class CallCache:
     layout, mask (the call's own, for a mask keyed by shape), modifiers and choice, and skips
     the checks that gave the same answer before. Calls that cannot be keyed are never cached:
     masks without a cache key (``dense``, ``bias``, ``from_function``, ``score_function``,
-    ``relative_bias`` with a bucket function, tensors), dropout, ``torch.func`` wrappers,
-    compiled graphs."""
+    ``relative_bias`` with a bucket function, tensors), masks or modifiers holding a tensor
+    computed with autograd history (a new one each step: an entry would keep its graph),
+    dropout, ``torch.func`` wrappers, compiled graphs.
 
-    def __init__(self, entries: int = 256):
-        self.entries = entries
+    Bounded twice: at most ``entries`` calls, and the tensors their masks derived (dense
+    biases of ``Tq·Tk`` per sequence, kept for hits on the same mask) at most about
+    ``derived_bytes``: a server seeing a new mask each call keeps only its latest few. The
+    oldest entries go first."""
+
+    def __init__(self, entries: int = 256, derived_bytes: int = 64 << 20):
+        self.entries, self.derived_bytes = entries, derived_bytes
         self._calls: OrderedDict = OrderedDict()
+        self._sizes: dict = {}  # key -> bytes derived (measured at the next insertion)
+        self._bytes = 0
+        self._newest = None  # the key inserted last, its size not measured yet
+
+    def _insert(self, key, entry: tuple) -> None:
+        """Remember ``entry`` under ``key``, the oldest entries evicted past either bound."""
+        newest = self._newest
+        if newest is not None and newest in self._calls:  # its call has derived by now
+            kept = self._calls[newest][0]
+            size = _nbytes(kept.derived) + _nbytes(getattr(kept.mask, "__dict__", {})
+                                                   .get("_memo"))
+            self._sizes[newest] = size
+            self._bytes += size
+        while self._calls and (len(self._calls) >= self.entries
+                               or self._bytes > self.derived_bytes):
+            old, _ = self._calls.popitem(last=False)
+            self._bytes -= self._sizes.pop(old, 0)
+        self._calls[key] = entry
+        self._newest = key
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        self._calls.clear()
+        self._sizes.clear()
+        self._bytes, self._newest = 0, None
 
     def get(self, q, k, v, mask, options: tuple, validate_and_choose: Callable[[], tuple]):
         """``(inputs, choice)`` for this call: from the cache, or ``validate_and_choose()``
@@ -345,14 +376,12 @@ class CallCache:
             inputs, choice = validate_and_choose()
             # a mask keyed by shape runs as given on a hit: only where validation kept it
             if key is not None and (not by_shape or inputs.mask is mask):
-                if len(self._calls) >= self.entries:
-                    self._calls.popitem(last=False)
                 # what the call derived from its mask, for every hit: not for a mask keyed by
                 # shape, a new mask at every hit
                 kept = dataclasses.replace(inputs, q=None, k=None, v=None, _allowed=None,
                                            _has_key=None,
                                            derived=None if by_shape else inputs.derived)
-                self._calls[key] = (kept, choice, keep)
+                self._insert(key, (kept, choice, keep))
             return inputs, choice
         t, choice, _ = hit
         rank, batch = t.input_rank, t.batch_shape
@@ -377,8 +406,8 @@ class CallCache:
             mask_key = None
         elif isinstance(mask, Mask):
             mask_key, by_shape = validation_key(mask, keep, q.shape[-2], k.shape[-2])
-            if mask_key is None:
-                return None, keep, False
+            if mask_key is None or any(getattr(t, "grad_fn", None) is not None for t in keep):
+                return None, keep, False  # (a tensor with history: a new one every step)
         else:
             return None, keep, False
         k_shape, v_shape = k.shape, v.shape
@@ -399,6 +428,17 @@ class CallCache:
                 k_shape, k.stride(-1) == 1, k.dtype, k.device, k.requires_grad,
                 v_shape, v.stride(-1) == 1, v.dtype, v.device, v.requires_grad,
                 mask_key, torch.is_grad_enabled(), interpreted, options), keep, by_shape
+
+
+def _nbytes(value) -> int:
+    """The bytes of the tensors in ``value`` (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(item) for item in value)
+    if isinstance(value, dict):
+        return sum(_nbytes(item) for item in value.values())
+    return 0
 
 
 def _bhtd(t: torch.Tensor, rank: int, batch_shape: tuple) -> torch.Tensor:
