@@ -191,3 +191,23 @@ def test_the_call_cache_keeps_no_tensor_with_autograd_history():
     gone = weakref.ref(slopes)
     del slopes
     assert gone() is None
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_mask_derives_anew(how):
+    """What a used mask derived is keyed by its tensors' identities: a copy (whose tensors
+    are new, and whose ids a later object may reuse) carries none of it, and computes from
+    its own values."""
+    import copy
+    import pickle
+
+    ids = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0])
+    mask = ak.documents(ids)
+    q = torch.randn(1, 2, 8, 4)
+    ak.attention(q, q, q, mask)
+    assert mask.__dict__.get("_memo")
+    copied = copy.deepcopy(mask) if how == "deepcopy" else pickle.loads(pickle.dumps(mask))
+    assert "_memo" not in vars(copied)
+    copied.q_ids[..., 4:] = 1  # (the copy's keys are its queries' ids)
+    want = ak.attention(q, q, q, ak.documents(torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])))
+    torch.testing.assert_close(ak.attention(q, q, q, copied), want)

@@ -264,3 +264,28 @@ def test_a_cache_made_without_grad_extends_twice_with_grad():
         got = mha(x, cache=prefix, is_causal=True).out
         want = mha(torch.cat([prompt, x], 1), is_causal=True).out[:, -3:]
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_ragged_cache_continues_with_the_same_lengths_tensor(how):
+    """A decode loop passes one lengths tensor every step; a copy of its cache (whose store
+    remembers a copy of that tensor) continues as the original does."""
+    import copy
+    import pickle
+
+    gen = torch.Generator().manual_seed(0)
+    step = torch.ones(BATCH, dtype=torch.long)
+
+    def kv(t):
+        return (torch.randn(BATCH, HEADS, t, DK, generator=gen),
+                torch.randn(BATCH, HEADS, t, DV, generator=gen))
+    with torch.no_grad():
+        cache = KVCache.empty().append(*kv(5), lengths=torch.tensor([5, 3, 4]))
+        cache = cache.append(*kv(1), lengths=step)
+        twin = copy.deepcopy(cache) if how == "deepcopy" else pickle.loads(pickle.dumps(cache))
+        k, v = kv(1)
+        want = cache.append(k, v, lengths=step)
+        got = twin.append(k, v, lengths=step)
+    assert torch.equal(got.lengths, want.lengths)
+    for b, n in enumerate(want.lengths.tolist()):
+        assert torch.equal(got.keys[b, :, :n], want.keys[b, :, :n])

@@ -620,3 +620,19 @@ def test_a_decoding_step_follows_use_backend():
     with ak.use_backend("reference"):
         assert torch.equal(cache.attend(q), want)
     assert torch.equal(cache.attend(q, backend="reference"), want)
+
+
+def test_a_shallow_copy_is_refused_and_a_deep_copy_is_independent():
+    """copy.copy would share the pools and tables (two caches writing the same blocks)."""
+    import copy
+
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(num_blocks=8, block_size=4)
+    cache.append(torch.randn(2, 2, 3, 8, generator=gen), torch.randn(2, 2, 3, 8, generator=gen))
+    with pytest.raises(TypeError, match="deepcopy"):
+        copy.copy(cache)
+    twin = copy.deepcopy(cache)
+    k, v = torch.randn(2, 2, 1, 8, generator=gen), torch.randn(2, 2, 1, 8, generator=gen)
+    twin.append(k + 1, v + 1)
+    cache.append(k, v)
+    assert torch.equal(cache.keys[:, :, 3:4], k) and torch.equal(twin.keys[:, :, 3:4], k + 1)

@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attnkit as ak
 from attnkit.bench.hostreads import HostReads
+from attnkit.masks import mask_tensors
 
 B, HQ, HKV, T, D = 2, 4, 2, 24, 16
 
@@ -154,3 +155,28 @@ def test_stale_says_whether_the_mask_was_written(gen):
     assert not plan.stale()
     lens.add_(0)
     assert plan.stale()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_plan_watches_its_own_tensors(how):
+    """A copy's tensors count their versions anew: an unwritten copy runs, a copy written in
+    place is stale, and a copy of a stale plan stays stale."""
+    import copy
+    import pickle
+
+    def copied(plan):
+        return copy.deepcopy(plan) if how == "deepcopy" else pickle.loads(pickle.dumps(plan))
+    q = torch.randn(2, 2, 16, 8)
+    lengths = torch.full((2,), 16)
+    lengths.sub_(0)
+    lengths.sub_(0)  # version 2
+    plan = ak.plan(q, q, q, ak.causal() & ak.padding(None, lengths), backend="torch")
+    plan(q, q, q)
+    twin = copied(plan)
+    assert not twin.stale()
+    torch.testing.assert_close(twin(q, q, q), plan(q, q, q))
+    (own,) = [t for t in mask_tensors(twin.mask) if t is not None]
+    own.fill_(5)  # one write: the copy's counter reaches the original's recorded one
+    assert twin.stale() and not plan.stale()
+    lengths.fill_(3)
+    assert copied(plan).stale()

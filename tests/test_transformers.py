@@ -630,3 +630,26 @@ def test_a_model_that_adds_to_its_mask_tensor_is_told_why_it_cannot_run(config):
     with pytest.raises((TypeError, AttributeError), match="attn_implementation='eager'"):
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask)
+
+
+def test_packed_documents_are_shared_per_thread():
+    """The layers of a forward pass share the documents of its position_ids, per thread: a
+    pass on another thread neither reads nor replaces them."""
+    import threading
+
+    made = []
+
+    def make(tag):
+        return lambda: made.append(tag) or tag
+    mine, theirs = (torch.tensor([[0, 1, 0, 1]]),), (torch.tensor([[0, 0, 1, 2]]),)
+    assert ak_hf._shared_documents(mine, make("mine")) == "mine"
+    assert ak_hf._shared_documents(mine, make("again")) == "mine"  # kept for this pass
+
+    def other():
+        assert ak_hf._shared_documents(mine, make("other thread")) == "other thread"
+        assert ak_hf._shared_documents(theirs, make("theirs")) == "theirs"
+    worker = threading.Thread(target=other)
+    worker.start()
+    worker.join()
+    assert ak_hf._shared_documents(mine, make("after")) == "mine"
+    assert made == ["mine", "other thread", "theirs"]

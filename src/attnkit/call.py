@@ -107,6 +107,19 @@ class Plan:
         """Whether ``q, k, v`` have the planned signature (:meth:`signature_of`)."""
         return _plan_signature(q, k, v) == self._signature
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_stale"] = "_watched" in state and self.stale()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy``, ``deepcopy``, pickle) watches its own tensors, whose version
+        counters start anew: stale where the original was when copied, else from now on."""
+        stale = state.pop("_stale", False)
+        self.__dict__.update(state)
+        if "_watched" in state:
+            self._tensors = ("stale",) if stale else _versions(self._watched)
+
     def stale(self) -> bool:
         """Whether a tensor of the mask (or of its score modifiers) was written in place since
         the plan was made (its version counter moved): running it would then raise."""

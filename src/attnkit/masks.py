@@ -131,6 +131,12 @@ class Mask:
         super().__init_subclass__(**kwargs)
         MASK_TYPES[cls.__name__] = cls
 
+    def __getstate__(self) -> dict:
+        """The mask's fields without what was derived from its tensors (:func:`memo`, keyed by
+        their identities, which a copy's tensors do not have, and a later object's may reuse):
+        a copied or unpickled mask derives anew."""
+        return {name: value for name, value in self.__dict__.items() if name != "_memo"}
+
     def band(self) -> Optional[Band]:
         """The mask's :class:`Band` when it is one band (``causal``, ``sliding_window``), else
         ``None``."""

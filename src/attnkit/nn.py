@@ -119,6 +119,12 @@ class _Store:
         return torch.where(self.positions(kv_len) < bound, *self._bias_values)
 
 
+def _same(checked: tuple, seen: tuple) -> bool:
+    """Whether two :func:`_checked` records name the same tensor, unchanged (its identity:
+    a copied store's record holds a copy, which must not be compared by value)."""
+    return checked[:3] == seen[:3] and checked[3] is seen[3]
+
+
 _CLAIMS = threading.Lock()
 """Held while a cache claims its store for an append (:func:`_claimed`)."""
 
@@ -276,7 +282,7 @@ class KVCache:
         store, _ = self._room(keys, values, self.length, length, split)
         if not padded:
             lengths = store.whole(new)
-        elif seen is not None and store.checked is not None and store.checked[0] == seen:
+        elif seen is not None and store.checked is not None and _same(store.checked[0], seen):
             lengths = store.checked[1]  # validated by an earlier append, unchanged since
         else:
             lengths = self._new_lengths(lengths, batch, new, keys.device)

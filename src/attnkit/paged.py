@@ -668,6 +668,12 @@ class PagedKVCache:
         self._changed()
         return list(range(first, first + count))
 
+    def __copy__(self):
+        raise TypeError("copy.copy(PagedKVCache) would share its pools, block tables and free "
+                        "list, so appending to both would write the same blocks: copy it "
+                        "whole with copy.deepcopy(cache), or add a sequence that shares a "
+                        "row's blocks with cache.fork(row)")
+
     def fork(self, row: int) -> int:
         """A new sequence at the end of the batch holding sequence ``row``'s tokens, sharing
         its blocks (no copy until one of them writes to a shared block); its row."""

@@ -611,22 +611,21 @@ def _packed(kwargs: dict, mask: Optional[Mask], batch: int, q_len: int, kv_len: 
     return documents if mask is None else mask & documents
 
 
-_SHARED: list = []
-"""The packed documents of the latest forward pass: ``[sources, versions, documents]``."""
-
-_SHARED_PARALLEL: list = []
-"""As :data:`_SHARED`, for the whole-sequence documents of a sequence-parallel pass."""
+_SHARED = threading.local()
+"""Per thread (a forward pass runs its layers on one), the packed documents of its latest
+forward pass, ``[sources, versions, documents]``: ``_SHARED.documents``, and
+``_SHARED.parallel`` for the whole-sequence documents of a sequence-parallel pass."""
 
 
 def _shared_documents(sources: tuple, make: Callable[[], Optional[Mask]],
-                      store: Optional[list] = None) -> Optional[Mask]:
+                      kind: str = "documents") -> Optional[Mask]:
     """``make()``, shared by the layers of a forward pass (they receive the same ``sources``
-    tensors): kept for the latest ``sources`` while they are unchanged. Inference tensors (no
-    version counter) and compiled graphs are not kept: made in every layer. ``store``: the
-    list that keeps them (default :data:`_SHARED`)."""
-    store = _SHARED if store is None else store
+    tensors): kept for the latest ``sources`` while they are unchanged, per thread and
+    ``kind`` (:data:`_SHARED`). Inference tensors (no version counter) and compiled graphs
+    are not kept: made in every layer."""
     if torch.compiler.is_compiling() or any(t.is_inference() for t in sources):
         return make()
+    store = _SHARED.__dict__.setdefault(kind, [])
     versions = tuple(t._version for t in sources)
     if (store and len(store[0]) == len(sources)
             and all(a is b for a, b in zip(store[0], sources)) and store[1] == versions):
@@ -781,7 +780,7 @@ def _parallel_mask(module: torch.nn.Module, attention_mask, is_causal: Optional[
         return mask
     documents = _shared_documents(
         (positions,), lambda: _documents_from_positions(_gathered(positions, parallel)),
-        _SHARED_PARALLEL)
+        "parallel")
     if documents is None:
         return mask
     return documents if mask is None else mask & documents
