@@ -157,3 +157,29 @@ def test_kv_cache_lengths_are_integers_as_a_list_or_tensor_and_through_the_modul
     mha = MultiHeadAttention(8, 2)
     with pytest.raises(TypeError, match=r"lengths.*torch\.bool"):
         mha(torch.randn(2, 3, 8), cache=mha.empty_cache(), lengths=torch.tensor([True, True]))
+
+
+def test_an_optional_mask_and_tensors_on_the_left_combine():
+    """``mask & None`` is the mask (an optional user mask); ``| None`` says why not; a bool
+    tensor on the left of & or | becomes a dense mask."""
+    q = torch.randn(1, 1, 4, 8)
+    assert (ak.causal() & None) is not None
+    torch.testing.assert_close(ak.attention(q, q, q, ak.causal() & None),
+                               ak.attention(q, q, q, ak.causal()))
+    with pytest.raises(TypeError, match="None is no mask"):
+        ak.causal() | None
+    allowed = torch.ones(4, 4, dtype=torch.bool).tril()
+    torch.testing.assert_close(ak.attention(q, q, q, allowed & ak.causal()),
+                               ak.attention(q, q, q, ak.causal()))
+    torch.testing.assert_close(ak.attention(q, q, q, allowed | ak.causal()),
+                               ak.attention(q, q, q, ak.causal()))
+
+
+@pytest.mark.parametrize("side", ["kv", "q"])
+def test_a_padding_read_from_a_mask_of_another_batch_is_refused(side):
+    q = torch.randn(2, 2, 6, 8)
+    real = torch.ones(3, 6, dtype=torch.bool)
+    mask = ak.padding(**{f"{side}_mask": real})
+    for backend in ("auto", "torch", "tiled", "reference"):
+        with pytest.raises(ValueError, match=f"{side}_mask has 3 rows but the batch has 2"):
+            ak.attention(q, q, q, mask, backend=backend)

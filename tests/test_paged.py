@@ -73,7 +73,8 @@ def test_paged_attention_refuses_a_relative_bias():
     with pytest.raises(ValueError, match="does not take relative_bias"):
         paged_attention(q, key_pool, value_pool, table, [7],
                         mask=ak.relative_bias(torch.randn(4, 32, dtype=F64)))
-    cache = PagedKVCache.from_tables(key_pool, value_pool, table, [7])
+    cache = PagedKVCache.from_tables(key_pool, value_pool, table, [6])
+    cache.append(keys[0][None, :, 6:], values[0][None, :, 6:])  # the 7th token
     with pytest.raises(ValueError, match="does not take relative_bias"):
         cache.attend(q, mask=ak.relative_bias(torch.randn(4, 32, dtype=F64)))
     alibi = ak.alibi(torch.linspace(0.1, 0.5, 4, dtype=F64))
@@ -636,3 +637,11 @@ def test_a_shallow_copy_is_refused_and_a_deep_copy_is_independent():
     twin.append(k + 1, v + 1)
     cache.append(k, v)
     assert torch.equal(cache.keys[:, :, 3:4], k) and torch.equal(twin.keys[:, :, 3:4], k + 1)
+
+
+def test_attend_takes_the_queries_of_the_last_append():
+    cache = PagedKVCache(num_blocks=8, block_size=4)
+    cache.append(torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8))
+    for t in (2, 5):
+        with pytest.raises(ValueError, match="added 3 per sequence"):
+            cache.attend(torch.randn(2, 2, t, 8))

@@ -265,10 +265,21 @@ class Mask:
 
     # ---- combinators ------------------------------------------------------------------------
     def __and__(self, other: "Mask") -> "Mask":
+        if other is None:  # no mask: nothing more to require (an optional mask's "and")
+            return self
         return _And(self, as_mask(other))
 
+    def __rand__(self, other) -> "Mask":  # a bool or float tensor on the left
+        return as_mask(other) & self
+
     def __or__(self, other: "Mask") -> "Mask":
+        if other is None:
+            raise TypeError(f"{self!r} | None: None is no mask (every key allowed), so the "
+                            f"union would be no mask either; pass None itself, or a mask")
         return _Or(self, as_mask(other))
+
+    def __ror__(self, other) -> "Mask":
+        return as_mask(other) | self
 
     def __invert__(self) -> "Mask":
         return _Not(self)
@@ -896,6 +907,12 @@ class _Padding(Mask):
                 problems.append(f"padding {side}_mask has {width} columns but the sequence has "
                                 f"{limit} {noun} positions: give one entry per position, "
                                 f"shape [B, {limit}]")
+                continue
+            rows = next((t.numel() for t in (lengths, starts) if t is not None), None)
+            if width is not None and rows not in (None, 1, space.batch):
+                problems.append(f"padding {side}_mask has {rows} rows but the batch has "
+                                f"{space.batch}: give one row per batch element, shape "
+                                f"[{space.batch}, {limit}]")
                 continue
             broken = getattr(self, f"{side}_broken")
             if not readable(broken, getattr(self, f"{side}_empty"), lengths, starts):

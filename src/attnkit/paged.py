@@ -907,6 +907,12 @@ class PagedKVCache:
         the triton kernel, a step of any number of new tokens per sequence reads the blocks
         through the table, as :func:`paged_attention` says (:func:`kernel_decode`)."""
         given = as_mask(mask)
+        if (self.key_pool is not None and isinstance(q, torch.Tensor) and q.dim() == 4
+                and q.shape[-2] != self._width):
+            raise ValueError(f"PagedKVCache.attend takes the queries of the last append: q "
+                             f"{tuple(q.shape)} has {q.shape[-2]} positions but the last "
+                             f"append added {self._width} per sequence (q [B, Hq, "
+                             f"{self._width}, D])")
         band = kernel_band(q, self.key_pool, self.value_pool, given, backend) \
             if self.key_pool is not None and q.shape[2] == self._width and all(
                 a == self._width for a in self.appended) else None
