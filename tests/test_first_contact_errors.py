@@ -183,3 +183,31 @@ def test_a_padding_read_from_a_mask_of_another_batch_is_refused(side):
     for backend in ("auto", "torch", "tiled", "reference"):
         with pytest.raises(ValueError, match=f"{side}_mask has 3 rows but the batch has 2"):
             ak.attention(q, q, q, mask, backend=backend)
+
+
+def test_misused_arguments_get_clear_errors():
+    """A module given another dtype than its weights, a plan given a non-tensor, a scale past
+    float32's range with float32 inputs, and flags that are not bools: each a clear error;
+    numpy scalars are numbers; a bool scale is refused whatever the calls before it."""
+    import numpy as np
+
+    mha = MultiHeadAttention(16, 2)
+    with pytest.raises(TypeError, match="weights are torch.float32"):
+        mha(torch.randn(1, 3, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match="floating point"):
+        mha(torch.ones(1, 3, 16, dtype=torch.long))
+    q = torch.randn(1, 2, 4, 8)
+    plan = ak.plan(q, q, q)
+    with pytest.raises(TypeError, match="got ndarray for q"):
+        plan(q.numpy(), q, q)
+    with pytest.raises(ValueError, match="beyond float32's range"):
+        ak.attention(q, q, q, scale=1e39)
+    ak.attention(q.double(), q.double(), q.double(), scale=1e39)  # float64 scores hold it
+    for flag in ("return_lse", "return_weights"):
+        with pytest.raises(TypeError, match=f"{flag}='False'"):
+            ak.attention(q, q, q, **{flag: "False"})
+    torch.testing.assert_close(ak.attention(q, q, q, scale=np.float32(0.5)),
+                               ak.attention(q, q, q, scale=0.5))
+    ak.attention(q, q, q, scale=1)
+    with pytest.raises(TypeError, match="scale must be a float"):
+        ak.attention(q, q, q, scale=True)

@@ -166,6 +166,10 @@ def _autocast_on() -> bool:
 
 
 def _plan_signature(q, k, v) -> tuple:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"a plan runs on torch.Tensors q, k, v; got {type(t).__name__} "
+                            f"for {name}")
     return (tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in (q, k, v)),
             torch.is_grad_enabled())
 
@@ -205,9 +209,11 @@ def validated(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse
     if dropout_p or compiling:
         inputs, chosen = validate_and_choose()
     else:
-        inputs, chosen = CALLS.get(q, k, v, mask, (scale, backend, dispatch.forced(backend),
-                                                   return_lse, return_weights, invariant),
-                                   validate_and_choose)
+        # (the arguments' types too: True == 1 and np.float32(0.5) == 0.5, which validation
+        # tells apart)
+        options = (scale, backend, dispatch.forced(backend), return_lse, return_weights,
+                   invariant, type(scale), type(return_lse), type(return_weights))
+        inputs, chosen = CALLS.get(q, k, v, mask, options, validate_and_choose)
     if not compiling and dispatch.log.isEnabledFor(logging.DEBUG):
         dispatch.log.debug("attention: backend %s (asked %r) for q %s, k %s, %s, mask %r",
                            chosen.NAME, backend, tuple(inputs.q.shape), tuple(inputs.k.shape),

@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import numbers
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from .masks import (DENSE_MAX_SCORES, Band, Mask, MaskSpace, _is_wrapped, as_mask,
@@ -259,8 +261,16 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     q4, k4, v4 = (_bhtd(t, rank, batch_shape) for t in (q, k, v))
 
     scale = checked_scale(scale, q.shape[-1])
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    if q.dtype != torch.float64 and abs(scale) > torch.finfo(torch.float32).max:
+        raise ValueError(f"scale={scale!r} is beyond float32's range, in which {q.dtype} "
+                         f"scores are computed (they would be inf, the softmax NaN): scale the "
+                         f"inputs instead, or use float64")
+    if (isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real)
+            or not 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p={dropout_p!r}: must be a float in [0, 1)")
+    for name, flag in (("return_weights", need_weights), ("return_lse", need_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}={flag!r}: pass True or False")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
@@ -303,8 +313,9 @@ def checked_scale(scale, head_dim: int) -> float:
     non-number, ``ValueError`` for NaN or ±inf."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float (or None for 1/sqrt(Dk)), got {scale!r}")
+    scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale={scale!r}: use a finite number (a temperature τ is "
                          f"scale=1/(τ·sqrt(Dk)))")

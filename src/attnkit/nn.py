@@ -586,6 +586,21 @@ ROWWISE_ROWS = 16
 """Rows per matrix product of :func:`_rowwise`."""
 
 
+def _check_dtypes(module: nn.Module, inputs) -> None:
+    """Raise unless every ``(name, tensor)`` of ``inputs`` has the dtype of ``module``'s
+    parameters (outside ``torch.autocast``, which casts both for each product)."""
+    weight = next(module.parameters(), None)
+    if weight is None or torch.is_autocast_enabled(weight.device.type):
+        return
+    for name, t in inputs:
+        if t.dtype != weight.dtype:
+            fix = (f"convert the input ({name}.to({weight.dtype})) or the module "
+                   f"(module.to({t.dtype}))" if t.is_floating_point() else
+                   f"attention needs floating point: convert it with {name}.to({weight.dtype})")
+            raise TypeError(f"{name} has dtype {t.dtype} but {type(module).__name__}'s weights "
+                            f"are {weight.dtype}: {fix}")
+
+
 def _rowwise(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` for ``x [..., in]`` as products of exactly :data:`ROWWISE_ROWS` rows each
     (the last padded with copies of its last row), so that each row is computed the same
@@ -833,7 +848,7 @@ class MultiHeadAttention(nn.Module):
         """Raise on shapes the projections cannot take; return True for unbatched input."""
         if (type(query) is torch.Tensor and key is query and value is query
                 and query.dim() == 3 and query.shape[-1] == self.embed_dim == self.kdim
-                == self.vdim):
+                == self.vdim and query.dtype == self.q_proj.weight.dtype):
             return False  # batched self-attention, accepted at once
         where = LazyText(lambda: ", ".join(f"{n} {tuple(t.shape)}" for n, t in (
             ("query", query), ("key", key), ("value", value)) if isinstance(t, torch.Tensor)))
@@ -856,6 +871,7 @@ class MultiHeadAttention(nn.Module):
                              f"first); got {where}")
         if key.shape[-2] != value.shape[-2]:
             raise ValueError(f"key and value must have the same length Tk; got {where}")
+        _check_dtypes(self, (("query", query), ("key", key), ("value", value)))
         return query.dim() == 2
 
     def _combine_masks(self, mask: MaskLike, key_valid: Optional[torch.Tensor],
@@ -1023,6 +1039,7 @@ class AdditiveAttention(nn.Module):
             raise ValueError(f"keys and values must have the same length Tk; got {where}")
         if query.dim() == 3 and not query.shape[0] == keys.shape[0] == values.shape[0]:
             raise ValueError(f"query, keys and values must share the batch size; got {where}")
+        _check_dtypes(self, (("query", query), ("keys", keys)))
         return query.dim() == 2
 
     @staticmethod
