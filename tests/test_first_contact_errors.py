@@ -211,3 +211,31 @@ def test_misused_arguments_get_clear_errors():
     ak.attention(q, q, q, scale=1)
     with pytest.raises(TypeError, match="scale must be a float"):
         ak.attention(q, q, q, scale=True)
+
+
+def test_a_cache_of_the_callers_tensors_checks_what_append_would():
+    k = v = torch.randn(2, 1, 5, 4)
+    with pytest.raises(ValueError, match="not supported with a window"):
+        KVCache(k, v, 5, lengths=torch.tensor([5, 4]), window=2)
+    with pytest.raises(ValueError, match="offset=-3"):
+        KVCache(k, v, 5, offset=-3)
+    with pytest.raises(ValueError, match="appended=\\[5, 5\\] outside"):
+        KVCache(k, v, 5, lengths=torch.tensor([1, 2]), appended=torch.tensor([5, 5]))
+    with pytest.raises(TypeError, match="appended="):
+        KVCache(k, v, 5, lengths=torch.tensor([1, 2]), appended=[1, 1])
+    KVCache(k, v, 5, lengths=torch.tensor([1, 2]), appended=torch.tensor([1, 2]))
+
+
+def test_serving_calls_refuse_what_they_cannot_take():
+    q = torch.randn(6, 2, 8)
+    with pytest.raises(TypeError, match="max_seqlen_q=7.9"):
+        ak.varlen_attention(q, q, q, torch.tensor([0, 2, 6]), max_seqlen_q=7.9)
+    ak.varlen_attention(q, q, q, torch.tensor([0, 2, 6]), max_seqlen_q=torch.tensor(4))
+    with pytest.raises(TypeError, match="floating point"):
+        ak.varlen_attention(q.long(), q, q, torch.tensor([0, 2, 6]))
+    with pytest.raises(TypeError, match="seqused_k must be integers"):
+        ak.varlen_attention(q, q, q, torch.tensor([0, 2, 6]), seqused_k="ab")
+    pool = torch.randn(4, 4, 2, 8)
+    with pytest.raises(TypeError, match="floating point"):
+        ak.paged_attention(torch.ones(1, 2, 1, 8, dtype=torch.long), pool, pool,
+                           torch.tensor([[0]]), [3])

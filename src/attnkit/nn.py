@@ -217,6 +217,13 @@ class KVCache:
             _check_positive_int("capacity", self.capacity)
         if self.window is not None:
             _check_positive_int("window", self.window)
+            if self.lengths is not None:
+                raise ValueError(f"KVCache(window={self.window}) keeps every sequence's last "
+                                 f"keys alike: per-sequence lengths are not supported with a "
+                                 f"window; pass lengths=None, or no window")
+        if isinstance(self.offset, bool) or not isinstance(self.offset, int) or self.offset < 0:
+            raise ValueError(f"KVCache offset={self.offset!r}: the tokens a window dropped "
+                             f"before keys[..., 0, :], an int >= 0")
 
     def _check_lengths(self) -> None:
         """Raise unless ``lengths`` is an integer tensor ``[B]`` on the keys' device with every
@@ -239,6 +246,20 @@ class KVCache:
                                                     .all()):
             raise ValueError(f"KVCache lengths={lengths.tolist()} outside [0, {self.length}]: "
                              f"{fix}")
+        appended = self.appended
+        if appended is None:
+            return
+        if (not isinstance(appended, torch.Tensor) or appended.is_floating_point()
+                or appended.is_complex() or appended.dtype == torch.bool
+                or tuple(appended.shape) != (batch,) or appended.device != keys.device):
+            raise TypeError(f"KVCache appended={appended!r:.60}: pass an integer tensor [B] = "
+                            f"[{batch}] on the keys' device, each sequence's positions added by "
+                            f"the last step (at most its length)")
+        if readable(appended, lengths) and batch and not bool(
+                ((appended >= 0) & (appended <= lengths)).all()):
+            raise ValueError(f"KVCache appended={appended.tolist()} outside [0, lengths] "
+                             f"(lengths={lengths.tolist()}): each sequence's last step added "
+                             f"at most its length")
 
     @classmethod
     def empty(cls, capacity: Optional[int] = None, window: Optional[int] = None) -> "KVCache":

@@ -176,6 +176,9 @@ def _checked_tables(q, key_pool, value_pool, block_table, seqlens,
     if key_pool.shape[:3] != value_pool.shape[:3]:
         raise ValueError(f"key_pool and value_pool must share num_blocks, block_size and Hkv, "
                          f"got {where}")
+    if not q.is_floating_point():
+        raise TypeError(f"paged_attention needs floating point q and pools, got q {q.dtype}, "
+                        f"key_pool {key_pool.dtype}: convert them, e.g. with .float()")
     if key_pool.dtype != q.dtype or value_pool.dtype != q.dtype or key_pool.device != q.device:
         raise TypeError(f"q and the pools must share one dtype and device, got q {q.dtype} "
                         f"{q.device}, key_pool {key_pool.dtype} {key_pool.device}, value_pool "

@@ -10,6 +10,7 @@ tokens), and the tiled engine skips every tile between two sequences.
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -140,6 +141,9 @@ def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q=None
     if not k.shape[1] or q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
         raise ValueError(f"varlen_attention needs Hq a multiple of Hkv ≥ 1 (dim 1) and q, k of "
                          f"one head dim (dim 2), got {shapes}")
+    if not q.is_floating_point():
+        raise TypeError(f"varlen_attention needs floating point q, k and v, got q {q.dtype}: "
+                        f"convert with q.float()")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise TypeError(f"q, k and v must share one dtype and device, got q {q.dtype} {q.device}, "
                         f"k {k.dtype} {k.device}, v {v.dtype} {v.device}: cast with .to(q)")
@@ -156,6 +160,9 @@ def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q=None
     lengths_k = [b - a for a, b in zip(starts_k, starts_k[1:])]
     for name, limit, lengths in (("max_seqlen_q", max_seqlen_q, lengths_q),
                                  ("max_seqlen_k", max_seqlen_k, lengths_k)):
+        if limit is not None and not _an_int(limit):
+            raise TypeError(f"{name}={limit!r:.40}: pass an int (the longest sequence's "
+                            f"tokens), or leave it out")
         if limit is not None and lengths and int(limit) < max(lengths):
             seq = lengths.index(max(lengths))
             raise ValueError(f"{name}={limit} but sequence {seq} holds {lengths[seq]} tokens: "
@@ -236,10 +243,22 @@ def _sequence_ids(lengths: list[int], total: int, device) -> torch.Tensor:
                                    output_size=total)
 
 
+def _an_int(value) -> bool:
+    """Whether ``value`` is an int (a Python or numpy integer, or a 0-d integer tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not (value.is_floating_point() or value.is_complex()
+                                         or value.dtype == torch.bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _seqused(value, lengths: list[int], device) -> tuple[torch.Tensor, list[int]]:
     """``seqused_k`` as long ``[n]`` on ``device`` and as a list (one host read), each in
     ``[0, its sequence's keys]``."""
-    used = torch.as_tensor(value, device=device)
+    try:
+        used = integer_tensor(value).to(device)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"seqused_k must be integers [n] (a tensor or a list), got "
+                        f"{type(value).__name__} {value!r:.40}") from None
     if used.dtype == torch.bool or used.is_floating_point() or used.is_complex():
         raise TypeError(f"seqused_k must be integers [n], got {used.dtype}")
     if used.shape != (len(lengths),):
