@@ -645,3 +645,20 @@ def test_attend_takes_the_queries_of_the_last_append():
     for t in (2, 5):
         with pytest.raises(ValueError, match="added 3 per sequence"):
             cache.attend(torch.randn(2, 2, t, 8))
+
+
+def test_rows_and_counts_are_checked():
+    import numpy as np
+
+    cache = PagedKVCache(num_blocks=8, block_size=4)
+    cache.add(3)
+    with pytest.raises(TypeError, match=r"free\(\[0\]\)"):
+        cache.free(0)
+    with pytest.raises(ValueError, match="count=-1"):
+        cache.add(-1)
+    with pytest.raises(ValueError, match="row True"):
+        cache.fork(True)
+    assert cache.fork(np.int64(0)) == 3
+    cache.free(torch.tensor([3]))
+    cache.free(np.array([2]))
+    assert cache.batch == 2

@@ -664,6 +664,9 @@ class PagedKVCache:
 
     def add(self, count: int = 1) -> list[int]:
         """Start ``count`` empty sequences at the end of the batch; their rows."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"PagedKVCache.add(count={count!r}): pass the number of new "
+                             f"sequences, an int >= 0")
         first = self.batch
         self.tables += [[] for _ in range(count)]
         self.lengths += [0] * count
@@ -680,7 +683,7 @@ class PagedKVCache:
     def fork(self, row: int) -> int:
         """A new sequence at the end of the batch holding sequence ``row``'s tokens, sharing
         its blocks (no copy until one of them writes to a shared block); its row."""
-        self._check_rows([row])
+        (row,) = self._check_rows([row])
         for block in self.tables[row]:
             self._holders[block] += 1
         self.tables.append(list(self.tables[row]))
@@ -692,7 +695,9 @@ class PagedKVCache:
     def free(self, rows: Sequence[int]) -> None:
         """End the sequences at ``rows``: their blocks return to the pool (a block shared with
         a sequence that lives on stays); the other rows keep their order."""
-        rows = sorted(set(self._check_rows(rows)))
+        if isinstance(rows, (int, np.integer)):
+            raise TypeError(f"PagedKVCache.free takes a list of rows, e.g. free([{rows}])")
+        rows = sorted(set(self._check_rows(_integers("rows", rows, 1))))
         for row in rows:
             self._release(self.tables[row])
         keep = [r for r in range(self.batch) if r not in set(rows)]
@@ -724,12 +729,18 @@ class PagedKVCache:
                 self._free.append(block)
 
     def _check_rows(self, rows) -> list[int]:
-        rows = list(rows)
-        bad = [r for r in rows if not (isinstance(r, int) and 0 <= r < self.batch)]
-        if bad:
-            raise ValueError(f"row {bad[0]!r} is not a sequence of this cache (rows 0.."
-                             f"{self.batch - 1})")
-        return rows
+        """``rows`` (ints, numpy integers or 0-d integer tensors; ``[B']`` tensors are read by
+        :func:`_integers` first) as Python ints, each a row of this cache."""
+        found = []
+        for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows):
+            if isinstance(r, torch.Tensor) and r.dim() == 0 and not r.is_floating_point():
+                r = r.item()
+            if (isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer))
+                    or not 0 <= r < self.batch):
+                raise ValueError(f"row {r!r} is not a sequence of this cache (rows 0.."
+                                 f"{self.batch - 1})")
+            found.append(int(r))
+        return found
 
     # ---- writing -----------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor,
