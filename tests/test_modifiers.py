@@ -888,3 +888,9 @@ def test_explain_shows_the_modified_scores(capsys):
     # (0, 0): tanh(1/√2) + 0.5·0; (2, 0): tanh(3/√2) + 0.5·(0 − 2)
     assert f"{math.tanh(2 ** -0.5):.4f}" == "0.6089" and "0.6089" in text
     assert f"{math.tanh(3 * 2 ** -0.5) - 1.0:.4f}" == "-0.0283" and "-0.0283" in text
+
+
+def test_t5_buckets_with_an_odd_count_leave_the_last_unused():
+    """As documented (and as transformers buckets): 33 buckets give ids 0..31 both ways."""
+    ids = ak.t5_buckets(torch.arange(-500, 500), 33)
+    assert int(ids.max()) == 31 and int(ids.min()) == 0

@@ -234,7 +234,8 @@ def t5_buckets(relative_position: torch.Tensor, num_buckets: int, bidirectional:
     bucket 0. Within a direction's ``n`` buckets, distances ``0 … n/2 − 1`` get a bucket each,
     and larger ones share ``n/2`` logarithmically spaced buckets up to ``max_distance``, beyond
     which all fall into the last. E.g. ``num_buckets=32``: ``0 → 0``, ``−3 → 3``, ``+3 → 19``,
-    ``−20 → 10``, ``−1000 → 15``, ``+1000 → 31``.
+    ``−20 → 10``, ``−1000 → 15``, ``+1000 → 31``. With ``bidirectional`` each direction gets
+    ``num_buckets // 2``, as in Hugging Face's: an odd count's last bucket is never used.
     """
     if not isinstance(relative_position, torch.Tensor) or relative_position.is_floating_point() \
             or relative_position.is_complex() or relative_position.dtype == torch.bool:
