@@ -662,3 +662,16 @@ def test_rows_and_counts_are_checked():
     cache.free(torch.tensor([3]))
     cache.free(np.array([2]))
     assert cache.batch == 2
+
+
+def test_errors_name_what_the_caller_passed():
+    pool = torch.zeros(6, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"multiple of the pools' Hkv.*q \(2, 3, 1, 8\)"):
+        paged_attention(torch.zeros(2, 3, 1, 8), pool, pool, [[0], [1]], [1, 1])
+    with pytest.raises(ValueError, match=r"seqlens\[0\] = -1: a sequence holds 0 or more"):
+        paged_attention(torch.zeros(2, 2, 1, 8), pool, pool, [[0], [1]], [-1, 1])
+    with pytest.raises(ValueError, match="block_tables .* and lengths .* one row per sequence "
+                                         "each, got 2 and 1"):
+        PagedKVCache.from_tables(pool, pool, [[0], [1]], [1])
+    with pytest.raises(ValueError, match=r"got key_pool \(6, 4, 2, 8\), value_pool"):
+        PagedKVCache.from_tables(pool, torch.zeros(5, 4, 2, 8), [[0]], [1])

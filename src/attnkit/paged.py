@@ -164,18 +164,27 @@ def _packed_queries(q, key_pool, value_pool, block_table, seqlens, cu_seqlens_q,
 
 
 def _checked_tables(q, key_pool, value_pool, block_table, seqlens,
-                    batch: Optional[int] = None) -> tuple[list, list]:
+                    batch: Optional[int] = None, *, caller: str = "paged_attention",
+                    ) -> tuple[list, list]:
     """``(table, lengths)`` as host lists after checking them against the pools (one read of
     each); ``ValueError``/``TypeError`` naming the offending sequence. ``batch``: the
-    sequences of packed queries (``q [total_q, Hq, D]``), else q's batch."""
-    where = (f"q {tuple(q.shape)}, key_pool {tuple(key_pool.shape)}, value_pool "
-             f"{tuple(value_pool.shape)}")
+    sequences of packed queries (``q [total_q, Hq, D]``), else q's batch. ``caller``:
+    ``"PagedKVCache.from_tables"`` names its own arguments (``block_tables``, ``lengths``;
+    ``q`` is then a probe of the pools' dtype and device, never named)."""
+    tables = caller == "PagedKVCache.from_tables"
+    table_name, lengths_name = ("block_tables", "lengths") if tables else ("block_table",
+                                                                           "seqlens")
+    where = ("" if tables else f"q {tuple(q.shape)}, ") + (
+        f"key_pool {tuple(key_pool.shape)}, value_pool {tuple(value_pool.shape)}")
     if q.dim() != (4 if batch is None else 3) or key_pool.dim() != 4 or value_pool.dim() != 4:
         raise ValueError(f"paged_attention takes q [B, Hq, Tq, D] (packed [total_q, Hq, D] with "
                          f"cu_seqlens_q) and pools [num_blocks, block_size, Hkv, D], got {where}")
     if key_pool.shape[:3] != value_pool.shape[:3]:
         raise ValueError(f"key_pool and value_pool must share num_blocks, block_size and Hkv, "
                          f"got {where}")
+    if not tables and (q.shape[1] % key_pool.shape[2] or q.shape[-1] != key_pool.shape[-1]):
+        raise ValueError(f"{caller} needs q's heads (dim 1) a multiple of the pools' Hkv "
+                         f"(dim 2) and q's head dim equal to key_pool's, got {where}")
     if not q.is_floating_point():
         raise TypeError(f"paged_attention needs floating point q and pools, got q {q.dtype}, "
                         f"key_pool {key_pool.dtype}: convert them, e.g. with .float()")
@@ -184,25 +193,30 @@ def _checked_tables(q, key_pool, value_pool, block_table, seqlens,
                         f"{q.device}, key_pool {key_pool.dtype} {key_pool.device}, value_pool "
                         f"{value_pool.dtype}")
     num_blocks, block_size = key_pool.shape[:2]
-    table = _integers("block_table", block_table, 2)
-    lengths = _integers("seqlens", seqlens, 1)
-    batch = q.shape[0] if batch is None else batch
+    table = _integers(table_name, block_table, 2)
+    lengths = _integers(lengths_name, seqlens, 1)
+    batch = (len(table) if tables else q.shape[0]) if batch is None else batch
     if len(table) != batch or len(lengths) != batch:
-        raise ValueError(f"block_table [B, max_blocks] and seqlens [B] must have one row per "
-                         f"sequence of q (B = {batch}), got {len(table)} and {len(lengths)}")
+        of = "each" if tables else f"of q (B = {batch})"
+        raise ValueError(f"{table_name} [B, max_blocks] and {lengths_name} [B] must have one "
+                         f"row per sequence {of}, got {len(table)} and {len(lengths)}")
     for seq, (row, count) in enumerate(zip(table, lengths)):
         needed = -(-count // block_size)
-        if count < 0 or needed > len(row):
-            raise ValueError(f"seqlens[{seq}] = {count} but sequence {seq} has {len(row)} blocks "
-                             f"of {block_size} positions: at most {len(row) * block_size}")
+        if count < 0:
+            raise ValueError(f"{lengths_name}[{seq}] = {count}: a sequence holds 0 or more "
+                             f"tokens")
+        if needed > len(row):
+            raise ValueError(f"{lengths_name}[{seq}] = {count} but sequence {seq} has "
+                             f"{len(row)} blocks of {block_size} positions: at most "
+                             f"{len(row) * block_size}")
         live = row[:needed]
         bad = [b for b in live if not 0 <= b < num_blocks]
         if bad:
-            raise ValueError(f"block_table[{seq}] names block {bad[0]}, outside the pool of "
+            raise ValueError(f"{table_name}[{seq}] names block {bad[0]}, outside the pool of "
                              f"{num_blocks} blocks")
         if len(set(live)) != len(live):
             twice = next(b for b in live if live.count(b) > 1)
-            raise ValueError(f"block_table[{seq}] holds block {twice} twice among its "
+            raise ValueError(f"{table_name}[{seq}] holds block {twice} twice among its "
                              f"{needed} live blocks: each position needs its own slot")
     return table, lengths
 
@@ -640,7 +654,8 @@ class PagedKVCache:
             raise TypeError("PagedKVCache.from_tables takes key_pool and value_pool as "
                             "torch.Tensors [num_blocks, block_size, Hkv, D]")
         probe = key_pool.new_empty(len(_integers("lengths", lengths, 1)), 1, 1, key_pool.shape[-1])
-        table, counts = _checked_tables(probe, key_pool, value_pool, block_tables, lengths)
+        table, counts = _checked_tables(probe, key_pool, value_pool, block_tables, lengths,
+                                        caller="PagedKVCache.from_tables")
         cache = cls(key_pool.shape[0], key_pool.shape[1])
         cache.key_pool, cache.value_pool = key_pool, value_pool
         cache.tables = [row[:-(-n // cache.block_size)] for row, n in zip(table, counts)]
