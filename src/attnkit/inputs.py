@@ -368,12 +368,6 @@ class CallCache:
         self._calls[key] = entry
         self._newest = key
 
-    def clear(self) -> None:
-        """Forget every entry."""
-        self._calls.clear()
-        self._sizes.clear()
-        self._bytes, self._newest = 0, None
-
     def get(self, q, k, v, mask, options: tuple, validate_and_choose: Callable[[], tuple]):
         """``(inputs, choice)`` for this call: from the cache, or ``validate_and_choose()``
         (which returns them) remembered under the call's signature. ``options``: the call's

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import numbers
 import threading
 import weakref
 from collections import OrderedDict
@@ -512,6 +513,15 @@ def sliding_window(left: int, right: int = 0, align: str = "top_left", *,
 UNBOUNDED = 1 << 30
 """A sliding-window bound at least this large is stored as unbounded (``None``): longer than
 any sequence, and small enough for 32-bit index arithmetic in kernels."""
+
+
+def an_int(value) -> bool:
+    """Whether ``value`` is one integer: a Python or numpy integer, or a 0-d integer tensor
+    (``bool`` is not)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not (value.is_floating_point() or value.is_complex()
+                                         or value.dtype == torch.bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def integer_tensor(value) -> torch.Tensor:

@@ -25,7 +25,8 @@ from . import dispatch, invariance
 from .api import AttentionResult, MaskLike, attention
 from .finite import looks_at_keys, query_and_output_flags
 from .inputs import checked_scale
-from .masks import Mask, as_mask, causal, integer_tensor, readable, vouched_padding
+from .masks import (Mask, an_int, as_mask, causal, integer_tensor, readable,
+                    vouched_padding)
 from .modifiers import per_sequence, split
 from .numerics import accum_dtype, merge_into
 
@@ -679,7 +680,7 @@ class PagedKVCache:
 
     def add(self, count: int = 1) -> list[int]:
         """Start ``count`` empty sequences at the end of the batch; their rows."""
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        if not an_int(count) or count < 0:
             raise ValueError(f"PagedKVCache.add(count={count!r}): pass the number of new "
                              f"sequences, an int >= 0")
         first = self.batch
@@ -710,7 +711,7 @@ class PagedKVCache:
     def free(self, rows: Sequence[int]) -> None:
         """End the sequences at ``rows``: their blocks return to the pool (a block shared with
         a sequence that lives on stays); the other rows keep their order."""
-        if isinstance(rows, (int, np.integer)):
+        if an_int(rows):
             raise TypeError(f"PagedKVCache.free takes a list of rows, e.g. free([{rows}])")
         rows = sorted(set(self._check_rows(_integers("rows", rows, 1))))
         for row in rows:
@@ -748,10 +749,7 @@ class PagedKVCache:
         :func:`_integers` first) as Python ints, each a row of this cache."""
         found = []
         for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows):
-            if isinstance(r, torch.Tensor) and r.dim() == 0 and not r.is_floating_point():
-                r = r.item()
-            if (isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer))
-                    or not 0 <= r < self.batch):
+            if not an_int(r) or not 0 <= int(r) < self.batch:
                 raise ValueError(f"row {r!r} is not a sequence of this cache (rows 0.."
                                  f"{self.batch - 1})")
             found.append(int(r))

@@ -10,14 +10,13 @@ tokens), and the tiled engine skips every tile between two sequences.
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple, Optional, Union
 
 import torch
 
 from . import invariance
 from .api import AttentionResult, MaskLike, attention
-from .masks import Mask, MaskCache, as_mask, documents, integer_tensor, readable
+from .masks import Mask, MaskCache, an_int, as_mask, documents, integer_tensor, readable
 from .modifiers import per_sequence, split
 from .numerics import accum_dtype
 
@@ -160,7 +159,7 @@ def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q=None
     lengths_k = [b - a for a, b in zip(starts_k, starts_k[1:])]
     for name, limit, lengths in (("max_seqlen_q", max_seqlen_q, lengths_q),
                                  ("max_seqlen_k", max_seqlen_k, lengths_k)):
-        if limit is not None and not _an_int(limit):
+        if limit is not None and not an_int(limit):
             raise TypeError(f"{name}={limit!r:.40}: pass an int (the longest sequence's "
                             f"tokens), or leave it out")
         if limit is not None and lengths and int(limit) < max(lengths):
@@ -241,14 +240,6 @@ def _sequence_ids(lengths: list[int], total: int, device) -> torch.Tensor:
     counts = torch.tensor(lengths, dtype=torch.long, device=device)
     return torch.repeat_interleave(torch.arange(len(lengths), device=device), counts,
                                    output_size=total)
-
-
-def _an_int(value) -> bool:
-    """Whether ``value`` is an int (a Python or numpy integer, or a 0-d integer tensor)."""
-    if isinstance(value, torch.Tensor):
-        return value.dim() == 0 and not (value.is_floating_point() or value.is_complex()
-                                         or value.dtype == torch.bool)
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _seqused(value, lengths: list[int], device) -> tuple[torch.Tensor, list[int]]:

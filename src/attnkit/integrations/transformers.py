@@ -569,8 +569,10 @@ def _weights_wanted(kwargs: dict) -> bool:
     """Whether the forward pass asked for the attention weights: ``output_attentions`` in the
     call's keyword arguments, or, for models that take it out before their attention calls
     (GPT-2, OPT, Falcon, ...), the attentions transformers records from this pass's layers."""
-    if kwargs.get("output_attentions") or _COLLECTOR is None:
-        return bool(kwargs.get("output_attentions"))
+    if kwargs.get("output_attentions"):
+        return True
+    if _COLLECTOR is None:
+        return False
     if torch.compiler.is_compiling():  # dynamo cannot trace a ContextVar's read: the value
         # transformers keeps for a capture begun inside the compiled region, else none
         recorded = getattr(_COLLECTOR, "global_var", None) if getattr(
@@ -712,15 +714,20 @@ def _layer_kinds(module: torch.nn.Module) -> Optional[list]:
     return list(kinds) if isinstance(kinds, (list, tuple)) and kinds else None
 
 
+def _mixed_kinds(module: torch.nn.Module) -> Optional[list]:
+    """The model's layer kinds, sorted, where its layers are of more than one; else ``None``."""
+    kinds = sorted(set(_layer_kinds(module) or ()))
+    return kinds if len(kinds) > 1 else None
+
+
 def _layer_mask(module: torch.nn.Module, given, kwargs: dict):
     """The mask :func:`sequence_parallel` gives this layer: the one mask, or the dict's entry
     for the layer's kind (``config.layer_types[layer_idx]``; else by whether it has a sliding
     window); a ``ValueError`` for one mask over layers of different kinds, which would be
     wrong for some of them."""
     name = type(module).__name__
-    kinds = _layer_kinds(module)
     if isinstance(given, dict):
-        index = getattr(module, "layer_idx", None)
+        kinds, index = _layer_kinds(module), getattr(module, "layer_idx", None)
         if kinds is not None and isinstance(index, int) and 0 <= index < len(kinds):
             kind = kinds[index]
         else:
@@ -731,9 +738,10 @@ def _layer_mask(module: torch.nn.Module, given, kwargs: dict):
                              f"names {sorted(given)}: add the whole sequence's mask for "
                              f"{kind!r} (None for the default)")
         return given[kind]
-    if given is not None and kinds is not None and len(set(kinds)) > 1:
-        example = ", ".join(f"{kind!r}: ..." for kind in sorted(set(kinds)))
-        raise ValueError(f"{name}: the model's layers are of kinds {sorted(set(kinds))} "
+    mixed = _mixed_kinds(module)
+    if given is not None and mixed is not None:
+        example = ", ".join(f"{kind!r}: ..." for kind in mixed)
+        raise ValueError(f"{name}: the model's layers are of kinds {mixed} "
                          f"(config.layer_types), and one mask for all of them would be wrong "
                          f"for some; pass sequence_parallel(sp, mask={{{example}}}), the whole "
                          f"sequence's mask of each kind")
@@ -756,16 +764,15 @@ def _parallel_mask(module: torch.nn.Module, attention_mask, is_causal: Optional[
                          f"sequence_parallel(sp, mask=attnkit.padding(...) & attnkit.causal())")
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if window is not None:
-        kinds = _layer_kinds(module)
-        mixed = kinds is not None and len(set(kinds)) > 1
+        mixed = _mixed_kinds(module)
         example = (f"{{'sliding_attention': attnkit.sliding_window({window!r} - 1), "
                    f"'full_attention': None}}" if mixed
                    else f"attnkit.sliding_window({window!r} - 1)")
         raise ValueError(f"{name} has a sliding window ({window!r}): under sequence_parallel "
                          f"pass the whole sequence's mask, e.g. sequence_parallel(sp, "
                          f"mask={example}) for a window of {window!r} keys"
-                         + (" in the sliding layers (the model's layers are of kinds "
-                            f"{sorted(set(kinds))})" if mixed else ""))
+                         + (f" in the sliding layers (the model's layers are of kinds {mixed})"
+                            if mixed else ""))
     positions = kwargs.get("position_ids")
     if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or (
             positions.shape[-1] != q_len or positions.shape[0] not in (1, batch)):
