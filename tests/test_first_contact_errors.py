@@ -168,6 +168,9 @@ def test_an_optional_mask_and_tensors_on_the_left_combine():
                                ak.attention(q, q, q, ak.causal()))
     with pytest.raises(TypeError, match="None is no mask"):
         ak.causal() | None
+    assert repr(None & ak.causal()) == "causal()"  # built up from `mask = None`
+    with pytest.raises(TypeError, match="None is no mask"):
+        None | ak.causal()
     allowed = torch.ones(4, 4, dtype=torch.bool).tril()
     torch.testing.assert_close(ak.attention(q, q, q, allowed & ak.causal()),
                                ak.attention(q, q, q, ak.causal()))

@@ -6,6 +6,7 @@ import inspect
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -493,6 +494,20 @@ def test_draw_per_batch_and_head():
             ak.causal().draw(**bad)
 
 
+@pytest.mark.parametrize("mask, size", [
+    (ak.documents([0, 0, 1]), "3 × 3"),
+    (ak.documents([0, 0, 1, 1, 1], causal="top_left"), "5 × 5"),
+    (ak.dense(torch.ones(4, 4, dtype=torch.bool).tril()), "4 × 4"),
+    (ak.padding(kv_mask=torch.tensor([[0, 0, 1, 1, 1]], dtype=torch.bool)), "any × 5"),
+])
+def test_draw_at_a_size_the_tensors_do_not_fit_is_refused(mask, size):
+    """A picture at a size the mask's tensors do not fix would show a mask no call can use."""
+    with pytest.raises(ValueError, match=f"fix its size at {size}"):
+        mask.draw(7, 7)
+    q_len, kv_len = mask._size()
+    mask.draw(q_len or 3, kv_len or 3)  # its own size draws
+
+
 # ---- constructor errors -------------------------------------------------------------------------
 
 def test_constructor_errors():
@@ -502,6 +517,8 @@ def test_constructor_errors():
         ak.sliding_window(-1)
     with pytest.raises(TypeError, match="int"):
         ak.sliding_window(2.5)
+    for integer in (np.int64(2), torch.tensor(2)):  # integers as numpy and torch hand them over
+        assert ak.sliding_window(integer).draw(4) == ak.sliding_window(2).draw(4)
     with pytest.raises(ValueError, match="q_lengths or kv_lengths"):
         ak.padding()
     with pytest.raises(ValueError, match="kv_lengths=\\[-1\\] out of range"):

@@ -234,8 +234,8 @@ class Mask:
              head: int = 0) -> str:
         """Text picture of the mask: █ may attend, ░ masked (one line per query), for batch
         element ``batch`` and head ``head`` of a ``q_len × kv_len`` call; ``ValueError`` for
-        a size or index the mask cannot be drawn at (a negative size, an element past the
-        mask's own batch)."""
+        a size or index the mask cannot be drawn at (a negative size, a size other than the one
+        its tensors fix, an element past the mask's own batch)."""
         kv_len = q_len if kv_len is None else kv_len
         for name, value in (("q_len", q_len), ("kv_len", kv_len), ("batch", batch),
                             ("head", head)):
@@ -243,6 +243,11 @@ class Mask:
                 raise ValueError(f"draw({name}={value!r}): pass an int ≥ 0")
         space = MaskSpace(batch=max(batch + 1, self._min_batch()), heads=head + 1,
                           q_len=q_len, kv_len=kv_len)
+        fixed = self._size()
+        if fixed[0] not in (None, q_len) or fixed[1] not in (None, kv_len):
+            sides = " × ".join("any" if n is None else str(n) for n in fixed)
+            raise ValueError(f"draw({q_len}, {kv_len}): the mask's tensors fix its size at "
+                             f"{sides} (queries × keys); draw it at that size")
         grid = self.to_dense(space)
         for name, index, size in (("batch", batch, grid.shape[0]), ("head", head, grid.shape[1])):
             if size > 1 and index >= size:  # (a mask of one broadcasts to any index)
@@ -270,8 +275,8 @@ class Mask:
             return self
         return _And(self, as_mask(other))
 
-    def __rand__(self, other) -> "Mask":  # a bool or float tensor on the left
-        return as_mask(other) & self
+    def __rand__(self, other) -> "Mask":  # a bool or float tensor, or None, on the left
+        return self if other is None else as_mask(other) & self
 
     def __or__(self, other: "Mask") -> "Mask":
         if other is None:
@@ -280,6 +285,9 @@ class Mask:
         return _Or(self, as_mask(other))
 
     def __ror__(self, other) -> "Mask":
+        if other is None:
+            raise TypeError(f"None | {self!r}: None is no mask (every key allowed), so the "
+                            f"union would be no mask either; pass None itself, or a mask")
         return as_mask(other) | self
 
     def __invert__(self) -> "Mask":
@@ -498,13 +506,14 @@ def sliding_window(left: int, right: int = 0, align: str = "top_left", *,
     segments (packed sequences of different lengths, each with its own window).
     """
     for name, value in (("left", left), ("right", right)):
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not an_int(value):
             raise TypeError(f"sliding_window {name}={value!r}: must be an int number of positions")
         if value < 0:
             raise ValueError(f"sliding_window {name}={value} is negative: use a window of 0 or more "
                              f"positions (left counts keys before the query, right keys after it)")
     # A bound at or past the sequence length allows every key on that side; past UNBOUNDED it
     # is stored as unbounded, so no index arithmetic overflows.
+    left, right = int(left), int(right)
     band = _Band(left=None if left >= UNBOUNDED else left,
                  right=None if right >= UNBOUNDED else right, align=align)
     return band if sequences is None else _per_sequence(band, sequences, "sliding_window")
@@ -1624,6 +1633,7 @@ def _id_spans(own: torch.Tensor, other: torch.Tensor
     if not other.numel():
         return zero, zero, torch.ones_like(own, dtype=torch.bool)
     ids, order = other.sort(stable=True)  # equal ids in position order
+    own = own.contiguous()  # (searchsorted warns on strided values)
     first, stop = torch.searchsorted(ids, own), torch.searchsorted(ids, own, right=True)
     found = stop > first
     lo = torch.where(found, order[first.clamp(max=other.numel() - 1)], zero)
