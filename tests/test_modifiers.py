@@ -764,6 +764,12 @@ def test_auto_sends_decoding_steps_with_position_biases_to_torch(gen):
     learned = ak.alibi(slopes.clone().requires_grad_())
     reasons = dispatch.BACKENDS["torch"].not_supported_reasons(validate(q, k, v, learned))
     assert any("require grad" in r for r in reasons), reasons
+    with torch.no_grad():  # a model's learned slopes or table in a decoding step: constants
+        for modifier in (learned, ak.relative_bias(table.clone().requires_grad_())):
+            assert ak.explain_dispatch(q, k, v, modifier).backend == "torch"
+            torch.testing.assert_close(ak.attention(q, k, v, modifier, backend="torch"),
+                                       ak.attention(q, k, v, modifier, backend="reference"),
+                                       rtol=1e-5, atol=1e-5)
     far = ak.alibi(torch.full((H,), 300.0))  # 300 · 299 > float16's largest, 65504
     reasons = dispatch.BACKENDS["torch"].not_supported_reasons(
         validate(*(t.half() for t in (q, k, v)), far))

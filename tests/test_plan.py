@@ -116,6 +116,30 @@ def test_a_mask_written_in_place_after_planning_raises(gen):
         plan(*_qkv(gen))
 
 
+def test_a_plan_refuses_mask_tensors_whose_requires_grad_changed(gen):
+    """Planned with frozen ALiBi slopes (torch's kernel takes them as constants), run after
+    they require grad: refused, never run without their gradient."""
+    q, k, v = _qkv(gen)
+    slopes = torch.rand(HQ)
+    plan = ak.plan(q[:, :, :1], k, v, ak.alibi(slopes, "bottom_right"))
+    slopes.requires_grad_()
+    assert plan.stale()
+    with pytest.raises(ValueError, match="requires_grad changed"):
+        plan(q[:, :, :1], k, v)
+
+
+def test_a_write_torch_does_not_count_is_seen_after_increment_version(gen):
+    """The remedy docs/DESIGN.md gives for a write through ``.data``."""
+    q, k, v = _qkv(gen)
+    slopes = torch.rand(HQ)
+    before = ak.attention(q[:, :, :1], k, v, ak.alibi(slopes))
+    slopes.data.mul_(3)
+    torch.autograd.graph.increment_version(slopes)
+    torch.testing.assert_close(ak.attention(q[:, :, :1], k, v, ak.alibi(slopes)),
+                               ak.attention(q[:, :, :1], k, v, ak.alibi(slopes.clone())))
+    assert not torch.equal(before, ak.attention(q[:, :, :1], k, v, ak.alibi(slopes)))
+
+
 def test_plans_refuse_autocast(gen):
     q, k, v = _qkv(gen)
     plan = ak.plan(q, k, v, ak.causal())

@@ -122,7 +122,8 @@ class Plan:
 
     def stale(self) -> bool:
         """Whether a tensor of the mask (or of its score modifiers) was written in place since
-        the plan was made (its version counter moved): running it would then raise."""
+        the plan was made (its version counter moved), or its ``requires_grad`` changed (the
+        plan chose its backend and gradients for the old flag): running it would then raise."""
         return _versions(self._watched) != self._tensors
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -142,8 +143,9 @@ class Plan:
             raise ValueError("a plan runs outside torch.autocast (autocast casts per call: use "
                              "attention())")
         if self.stale():
-            raise ValueError("the mask's tensors were written in place after the plan was "
-                             "made: what the plan derived from them is stale; make a new plan")
+            raise ValueError("the mask's tensors were written in place, or their requires_grad "
+                             "changed, after the plan was made: what the plan derived from "
+                             "them is stale; make a new plan")
         return self._run(q, k, v)
 
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -192,8 +194,10 @@ def _watched(mask, modifiers) -> tuple:
 
 def _versions(tensors: tuple) -> tuple:
     """The version counter of each tensor (inference tensors, which have none: ``None``; the
-    plan holds the tensors, so their identities stay theirs)."""
-    return tuple(None if t.is_inference() else t._version for t in tensors)
+    plan holds the tensors, so their identities stay theirs), then each one's
+    ``requires_grad``."""
+    return (tuple(None if t.is_inference() else t._version for t in tensors),
+            tuple(t.requires_grad for t in tensors))
 
 
 def validated(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse,

@@ -2198,7 +2198,9 @@ def tensor_key(t: torch.Tensor, keep: list) -> Optional[tuple]:
     The version counter counts every in-place write made through torch (``t[i] = x``,
     ``t.add_``, ``t.copy_``), so a plan or validation derived from the old values is made
     again. A write torch does not see (through memory shared with numpy, through ``.data``,
-    by a foreign kernel) is not seen here either: build a new mask after one. Identity too: a
+    by a foreign kernel) is not seen here either (nor by a new mask over the same tensor,
+    which keys alike): call ``torch.autograd.graph.increment_version(t)`` after one, or pass
+    a new tensor. Identity too: a
     cached value may hold the tensor itself, so only the same tensor hits; ``t`` is appended
     to ``keep``, which the cache holds, so its id is not reused while the entry lives.
 

@@ -214,8 +214,8 @@ class TorchBackend(Backend):
             reasons.append(f"alibi or relative_bias with {dtype} inputs (not supported by torch: "
                            f"its kernel would round their bias to {dtype}; tiled and reference "
                            f"add it in float32)")
-        if inputs.modifiers is not None and any(t.requires_grad for t in
-                                                inputs.modifiers.position_tensors):
+        if (inputs.modifiers is not None and torch.is_grad_enabled()
+                and any(t.requires_grad for t in inputs.modifiers.position_tensors)):
             reasons.append("alibi or relative_bias tensors that require grad (not supported by "
                            "torch: it takes their bias as a constant; tiled and reference give "
                            "their gradients)")
