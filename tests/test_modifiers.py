@@ -900,3 +900,23 @@ def test_t5_buckets_with_an_odd_count_leave_the_last_unused():
     """As documented (and as transformers buckets): 33 buckets give ids 0..31 both ways."""
     ids = ak.t5_buckets(torch.arange(-500, 500), 33)
     assert int(ids.max()) == 31 and int(ids.min()) == 0
+
+
+@pytest.mark.parametrize("backend", ["tiled", "auto"])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_score_function_non_finite_only_where_masked_changes_nothing(backend, invariant, gen):
+    """A log-distance penalty written for causal attention is −inf/NaN above the diagonal: the
+    mask replaces those scores (docs/NUMERICS.md), so out, LSE and dq are reference's."""
+    penalty = ak.score_function(
+        lambda s, b, h, qi, kv: s - 0.5 * torch.log1p((qi - kv).to(s.dtype)))
+    q, k, v = make_qkv(gen, tq=70, tk=70)
+    for mask in (ak.causal() & penalty, ak.sliding_window(5) & penalty):
+        runs = {}
+        for name in (backend, "reference"):
+            leaf = q.clone().requires_grad_()
+            result = ak.attention(leaf, k, v, mask, backend=name, return_lse=True,
+                                  invariant=invariant and name != "reference")
+            (result.out.sum() + result.lse.sum()).backward()
+            runs[name] = (result.out, result.lse, leaf.grad)
+        for got, want in zip(runs[backend], runs["reference"]):
+            torch.testing.assert_close(got, want.to(got.dtype), rtol=2e-5, atol=2e-5)

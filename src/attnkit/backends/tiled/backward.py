@@ -11,7 +11,7 @@ import torch
 
 from ...masks import Mask
 from ...numerics import accum_dtype, grouped, ungrouped
-from .forward import _exp_, _group_segments, _member_rows, _schedule
+from .forward import _exp_, _group_segments, _masked_add_, _member_rows, _schedule
 from .plan import WIDE_BIAS, Problem, Segment
 from .positions import _add_position_grad, _add_position_param_grads, _positions, _spread
 from .tiles import TileMask, TileScores
@@ -117,7 +117,7 @@ def _segment_backward_matmul(q_block, k_seg, v_seg, do_block, lse_block, delta_b
     if modified is not None and not by_autograd and modified.positions is not None:
         scores.add_(modified.positions.natural())
     if additive is not None:
-        scores.add_(additive)
+        _masked_add_(scores, additive, modified)
     probs = _exp_(scores.sub_(lse_block[..., None]))  # softmax weights, recomputed
     grad_probs = do_block @ v_seg.transpose(-1, -2)  # [B, Hkv, G·n, span]
     kept = probs

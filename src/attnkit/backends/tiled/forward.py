@@ -136,6 +136,16 @@ def _whole_block(k_seg: torch.Tensor, v_seg: torch.Tensor) -> tuple[torch.Tensor
     return _widened_keys(k_seg, "k"), _widened_keys(v_seg, "v")
 
 
+def _masked_add_(scores: torch.Tensor, additive: torch.Tensor, modified) -> torch.Tensor:
+    """``scores += additive`` in place; with score functions, whose values may be inf or NaN
+    where the mask forbids (``log`` of a distance that only causal keys keep positive), the
+    forbidden scores are then set to −inf: the mask replaces them, as ``reference`` does."""
+    scores.add_(additive)
+    if modified is not None and modified.modifiers.functions:
+        scores.masked_fill_(torch.isneginf(additive), float("-inf"))
+    return scores
+
+
 def _fixed_shapes(q_block, k_seg, v_seg, additive, rows: int):
     """A fixed-schedule segment for torch's fused kernel at the shapes every call of it has:
     query rows (and ``additive``'s) padded to a multiple of ``rows`` (:func:`row_quantum`,
@@ -193,7 +203,7 @@ def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fus
         elif applied is not scores:  # keep writing into the whole block
             scores.copy_(applied)
     if additive is not None:
-        scores.add_(additive)
+        _masked_add_(scores, additive, modified)
     if fixed:
         whole[..., span:] = float("-inf")
         scores = whole
