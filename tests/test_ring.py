@@ -323,6 +323,10 @@ def _error_cases(rank: int, world: int) -> dict:
         values = torch.zeros(length, length, requires_grad=r == last)
         return tensors(16), dict(mask=ak.bias(values))
 
+    def slopes_requires_grad_differs(r):  # a learnable ALiBi slope on one rank only
+        slopes = torch.full((2,), 0.5, requires_grad=r == 0)
+        return tensors(16), dict(mask=ak.causal() & ak.alibi(slopes))
+
     def bad_backward_timeout(r):
         return tensors(16), dict(backward_timeout=0)
 
@@ -332,7 +336,9 @@ def _error_cases(rank: int, world: int) -> dict:
                          padding=(padding_differs, "mask", f"rank {last}:"),
                          bias=(bias_differs, "mask", "rank 0:"),
                          bool_tensor=(bool_tensor_differs, "mask", "rank 1: dense"),
-                         requires_grad=(requires_grad_differs, "requires_grad", "rank 0: q True"))
+                         requires_grad=(requires_grad_differs, "requires_grad", "rank 0: q True"),
+                         slopes_requires_grad=(slopes_requires_grad_differs, "requires_grad",
+                                               "mask tensors [True]"))
         for name, (make_args, key, where) in differing.items():
             seconds[f"{name}_differs"] = _expect_error(rank, world, make_args, ValueError,
                                                        [f"disagree on {key}:", where, "Fix:"])

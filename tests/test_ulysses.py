@@ -174,6 +174,9 @@ def _error_cases(rank: int, world: int) -> dict:
         "from_function": (lambda: ulysses_attention(
             *shards(), ak.from_function(lambda b, h, i, j: (h % 2 == 0) | (i >= j))),
             ValueError, ["from_function", "head"]),
+        "mask_differs": (lambda: ulysses_attention(  # named as the masks, not digests alone
+            *shards(), ak.causal() & ak.softcap(5.0 + (rank == world - 1))), ValueError,
+            ["disagree on mask", "softcap(5.0)", "softcap(6.0)"]),
         "return_weights": (lambda: ulysses_attention(*shards(), return_weights=True),
                            ValueError, ["weights"]),
         "local_document_ids": (lambda: ulysses_attention(

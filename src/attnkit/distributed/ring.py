@@ -45,7 +45,7 @@ from ..backends.tiled import BLOCK_K, Problem, make_plan, tiled_backward, tiled_
 from ..backends.triton import TritonBackend, backward_step, forward_step, score_mods
 from ..backends.triton import launch
 from ..inputs import Inputs, restore, validate
-from ..masks import Mask, MaskSpace, as_mask, digest
+from ..masks import Mask, MaskSpace, as_mask, digest, mask_tensors
 from ..modifiers import Modifiers
 from ..numerics import accum_dtype, merge
 from .balance import BalancedLayout, Piece
@@ -504,20 +504,31 @@ def _signature(q, k, v, mask, layout, scale) -> dict[str, str]:
     def shape(t):
         return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
+    mask_text, grads = mask_agreement(q, k, v, mask)
+    return {"shapes": f"q {shape(q)}, k {shape(k)}, v {shape(v)}",
+            "dtype": str(getattr(q, "dtype", None)), "layout": repr(layout), "scale": repr(scale),
+            "mask": mask_text, "grad mode": "enabled" if torch.is_grad_enabled() else "disabled",
+            "requires_grad": grads}
+
+
+def mask_agreement(q, k, v, mask) -> tuple[str, str]:
+    """``(mask, requires_grad)`` texts every rank must agree on: the mask as
+    :func:`attnkit.masks.digest` (kind, parameters and tensor values) of ``as_mask(mask)``
+    with its ``repr``, and the ``requires_grad`` of q, k, v and of the mask's tensors (biases,
+    ALiBi slopes, relative-bias tables, sink logits: a rank whose tensor requires grad runs a
+    backward the others would not join). Never raises."""
     try:
         fitted = as_mask(mask)
         mask_text = "None" if fitted is None else f"{fitted!r} (content digest {digest(fitted)})"
-        mask_grads = [t.requires_grad for t in fitted.biases()] if fitted is not None else []
+        mask_grads = ([t.requires_grad for t in mask_tensors(fitted) or ()
+                       if t.is_floating_point()] if fitted is not None else [])
     except (TypeError, ValueError):  # reported by validation on this rank
         mask_text, mask_grads = f"invalid {type(mask).__name__}", []
     grads = ", ".join(f"{name} {getattr(t, 'requires_grad', None)}"
                       for name, t in (("q", q), ("k", k), ("v", v)))
     if mask_grads:
-        grads += f", mask biases {mask_grads}"
-    return {"shapes": f"q {shape(q)}, k {shape(k)}, v {shape(v)}",
-            "dtype": str(getattr(q, "dtype", None)), "layout": repr(layout), "scale": repr(scale),
-            "mask": mask_text, "grad mode": "enabled" if torch.is_grad_enabled() else "disabled",
-            "requires_grad": grads}
+        grads += f", mask tensors {mask_grads}"
+    return mask_text, grads
 
 
 def _step_backend(backend: str, local: Inputs) -> str:

@@ -45,7 +45,7 @@ from ..api import attention
 from ..call import AttentionResult
 from ..inputs import validate
 from ..masks import (Mask, _And, _Band, _Bias, _CausalDocuments, _Dense, _Documents, _Not, _Or,
-                     _Padding, _SequenceBand, as_mask, digest)
+                     _Padding, _SequenceBand)
 from ..modifiers import Alibi, RelativeBias, Sinks, Softcap
 from . import ring as _ring  # BACKWARD_TIMEOUT (read at call time) and whole_inputs
 from .comm import RingComm, disagreement_text, ranks_text
@@ -306,12 +306,7 @@ def _signature(q, k, v, mask, scale, return_lse, backend, kwargs) -> dict[str, s
     def shape(t):
         return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
-    try:
-        mask_text = digest(as_mask(mask))
-    except (TypeError, ValueError):
-        mask_text = f"invalid {type(mask).__name__}"
-    grads = ", ".join(f"{name} {getattr(t, 'requires_grad', None)}"
-                      for name, t in (("q", q), ("k", k), ("v", v)))
+    mask_text, grads = _ring.mask_agreement(q, k, v, mask)
     options = f"scale={scale!r}, return_lse={return_lse!r}, backend={backend!r}, " + ", ".join(
         f"{key}={'<generator>' if key == 'generator' else repr(value)}"
         for key, value in sorted(kwargs.items()))

@@ -42,8 +42,10 @@ restarting, no padding mask)           attention function also keeps them apart 
                                        patterns ``dense`` of the key mask ``[B, 1, 1, Tk]``
 =====================================  ===================================================
 
-Padded *query* rows are left as transformers leaves them (they attend to the real keys), so
-every real token sees the keys it sees under ``eager``. Patterns are recognised by the names
+Padded *query* rows are left as transformers leaves them (they attend to the real keys their
+mask allows), so every real token sees the keys it sees under ``eager``; a padded row that sees
+no key (left padding under causal) gives 0, as under ``sdpa`` (``eager`` spreads uniform
+weights over the masked keys there). Patterns are recognised by the names
 of transformers' own mask functions (``masking_utils``) and the values they close over. One
 this module does not recognise (a model's own ``or_mask_function``/``and_mask_function``,
 block-wise overlays, a renamed function in another transformers release) becomes ``dense``
