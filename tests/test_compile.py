@@ -236,14 +236,21 @@ def test_multi_head_attention_compiles_with_key_padding_and_causal():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "fused_qkv"])
 @pytest.mark.parametrize("heads_kv", [2, 1])
 @pytest.mark.parametrize("mask", [None, "causal"])
-def test_dynamic_shapes_trace_torch_s_kernel(mask, heads_kv):
+def test_dynamic_shapes_trace_torch_s_kernel(mask, heads_kv, layout):
     """With ``dynamic=True`` every size is symbolic: no mask and top-left causal, traced as
-    torch's own kernel, still compile to one graph equal to eager, GQA included."""
+    torch's own kernel, still compile to one graph equal to eager, GQA included, on
+    contiguous tensors and on the ``[B, T, H, D]`` views of a fused QKV projection (whose
+    strides are symbolic too)."""
     torch._dynamo.reset()
-    q = _qkv(2, (B, H, 12, D))[0]
-    k, v = _qkv(3, (B, heads_kv, 12, D))[:2]
+    if layout == "contiguous":
+        q = _qkv(2, (B, H, 12, D))[0]
+        k, v = _qkv(3, (B, heads_kv, 12, D))[:2]
+    else:
+        fused = _qkv(2, (B, 12, H + 2 * heads_kv, D))[0]
+        q, k, v = (t.transpose(1, 2) for t in fused.split([H, heads_kv, heads_kv], 2))
 
     def fn(q, k, v):
         return ak.attention(q, k, v, None if mask is None else ak.causal())

@@ -920,3 +920,20 @@ def test_a_score_function_non_finite_only_where_masked_changes_nothing(backend, 
             runs[name] = (result.out, result.lse, leaf.grad)
         for got, want in zip(runs[backend], runs["reference"]):
             torch.testing.assert_close(got, want.to(got.dtype), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled", "torch", "auto"])
+def test_a_bottom_right_relative_bias_decodes_the_rows_of_a_full_prefill(backend, gen):
+    """``relative_bias(align="bottom_right")``: a decoding step or a chunk over the keys so far
+    puts its queries on the last keys, so its rows are those of the whole prefill."""
+    q, k, v = make_qkv(gen, tq=40, tk=40)
+    table = torch.randn(H, 32, generator=gen)
+    full = ak.attention(q, k, v, ak.causal() & ak.relative_bias(table), backend="reference")
+    for tq in (1, 5):
+        mask = ak.causal("bottom_right") & ak.relative_bias(table, align="bottom_right")
+        torch.testing.assert_close(ak.attention(q[:, :, -tq:], k, v, mask, backend=backend),
+                                   full[:, :, -tq:], rtol=2e-5, atol=2e-5)
+    assert repr(ak.relative_bias(table, align="bottom_right")).endswith(
+        "align='bottom_right')")
+    with pytest.raises(ValueError, match="relative_bias.align='middle'"):
+        ak.relative_bias(table, align="middle")

@@ -211,6 +211,34 @@ def test_kv_cache_chunk_uses_bottom_right_causal():
     torch.testing.assert_close(out, expected[:, 4:], rtol=0, atol=1e-12)
 
 
+def test_kv_cache_decodes_position_biases_aligned_bottom_right():
+    """A relative bias (and ALiBi with sinks) aligned bottom-right decodes the rows of one
+    causal pass; top-left, which would count the new queries from 0, is refused, as is a
+    cache whose sequences hold different lengths (positions of its buffer, not theirs)."""
+    torch.manual_seed(21)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    x = _rand(2, 7, 8, seed=22)
+    table, slopes, sink = (torch.randn(2, 32, dtype=F64), torch.rand(2, dtype=F64),
+                           torch.zeros(2, dtype=F64))
+    for make in (lambda align: ak.relative_bias(table, align=align),
+                 lambda align: ak.alibi(slopes, align=align) & ak.sinks(sink)):
+        expected, _, _ = mha(x, mask=make("top_left"), is_causal=True)
+        _, _, cache = mha(x[:, :4], mask=make("bottom_right"), cache=KVCache.empty(),
+                          is_causal=True)
+        outs = [mha(x[:, :4], mask=make("bottom_right"), is_causal=True).out]
+        for t in range(4, 7):
+            out, _, cache = mha(x[:, t:t + 1], mask=make("bottom_right"), cache=cache,
+                                is_causal=True)
+            outs.append(out)
+        torch.testing.assert_close(torch.cat(outs, 1), expected, rtol=0, atol=1e-12)
+        with pytest.raises(ValueError, match="pass align='bottom_right'"):
+            mha(x[:, 4:5], mask=make("top_left"), cache=cache, is_causal=True)
+        _, _, ragged = mha(x[:, :4], mask=make("bottom_right"), cache=KVCache.empty(),
+                           is_causal=True, lengths=torch.tensor([4, 2]))
+        with pytest.raises(ValueError, match="per-sequence lengths"):
+            mha(x[:, 4:5], mask=make("bottom_right"), cache=ragged, is_causal=True)
+
+
 def test_kv_cache_with_key_padding_mask_and_unbatched():
     torch.manual_seed(19)
     mha = MultiHeadAttention(8, 2, 1, dtype=F64)

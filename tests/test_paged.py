@@ -82,6 +82,21 @@ def test_paged_attention_refuses_a_relative_bias():
                                paged_attention(q, key_pool, value_pool, table, [7], mask=alibi))
 
 
+def test_paged_attention_refuses_bottom_right_alibi_where_its_row_constant_shows():
+    """Bottom-right ALiBi aligns each query with the last gathered key, not its sequence's: a
+    constant per row, refused with sinks or the LSE (which it would change)."""
+    key_pool, value_pool, table, keys, values = _pools([5, 9], 4)
+    q = torch.randn(2, 4, 1, 8, dtype=F64)
+    alibi = ak.alibi(torch.linspace(0.1, 0.5, 4, dtype=F64), align="bottom_right")
+    for mask, lse in ((alibi & ak.sinks(torch.zeros(4, dtype=F64)), False), (alibi, True)):
+        with pytest.raises(ValueError, match="does not take alibi.align='bottom_right'. with"):
+            paged_attention(q, key_pool, value_pool, table, [5, 9], mask=mask, return_lse=lse)
+    got = paged_attention(q, key_pool, value_pool, table, [5, 9], mask=alibi)  # out alone runs
+    for b, n in enumerate([5, 9]):
+        torch.testing.assert_close(got[b:b + 1], ak.attention(
+            q[b:b + 1], keys[b][None], values[b][None], alibi, backend="reference"))
+
+
 def test_paged_attention_gradients_reach_q():
     key_pool, value_pool, table, keys, values = _pools([4, 9], 4)
     q = torch.randn(2, 4, 3, 8, dtype=F64, requires_grad=True)

@@ -568,13 +568,8 @@ def test_refusals(gen, monkeypatch):
                "on the CPU interpreter for testing (not supported by triton)" in r
                for r in _reasons(q, k, v))
 
-    monkeypatch.setattr(triton_backend.importlib.util, "find_spec", lambda name: None)
-    triton_backend._installed.cache_clear()
-    try:
-        assert triton_backend.TritonBackend().unavailable_reason() == "triton is not installed"
-    finally:
-        monkeypatch.undo()
-        triton_backend._installed.cache_clear()
+    monkeypatch.setattr(triton_backend, "INSTALLED", False)
+    assert triton_backend.TritonBackend().unavailable_reason() == "triton is not installed"
 
 
 def test_auto_never_picks_the_interpreter(gen):

@@ -5,8 +5,9 @@ Masks are Python objects whose block maps, lengths and ranges are read from tens
 tracing into it breaks the graph. Inside a compiled region :func:`attention` therefore lowers
 the mask to a *spec* (a string naming its classes, fields and constant parameters such as
 alignments) plus its tensors and its numbers (window sizes, caps: a float64 tensor, so a
-function compiled once takes masks with other numbers as data, and dynamo's recompile for a
-changed number is symbolic), and calls the custom operator ``attnkit::attention``, which
+function compiled once takes masks with other numbers as data; dynamo itself recompiles for
+a changed Python number: once for an int, which it then makes symbolic, and for every new
+float, which it specialises), and calls the custom operator ``attnkit::attention``, which
 rebuilds the mask and runs the eager :func:`attnkit.attention` on real tensors; ``attnkit::attention_backward`` gives the
 gradients from the saved output and LSE through a backend's own backward (``tiled`` or
 ``triton``: no recomputed forward, O(T) memory), score modifiers (softcap, ALiBi, T5 relative

@@ -257,7 +257,8 @@ def _zeros(x: torch.Tensor) -> torch.Tensor:
     holds a NaN or ±inf (``0 · inf`` is NaN). Kept per size, dtype and device for plain
     tensors only: one made for a fake, meta, traced or subclass ``x`` is made anew each
     time, never cached where a real call would find it."""
-    if type(x) is not torch.Tensor or x.device.type == "meta":  # fake, traced, a subclass
+    if (type(x) is not torch.Tensor or x.device.type == "meta"  # fake, traced, a subclass
+            or torch.compiler.is_compiling()):
         return x.new_zeros(x.shape[-1], 1)
     return _zero_column(x.shape[-1], x.dtype, x.device)
 
@@ -267,7 +268,7 @@ def row_flags(x: torch.Tensor) -> torch.Tensor:
     one matrix product on the rows laid out flat, in memory order (a ``[B, T, H, D]`` tensor
     seen as ``[B, H, T, D]`` too), where that needs no copy."""
     x = _plain(x)
-    if not x.numel():
+    if not x.numel() or torch.compiler.is_compiling():  # traced: the compiler lays it out
         return x @ _zeros(x)
     rows = _logical_rows(x)
     if rows is not None:

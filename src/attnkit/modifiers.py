@@ -65,6 +65,20 @@ def relative_positions(space: MaskSpace) -> torch.Tensor:
     return torch.arange(first, max(space.kv_len, first), device=space.device)
 
 
+def aligned_shift(align: str, space: MaskSpace) -> int:
+    """What a position modifier's alignment subtracts from ``j − i``: 0 for ``"top_left"``,
+    ``Tk − Tq`` for ``"bottom_right"`` (the last query sits on the last key)."""
+    return space.kv_len - space.q_len if align == "bottom_right" else 0
+
+
+def _checked_align(kind: str, align: str) -> str:
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"{kind}(align={align!r}): use 'top_left' (distance j − i) or "
+                         f"'bottom_right' (distance j − i − (Tk − Tq): the last query sits "
+                         f"on the last key)")
+    return align
+
+
 class Modifier(Mask):
     """Base class of score modifiers. As a mask it allows every key (``tile`` all True, block
     map FULL, tile structure ``"full"``); what it does to the scores is read by
@@ -172,11 +186,7 @@ class Alibi(Modifier):
 
     def __init__(self, slopes: torch.Tensor, align: str):
         self.slopes = _float_tensor("alibi(slopes)", slopes)
-        if align not in ("top_left", "bottom_right"):
-            raise ValueError(f"alibi(align={align!r}): use 'top_left' (distance j − i) or "
-                             f"'bottom_right' (distance j − i − (Tk − Tq): the last query sits "
-                             f"on the last key)")
-        self.align = align
+        self.align = _checked_align("alibi", align)
 
     def tensors(self):
         return [self.slopes]
@@ -188,11 +198,14 @@ class Alibi(Modifier):
     def check(self, space):
         return _per_head_problem("alibi slopes", self.slopes, space, batched=True)
 
+    def shift(self, space: MaskSpace) -> int:
+        """What the alignment subtracts from ``j − i``: :func:`aligned_shift`."""
+        return aligned_shift(self.align, space)
+
     def values(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, space: MaskSpace,
                dtype: torch.dtype) -> torch.Tensor:
         """The bias of one tile at global positions → ``[1|B, H, tq, tk]`` in ``dtype``."""
-        shift = space.kv_len - space.q_len if self.align == "bottom_right" else 0
-        distance = (kv_idx[None, :] - q_idx[:, None] - shift).to(dtype)  # [tq, tk]
+        distance = (kv_idx[None, :] - q_idx[:, None] - self.shift(space)).to(dtype)  # [tq, tk]
         slopes = self.slopes.to(dtype).reshape(-1, space.heads)[:, :, None, None]  # [1|B, H, 1, 1]
         return slopes * distance
 
@@ -200,8 +213,7 @@ class Alibi(Modifier):
                     ) -> torch.Tensor:
         """The bias of each relative position ``j − i`` in ``relative [L]`` (long) →
         ``[1|B, H, L]`` in ``dtype``: the values :meth:`values` gives at those distances."""
-        shift = space.kv_len - space.q_len if self.align == "bottom_right" else 0
-        distance = (relative - shift).to(dtype)  # [L]
+        distance = (relative - self.shift(space)).to(dtype)  # [L]
         return self.slopes.to(dtype).reshape(-1, space.heads)[:, :, None] * distance
 
     def __repr__(self):
@@ -273,8 +285,9 @@ class RelativeBias(Modifier):
 
     kind = "relative_bias"
 
-    def __init__(self, table: torch.Tensor, buckets: Optional[Callable]):
+    def __init__(self, table: torch.Tensor, buckets: Optional[Callable], align: str = "top_left"):
         self.table = _float_tensor("relative_bias(table)", table)
+        self.align = _checked_align("relative_bias", align)
         if table.dim() != 2:
             raise ValueError(f"relative_bias(table) has shape {tuple(table.shape)}; it must be "
                              f"[H, num_buckets]")
@@ -298,7 +311,7 @@ class RelativeBias(Modifier):
         if self.buckets is not None:  # a callable may read anything (as from_function)
             return None
         state = _tensor_state(self.table, keep)
-        return None if state is None else ("relative_bias", state)
+        return None if state is None else ("relative_bias", state, self.align)
 
     def check(self, space):
         problems = [] if self.table.device == space.device else [
@@ -316,7 +329,8 @@ class RelativeBias(Modifier):
         """The bucket function's ids over every relative position of ``space`` (once per call,
         ``Tq + Tk − 1`` of them; T5's are in range by construction), outside ``[0,
         num_buckets)``: a negative id would index the table from its end, a large one fail."""
-        relative = relative_positions(space)  # [L]
+        shift = self.shift(space)
+        relative = relative_positions(space) - shift  # [L]
         if relative.numel() == 0:
             return []
         ids = self.bucket_ids(relative[None, :])[0]  # [L]
@@ -326,7 +340,8 @@ class RelativeBias(Modifier):
             return []
         name = getattr(self.buckets, "__name__", "fn")
         return [f"relative_bias(buckets={name}) gave bucket ids in [{low}, {high}] for the "
-                f"relative positions j − i in [{-(space.q_len - 1)}, {space.kv_len - 1}]; they "
+                f"relative positions j − i in [{-(space.q_len - 1) - shift}, "
+                f"{space.kv_len - 1 - shift}]; they "
                 f"must lie in [0, num_buckets) = [0, {buckets}) (the table has shape "
                 f"{tuple(self.table.shape)}): clamp them, or widen the table"]
 
@@ -343,28 +358,37 @@ class RelativeBias(Modifier):
                             f"{tuple(getattr(ids, 'shape', ()))}")
         return ids
 
+    def shift(self, space: MaskSpace) -> int:
+        """What the alignment subtracts from ``j − i``: :func:`aligned_shift`."""
+        return aligned_shift(self.align, space)
+
     def values(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, space: MaskSpace,
                dtype: torch.dtype) -> torch.Tensor:
         """The bias of one tile at global positions → ``[1, H, tq, tk]`` in ``dtype``."""
-        ids = self.bucket_ids(kv_idx[None, :] - q_idx[:, None])  # [tq, tk]
+        ids = self.bucket_ids(kv_idx[None, :] - q_idx[:, None] - self.shift(space))  # [tq, tk]
         return self.table.to(dtype)[:, ids][None]  # [1, H, tq, tk]
 
     def by_distance(self, relative: torch.Tensor, space: MaskSpace, dtype: torch.dtype,
                     ) -> torch.Tensor:
         """The bias of each relative position ``j − i`` in ``relative [L]`` (long) → ``[1, H,
         L]`` in ``dtype`` (the bucket function sees them as one row, ``[1, L]``)."""
-        ids = self.bucket_ids(relative[None, :])[0]  # [L]
+        ids = self.bucket_ids((relative - self.shift(space))[None, :])[0]  # [L]
         return self.table.to(dtype)[:, ids][None]  # [1, H, L]
 
     def __repr__(self):
         buckets = ("" if self.buckets is None
                    else f", buckets={getattr(self.buckets, '__name__', 'fn')}")
-        return f"relative_bias({tensor_summary(self.table)}{buckets})"
+        align = "" if self.align == "top_left" else f", align={self.align!r}"
+        return f"relative_bias({tensor_summary(self.table)}{buckets}{align})"
 
 
-def relative_bias(table: torch.Tensor, buckets: Optional[Callable] = None) -> Mask:
-    """A learned relative-position bias (T5): add ``table[h, bucket(j − i)]`` to the scores of
-    query i and key j (global positions) in head h.
+def relative_bias(table: torch.Tensor, buckets: Optional[Callable] = None,
+                  align: str = "top_left") -> Mask:
+    """A learned relative-position bias (T5): add ``table[h, bucket(j − i − shift)]`` to the
+    scores of query i and key j (global positions) in head h; ``shift`` is 0 for
+    ``align="top_left"`` and ``Tk − Tq`` for ``"bottom_right"`` (a decoding step or a chunk
+    of a chunked prefill over a cache: the last query sits on the last key, as T5's decoder
+    counts a step's query at the cache's length).
 
     ``table``: float ``[H, num_buckets]`` (one row per query head), learnable: it gets its
     gradient (summed per bucket) when it requires grad. ``buckets``: a callable
@@ -372,7 +396,7 @@ def relative_bias(table: torch.Tensor, buckets: Optional[Callable] = None) -> Ma
     (checked once per call, over every relative position: ``ValueError`` outside it), or
     ``None`` for T5's bidirectional bucketing with ``max_distance=128`` (:func:`t5_buckets`).
     Evaluated per tile, never as a ``Tq × Tk`` tensor."""
-    return RelativeBias(table, buckets)
+    return RelativeBias(table, buckets, align)
 
 
 # ---- sinks ------------------------------------------------------------------------------------

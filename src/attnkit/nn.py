@@ -39,6 +39,7 @@ from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, keys_bel
                     readable, real_keys, sliding_window, vouched_padding)
 from .numerics import (accum_dtype, additive_mask, grouped, masked_softmax, pad_rows,
                        ungrouped)
+from .modifiers import split
 from .paged import PagedKVCache
 
 if TYPE_CHECKING:  # torch.distributed loads only when sequence parallelism is used
@@ -750,7 +751,10 @@ class MultiHeadAttention(nn.Module):
                 ``[B, H, Tq, Tk]``: an attnkit mask (``causal()``, ``padding(...)``, ...), a bool
                 tensor (**True = may attend**) or a float bias, broadcastable to
                 ``[B, H, Tq, Tk]`` (``[Tq, Tk]`` is shared by every batch element and head; a
-                per-batch mask is ``[B, 1, Tq, Tk]``).
+                per-batch mask is ``[B, 1, Tq, Tk]``). With a cache, ALiBi and relative biases
+                count the cache's positions: align them ``"bottom_right"`` (the new queries are
+                the last ones); a relative bias, or ALiBi with sinks, over a cache whose
+                sequences hold different lengths is refused (``ValueError``).
             key_valid: bool ``[B, Tk]`` (``[Tk]`` unbatched), **True = a real key that may be
                 attended**, False = padding (Hugging Face's ``attention_mask``). torch's
                 ``nn.MultiheadAttention`` takes the opposite, ``key_padding_mask`` (True =
@@ -854,7 +858,7 @@ class MultiHeadAttention(nn.Module):
             if isinstance(new_cache, PagedKVCache):
                 k, v = new_cache.keys, new_cache.values  # gathered [B, Hkv, T, D]
             full_mask = self._combine_masks(mask, key_valid, is_causal, cache=new_cache,
-                                            batch=batch, kv_len=k.shape[2])
+                                            batch=batch, kv_len=k.shape[2], q_len=q.shape[2])
             result = attention(q, k, v, full_mask, dropout_p=dropout, backend=self.backend,
                                return_weights=need_weights, invariant=invariant)
             heads_out, weights = (result.out, result.weights) if need_weights else (result, None)
@@ -897,12 +901,15 @@ class MultiHeadAttention(nn.Module):
 
     def _combine_masks(self, mask: MaskLike, key_valid: Optional[torch.Tensor],
                        is_causal: bool, *, cache: Union[KVCache, PagedKVCache, None],
-                       batch: int, kv_len: int) -> Optional[Mask]:
+                       batch: int, kv_len: int, q_len: Optional[int] = None) -> Optional[Mask]:
         """``mask & causal & key padding`` as one attnkit mask over ``[B, H, Tq, Tk]``; with a
-        cache, causal and the cache's per-sequence lengths come from :meth:`KVCache.mask`."""
+        cache, causal and the cache's per-sequence lengths come from :meth:`KVCache.mask`,
+        and ALiBi and relative biases are checked against it (:func:`_check_positions`)."""
         parts = []
         if mask is not None:
             parts.append(as_mask(mask))
+            if cache is not None:
+                _check_positions(parts[0], cache, q_len, kv_len)
         step = cache.mask(is_causal) if cache is not None else causal() if is_causal else None
         if step is not None:
             parts.append(step)
@@ -1097,3 +1104,31 @@ class AdditiveAttention(nn.Module):
         allowed = mask.to_dense(space)[:, 0]  # [Bm, Tq, Tk]
         bias = mask.dense_bias(space)
         return allowed, None if bias is None else bias[:, 0]
+
+
+
+def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache], q_len: int,
+                     kv_len: int) -> None:
+    """A ``ValueError`` where ALiBi or a relative bias in ``mask`` would read the wrong
+    positions over ``cache``: they count the cache buffer's positions, so once it holds
+    earlier keys of per-sequence lengths (or is paged) a shorter sequence's query is not at
+    its own position, and
+    with ``align="top_left"`` the new queries count from 0, not from the cache's length.
+    ALiBi alone is then off by a constant per row, which softmax ignores (allowed); relative
+    buckets, and ALiBi with sinks (whose share the constant changes), are refused."""
+    _, modifiers = split(mask)
+    if modifiers is None or not (modifiers.alibi or modifiers.relative):
+        return
+    off = [*modifiers.relative, *(modifiers.alibi if modifiers.sinks else ())]
+    if off and q_len != kv_len and (isinstance(cache, PagedKVCache) or cache.lengths is not None):
+        raise ValueError(
+            f"{off[0]!r}{' with sinks' if off[0].kind == 'alibi' else ''} over a cache with "
+            f"per-sequence lengths: it reads positions of the cache's buffer, not each "
+            f"sequence's own, so a shorter sequence's rows would be wrong. Keep sequences of "
+            f"different lengths in caches of their own, or pass their bias as a tensor "
+            f"(attnkit.bias)")
+    top_left = [part for part in off if part.align == "top_left"]
+    if top_left and q_len != kv_len:
+        raise ValueError(
+            f"{top_left[0]!r} with a cache: the {q_len} new queries are the last of {kv_len} "
+            f"positions, but align='top_left' counts them from 0; pass align='bottom_right'")

@@ -139,7 +139,8 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     seqlens_t = torch.tensor(lengths, dtype=torch.long, device=q.device)
     keys, values = gather(key_pool, value_pool, table_tensor(table, q.device), seqlens_t,
                           max(lengths, default=0))
-    per_sequence = sequence_mask(given, vouched_padding(None, seqlens_t), q.shape[-2])
+    per_sequence = sequence_mask(given, vouched_padding(None, seqlens_t), q.shape[-2],
+                                 return_lse)
     return attention(q, keys, values, per_sequence, scale=scale, backend=backend,
                      return_lse=return_lse)
 
@@ -237,17 +238,27 @@ def _integers(name: str, value, dims: int) -> list:
     return _integers(name, as_tensor, dims)
 
 
-def sequence_mask(mask: Optional[Mask], sequences: Mask, q_len: int) -> Mask:
+def sequence_mask(mask: Optional[Mask], sequences: Mask, q_len: int, lse: bool) -> Mask:
     """``mask`` applied per sequence over ``sequences`` (a padding of each sequence's keys,
     :func:`~attnkit.modifiers.per_sequence`): ALiBi with one query per sequence only, where
-    its alignment adds a constant per row (which softmax ignores). Relative biases are
-    refused: their buckets would read a decoding query at position 0, not at its own."""
+    a bottom-right alignment adds a constant per row (the gathered keys' length is not the
+    sequence's), which softmax ignores but sinks and the LSE do not: refused with either
+    (``lse``: whether the call returns it). Relative biases are refused: their buckets would
+    read a decoding query at position 0, not at its own."""
     _, modifiers = split(mask)
     if modifiers is not None and modifiers.relative:
         raise ValueError("a paged call does not take relative_bias: its buckets read each "
                          "query's position in the call (a decoding query at 0), not in its "
                          "sequence, so they would be wrong; attend a contiguous cache with "
                          "the step's bias as a tensor (attnkit.bias) instead")
+    if (modifiers is not None and (modifiers.sinks or lse)
+            and any(part.align == "bottom_right" for part in modifiers.alibi)):
+        raise ValueError(f"a paged call does not take alibi(align='bottom_right') with "
+                         f"{'sinks' if modifiers.sinks else 'return_lse=True'}: it would "
+                         f"align each query with the last of the gathered keys, not of its "
+                         f"sequence, a constant per row that softmax ignores but the sinks' "
+                         f"share and the LSE do not. Pass the step's ALiBi bias as a tensor "
+                         f"(attnkit.bias) instead")
     positions = None if q_len == 1 else (
         f"with one query per sequence (got {q_len}): with more, their alignment differs per "
         f"sequence; attend a contiguous cache for this")
@@ -960,7 +971,7 @@ class PagedKVCache:
                               return_lse, self._runs.runs)
         step = self.mask(is_causal)
         if given is not None:
-            step = step & sequence_mask(given, self._sequences(), q.shape[-2])
+            step = step & sequence_mask(given, self._sequences(), q.shape[-2], return_lse)
         return attention(q, self.keys, self.values, step, scale=scale, backend=backend,
                          return_lse=return_lse)
 

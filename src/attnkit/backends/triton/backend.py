@@ -10,7 +10,6 @@ states what it supports. Nothing imports triton until a kernel is launched (or u
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 from typing import Optional
 
@@ -111,15 +110,15 @@ def score_mods(inputs: Inputs) -> dict:
     modifiers = inputs.modifiers
     if modifiers is None or not modifiers.changes_scores:
         return {}
-    heads, q_len, kv_len = inputs.q.shape[1], inputs.q.shape[2], inputs.k.shape[2]
+    heads = inputs.q.shape[1]
     found = dict(cap=None if modifiers.softcap is None else modifiers.softcap.cap)
     if modifiers.alibi:
         (alibi,) = modifiers.alibi
-        found.update(slopes=alibi.slopes.reshape(-1, heads),
-                     shift=kv_len - q_len if alibi.align == "bottom_right" else 0)
+        found.update(slopes=alibi.slopes.reshape(-1, heads), shift=alibi.shift(inputs.space))
     if modifiers.relative:
         distance = relative_positions(inputs.space)[None]  # [1, Tq + Tk − 1]
-        found["diag"] = sum(part.table[:, part.bucket_ids(distance)[0]] for part in modifiers.relative)
+        found["diag"] = sum(part.table[:, part.bucket_ids(distance - part.shift(inputs.space))[0]]
+                            for part in modifiers.relative)
     return found
 
 
@@ -136,11 +135,10 @@ def torch_is_faster(inputs: Inputs) -> bool:
             and launch.decode_form(inputs) is None)
 
 
-@functools.lru_cache(maxsize=1)
-def _installed() -> bool:
-    """Found without importing it (importing triton takes 0.4–3 s): the import happens at the
-    first launch."""
-    return importlib.util.find_spec("triton") is not None
+INSTALLED = importlib.util.find_spec("triton") is not None
+"""Whether triton is installed, found without importing it (importing triton takes 0.4–3 s:
+that happens at the first launch). A constant, so a compiled graph reads it without tracing
+a lookup."""
 
 
 class TritonBackend(Backend):
@@ -163,7 +161,7 @@ class TritonBackend(Backend):
         self.options = options
 
     def unavailable_reason(self) -> Optional[str]:
-        if not _installed():
+        if not INSTALLED:
             return "triton is not installed"
         if not torch.cuda.is_available() and launch.cpu_problem():
             return (f"no CUDA device: triton runs on CUDA GPUs, or {launch.cpu_problem()} "
