@@ -181,11 +181,6 @@ def _error_cases(mesh, flat, rank: int) -> dict:
         "local_document_ids": (lambda: hybrid_attention(
             *shards(), ak.documents(torch.zeros(LOCAL, dtype=torch.long)), mesh=mesh),
             ValueError, ["global positions", f"{LOCAL * 4}"]),
-        # the pair the other way round forms the transposed grid: each rank would hold the
-        # shard of another position
-        "pair_swapped": (lambda: hybrid_attention(
-            *shards(), ak.causal(), mesh=(mesh.get_group(1), mesh.get_group(0))),
-            ValueError, ["[0, 2, 1, 3]", "swapped"]),
     }
     return error_failures(cases)
 

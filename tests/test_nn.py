@@ -12,6 +12,7 @@ from torch.autograd import gradcheck
 
 import attnkit as ak
 from attnkit.nn import AdditiveAttention, KVCache, MultiHeadAttention
+from attnkit.paged import PagedKVCache
 
 F64 = torch.float64
 
@@ -235,8 +236,39 @@ def test_kv_cache_decodes_position_biases_aligned_bottom_right():
             mha(x[:, 4:5], mask=make("top_left"), cache=cache, is_causal=True)
         _, _, ragged = mha(x[:, :4], mask=make("bottom_right"), cache=KVCache.empty(),
                            is_causal=True, lengths=torch.tensor([4, 2]))
-        with pytest.raises(ValueError, match="per-sequence lengths"):
+        with pytest.raises(ValueError, match="different numbers of keys"):
             mha(x[:, 4:5], mask=make("bottom_right"), cache=ragged, is_causal=True)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_masks_that_read_positions_over_caches_of_ragged_sequences_are_refused(paged):
+    """A window aligned bottom-right over a cache whose sequences hold different numbers of
+    keys would align to the buffer, not to each sequence (the shorter one saw no key): refused
+    at the step that would read it; a ragged prefill into an empty cache, whose positions
+    are the chunk's own, runs, and so does a cache of equal sequences."""
+    torch.manual_seed(23)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    x = _rand(2, 8, 8, seed=24)
+    window = ak.sliding_window(2, align="bottom_right")
+
+    def empty():
+        return PagedKVCache(64, 4) if paged else KVCache.empty()
+
+    _, _, ragged = mha(x[:, :6], mask=window, cache=empty(), is_causal=True,
+                       lengths=torch.tensor([6, 3]))
+    with pytest.raises(ValueError, match="different numbers of keys"):
+        mha(x[:, 6:7], mask=window, cache=ragged, is_causal=True)
+    with pytest.raises(ValueError, match="different numbers of keys"):  # causal as a mask too
+        mha(x[:, 6:7], mask=ak.causal("bottom_right"), cache=ragged)
+    mha(x[:, 6:7], cache=ragged, is_causal=True)  # the cache's own causal: per sequence
+    _, _, equal = mha(x[:, :6], mask=window, cache=empty(), is_causal=True)
+    out, _, _ = mha(x[:, 6:7], mask=window, cache=equal, is_causal=True)
+    expected, _, _ = mha(x[:, :7], mask=ak.sliding_window(2), is_causal=True)
+    torch.testing.assert_close(out, expected[:, 6:], rtol=0, atol=1e-12)
+    if paged:  # a ragged chunk no sequence fills ends the gathered keys early
+        with pytest.raises(ValueError, match="different numbers of keys"):
+            mha(x[:, :6], mask=window, cache=empty(), is_causal=True,
+                lengths=torch.tensor([5, 3]))
 
 
 def test_kv_cache_with_key_padding_mask_and_unbatched():

@@ -340,8 +340,8 @@ class RelativeBias(Modifier):
             return []
         name = getattr(self.buckets, "__name__", "fn")
         return [f"relative_bias(buckets={name}) gave bucket ids in [{low}, {high}] for the "
-                f"relative positions j − i in [{-(space.q_len - 1) - shift}, "
-                f"{space.kv_len - 1 - shift}]; they "
+                f"relative positions {'j − i' if not shift else f'j − i − {shift} (bottom-right)'}"
+                f" in [{-(space.q_len - 1) - shift}, {space.kv_len - 1 - shift}]; they "
                 f"must lie in [0, num_buckets) = [0, {buckets}) (the table has shape "
                 f"{tuple(self.table.shape)}): clamp them, or widen the table"]
 

@@ -838,6 +838,8 @@ class MultiHeadAttention(nn.Module):
             if not isinstance(cache, (KVCache, PagedKVCache)):
                 raise TypeError(f"cache must be a KVCache (MultiHeadAttention.empty_cache()) or "
                                 f"a PagedKVCache, got {type(cache).__name__}")
+            if mask is not None:
+                _check_positions(as_mask(mask), cache, lengths, k.shape[2])
             new_cache = (cache._append(k, v, lengths, KV_SPLIT)  # read in place by decode
                          if invariant and isinstance(cache, KVCache) and cache.window is None
                          else cache.append(k, v, lengths))
@@ -858,7 +860,7 @@ class MultiHeadAttention(nn.Module):
             if isinstance(new_cache, PagedKVCache):
                 k, v = new_cache.keys, new_cache.values  # gathered [B, Hkv, T, D]
             full_mask = self._combine_masks(mask, key_valid, is_causal, cache=new_cache,
-                                            batch=batch, kv_len=k.shape[2], q_len=q.shape[2])
+                                            batch=batch, kv_len=k.shape[2])
             result = attention(q, k, v, full_mask, dropout_p=dropout, backend=self.backend,
                                return_weights=need_weights, invariant=invariant)
             heads_out, weights = (result.out, result.weights) if need_weights else (result, None)
@@ -901,15 +903,12 @@ class MultiHeadAttention(nn.Module):
 
     def _combine_masks(self, mask: MaskLike, key_valid: Optional[torch.Tensor],
                        is_causal: bool, *, cache: Union[KVCache, PagedKVCache, None],
-                       batch: int, kv_len: int, q_len: Optional[int] = None) -> Optional[Mask]:
+                       batch: int, kv_len: int) -> Optional[Mask]:
         """``mask & causal & key padding`` as one attnkit mask over ``[B, H, Tq, Tk]``; with a
-        cache, causal and the cache's per-sequence lengths come from :meth:`KVCache.mask`,
-        and ALiBi and relative biases are checked against it (:func:`_check_positions`)."""
+        cache, causal and the cache's per-sequence lengths come from :meth:`KVCache.mask`."""
         parts = []
         if mask is not None:
             parts.append(as_mask(mask))
-            if cache is not None:
-                _check_positions(parts[0], cache, q_len, kv_len)
         step = cache.mask(is_causal) if cache is not None else causal() if is_causal else None
         if step is not None:
             parts.append(step)
@@ -1107,28 +1106,52 @@ class AdditiveAttention(nn.Module):
 
 
 
-def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache], q_len: int,
-                     kv_len: int) -> None:
-    """A ``ValueError`` where ALiBi or a relative bias in ``mask`` would read the wrong
-    positions over ``cache``: they count the cache buffer's positions, so once it holds
-    earlier keys of per-sequence lengths (or is paged) a shorter sequence's query is not at
-    its own position, and
-    with ``align="top_left"`` the new queries count from 0, not from the cache's length.
-    ALiBi alone is then off by a constant per row, which softmax ignores (allowed); relative
-    buckets, and ALiBi with sinks (whose share the constant changes), are refused."""
-    _, modifiers = split(mask)
-    if modifiers is None or not (modifiers.alibi or modifiers.relative):
+
+def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
+                     lengths: Optional[torch.Tensor], width: int) -> None:
+    """A ``ValueError`` where ``mask``'s positions would not be the sequences' own over
+    ``cache`` (before this call's append of ``width`` positions, ``lengths`` real per
+    sequence). Bands (causal, windows), relative biases and ALiBi with sinks read positions
+    of the cache's buffer (or of the gathered keys), aligned to its end: right for every
+    sequence only when all held as many keys before the append (and, paged, some sequence
+    fills the chunk, whose end is then the gathered keys' end); and a top-left
+    alignment counts the new queries from 0, wrong once the cache holds keys. ALiBi alone
+    is off by a constant per row there, which softmax ignores (allowed); so are masks
+    without positions (dense, bias, padding). Reads the cache's lengths on the host only
+    when the mask holds something that reads positions."""
+    rest, modifiers = split(mask)
+    off = [] if modifiers is None else [*modifiers.relative,
+                                        *(modifiers.alibi if modifiers.sinks else ())]
+    bands = [] if rest is None else [leaf for leaf in rest.leaves() if leaf.band() is not None]
+    band = bands[0].band() if bands else None
+    if not off and band is None:
         return
-    off = [*modifiers.relative, *(modifiers.alibi if modifiers.sinks else ())]
-    if off and q_len != kv_len and (isinstance(cache, PagedKVCache) or cache.lengths is not None):
+    if isinstance(cache, PagedKVCache):
+        held = list(cache.lengths)
+    else:
+        held = [cache.length] if cache.lengths is None else cache.lengths.tolist()
+    if not any(held):
+        held = [0]  # an empty cache: positions are the call's own (its first append)
+    # a paged cache gathers each sequence's keys up to the longest: a chunk no sequence fills
+    # ends the gathered keys before the buffer's end
+    short = (isinstance(cache, PagedKVCache) and lengths is not None
+             and max(lengths.tolist(), default=width) != width)
+    ragged = len(set(held)) > 1 or short
+    what = repr(off[0]) + (" with sinks" if off and off[0].kind == "alibi" else "") if off \
+        else repr(bands[0])
+    if ragged and (off or band is not None):
         raise ValueError(
-            f"{off[0]!r}{' with sinks' if off[0].kind == 'alibi' else ''} over a cache with "
-            f"per-sequence lengths: it reads positions of the cache's buffer, not each "
-            f"sequence's own, so a shorter sequence's rows would be wrong. Keep sequences of "
-            f"different lengths in caches of their own, or pass their bias as a tensor "
+            f"{what} over a cache whose sequences hold different numbers of keys: it reads "
+            f"positions of the cache's buffer, not each sequence's own, so a shorter "
+            f"sequence's rows would be wrong. Pass is_causal=True for causal attention (the "
+            f"cache aligns it per sequence); keep sequences of different lengths in caches of "
+            f"their own for windows and position biases, or pass their bias as a tensor "
             f"(attnkit.bias)")
     top_left = [part for part in off if part.align == "top_left"]
-    if top_left and q_len != kv_len:
+    if band is not None and band.align == "top_left":
+        top_left.append(bands[0])
+    if top_left and held[0]:
         raise ValueError(
-            f"{top_left[0]!r} with a cache: the {q_len} new queries are the last of {kv_len} "
-            f"positions, but align='top_left' counts them from 0; pass align='bottom_right'")
+            f"{top_left[0]!r} with a cache that holds {held[0]} keys: the new queries are the "
+            f"last positions, but align='top_left' counts them from 0; pass "
+            f"align='bottom_right' (or is_causal=True for causal attention)")

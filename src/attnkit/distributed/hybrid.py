@@ -199,13 +199,9 @@ def _gather(obj, group, size: int) -> list:
     return gathered
 
 
-def _validate(q, k, v, mask, scale, return_lse, backend, ring_layout, groups,
-              by_pair: bool = False):
+def _validate(q, k, v, mask, scale, return_lse, backend, ring_layout, groups):
     """Check this rank's input, then that all P ranks agree; raise the same error on every rank
-    before any transfer of q, k, v. Returns this rank's mask. ``by_pair``: the mesh came as a
-    pair of groups, whose positions ``r·U + u`` must then follow the world ranks (a pair
-    passed the other way round forms the transposed grid, and each rank would hold the shard
-    of another position).
+    before any transfer of q, k, v. Returns this rank's mask.
 
     Two gathers reach all P ranks: inside the Ulysses group, then across the ring group (each
     rank passing on its group's entries), so every rank sees the entry of every mesh position.
@@ -219,33 +215,25 @@ def _validate(q, k, v, mask, scale, return_lse, backend, ring_layout, groups,
         failure = (type(error).__name__, str(error))
     signature = _signature(q, k, v, mask, scale, return_lse, backend,
                            {"ring_layout": ring_layout})
-    row = _gather(((r, u), failure, signature, dist.get_rank()), ulysses_group, ulysses_size)
+    row = _gather(((r, u), failure, signature), ulysses_group, ulysses_size)
     rows = _gather(((r, u), row), ring_group, ring_size)
     table = [entry for _, group_row in rows for entry in group_row]  # mesh order r·U + u
     grid = [(i, j) for i in range(ring_size) for j in range(ulysses_size)]
     if ([coordinate for coordinate, _ in rows] != [(i, u) for i in range(ring_size)]
-            or [coordinate for coordinate, _, _, _ in table] != grid):
+            or [coordinate for coordinate, _, _ in table] != grid):
         raise ValueError(
             f"hybrid_attention: the ring group and the Ulysses group do not form an (R, U) = "
             f"({ring_size}, {ulysses_size}) grid (seen on ring rank {r}, Ulysses rank {u}): the "
             f"ring group must hold the ranks of one Ulysses rank across all groups, in ring "
             f"order. Use init_device_mesh(device, (R, U))")
-    world = [rank for _, _, _, rank in table]
-    if by_pair and world != sorted(world):
-        raise ValueError(
-            f"hybrid_attention: mesh=(ring_group, ulysses_group) puts world ranks {world} at "
-            f"mesh positions r·U + u = 0..{len(world) - 1}, not in world order: is the pair "
-            f"swapped? The ring group holds the ranks of one Ulysses rank u (world ranks "
-            f"u, U + u, 2U + u, ...), the Ulysses group those of one ring rank r (r·U .. "
-            f"r·U + U − 1), as init_device_mesh(device, (R, U)) builds them")
-    failed = [(position, f) for position, (_, f, _, _) in enumerate(table) if f is not None]
+    failed = [(position, f) for position, (_, f, _) in enumerate(table) if f is not None]
     if failed:
         position, (kind, message) = failed[0]
         error_type = TypeError if kind == "TypeError" else ValueError
         raise error_type(f"hybrid_attention: invalid input at mesh position(s) r·U + u = "
                          f"{[p for p, _ in failed]} (position {position}): {message}")
     disagreement = disagreement_text("hybrid_attention (ranks numbered r·U + u)",
-                                     [s for _, _, s, _ in table], _AGREEMENT)
+                                     [s for _, _, s in table], _AGREEMENT)
     if disagreement:
         raise ValueError(disagreement)
     return local_mask
@@ -272,9 +260,10 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Args:
         mesh: a 2-D ``DeviceMesh`` of shape ``(R, U)`` (dim 0: ring, dim 1: Ulysses), e.g.
             ``init_device_mesh("cuda", (R, U))``, or a pair ``(ring_group, ulysses_group)``
-            whose ranks form that grid in world order (checked: ``r·U + u`` is the r-th
-            ring rank's u-th Ulysses rank, as ``init_device_mesh`` numbers them). H must be
-            a multiple of U.
+            whose ranks form that grid (checked). Rank ``(r, u)`` is this rank's rank in
+            each group, ``(dist.get_rank(ring_group), dist.get_rank(ulysses_group))`` (a
+            mesh's ``get_group(0)``/``get_group(1)`` ranks): cut the shards by those, as
+            ``SequenceParallel`` does, not by the world rank. H must be a multiple of U.
         mask: the mask of the WHOLE sequence, the same on every rank: what ``ring_attention``
             takes (causal, windows, documents, padding, dense/bias tensors, softcap, alibi,
             relative_bias, sinks); per-head tensors are narrowed to the rank's heads
@@ -306,8 +295,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     timeout = backward_timeout_of(backward_timeout, "hybrid_attention")
     groups = _mesh_groups(mesh)
     ring_group, ulysses_group, _, _, _, ulysses_size = groups
-    local_mask = _validate(q, k, v, mask, scale, return_lse, backend, ring_layout, groups,
-                           by_pair=not isinstance(mesh, DeviceMesh))
+    local_mask = _validate(q, k, v, mask, scale, return_lse, backend, ring_layout, groups)
     heads, kv_heads = q.shape[1], k.shape[1]
     q_index = _q_head_index(heads, ulysses_size)
     kv_index = kv_head_index(heads, kv_heads, ulysses_size)
