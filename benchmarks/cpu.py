@@ -5,6 +5,9 @@ tables, the machine, the date, the thread count and the exact command.
 
     python benchmarks/cpu.py                 # full run (~10 min on 2 cores)
     python benchmarks/cpu.py --no-docs ...   # any `attnkit bench` option; leave the docs alone
+
+A partial run (``--quick``, ``--workloads``, ``--methods``, ``--no-memory``) leaves the docs
+alone too: the published tables come from full runs.
 """
 
 from __future__ import annotations
@@ -42,7 +45,13 @@ def main(argv=None) -> int:
     path = runner.write_results(results, out_dir)
     figures = plots.write_all(results, out_dir)
     console.print(f"results: {path}; figures: {', '.join(figures)}")
-    if not args.no_docs:
+    partial = [flag for flag, given in (("--quick", args.quick), ("--workloads", args.workloads),
+                                        ("--methods", args.methods), ("--no-memory", not args.memory))
+               if given]
+    if partial and not args.no_docs:  # the published tables come from full runs only
+        console.print(f"{', '.join(partial)}: a partial run; the results section of "
+                      f"{Path(args.docs).name} is left alone")
+    elif not args.no_docs:
         docs = Path(args.docs)
         docs.write_text(report.replace_section(docs.read_text(), report.markdown(results)))
         console.print(f"updated the results section of {docs}")

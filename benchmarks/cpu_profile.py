@@ -11,7 +11,7 @@ overhead at all (Flex time / kernel time)::
 
 ``--vs-sdpa`` instead bounds the ratio to SDPA with the dense mask: tiled and SDPA-dense timed
 interleaved with torch's fused kernel at its best time per score pair (no mask, one square call
-of the workload's B, H, D at N 4096; median of three such calls per round) — no engine built on
+of the workload's B, H, D at N 4096; the fastest of three such calls per round) — no engine built on
 that kernel can beat SDPA-dense by more than ``t_sdpa_dense / (allowed pairs × best time per
 pair)`` = (N² / allowed pairs) × (SDPA-dense's time per pair / the kernel's best).
 """

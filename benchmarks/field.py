@@ -332,10 +332,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few steps and repeats: checks the "
                         "script runs, its figures mean nothing")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results"))
-    parser.add_argument("--device", default="cpu", help="where the ragged decode and the tiny "
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the ragged decode and the tiny "
                         "call run (cuda: synchronised per timed call); the transformers rows "
                         "run on the CPU only")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
     torch.set_num_threads(1)
     decode, decode_reads = ragged_decode(args.quick, args.device)
     rows, reads = [decode], [decode_reads]

@@ -6,7 +6,9 @@
 Workloads, per head dim: a sliding window and causal documents (both ``--span`` long) at
 ``--masked-length``, then causal and no mask at each of ``--lengths``; ``--tokens`` per batch
 (B = tokens / N), H = ``--hidden`` / D. Competitors, in one run: ``attention(backend="triton")``,
-the same with ``TritonOptions(backward="stored_ds")``, torch SDPA's flash and cuDNN backends
+the triton backend's own ``forward`` with ``TritonOptions(backward="stored_ds")`` (called on
+validated inputs: no dispatch, garbage guard or non-finite flags, which the public call
+adds; ``attention`` takes no backend options), torch SDPA's flash and cuDNN backends
 (no mask or causal), compiled FlexAttention with a block mask (``--flex-masks``: each costs a
 compile) and SDPA with a dense bool mask; ``--dry-run`` leaves out those that need CUDA.
 

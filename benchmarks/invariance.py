@@ -126,8 +126,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats: "
                         "checks the script runs, its figures mean nothing")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results"))
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
     torch.set_num_threads(1)
     rows = [*attention_rows(args.quick, args.device), ragged_decode(args.quick, args.device)]
     print("| case | unit | default | invariant | invariant / default | target |\n"

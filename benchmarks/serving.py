@@ -133,8 +133,10 @@ def paged_decode_row(quick: bool) -> dict:
 
     def step(name: str) -> torch.Tensor:  # one new token per sequence, appended and attended
         cache = caches[name] = caches[name].append(kv, kv)
-        if name == "paged":  # what MultiHeadAttention runs on each cache
+        if name == "paged":  # what MultiHeadAttention runs on a paged cache
             return cache.attend(q)
+        # the public call over the cache's views (MultiHeadAttention runs KVCache.decode,
+        # which gives the same bits at these sizes)
         return ak.attention(q, cache.keys, cache.values, cache.mask())
 
     return step_row(f"paged decode step, {count} sequences {int(lengths[0])}..{longest} keys, "

@@ -130,9 +130,10 @@ def markdown(results: dict) -> str:
         methods = list(dict.fromkeys(r["method"] for r in sweep))
         labels = {r["method"]: r["label"] for r in sweep}
         notes = {r["method"]: r["reason"] for r in sweep if r["status"] == "unsupported"}
-        for title, key, fmt in (("Extra peak memory (MiB), forward+backward, causal, H1 D64",
+        shape = sweep_shape(sweep)
+        for title, key, fmt in ((f"Extra peak memory (MiB), forward+backward, causal, {shape}",
                                  "extra_peak_mib", "{:.1f}"),
-                                ("Time (s), forward+backward, causal, H1 D64", "median_s", "{:.3f}")):
+                                (f"Time (s), forward+backward, causal, {shape}", "median_s", "{:.3f}")):
             lines += [f"#### {title}", "", "| method | " + " | ".join(f"N={n}" for n in lengths) + " |",
                       "|---|" + "--:|" * len(lengths)]
             for method in methods:
@@ -158,3 +159,9 @@ def markdown(results: dict) -> str:
             value += f" ({row['detail']})"
         lines.append(f"| {row['target']} | {value} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def sweep_shape(sweep: list) -> str:
+    """``"H1 D64"``: the heads and head dim of the memory sweep's rows (as measured)."""
+    first = sweep[0] if sweep else {}
+    return f"H{first.get('heads', 1)} D{first.get('head_dim', 64)}"

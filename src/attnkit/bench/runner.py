@@ -533,8 +533,11 @@ def memory_table(results: dict):
 
     from .memory import fmt_mib
 
-    table = Table(title="forward+backward, causal, H1 D64, one fresh process each: extra peak RSS "
-                        "beyond inputs, outputs and gradients",
+    from .report import sweep_shape
+
+    table = Table(title=f"forward+backward, causal, {sweep_shape(results.get('sweep') or [])}, "
+                        f"one fresh process each: extra peak RSS beyond inputs, outputs and "
+                        f"gradients",
                   title_justify="left", show_edge=False, pad_edge=False)
     for column in ("method", "N", "extra peak MiB", "median s", "n"):
         table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tiled is always needed: outputs are checked against it")
     parser.add_argument("--reps", type=int, metavar="N",
                         help="timed rounds per method and cell, at most (default 10; fewer when a "
-                             "cell's 20 s budget runs out, never under 2)")
+                             "cell's 20 s budget runs out, never under 2 unless N is 1)")
     flex = parser.add_mutually_exclusive_group()
     flex.add_argument("--flex", dest="flex", action="store_true", default=None,
                       help="include compiled FlexAttention even with --quick")
