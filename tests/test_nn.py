@@ -704,3 +704,28 @@ def test_multi_head_attention_decodes_through_the_cache():
                 outs[i].append(out)
     torch.testing.assert_close(torch.cat(outs[0], 1), torch.cat(outs[1], 1), rtol=1e-12,
                                atol=1e-12)
+
+
+def test_modules_propagate_shapes_on_meta():
+    """Shape-only calls on meta (no autocast state there), as torch's own modules take them."""
+    mha = MultiHeadAttention(32, 4, device="meta")
+    x, memory = torch.empty(2, 5, 32, device="meta"), torch.empty(2, 7, 32, device="meta")
+    assert mha(x, memory).out.shape == (2, 5, 32)  # cross-attention
+    assert mha(x[0]).out.shape == (5, 32)  # unbatched
+    additive = AdditiveAttention(8, 8, 16, device="meta")
+    out, weights = additive(torch.empty(2, 3, 8, device="meta"), torch.empty(2, 4, 8, device="meta"),
+                            torch.empty(2, 4, 8, device="meta"))
+    assert out.shape == (2, 3, 8) and weights.shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_additive_attention_adds_a_float32_bias_in_float32(dtype):
+    """A bias beyond float16's range stays a finite bias (no inf − inf NaN), and a row of
+    float32's lowest stays what it is in float32: weights summing to 1."""
+    torch.manual_seed(25)
+    additive = AdditiveAttention(8, 8, 16).to(dtype)
+    q, k, v = (torch.randn(1, n, 8, dtype=dtype) for n in (2, 3, 3))
+    bias = torch.tensor([[[1e5, 0.0, 0.0]], [[torch.finfo(torch.float32).min] * 3]]).reshape(1, 2, 3)
+    out, weights = additive(q, k, v, mask=bias)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(weights.float().sum(-1), torch.ones(1, 2), rtol=1e-2, atol=1e-2)

@@ -690,3 +690,27 @@ def test_errors_name_what_the_caller_passed():
         PagedKVCache.from_tables(pool, pool, [[0], [1]], [1])
     with pytest.raises(ValueError, match=r"got key_pool \(6, 4, 2, 8\), value_pool"):
         PagedKVCache.from_tables(pool, torch.zeros(5, 4, 2, 8), [[0]], [1])
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("length", [8, 500])  # gathered, and read in place by runs of blocks
+def test_paged_attention_runs_under_autocast_as_attention_does(pool_dtype, length):
+    """Under torch.autocast q and the pools run in the autocast dtype whatever the cache's
+    length (the in-place path included), as attention() takes them; a float8 pool is refused
+    by name."""
+    gen = torch.Generator().manual_seed(3)
+    blocks = -(-length // 16)
+    key_pool, value_pool = (torch.randn(2 * blocks, 16, 2, 64, generator=gen, dtype=pool_dtype)
+                            for _ in range(2))
+    table = torch.arange(2 * blocks).view(2, blocks)
+    q = torch.randn(2, 4, 1, 64, generator=gen, dtype=pool_dtype)
+    keys, values = (pool[table].flatten(1, 2)[:, :length].transpose(1, 2)
+                    for pool in (key_pool, value_pool))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = paged_attention(q, key_pool, value_pool, table, [length, length])
+        want = ak.attention(q, keys, values)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    with pytest.raises(TypeError, match="float64/float32/float16/bfloat16"):
+        paged_attention(q.to(torch.float8_e4m3fn), key_pool.to(torch.float8_e4m3fn),
+                        value_pool.to(torch.float8_e4m3fn), table, [length, length])

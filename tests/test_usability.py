@@ -88,6 +88,22 @@ def test_autocast_runs_in_the_autocast_dtype(gen):
     torch.testing.assert_close(tiled, want, atol=1e-2, rtol=0)
 
 
+def test_every_entry_point_takes_autocast_as_attention_does(gen):
+    """varlen_attention casts as attention() does, and explain_dispatch tells the backend the
+    cast call runs (an fp32 bias refused by torch with bf16 inputs)."""
+    q, k, v = _qkv(gen)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # [T, H, D]
+    length = packed[0].shape[0]
+    bias = ak.bias(torch.zeros(1, 1, q.shape[2], k.shape[2]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ak.varlen_attention(packed[0], packed[1].bfloat16(), packed[2], [0, length])
+        assert out.dtype == torch.bfloat16
+        picked = ak.explain_dispatch(q, k, v, bias).backend
+        with ak.use_backend(picked):
+            ak.attention(q, k, v, bias)  # runs where explain_dispatch said
+    assert picked != "torch"
+
+
 def test_mixed_dtypes_outside_autocast_say_how_to_fix(gen):
     q, k, v = _qkv(gen)
     with pytest.raises(TypeError, match=r"share one dtype.*k\.to\(q\.dtype\)"):

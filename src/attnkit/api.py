@@ -94,8 +94,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if unexpected:
         raise unexpected_keywords(attention, unexpected)
     invariant = invariance.active(invariant)
-    device = q.device.type if isinstance(q, torch.Tensor) else "cpu"
-    autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
+    device = autocast_device(q)
+    autocast = device is not None
     if autocast:  # 1. autocast: the inputs in its dtype, as torch's SDPA takes them
         q, k, v = _autocast(device, q, k, v)
     if torch.compiler.is_compiling():  # 2. inside a compiled graph: attnkit's operator
@@ -129,6 +129,23 @@ def _compiled(q, k, v, mask, *, scale, dropout_p, backend, return_lse, return_we
                                            backend=backend, return_lse=return_lse,
                                            return_weights=return_weights, invariant=invariant)
     return AttentionResult(out, lse, weights) if return_lse or return_weights else out
+
+
+def autocast_device(q) -> Optional[str]:
+    """``"cpu"``/``"cuda"`` when ``q``'s device runs under ``torch.autocast`` now, else
+    ``None``."""
+    device = q.device.type if isinstance(q, torch.Tensor) else "cpu"
+    return device if device in ("cpu", "cuda") and torch.is_autocast_enabled(device) else None
+
+
+def autocast_call(fn, q, *tensors, **kwargs):
+    """``fn(q, *tensors, **kwargs)`` as :func:`attention` runs under ``torch.autocast``:
+    the floating tensors (but float64) in the autocast dtype, then autocast off (for the
+    entry points beside :func:`attention`: varlen, paged)."""
+    device = autocast_device(q)
+    q, *tensors = _autocast(device, q, *tensors)
+    with torch.autocast(device, enabled=False):
+        return fn(q, *tensors, **kwargs)
 
 
 def _autocast(device: str, *tensors):
@@ -170,6 +187,9 @@ def explain_dispatch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Ma
     why it cannot run the input. ``print()`` it for a readable summary. Gradients count as
     ``attention`` would see them (q/k/v/bias ``requires_grad`` under grad mode); so does the
     invariance contract (``invariant``, or ``attnkit.invariant()``)."""
+    device = autocast_device(q)
+    if device is not None:  # as attention() runs it
+        q, k, v = _autocast(device, q, k, v)
     inputs = validate(q, k, v, mask, scale=scale, dropout_p=dropout_p,
                       need_weights=return_weights, need_lse=return_lse,
                       invariant=invariance.active(invariant))

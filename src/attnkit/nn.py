@@ -533,7 +533,9 @@ class KVCache:
                              f"KVCache.empty() for a new batch")
         if self.keys.dtype != keys.dtype or self.keys.device != keys.device:
             raise ValueError(f"new keys are {keys.dtype} on {keys.device} but the cache holds "
-                             f"{self.keys.dtype} on {self.keys.device}: decode in one dtype/device")
+                             f"{self.keys.dtype} on {self.keys.device}: decode in one dtype/device "
+                             f"(under torch.autocast the projections give the autocast dtype: "
+                             f"fill and extend a cache on the same side of autocast)")
 
     @staticmethod
     def _new_lengths(lengths, batch: int, new: int, device) -> torch.Tensor:
@@ -612,7 +614,8 @@ def _check_dtypes(module: nn.Module, inputs) -> None:
     """Raise unless every ``(name, tensor)`` of ``inputs`` has the dtype of ``module``'s
     parameters (outside ``torch.autocast``, which casts both for each product)."""
     weight = next(module.parameters(), None)
-    if weight is None or torch.is_autocast_enabled(weight.device.type):
+    if weight is None or (weight.device.type in ("cpu", "cuda")
+                          and torch.is_autocast_enabled(weight.device.type)):
         return
     for name, t in inputs:
         if t.dtype != weight.dtype:
@@ -1033,10 +1036,9 @@ class AdditiveAttention(nn.Module):
         hidden = self.query_proj(query)[:, :, None, :] + self.key_proj(keys)[:, None, :, :]  # [B, Tq, Tk, Hd]
         scores = self.score_proj(torch.tanh(hidden)).squeeze(-1)  # [B, Tq, Tk]
         allowed, bias = self._dense_mask(mask, batch, q_len, kv_len, query.device)
-        if bias is not None:
-            scores = scores + bias.to(scores.dtype)  # [B, Tq, Tk]
-        work = accum_dtype(scores.dtype)
-        weights, _ = masked_softmax(scores.to(work), allowed)  # [B, Tq, Tk]
+        work = accum_dtype(scores.dtype)  # a bias is added there too, as attention() adds it
+        scores = scores.to(work) if bias is None else scores.to(work) + bias.to(work)
+        weights, _ = masked_softmax(scores, allowed)  # [B, Tq, Tk]
         weights = weights.to(values.dtype)
         if allowed is not None:  # values no query may weigh (padding) are never read: 0 · NaN
             seen = allowed[(None,) * (3 - allowed.dim())].any(-2)  # [B|1, Tk]

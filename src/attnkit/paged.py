@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from . import dispatch, invariance
-from .api import AttentionResult, MaskLike, attention
+from .api import AttentionResult, MaskLike, attention, autocast_call, autocast_device
 from .finite import looks_at_keys, query_and_output_flags
-from .inputs import checked_scale
+from .inputs import FLOAT_DTYPES, checked_scale
 from .masks import (Mask, an_int, as_mask, causal, integer_tensor, readable,
                     vouched_padding)
 from .modifiers import per_sequence, split
@@ -123,6 +123,10 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     """
     if not all(isinstance(t, torch.Tensor) for t in (q, key_pool, value_pool)):
         raise TypeError("paged_attention takes q, key_pool and value_pool as torch.Tensors")
+    if autocast_device(q) is not None:  # the inputs in its dtype, as attention() takes them
+        return autocast_call(paged_attention, q, key_pool, value_pool, block_table, seqlens,
+                             cu_seqlens_q=cu_seqlens_q, mask=mask, scale=scale,
+                             backend=backend, return_lse=return_lse)
     if cu_seqlens_q is not None:
         return _packed_queries(q, key_pool, value_pool, block_table, seqlens, cu_seqlens_q,
                                mask=mask, scale=scale, backend=backend, return_lse=return_lse)
@@ -187,13 +191,16 @@ def _checked_tables(q, key_pool, value_pool, block_table, seqlens,
     if not tables and (q.shape[1] % key_pool.shape[2] or q.shape[-1] != key_pool.shape[-1]):
         raise ValueError(f"{caller} needs q's heads (dim 1) a multiple of the pools' Hkv "
                          f"(dim 2) and q's head dim equal to key_pool's, got {where}")
-    if not q.is_floating_point():
-        raise TypeError(f"paged_attention needs floating point q and pools, got q {q.dtype}, "
-                        f"key_pool {key_pool.dtype}: convert them, e.g. with .float()")
+    if q.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"paged_attention needs floating point q and pools (float64/float32/"
+                        f"float16/bfloat16), "
+                        f"got q {q.dtype}, key_pool {key_pool.dtype}: convert them, e.g. with "
+                        f".float()")
     if key_pool.dtype != q.dtype or value_pool.dtype != q.dtype or key_pool.device != q.device:
         raise TypeError(f"q and the pools must share one dtype and device, got q {q.dtype} "
                         f"{q.device}, key_pool {key_pool.dtype} {key_pool.device}, value_pool "
-                        f"{value_pool.dtype}")
+                        f"{value_pool.dtype} (under torch.autocast q is in the autocast dtype: "
+                        f"fill and read a cache on the same side of autocast)")
     num_blocks, block_size = key_pool.shape[:2]
     table = _integers(table_name, block_table, 2)
     lengths = _integers(lengths_name, seqlens, 1)
@@ -864,8 +871,9 @@ class PagedKVCache:
         if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3]:
             raise ValueError(f"PagedKVCache.append takes keys and values [B, Hkv, t, D] with "
                              f"matching B, Hkv and t, got {where}")
-        if keys.dtype != values.dtype or not keys.is_floating_point():
-            raise TypeError(f"keys and values must share one floating-point dtype, got {where}")
+        if keys.dtype != values.dtype or keys.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"keys and values must share one dtype of float64/float32/float16/"
+                            f"bfloat16, got {where}")
         if self.key_pool is not None and (
                 self.key_pool.shape[2:] != keys.shape[1:2] + keys.shape[3:]
                 or self.value_pool.shape[3] != values.shape[3]
@@ -944,6 +952,13 @@ class PagedKVCache:
         beam search) once for all of them (:func:`decode_by_runs`), and gathers nothing; on
         the triton kernel, a step of any number of new tokens per sequence reads the blocks
         through the table, as :func:`paged_attention` says (:func:`kernel_decode`)."""
+        if isinstance(q, torch.Tensor) and autocast_device(q) is not None:
+            device = autocast_device(q)  # q in its dtype, the pools as they are (checked)
+            with torch.autocast(device, enabled=False):
+                return self.attend(q.to(torch.get_autocast_dtype(device)) if q.is_floating_point()
+                                   and q.dtype != torch.float64 else q, mask,
+                                   is_causal=is_causal, scale=scale, backend=backend,
+                                   return_lse=return_lse)
         given = as_mask(mask)
         if (self.key_pool is not None and isinstance(q, torch.Tensor) and q.dim() == 4
                 and q.shape[-2] != self._width):

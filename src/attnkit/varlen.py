@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from . import invariance
-from .api import AttentionResult, MaskLike, attention
+from .api import AttentionResult, MaskLike, attention, autocast_call, autocast_device
 from .masks import Mask, MaskCache, an_int, as_mask, documents, integer_tensor, readable
 from .modifiers import per_sequence, split
 from .numerics import accum_dtype
@@ -73,6 +73,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     meta or fake q, k and v (shape-only calls) the boundaries stay real values: a list, or a
     tensor off the meta device.
     """
+    if autocast_device(q) is not None:  # the inputs in its dtype, as attention() takes them
+        return autocast_call(varlen_attention, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                             seqused_k=seqused_k, mask=mask, scale=scale, dropout_p=dropout_p,
+                             generator=generator, backend=backend, return_lse=return_lse,
+                             invariant=invariant)
     layout = packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
     given = as_mask(mask)
