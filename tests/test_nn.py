@@ -729,3 +729,36 @@ def test_additive_attention_adds_a_float32_bias_in_float32(dtype):
     out, weights = additive(q, k, v, mask=bias)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(weights.float().sum(-1), torch.ones(1, 2), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("make", [lambda: KVCache.empty(capacity=16), KVCache.empty,
+                                  lambda: PagedKVCache(8, 4)])
+def test_backward_through_a_chain_of_cache_appends(make):
+    """Training through cached steps (a prompt, then tokens one by one, with grad): appends
+    with room copy rather than write into a buffer an earlier step's backward still reads;
+    the gradients are those of one causal pass."""
+    torch.manual_seed(27)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    x = _rand(2, 5, 8, seed=28).requires_grad_()
+    out, _, cache = mha(x[:, :3], cache=make(), is_causal=True)
+    outs = [out]
+    for t in (3, 4):
+        out, _, cache = mha(x[:, t:t + 1], cache=cache, is_causal=True)
+        outs.append(out)
+    (grad,) = torch.autograd.grad(torch.cat(outs, 1).square().sum(), x)
+    (want,) = torch.autograd.grad(mha(x, is_causal=True).out.square().sum(), x)
+    torch.testing.assert_close(grad, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("make", [lambda: KVCache.empty(capacity=16), KVCache.empty,
+                                  lambda: PagedKVCache(8, 4)])
+def test_a_cache_prefilled_in_inference_mode_decodes_outside_it(make):
+    torch.manual_seed(29)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    x = _rand(2, 5, 8, seed=30)
+    with torch.inference_mode():
+        _, _, cache = mha(x[:, :4], cache=make(), is_causal=True)
+    with torch.no_grad():
+        out, _, _ = mha(x[:, 4:], cache=cache, is_causal=True)
+        want = mha(x, is_causal=True).out[:, 4:]
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)

@@ -79,6 +79,9 @@ class _Store:
         self.keys = like_keys.new_zeros(batch, heads, capacity, like_keys.shape[-1])
         self.values = like_values.new_zeros(batch, heads, capacity, like_values.shape[-1])
         self.generation = 0
+        # written with keys autograd records: it may hold views of the store (an attention's
+        # saved keys), which a later write in place would invalidate, so later appends copy
+        self.graphed = False
         # (what _checked remembers of the lengths the last append validated, those lengths
         # as a long tensor on the device)
         self.checked: Optional[tuple] = None
@@ -146,6 +149,20 @@ def _claimed(store: _Store, generation: int, needed: int) -> bool:
         return claim()
 
 
+def _writable(store: _Store) -> bool:
+    """Whether an append may write into ``store`` in place: not once it was written with keys
+    that require grad (a backward through an earlier step would find its saved keys changed),
+    nor an
+    inference-mode store outside inference mode (torch refuses the write)."""
+    return not store.graphed and (torch.is_inference_mode_enabled()
+                                  or not store.keys.is_inference())
+
+
+def _recorded(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether autograd records this append (and the attention that reads the cache next)."""
+    return torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad)
+
+
 def _checked(lengths, new: int) -> Optional[tuple]:
     """What :meth:`KVCache.append` remembers of ``lengths`` it validated for chunks of ``new``
     positions: the tensor, its version counter and ``new``, so a decode loop passing the same
@@ -169,7 +186,9 @@ class KVCache:
 
     Immutable to its users: :meth:`append` returns a new cache. It writes in place into the
     buffers it shares with this one while there is room and this is the latest cache of its
-    chain, so decoding T tokens copies each once (the buffers grow geometrically, or hold
+    chain (and no append of the chain took keys that require grad, whose backward may read
+    the buffers; nor, outside inference mode, buffers made in it), so decoding T tokens
+    copies each once (the buffers grow geometrically, or hold
     ``capacity`` positions from the start); extending an older cache again (beam search,
     speculative decoding) copies it first, so no cache's real positions ever change. With
     per-sequence ``lengths``, a sequence's positions past ``lengths[b]`` are padding, which
@@ -465,7 +484,9 @@ class KVCache:
         with them copied to its start."""
         store = self._store
         start = self._start + self.length - keep
-        if store is not None and _claimed(store, self._generation, start + needed):
+        if (store is not None and _writable(store)
+                and _claimed(store, self._generation, start + needed)):
+            store.graphed |= _recorded(keys, values)
             return store, start
         grown = 2 * (store.capacity if store is not None else 0)
         capacity = max(needed, self.capacity or 0,
@@ -473,6 +494,7 @@ class KVCache:
         capacity = -(-capacity // split) * split
         fresh = _Store(keys, values, capacity)
         fresh.generation = 1  # claimed by the cache this append makes
+        fresh.graphed = _recorded(keys, values)
         if keep:
             kept_keys, kept_values = (t[:, :, self.length - keep:] for t in self._vouchable())
             fresh.keys[:, :, :keep] = kept_keys

@@ -794,6 +794,9 @@ class PagedKVCache:
             raise ValueError(f"lengths must be [B] = [{batch}] integers in [0, {new}], got "
                              f"{counts}")
         plan, copies = self._plan(counts)
+        if (self.key_pool is not None and self.key_pool.is_inference()
+                and not torch.is_inference_mode_enabled()):  # (torch refuses writes into them)
+            self.key_pool, self.value_pool = self.key_pool.clone(), self.value_pool.clone()
         if self.key_pool is None:
             shape = (self.num_blocks, self.block_size, keys.shape[1])
             self.key_pool = keys.new_zeros(*shape, keys.shape[3])
