@@ -240,35 +240,47 @@ def test_kv_cache_decodes_position_biases_aligned_bottom_right():
             mha(x[:, 4:5], mask=make("bottom_right"), cache=ragged, is_causal=True)
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_masks_that_read_positions_over_caches_of_ragged_sequences_are_refused(paged):
-    """A window aligned bottom-right over a cache whose sequences hold different numbers of
+def test_masks_that_read_positions_over_caches_of_ragged_sequences_are_refused():
+    """A window aligned bottom-right over a KVCache whose sequences hold different numbers of
     keys would align to the buffer, not to each sequence (the shorter one saw no key): refused
-    at the step that would read it; a ragged prefill into an empty cache, whose positions
-    are the chunk's own, runs, and so does a cache of equal sequences."""
+    at the step that would read it; a ragged prefill into an empty cache, whose positions are
+    the chunk's own, runs, and so does a cache of equal sequences. A PagedKVCache aligns the
+    window to each sequence (PagedKVCache.attend): each row is its sequence's alone."""
     torch.manual_seed(23)
     mha = MultiHeadAttention(8, 2, dtype=F64)
     x = _rand(2, 8, 8, seed=24)
     window = ak.sliding_window(2, align="bottom_right")
-
-    def empty():
-        return PagedKVCache(64, 4) if paged else KVCache.empty()
-
-    _, _, ragged = mha(x[:, :6], mask=window, cache=empty(), is_causal=True,
+    _, _, ragged = mha(x[:, :6], mask=window, cache=KVCache.empty(), is_causal=True,
                        lengths=torch.tensor([6, 3]))
     with pytest.raises(ValueError, match="different numbers of keys"):
         mha(x[:, 6:7], mask=window, cache=ragged, is_causal=True)
     with pytest.raises(ValueError, match="different numbers of keys"):  # causal as a mask too
         mha(x[:, 6:7], mask=ak.causal("bottom_right"), cache=ragged)
     mha(x[:, 6:7], cache=ragged, is_causal=True)  # the cache's own causal: per sequence
-    _, _, equal = mha(x[:, :6], mask=window, cache=empty(), is_causal=True)
+    _, _, equal = mha(x[:, :6], mask=window, cache=KVCache.empty(), is_causal=True)
     out, _, _ = mha(x[:, 6:7], mask=window, cache=equal, is_causal=True)
     expected, _, _ = mha(x[:, :7], mask=ak.sliding_window(2), is_causal=True)
     torch.testing.assert_close(out, expected[:, 6:], rtol=0, atol=1e-12)
-    if paged:  # a ragged chunk no sequence fills ends the gathered keys early
-        with pytest.raises(ValueError, match="different numbers of keys"):
-            mha(x[:, :6], mask=window, cache=empty(), is_causal=True,
-                lengths=torch.tensor([5, 3]))
+    _, _, paged = mha(x[:, :6], mask=window, cache=PagedKVCache(16, 4), is_causal=True,
+                      lengths=torch.tensor([6, 3]))
+    step = torch.stack([x[0, 6:7], x[1, 3:4]])
+    out, _, _ = mha(step, mask=window, cache=paged, is_causal=True)
+    for b, n in enumerate([7, 4]):
+        alone = torch.cat([x[b:b + 1, :n - 1], step[b:b + 1]], 1)
+        want = mha(alone, mask=ak.sliding_window(2), is_causal=True).out[:, -1:]
+        torch.testing.assert_close(out[b:b + 1], want, rtol=0, atol=1e-12)
+
+
+def test_a_paged_cache_takes_queries_other_than_its_last_append():
+    """Cross-attention into cached encoder states (no new keys, or another count): the
+    gathered keys, as with a KVCache."""
+    torch.manual_seed(31)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    memory, x = _rand(2, 6, 8, seed=32), _rand(2, 1, 8, seed=33)
+    _, _, paged = mha(x, memory, cache=PagedKVCache(8, 4))
+    _, _, contiguous = mha(x, memory, cache=KVCache.empty())
+    torch.testing.assert_close(mha(x, memory[:, :0], cache=paged).out,
+                               mha(x, memory[:, :0], cache=contiguous).out, rtol=0, atol=1e-12)
 
 
 def test_kv_cache_with_key_padding_mask_and_unbatched():

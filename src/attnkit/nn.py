@@ -848,7 +848,7 @@ class MultiHeadAttention(nn.Module):
         k = k.unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
         v = v.unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
 
-        new_cache = None
+        new_cache, paged_step = None, False
         if parallel is not None:
             world = parallel.world_size()
             full_mask = self._combine_masks(mask, key_valid, is_causal, cache=None,
@@ -863,7 +863,13 @@ class MultiHeadAttention(nn.Module):
             if not isinstance(cache, (KVCache, PagedKVCache)):
                 raise TypeError(f"cache must be a KVCache (MultiHeadAttention.empty_cache()) or "
                                 f"a PagedKVCache, got {type(cache).__name__}")
-            if mask is not None:
+            # a paged step over its own new tokens runs PagedKVCache.attend, which aligns a
+            # band and the score modifiers to each sequence (:func:`_per_sequence_step`)
+            paged_step = (isinstance(cache, PagedKVCache) and not invariant
+                          and key_valid is None and not need_weights
+                          and not (self.training and self.dropout)
+                          and q.shape[2] == k.shape[2] and _per_sequence_step(mask, q.shape[2]))
+            if mask is not None and not paged_step:
                 _check_positions(as_mask(mask), cache, lengths, k.shape[2])
             new_cache = (cache._append(k, v, lengths, KV_SPLIT)  # read in place by decode
                          if invariant and isinstance(cache, KVCache) and cache.window is None
@@ -879,8 +885,8 @@ class MultiHeadAttention(nn.Module):
         heads_out = weights = None
         if plain and isinstance(new_cache, KVCache):  # a decoding step: None otherwise
             heads_out = new_cache.decode(q, backend=self.backend, invariant=invariant)
-        elif plain and not invariant and isinstance(new_cache, PagedKVCache):
-            heads_out = new_cache.attend(q, is_causal=is_causal, backend=self.backend)
+        elif isinstance(new_cache, PagedKVCache) and paged_step:
+            heads_out = new_cache.attend(q, mask, is_causal=is_causal, backend=self.backend)
         if heads_out is None:
             if isinstance(new_cache, PagedKVCache):
                 k, v = new_cache.keys, new_cache.values  # gathered [B, Hkv, T, D]
@@ -1129,6 +1135,19 @@ class AdditiveAttention(nn.Module):
         return allowed, None if bias is None else bias[:, 0]
 
 
+
+
+def _per_sequence_step(mask: MaskLike, q_len: int) -> bool:
+    """Whether :meth:`PagedKVCache.attend` aligns ``mask`` to each sequence: none, a band
+    (causal, a window) and score modifiers, ALiBi with one query per sequence (it refuses
+    relative biases and score functions; other masks read the gathered keys' positions)."""
+    if mask is None:
+        return True
+    rest, modifiers = split(as_mask(mask))
+    if rest is not None and rest.band() is None:
+        return False
+    return modifiers is None or not (modifiers.functions or modifiers.relative
+                                     or (modifiers.alibi and q_len != 1))
 
 
 def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
