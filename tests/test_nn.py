@@ -774,3 +774,36 @@ def test_a_cache_prefilled_in_inference_mode_decodes_outside_it(make):
         out, _, _ = mha(x[:, 4:], cache=cache, is_causal=True)
         want = mha(x, is_causal=True).out[:, 4:]
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+
+
+class _LoRA(torch.nn.Module):
+    """A wrapped projection, as adapter libraries replace a Linear: base(x) + x·A·B."""
+
+    def __init__(self, base: torch.nn.Linear):
+        super().__init__()
+        self.base = base
+        self.a = torch.nn.Parameter(torch.randn(base.in_features, 2, dtype=base.weight.dtype))
+        self.b = torch.nn.Parameter(torch.randn(2, base.out_features, dtype=base.weight.dtype))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.a @ self.b
+
+
+def test_invariant_projections_run_wrappers_and_hooks():
+    """Under the contract the projections are row-wise; a wrapped projection (LoRA), a weight
+    recomputed by a pre-hook (old-style weight_norm) and a forward hook still run, and a
+    sequence's rows stay the same bits alone and in a batch."""
+    torch.manual_seed(35)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    mha.q_proj = _LoRA(mha.q_proj)
+    torch.nn.utils.weight_norm(mha.k_proj)
+    with torch.no_grad():
+        mha.k_proj.weight_g.mul_(1.5)
+    mha.v_proj.register_forward_hook(lambda module, args, out: out * 2)
+    x = _rand(3, 5, 8, seed=36)
+    loose = mha(x, is_causal=True).out
+    with ak.invariant():
+        strict = mha(x, is_causal=True).out
+        alone = mha(x[1:2], is_causal=True).out
+    torch.testing.assert_close(strict, loose, rtol=0, atol=1e-12)
+    assert torch.equal(alone, strict[1:2])

@@ -19,6 +19,7 @@ Shapes (E = embed_dim, H = num_heads, Hkv = num_kv_heads, D = E // H)::
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from dataclasses import dataclass, field
@@ -648,20 +649,47 @@ def _check_dtypes(module: nn.Module, inputs) -> None:
                             f"are {weight.dtype}: {fix}")
 
 
-def _rowwise(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _rowwise(layer: nn.Module, x: torch.Tensor, call: bool = False) -> torch.Tensor:
     """``layer(x)`` for ``x [..., in]`` as products of exactly :data:`ROWWISE_ROWS` rows each
     (the last padded with copies of its last row), so that each row is computed the same
     way whatever the number of rows: BLAS takes another path for a few rows (a decoding
     step), and for wide layers blocks its reduction, or splits it over threads, by the row
     count. The projections of ``MultiHeadAttention`` under the invariance contract.
-    ``layer``: an ``nn.Linear``, or transformers' ``Conv1D`` (weight ``[in, out]``)."""
-    weight = layer.weight if isinstance(layer, nn.Linear) else layer.weight.t()
+    ``layer``: an ``nn.Linear``, or transformers' ``Conv1D`` (weight ``[in, out]``), its
+    product taken from its weight; with ``call``, any module, called on each chunk of rows
+    ``[ROWWISE_ROWS, in]`` (its hooks and wrapped layers run: they see those chunks)."""
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    parts = [F.linear(chunk, weight, layer.bias)
-             for chunk in pad_rows(flat, ROWWISE_ROWS).split(ROWWISE_ROWS)]
-    out = torch.cat(parts) if parts else F.linear(flat, weight, layer.bias)
+    if call:
+        product = layer
+    else:
+        weight = layer.weight if isinstance(layer, nn.Linear) else layer.weight.t()
+        product = functools.partial(_linear, weight=weight, bias=layer.bias)
+    parts = [product(chunk) for chunk in pad_rows(flat, ROWWISE_ROWS).split(ROWWISE_ROWS)]
+    out = torch.cat(parts) if parts else product(flat)
     return out[:rows].reshape(*x.shape[:-1], -1)
+
+
+def _linear(x: torch.Tensor, *, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    return F.linear(x, weight, bias)
+
+
+def _weight_dtype(layer: nn.Module) -> Optional[torch.dtype]:
+    """The dtype of ``layer.weight``, ``None`` where it has none (a wrapper) or it is not a
+    tensor (a quantized layer's method)."""
+    return getattr(getattr(layer, "weight", None), "dtype", None)
+
+
+def _projected(layer: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """``layer(x)``, row-wise under the invariance contract (:func:`_rowwise`): from the
+    weight for a plain ``nn.Linear``, else by calling ``layer`` on each chunk of rows, so a
+    wrapper (LoRA), a hook or a reparametrisation in a pre-hook still runs."""
+    if not invariant:
+        return layer(x)
+    plain = (isinstance(layer, nn.Linear) and not layer._forward_hooks
+             and not layer._forward_pre_hooks and not nn.modules.module._global_forward_hooks
+             and not nn.modules.module._global_forward_pre_hooks)
+    return _rowwise(layer, x, call=not plain)
 
 
 class MultiHeadAttention(nn.Module):
@@ -837,11 +865,10 @@ class MultiHeadAttention(nn.Module):
         if parallel is not None:
             _refuse_with_parallel(parallel, cache=cache, lengths=lengths,
                                   need_weights=need_weights)
-        if invariant:  # each row's product computed alike whatever the row count
-            q, k, v = (_rowwise(self.q_proj, query), _rowwise(self.k_proj, key),
-                       _rowwise(self.v_proj, value))
-        else:
-            q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        # each row's product computed alike whatever the row count under the contract
+        q, k, v = (_projected(self.q_proj, query, invariant),
+                   _projected(self.k_proj, key, invariant),
+                   _projected(self.v_proj, value, invariant))
         heads = (self.num_heads, self.head_dim)
         kv_heads = (self.num_kv_heads, self.head_dim)
         q = q.unflatten(-1, heads).transpose(1, 2)  # [B, H, Tq, D]
@@ -857,7 +884,7 @@ class MultiHeadAttention(nn.Module):
             heads_out = parallel.attend(q, k, v, full_mask, dropout_p=dropout,
                                         invariant=invariant)  # [B, H, Tq/P, D]
             heads_out = heads_out.transpose(1, 2).flatten(-2)  # [B, Tq/P, H·D]
-            out = _rowwise(self.out_proj, heads_out) if invariant else self.out_proj(heads_out)
+            out = _projected(self.out_proj, heads_out, invariant)
             return MHAOutput(out[0] if unbatched else out, None, None)
         if cache is not None:
             if not isinstance(cache, (KVCache, PagedKVCache)):
@@ -896,7 +923,7 @@ class MultiHeadAttention(nn.Module):
                                return_weights=need_weights, invariant=invariant)
             heads_out, weights = (result.out, result.weights) if need_weights else (result, None)
         heads_out = heads_out.transpose(1, 2).flatten(-2)  # [B, Tq, H·D]
-        out = _rowwise(self.out_proj, heads_out) if invariant else self.out_proj(heads_out)
+        out = _projected(self.out_proj, heads_out, invariant)
         if unbatched:
             out = out[0]  # [Tq, E]
             weights = None if weights is None else weights[0]  # [H, Tq, Tk]
@@ -906,7 +933,7 @@ class MultiHeadAttention(nn.Module):
         """Raise on shapes the projections cannot take; return True for unbatched input."""
         if (type(query) is torch.Tensor and key is query and value is query
                 and query.dim() == 3 and query.shape[-1] == self.embed_dim == self.kdim
-                == self.vdim and query.dtype == self.q_proj.weight.dtype):
+                == self.vdim and query.dtype == _weight_dtype(self.q_proj)):
             return False  # batched self-attention, accepted at once
         where = LazyText(lambda: ", ".join(f"{n} {tuple(t.shape)}" for n, t in (
             ("query", query), ("key", key), ("value", value)) if isinstance(t, torch.Tensor)))
