@@ -807,3 +807,14 @@ def test_invariant_projections_run_wrappers_and_hooks():
         alone = mha(x[1:2], is_causal=True).out
     torch.testing.assert_close(strict, loose, rtol=0, atol=1e-12)
     assert torch.equal(alone, strict[1:2])
+
+
+def test_torch_s_keywords_get_their_attnkit_spelling():
+    mha = MultiHeadAttention(8, 2)
+    x = torch.randn(1, 3, 8)
+    with pytest.raises(TypeError, match=r"attn_mask: pass mask=.*mask=~attn_mask"):
+        mha(x, attn_mask=torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"average_attn_weights: .*weights\.mean\(1\)"):
+        mha(x, need_weights=True, average_attn_weights=True)
+    with pytest.raises(TypeError, match="'foo'; it takes mask, key_valid"):
+        mha(x, foo=1)

@@ -714,3 +714,13 @@ def test_paged_attention_runs_under_autocast_as_attention_does(pool_dtype, lengt
     with pytest.raises(TypeError, match="float64/float32/float16/bfloat16"):
         paged_attention(q.to(torch.float8_e4m3fn), key_pool.to(torch.float8_e4m3fn),
                         value_pool.to(torch.float8_e4m3fn), table, [length, length])
+
+
+def test_tables_on_meta_are_refused_by_name():
+    """A shape-only call keeps the block table real: one on meta holds no values to read."""
+    q = torch.empty(2, 4, 1, 8, device="meta")
+    pool = torch.empty(4, 4, 2, 8, device="meta")
+    table = torch.tensor([[0, 1], [2, 3]])
+    assert paged_attention(q, pool, pool, table, [5, 8]).shape == (2, 4, 1, 8)
+    with pytest.raises(ValueError, match="block_table is read on the host"):
+        paged_attention(q, pool, pool, table.to("meta"), [5, 8])

@@ -674,6 +674,26 @@ def _linear(x: torch.Tensor, *, weight: torch.Tensor, bias: Optional[torch.Tenso
     return F.linear(x, weight, bias)
 
 
+_TORCH_MHA_KEYWORDS = {
+    "attn_mask": "pass mask= (a bool mask there means True = may attend, the opposite of "
+                 "torch's bool attn_mask: pass mask=~attn_mask; a float mask is added as is)",
+    "average_attn_weights": "the weights are per head, [B, H, Tq, Tk]: average them with "
+                            "weights.mean(1)",
+}
+
+
+def _unexpected(keywords: dict) -> TypeError:
+    """The error for keywords :meth:`MultiHeadAttention.forward` does not take: torch's
+    ``nn.MultiheadAttention`` ones with their attnkit spelling."""
+    hints = [f"{name}: {_TORCH_MHA_KEYWORDS[name]}" for name in keywords
+             if name in _TORCH_MHA_KEYWORDS]
+    names = ", ".join(repr(name) for name in keywords)
+    return TypeError(f"MultiHeadAttention.forward() got unexpected keyword argument(s) {names}"
+                     + (" (torch's nn.MultiheadAttention):\n  " + "\n  ".join(hints) if hints
+                        else "; it takes mask, key_valid, need_weights, cache, is_causal, "
+                             "lengths, sequence_parallel"))
+
+
 def _weight_dtype(layer: nn.Module) -> Optional[torch.dtype]:
     """The dtype of ``layer.weight``, ``None`` where it has none (a wrapper) or it is not a
     tensor (a quantized layer's method)."""
@@ -792,7 +812,7 @@ class MultiHeadAttention(nn.Module):
                 key_valid: Optional[torch.Tensor] = None, need_weights: bool = False,
                 cache: Union[KVCache, PagedKVCache, None] = None, is_causal: bool = False,
                 lengths: Optional[torch.Tensor] = None, key_padding_mask: None = None,
-                sequence_parallel: Optional["SequenceParallel"] = None,
+                sequence_parallel: Optional["SequenceParallel"] = None, **unexpected,
                 ) -> "MHAOutput":
         """Attend from ``query`` to ``key``/``value`` (both default to ``query``: self-attention).
 
@@ -848,6 +868,8 @@ class MultiHeadAttention(nn.Module):
         if key_padding_mask is not None:
             raise TypeError("MultiHeadAttention takes key_valid (True = a real key), not torch's "
                             "key_padding_mask (True = ignore): pass key_valid=~key_padding_mask")
+        if unexpected:
+            raise _unexpected(unexpected)
         key = query if key is None else key
         value = key if value is None else value
         unbatched = self._check_inputs(query, key, value)

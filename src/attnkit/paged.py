@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import dispatch, invariance
 from .api import AttentionResult, MaskLike, attention, autocast_call, autocast_device
@@ -237,6 +238,10 @@ def _integers(name: str, value, dims: int) -> list:
             raise TypeError(f"{name} must be integers, got {value.dtype}")
         if value.dim() != dims:
             raise ValueError(f"{name} must have {dims} dims, got shape {tuple(value.shape)}")
+        if value.device.type == "meta" or is_fake(value):
+            raise ValueError(f"{name} is read on the host, but a {value.device.type} tensor "
+                             f"holds no values: pass it as a list or a CPU tensor (a shape-only "
+                             f"call keeps the tables real)")
         return value.tolist()
     try:
         as_tensor = integer_tensor(value)
