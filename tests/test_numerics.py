@@ -351,3 +351,15 @@ def test_causal_and_padding_never_nan(backend, dtype, gen):
     for t_ in (q, k, v):
         assert not torch.isnan(t_.grad).any()
     assert (q.grad[2] == 0).all() and (k.grad[2] == 0).all() and (v.grad[2] == 0).all()
+
+
+def test_position_biases_beyond_float32_s_range_run_on_the_reference():
+    """float64 ALiBi slopes or a relative-bias table past float32's range would overflow where
+    the backends add them in float32 (all-NaN output): auto runs the reference."""
+    q = torch.randn(1, 2, 4, 8)
+    for modifier in (ak.alibi(torch.full((2,), 1e38, dtype=torch.float64)),
+                     ak.relative_bias(torch.full((2, 32), 1e39, dtype=torch.float64))):
+        assert ak.explain_dispatch(q, q, q, modifier).backend == "reference"
+        out = ak.attention(q, q, q, modifier)
+        torch.testing.assert_close(out, ak.attention(q.double(), q.double(), q.double(),
+                                                     modifier).float())

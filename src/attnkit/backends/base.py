@@ -7,6 +7,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..inputs import Inputs
+from ..masks import readable
 
 
 class BackendOutput(NamedTuple):
@@ -29,11 +30,22 @@ def beyond_range(values: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def bias_range_reasons(inputs: Inputs, dtype: torch.dtype, name: str) -> list[str]:
     """The refusal of a backend that adds the mask's biases in ``dtype``, for each bias with
-    finite values beyond its range (:func:`beyond_range`)."""
-    return [f"a bias beyond {dtype}'s range (|bias| > {torch.finfo(dtype).max:g}) (not "
-            f"supported by {name}: it adds the bias in {dtype}, where it would overflow; "
-            f"reference adds it in float64)"
-            for values in inputs.biases if beyond_range(values, dtype)]
+    finite values beyond its range (:func:`beyond_range`), ALiBi's largest (its slopes times
+    ``Tq + Tk``) and relative-bias tables included."""
+    reasons = [f"a bias beyond {dtype}'s range (|bias| > {torch.finfo(dtype).max:g}) (not "
+               f"supported by {name}: it adds the bias in {dtype}, where it would overflow; "
+               f"reference adds it in float64)"
+               for values in inputs.biases if beyond_range(values, dtype)]
+    modifiers = inputs.modifiers
+    if modifiers is not None and (modifiers.alibi or modifiers.relative):
+        span = inputs.q.shape[2] + inputs.k.shape[2]
+        extremes = [*(part.slopes * span for part in modifiers.alibi),
+                    *(part.table for part in modifiers.relative)]
+        if any(readable(values) and beyond_range(values, dtype) for values in extremes):
+            reasons.append(f"alibi or relative_bias values beyond {dtype}'s range (not "
+                           f"supported by {name}: it adds them in {dtype}, where they would "
+                           f"overflow; reference adds them in float64)")
+    return reasons
 
 
 class Backend:
