@@ -818,3 +818,82 @@ def test_torch_s_keywords_get_their_attnkit_spelling():
         mha(x, need_weights=True, average_attn_weights=True)
     with pytest.raises(TypeError, match="'foo'; it takes mask, key_valid"):
         mha(x, foo=1)
+
+
+def test_a_paged_step_with_a_top_left_band_or_top_left_alibi_and_sinks_is_refused():
+    """Only bottom-right bands run per sequence on a paged cache; the others read the
+    gathered keys, checked as a KVCache's (bottom-right ALiBi with sinks runs there)."""
+    torch.manual_seed(37)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    x = _rand(1, 5, 8, seed=38)
+    sink = ak.sinks(torch.zeros(2, dtype=F64))
+    slopes = torch.rand(2, dtype=F64)
+    for mask in (ak.causal(), ak.sliding_window(2), ak.alibi(slopes) & sink):
+        _, _, cache = mha(x[:, :3], mask=mask, cache=PagedKVCache(8, 4), is_causal=True)
+        with pytest.raises(ValueError, match="pass align='bottom_right'"):
+            mha(x[:, 3:4], mask=mask, cache=cache, is_causal=True)
+    mask = ak.alibi(slopes, align="bottom_right") & sink
+    _, _, cache = mha(x[:, :3], mask=mask, cache=PagedKVCache(8, 4), is_causal=True)
+    out, _, _ = mha(x[:, 3:4], mask=mask, cache=cache, is_causal=True)
+    torch.testing.assert_close(out, mha(x[:, :4], mask=ak.alibi(slopes) & sink,
+                                        is_causal=True).out[:, 3:], rtol=0, atol=1e-12)
+
+
+def test_training_queries_alone_through_a_cache_and_reading_older_caches():
+    """Frozen K/V projections (a query-only adapter): the attention saves the cache's keys for
+    q's gradient, so later appends copy; and an append with grad leaves an older cache's
+    views (made under no_grad) readable."""
+    torch.manual_seed(39)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    for proj in (mha.k_proj, mha.v_proj):
+        proj.requires_grad_(False)
+    x = _rand(2, 5, 8, seed=40)
+    out, _, cache = mha(x[:, :3], cache=KVCache.empty(capacity=16), is_causal=True)
+    outs = [out]
+    for t in (3, 4):
+        out, _, cache = mha(x[:, t:t + 1], cache=cache, is_causal=True)
+        outs.append(out)
+    grads = torch.autograd.grad(torch.cat(outs, 1).sum(), mha.q_proj.weight)
+    want = torch.autograd.grad(mha(x, is_causal=True).out.sum(), mha.q_proj.weight)
+    torch.testing.assert_close(grads[0], want[0], rtol=0, atol=1e-12)
+    with torch.no_grad():
+        older = KVCache.empty(capacity=8).append(*(_rand(1, 2, 3, 4, seed=41),) * 2)
+    keys = _rand(1, 2, 1, 4, seed=42).requires_grad_()
+    older.append(keys, keys)
+    assert torch.isfinite(older.keys * 1).all()  # still readable, with grad on
+
+
+class _Adapter(torch.nn.Linear):
+    """An adapter written as a Linear subclass with its own forward (loralib's pattern)."""
+
+    def forward(self, x):
+        return super().forward(x) + 0.5 * x[..., :1]
+
+
+def test_invariant_projections_run_a_linear_subclass_s_own_forward():
+    torch.manual_seed(43)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    adapter = _Adapter(8, 8, dtype=F64)
+    adapter.load_state_dict(mha.q_proj.state_dict())
+    mha.q_proj = adapter
+    x = _rand(2, 5, 8, seed=44)
+    loose = mha(x, is_causal=True).out
+    with ak.invariant():
+        torch.testing.assert_close(mha(x, is_causal=True).out, loose, rtol=0, atol=1e-12)
+    with ak.invariance.rowwise_linears(mha):
+        torch.testing.assert_close(adapter(x), super(_Adapter, adapter).forward(x)
+                                   + 0.5 * x[..., :1], rtol=0, atol=1e-12)
+
+
+def test_invariant_refuses_dynamically_quantized_projections_and_attend_names_autocast():
+    mha = torch.ao.quantization.quantize_dynamic(MultiHeadAttention(8, 2),
+                                                 {torch.nn.Linear}, dtype=torch.qint8)
+    x = torch.randn(2, 3, 8)
+    assert mha(x).out.shape == (2, 3, 8)
+    with ak.invariant(), pytest.raises(ValueError, match="dynamically quantized"):
+        mha(x)
+    cache = PagedKVCache(8, 4)
+    cache.append(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            TypeError, match="under torch.autocast computes in torch.bfloat16"):
+        cache.attend(torch.randn(1, 2, 5, 4))

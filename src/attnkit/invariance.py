@@ -121,7 +121,9 @@ def _linear_forward(layer: "torch.nn.Module", x: torch.Tensor) -> torch.Tensor:
     from .nn import _rowwise
 
     if getattr(_ROWWISE_HERE, "layers", {}).get(id(layer)):
-        return _rowwise(layer, x)
+        own = type(layer).forward  # a subclass's own forward (an adapter) runs per chunk
+        return _rowwise(layer, x, None if own is torch.nn.Linear.forward or _conv1d(layer)
+                        else functools.partial(own, layer))
     return type(layer).forward(layer, x)
 
 

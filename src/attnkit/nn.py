@@ -80,8 +80,8 @@ class _Store:
         self.keys = like_keys.new_zeros(batch, heads, capacity, like_keys.shape[-1])
         self.values = like_values.new_zeros(batch, heads, capacity, like_values.shape[-1])
         self.generation = 0
-        # written with keys autograd records: it may hold views of the store (an attention's
-        # saved keys), which a later write in place would invalidate, so later appends copy
+        # autograd may hold views of it (an attention's saved keys: written with keys that
+        # require grad, or read by a query that does), so later appends copy
         self.graphed = False
         # (what _checked remembers of the lengths the last append validated, those lengths
         # as a long tensor on the device)
@@ -151,17 +151,27 @@ def _claimed(store: _Store, generation: int, needed: int) -> bool:
 
 
 def _writable(store: _Store) -> bool:
-    """Whether an append may write into ``store`` in place: not once it was written with keys
-    that require grad (a backward through an earlier step would find its saved keys changed),
-    nor an
-    inference-mode store outside inference mode (torch refuses the write)."""
+    """Whether an append may write into ``store`` in place: not once autograd may hold views
+    of it (written with keys that require grad, or read by a query that does: a backward
+    through an earlier step would find its saved keys changed), nor an inference-mode store
+    outside inference mode (torch refuses the write)."""
     return not store.graphed and (torch.is_inference_mode_enabled()
                                   or not store.keys.is_inference())
 
 
 def _recorded(keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether autograd records this append (and the attention that reads the cache next)."""
+    """Whether autograd records this append (and the attention that reads the cache next):
+    it then goes into a new store, which older caches' views (made under ``no_grad``,
+    perhaps) do not share, and that store is not written in place again."""
     return torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad)
+
+
+def _read_by_graph(cache: "KVCache", q: torch.Tensor) -> None:
+    """Mark ``cache``'s store as read by autograd when ``q`` requires grad: the attention
+    saves the cache's keys and values for q's gradient (frozen K/V projections), which a
+    later write in place would invalidate."""
+    if cache._store is not None and torch.is_grad_enabled() and q.requires_grad:
+        cache._store.graphed = True
 
 
 def _checked(lengths, new: int) -> Optional[tuple]:
@@ -485,9 +495,8 @@ class KVCache:
         with them copied to its start."""
         store = self._store
         start = self._start + self.length - keep
-        if (store is not None and _writable(store)
+        if (store is not None and _writable(store) and not _recorded(keys, values)
                 and _claimed(store, self._generation, start + needed)):
-            store.graphed |= _recorded(keys, values)
             return store, start
         grown = 2 * (store.capacity if store is not None else 0)
         capacity = max(needed, self.capacity or 0,
@@ -649,20 +658,19 @@ def _check_dtypes(module: nn.Module, inputs) -> None:
                             f"are {weight.dtype}: {fix}")
 
 
-def _rowwise(layer: nn.Module, x: torch.Tensor, call: bool = False) -> torch.Tensor:
+def _rowwise(layer: nn.Module, x: torch.Tensor, product=None) -> torch.Tensor:
     """``layer(x)`` for ``x [..., in]`` as products of exactly :data:`ROWWISE_ROWS` rows each
     (the last padded with copies of its last row), so that each row is computed the same
     way whatever the number of rows: BLAS takes another path for a few rows (a decoding
     step), and for wide layers blocks its reduction, or splits it over threads, by the row
     count. The projections of ``MultiHeadAttention`` under the invariance contract.
     ``layer``: an ``nn.Linear``, or transformers' ``Conv1D`` (weight ``[in, out]``), its
-    product taken from its weight; with ``call``, any module, called on each chunk of rows
-    ``[ROWWISE_ROWS, in]`` (its hooks and wrapped layers run: they see those chunks)."""
+    product taken from its weight; or ``product``, a function of each chunk of rows
+    ``[ROWWISE_ROWS, in]`` (the module itself, its hooks and wrapped layers then seeing
+    those chunks)."""
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    if call:
-        product = layer
-    else:
+    if product is None:
         weight = layer.weight if isinstance(layer, nn.Linear) else layer.weight.t()
         product = functools.partial(_linear, weight=weight, bias=layer.bias)
     parts = [product(chunk) for chunk in pad_rows(flat, ROWWISE_ROWS).split(ROWWISE_ROWS)]
@@ -706,10 +714,15 @@ def _projected(layer: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tens
     wrapper (LoRA), a hook or a reparametrisation in a pre-hook still runs."""
     if not invariant:
         return layer(x)
-    plain = (isinstance(layer, nn.Linear) and not layer._forward_hooks
+    if type(layer).__module__.startswith("torch.ao.nn.quantized"):
+        raise ValueError(f"{type(layer).__name__} under the invariance contract: a dynamically "
+                         f"quantized projection scales its activations by the rows of each "
+                         f"call, so a row's result depends on the others; run it without "
+                         f"invariant, or with float projections")
+    plain = (type(layer).forward is nn.Linear.forward and not layer._forward_hooks
              and not layer._forward_pre_hooks and not nn.modules.module._global_forward_hooks
              and not nn.modules.module._global_forward_pre_hooks)
-    return _rowwise(layer, x, call=not plain)
+    return _rowwise(layer, x, None if plain else layer)
 
 
 class MultiHeadAttention(nn.Module):
@@ -925,6 +938,7 @@ class MultiHeadAttention(nn.Module):
                          else cache.append(k, v, lengths))
             if not isinstance(new_cache, PagedKVCache):  # a paged cache gathers only if asked
                 k, v = new_cache.keys, new_cache.values  # [B, Hkv, T_cache + Tk, D]
+                _read_by_graph(new_cache, q)
         elif lengths is not None:
             raise TypeError("lengths (real tokens per sequence of a chunk) needs a cache; without "
                             "one, pass the padding as key_valid")
@@ -1187,16 +1201,17 @@ class AdditiveAttention(nn.Module):
 
 
 def _per_sequence_step(mask: MaskLike, q_len: int) -> bool:
-    """Whether :meth:`PagedKVCache.attend` aligns ``mask`` to each sequence: none, a band
-    (causal, a window) and score modifiers, ALiBi with one query per sequence (it refuses
-    relative biases and score functions; other masks read the gathered keys' positions)."""
+    """Whether :meth:`PagedKVCache.attend` aligns ``mask`` to each sequence: none, a
+    bottom-right band (causal, a window: the new queries are each sequence's last), softcap
+    and sinks. ALiBi and relative biases read the gathered keys' positions there, like any
+    other mask: those steps read the gathered keys, checked by :func:`_check_positions`."""
     if mask is None:
         return True
     rest, modifiers = split(as_mask(mask))
-    if rest is not None and rest.band() is None:
-        return False
+    if rest is not None and (rest.band() is None or rest.band().align != "bottom_right"):
+        return False  # (a top-left band would start at each sequence's first key)
     return modifiers is None or not (modifiers.functions or modifiers.relative
-                                     or (modifiers.alibi and q_len != 1))
+                                     or modifiers.alibi)
 
 
 def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],

@@ -961,12 +961,17 @@ class PagedKVCache:
         the triton kernel, a step of any number of new tokens per sequence reads the blocks
         through the table, as :func:`paged_attention` says (:func:`kernel_decode`)."""
         if isinstance(q, torch.Tensor) and autocast_device(q) is not None:
-            device = autocast_device(q)  # q in its dtype, the pools as they are (checked)
+            device = autocast_device(q)  # q in its dtype; the pools must be in it already
+            dtype = (torch.get_autocast_dtype(device) if q.is_floating_point()
+                     and q.dtype != torch.float64 else q.dtype)
+            if self.key_pool is not None and self.key_pool.dtype != dtype:
+                raise TypeError(f"PagedKVCache.attend under torch.autocast computes in {dtype}, "
+                                f"but the pools hold {self.key_pool.dtype}: fill and read a "
+                                f"cache on the same side of autocast (paged_attention casts "
+                                f"the pools, a copy of them, on every call)")
             with torch.autocast(device, enabled=False):
-                return self.attend(q.to(torch.get_autocast_dtype(device)) if q.is_floating_point()
-                                   and q.dtype != torch.float64 else q, mask,
-                                   is_causal=is_causal, scale=scale, backend=backend,
-                                   return_lse=return_lse)
+                return self.attend(q.to(dtype), mask, is_causal=is_causal, scale=scale,
+                                   backend=backend, return_lse=return_lse)
         given = as_mask(mask)
         if (self.key_pool is not None and isinstance(q, torch.Tensor) and q.dim() == 4
                 and q.shape[-2] != self._width):
