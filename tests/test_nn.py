@@ -897,3 +897,48 @@ def test_invariant_refuses_dynamically_quantized_projections_and_attend_names_au
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
             TypeError, match="under torch.autocast computes in torch.bfloat16"):
         cache.attend(torch.randn(1, 2, 5, 4))
+
+
+def test_a_decode_loop_with_grad_on_keeps_its_cache_the_size_of_its_tokens():
+    """Generating without no_grad (a trainable module): each append copies (autograd reads the
+    store), into a store of the old one's size while it has room, never doubling per step."""
+    mha = MultiHeadAttention(16, 2)
+    x = torch.randn(1, 30, 16)
+    _, _, cache = mha(x[:, :8], cache=KVCache.empty(), is_causal=True)
+    for t in range(8, 30):
+        _, _, cache = mha(x[:, t:t + 1], cache=cache, is_causal=True)
+    assert cache._store.capacity <= 64
+
+
+def test_a_soft_prompt_trains_through_a_cache_of_frozen_projections():
+    """The cached keys require grad (a learned prompt), the decoded tokens' do not: the store
+    they sit in is not written in place again."""
+    torch.manual_seed(45)
+    mha = MultiHeadAttention(8, 2, dtype=F64).requires_grad_(False)
+    prompt = _rand(1, 3, 8, seed=46).requires_grad_()
+    tokens = _rand(1, 3, 8, seed=47)
+    out, _, cache = mha(prompt, cache=KVCache.empty(capacity=16), is_causal=True)
+    outs = [out]
+    for t in range(3):
+        out, _, cache = mha(tokens[:, t:t + 1], cache=cache, is_causal=True)
+        outs.append(out)
+    (grad,) = torch.autograd.grad(torch.cat(outs, 1).sum(), prompt)
+    (want,) = torch.autograd.grad(mha(torch.cat([prompt, tokens], 1), is_causal=True).out.sum(),
+                                  prompt)
+    torch.testing.assert_close(grad, want, rtol=0, atol=1e-12)
+
+
+def test_a_paged_chunk_no_sequence_fills_refuses_bottom_right_alone():
+    """Gathered keys end where the longest sequence does: top-left masks on a first prefill
+    keep the chunk's own positions; bottom-right ones would shift, refused by name."""
+    torch.manual_seed(48)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    x = _rand(2, 4, 8, seed=49)
+    table = torch.randn(2, 32, dtype=F64)
+    out, _, _ = mha(x, mask=ak.relative_bias(table), cache=PagedKVCache(8, 4),
+                    lengths=torch.tensor([3, 3]))
+    want = mha(x[:, :3], mask=ak.relative_bias(table)).out
+    torch.testing.assert_close(out[:, :3], want, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="chunk of 4 positions that no sequence fills"):
+        mha(x, mask=ak.relative_bias(table, align="bottom_right"), cache=PagedKVCache(8, 4),
+            lengths=torch.tensor([3, 3]))

@@ -80,8 +80,8 @@ class _Store:
         self.keys = like_keys.new_zeros(batch, heads, capacity, like_keys.shape[-1])
         self.values = like_values.new_zeros(batch, heads, capacity, like_values.shape[-1])
         self.generation = 0
-        # autograd may hold views of it (an attention's saved keys: written with keys that
-        # require grad, or read by a query that does), so later appends copy
+        # read by a query that requires grad: autograd holds views of it (an attention's
+        # saved keys), so later appends copy (as for a store whose keys require grad)
         self.graphed = False
         # (what _checked remembers of the lengths the last append validated, those lengths
         # as a long tensor on the device)
@@ -151,12 +151,13 @@ def _claimed(store: _Store, generation: int, needed: int) -> bool:
 
 
 def _writable(store: _Store) -> bool:
-    """Whether an append may write into ``store`` in place: not once autograd may hold views
-    of it (written with keys that require grad, or read by a query that does: a backward
+    """Whether an append may write into ``store`` in place: not while autograd may hold views
+    of it (it holds keys that require grad, or a query that requires grad read it: a backward
     through an earlier step would find its saved keys changed), nor an inference-mode store
     outside inference mode (torch refuses the write)."""
-    return not store.graphed and (torch.is_inference_mode_enabled()
-                                  or not store.keys.is_inference())
+    return (not store.graphed and not store.keys.requires_grad
+            and not store.values.requires_grad
+            and (torch.is_inference_mode_enabled() or not store.keys.is_inference()))
 
 
 def _recorded(keys: torch.Tensor, values: torch.Tensor) -> bool:
@@ -498,13 +499,17 @@ class KVCache:
         if (store is not None and _writable(store) and not _recorded(keys, values)
                 and _claimed(store, self._generation, start + needed)):
             return store, start
-        grown = 2 * (store.capacity if store is not None else 0)
+        if store is None:
+            grown = 0
+        elif store.capacity >= start + needed:  # room, but not writable: a copy of its size
+            grown = store.capacity
+        else:
+            grown = 2 * store.capacity
         capacity = max(needed, self.capacity or 0,
                        grown if self.window is None else 2 * self.window)
         capacity = -(-capacity // split) * split
         fresh = _Store(keys, values, capacity)
         fresh.generation = 1  # claimed by the cache this append makes
-        fresh.graphed = _recorded(keys, values)
         if keep:
             kept_keys, kept_values = (t[:, :, self.length - keep:] for t in self._vouchable())
             fresh.keys[:, :, :keep] = kept_keys
@@ -1239,24 +1244,31 @@ def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
         held = [cache.length] if cache.lengths is None else cache.lengths.tolist()
     if not any(held):
         held = [0]  # an empty cache: positions are the call's own (its first append)
-    # a paged cache gathers each sequence's keys up to the longest: a chunk no sequence fills
-    # ends the gathered keys before the buffer's end
-    short = (isinstance(cache, PagedKVCache) and lengths is not None
-             and max(lengths.tolist(), default=width) != width)
-    ragged = len(set(held)) > 1 or short
     what = repr(off[0]) + (" with sinks" if off and off[0].kind == "alibi" else "") if off \
         else repr(bands[0])
-    if ragged and (off or band is not None):
+    paged = isinstance(cache, PagedKVCache)
+    per_step = (" (a PagedKVCache step with a bottom-right band runs per sequence, but not "
+                "with need_weights, key_valid or dropout)" if paged else "")
+    if len(set(held)) > 1:
         raise ValueError(
             f"{what} over a cache whose sequences hold different numbers of keys: it reads "
             f"positions of the cache's buffer, not each sequence's own, so a shorter "
             f"sequence's rows would be wrong. Pass is_causal=True for causal attention (the "
             f"cache aligns it per sequence); keep sequences of different lengths in caches of "
             f"their own for windows and position biases, or pass their bias as a tensor "
-            f"(attnkit.bias)")
+            f"(attnkit.bias){per_step}")
     top_left = [part for part in off if part.align == "top_left"]
     if band is not None and band.align == "top_left":
         top_left.append(bands[0])
+    # a paged cache gathers each sequence's keys up to the longest: a chunk no sequence fills
+    # ends them before the chunk does, which moves a bottom-right alignment
+    if (paged and lengths is not None and max(lengths.tolist(), default=width) != width
+            and len(top_left) < len(off) + len(bands[:1])):
+        raise ValueError(
+            f"{what} over a PagedKVCache chunk of {width} positions that no sequence fills "
+            f"(lengths {lengths.tolist()}): the gathered keys end before the chunk does, so a "
+            f"bottom-right alignment would be off; pad the chunk to the longest sequence"
+            f"{per_step}")
     if top_left and held[0]:
         raise ValueError(
             f"{top_left[0]!r} with a cache that holds {held[0]} keys: the new queries are the "
