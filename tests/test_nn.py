@@ -942,3 +942,14 @@ def test_a_paged_chunk_no_sequence_fills_refuses_bottom_right_alone():
     with pytest.raises(ValueError, match="chunk of 4 positions that no sequence fills"):
         mha(x, mask=ak.relative_bias(table, align="bottom_right"), cache=PagedKVCache(8, 4),
             lengths=torch.tensor([3, 3]))
+
+
+def test_copies_under_autograd_are_sized_by_their_tokens():
+    """A store that autograd keeps (one per step until the backward) is as large as its
+    tokens, not the cache's capacity."""
+    mha = MultiHeadAttention(16, 2).requires_grad_(False)
+    prompt = torch.randn(1, 4, 16, requires_grad=True)
+    _, _, cache = mha(prompt, cache=KVCache.empty(capacity=512), is_causal=True)
+    for t in range(5):
+        _, _, cache = mha(torch.randn(1, 1, 16), cache=cache, is_causal=True)
+    assert cache._store.capacity == cache.length == 9

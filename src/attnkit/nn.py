@@ -198,10 +198,14 @@ class KVCache:
 
     Immutable to its users: :meth:`append` returns a new cache. It writes in place into the
     buffers it shares with this one while there is room and this is the latest cache of its
-    chain (and no append of the chain took keys that require grad, whose backward may read
-    the buffers; nor, outside inference mode, buffers made in it), so decoding T tokens
-    copies each once (the buffers grow geometrically, or hold
-    ``capacity`` positions from the start); extending an older cache again (beam search,
+    chain, so decoding T tokens copies each once (the buffers grow geometrically, or hold
+    ``capacity`` positions from the start). Under autograd it copies instead, into buffers
+    just large enough, once they hold keys that require grad or a query that requires grad
+    read them through ``MultiHeadAttention`` (a backward reads them as they were). When you
+    call :func:`attnkit.attention` on :attr:`keys` yourself with a query that requires grad
+    and keys that do not, the next append may write over what that backward reads: pass
+    ``keys.clone()`` and ``values.clone()`` there. Buffers made under ``inference_mode`` are
+    copied before a write outside it; extending an older cache again (beam search,
     speculative decoding) copies it first, so no cache's real positions ever change. With
     per-sequence ``lengths``, a sequence's positions past ``lengths[b]`` are padding, which
     :meth:`mask` excludes; a later append of the chain may write there. A cache built from
@@ -507,6 +511,9 @@ class KVCache:
             grown = 2 * store.capacity
         capacity = max(needed, self.capacity or 0,
                        grown if self.window is None else 2 * self.window)
+        if torch.is_grad_enabled() and (_recorded(keys, values) or (
+                store is not None and not _writable(store))):
+            capacity = needed  # under autograd: a store not written in place again, no room
         capacity = -(-capacity // split) * split
         fresh = _Store(keys, values, capacity)
         fresh.generation = 1  # claimed by the cache this append makes
