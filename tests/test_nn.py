@@ -953,3 +953,13 @@ def test_copies_under_autograd_are_sized_by_their_tokens():
     for t in range(5):
         _, _, cache = mha(torch.randn(1, 1, 16), cache=cache, is_causal=True)
     assert cache._store.capacity == cache.length == 9
+
+
+def test_a_paged_cache_propagates_shapes_on_meta():
+    """Its tables and lengths are host integers: shape-only prefill and decode run."""
+    mha = MultiHeadAttention(32, 4, device="meta")
+    cache = PagedKVCache(16, 4)
+    out, _, cache = mha(torch.empty(2, 5, 32, device="meta"), cache=cache, is_causal=True)
+    assert out.shape == (2, 5, 32)
+    out, _, _ = mha(torch.empty(2, 1, 32, device="meta"), cache=cache, is_causal=True)
+    assert out.shape == (2, 1, 32)

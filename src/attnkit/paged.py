@@ -61,13 +61,16 @@ def table_tensor(tables: Sequence[Sequence[int]], device) -> torch.Tensor:
                         device=device).reshape(len(tables), width)
 
 
-def token_slots(table: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+def token_slots(table: torch.Tensor, starts: torch.Tensor, counts: Sequence[int],
                 block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``counts[b]`` consecutive positions of each sequence from ``starts[b]``, flattened in
-    sequence order: ``(rows, offsets, slots)``, each ``[Σ counts]`` long — the sequence, the
-    offset from its start, and the pool row (``[num_blocks · block_size]``) through
-    ``table [B, max_blocks]``."""
-    rows = torch.repeat_interleave(torch.arange(counts.shape[0], device=table.device), counts)
+    """``counts[b]`` (host integers) consecutive positions of each sequence from
+    ``starts[b]``, flattened in sequence order: ``(rows, offsets, slots)``, each ``[Σ counts]``
+    long — the sequence, the offset from its start, and the pool row (``[num_blocks ·
+    block_size]``) through ``table [B, max_blocks]``. Reads no value (meta tensors too)."""
+    total = sum(counts)
+    counts = torch.tensor(list(counts), dtype=torch.long, device=table.device)
+    rows = torch.repeat_interleave(torch.arange(counts.shape[0], device=table.device), counts,
+                                   output_size=total)
     offsets = torch.arange(rows.shape[0], device=table.device) - (counts.cumsum(0) - counts)[rows]
     positions = starts[rows] + offsets
     return rows, offsets, table[rows, positions // block_size] * block_size + positions % block_size
@@ -161,9 +164,9 @@ def _packed_queries(q, key_pool, value_pool, block_table, seqlens, cu_seqlens_q,
                          f"got q {tuple(q.shape)}")
     batch = len(_integers("cu_seqlens_q", cu_seqlens_q, 1)) - 1
     table, lengths = _checked_tables(q, key_pool, value_pool, block_table, seqlens, batch)
-    count = torch.tensor(lengths, dtype=torch.long, device=q.device)
-    _, _, slots = token_slots(table_tensor(table, q.device), torch.zeros_like(count), count,
-                              key_pool.shape[1])  # [total_k]
+    _, _, slots = token_slots(table_tensor(table, q.device),
+                              torch.zeros(len(lengths), dtype=torch.long, device=q.device),
+                              lengths, key_pool.shape[1])  # [total_k]
     keys, values = (pool.reshape(-1, *pool.shape[2:])[slots] for pool in (key_pool, value_pool))
     cu_k = [0, *torch.tensor(lengths).cumsum(0).tolist()] if lengths else [0]
     return varlen_attention(q, keys, values, cu_seqlens_q, cu_k, mask=mask, scale=scale,
@@ -820,8 +823,7 @@ class PagedKVCache:
             tails = [table[length // size:] for table, length in zip(plan, self.lengths)]
             rows, offsets, slots = token_slots(  # positions counted from each tail's block
                 table_tensor(tails, device), torch.tensor([n % size for n in self.lengths],
-                                                          device=device),
-                torch.tensor(counts, device=device), size)
+                                                          device=device), counts, size)
             for pool, new_rows in ((self.key_pool, keys), (self.value_pool, values)):
                 pool.view(-1, *pool.shape[2:])[slots] = new_rows.transpose(1, 2)[rows, offsets]
         self.tables = plan
