@@ -280,14 +280,12 @@ class Mask:
 
     def __or__(self, other: "Mask") -> "Mask":
         if other is None:
-            raise TypeError(f"{self!r} | None: None is no mask (every key allowed), so the "
-                            f"union would be no mask either; pass None itself, or a mask")
+            raise _union_with_none(f"{self!r} | None")
         return _Or(self, as_mask(other))
 
     def __ror__(self, other) -> "Mask":
         if other is None:
-            raise TypeError(f"None | {self!r}: None is no mask (every key allowed), so the "
-                            f"union would be no mask either; pass None itself, or a mask")
+            raise _union_with_none(f"None | {self!r}")
         return as_mask(other) | self
 
     def __invert__(self) -> "Mask":
@@ -352,6 +350,18 @@ def _codes_from_bounds(any_allowed: torch.Tensor, all_allowed: torch.Tensor) -> 
     return torch.where(any_allowed, torch.where(all_allowed, full, partial), empty)
 
 
+def _union_with_none(expression: str) -> TypeError:
+    return TypeError(f"{expression}: None is no mask (every key allowed), so the union would "
+                     f"be no mask either; pass None itself, or a mask")
+
+
+def aligned_shift(align: str, space: MaskSpace) -> int:
+    """What an alignment subtracts from ``j − i`` (a band's diagonal, a position modifier's
+    distance): 0 for ``"top_left"``, ``Tk − Tq`` for ``"bottom_right"`` (the last query sits
+    on the last key)."""
+    return space.kv_len - space.q_len if align == "bottom_right" else 0
+
+
 class _Band(Mask):
     """Keys in ``[q + shift - left, q + shift + right]``; ``None`` bounds are unbounded."""
 
@@ -367,7 +377,7 @@ class _Band(Mask):
         return ("band", self.left, self.right, self.align)
 
     def _shift(self, space: MaskSpace) -> int:
-        return space.kv_len - space.q_len if self.align == "bottom_right" else 0
+        return aligned_shift(self.align, space)
 
     def structure(self, space):
         shift = self._shift(space)

@@ -42,7 +42,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .masks import FULL, Mask, MaskSpace, band_per_sequence, tensor_key, tensor_summary
+from .masks import (FULL, Mask, MaskSpace, aligned_shift, band_per_sequence, tensor_key,
+                    tensor_summary)
 
 __all__ = ["Modifier", "Modifiers", "softcap", "alibi", "relative_bias", "sinks",
            "score_function", "t5_buckets", "split"]
@@ -65,18 +66,6 @@ def relative_positions(space: MaskSpace) -> torch.Tensor:
     return torch.arange(first, max(space.kv_len, first), device=space.device)
 
 
-def aligned_shift(align: str, space: MaskSpace) -> int:
-    """What a position modifier's alignment subtracts from ``j − i``: 0 for ``"top_left"``,
-    ``Tk − Tq`` for ``"bottom_right"`` (the last query sits on the last key)."""
-    return space.kv_len - space.q_len if align == "bottom_right" else 0
-
-
-def _checked_align(kind: str, align: str) -> str:
-    if align not in ("top_left", "bottom_right"):
-        raise ValueError(f"{kind}(align={align!r}): use 'top_left' (distance j − i) or "
-                         f"'bottom_right' (distance j − i − (Tk − Tq): the last query sits "
-                         f"on the last key)")
-    return align
 
 
 class Modifier(Mask):
@@ -101,6 +90,23 @@ class Modifier(Mask):
         kv_count = space.kv_len - kv_offset if kv_count is None else kv_count
         return torch.full((1, 1, math.ceil(q_count / block_q), math.ceil(kv_count / block_k)),
                           FULL, dtype=torch.int8, device=space.device)
+
+
+class _Positioned(Modifier):
+    """A modifier that reads positions (ALiBi, relative biases), aligned ``top_left`` or
+    ``bottom_right`` (``align``)."""
+
+    @staticmethod
+    def _checked_align(kind: str, align: str) -> str:
+        if align not in ("top_left", "bottom_right"):
+            raise ValueError(f"{kind}(align={align!r}): use 'top_left' (distance j − i) or "
+                             f"'bottom_right' (distance j − i − (Tk − Tq): the last query "
+                             f"sits on the last key)")
+        return align
+
+    def shift(self, space: MaskSpace) -> int:
+        """What the alignment subtracts from ``j − i``: :func:`~attnkit.masks.aligned_shift`."""
+        return aligned_shift(self.align, space)
 
 
 def _per_head_problem(what: str, t: torch.Tensor, space: MaskSpace, batched: bool) -> list[str]:
@@ -179,14 +185,14 @@ def softcap(cap: float) -> Mask:
 
 # ---- ALiBi ------------------------------------------------------------------------------------
 
-class Alibi(Modifier):
+class Alibi(_Positioned):
     """``slope_h · (j − i − shift)`` added to the scores (see :func:`alibi`)."""
 
     kind = "alibi"
 
     def __init__(self, slopes: torch.Tensor, align: str):
         self.slopes = _float_tensor("alibi(slopes)", slopes)
-        self.align = _checked_align("alibi", align)
+        self.align = self._checked_align("alibi", align)
 
     def tensors(self):
         return [self.slopes]
@@ -197,10 +203,6 @@ class Alibi(Modifier):
 
     def check(self, space):
         return _per_head_problem("alibi slopes", self.slopes, space, batched=True)
-
-    def shift(self, space: MaskSpace) -> int:
-        """What the alignment subtracts from ``j − i``: :func:`aligned_shift`."""
-        return aligned_shift(self.align, space)
 
     def values(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, space: MaskSpace,
                dtype: torch.dtype) -> torch.Tensor:
@@ -280,14 +282,14 @@ def t5_buckets(relative_position: torch.Tensor, num_buckets: int, bidirectional:
     return offset + torch.where(distance < exact, distance, far)
 
 
-class RelativeBias(Modifier):
+class RelativeBias(_Positioned):
     """``table[h, bucket(j − i)]`` added to the scores (see :func:`relative_bias`)."""
 
     kind = "relative_bias"
 
     def __init__(self, table: torch.Tensor, buckets: Optional[Callable], align: str = "top_left"):
         self.table = _float_tensor("relative_bias(table)", table)
-        self.align = _checked_align("relative_bias", align)
+        self.align = self._checked_align("relative_bias", align)
         if table.dim() != 2:
             raise ValueError(f"relative_bias(table) has shape {tuple(table.shape)}; it must be "
                              f"[H, num_buckets]")
@@ -357,10 +359,6 @@ class RelativeBias(Modifier):
                             f"{getattr(ids, 'dtype', type(ids).__name__)} "
                             f"{tuple(getattr(ids, 'shape', ()))}")
         return ids
-
-    def shift(self, space: MaskSpace) -> int:
-        """What the alignment subtracts from ``j − i``: :func:`aligned_shift`."""
-        return aligned_shift(self.align, space)
 
     def values(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, space: MaskSpace,
                dtype: torch.dtype) -> torch.Tensor:

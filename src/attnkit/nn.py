@@ -19,7 +19,6 @@ Shapes (E = embed_dim, H = num_heads, Hkv = num_kv_heads, D = E // H)::
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 from dataclasses import dataclass, field
@@ -500,8 +499,9 @@ class KVCache:
         with them copied to its start."""
         store = self._store
         start = self._start + self.length - keep
-        if (store is not None and _writable(store) and not _recorded(keys, values)
-                and _claimed(store, self._generation, start + needed)):
+        recorded = _recorded(keys, values)
+        writable = store is not None and not recorded and _writable(store)
+        if writable and _claimed(store, self._generation, start + needed):
             return store, start
         if store is None:
             grown = 0
@@ -511,8 +511,7 @@ class KVCache:
             grown = 2 * store.capacity
         capacity = max(needed, self.capacity or 0,
                        grown if self.window is None else 2 * self.window)
-        if torch.is_grad_enabled() and (_recorded(keys, values) or (
-                store is not None and not _writable(store))):
+        if recorded or (store is not None and not writable and torch.is_grad_enabled()):
             capacity = needed  # under autograd: a store not written in place again, no room
         capacity = -(-capacity // split) * split
         fresh = _Store(keys, values, capacity)
@@ -684,14 +683,12 @@ def _rowwise(layer: nn.Module, x: torch.Tensor, product=None) -> torch.Tensor:
     rows = flat.shape[0]
     if product is None:
         weight = layer.weight if isinstance(layer, nn.Linear) else layer.weight.t()
-        product = functools.partial(_linear, weight=weight, bias=layer.bias)
+
+        def product(chunk: torch.Tensor) -> torch.Tensor:
+            return F.linear(chunk, weight, layer.bias)
     parts = [product(chunk) for chunk in pad_rows(flat, ROWWISE_ROWS).split(ROWWISE_ROWS)]
     out = torch.cat(parts) if parts else product(flat)
     return out[:rows].reshape(*x.shape[:-1], -1)
-
-
-def _linear(x: torch.Tensor, *, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-    return F.linear(x, weight, bias)
 
 
 _TORCH_MHA_KEYWORDS = {
@@ -849,10 +846,12 @@ class MultiHeadAttention(nn.Module):
                 ``[B, H, Tq, Tk]``: an attnkit mask (``causal()``, ``padding(...)``, ...), a bool
                 tensor (**True = may attend**) or a float bias, broadcastable to
                 ``[B, H, Tq, Tk]`` (``[Tq, Tk]`` is shared by every batch element and head; a
-                per-batch mask is ``[B, 1, Tq, Tk]``). With a cache, ALiBi and relative biases
-                count the cache's positions: align them ``"bottom_right"`` (the new queries are
-                the last ones); a relative bias, or ALiBi with sinks, over a cache whose
-                sequences hold different lengths is refused (``ValueError``).
+                per-batch mask is ``[B, 1, Tq, Tk]``). With a cache, bands (causal, windows),
+                ALiBi and relative biases count the cache's positions: align them
+                ``"bottom_right"`` (the new queries are the last ones). Bands, relative biases
+                and ALiBi with sinks over a cache whose sequences hold different numbers of
+                keys are refused (``ValueError``), but for a ``PagedKVCache`` step with a
+                bottom-right band, softcap or sinks alone, which runs per sequence.
             key_valid: bool ``[B, Tk]`` (``[Tk]`` unbatched), **True = a real key that may be
                 attended**, False = padding (Hugging Face's ``attention_mask``). torch's
                 ``nn.MultiheadAttention`` takes the opposite, ``key_padding_mask`` (True =
@@ -942,7 +941,7 @@ class MultiHeadAttention(nn.Module):
             paged_step = (isinstance(cache, PagedKVCache) and not invariant
                           and key_valid is None and not need_weights
                           and not (self.training and self.dropout)
-                          and q.shape[2] == k.shape[2] and _per_sequence_step(mask, q.shape[2]))
+                          and q.shape[2] == k.shape[2] and _per_sequence_step(mask))
             if mask is not None and not paged_step:
                 _check_positions(as_mask(mask), cache, lengths, k.shape[2])
             new_cache = (cache._append(k, v, lengths, KV_SPLIT)  # read in place by decode
@@ -1210,9 +1209,7 @@ class AdditiveAttention(nn.Module):
         return allowed, None if bias is None else bias[:, 0]
 
 
-
-
-def _per_sequence_step(mask: MaskLike, q_len: int) -> bool:
+def _per_sequence_step(mask: MaskLike) -> bool:
     """Whether :meth:`PagedKVCache.attend` aligns ``mask`` to each sequence: none, a
     bottom-right band (causal, a window: the new queries are each sequence's last), softcap
     and sinks. ALiBi and relative biases read the gathered keys' positions there, like any
@@ -1242,18 +1239,17 @@ def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
     off = [] if modifiers is None else [*modifiers.relative,
                                         *(modifiers.alibi if modifiers.sinks else ())]
     bands = [] if rest is None else [leaf for leaf in rest.leaves() if leaf.band() is not None]
-    band = bands[0].band() if bands else None
-    if not off and band is None:
+    parts = [*off, *bands[:1]]  # what reads positions, each with its alignment
+    if not parts:
         return
-    if isinstance(cache, PagedKVCache):
+    paged = isinstance(cache, PagedKVCache)
+    if paged:
         held = list(cache.lengths)
     else:
         held = [cache.length] if cache.lengths is None else cache.lengths.tolist()
     if not any(held):
         held = [0]  # an empty cache: positions are the call's own (its first append)
-    what = repr(off[0]) + (" with sinks" if off and off[0].kind == "alibi" else "") if off \
-        else repr(bands[0])
-    paged = isinstance(cache, PagedKVCache)
+    what = repr(parts[0]) + (" with sinks" if off and off[0].kind == "alibi" else "")
     per_step = (" (a PagedKVCache step with a bottom-right band runs per sequence, but not "
                 "with need_weights, key_valid or dropout)" if paged else "")
     if len(set(held)) > 1:
@@ -1264,13 +1260,11 @@ def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
             f"cache aligns it per sequence); keep sequences of different lengths in caches of "
             f"their own for windows and position biases, or pass their bias as a tensor "
             f"(attnkit.bias){per_step}")
-    top_left = [part for part in off if part.align == "top_left"]
-    if band is not None and band.align == "top_left":
-        top_left.append(bands[0])
+    top_left = [part for part in parts if part.align == "top_left"]
     # a paged cache gathers each sequence's keys up to the longest: a chunk no sequence fills
     # ends them before the chunk does, which moves a bottom-right alignment
     if (paged and lengths is not None and max(lengths.tolist(), default=width) != width
-            and len(top_left) < len(off) + len(bands[:1])):
+            and len(top_left) < len(parts)):
         raise ValueError(
             f"{what} over a PagedKVCache chunk of {width} positions that no sequence fills "
             f"(lengths {lengths.tolist()}): the gathered keys end before the chunk does, so a "

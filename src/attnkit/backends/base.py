@@ -39,9 +39,11 @@ def bias_range_reasons(inputs: Inputs, dtype: torch.dtype, name: str) -> list[st
     modifiers = inputs.modifiers
     if modifiers is not None and (modifiers.alibi or modifiers.relative):
         span = inputs.q.shape[2] + inputs.k.shape[2]
-        extremes = [*(part.slopes * span for part in modifiers.alibi),
-                    *(part.table for part in modifiers.relative)]
-        if any(readable(values) and beyond_range(values, dtype) for values in extremes):
+        extremes = [*((part.slopes, span) for part in modifiers.alibi),
+                    *((part.table, 1) for part in modifiers.relative)]
+        # (only a wider dtype than `dtype` can hold them: no product for the others)
+        if any(torch.finfo(values.dtype).max > torch.finfo(dtype).max and readable(values)
+               and beyond_range(values * factor, dtype) for values, factor in extremes):
             reasons.append(f"alibi or relative_bias values beyond {dtype}'s range (not "
                            f"supported by {name}: it adds them in {dtype}, where they would "
                            f"overflow; reference adds them in float64)")
