@@ -7,6 +7,7 @@ implementations and the registered autograd, without inductor's code generation 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch._dynamo
@@ -97,6 +98,20 @@ def test_a_compiled_function_takes_masks_with_other_numbers(kind, values):
     for value in values:
         got = _out_and_grads(lambda *x: compiled(*x, make(value)), q, k, v)
         _assert_like_reference(f"{kind}({value})", got, make(value), q, k, v)
+
+
+@pytest.mark.parametrize("window", [np.int64(3), torch.tensor(3)], ids=["numpy", "tensor"])
+def test_a_compiled_function_takes_a_window_as_a_numpy_or_tensor_integer(window):
+    """A window handed over as numpy or torch hands out integers (a config read with numpy, a
+    0-d index tensor): dynamo traces them as tensors, and the window still compiles."""
+    def fn(q, k, v, left):
+        return ak.attention(q, k, v, ak.sliding_window(left))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    q, k, v = _qkv(4)
+    got = _out_and_grads(lambda *x: compiled(*x, window), q, k, v)
+    _assert_like_reference(f"sliding_window({window!r})", got, ak.sliding_window(3), q, k, v)
 
 
 @pytest.mark.parametrize("q_len, kv_len", [(0, 5), (3, 0), (0, 0)])

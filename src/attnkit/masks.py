@@ -518,12 +518,13 @@ def sliding_window(left: int, right: int = 0, align: str = "top_left", *,
     for name, value in (("left", left), ("right", right)):
         if not an_int(value):
             raise TypeError(f"sliding_window {name}={value!r}: must be an int number of positions")
+    left, right = int(left), int(right)
+    for name, value in (("left", left), ("right", right)):
         if value < 0:
             raise ValueError(f"sliding_window {name}={value} is negative: use a window of 0 or more "
                              f"positions (left counts keys before the query, right keys after it)")
     # A bound at or past the sequence length allows every key on that side; past UNBOUNDED it
     # is stored as unbounded, so no index arithmetic overflows.
-    left, right = int(left), int(right)
     band = _Band(left=None if left >= UNBOUNDED else left,
                  right=None if right >= UNBOUNDED else right, align=align)
     return band if sequences is None else _per_sequence(band, sequences, "sliding_window")
@@ -536,7 +537,10 @@ any sequence, and small enough for 32-bit index arithmetic in kernels."""
 
 def an_int(value) -> bool:
     """Whether ``value`` is one integer: a Python or numpy integer, or a 0-d integer tensor
-    (``bool`` is not)."""
+    or numpy array (``bool`` is not). Under ``torch.compile`` a numpy integer is traced as a
+    0-d ``np.ndarray``, so arrays are read through their tensor dtype."""
+    if isinstance(value, np.ndarray):
+        value = torch.as_tensor(value) if value.ndim == 0 else value
     if isinstance(value, torch.Tensor):
         return value.dim() == 0 and not (value.is_floating_point() or value.is_complex()
                                          or value.dtype == torch.bool)
