@@ -83,3 +83,31 @@ def test_lse_is_differentiable_or_refused(backend, gen):
     scale = q.shape[-1] ** -0.5
     weights = torch.softmax(q.detach() @ k.detach().transpose(-1, -2) * scale, -1)
     assert torch.allclose(dq, scale * weights @ k.detach(), atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_a_vectorized_jacobian_equals_the_looped_one_or_is_refused(backend, gen):
+    """``jacobian(vectorize=True)`` (a backward with batched gradients,
+    ``is_grads_batched=True``) gives the looped jacobian, or a backend refuses it by name."""
+    from torch.autograd.functional import jacobian
+    q, k, v, _ = _case("causal", gen)
+    impl = dispatch.BACKENDS[backend]
+    ran = 0
+    for mask in (ak.causal(), ak.causal() & ak.softcap(5.0)):
+        if impl.not_supported_reasons(validate(q.requires_grad_(), k, v, mask)):
+            continue
+
+        def fn(q, k, v):
+            return ak.attention(q, k, v, mask, backend=backend)
+
+        looped = jacobian(fn, (q.detach(), k, v))
+        try:
+            vectorized = jacobian(fn, (q.detach(), k, v), vectorize=True)
+        except RuntimeError as error:
+            assert backend == "triton" and "batched backward" in str(error), error
+            return
+        ran += 1
+        for got, want in zip(vectorized, looped):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    if not ran:
+        pytest.skip(f"{backend} runs neither mask with gradients")

@@ -237,6 +237,41 @@ def test_nothing_of_size_tq_tk_is_saved(path, gen):
     out.sum().backward()
 
 
+@pytest.mark.parametrize("mask, dropout_p", [
+    (ak.causal() & ak.softcap(2.0), 0.0),
+    (ak.sliding_window(3), 0.0),
+    (ak.causal(), 0.3),
+], ids=["softcap", "window", "dropout"])
+def test_selective_checkpointing_that_saves_bmm_keeps_the_gradients(mask, dropout_p, gen):
+    """Selective activation checkpointing whose policy saves ``aten.bmm`` replays the saved
+    products in the recompute: the engine's in-place writes to its scores must not reach
+    them (the gradients equal those of the call without checkpointing)."""
+    import functools
+    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                        create_selective_checkpoint_contexts)
+
+    def save_bmm(ctx, op, *args, **kwargs):
+        return (CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.bmm.default
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    q0, k0, v0 = _inputs(gen, torch.float32, batch=1, heads_q=2, heads_kv=2, tq=24, tk=24)
+    grad = torch.randn(q0.shape, generator=gen)
+
+    def grads(checkpointed: bool):
+        torch.manual_seed(1)  # one dropout draw for both
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        fn = functools.partial(ak.attention, mask=mask, backend="tiled", dropout_p=dropout_p)
+        if checkpointed:
+            context = functools.partial(create_selective_checkpoint_contexts, save_bmm)
+            out = checkpoint(fn, q, k, v, use_reentrant=False, context_fn=context)
+        else:
+            out = fn(q, k, v)
+        return torch.autograd.grad(out, (q, k, v), grad)
+
+    for name, got, want in zip(("dq", "dk", "dv"), grads(True), grads(False)):
+        assert torch.equal(got, want), name
+
+
 @pytest.mark.parametrize("mask, expected", [
     (None, 1.0),
     (ak.causal(), 0.5),

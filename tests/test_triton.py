@@ -222,6 +222,16 @@ def test_gradient_of_lse_alone(gen):
     assert (got[2] == 0).all()
 
 
+def test_a_batched_backward_is_refused_by_name(gen):
+    """A backward with batched gradients (``is_grads_batched=True``, what
+    ``jacobian(vectorize=True)`` runs) cannot launch the kernels: refused with the remedy."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, 1, 4, 4, 16, 16, torch.float32, gen))
+    out = ak.attention(q, k, v, ak.causal(), backend="triton")
+    eye = torch.eye(out.numel()).view(-1, *out.shape)
+    with pytest.raises(RuntimeError, match="batched backward.*triton.*backend='tiled'"):
+        torch.autograd.grad(out, q, eye, is_grads_batched=True)
+
+
 @pytest.mark.parametrize("tiles", [
     launch.Tiles(sparse_q=32, sparse_k=32, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16)),
     launch.Tiles(sparse_q=32, sparse_k=32, fwd=(32, 16), dkdv=(16, 32), dq=(32, 16)),

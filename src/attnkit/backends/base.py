@@ -181,6 +181,16 @@ def empty_output(inputs: Inputs) -> BackendOutput:
     return BackendOutput(out, lse, weights)
 
 
+def batched_gradient(*grads: Optional[torch.Tensor]) -> bool:
+    """Whether a gradient reaching a backward is batched by a vmap (``is_grads_batched=True``
+    and ``jacobian(vectorize=True)`` use torch's legacy one) or wrapped by another
+    ``torch.func`` transform: a backward that writes in place or launches kernels cannot
+    take it."""
+    functorch = torch._C._functorch
+    return any(g is not None and (functorch.is_legacy_batchedtensor(g)
+                                  or functorch.is_functorch_wrapped_tensor(g)) for g in grads)
+
+
 def check_backward_modifiers(inputs: Inputs, backend: str) -> None:
     """Raise ``ValueError`` for score modifiers that :meth:`Backend.backward` cannot take:
     sinks (they change the saved out/lse: join them after, :meth:`~attnkit.modifiers.Sinks.

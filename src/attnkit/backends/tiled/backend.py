@@ -13,7 +13,8 @@ from ...inputs import Inputs
 from ...masks import Mask, MaskSpace, cache_key, key_starts, mask_tensors, memo
 from ...modifiers import Modifiers
 from ...numerics import accum_dtype
-from ..base import Backend, BackendOutput, bias_range_reasons, check_backward_modifiers
+from ..base import (Backend, BackendOutput, batched_gradient, bias_range_reasons,
+                    check_backward_modifiers)
 from ..reference import steps
 from .backward import _biases, tiled_backward
 from .forward import _bounded, _exp_, _scores, fused_kernel_takes, tiled_forward, uses_fused_kernel
@@ -50,7 +51,10 @@ class _TiledAttention(torch.autograd.Function):
         wants_bias, wants_param = wants[:len(biases)], wants[len(biases):]
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        if torch.is_grad_enabled():  # create_graph=True: the backward itself is differentiated
+        if torch.is_grad_enabled() or batched_gradient(grad_out, grad_lse):
+            # create_graph=True (the backward itself is differentiated), or a vmapped backward
+            # (is_grads_batched=True; jacobian(vectorize=True)), whose batching rules torch's
+            # operations have and the tiled backward's in-place writes lack
             grads = _differentiable_grads(q, k, v, [*biases, *params], problem, grad_out,
                                           grad_lse, ctx.needs_input_grad)
             return (*grads[:3], None, *grads[3:])
@@ -73,22 +77,27 @@ def _modifier_tensors(problem: Problem) -> tuple:
 
 
 def _differentiable_grads(q, k, v, tensors, problem: Problem, grad_out, grad_lse, needed):
-    """The gradients of q, k, v and ``tensors`` (the biases, then the modifiers' tensors),
-    recorded for a further backward: the float64 reference recomputed with autograd
-    (O(Tq·Tk) memory, for double backward only)."""
+    """The gradients of q, k, v and ``tensors`` (the biases, then the modifiers' tensors) from
+    the reference recomputed with autograd (O(Tq·Tk) memory): recorded for a further backward
+    under ``create_graph=True``, and the way a vmapped backward runs (batched gradients)."""
     inputs = Inputs(q=q, k=k, v=v, mask=problem.mask, scale=problem.scale, dropout_p=0.0,
                     generator=None, batch_shape=(), input_rank=4, modifiers=problem.modifiers)
     if (problem.dropout_p > 0 or problem.q_offset or problem.kv_offset
             or inputs.space != problem.space):
-        raise RuntimeError("double backward (create_graph=True) through tiled attention needs "
-                           "dropout_p=0 and unsharded positions: use backend='reference'")
-    result = steps(inputs)
+        raise RuntimeError("a double backward (create_graph=True) or a batched backward "
+                           "(is_grads_batched=True, jacobian(vectorize=True)) through tiled "
+                           "attention needs dropout_p=0 and unsharded positions: use "
+                           "backend='reference'")
+    create_graph = torch.is_grad_enabled()
+    with torch.enable_grad():
+        result = steps(inputs)
     outputs, grads = [result.out], [grad_out.to(result.out.dtype)]
     if grad_lse is not None:
         outputs.append(result.lse)
         grads.append(grad_lse.to(result.lse.dtype))
     wanted = [t for t, need in zip((q, k, v, *tensors), (*needed[:3], *needed[4:])) if need]
-    found = iter(torch.autograd.grad(outputs, wanted, grads, create_graph=True, allow_unused=True))
+    found = iter(torch.autograd.grad(outputs, wanted, grads, create_graph=create_graph,
+                                     allow_unused=True))
     return [next(found) if need else None for need in (*needed[:3], *needed[4:])]
 
 

@@ -19,7 +19,8 @@ from .plan import (FIXED_BLOCK_K, FLUSH_BELOW, LOG2E, TILE_ELEMENTS, Problem, Se
                    TiledOptions, row_quantum)
 from .positions import PositionTile, Positions, _position_tile, _positions
 from .tiles import (TileMask, TileScores, _BlockWork, _dropout_keep, _evaluated, _RunWork,
-                    _runs_fit, _segment_mask, _stacked, _tile_scores, _with_positions)
+                    _runs_fit, _segment_mask, _stacked, _tile_scores, _with_positions,
+                    scores_product)
 
 
 def uses_fused_kernel(q: torch.Tensor, v: torch.Tensor, dropout_p: float,
@@ -292,7 +293,7 @@ def _scores(q_block: torch.Tensor, k_seg: torch.Tensor, scale: float,
     """A segment's scores ``q·kᵀ·scale`` ``[B, Hkv, G·n, span]``, as ``modified``'s
     :meth:`~TileScores.apply` takes them (divided by a softcap's cap) when there is one."""
     if modified is None:
-        return (q_block * scale) @ k_seg.transpose(-1, -2)
+        return scores_product(q_block * scale, k_seg)
     return modified.scores(q_block, k_seg, scale)
 
 

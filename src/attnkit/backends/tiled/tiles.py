@@ -140,6 +140,18 @@ def _staircase_strips(structure: str, n: int, width: int, strip: int, dtype: tor
     return tuple(strips)
 
 
+def scores_product(q_block: torch.Tensor, k_seg: torch.Tensor) -> torch.Tensor:
+    """``q_block @ k_segᵀ`` ``[..., n, span]`` written into a new tensor, for the forward to
+    overwrite in place (modifiers, mask, exponent). ``matmul``'s own result would not do: a
+    caller's dispatch mode may hold it (selective activation checkpointing with a policy that
+    saves ``aten.bmm`` replays it in the recompute), and ``matmul`` returns it through a view
+    whose version counter does not see the writes, so nothing would notice them."""
+    shape = (*torch.broadcast_shapes(q_block.shape[:-2], k_seg.shape[:-2]), q_block.shape[-2],
+             k_seg.shape[-2])
+    out = torch.empty(shape, dtype=q_block.dtype, device=q_block.device)
+    return torch.matmul(q_block, k_seg.transpose(-1, -2), out=out)
+
+
 def _with_positions(tile: Optional["TileMask"], positions: PositionTile) -> "TileMask":
     """A fused segment's mask with the position biases joined: a segment without element mask
     keeps them as :class:`PositionTile` when the call's keys are reversed (read as views, its
@@ -295,10 +307,10 @@ class TileScores(NamedTuple):
         is a saturated ``tanh``, ±1)."""
         softcap = self.modifiers.softcap
         if softcap is None:
-            return (q_block * scale) @ k_seg.transpose(-1, -2)
+            return scores_product(q_block * scale, k_seg)
         if abs(scale) / softcap.cap <= _FOLD_LIMIT:
-            return (q_block * (scale / softcap.cap)) @ k_seg.transpose(-1, -2)
-        return ((q_block * scale) @ k_seg.transpose(-1, -2)).div_(softcap.cap)
+            return scores_product(q_block * (scale / softcap.cap), k_seg)
+        return scores_product(q_block * scale, k_seg).div_(softcap.cap)
 
     def apply(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores from :meth:`scores` ``[B, Hkv, G·n, span]`` (overwritten) → the

@@ -17,7 +17,8 @@ import torch
 
 from ...inputs import Inputs
 from ...modifiers import relative_positions
-from ..base import Backend, BackendOutput, bias_range_reasons, check_backward_modifiers
+from ..base import (Backend, BackendOutput, batched_gradient, bias_range_reasons,
+                    check_backward_modifiers)
 from . import launch
 
 
@@ -91,6 +92,11 @@ class _TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if batched_gradient(dout, dlse):
+            raise RuntimeError("a batched backward (is_grads_batched=True, "
+                               "jacobian(vectorize=True)) through the triton backend is not "
+                               "supported: use backend='tiled' or 'reference', or "
+                               "vectorize=False")
         q, k, v, out, lse, slopes, diag = ctx.saved_tensors
         if dout is None:  # only the lse was used
             dout = torch.zeros_like(out)
