@@ -106,6 +106,8 @@ def test_other_tensors_raise_with_both_signatures(gen):
         with pytest.raises(ValueError, match=r"plan was made for q \(2, 4, 24, 16\).*got q"):
             plan(*args)
     assert plan.fits(*_qkv(gen)) and not plan.fits(q[:, :1], k, v)
+    with torch.no_grad(), pytest.raises(ValueError, match="grad mode differs.*use_reentrant"):
+        plan(*_qkv(gen))  # what a reentrant checkpoint's forward does
 
 
 def test_a_mask_written_in_place_after_planning_raises(gen):

@@ -70,7 +70,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         scale: multiplies the scores; default ``1/sqrt(Dk)``. A temperature τ is
             ``scale=1/(τ·sqrt(Dk))``.
         dropout_p: dropout on the attention weights (rescaled by ``1/(1-p)``); reproducible
-            with ``generator`` or the global seed.
+            with ``generator`` or the global seed. Under ``torch.utils.checkpoint`` leave
+            ``generator`` out: the recompute restores the global RNG only, and a generator's
+            next draw would drop other weights than the forward did.
         backend: ``"auto"`` or a name from ``attnkit.available_backends()``; an explicit backend that
             cannot run the input raises ``ValueError`` with its reasons. Inside
             ``attnkit.use_backend(name)``, ``"auto"`` means ``name``;

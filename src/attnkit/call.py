@@ -136,9 +136,14 @@ class Plan:
                              return_lse=self.return_lse, return_weights=self.return_weights,
                              invariant=self.invariant)
         if not self.fits(q, k, v):
+            got = _plan_signature(q, k, v)
+            hint = ("; the grad mode differs: a plan runs in the mode it was made in (a "
+                    "reentrant torch.utils.checkpoint runs its forward with grad mode off and "
+                    "its recompute with it on: use use_reentrant=False)"
+                    if got[1] != self._signature[1] else "")
             raise ValueError(f"this plan was made for {_describe(self._signature)}; got "
-                             f"{_describe(_plan_signature(q, k, v))}: make a plan for these "
-                             f"tensors (attnkit.plan), or call attnkit.attention")
+                             f"{_describe(got)}: make a plan for these tensors "
+                             f"(attnkit.plan), or call attnkit.attention{hint}")
         if _autocast_on():
             raise ValueError("a plan runs outside torch.autocast (autocast casts per call: use "
                              "attention())")
