@@ -19,7 +19,7 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend, BackendOutput
-from .inputs import CallCache, Inputs, _bhtd, restore, validate
+from .inputs import CallCache, Inputs, _bhtd, refuse_jit_trace, restore, validate
 from .masks import mask_tensors
 
 
@@ -47,6 +47,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, *, scale: Optio
         return_weights: bool, invariant: bool = False) -> Union[torch.Tensor, AttentionResult]:
     """The eager call of :func:`attnkit.attention` (same arguments and results; autocast is
     off here: the caller applied it to q, k and v)."""
+    refuse_jit_trace("attnkit.attention")
     compiling = torch.compiler.is_compiling()
     inputs, chosen = validated(q, k, v, mask, scale=scale, dropout_p=dropout_p,
                                generator=generator, backend=backend, return_lse=return_lse,
@@ -130,6 +131,7 @@ class Plan:
                  ) -> Union[torch.Tensor, AttentionResult]:
         """The planned call on ``q, k, v``: what ``attention(q, k, v, mask, ...)`` with the
         plan's arguments returns."""
+        refuse_jit_trace("an attnkit plan")
         if torch.compiler.is_compiling():
             from .api import attention
             return attention(q, k, v, self.mask, scale=self.scale, backend=self.backend_name,

@@ -194,8 +194,11 @@ def looks_at_keys(query_rows: int, key_elements: int) -> bool:
     """Whether a call of ``query_rows`` query rows over K of ``key_elements`` elements has its
     keys looked at for non-finite values: at least :data:`KV_CHECK_MIN_ROWS` rows, or at most
     :data:`KV_CHECK_MAX_ELEMENTS` elements. Paths that run torch's kernel without
-    :func:`guard` (a cache's decoding step) keep the same rule by taking ``attention`` there."""
-    return query_rows >= KV_CHECK_MIN_ROWS or key_elements <= KV_CHECK_MAX_ELEMENTS
+    :func:`guard` (a cache's decoding step) keep the same rule by taking ``attention`` there.
+    Traced (compile, export), always: a graph holds for every size its dims may take, and
+    a choice by size would bound them."""
+    return (torch.compiler.is_compiling() or query_rows >= KV_CHECK_MIN_ROWS
+            or key_elements <= KV_CHECK_MAX_ELEMENTS)
 
 
 def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
@@ -213,7 +216,10 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
     flag = query_and_output_flags(out, guarded.inputs.q)  # [B, Hq, Tq, 1]: 0, or NaN
     if guarded.seen is not None:
         flag = _grouped_add(flag, guarded.seen)
-    out = out + flag if out.requires_grad else out.add_(flag)  # the backend's own tensor
+    # in place on the backend's own tensor, except where autograd or a trace holds it (a
+    # graph traced without gradients may run with them)
+    out = (out + flag if out.requires_grad or torch.compiler.is_compiling()
+           else out.add_(flag))
     if lse is not None:  # −inf stays −inf
         lse = lse + flag[..., 0].to(lse.dtype)
     weights = None if weights is None else weights + flag.to(weights.dtype)
@@ -239,8 +245,11 @@ def query_and_output_flags(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _logical_rows(x: torch.Tensor) -> Optional[torch.Tensor]:
     """``x [..., D]`` as a view ``[N, D]`` of its rows in index order, or ``None`` where that
-    needs a copy (rows laid out in another order)."""
+    needs a copy (rows laid out in another order) or ``x`` is traced (its layout is the
+    compiler's, and a decomposition may change it)."""
     x = _plain(x)
+    if torch.compiler.is_compiling():
+        return None
     if x.is_contiguous() or _flat_rows(x):
         return x.view(-1, x.shape[-1])
     return None

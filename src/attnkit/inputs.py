@@ -172,6 +172,16 @@ TORCH_KEYWORDS = {
 """torch SDPA's keyword arguments that attnkit spells differently, with the attnkit spelling."""
 
 
+def refuse_jit_trace(entry: str) -> None:
+    """Raise inside ``torch.jit.trace``: a trace records the Python decisions attnkit makes
+    from shapes and values (which tiles a mask keeps, which layout a check reads) as
+    constants, so the traced graph would silently compute something else at other shapes."""
+    if torch._C._get_tracing_state() is not None:
+        raise RuntimeError(f"{entry} cannot be recorded by torch.jit.trace: the trace would fix "
+                           f"the mask's tiles and layouts to the traced shapes and be wrong at "
+                           f"others. Capture it with torch.compile or torch.export.export")
+
+
 def unexpected_keywords(function: Callable, keywords: dict) -> TypeError:
     """The error for keyword arguments that ``function`` does not take: torch SDPA's
     (:data:`TORCH_KEYWORDS`) with their attnkit spelling, others with the keywords it takes."""

@@ -518,7 +518,7 @@ def sliding_window(left: int, right: int = 0, align: str = "top_left", *,
     for name, value in (("left", left), ("right", right)):
         if not an_int(value):
             raise TypeError(f"sliding_window {name}={value!r}: must be an int number of positions")
-    left, right = int(left), int(right)
+    left, right = (v if isinstance(v, torch.SymInt) else int(v) for v in (left, right))
     for name, value in (("left", left), ("right", right)):
         if value < 0:
             raise ValueError(f"sliding_window {name}={value} is negative: use a window of 0 or more "
@@ -536,11 +536,14 @@ any sequence, and small enough for 32-bit index arithmetic in kernels."""
 
 
 def an_int(value) -> bool:
-    """Whether ``value`` is one integer: a Python or numpy integer, or a 0-d integer tensor
-    or numpy array (``bool`` is not). Under ``torch.compile`` a numpy integer is traced as a
-    0-d ``np.ndarray``, so arrays are read through their tensor dtype."""
+    """Whether ``value`` is one integer: a Python or numpy integer, a traced size
+    (``torch.SymInt``), or a 0-d integer tensor or numpy array (``bool`` is not). Under
+    ``torch.compile`` a numpy integer is traced as a 0-d ``np.ndarray``, so arrays are read
+    through their tensor dtype."""
     if isinstance(value, np.ndarray):
         value = torch.as_tensor(value) if value.ndim == 0 else value
+    if isinstance(value, torch.SymInt):  # a traced size's arithmetic (export, make_fx)
+        return True
     if isinstance(value, torch.Tensor):
         return value.dim() == 0 and not (value.is_floating_point() or value.is_complex()
                                          or value.dtype == torch.bool)
@@ -797,7 +800,10 @@ def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
         return compute()
     key = (*key, *(None if t is None else (id(t), t._version) for t in tensors))
     kept = mask.__dict__.setdefault("_memo", {})
-    value = kept.get(key)
+    try:
+        value = kept.get(key)
+    except TypeError:  # symbolic sizes in the key (a symbolic trace): computed, not kept
+        return compute()
     if value is None:
         if len(kept) >= MEMO_ENTRIES:
             tensors = kept.get("tensors")
@@ -1109,8 +1115,8 @@ class _Padding(Mask):
         if q_ok is None or kv_ok is None:
             rows = q_ok if kv_ok is None else kv_ok
             if rows is None:
-                return torch.ones(1, 1, len(q_idx), len(kv_idx), dtype=torch.bool, device=space.device)
-            shape = (rows.shape[0], 1, len(q_idx), len(kv_idx))
+                return torch.ones(1, 1, q_idx.shape[0], kv_idx.shape[0], dtype=torch.bool, device=space.device)
+            shape = (rows.shape[0], 1, q_idx.shape[0], kv_idx.shape[0])
             return (rows[:, None, :, None] if kv_ok is None else rows[:, None, None, :]).expand(shape)
         return (q_ok[:, :, None] & kv_ok[:, None, :])[:, None]  # [Bm, 1, tq, tk]
 
@@ -1898,7 +1904,7 @@ def _fit_tensor(t: torch.Tensor, q_idx, kv_idx, space) -> torch.Tensor:
         t = t.index_select(-2, q_idx)
     if t.shape[-1] != 1:
         t = t.index_select(-1, kv_idx)
-    return t.expand(*t.shape[:2], len(q_idx), len(kv_idx))
+    return t.expand(*t.shape[:2], q_idx.shape[0], kv_idx.shape[0])
 
 
 def _fit_problems(kind: str, t: torch.Tensor, space: MaskSpace) -> list[str]:
@@ -2012,7 +2018,7 @@ class _Function(Mask):
         if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
             raise TypeError(f"from_function({self.name}) must return a bool tensor, got "
                             f"{getattr(out, 'dtype', type(out).__name__)}")
-        target = (space.batch, space.heads, len(q_idx), len(kv_idx))
+        target = (space.batch, space.heads, q_idx.shape[0], kv_idx.shape[0])
         if out.dim() not in (0, 4) or any(s not in (1, t) for s, t in zip(out.shape, target)):
             raise ValueError(
                 f"from_function({self.name}) returned shape {tuple(out.shape)}; it must broadcast "
@@ -2020,7 +2026,7 @@ class _Function(Mask):
                 f"[B|1, H|1, tq, tk] = {list(target)}: combine q_idx and kv_idx (e.g. "
                 f"q_idx >= kv_idx), not one of them alone")
         out = _as_4d(out)
-        return out.expand(out.shape[0], out.shape[1], len(q_idx), len(kv_idx))
+        return out.expand(out.shape[0], out.shape[1], q_idx.shape[0], kv_idx.shape[0])
 
     def __repr__(self):
         return f"from_function({self.name})"

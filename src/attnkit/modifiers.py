@@ -82,7 +82,7 @@ class Modifier(Mask):
         return []
 
     def tile(self, q_idx, kv_idx, space):
-        return torch.ones(1, 1, len(q_idx), len(kv_idx), dtype=torch.bool, device=space.device)
+        return torch.ones(1, 1, q_idx.shape[0], kv_idx.shape[0], dtype=torch.bool, device=space.device)
 
     def block_map(self, block_q, block_k, space, *, q_offset=0, q_count=None, kv_offset=0,
                   kv_count=None):
@@ -704,7 +704,7 @@ class Modifiers:
         # fails where Tk = 0; an empty index still reaches the tensor in the graph)
         q_idx = torch.zeros(min(space.q_len, 1), dtype=torch.long, device=space.device)
         kv_idx = torch.zeros(min(space.kv_len, 1), dtype=torch.long, device=space.device)
-        scores = torch.zeros(space.batch, space.heads, len(q_idx), len(kv_idx), dtype=dtype,
+        scores = torch.zeros(space.batch, space.heads, q_idx.shape[0], kv_idx.shape[0], dtype=dtype,
                              device=space.device, requires_grad=True)
         out = self.apply(scores, q_idx, kv_idx, space)
         if out.grad_fn is None:

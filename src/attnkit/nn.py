@@ -34,7 +34,7 @@ from .backends.tiled.forward import KV_SPLIT, kernel_call
 from .backends.tiled.plan import INVARIANT_MAX_HEAD_DIM
 from .backends.torch_sdpa import sdpa_call
 from .finite import zero_outside
-from .inputs import LazyText
+from .inputs import LazyText, refuse_jit_trace
 from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, keys_below, padding,
                     readable, real_keys, sliding_window, vouched_padding)
 from .numerics import (accum_dtype, additive_mask, grouped, masked_softmax, pad_rows,
@@ -268,19 +268,22 @@ class KVCache:
             raise ValueError("KVCache lengths= needs keys and values (an empty cache has none: "
                              "KVCache.empty(), then append(..., lengths=...))")
         batch = keys.shape[0]
-        fix = (f"pass lengths as an integer tensor [B] = [{batch}] on the keys' device, each "
-               f"sequence's real positions (at most length={self.length})")
+
+        def fix() -> str:  # formatted only when raising: a traced length would be pinned
+            return (f"pass lengths as an integer tensor [B] = [{batch}] on the keys' device, "
+                    f"each sequence's real positions (at most length={self.length})")
         if not isinstance(lengths, torch.Tensor):
-            raise TypeError(f"KVCache lengths={lengths!r}: {fix}, e.g. torch.tensor(lengths)")
+            raise TypeError(f"KVCache lengths={lengths!r}: {fix()}, e.g. torch.tensor(lengths)")
         if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
-            raise TypeError(f"KVCache lengths has dtype {lengths.dtype}: {fix}")
+            raise TypeError(f"KVCache lengths has dtype {lengths.dtype}: {fix()}")
         if tuple(lengths.shape) != (batch,) or lengths.device != keys.device:
             raise ValueError(f"KVCache lengths has shape {tuple(lengths.shape)} on "
-                             f"{lengths.device}, keys {tuple(keys.shape)} on {keys.device}: {fix}")
+                             f"{lengths.device}, keys {tuple(keys.shape)} on {keys.device}: "
+                             f"{fix()}")
         if readable(lengths) and batch and not bool(((lengths >= 0) & (lengths <= self.length))
                                                     .all()):
             raise ValueError(f"KVCache lengths={lengths.tolist()} outside [0, {self.length}]: "
-                             f"{fix}")
+                             f"{fix()}")
         appended = self.appended
         if appended is None:
             return
@@ -894,6 +897,7 @@ class MultiHeadAttention(nn.Module):
                             "key_padding_mask (True = ignore): pass key_valid=~key_padding_mask")
         if unexpected:
             raise _unexpected(unexpected)
+        refuse_jit_trace("MultiHeadAttention")
         key = query if key is None else key
         value = key if value is None else value
         unbatched = self._check_inputs(query, key, value)

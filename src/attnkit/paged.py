@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import is_fake
 from . import dispatch, invariance
 from .api import AttentionResult, MaskLike, attention, autocast_call, autocast_device
 from .finite import looks_at_keys, query_and_output_flags
-from .inputs import FLOAT_DTYPES, checked_scale
+from .inputs import FLOAT_DTYPES, checked_scale, refuse_jit_trace
 from .masks import (Mask, an_int, as_mask, causal, integer_tensor, readable,
                     vouched_padding)
 from .modifiers import per_sequence, split
@@ -127,6 +127,7 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     """
     if not all(isinstance(t, torch.Tensor) for t in (q, key_pool, value_pool)):
         raise TypeError("paged_attention takes q, key_pool and value_pool as torch.Tensors")
+    refuse_jit_trace("paged_attention")
     if autocast_device(q) is not None:  # the inputs in its dtype, as attention() takes them
         return autocast_call(paged_attention, q, key_pool, value_pool, block_table, seqlens,
                              cu_seqlens_q=cu_seqlens_q, mask=mask, scale=scale,
