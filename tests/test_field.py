@@ -412,6 +412,22 @@ def test_torch_func_transforms_take_the_reference(gen):
         vmap(lambda a, b, c: ak.attention(a, b, c, mask, backend="tiled"))(q, k, v)
 
 
+@pytest.mark.parametrize("mask", [ak.causal(), ak.causal() & ak.softcap(50.0)],
+                         ids=["causal", "softcap"])
+def test_forward_mode_ad_takes_the_reference(mask, gen):
+    """Dual tensors (``torch.autograd.forward_ad``) go where ``torch.func.jvp`` goes: the
+    reference, whose tangent is the jvp's; an explicit backend without it refuses by name."""
+    import torch.autograd.forward_ad as fwAD
+    q, k, v, tangent = torch.randn(4, 1, 2, 5, 4, dtype=torch.float64, generator=gen).unbind(0)
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(ak.attention(fwAD.make_dual(q, tangent), k, v, mask)).tangent
+        with pytest.raises(ValueError, match="forward-mode AD"):
+            ak.attention(fwAD.make_dual(q, tangent), k, v, mask, backend="tiled")
+    _, want = torch.func.jvp(lambda a: ak.attention(a, k, v, mask, backend="reference"),
+                             (q,), (tangent,))
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("backend", ["reference", "tiled"])
 def test_double_backward(backend, gen):
     q, k, v = torch.randn(3, 1, 2, 8, 4, dtype=torch.float64, generator=gen).unbind(0)

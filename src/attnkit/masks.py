@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
-from torch._subclasses.fake_tensor import FakeTensor
 import torch
+import torch.autograd.forward_ad as forward_ad
+from torch._subclasses.fake_tensor import FakeTensor
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 """Block-map codes: skip the tile, apply the element mask, or use the tile unmasked."""
@@ -730,10 +731,14 @@ def readable(*tensors: Optional[torch.Tensor]) -> bool:
 
 
 def _is_wrapped(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``torch.func`` transform's wrapper (never inside a compiled region,
-    where dynamo cannot call the check and traces the transforms itself)."""
-    return (not torch.compiler.is_compiling()
-            and torch._C._functorch.is_functorch_wrapped_tensor(t))
+    """Whether ``t`` is a ``torch.func`` transform's wrapper or a forward-mode dual tensor
+    (``torch.autograd.forward_ad``): what only differentiable torch operations may carry.
+    Never inside a compiled region, where dynamo cannot call the check and traces the
+    transforms itself."""
+    if torch.compiler.is_compiling():
+        return False
+    return (torch._C._functorch.is_functorch_wrapped_tensor(t)
+            or (forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None))
 
 
 def shapes_only(t: torch.Tensor) -> bool:

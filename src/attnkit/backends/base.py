@@ -114,8 +114,9 @@ class Backend:
             reasons.append(f"a bias that requires grad (not supported by {name}: it takes the "
                            f"bias as a constant; tiled and reference give its gradient)")
         if inputs.transformed and not self.SUPPORTS_FUNC:
-            reasons.append(f"a torch.func transform, vmap/grad/jacrev (not supported by {name}: "
-                           f"its kernels take no functorch tensors; reference supports them)")
+            reasons.append(f"a torch.func transform (vmap/grad/jacrev) or forward-mode AD "
+                           f"(not supported by {name}: its kernels take no functorch or dual "
+                           f"tensors; reference supports them)")
         head_dim = max(inputs.q.shape[-1], inputs.v.shape[-1])
         if self.MAX_HEAD_DIM is not None and head_dim > self.MAX_HEAD_DIM:
             reasons.append(f"head dim {head_dim} > {self.MAX_HEAD_DIM} (not supported by {name})")
