@@ -419,11 +419,30 @@ def test_forward_mode_ad_takes_the_reference(mask, gen):
     reference, whose tangent is the jvp's; an explicit backend without it refuses by name."""
     import torch.autograd.forward_ad as fwAD
     q, k, v, tangent = torch.randn(4, 1, 2, 5, 4, dtype=torch.float64, generator=gen).unbind(0)
+    plan = ak.plan(q, k, v, mask)  # made on plain tensors, run on dual ones
     with fwAD.dual_level():
         got = fwAD.unpack_dual(ak.attention(fwAD.make_dual(q, tangent), k, v, mask)).tangent
+        planned = fwAD.unpack_dual(plan(fwAD.make_dual(q, tangent), k, v)).tangent
         with pytest.raises(ValueError, match="forward-mode AD"):
             ak.attention(fwAD.make_dual(q, tangent), k, v, mask, backend="tiled")
     _, want = torch.func.jvp(lambda a: ak.attention(a, k, v, mask, backend="reference"),
+                             (q,), (tangent,))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(planned, want)
+
+
+def test_forward_mode_ad_through_a_cache_decoding_step(gen):
+    """A dual query over a ``KVCache`` large enough for its own decoding kernel: the cache
+    leaves the step to ``attention``, which takes the reference."""
+    import torch.autograd.forward_ad as fwAD
+    keys, values = torch.randn(2, 1, 2, 600, 8, dtype=torch.float64, generator=gen).unbind(0)
+    cache = ak.nn.KVCache(keys=keys, values=values, length=600)
+    q, tangent = torch.randn(2, 1, 2, 1, 8, dtype=torch.float64, generator=gen).unbind(0)
+    with fwAD.dual_level():
+        got = cache.decode(fwAD.make_dual(q, tangent))
+        got = ak.attention(fwAD.make_dual(q, tangent), keys, values) if got is None else got
+        got = fwAD.unpack_dual(got).tangent
+    _, want = torch.func.jvp(lambda a: ak.attention(a, keys, values, backend="reference"),
                              (q,), (tangent,))
     torch.testing.assert_close(got, want)
 

@@ -364,6 +364,15 @@ def _error_cases(rank: int, world: int) -> dict:
     seconds["score_function"] = _expect_error(rank, world, score_function, ValueError,
                                               ["not score_function"])
     seconds["bad_layout"] = _expect_error(rank, world, bad_layout, ValueError, ["striped"])
+    # a double backward is refused by the backward itself, on every rank alike
+    q, k, v = (t.requires_grad_() for t in tensors(16))
+    out = ring_attention(q, k, v, ak.causal())
+    try:
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    except RuntimeError as error:
+        assert "no double backward" in str(error), error
+    else:
+        raise AssertionError(f"rank {rank}: a double backward through the ring ran")
     return seconds
 
 

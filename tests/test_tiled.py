@@ -272,6 +272,37 @@ def test_selective_checkpointing_that_saves_bmm_keeps_the_gradients(mask, dropou
         assert torch.equal(got, want), name
 
 
+def test_the_first_invariant_call_under_selective_checkpointing(gen):
+    """The fixed schedule's row quantum is measured by the first invariant call of a process:
+    inside a selective checkpoint that saves torch's kernel, the measurement's own kernel
+    calls must not be kept (the recompute would get them for its real ones)."""
+    import functools
+    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                        create_selective_checkpoint_contexts)
+    from attnkit.backends.tiled.plan import row_quantum
+
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    def save_kernel(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is kernel else CheckpointPolicy.PREFER_RECOMPUTE
+
+    q0, k0, v0 = _inputs(gen, torch.float32, batch=1, heads_q=2, heads_kv=2, tq=100, tk=100)
+
+    def grads(checkpointed: bool):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        fn = functools.partial(ak.attention, mask=ak.causal(), backend="tiled", invariant=True)
+        if checkpointed:
+            context = functools.partial(create_selective_checkpoint_contexts, save_kernel)
+            out = checkpoint(fn, q, k, v, use_reentrant=False, context_fn=context)
+        else:
+            out = fn(q, k, v)
+        return torch.autograd.grad(out.square().sum(), (q, k, v))
+
+    row_quantum.cache_clear()  # this process's first invariant call is the checkpointed one
+    for name, got, want in zip(("dq", "dk", "dv"), grads(True), grads(False)):
+        assert torch.equal(got, want), name
+
+
 @pytest.mark.parametrize("mask, expected", [
     (None, 1.0),
     (ak.causal(), 0.5),

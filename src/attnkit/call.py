@@ -20,7 +20,7 @@ import torch
 from . import dispatch
 from .backends.base import Backend, BackendOutput
 from .inputs import CallCache, Inputs, _bhtd, refuse_jit_trace, restore, validate
-from .masks import mask_tensors
+from .masks import mask_tensors, wrapped_eagerly
 
 
 class AttentionResult(NamedTuple):
@@ -132,7 +132,8 @@ class Plan:
         """The planned call on ``q, k, v``: what ``attention(q, k, v, mask, ...)`` with the
         plan's arguments returns."""
         refuse_jit_trace("an attnkit plan")
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or any(map(wrapped_eagerly, (q, k, v))):
+            # traced, or torch.func / forward-mode AD tensors: attention() chooses for them
             from .api import attention
             return attention(q, k, v, self.mask, scale=self.scale, backend=self.backend_name,
                              return_lse=self.return_lse, return_weights=self.return_weights,

@@ -177,9 +177,11 @@ def refuse_jit_trace(entry: str) -> None:
     from shapes and values (which tiles a mask keeps, which layout a check reads) as
     constants, so the traced graph would silently compute something else at other shapes."""
     if torch._C._get_tracing_state() is not None:
-        raise RuntimeError(f"{entry} cannot be recorded by torch.jit.trace: the trace would fix "
-                           f"the mask's tiles and layouts to the traced shapes and be wrong at "
-                           f"others. Capture it with torch.compile or torch.export.export")
+        raise RuntimeError(f"{entry} cannot be recorded by torch.jit.trace (which "
+                           f"torch.onnx.export(dynamo=False) also runs): the trace would fix the "
+                           f"mask's tiles and layouts to the traced shapes and be wrong at "
+                           f"others. Capture it with torch.compile or torch.export.export "
+                           f"(torch.onnx.export(dynamo=True) exports from it)")
 
 
 def unexpected_keywords(function: Callable, keywords: dict) -> TypeError:

@@ -542,7 +542,12 @@ def an_int(value) -> bool:
     ``torch.compile`` a numpy integer is traced as a 0-d ``np.ndarray``, so arrays are read
     through their tensor dtype."""
     if isinstance(value, np.ndarray):
-        value = torch.as_tensor(value) if value.ndim == 0 else value
+        if value.ndim != 0:
+            return False
+        try:
+            value = torch.as_tensor(value)
+        except (TypeError, RuntimeError):  # strings, objects
+            return False
     if isinstance(value, torch.SymInt):  # a traced size's arithmetic (export, make_fx)
         return True
     if isinstance(value, torch.Tensor):
@@ -735,8 +740,11 @@ def _is_wrapped(t: torch.Tensor) -> bool:
     (``torch.autograd.forward_ad``): what only differentiable torch operations may carry.
     Never inside a compiled region, where dynamo cannot call the check and traces the
     transforms itself."""
-    if torch.compiler.is_compiling():
-        return False
+    return not torch.compiler.is_compiling() and wrapped_eagerly(t)
+
+
+def wrapped_eagerly(t: torch.Tensor) -> bool:
+    """:func:`_is_wrapped` for a caller that knows it runs outside a compiled region."""
     return (torch._C._functorch.is_functorch_wrapped_tensor(t)
             or (forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None))
 

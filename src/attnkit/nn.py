@@ -36,7 +36,7 @@ from .backends.torch_sdpa import sdpa_call
 from .finite import zero_outside
 from .inputs import LazyText, refuse_jit_trace
 from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, keys_below, padding,
-                    readable, real_keys, sliding_window, vouched_padding)
+                    readable, real_keys, sliding_window, vouched_padding, wrapped_eagerly)
 from .numerics import (accum_dtype, additive_mask, grouped, masked_softmax, pad_rows,
                        ungrouped)
 from .modifiers import split
@@ -424,7 +424,8 @@ class KVCache:
         splits, read in place: it needs a store allocated in whole splits
         (``MultiHeadAttention`` appends so under the contract). ``None`` where that is not
         the call ``attention`` would make (another backend asked or forced, not CPU
-        float32/float64, gradients, autocast, a traced or shape-only call, a step whose keys
+        float32/float64, gradients, autocast, a traced or shape-only call, ``torch.func``
+        or forward-mode AD tensors, a step whose keys
         ``attention`` looks at, a mask too large for a dense key mask, not one real query
         per sequence; under the contract also a window, head dims that differ or exceed
         :data:`~attnkit.backends.tiled.plan.INVARIANT_MAX_HEAD_DIM`, or a store without
@@ -434,7 +435,7 @@ class KVCache:
         # compiled region is a plain tensor's, hence the compiling check.
         if (keys is None or type(q) is not torch.Tensor or not q.is_cpu or q.dim() != 4
                 or type(keys) is not torch.Tensor or type(values) is not torch.Tensor
-                or torch.compiler.is_compiling()):
+                or torch.compiler.is_compiling() or any(map(wrapped_eagerly, (q, keys, values)))):
             return None
         batch, heads, q_len, head_dim = q.shape
         _, kv_heads, kv_len, key_dim = keys.shape

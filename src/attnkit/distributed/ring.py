@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..call import AttentionResult
+from ..backends.base import batched_gradient
 from ..backends.tiled import BLOCK_K, Problem, make_plan, tiled_backward, tiled_forward, uses_fused_kernel
 from ..backends.triton import TritonBackend, backward_step, forward_step, score_mods
 from ..backends.triton import launch
@@ -425,6 +426,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
+        if torch.is_grad_enabled() or batched_gradient(grad_out, grad_lse):
+            # every rank runs the same backward, so every rank raises (no rank left waiting)
+            raise RuntimeError("ring_attention has no double backward (create_graph=True) and "
+                               "no batched backward (is_grads_batched=True, jacobian with "
+                               "vectorize=True): differentiate it once, without vmap")
         q, k, v, out, lse, *params = ctx.saved_tensors
         ring = ctx.ring
         _check_everyone_backpropagates(ring, q.device)

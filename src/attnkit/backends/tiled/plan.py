@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ...masks import (EMPTY, FULL, PARTIAL, KeyRanges, Mask, MaskCache, MaskSpace, key_ranges,
                       packs_documents, run_bounds)
@@ -77,7 +78,16 @@ def row_quantum(head_dim: int, dtype: torch.dtype = torch.float32,
     matmuls of a tile, the first rows the bits they get among 256. How few rows take
     BLAS's other path depends on the CPU and grows with the head dim (on AVX-512 Xeons: 1
     or 2 rows at head dim 64, 5 at 128, 10 at 256). The multiples divide 32, so torch's
-    kernel's own splits of a call's rows (32 and more) keep whole multiples too."""
+    kernel's own splits of a call's rows (32 and more) keep whole multiples too.
+
+    Measured with the caller's dispatch modes set aside: the first call may come from inside
+    one (selective activation checkpointing would keep the probes' results and hand them to
+    the recompute's real products; a fake-tensor mode would measure nothing)."""
+    with _disable_current_modes():
+        return _measure_row_quantum(head_dim, dtype, device)
+
+
+def _measure_row_quantum(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
     gen = torch.Generator().manual_seed(0)
     rows = 256
 
