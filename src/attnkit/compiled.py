@@ -31,6 +31,7 @@ import operator
 from typing import Optional, Sequence
 
 import torch
+from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from .masks import CAUSAL, MASK_TYPES, Mask, MaskSpace, dense, mask_fields
 from .modifiers import Sinks
@@ -232,6 +233,29 @@ def _backward(ctx, dout, dlse, dweights):
 torch.library.register_autograd("attnkit::attention", _backward, setup_context=_setup_context)
 
 
+def _bhtd_shape(shape) -> tuple:
+    """An input's shape as ``(B, H, T, D)``: leading dims merged into B, ``[B, T, D]`` one
+    head, ``[T, D]`` one sequence."""
+    if len(shape) >= 4:
+        return (math.prod(shape[:-3]), *shape[-3:])
+    return (shape[0], 1, *shape[1:]) if len(shape) == 3 else (1, 1, *shape)
+
+
+@register_flop_formula(torch.ops.attnkit.attention)
+def _forward_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    """What ``FlopCounterMode`` counts for the operator: torch's SDPA formula (every score
+    of the dense ``Tq × Tk``, as it counts a causal call; the tiles a mask skips are not
+    subtracted)."""
+    return sdpa_flop_count(*map(_bhtd_shape, (q_shape, k_shape, v_shape)))
+
+
+@register_flop_formula(torch.ops.attnkit.attention_backward)
+def _backward_flops(dout_shape, dlse_shape, dweights_shape, q_shape, k_shape, v_shape, *args,
+                    out_shape=None, **kwargs) -> int:
+    """The backward operator's count, torch's SDPA backward formula (see :func:`_forward_flops`)."""
+    return sdpa_backward_flop_count(*map(_bhtd_shape, (dout_shape, q_shape, k_shape, v_shape)))
+
+
 def traced(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, return_lse,
            return_weights, invariant: bool = False) -> bool:
     """Whether :func:`attnkit.attention` inside a compiled region traces its eager code (shapes
@@ -274,7 +298,7 @@ def attention(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, retur
     spec, tensors, numbers = flatten(mask, space)
     trainable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))
     # on the host as data: a changed window or cap is a new value, not a new spec
-    numbers = torch.tensor(numbers, dtype=torch.float64)
+    numbers = torch.tensor(numbers, dtype=torch.float64, device="cpu")
     out, lse, weights = _forward_op(q, k, v, tensors, numbers, spec, scale, backend,
                                     bool(return_weights), bool(return_lse or sinks is not None),
                                     trainable, invariant)

@@ -239,8 +239,9 @@ def query_and_output_flags(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     if out_rows is not None and q_rows is not None:  # one product adds to the other
         flags = torch.addmm(q_rows @ _zeros(q), out_rows, _zeros(out))  # [N, 1]
         return flags.view(*out.shape[:-1], 1)
-    flag = row_flags(out)
-    return flag.add_(row_flags(q))
+    # out of place: a mode around the call may hold the product (a selective checkpoint
+    # that saves aten.mm)
+    return row_flags(out) + row_flags(q)
 
 
 def _logical_rows(x: torch.Tensor) -> Optional[torch.Tensor]:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .masks import (DENSE_MAX_SCORES, Band, Mask, MaskSpace, _is_wrapped, as_mask,
-                    every_row_has_key, validation_key)
+                    every_row_has_key, keeping, validation_key)
 from .modifiers import Modifiers, split
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -384,7 +384,8 @@ class CallCache:
         """``(inputs, choice)`` for this call: from the cache, or ``validate_and_choose()``
         (which returns them) remembered under the call's signature. ``options``: the call's
         other arguments, hashable."""
-        key, keep, by_shape = self._signature(q, k, v, mask, options)
+        key, keep, by_shape = (self._signature(q, k, v, mask, options) if keeping()
+                               else (None, [], False))
         try:
             hit = None if key is None else self._calls.get(key)
         except TypeError:  # an unhashable argument: validation will say what is wrong with it

@@ -36,7 +36,9 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 import torch
 import torch.autograd.forward_ad as forward_ad
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 """Block-map codes: skip the tile, apply the element mask, or use the tile unmasked."""
@@ -545,7 +547,7 @@ def an_int(value) -> bool:
         if value.ndim != 0:
             return False
         try:
-            value = torch.as_tensor(value)
+            value = torch.as_tensor(value, device="cpu")
         except (TypeError, RuntimeError):  # strings, objects
             return False
     if isinstance(value, torch.SymInt):  # a traced size's arithmetic (export, make_fx)
@@ -561,7 +563,7 @@ def integer_tensor(value) -> torch.Tensor:
     caller to refuse unless integer: a list holding a float becomes a float tensor, never
     truncated; an empty list (no dtype of its own) becomes long, for the caller's shape
     check. Raises what ``torch.as_tensor`` raises for anything else."""
-    t = torch.as_tensor(value)
+    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value, device="cpu")
     if t.numel() == 0 and not isinstance(value, torch.Tensor):
         t = t.to(torch.long)
     return t
@@ -647,7 +649,7 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
     dense_fix = ("ak.dense(mask[:, None, None, :])" if side == "kv"
                  else "ak.dense(mask[:, None, :, None])")
     try:
-        m = torch.as_tensor(value)
+        m = value if isinstance(value, torch.Tensor) else torch.as_tensor(value, device="cpu")
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"padding {name}={value!r}: pass a bool or 0/1 integer tensor of shape "
                         f"[B, T] (True = real token)") from None
@@ -725,12 +727,13 @@ def _empty_rows_message(name: str, rows: list, shape: Optional[tuple], inverse_f
 
 def readable(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether the values of ``tensors`` can be read on the host: not inside a compiled region
-    (no value exists while tracing), not on ``meta``, not fake (``FakeTensorMode``: shape
-    propagation, memory estimates), not batched by a ``torch.func`` transform (``vmap`` over
-    per-example lengths). Value checks are skipped where they cannot be made; the call then
-    propagates shapes only (:func:`attnkit.dispatch.select`), or evaluates the mask as
-    tensors (under ``vmap``)."""
-    if torch.compiler.is_compiling():
+    (no value exists while tracing), not on ``meta``, not fake or under an active
+    ``FakeTensorMode`` (shape propagation, memory estimates; real tensors there make fake
+    results), not batched by a ``torch.func`` transform (``vmap`` over per-example lengths).
+    Value checks are skipped where they cannot be made; the call then propagates shapes only
+    (:func:`attnkit.dispatch.select`), or evaluates the mask as tensors (under ``vmap``)."""
+    if (torch.compiler.is_compiling()
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None):
         return False
     return not any(t is not None and (shapes_only(t) or _is_wrapped(t)) for t in tensors)
 
@@ -800,15 +803,30 @@ MEMO_ENTRIES = 8
 """Values :func:`memo` keeps per mask (one per extent a mask is used at, at most)."""
 
 
+def keeping() -> bool:
+    """Whether values derived from masks and calls may be kept and reused (the call cache,
+    :func:`memo`, :class:`MaskCache`): not under ``FakeTensorMode`` (nothing made of fake
+    tensors is kept for real calls) nor under a selective activation checkpoint's modes
+    (each call then runs the same operations: the recompute meets the forward's, and the
+    operations the policy saves are matched by their order). Other dispatch modes (operation
+    counters, profilers) see what the call runs, kept values included."""
+    return torch._C._len_torch_dispatch_stack() == 0 or not any(
+        isinstance(mode, _RECOMPUTING_MODES) for mode in _get_current_dispatch_mode_stack())
+
+
+_RECOMPUTING_MODES = (FakeTensorMode, _CachingTorchDispatchMode, _CachedTorchDispatchMode)
+"""The dispatch modes under which :func:`keeping` is False."""
+
+
 def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
     """``compute()``, kept on ``mask`` under ``key`` and the version counters of ``tensors``
     (the mask's own, :func:`mask_tensors`; ``None`` entries allowed), so each layer of a step
     evaluating one mask pays once, and an in-place write to a tensor recomputes. Not kept
-    where ``tensors`` is ``None`` (a mask that runs user code), inside a compiled region, for
-    inference tensors (no version counter) or tensor subclasses (fake tensors): computed. A
+    where ``tensors`` is ``None`` (a mask that runs user code), inside a compiled region or a
+    dispatch mode (:func:`keeping`), for inference tensors (no version counter) or tensor subclasses (fake tensors): computed. A
     value kept is computed outside inference mode, so a mask first used in an inference-mode
     pass still serves calls that autograd records."""
-    if tensors is None or torch.compiler.is_compiling() or any(
+    if tensors is None or torch.compiler.is_compiling() or not keeping() or any(
             t is not None and (type(t) is not torch.Tensor or t.is_inference()) for t in tensors):
         return compute()
     key = (*key, *(None if t is None else (id(t), t._version) for t in tensors))
@@ -1523,7 +1541,7 @@ def _document_ids(name: str, value) -> torch.Tensor:
                             f"i, name in enumerate(dict.fromkeys(names))}}; ids = [index[name] for "
                             f"name in names]")
         try:
-            ids = torch.as_tensor(value)
+            ids = torch.as_tensor(value, device="cpu")
         except (TypeError, RuntimeError):
             raise TypeError(f"documents {name}: cannot read {type(value).__name__} as document ids; "
                             f"pass integer ids, one per position (a list of ints or an integer "
@@ -2304,7 +2322,8 @@ def _tensors_key(mask: Mask, names: tuple[str, ...], keep: list) -> Optional[tup
 class MaskCache:
     """A small LRU of values derived from a mask and shapes (block lists, tile plans), so a
     training loop that reuses one mask pays for its block map once, as FlexAttention's
-    ``create_block_mask`` is paid once. Masks that cannot be keyed are never cached."""
+    ``create_block_mask`` is paid once. Masks that cannot be keyed are never cached, nor
+    anything under a dispatch mode (:func:`keeping`)."""
 
     def __init__(self, size: int):
         self.size = size
@@ -2314,7 +2333,7 @@ class MaskCache:
     def get(self, mask: Optional[Mask], extra: tuple, build: Callable[[], object]):
         """The cached value for ``(mask, extra)``, or ``build()`` (stored when cacheable)."""
         keep: list = []
-        key = cache_key(mask, keep)
+        key = cache_key(mask, keep) if keeping() else None
         if key is None:
             return build()
         key = (key, extra)

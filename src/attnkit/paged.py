@@ -15,6 +15,7 @@ prompt) costs no pool memory; each sequence's gathered keys are its own.
 from __future__ import annotations
 
 import math
+import itertools
 from itertools import chain
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -169,7 +170,7 @@ def _packed_queries(q, key_pool, value_pool, block_table, seqlens, cu_seqlens_q,
                               torch.zeros(len(lengths), dtype=torch.long, device=q.device),
                               lengths, key_pool.shape[1])  # [total_k]
     keys, values = (pool.reshape(-1, *pool.shape[2:])[slots] for pool in (key_pool, value_pool))
-    cu_k = [0, *torch.tensor(lengths).cumsum(0).tolist()] if lengths else [0]
+    cu_k = [0, *itertools.accumulate(lengths)] if lengths else [0]
     return varlen_attention(q, keys, values, cu_seqlens_q, cu_k, mask=mask, scale=scale,
                             backend=backend, return_lse=return_lse)
 

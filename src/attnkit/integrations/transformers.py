@@ -100,7 +100,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit as ak
-from attnkit.masks import UNBOUNDED, Mask, as_mask, real_keys
+from attnkit.masks import UNBOUNDED, Mask, as_mask, keeping, readable, real_keys
 
 try:
     import transformers
@@ -220,9 +220,10 @@ class TransformersMask:
         (:func:`attnkit.plan`) kept on this mask: the mask function makes one mask per forward
         pass, so the first layer of each signature plans the call (validation, the backend's
         choice, what is derived from the mask's values) and the others only run it. Without a
-        mask (the call cache serves every step alike), under ``torch.autocast`` or inside a
-        compiled region, the call itself."""
-        if (self.mask is None or torch.compiler.is_compiling()
+        mask (the call cache serves every step alike), under ``torch.autocast``, inside a
+        compiled region or under a dispatch mode (:func:`~attnkit.masks.keeping`), the call
+        itself."""
+        if (self.mask is None or torch.compiler.is_compiling() or not keeping()
                 or torch.is_autocast_enabled(query.device.type)):
             return ak.attention(query, key, value, self.mask, scale=scale)
         signature = (scale, ak.Plan.signature_of(query, key, value))
@@ -397,8 +398,9 @@ def _structured(q_len: int, kv_len: int, q_offset: int, kv_offset: int, mask_fun
         raise _NotStructured
     parts = [_band(pattern.lo, pattern.hi, q_offset - kv_offset, q_len, kv_len)]
     packed = [g for g in pattern.groups if g[0] == "packed"]
-    if pattern.positions is not None and not any(_consecutive(pattern.positions, ids)
-                                                 for _, ids in packed):
+    if pattern.positions is not None and (
+            not (torch.compiler.is_compiling() or readable(pattern.positions))  # fake, meta
+            or not any(_consecutive(pattern.positions, ids) for _, ids in packed)):
         raise _NotStructured
     for group in pattern.groups:
         parts.append(_group(group, q_len, kv_len, q_offset, kv_offset))

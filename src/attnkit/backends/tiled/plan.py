@@ -431,7 +431,7 @@ def _read_blocks(union: torch.Tensor, ranges: Optional[KeyRanges], q_offset: int
         return union.tolist(), None, None
     nq, nk = union.shape
     lo, hi = (t[:, q_offset:q_offset + q_count] for t in ranges[:2])
-    exact = torch.ones(()) if ranges.exact is None else ranges.exact
+    exact = torch.ones((), device=union.device) if ranges.exact is None else ranges.exact
     table = torch.cat([union, _square_summaries(lo, hi, block_q),
                        exact.to(union).expand(nq, 1)], 1)  # [nq, nk + 9]
     parts = [table.flatten()]
