@@ -963,3 +963,78 @@ def test_a_paged_cache_propagates_shapes_on_meta():
     assert out.shape == (2, 5, 32)
     out, _, _ = mha(torch.empty(2, 1, 32, device="meta"), cache=cache, is_causal=True)
     assert out.shape == (2, 1, 32)
+
+
+_FSDP_MIXED_PRECISION = """
+import os, torch, torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import attnkit as ak
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+torch.manual_seed(0)
+plain = ak.nn.MultiHeadAttention(16, 4)
+sharded = ak.nn.MultiHeadAttention(16, 4)
+sharded.load_state_dict(plain.state_dict())
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+    fully_shard(getattr(sharded, name), mp_policy=policy)
+fully_shard(sharded, mp_policy=policy)
+x = torch.randn(2, 6, 16)
+out = sharded(x, is_causal=True).out
+want = plain.to(torch.bfloat16)(x.to(torch.bfloat16), is_causal=True).out
+assert out.dtype == torch.bfloat16 and torch.equal(out, want), (out - want).abs().max()
+out.float().sum().backward()
+from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+mesh = init_device_mesh("cpu", (1,))
+q = DTensor.from_local(torch.randn(1, 2, 4, 8), mesh, [Shard(1)])
+try:
+    ak.attention(q, q, q)
+except TypeError as error:
+    assert "DTensor" in str(error) and "to_local()" in str(error), error
+else:
+    raise AssertionError("a DTensor was taken")
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_fsdp_mixed_precision_with_projections_sharded_one_by_one():
+    """FSDP2 with a bf16 ``param_dtype`` and each projection its own unit: the module's
+    parameters are still sharded fp32 ``DTensor``s when its forward begins (each unit casts
+    its weights and input when it runs), so they are not read as the module's dtype. And
+    ``attention`` refuses DTensors by name, with the local-tensor route."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run([sys.executable, "-c", _FSDP_MIXED_PRECISION], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PORT": str(port)})
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+def test_projections_sharded_by_heads_give_their_heads(gen):
+    """A tensor-parallel rank's projections give a share of the heads (column-sharded q, k, v
+    and row-sharded out): the module splits what they give into heads of ``head_dim``."""
+    torch.manual_seed(0)
+    full = MultiHeadAttention(16, 4, num_kv_heads=2)
+    part = MultiHeadAttention(16, 4, num_kv_heads=2)
+    part.load_state_dict(full.state_dict())
+    # the first half of the heads: query heads 0-1 read key/value head 0
+    part.q_proj, part.k_proj, part.v_proj = (_rows_of(p, n) for p, n in (
+        (full.q_proj, 8), (full.k_proj, 4), (full.v_proj, 4)))
+    part.out_proj = torch.nn.Linear(8, 16, bias=False)
+    part.out_proj.weight.data = full.out_proj.weight.data[:, :8].clone()
+    x = torch.randn(2, 5, 16, generator=gen)
+    q = full.q_proj(x).unflatten(-1, (4, 4)).transpose(1, 2)[:, :2]
+    k, v = (p(x).unflatten(-1, (2, 4)).transpose(1, 2)[:, :1] for p in (full.k_proj, full.v_proj))
+    heads = ak.attention(q, k, v, ak.causal()).transpose(1, 2).flatten(-2)
+    torch.testing.assert_close(part(x, is_causal=True).out, part.out_proj(heads))
+
+
+def _rows_of(layer: torch.nn.Linear, rows: int) -> torch.nn.Linear:
+    part = torch.nn.Linear(layer.in_features, rows)
+    part.weight.data, part.bias.data = layer.weight.data[:rows].clone(), layer.bias.data[:rows].clone()
+    return part

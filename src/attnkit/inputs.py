@@ -216,6 +216,12 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
                             f"`mask=ak.documents(ids)` (ids [T]: the sequence of each position), "
                             f"or pad them to one length and pass `mask=ak.padding(kv_lengths="
                             f"lengths)` (q_lengths= too for padded queries)")
+        if type(t).__name__ == "DTensor":  # torch.distributed.tensor, without importing it
+            raise TypeError(f"{name} is a DTensor ({t.placements}): attention takes each "
+                            f"rank's local tensors. For heads sharded over ranks, attend on "
+                            f"q.to_local(), k.to_local(), v.to_local() and wrap the result with "
+                            f"DTensor.from_local(out, q.device_mesh, q.placements); for a "
+                            f"sharded sequence, see attnkit.distributed")
     where = LazyText(lambda: _describe(**tensors))  # built only when a message needs it
     for name, t in tensors.items():
         if t.dtype not in FLOAT_DTYPES:

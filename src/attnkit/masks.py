@@ -747,9 +747,11 @@ def _is_wrapped(t: torch.Tensor) -> bool:
 
 
 def wrapped_eagerly(t: torch.Tensor) -> bool:
-    """:func:`_is_wrapped` for a caller that knows it runs outside a compiled region."""
-    return (torch._C._functorch.is_functorch_wrapped_tensor(t)
-            or (forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None))
+    """:func:`_is_wrapped` for a caller that knows it runs outside a compiled region (False
+    for what is not a tensor: the caller's checks name it)."""
+    return isinstance(t, torch.Tensor) and (
+        torch._C._functorch.is_functorch_wrapped_tensor(t)
+        or (forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None))
 
 
 def shapes_only(t: torch.Tensor) -> bool:

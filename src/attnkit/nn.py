@@ -659,10 +659,13 @@ ROWWISE_ROWS = 16
 
 def _check_dtypes(module: nn.Module, inputs) -> None:
     """Raise unless every ``(name, tensor)`` of ``inputs`` has the dtype of ``module``'s
-    parameters (outside ``torch.autocast``, which casts both for each product)."""
+    parameters (outside ``torch.autocast``, which casts both for each product). Parameters
+    of another type than a plain tensor's (FSDP's sharded ``DTensor`` or flat parameters,
+    which its mixed precision casts, with the inputs, when the layer runs) are not read."""
     weight = next(module.parameters(), None)
-    if weight is None or (weight.device.type in ("cpu", "cuda")
-                          and torch.is_autocast_enabled(weight.device.type)):
+    if weight is None or type(weight) not in (nn.Parameter, torch.Tensor) or (
+            weight.device.type in ("cpu", "cuda")
+            and torch.is_autocast_enabled(weight.device.type)):
         return
     for name, t in inputs:
         if t.dtype != weight.dtype:
@@ -920,11 +923,11 @@ class MultiHeadAttention(nn.Module):
         q, k, v = (_projected(self.q_proj, query, invariant),
                    _projected(self.k_proj, key, invariant),
                    _projected(self.v_proj, value, invariant))
-        heads = (self.num_heads, self.head_dim)
-        kv_heads = (self.num_kv_heads, self.head_dim)
-        q = q.unflatten(-1, heads).transpose(1, 2)  # [B, H, Tq, D]
-        k = k.unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
-        v = v.unflatten(-1, kv_heads).transpose(1, 2)  # [B, Hkv, Tk, D]
+        # heads of head_dim: as many as the projections give (num_heads, num_kv_heads; a
+        # tensor-parallel rank's share where the projections are sharded by columns)
+        q = q.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # [B, H, Tq, D]
+        k = k.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # [B, Hkv, Tk, D]
+        v = v.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # [B, Hkv, Tk, D]
 
         new_cache, paged_step = None, False
         if parallel is not None:

@@ -78,7 +78,8 @@ The targets are shifted on the whole row before sharding (``targets[t] = input_i
 ``labels=`` shifts within each shard; so the loss is computed from the logits: each rank's
 summed token loss, divided by the global count of targets that are not ``-100``. Its
 all-reduced sum is the single-process mean loss, and the parameter gradients summed over the
-ranks (``dist.all_reduce``, as DDP does) are the single-process ones.
+ranks (``dist.all_reduce``) are the single-process ones (DDP and FSDP average gradients
+instead: multiply each rank's loss by P there).
 
 The mask is that of the whole sequence: by default causal (for causal layers) and, for a
 batch of one whose global ``position_ids`` restart, the packed documents they delimit (the
