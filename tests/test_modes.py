@@ -14,13 +14,16 @@ import functools
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
 
 import attnkit as ak
 
+# torch.utils.checkpoint and torch.utils.flop_counter import triton: imported in the tests, so
+# that collecting this module leaves triton to be imported in interpreter mode (conftest).
+
 
 def _saving(*ops):
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
     return functools.partial(create_selective_checkpoint_contexts, policy)
@@ -39,6 +42,7 @@ def test_selective_checkpointing_keeps_the_gradients(saved, backend, gen):
     """Policies that save matrix products (``aten.mm``) or maxima (``aten.max``, as training
     frameworks do) around attention: the gradients equal those without checkpointing, also on
     a mask's first call (its validation runs operations a later call does not)."""
+    from torch.utils.checkpoint import checkpoint
     ops = {"mm": (torch.ops.aten.mm.default, torch.ops.aten.addmm.default),
            "max": (torch.ops.aten.max.default,)}[saved]
     torch.manual_seed(0)

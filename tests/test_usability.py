@@ -130,3 +130,17 @@ def test_tiled_backward_inside_autocast_equals_outside(gen):
             out.float().sum().backward()
         grads.append(leaf.grad)
     torch.testing.assert_close(grads[0], grads[1], atol=0, rtol=0)
+
+
+def test_importing_attnkit_leaves_triton_unimported():
+    """``TRITON_INTERPRET`` is read when triton is first imported: importing attnkit (and its
+    submodules) must leave that to the first triton call, or the user's opt-in set after
+    ``import attnkit`` would be ignored."""
+    import subprocess
+    import sys
+    code = ("import sys, attnkit, attnkit.nn, attnkit.distributed, attnkit.compiled; "
+            "print('triton' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "False"

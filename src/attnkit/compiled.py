@@ -28,10 +28,10 @@ import ast
 import functools
 import math
 import operator
+import sys
 from typing import Optional, Sequence
 
 import torch
-from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from .masks import CAUSAL, MASK_TYPES, Mask, MaskSpace, dense, mask_fields
 from .modifiers import Sinks
@@ -134,6 +134,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .call import run as eager
 
+    register_flop_formulas()  # an exported program run in a new process
     mask = unflatten(spec, tensors, numbers.tolist())
     if trainable:
         backend = _engine(q, k, v, mask, scale, backend, need_weights, invariant)[1].NAME
@@ -146,6 +147,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list
 @_forward_op.register_fake
 def _(q, k, v, tensors, numbers, spec, scale, backend, need_weights, need_lse, trainable,
       invariant):
+    register_flop_formulas()  # traced (compile, export)
     rows = q.shape[:-1]
     weights = q.new_empty((*rows, k.shape[-2])) if need_weights else q.new_empty(0)
     return (q.new_empty((*rows, v.shape[-1])), q.new_empty(rows, dtype=_lse_dtype(q)), weights)
@@ -241,19 +243,41 @@ def _bhtd_shape(shape) -> tuple:
     return (shape[0], 1, *shape[1:]) if len(shape) == 3 else (1, 1, *shape)
 
 
-@register_flop_formula(torch.ops.attnkit.attention)
 def _forward_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
     """What ``FlopCounterMode`` counts for the operator: torch's SDPA formula (every score
     of the dense ``Tq × Tk``, as it counts a causal call; the tiles a mask skips are not
     subtracted)."""
+    from torch.utils.flop_counter import sdpa_flop_count
     return sdpa_flop_count(*map(_bhtd_shape, (q_shape, k_shape, v_shape)))
 
 
-@register_flop_formula(torch.ops.attnkit.attention_backward)
 def _backward_flops(dout_shape, dlse_shape, dweights_shape, q_shape, k_shape, v_shape, *args,
                     out_shape=None, **kwargs) -> int:
     """The backward operator's count, torch's SDPA backward formula (see :func:`_forward_flops`)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count
     return sdpa_backward_flop_count(*map(_bhtd_shape, (dout_shape, q_shape, k_shape, v_shape)))
+
+
+_FLOPS_REGISTERED = False
+
+
+def register_flop_formulas() -> None:
+    """Give ``FlopCounterMode`` the operators' counts (:func:`_forward_flops`), once.
+    ``torch.utils.flop_counter`` imports triton, which must not be imported with attnkit (its
+    interpreter is chosen by ``TRITON_INTERPRET`` at triton's first import): this runs at
+    import only where that module is loaded already, else where the operator is first traced
+    or run."""
+    global _FLOPS_REGISTERED
+    if _FLOPS_REGISTERED:
+        return
+    from torch.utils.flop_counter import register_flop_formula
+    register_flop_formula(torch.ops.attnkit.attention)(_forward_flops)
+    register_flop_formula(torch.ops.attnkit.attention_backward)(_backward_flops)
+    _FLOPS_REGISTERED = True
+
+
+if "torch.utils.flop_counter" in sys.modules:
+    register_flop_formulas()
 
 
 def traced(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, return_lse,

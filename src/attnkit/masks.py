@@ -27,6 +27,7 @@ import hashlib
 import inspect
 import math
 import numbers
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -38,7 +39,6 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 """Block-map codes: skip the tile, apply the element mask, or use the tile unmasked."""
@@ -812,12 +812,13 @@ def keeping() -> bool:
     (each call then runs the same operations: the recompute meets the forward's, and the
     operations the policy saves are matched by their order). Other dispatch modes (operation
     counters, profilers) see what the call runs, kept values included."""
-    return torch._C._len_torch_dispatch_stack() == 0 or not any(
-        isinstance(mode, _RECOMPUTING_MODES) for mode in _get_current_dispatch_mode_stack())
-
-
-_RECOMPUTING_MODES = (FakeTensorMode, _CachingTorchDispatchMode, _CachedTorchDispatchMode)
-"""The dispatch modes under which :func:`keeping` is False."""
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return True
+    recomputing: tuple = (FakeTensorMode,)
+    checkpoint = sys.modules.get("torch.utils.checkpoint")  # imported by whoever checkpoints
+    if checkpoint is not None:  # (importing it here would import triton)
+        recomputing += (checkpoint._CachingTorchDispatchMode, checkpoint._CachedTorchDispatchMode)
+    return not any(isinstance(mode, recomputing) for mode in _get_current_dispatch_mode_stack())
 
 
 def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
