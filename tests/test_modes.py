@@ -143,3 +143,43 @@ def test_a_transformers_model_propagates_shapes_under_fake_tensors():
         logits = model(input_ids=ids, use_cache=False).logits
         logits.sum().backward()
     assert logits.shape == (2, 10, 50)
+
+
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+@pytest.mark.parametrize("make_mask", [
+    lambda: ak.documents(torch.tensor([0] * 6 + [1] * 10), causal="top_left"),
+    lambda: ak.causal(),
+], ids=["causal_documents", "causal"])
+def test_selective_checkpointing_that_saves_where(make_mask, backend, gen):
+    """A policy saving ``aten.where`` around a mask's first use (a new mask per batch) and a
+    process's first staircase tile: what attnkit keeps between calls (document runs, tile
+    masks) is made afresh under the checkpoint, so the recompute runs the forward's ops."""
+    from torch.utils.checkpoint import checkpoint
+    from attnkit.backends.tiled import tiles
+    tiles._staircase_additive.cache_clear()
+    q, k, v = torch.randn(3, 1, 4, 16, 8, generator=gen).unbind(0)
+    k, v = k[:, :2], v[:, :2]  # GQA: the staircase tiles stack two query heads
+
+    def fn(q, mask):
+        out = ak.attention(q, k, v, mask, backend=backend)
+        return torch.where(out > 0, out, 0.5 * out)
+
+    leaf = q.clone().requires_grad_()
+    out = checkpoint(fn, leaf, make_mask(), use_reentrant=False,
+                     context_fn=_saving(torch.ops.aten.where.self))
+    (got,) = torch.autograd.grad(out.sum(), leaf)
+    leaf = q.clone().requires_grad_()
+    (want,) = torch.autograd.grad(fn(leaf, make_mask()).sum(), leaf)
+    assert torch.equal(got, want)
+
+
+def test_a_fake_run_on_real_inputs_leaves_real_calls_real(gen):
+    """Real q, k, v in ``FakeTensorMode(allow_non_fake_inputs=True)`` make fake results; no
+    constant made there (the non-finite flags' zero column) reaches a later real call."""
+    q, k, v = torch.randn(3, 1, 2, 8, 4, generator=gen).unbind(0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        ak.attention(q.requires_grad_(), k, v)
+    out = ak.attention(q, k, v)
+    out.sum().backward()
+    assert type(out) is torch.Tensor and type(q.grad) is torch.Tensor
+    torch.testing.assert_close(out, ak.attention(q, k, v, backend="reference"))

@@ -246,3 +246,15 @@ def test_no_sequence_gives_an_empty_lse_in_the_accumulation_dtype(invariant, dty
     result = ak.varlen_attention(q, k, k, [0], return_lse=True, invariant=invariant)
     assert result.out.shape == (0, 4, 8) and result.lse.shape == (4, 0)
     assert result.lse.dtype == dtype  # float32 and float64 accumulate in themselves
+
+
+@pytest.mark.parametrize("seqused", [[3, 4], torch.tensor([3, 4])], ids=["list", "tensor"])
+def test_a_shape_only_call_takes_real_seqused_k(seqused):
+    """Meta q, k and v (a shape-only call) with ``seqused_k`` as a list or a CPU tensor: its
+    values are read where they are, as the boundaries' are; on meta it is refused by name."""
+    packed = torch.empty(16, 2, 8, device="meta")
+    out = ak.varlen_attention(packed, packed, packed, [0, 5, 16], seqused_k=seqused)
+    assert out.shape == (16, 2, 8) and out.device.type == "meta"
+    with pytest.raises(ValueError, match="seqused_k must hold values"):
+        ak.varlen_attention(packed, packed, packed, [0, 5, 16],
+                            seqused_k=torch.tensor([3, 4], device="meta"))

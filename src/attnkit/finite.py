@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from .inputs import Inputs, derived
-from .masks import Padding, _is_wrapped, every_key_seen, every_row_has_key, mask_tensors, memo
+from .masks import (Padding, _is_wrapped, every_key_seen, every_row_has_key, keeping, mask_tensors,
+                    memo)
 
 KV_CHECK_MIN_ROWS = 64
 """Calls with at least this many query rows also look at the keys in :func:`poison`: at most
@@ -268,7 +269,7 @@ def _zeros(x: torch.Tensor) -> torch.Tensor:
     tensors only: one made for a fake, meta, traced or subclass ``x`` is made anew each
     time, never cached where a real call would find it."""
     if (type(x) is not torch.Tensor or x.device.type == "meta"  # fake, traced, a subclass
-            or torch.compiler.is_compiling()):
+            or torch.compiler.is_compiling() or not keeping()):  # or under a fake mode
         return x.new_zeros(x.shape[-1], 1)
     return _zero_column(x.shape[-1], x.dtype, x.device)
 

@@ -1851,6 +1851,8 @@ class _CausalDocuments(_Intervals):
         q_ids, kv_ids = self.documents.q_ids, self.documents.kv_ids
         ids_key = self.documents.cache_key([])  # the mask holds the ids: no keep list needed
         key = None if ids_key is None else (ids_key, str(device))
+        if not keeping():  # a checkpoint's recompute must run what its forward ran
+            key = None
         cached = _DOCUMENT_RUNS.get(self)
         if key is not None and cached is not None and cached[0] == key:
             return cached[1]

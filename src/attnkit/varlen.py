@@ -252,7 +252,7 @@ def _seqused(value, lengths: list[int], device) -> tuple[torch.Tensor, list[int]
     """``seqused_k`` as long ``[n]`` on ``device`` and as a list (one host read), each in
     ``[0, its sequence's keys]``."""
     try:
-        used = integer_tensor(value).to(device)
+        used = integer_tensor(value)
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"seqused_k must be integers [n] (a tensor or a list), got "
                         f"{type(value).__name__} {value!r:.40}") from None
@@ -261,12 +261,16 @@ def _seqused(value, lengths: list[int], device) -> tuple[torch.Tensor, list[int]
     if used.shape != (len(lengths),):
         raise ValueError(f"seqused_k must be [n] = [{len(lengths)}] (one per sequence), got "
                          f"shape {tuple(used.shape)}")
-    counts = used.tolist()
+    if used.device.type == "meta":
+        raise ValueError("seqused_k must hold values (a list, or a tensor off the meta "
+                         "device): the used keys are read to lay the call out, also for a "
+                         "shape-only call on meta tensors")
+    counts = used.tolist()  # read where the values are (a shape-only call keeps them real)
     for seq, (count, length) in enumerate(zip(counts, lengths)):
         if not 0 <= count <= length:
             raise ValueError(f"seqused_k[{seq}] = {count} but sequence {seq} holds {length} keys: "
                              f"each must lie in [0, its keys]")
-    return used.long(), counts
+    return used.to(device=device, dtype=torch.long), counts
 
 
 def sequence_mask(mask: Optional[Mask], layout: Layout) -> Mask:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ...masks import KeyRanges, key_ranges
+from ...masks import KeyRanges, keeping, key_ranges
 from ...modifiers import Modifiers
 from ...numerics import accum_dtype, additive_mask, merge_alike_into, merge_into, pad_rows
 from ..torch_sdpa import is_plain_causal
@@ -102,8 +102,9 @@ _WIDE = threading.local()
 def _widened_keys(x: torch.Tensor, role: str, width: int = FIXED_BLOCK_K) -> torch.Tensor:
     """Keys or values ``[..., span, D]`` (``role`` ``"k"`` or ``"v"``) with zero rows appended
     up to ``width`` rows, in a buffer reused across calls (:data:`WIDE_BUFFERS`) up to
-    :data:`WIDE_BUFFER_ELEMENTS`, else a new one."""
-    if x[..., :1, :].numel() * width > WIDE_BUFFER_ELEMENTS:
+    :data:`WIDE_BUFFER_ELEMENTS`, else a new one (also under a mode that keeps nothing:
+    :func:`~attnkit.masks.keeping`)."""
+    if x[..., :1, :].numel() * width > WIDE_BUFFER_ELEMENTS or not keeping():
         wide = x.new_zeros(*x.shape[:-2], width, x.shape[-1])
         wide[..., :x.shape[-2], :].copy_(x)
         return wide

@@ -92,12 +92,13 @@ def _measure_row_quantum(head_dim: int, dtype: torch.dtype, device: torch.device
     rows = 256
 
     def draw(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
+        return torch.randn(*shape, generator=gen, dtype=torch.float64,
+                           device="cpu").to(device, dtype)
 
     q, k, v = draw(1, 2, rows, head_dim), draw(1, 2, FIXED_BLOCK_K, head_dim), draw(
         1, 2, FIXED_BLOCK_K, head_dim)
-    weights = torch.rand(1, 2, rows, FIXED_BLOCK_K, generator=gen,
-                         dtype=torch.float64).to(device, dtype)
+    weights = torch.rand(1, 2, rows, FIXED_BLOCK_K, generator=gen, dtype=torch.float64,
+                         device="cpu").to(device, dtype)
 
     def results(n: int) -> list[torch.Tensor]:
         found = [q[:, :, :n] @ k.transpose(-1, -2), weights[:, :, :n] @ v]

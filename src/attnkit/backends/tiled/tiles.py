@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from ...masks import MaskSpace
+from ...masks import MaskSpace, keeping
 from ...modifiers import Modifiers
 from ...numerics import additive_mask, grouped, ungrouped
 from .plan import _FOLD_LIMIT, Problem, Segment
@@ -91,6 +91,13 @@ class _RunWork:
                       len(range(first, self.count, sets)), stop - start).add_(value[first::sets])
 
 
+def _cached(function, *args):
+    """``function(*args)`` through its ``lru_cache``, or made afresh under a mode that keeps
+    nothing (:func:`~attnkit.masks.keeping`: a checkpoint's recompute runs what its forward
+    ran, and nothing fake is kept)."""
+    return function(*args) if keeping() else function.__wrapped__(*args)
+
+
 @functools.lru_cache(maxsize=8)
 def _lower_triangle(n: int, device: torch.device) -> torch.Tensor:
     """``[n, n]`` bool, True on and below the diagonal (cached: every causal diagonal tile asks)."""
@@ -166,7 +173,7 @@ def _with_positions(tile: Optional["TileMask"], positions: PositionTile) -> "Til
             (rows, keys, additive if additive is None else additive + positions.natural(rows, keys),
              has_key) for rows, keys, additive, has_key in tile.strips))
     if tile.causal:
-        lower = _lower_triangle(positions.rows, positions.vector.device)
+        lower = _cached(_lower_triangle, positions.rows, positions.vector.device)
         return TileMask(positions.natural().masked_fill_(~lower, float("-inf")), None)
     return tile._replace(additive=tile.additive + positions.natural())
 
@@ -206,11 +213,12 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
         width, device = seg.stop - seg.start, problem.space.device
         strip = problem.plan.options.triangle_strip
         if group == 1 and n >= 2 * strip:
-            return TileMask(None, None, strips=_staircase_strips(
-                seg.structure, n, width, strip, dtype, device))
+            return TileMask(None, None, strips=_cached(
+                _staircase_strips, seg.structure, n, width, strip, dtype, device))
         if group == 1 and seg.structure == "lower" and width == n and problem.scale > 0:
             return TileMask(None, None, causal=True)
-        return TileMask(_staircase_additive(seg.structure, n, width, group, dtype, device), None)
+        return TileMask(_cached(_staircase_additive, seg.structure, n, width, group, dtype,
+                                device), None)
 
     return _evaluated(problem, rows, (seg.start, seg.stop), dtype, with_bias,
                       _stacked(group, heads_kv, n))
