@@ -183,3 +183,22 @@ def test_a_fake_run_on_real_inputs_leaves_real_calls_real(gen):
     out.sum().backward()
     assert type(out) is torch.Tensor and type(q.grad) is torch.Tensor
     torch.testing.assert_close(out, ak.attention(q, k, v, backend="reference"))
+
+
+def test_selective_checkpointing_that_saves_new_zeros_under_the_contract(gen):
+    """The invariant schedule widens its last key block with zero rows: made out of place
+    under a checkpoint, so a policy saving ``aten.new_zeros`` holds nothing it writes."""
+    from torch.utils.checkpoint import checkpoint
+    q, k, v = torch.randn(3, 1, 2, 300, 16, generator=gen).unbind(0)
+
+    def fn(q):
+        return ak.attention(q, k, v, ak.causal(), backend="tiled", invariant=True)
+
+    leaf = q.clone().requires_grad_()
+    out = checkpoint(fn, leaf, use_reentrant=False,
+                     context_fn=_saving(torch.ops.aten.new_zeros.default,
+                                        torch.ops.aten.zeros.default))
+    (got,) = torch.autograd.grad(out.square().sum(), leaf)
+    leaf = q.clone().requires_grad_()
+    (want,) = torch.autograd.grad(fn(leaf).square().sum(), leaf)
+    assert torch.equal(got, want)

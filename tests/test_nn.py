@@ -1038,3 +1038,24 @@ def _rows_of(layer: torch.nn.Linear, rows: int) -> torch.nn.Linear:
     part = torch.nn.Linear(layer.in_features, rows)
     part.weight.data, part.bias.data = layer.weight.data[:rows].clone(), layer.bias.data[:rows].clone()
     return part
+
+
+def test_projections_of_another_width_are_refused():
+    """K/V projections giving more heads than ``num_kv_heads`` (weights from another layout)
+    are refused, never read as another GQA grouping."""
+    mha = MultiHeadAttention(32, 8, num_kv_heads=2)
+    mha.k_proj, mha.v_proj = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+    with pytest.raises(ValueError, match="gave 8 query, 8 key and 8 value heads.*num_kv_heads=2"):
+        mha(torch.randn(1, 5, 32))
+
+
+def test_a_parameter_subclass_keeps_the_dtype_error():
+    """A module whose weights are a ``Parameter`` subclass still names a dtype mismatch (only
+    FSDP's sharded parameters are not read)."""
+    class Tagged(torch.nn.Parameter):
+        pass
+
+    mha = MultiHeadAttention(16, 4)
+    mha.q_proj.weight = Tagged(mha.q_proj.weight.data)
+    with pytest.raises(TypeError, match="query has dtype torch.bfloat16"):
+        mha(torch.randn(1, 5, 16, dtype=torch.bfloat16))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import functools
 import math
+import importlib.util
 import operator
 import sys
 from typing import Optional, Sequence
@@ -265,8 +266,9 @@ def register_flop_formulas() -> None:
     """Give ``FlopCounterMode`` the operators' counts (:func:`_forward_flops`), once.
     ``torch.utils.flop_counter`` imports triton, which must not be imported with attnkit (its
     interpreter is chosen by ``TRITON_INTERPRET`` at triton's first import): this runs at
-    import only where that module is loaded already, else where the operator is first traced
-    or run."""
+    import where that module or triton is loaded already or triton is not installed, else
+    where the operator is first traced or run (a counter made before then, around the first
+    run of an exported program loaded in a new process, counts it 0)."""
     global _FLOPS_REGISTERED
     if _FLOPS_REGISTERED:
         return
@@ -276,8 +278,9 @@ def register_flop_formulas() -> None:
     _FLOPS_REGISTERED = True
 
 
-if "torch.utils.flop_counter" in sys.modules:
-    register_flop_formulas()
+if "torch.utils.flop_counter" in sys.modules or "triton" in sys.modules or (
+        importlib.util.find_spec("triton") is None):
+    register_flop_formulas()  # nothing to keep unimported
 
 
 def traced(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, return_lse,

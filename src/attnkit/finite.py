@@ -269,7 +269,8 @@ def _zeros(x: torch.Tensor) -> torch.Tensor:
     tensors only: one made for a fake, meta, traced or subclass ``x`` is made anew each
     time, never cached where a real call would find it."""
     if (type(x) is not torch.Tensor or x.device.type == "meta"  # fake, traced, a subclass
-            or torch.compiler.is_compiling() or not keeping()):  # or under a fake mode
+            or torch.compiler.is_compiling()
+            or (torch._C._len_torch_dispatch_stack() and not keeping())):  # a fake mode
         return x.new_zeros(x.shape[-1], 1)
     return _zero_column(x.shape[-1], x.dtype, x.device)
 

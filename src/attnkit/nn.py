@@ -663,7 +663,7 @@ def _check_dtypes(module: nn.Module, inputs) -> None:
     of another type than a plain tensor's (FSDP's sharded ``DTensor`` or flat parameters,
     which its mixed precision casts, with the inputs, when the layer runs) are not read."""
     weight = next(module.parameters(), None)
-    if weight is None or type(weight) not in (nn.Parameter, torch.Tensor) or (
+    if weight is None or type(weight).__name__ in ("DTensor", "FlatParameter") or (
             weight.device.type in ("cpu", "cuda")
             and torch.is_autocast_enabled(weight.device.type)):
         return
@@ -928,6 +928,7 @@ class MultiHeadAttention(nn.Module):
         q = q.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # [B, H, Tq, D]
         k = k.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # [B, Hkv, Tk, D]
         v = v.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # [B, Hkv, Tk, D]
+        self._check_projected_heads(q.shape[1], k.shape[1], v.shape[1])
 
         new_cache, paged_step = None, False
         if parallel is not None:
@@ -1013,6 +1014,19 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"key and value must have the same length Tk; got {where}")
         _check_dtypes(self, (("query", query), ("key", key), ("value", value)))
         return query.dim() == 2
+
+    def _check_projected_heads(self, heads: int, kv_heads: int, v_heads: int) -> None:
+        """Raise unless the projections gave ``num_heads`` query and ``num_kv_heads`` key and
+        value heads, or one share of both (a tensor-parallel rank's column shards)."""
+        if (v_heads == kv_heads and heads * self.num_kv_heads == kv_heads * self.num_heads
+                and heads and self.num_heads % heads == 0):
+            return
+        raise ValueError(f"the projections gave {heads} query, {kv_heads} key and {v_heads} "
+                         f"value heads of head_dim {self.head_dim}; this module has num_heads="
+                         f"{self.num_heads} and num_kv_heads={self.num_kv_heads} (or one share "
+                         f"of both per tensor-parallel rank): give q_proj {self.num_heads} · "
+                         f"{self.head_dim} outputs and k_proj, v_proj {self.num_kv_heads} · "
+                         f"{self.head_dim}")
 
     def _combine_masks(self, mask: MaskLike, key_valid: Optional[torch.Tensor],
                        is_causal: bool, *, cache: Union[KVCache, PagedKVCache, None],

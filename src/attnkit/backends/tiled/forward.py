@@ -105,9 +105,8 @@ def _widened_keys(x: torch.Tensor, role: str, width: int = FIXED_BLOCK_K) -> tor
     :data:`WIDE_BUFFER_ELEMENTS`, else a new one (also under a mode that keeps nothing:
     :func:`~attnkit.masks.keeping`)."""
     if x[..., :1, :].numel() * width > WIDE_BUFFER_ELEMENTS or not keeping():
-        wide = x.new_zeros(*x.shape[:-2], width, x.shape[-1])
-        wide[..., :x.shape[-2], :].copy_(x)
-        return wide
+        # out of place: a checkpoint's policy may hold what an allocation returned
+        return torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[-2]))
     buffers = getattr(_WIDE, "buffers", None)
     if buffers is None:
         buffers = _WIDE.buffers = OrderedDict()
