@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 import torch
 import torch.autograd.forward_ad as forward_ad
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -732,10 +732,14 @@ def readable(*tensors: Optional[torch.Tensor]) -> bool:
     results), not batched by a ``torch.func`` transform (``vmap`` over per-example lengths).
     Value checks are skipped where they cannot be made; the call then propagates shapes only
     (:func:`attnkit.dispatch.select`), or evaluates the mask as tensors (under ``vmap``)."""
-    if (torch.compiler.is_compiling()
-            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None):
+    if torch.compiler.is_compiling() or _fake_mode_active():
         return False
     return not any(t is not None and (shapes_only(t) or _is_wrapped(t)) for t in tensors)
+
+
+def _fake_mode_active() -> bool:
+    """Whether a ``FakeTensorMode`` is active (its results hold no values)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 def _is_wrapped(t: torch.Tensor) -> bool:
@@ -814,10 +818,12 @@ def keeping() -> bool:
     counters, profilers) see what the call runs, kept values included."""
     if torch._C._len_torch_dispatch_stack() == 0:
         return True
-    recomputing: tuple = (FakeTensorMode,)
+    if _fake_mode_active():
+        return False
     checkpoint = sys.modules.get("torch.utils.checkpoint")  # imported by whoever checkpoints
-    if checkpoint is not None:  # (importing it here would import triton)
-        recomputing += (checkpoint._CachingTorchDispatchMode, checkpoint._CachedTorchDispatchMode)
+    if checkpoint is None:  # (importing it here would import triton)
+        return True
+    recomputing = (checkpoint._CachingTorchDispatchMode, checkpoint._CachedTorchDispatchMode)
     return not any(isinstance(mode, recomputing) for mode in _get_current_dispatch_mode_stack())
 
 
@@ -825,10 +831,11 @@ def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
     """``compute()``, kept on ``mask`` under ``key`` and the version counters of ``tensors``
     (the mask's own, :func:`mask_tensors`; ``None`` entries allowed), so each layer of a step
     evaluating one mask pays once, and an in-place write to a tensor recomputes. Not kept
-    where ``tensors`` is ``None`` (a mask that runs user code), inside a compiled region or a
-    dispatch mode (:func:`keeping`), for inference tensors (no version counter) or tensor subclasses (fake tensors): computed. A
-    value kept is computed outside inference mode, so a mask first used in an inference-mode
-    pass still serves calls that autograd records."""
+    where ``tensors`` is ``None`` (a mask that runs user code), inside a compiled region or
+    a mode that keeps nothing (:func:`keeping`), for inference tensors (no version counter)
+    or tensor subclasses (fake tensors): computed. A value kept is computed outside inference
+    mode, so a mask first used in an inference-mode pass still serves calls that autograd
+    records."""
     if tensors is None or torch.compiler.is_compiling() or not keeping() or any(
             t is not None and (type(t) is not torch.Tensor or t.is_inference()) for t in tensors):
         return compute()

@@ -15,8 +15,7 @@ prompt) costs no pool memory; each sequence's gathered keys are its own.
 from __future__ import annotations
 
 import math
-import itertools
-from itertools import chain
+from itertools import accumulate, chain
 from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
@@ -24,7 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from . import dispatch, invariance
-from .api import AttentionResult, MaskLike, attention, autocast_call, autocast_device
+from .api import AttentionResult, MaskLike, _autocast, attention, autocast_call, autocast_device
 from .finite import looks_at_keys, query_and_output_flags
 from .inputs import FLOAT_DTYPES, checked_scale, refuse_jit_trace
 from .masks import (Mask, an_int, as_mask, causal, integer_tensor, readable,
@@ -170,7 +169,7 @@ def _packed_queries(q, key_pool, value_pool, block_table, seqlens, cu_seqlens_q,
                               torch.zeros(len(lengths), dtype=torch.long, device=q.device),
                               lengths, key_pool.shape[1])  # [total_k]
     keys, values = (pool.reshape(-1, *pool.shape[2:])[slots] for pool in (key_pool, value_pool))
-    cu_k = [0, *itertools.accumulate(lengths)] if lengths else [0]
+    cu_k = [0, *accumulate(lengths)] if lengths else [0]
     return varlen_attention(q, keys, values, cu_seqlens_q, cu_k, mask=mask, scale=scale,
                             backend=backend, return_lse=return_lse)
 
@@ -966,16 +965,15 @@ class PagedKVCache:
         through the table, as :func:`paged_attention` says (:func:`kernel_decode`)."""
         if isinstance(q, torch.Tensor) and autocast_device(q) is not None:
             device = autocast_device(q)  # q in its dtype; the pools must be in it already
-            dtype = (torch.get_autocast_dtype(device) if q.is_floating_point()
-                     and q.dtype != torch.float64 else q.dtype)
-            if self.key_pool is not None and self.key_pool.dtype != dtype:
-                raise TypeError(f"PagedKVCache.attend under torch.autocast computes in {dtype}, "
-                                f"but the pools hold {self.key_pool.dtype}: fill and read a "
-                                f"cache on the same side of autocast (paged_attention casts "
-                                f"the pools, a copy of them, on every call)")
+            (q,) = _autocast(device, q)
+            if self.key_pool is not None and self.key_pool.dtype != q.dtype:
+                raise TypeError(f"PagedKVCache.attend under torch.autocast computes in "
+                                f"{q.dtype}, but the pools hold {self.key_pool.dtype}: fill and "
+                                f"read a cache on the same side of autocast (paged_attention "
+                                f"casts the pools, a copy of them, on every call)")
             with torch.autocast(device, enabled=False):
-                return self.attend(q.to(dtype), mask, is_causal=is_causal, scale=scale,
-                                   backend=backend, return_lse=return_lse)
+                return self.attend(q, mask, is_causal=is_causal, scale=scale, backend=backend,
+                                   return_lse=return_lse)
         given = as_mask(mask)
         if (self.key_pool is not None and isinstance(q, torch.Tensor) and q.dim() == 4
                 and q.shape[-2] != self._width):

@@ -219,13 +219,19 @@ def _boundaries(name: str, value, total: int, device) -> tuple[torch.Tensor, lis
     if value.dim() != 1 or value.numel() < 1:
         raise ValueError(f"{name} must be [n + 1] (0, then each sequence's end), got shape "
                          f"{tuple(value.shape)}")
-    if value.device.type == "meta":
-        raise ValueError(f"{name} must hold values (a list, or a tensor off the meta device): "
-                         f"the sequences' lengths are read to lay the call out, also for a "
-                         f"shape-only call on meta tensors")
-    bounds = value.tolist()  # read where the values are (a shape-only call keeps them real)
+    bounds = _host_values(name, value, "the sequences' lengths")
     _check_boundaries(name, bounds, total)
     return value.to(device=device, dtype=torch.long), bounds
+
+
+def _host_values(name: str, value: torch.Tensor, what: str) -> list:
+    """``value`` as a list, read where its values are (a shape-only call on meta tensors keeps
+    its boundaries real); ``ValueError`` for a meta ``value``."""
+    if value.device.type == "meta":
+        raise ValueError(f"{name} must hold values (a list, or a tensor off the meta device): "
+                         f"{what} are read to lay the call out, also for a shape-only call on "
+                         f"meta tensors")
+    return value.tolist()
 
 
 def _check_boundaries(name: str, bounds: list[int], total: int) -> None:
@@ -261,11 +267,7 @@ def _seqused(value, lengths: list[int], device) -> tuple[torch.Tensor, list[int]
     if used.shape != (len(lengths),):
         raise ValueError(f"seqused_k must be [n] = [{len(lengths)}] (one per sequence), got "
                          f"shape {tuple(used.shape)}")
-    if used.device.type == "meta":
-        raise ValueError("seqused_k must hold values (a list, or a tensor off the meta "
-                         "device): the used keys are read to lay the call out, also for a "
-                         "shape-only call on meta tensors")
-    counts = used.tolist()  # read where the values are (a shape-only call keeps them real)
+    counts = _host_values("seqused_k", used, "the used keys")
     for seq, (count, length) in enumerate(zip(counts, lengths)):
         if not 0 <= count <= length:
             raise ValueError(f"seqused_k[{seq}] = {count} but sequence {seq} holds {length} keys: "
