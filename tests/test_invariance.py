@@ -29,7 +29,7 @@ from attnkit.masks import MaskCache
 
 D = 16
 KINDS = ("none", "causal", "window", "softcap", "alibi", "relative", "score_function", "sinks",
-         "bias", "dense", "documents")
+         "bias", "dense", "documents", "sequence causal", "sequence window")
 """Masks and modifiers of the batch cases, all in relative positions (a left-padded sequence
 keeps its relations): ``bias`` is a learnable-looking additive tensor of the sequence's own
 size, placed at its positions in the batch."""
@@ -48,8 +48,10 @@ def _mask(kind: str, heads: int, gen, length: int, pad: int, width: int):
     start at pad, in a tensor of width positions)``."""
     if kind == "none":
         return None, None
-    if kind == "causal":
+    if kind in ("causal", "sequence causal"):  # the batch's per-sequence form: see below
         return ak.causal(), ak.causal()
+    if kind == "sequence window":
+        return ak.sliding_window(7, 3), ak.sliding_window(7, 3)
     if kind == "window":
         return ak.sliding_window(7, 3), ak.sliding_window(7, 3)
     if kind == "softcap":
@@ -111,6 +113,10 @@ def _alone_and_in_batch(kind, length, batch, place, pad_left, pad_right, heads_k
         t.masked_fill_(torch.isnan(t), 0.0)
         t[place].nan_to_num_(float("nan"))
     mask = runs if batch_mask is None else batch_mask & runs
+    if kind == "sequence causal":
+        mask = ak.causal(sequences=runs)
+    elif kind == "sequence window":
+        mask = ak.sliding_window(7, 3, sequences=runs)
     within = ak.attention(q, k, v, mask, return_lse=True, invariant=True, backend=backend)
     rows = slice(pad_left, pad_left + length)
     return alone, (within.out[place:place + 1, :, rows], within.lse[place:place + 1, :, rows])

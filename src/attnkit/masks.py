@@ -1297,14 +1297,16 @@ def _band_covers(mask: Mask, space: Optional[MaskSpace], rows: bool) -> bool:
 
 def key_starts(mask: Optional[Mask]) -> Optional[torch.Tensor]:
     """Where each batch element's keys begin, ``[Bm]`` long, when ``mask`` (or a part of its
-    ``&`` chain) is a key padding with starts (left padding, a transformers ``attention_mask``
-    read by :func:`real_keys`); ``None`` when the keys of every sequence begin at position 0
+    ``&`` chain) is a key padding with starts, or a band aligned to one (left padding, a
+    transformers ``attention_mask`` read by :func:`real_keys`); ``None`` when the keys of every sequence begin at position 0
     as far as the mask says."""
     if mask is None:
         return None
-    starts = [leaf.kv_starts for leaf in mask.leaves()
-              if isinstance(leaf, _Padding) and leaf.kv_starts is not None]
-    return starts[0].reshape(-1) if len(starts) == 1 else None
+    paddings = (leaf.sequences if isinstance(leaf, _SequenceBand) else leaf
+                for leaf in mask.leaves())
+    starts = {id(p.kv_starts): p.kv_starts for p in paddings
+              if isinstance(p, _Padding) and p.kv_starts is not None}
+    return next(iter(starts.values())).reshape(-1) if len(starts) == 1 else None
 
 
 class KeyRanges(NamedTuple):
