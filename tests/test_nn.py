@@ -776,6 +776,23 @@ def test_a_cache_prefilled_in_inference_mode_decodes_outside_it(make):
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_ragged_cache_from_inference_mode_takes_a_step_with_gradients(invariant):
+    """A one-token step with grad on a cache whose lengths were made under inference_mode:
+    its scatter index is a copy (an inference tensor cannot be saved for backward)."""
+    torch.manual_seed(31)
+    mha = MultiHeadAttention(8, 2, dtype=F64, invariant=invariant)
+    x = _rand(2, 5, 8, seed=32).requires_grad_()
+    with torch.inference_mode():
+        _, _, cache = mha(x[:, :4].detach(), cache=KVCache.empty(), is_causal=True,
+                          lengths=torch.tensor([4, 4]))
+    out, _, _ = mha(x[:, 4:], cache=cache, is_causal=True, lengths=torch.tensor([1, 1]))
+    (grad,) = torch.autograd.grad(out.square().sum(), x)
+    (want,) = torch.autograd.grad(mha(x, is_causal=True).out[:, 4:].square().sum(), x)
+    torch.testing.assert_close(out, mha(x, is_causal=True).out[:, 4:], rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad[:, 4:], want[:, 4:], rtol=0, atol=1e-12)
+
+
 class _LoRA(torch.nn.Module):
     """A wrapped projection, as adapter libraries replace a Linear: base(x) + x·A·B."""
 

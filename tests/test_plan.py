@@ -110,12 +110,23 @@ def test_other_tensors_raise_with_both_signatures(gen):
         plan(*_qkv(gen))  # what a reentrant checkpoint's forward does
 
 
-def test_a_mask_written_in_place_after_planning_raises(gen):
-    lens = torch.tensor([10, T])
-    plan = ak.plan(*_qkv(gen), ak.padding(kv_lengths=lens))
-    lens[0] = 12
-    with pytest.raises(ValueError, match="written in place"):
-        plan(*_qkv(gen))
+@pytest.mark.parametrize("inference", [False, True], ids=["tensors", "inference tensors"])
+@pytest.mark.parametrize("kind", ["padding", "documents", "bias"])
+def test_a_mask_written_in_place_after_planning_raises(gen, kind, inference):
+    """Also for tensors made under ``torch.inference_mode``, which have no version counter
+    (their values are compared)."""
+    with torch.inference_mode(inference):
+        values = {"padding": torch.tensor([10, T]), "documents": torch.arange(T) // 5,
+                  "bias": torch.randn(1, 1, T, T, generator=gen)}[kind]
+        mask = {"padding": lambda: ak.padding(kv_lengths=values),
+                "documents": lambda: ak.documents(values) & ak.causal(),
+                "bias": lambda: ak.bias(values)}[kind]()
+        plan = ak.plan(*_qkv(gen), mask)
+        assert not plan.stale()
+        values[0] = values[0] + 2
+        assert plan.stale()
+        with pytest.raises(ValueError, match="written in place"):
+            plan(*_qkv(gen))
 
 
 def test_a_plan_refuses_mask_tensors_whose_requires_grad_changed(gen):

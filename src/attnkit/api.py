@@ -170,7 +170,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = Non
     and may read the mask's values on the host (its range checks);
     running it makes no such decision again: it checks the tensors' shapes, strides, dtypes,
     devices and gradient flags against the plan's and the mask's tensors against in-place
-    writes (``ValueError`` on either), then runs the planned call, which returns what
+    writes (``ValueError`` on either; a mask's tensors made under ``torch.inference_mode``
+    have no version counter, so their values are compared, a host read per run), then runs the planned call, which returns what
     :func:`attention` returns, bit for bit. A plan holds what it derived from the mask's
     values (runs of real keys, the dense key mask of torch's kernel) for its lifetime: make a
     new one for a new mask, as each step of a decoding loop does. Make and run plans outside

@@ -20,7 +20,7 @@ import torch
 from . import dispatch
 from .backends.base import Backend, BackendOutput
 from .inputs import CallCache, Inputs, _bhtd, refuse_jit_trace, restore, validate
-from .masks import mask_tensors, wrapped_eagerly
+from .masks import content_key, mask_tensors, wrapped_eagerly
 
 
 class AttentionResult(NamedTuple):
@@ -73,7 +73,8 @@ class Plan:
     nothing from the mask again (each layer pays only the kernel and the per-call operations
     on its own q, k, v); it checks that the tensors have the planned shapes, strides, dtypes,
     devices and gradient flags, and that the mask's tensors were not written in place since
-    (their version counters), raising ``ValueError`` otherwise. Made and run outside
+    (their version counters; inference tensors, which have none, by their values: a host
+    read per run), raising ``ValueError`` otherwise. Made and run outside
     ``torch.autocast``; made or run inside a compiled region, it runs as
     :func:`attnkit.attention`."""
 
@@ -201,10 +202,10 @@ def _watched(mask, modifiers) -> tuple:
 
 
 def _versions(tensors: tuple) -> tuple:
-    """The version counter of each tensor (inference tensors, which have none: ``None``; the
-    plan holds the tensors, so their identities stay theirs), then each one's
-    ``requires_grad``."""
-    return (tuple(None if t.is_inference() else t._version for t in tensors),
+    """The version counter of each tensor (inference tensors, which have none: their values,
+    :func:`~attnkit.masks.content_key`; the plan holds the tensors, so their identities stay
+    theirs), then each one's ``requires_grad``."""
+    return (tuple(content_key(t) if t.is_inference() else t._version for t in tensors),
             tuple(t.requires_grad for t in tensors))
 
 

@@ -2283,14 +2283,21 @@ def tensor_key(t: torch.Tensor, keep: list) -> Optional[tuple]:
     if t.numel() * t.element_size() > KEY_BYTES:
         return None
     keep.append(t)
-    values = t if t.device.type == "cpu" else t.to("cpu")
+    return (*layout, content_key(t))
+
+
+def content_key(t: torch.Tensor) -> bytes:
+    """``t``'s values as a key (a host read): its bytes up to 256 of them (lengths, slopes,
+    short ids), else their blake2b digest; for tensors without a version counter (inference
+    tensors)."""
+    values = t.detach() if t.device.type == "cpu" else t.detach().to("cpu")
     try:
         data = values.numpy()
     except TypeError:  # a dtype numpy lacks (bfloat16): its bytes
         data = values.contiguous().reshape(-1).view(torch.uint8).numpy()
-    if data.nbytes <= 256:  # lengths, slopes, short ids: the bytes themselves
-        return (*layout, data.tobytes())
-    return (*layout, hashlib.blake2b(np.ascontiguousarray(data), digest_size=16).digest())
+    if data.nbytes <= 256:
+        return data.tobytes()
+    return hashlib.blake2b(np.ascontiguousarray(data), digest_size=16).digest()
 
 
 def cache_key(mask: Optional[Mask], keep: list) -> Optional[tuple]:
