@@ -109,6 +109,40 @@ def test_nested_tensors_are_refused_with_the_packing_and_padding_hints(gen, layo
         ak.explain_dispatch(nested, nested, nested)
 
 
+def test_a_jagged_tensor_gets_the_varlen_route_and_the_route_runs(gen):
+    seqs = [torch.randn(n, 2, 8, generator=gen) for n in (3, 5)]
+    q = torch.nested.nested_tensor(seqs, layout=torch.jagged).transpose(1, 2)  # [B, H, j, D]
+    with pytest.raises(TypeError, match=r"varlen_attention\(x\.transpose\(1, 2\)\.values\(\)"):
+        ak.attention(q, q, q)
+    with pytest.raises(TypeError, match=r"q\.values\(\) and q\.offsets\(\)"):
+        ak.varlen_attention(q, q, q, q.offsets())
+    packed = q.transpose(1, 2).values()
+    out = ak.varlen_attention(packed, packed, packed, q.offsets())
+    want = torch.nn.functional.scaled_dot_product_attention(q, q, q).transpose(1, 2).values()
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("make", [lambda t: ak.documents(t % 3),
+                                  lambda t: ak.padding(kv_lengths=t[:2])])
+def test_a_mask_built_on_meta_is_refused_with_real_inputs(gen, make):
+    with torch.device("meta"):
+        mask = make(torch.arange(6))
+    q = torch.randn(2, 1, 6, 4, generator=gen)
+    with pytest.raises(ValueError, match=r"meta tensor .* but q is on cpu: build the mask"):
+        ak.attention(q, q, q, mask)
+
+
+def test_an_sdpa_kernel_context_without_a_kernel_for_the_call_names_the_route(gen):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(1, 2, 6, 8, generator=gen)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        with pytest.raises(RuntimeError, match=r"sdpa_kernel allowing EFFICIENT_ATTENTION.*"
+                                               r"backend='tiled'"):
+            ak.attention(q, q, q, ak.causal(), backend="torch")
+        out = ak.attention(q, q, q, ak.causal(), backend="tiled")
+    torch.testing.assert_close(out, ak.attention(q, q, q, ak.causal(), backend="reference"))
+
+
 # ---- KVCache.append -----------------------------------------------------------------------------
 
 def _caches():

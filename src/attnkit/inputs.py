@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .masks import (DENSE_MAX_SCORES, Band, Mask, MaskSpace, _is_wrapped, as_mask,
-                    every_row_has_key, keeping, validation_key)
+                    every_row_has_key, keeping, mask_tensors, validation_key)
 from .modifiers import Modifiers, split
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -211,11 +211,15 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.is_nested:
+            jagged = (" A jagged [B, H, j, D] as torch's scaled_dot_product_attention takes "
+                      "runs packed as attnkit.varlen_attention(x.transpose(1, 2).values() "
+                      "for x in q, k, v, then q.offsets(), k.offsets())."
+                      if t.layout == torch.jagged else "")
             raise TypeError(f"{name} is a nested tensor (torch.nested, {t.layout}): attention "
                             f"takes dense tensors [..., H, T, D]; pack the sequences along T and pass "
                             f"`mask=ak.documents(ids)` (ids [T]: the sequence of each position), "
                             f"or pad them to one length and pass `mask=ak.padding(kv_lengths="
-                            f"lengths)` (q_lengths= too for padded queries)")
+                            f"lengths)` (q_lengths= too for padded queries).{jagged}")
         if type(t).__name__ == "DTensor":  # torch.distributed.tensor, without importing it
             raise TypeError(f"{name} is a DTensor ({t.placements}): attention takes each "
                             f"rank's local tensors. For heads sharded over ranks, attend on "
@@ -314,6 +318,13 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     inputs.transformed = not torch.compiler.is_compiling() and any(
         _is_wrapped(t) for t in inputs.grad_tensors)
     if mask is not None:
+        if q.device.type != "meta":  # a mask built under `with torch.device("meta")`
+            for t in mask_tensors(mask) or ():
+                if t.device.type == "meta":
+                    raise ValueError(f"the mask holds a meta tensor {tuple(t.shape)} (no data) "
+                                     f"but q is on {q.device}: build the mask from tensors "
+                                     f"with values (outside `with torch.device('meta')`), "
+                                     f"or on q's device")
         problems = mask.check(inputs.space)
         if problems:
             raise ValueError("mask does not fit the inputs:\n  " + "\n  ".join(problems)

@@ -136,6 +136,10 @@ def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q=None
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"varlen_attention takes {name} as a torch.Tensor [total, H, D], "
                             f"got {type(t).__name__}")
+        if t.is_nested:
+            raise TypeError(f"varlen_attention takes {name} packed, [total, H, D], got a nested "
+                            f"tensor: pass {name}.values() and {name}.offsets() of a jagged "
+                            f"[B, j, H, D] (of [B, H, j, D]: {name}.transpose(1, 2).values())")
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"varlen_attention takes packed q [total_q, Hq, D], k and v "

@@ -126,13 +126,35 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # (a branch, not the comparison itself: under dynamic shapes that is a SymBool, which
         # the kernel's argument parser refuses)
         gqa = True if q.shape[1] != k.shape[1] else False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, is_causal=is_causal,
-                                             scale=scale, enable_gqa=gqa)
+        try:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive,
+                                                 is_causal=is_causal, scale=scale,
+                                                 enable_gqa=gqa)
+        except RuntimeError as error:
+            _name_the_kernel_context(error, q)
+            raise
         lse = None
     if stacked:  # (a copy where the kernel lays its output out as [B, Tq, H, D])
         out = ungrouped(out, heads_q)
         lse = None if lse is None else ungrouped(lse, heads_q)
     return out, lse
+
+
+def _name_the_kernel_context(error: RuntimeError, q: torch.Tensor) -> None:
+    """Raise ``error`` again naming attnkit's route when it came from a
+    ``torch.nn.attention.sdpa_kernel`` context that allows none of torch's kernels for the
+    call (code written for one device, run on another): the context binds the torch backend
+    (and ``auto``'s choice of it), not the others."""
+    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
+    allowed = _cur_sdpa_kernel_backends()
+    if SDPBackend.MATH in allowed:
+        return
+    names = ", ".join(sorted(b.name for b in allowed)) or "none"
+    raise RuntimeError(
+        f"torch's scaled_dot_product_attention has no kernel for this call on "
+        f"{q.device.type} under torch.nn.attention.sdpa_kernel allowing {names}, which "
+        f"attnkit's torch backend honours: run attnkit with backend='tiled' (or "
+        f"attnkit.use_backend('tiled')), or leave the sdpa_kernel context") from error
 
 
 SEQUENCE_MAX_QUERIES = 16
