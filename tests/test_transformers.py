@@ -612,6 +612,43 @@ def test_mask_function_equals_transformers_dense_mask(kind, q_len, kv_len, q_off
     if result.structured and padding == "ones" and seen >= kv_offset + kv_len:  # all real
         assert result.mask is None or not any(isinstance(leaf, PADDING)
                                               for leaf in _leaves(result.mask)), result
+    # the last rows, as a model that keeps only them slices its mask (Gemma 4's shared KV)
+    assert result[:, :, 0:, :] is result
+    for rows in (slice(-1, None), slice(1, q_len - 1), slice(q_len // 2, None)):
+        part = result[:, :, rows]
+        want = expected[:, :, rows]
+        assert part.shape == (batch, 1, want.shape[2], kv_len)
+        space = MaskSpace(batch=batch, heads=1, q_len=want.shape[2], kv_len=kv_len)
+        got = (torch.ones(1, 1, *want.shape[2:], dtype=torch.bool) if part.mask is None
+               else part.mask.to_dense(space))
+        assert torch.equal(got.expand(want.shape), want), (rows, part, got.int(), want.int())
+    with pytest.raises(TypeError, match="attn_implementation='eager'"):
+        result[:, 0]
+
+
+def test_a_model_that_keeps_its_last_query_rows_matches_sdpa():
+    """Gemma 4 with shared-KV layers runs them on the last ``logits_to_keep`` rows only,
+    slicing each layer type's mask: logits and generated tokens as on sdpa."""
+    config = getattr(transformers, "Gemma4TextConfig", None)
+    if config is None:
+        pytest.skip("this transformers has no Gemma 4")
+    config = config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    global_head_dim=32, sliding_window=4, vocab_size_per_layer_input=128,
+                    hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                    layer_types=["sliding_attention", "full_attention"] * 2)
+    models = _models(config)
+    ours, theirs = models["attnkit"], models["sdpa"]
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [3, 4, 5, 6, 7, 8, 9]])
+    mask = torch.tensor([[1] * 7, [0, 0] + [1] * 5])
+    with torch.no_grad():
+        for keep in (0, 1, 3):
+            got = ours(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
+            want = theirs(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
+            torch.testing.assert_close(got, want)
+        generated = [m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,
+                                do_sample=False, pad_token_id=0) for m in (ours, theirs)]
+    assert torch.equal(*generated)
 
 
 @pytest.mark.parametrize("config", [

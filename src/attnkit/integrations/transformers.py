@@ -205,14 +205,18 @@ class TransformersMask:
 
     ``shape`` (``(batch, 1, q_len, kv_len)``) and ``ndim`` (4) answer the questions
     transformers asks of a prepared 4-D mask, so a mask built ahead of the forward pass (as
-    ``generate`` does for static caches) is passed through unchanged."""
+    ``generate`` does for static caches) is passed through unchanged. A run of query rows,
+    ``mask[:, :, rows, :]`` (a model that keeps only the last rows, as Gemma 4's shared-KV
+    layers do), is the mask of those queries, made again by ``rows(start, count)``."""
 
     ndim = 4
 
     def __init__(self, mask: Optional[Mask], batch: int, q_len: int, kv_len: int, *,
-                 structured: bool = True, packed: bool = False, padded: bool = False):
+                 structured: bool = True, packed: bool = False, padded: bool = False,
+                 rows: Optional[Callable[[int, int], "TransformersMask"]] = None):
         self.mask, self.batch, self.q_len, self.kv_len = mask, batch, q_len, kv_len
         self.structured, self.packed, self.padded = structured, packed, padded
+        self._rows = rows
         self._plans: dict = {}
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -241,6 +245,22 @@ class TransformersMask:
     def __repr__(self) -> str:
         kind = "" if self.structured else ", dense fallback"
         return f"TransformersMask({self.mask!r}, {list(self.shape)}{kind})"
+
+    def __getitem__(self, index) -> "TransformersMask":
+        """``mask[:, :, rows]`` or ``mask[:, :, rows, :]`` for a slice ``rows`` of unit step:
+        the mask of those queries; any other index is a tensor use (``TypeError``)."""
+        index = index if isinstance(index, tuple) else (index,)
+        whole = slice(None)
+        if (len(index) in (3, 4) and index[:2] == (whole, whole) and index[3:] in ((), (whole,))
+                and isinstance(index[2], slice) and index[2].step in (None, 1)):
+            start, stop, _ = index[2].indices(self.q_len)
+            count = max(stop - start, 0)
+            if count == self.q_len:
+                return self
+            if self._rows is not None:
+                return self._rows(start, count)
+        raise TypeError(f"the attnkit mask takes only a run of query rows, mask[:, :, a:b], "
+                        f"as an index (got {index!r}): {_TENSOR_USE}")
 
     # A model that uses the mask as a tensor instead of handing it to the attention function
     # (Falcon with alibi=True and BLOOM add their ALiBi bias to it) gets a message that says
@@ -290,11 +310,16 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
         mask_function = masking_utils.causal_mask_function
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     padded = attention_mask is not None
+
+    def rows(start: int, count: int) -> TransformersMask:  # the queries [start, start + count)
+        return mask_forward(batch_size, count, kv_length, q_offset + start, kv_offset,
+                            mask_function, attention_mask, use_vmap, device, **kwargs)
+
     try:
         mask, packed = _structured(q_length, kv_length, q_offset, kv_offset, mask_function,
                                    attention_mask)
         return TransformersMask(mask, batch_size, q_length, kv_length, packed=packed,
-                                padded=padded)
+                                padded=padded, rows=rows)
     except _NotStructured:
         if not torch.compiler.is_compiling():  # dynamo traces no logger call
             _log.debug("transformers mask %s (q_offset %d, kv_offset %d): no structured "
@@ -308,7 +333,7 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
         pattern = _read(mask_function)
         packed = pattern is not None and any(g[0] == "packed" for g in pattern.groups)
         return TransformersMask(ak.dense(allowed), batch_size, q_length, kv_length,
-                                structured=False, packed=packed, padded=padded)
+                                structured=False, packed=packed, padded=padded, rows=rows)
 
 
 class _NotStructured(Exception):
