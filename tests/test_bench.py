@@ -336,3 +336,23 @@ def test_overhead_script_runs_and_checks_the_decode_loop(tmp_path):
     data = json.loads((tmp_path / "overhead_quick.json").read_text())
     assert len(data["tiny"]) == 12 and {r["is_causal"] for r in data["decode"]} == {True, False}
     assert all(r["attnkit_us"] > 0 and r["sdpa_us"] > 0 for r in data["tiny"])
+
+
+def test_source_revision_is_attnkits_checkout_not_an_enclosing_project(tmp_path, monkeypatch):
+    """Installed into a project's ignored ``.venv``, attnkit records no revision (the
+    project's commit is not attnkit's)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    project = tmp_path / "project"
+    package = project / ".venv" / "site-packages" / "attnkit"
+    (package / "bench").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (project / ".gitignore").write_text(".venv/\n")
+    env = ["-c", "user.name=t", "-c", "user.email=t@t"]
+    for command in (["init", "-q"], ["add", ".gitignore"], [*env, "commit", "-qm", "x"]):
+        subprocess.run(["git", *command], cwd=project, check=True, capture_output=True)
+    monkeypatch.setattr(runner, "__file__", str(package / "bench" / "runner.py"))
+    assert runner.source_revision() is None

@@ -152,6 +152,20 @@ def test_explain_npy_inputs_with_causal_and_scale(tmp_path, capsys):
     assert "-inf" in text and "█░░░" in text
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["explain", "--plot", ""], ["--plot", ".png"]),
+    (["explain", "--plot", "w.pdf"], ["--plot", ".png"]),
+    (["explain", "--q", ""], ["--q", "cannot read"]),
+    (["bench", "--threads", "100000"], ["--threads", "at most"]),
+    (["scale-study", "--samples", "2000000000"], ["--samples", "at most"]),
+])
+def test_out_of_range_and_empty_arguments_are_usage_errors(argv, words, tmp_path,
+                                                            monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    assert_one_line_error(capsys, argv[0], *words)
+
+
 def test_explain_plot_writes_png(tmp_path, capsys):
     path = tmp_path / "sub" / "weights.png"
     assert cli.main(["explain", "--plot", str(path)]) == 0
@@ -454,8 +468,9 @@ def test_a_new_command_plugs_into_the_table(monkeypatch, capsys):
     assert "bench x3" in capsys.readouterr().out
 
 
-def test_module_entry_point_runs():
-    done = subprocess.run([sys.executable, "-m", "attnkit.cli", "--help"], capture_output=True,
+@pytest.mark.parametrize("module", ["attnkit.cli", "attnkit"])
+def test_module_entry_point_runs(module):
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     for name in cli.COMMANDS:
@@ -641,13 +656,28 @@ def test_check_invariance_prints_the_contract_table(capsys, monkeypatch):
     assert "BROKEN" in capsys.readouterr().out
 
 
+def test_check_invariance_that_checks_nothing_fails(capsys):
+    """torch refuses every point of the contract: nothing held, exit 1 (a CI job must not pass
+    on an empty table)."""
+    assert cli.main(["check", "--invariance", "--quick", "--backend", "torch"]) == 1
+    assert "nothing could be checked" in capsys.readouterr().out
+
+
+def test_check_invariance_on_a_numbered_cpu_runs_the_ring_too(capsys):
+    assert cli.main(["check", "--invariance", "--quick", "--backend", "tiled", "--device",
+                     "cpu:0"]) == 0
+    assert "ring" in capsys.readouterr().out
+
+
 def test_device_goes_with_invariance(capsys):
     assert cli.main(["check", "--device", "cpu"]) == 2
     assert "--invariance" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("device, words", [("nope", "not a device name"),
-                                           ("meta:x", "not a device name")]
+                                           ("meta:x", "not a device name"),
+                                           ("meta", "meta tensors hold no values"),
+                                           ("hpu", "not a device this machine has")]
                          + ([] if torch.cuda.is_available() else
                             [("cuda", "not a device this machine has")]))
 def test_a_device_this_machine_lacks_is_a_usage_error(device, words, capsys):

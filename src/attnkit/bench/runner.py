@@ -314,9 +314,12 @@ def source_revision() -> Optional[str]:
 
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
+        # an installed copy inside another project's repository (its .venv) is not tracked
+        tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "__init__.py"],
+                                 cwd=package, capture_output=True, text=True, timeout=10)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=package,
                                 capture_output=True, text=True, timeout=10)
-        if commit.returncode != 0:
+        if tracked.returncode != 0 or commit.returncode != 0:
             return None
         changed = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=package,
                                  capture_output=True, text=True, timeout=10)

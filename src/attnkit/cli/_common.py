@@ -24,13 +24,16 @@ def check_device(option: str, value: str) -> str:
     ``cuda:1`` ...); else :class:`UsageError` naming ``option``."""
     usable = "cpu" + (", or cuda" if torch.cuda.is_available() else "")
     try:
-        torch.device(value)
+        device = torch.device(value)
     except (RuntimeError, ValueError):
         raise UsageError(f"{option} {value}: not a device name; use {usable}") from None
+    if device.type == "meta":
+        raise UsageError(f"{option} {value}: meta tensors hold no values to compute or "
+                         f"compare; use {usable}")
     try:
         torch.empty(0, device=value)
-    except (RuntimeError, AssertionError, ValueError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    except Exception as error:  # torch raises many kinds for devices it was not built with
+        reason = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
         raise UsageError(f"{option} {value}: not a device this machine has ({reason}); use "
                          f"{usable}") from None
     return value

@@ -5,6 +5,7 @@ docs/BENCHMARKS.md for the method and the numbers)."""
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -52,6 +53,10 @@ def options_from(args: argparse.Namespace, command: str = ""):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name} {value}: give at least 1")
+    cores = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cores:
+        raise UsageError(f"--threads {args.threads}: this machine has {cores} cores; give at "
+                         f"most {cores}")
     options = Options(quick=args.quick, out=args.out, workloads=args.workloads,
                       methods=args.methods, reps=args.reps, flex=args.flex, memory=args.memory,
                       threads=args.threads, command=command or "attnkit bench")

@@ -282,7 +282,8 @@ def run(args: argparse.Namespace, console) -> int:
     tensors = {}
     for name in ("q", "k", "v"):
         try:
-            tensors[name] = parse_matrix(getattr(args, name)) if getattr(args, name) else None
+            text = getattr(args, name)
+            tensors[name] = None if text is None else parse_matrix(text)
         except ValueError as error:
             raise UsageError(f"--{name}: {error}") from None
     try:
@@ -290,8 +291,11 @@ def run(args: argparse.Namespace, console) -> int:
                               softcap_at=args.softcap, alibi_slope=args.alibi)
     except (ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
-    if args.plot:
+    if args.plot is not None:
         check_output("--plot", args.plot)
+        if not args.plot.lower().endswith(".png"):
+            raise UsageError(f"--plot {args.plot}: the heatmap is a PNG; give a path ending "
+                             f"in .png")
     result = steps(inputs)
     if all(tensor is None for tensor in tensors.values()):
         console.print("[bold]Built-in example[/bold]: a classic 3-token example of scaled "
@@ -303,12 +307,16 @@ def run(args: argparse.Namespace, console) -> int:
             if batch * heads > 1:
                 console.rule(f"[bold magenta]batch {b}, head {h}")
             _print_head(console, result, inputs, b, h)
-    if args.plot:
+    if args.plot is not None:
         allowed = None
         if result.allowed is not None:
             allowed = result.allowed[0, 0]  # [Tq, Tk]
-        path = plot_weights(result.weights[0, 0], allowed, args.plot,
-                            title="attention weights (batch 0, head 0)" if batch * heads > 1
-                            else "attention weights A = softmax(masked)")
+        try:
+            path = plot_weights(result.weights[0, 0], allowed, args.plot,
+                                title="attention weights (batch 0, head 0)" if batch * heads > 1
+                                else "attention weights A = softmax(masked)")
+        except OSError as error:
+            raise UsageError(f"--plot {args.plot}: cannot write it ({error.strerror or error}); "
+                             f"choose another path") from None
         console.print(f"wrote weights heatmap: {path}")
     return 0

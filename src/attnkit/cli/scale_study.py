@@ -34,6 +34,7 @@ SCALES = {
 """The three scale choices compared, by name → factor for a given d_k."""
 
 D_KS = (16, 32, 64, 128, 256, 512, 1024)
+MAX_SAMPLES = 1_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -178,6 +179,9 @@ def run(args: argparse.Namespace, console) -> int:
 
     if args.samples < 2:
         raise UsageError(f"--samples {args.samples}: give at least 2 (a variance needs two pairs)")
+    if args.samples > MAX_SAMPLES:
+        raise UsageError(f"--samples {args.samples}: give at most {MAX_SAMPLES} (each pair holds "
+                         f"2 × 64 float64 values: ~1 GB at the bound)")
     plot_path = check_output("--out", args.out, "scale_study.png") / "scale_study.png"
     data = scale_study(seed=args.seed, samples=args.samples)
 
