@@ -143,6 +143,18 @@ def test_an_sdpa_kernel_context_without_a_kernel_for_the_call_names_the_route(ge
     torch.testing.assert_close(out, ak.attention(q, q, q, ak.causal(), backend="reference"))
 
 
+def test_another_error_inside_an_sdpa_kernel_context_keeps_its_type(gen, monkeypatch):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory")
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", out_of_memory)
+    q = torch.randn(1, 2, 6, 8, generator=gen)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
+            ak.attention(q, q, q, ak.causal(), backend="torch")
+
+
 # ---- KVCache.append -----------------------------------------------------------------------------
 
 def _caches():

@@ -588,3 +588,20 @@ def test_a_reused_key_buffer_never_leaks_an_earlier_calls_keys():
                          invariant=True)
     assert not short.out.isnan().any()
     assert torch.equal(short.out, fresh.out) and torch.equal(short.lse, fresh.lse)
+
+
+def test_left_padding_named_by_several_parts_keeps_the_bits(backend="tiled"):
+    """Per-sequence bands and paddings built apart (their starts are different tensors of
+    equal values): the keys still begin at the sequence's start, as alone."""
+    gen = torch.Generator().manual_seed(7)
+    length, pad = 300, 37
+    q, k, v = (_tensors(gen, 1, 2, length, torch.float64) for _ in range(3))
+    alone = ak.attention(q, k, v, ak.causal() & ak.sliding_window(40, 0), return_lse=True,
+                         invariant=True, backend=backend)
+    wide = [torch.cat([torch.full((1, 2, pad, D), float("nan"), dtype=torch.float64), t], 2)
+            for t in (q, k, v)]
+    runs = lambda: ak.padding(q_starts=[pad], kv_starts=[pad])  # noqa: E731 (a new tensor each)
+    mask = ak.causal(sequences=runs()) & ak.sliding_window(40, 0, sequences=runs()) & runs()
+    within = ak.attention(*wide, mask, return_lse=True, invariant=True, backend=backend)
+    assert _equal(within.out[:, :, pad:], alone.out)
+    assert _equal(within.lse[:, :, pad:], alone.lse)

@@ -171,18 +171,20 @@ def test_a_plan_inside_a_compiled_function_runs_as_attention(gen):
     torch.testing.assert_close(compiled(q, k, v), ak.attention(q, k, v, mask))
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["", "inference_mode"])
 @pytest.mark.parametrize("device", ["meta", "fake"])
-def test_plans_propagate_shapes_on_meta_and_fake_tensors(device):
+def test_plans_propagate_shapes_on_meta_and_fake_tensors(device, inference):
     def run(q, k, v):
         mask = ak.padding(kv_lengths=torch.tensor([10, T], device=q.device))
         plan = ak.plan(q, k, v, mask)
         return plan(q, k, v)
     shapes = [(B, HQ, T, D), (B, HKV, T, D), (B, HKV, T, D)]
-    if device == "meta":
-        out = run(*(torch.empty(s, device="meta") for s in shapes))
-    else:
-        with FakeTensorMode():
-            out = run(*(torch.empty(s) for s in shapes))
+    with torch.inference_mode(inference):
+        if device == "meta":
+            out = run(*(torch.empty(s, device="meta") for s in shapes))
+        else:
+            with FakeTensorMode():
+                out = run(*(torch.empty(s) for s in shapes))
     assert out.shape == (B, HQ, T, D)
 
 

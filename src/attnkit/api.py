@@ -171,7 +171,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = Non
     running it makes no such decision again: it checks the tensors' shapes, strides, dtypes,
     devices and gradient flags against the plan's and the mask's tensors against in-place
     writes (``ValueError`` on either; a mask's tensors made under ``torch.inference_mode``
-    have no version counter, so their values are compared, a host read per run), then runs the planned call, which returns what
+    have no version counter: on the CPU their values are compared, on a GPU they are not
+    watched, so make a new plan after writing one), then runs the planned call, which returns what
     :func:`attention` returns, bit for bit. A plan holds what it derived from the mask's
     values (runs of real keys, the dense key mask of torch's kernel) for its lifetime: make a
     new one for a new mask, as each step of a decoding loop does. Make and run plans outside

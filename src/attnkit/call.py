@@ -20,7 +20,7 @@ import torch
 from . import dispatch
 from .backends.base import Backend, BackendOutput
 from .inputs import CallCache, Inputs, _bhtd, refuse_jit_trace, restore, validate
-from .masks import content_key, mask_tensors, wrapped_eagerly
+from .masks import KEY_BYTES, content_key, mask_tensors, readable, wrapped_eagerly
 
 
 class AttentionResult(NamedTuple):
@@ -73,8 +73,9 @@ class Plan:
     nothing from the mask again (each layer pays only the kernel and the per-call operations
     on its own q, k, v); it checks that the tensors have the planned shapes, strides, dtypes,
     devices and gradient flags, and that the mask's tensors were not written in place since
-    (their version counters; inference tensors, which have none, by their values: a host
-    read per run), raising ``ValueError`` otherwise. Made and run outside
+    (their version counters; CPU inference tensors, which have none, by their values; an
+    inference tensor on a GPU is not watched: make a new plan after writing it), raising
+    ``ValueError`` otherwise. Made and run outside
     ``torch.autocast``; made or run inside a compiled region, it runs as
     :func:`attnkit.attention`."""
 
@@ -202,11 +203,21 @@ def _watched(mask, modifiers) -> tuple:
 
 
 def _versions(tensors: tuple) -> tuple:
-    """The version counter of each tensor (inference tensors, which have none: their values,
-    :func:`~attnkit.masks.content_key`; the plan holds the tensors, so their identities stay
-    theirs), then each one's ``requires_grad``."""
-    return (tuple(content_key(t) if t.is_inference() else t._version for t in tensors),
+    """The version counter of each tensor, then each one's ``requires_grad`` (the plan holds
+    the tensors, so their identities stay theirs). Inference tensors have no counter: their
+    values on the CPU (:func:`_inference_values`), else ``None`` (not watched)."""
+    return (tuple(_inference_values(t) if t.is_inference() else t._version for t in tensors),
             tuple(t.requires_grad for t in tensors))
+
+
+def _inference_values(t: torch.Tensor) -> Optional[bytes]:
+    """An inference tensor's values as a key when reading them costs no device sync (a plain
+    CPU tensor, at most :data:`~attnkit.masks.KEY_BYTES`); else ``None``: a GPU tensor (a read
+    would sync every run), meta or fake tensors (no values), larger ones."""
+    if (type(t) is not torch.Tensor or t.device.type != "cpu" or not readable(t)
+            or t.numel() * t.element_size() > KEY_BYTES):
+        return None
+    return content_key(t)
 
 
 def validated(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse,

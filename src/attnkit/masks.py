@@ -1298,15 +1298,20 @@ def _band_covers(mask: Mask, space: Optional[MaskSpace], rows: bool) -> bool:
 def key_starts(mask: Optional[Mask]) -> Optional[torch.Tensor]:
     """Where each batch element's keys begin, ``[Bm]`` long, when ``mask`` (or a part of its
     ``&`` chain) is a key padding with starts, or a band aligned to one (left padding, a
-    transformers ``attention_mask`` read by :func:`real_keys`); ``None`` when the keys of every sequence begin at position 0
-    as far as the mask says."""
+    transformers ``attention_mask`` read by :func:`real_keys`; several: their latest start);
+    ``None`` when the keys of every sequence begin at position 0 as far as the mask says."""
     if mask is None:
         return None
     paddings = (leaf.sequences if isinstance(leaf, _SequenceBand) else leaf
                 for leaf in mask.leaves())
-    starts = {id(p.kv_starts): p.kv_starts for p in paddings
-              if isinstance(p, _Padding) and p.kv_starts is not None}
-    return next(iter(starts.values())).reshape(-1) if len(starts) == 1 else None
+    starts = list({id(p.kv_starts): p.kv_starts.reshape(-1) for p in paddings
+                   if isinstance(p, _Padding) and p.kv_starts is not None}.values())
+    if not starts:
+        return None
+    first = starts[0]  # every part allows a key: a sequence's keys begin at its latest start
+    for other in starts[1:]:
+        first = torch.maximum(first, other.to(first.device))
+    return first
 
 
 class KeyRanges(NamedTuple):

@@ -292,10 +292,10 @@ def run(args: argparse.Namespace, console) -> int:
     except (ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
     if args.plot is not None:
-        check_output("--plot", args.plot)
         if not args.plot.lower().endswith(".png"):
             raise UsageError(f"--plot {args.plot}: the heatmap is a PNG; give a path ending "
                              f"in .png")
+        check_output("--plot", args.plot)
     result = steps(inputs)
     if all(tensor is None for tensor in tensors.values()):
         console.print("[bold]Built-in example[/bold]: a classic 3-token example of scaled "
