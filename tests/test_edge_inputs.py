@@ -343,3 +343,31 @@ def test_softcap_at_the_ends_of_its_range_is_finite(cap, backend):
     truth = ak.attention(*(t.detach().double() for t in (q, k, v)), ak.causal() & ak.softcap(cap),
                          backend="reference")
     torch.testing.assert_close(got.detach().double(), truth, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["documents", "window & padding", "causal & padding"])
+def test_the_non_finite_scan_never_evaluates_the_whole_batch_mask(kind, monkeypatch):
+    """B·Tq·Tk above the scan's chunk: the rows that may see a NaN key are found by runs or
+    row chunks over the batch, never by the call's whole [B, 1, Tq, Tk] mask (5 bytes per
+    entry), and still exactly."""
+    from attnkit import finite
+    from attnkit.inputs import Inputs
+
+    def whole(self):
+        raise AssertionError("the whole batch's mask was evaluated")
+    monkeypatch.setattr(Inputs, "allowed", whole)
+    monkeypatch.setattr(Inputs, "has_key", whole)
+    gen = torch.Generator().manual_seed(3)
+    batch, length = 20, 512
+    assert batch * length * length > finite.CHUNK_ELEMENTS
+    q, k, v = (torch.randn(batch, 1, length, 4, generator=gen) for _ in range(3))
+    lengths = torch.randint(1, length + 1, (batch,), generator=gen)
+    mask = {"documents": ak.documents(torch.arange(length).repeat(batch, 1) // 100
+                                      + torch.arange(batch)[:, None] % 3),
+            "window & padding": ak.sliding_window(8) & ak.padding(kv_lengths=lengths),
+            "causal & padding": ak.causal() & ak.padding(lengths, lengths)}[kind]
+    k[3, 0, 250] = float("nan")  # rows that may see it are NaN, no other
+    got = ak.attention(q, k, v, mask, backend="tiled")
+    want = ak.attention(q.double(), k.double(), v.double(), mask, backend="reference")
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got.nan_to_num(), want.float().nan_to_num())

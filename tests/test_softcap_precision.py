@@ -73,7 +73,7 @@ def delta_form_floors(q, k, v, cotangent, *, cap, scale) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("scale", [None, 1000.0])
-@pytest.mark.parametrize("cap", [1e-3, 30.0, 1e30])
+@pytest.mark.parametrize("cap", [1e-3, 30.0, 1e30, 3.4e38])
 def test_tiled_softcap_extremes_within_2x_plain_math(cap, scale):
     """Tiled softcap, forward and backward, within 2x of plain float32 math's error (float64
     truth), at tiny, common and huge caps, default and large scales. A huge cap with scale

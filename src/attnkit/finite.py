@@ -444,7 +444,9 @@ def _scan(inputs: Inputs) -> tuple:
         bad = bad.repeat_interleave(inputs.group_size, dim=1)[..., None]  # [B, Hq, Tk, 1]
     space = inputs.space
     banded = q_len >= KV_CHECK_MIN_ROWS and inputs.mask.band() is not None  # prefix sums
-    if q_len * space.kv_len <= CHUNK_ELEMENTS and not banded:  # the call's own evaluation
+    # the whole [B, Tq, Tk] mask when small (the call's own evaluation), else prefix sums over
+    # runs, else row chunks of at most CHUNK_ELEMENTS mask entries over the batch
+    if batch * q_len * space.kv_len <= CHUNK_ELEMENTS and not banded:
         has_key = inputs.has_key()  # [Bm, Hm, Tq, 1], or None: every row has a key
         count = key_any = None
         if bad is not None:
@@ -459,7 +461,7 @@ def _scan(inputs: Inputs) -> tuple:
             count = torch.empty(batch, heads, q_len, 1, dtype=dtype, device=k.device)
             key_any = torch.zeros(batch, heads, space.kv_len, dtype=torch.bool, device=k.device)
         kv_idx = torch.arange(space.kv_len, device=k.device)
-        rows = max(1, CHUNK_ELEMENTS // max(1, space.kv_len))
+        rows = max(1, CHUNK_ELEMENTS // max(1, batch * space.kv_len))
         for start in range(0, q_len, rows):
             stop = min(start + rows, q_len)
             allowed = inputs.mask.tile(torch.arange(start, stop, device=k.device), kv_idx, space)

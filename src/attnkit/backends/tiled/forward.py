@@ -233,8 +233,11 @@ def _exp_(x: torch.Tensor, units: float = 1.0, natural: bool = False) -> torch.T
     if natural:
         return torch.nn.functional.threshold_(x.mul_(units), FLUSH_BELOW / LOG2E,
                                               float("-inf")).exp_()
-    return torch.nn.functional.threshold_(x.mul_(units * LOG2E), FLUSH_BELOW,
-                                          float("-inf")).exp2_()
+    factor = units * LOG2E
+    if factor > torch.finfo(x.dtype).max:  # a softcap near the dtype's limit: 0 · inf is NaN
+        x.mul_(units)
+        factor = LOG2E
+    return torch.nn.functional.threshold_(x.mul_(factor), FLUSH_BELOW, float("-inf")).exp2_()
 
 
 def _bounded(segments, rows_of_work: int, block_k: int, fused: bool):
