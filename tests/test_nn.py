@@ -271,6 +271,36 @@ def test_masks_that_read_positions_over_caches_of_ragged_sequences_are_refused()
         torch.testing.assert_close(out[b:b + 1], want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("mask", [
+    lambda: ak.sliding_window(1, 0, align="bottom_right"),
+    lambda: ak.alibi(torch.tensor([0.5, 0.2], dtype=F64), "bottom_right")
+    & ak.sinks(torch.zeros(2, dtype=F64))], ids=["window", "alibi with sinks"])
+def test_masks_that_read_positions_over_a_padded_buffer_end_are_refused(mask):
+    """Equal sequences whose buffer runs past them (a right-padded chunk): a mask aligned to
+    the buffer's end would be off for every row; refused, and the cache's own causal runs."""
+    torch.manual_seed(25)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    x = _rand(1, 3, 8, seed=26)
+    _, _, padded = mha(x[:, :2], cache=KVCache.empty(), is_causal=True,
+                       lengths=torch.tensor([1]))
+    assert padded.length == 2 and padded.lengths.tolist() == [1]
+    with pytest.raises(ValueError, match="hold 1 keys in a buffer of 2 positions"):
+        mha(x[:, 2:], mask=mask(), cache=padded, is_causal=True)
+    out = mha(x[:, 2:], cache=padded, is_causal=True).out
+    want = mha(torch.cat([x[:, :1], x[:, 2:]], 1), is_causal=True).out[:, -1:]
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+
+
+def test_a_cache_keeps_its_lengths_when_the_callers_tensor_is_rewritten():
+    keys = torch.randn(2, 1, 2, 4, dtype=F64)
+    lengths = torch.tensor([2, 1])
+    cache = KVCache.empty().append(keys, keys, lengths)
+    mask_before = cache.mask(True).to_dense(ak.masks.MaskSpace(2, 1, 1, 2))
+    lengths.copy_(torch.tensor([1, 2]))  # a loop reusing its buffer
+    assert cache.lengths.tolist() == [2, 1] and cache.appended.tolist() == [2, 1]
+    assert torch.equal(cache.mask(True).to_dense(ak.masks.MaskSpace(2, 1, 1, 2)), mask_before)
+
+
 def test_a_paged_cache_takes_queries_other_than_its_last_append():
     """Cross-attention into cached encoder states (no new keys, or another count): the
     gathered keys, as with a KVCache."""

@@ -223,6 +223,35 @@ def test_a_full_pool_refuses_and_changes_nothing():
     assert torch.equal(cache.key_pool.nan_to_num(), before[3].nan_to_num())
 
 
+@pytest.mark.parametrize("refusal", ["full", "lengths"])
+def test_a_refused_first_append_starts_no_sequences(refusal):
+    cache = PagedKVCache(1, 2)
+    new = torch.zeros(2, 1, 3, 4)
+    with pytest.raises(ValueError, match=refusal):
+        cache.append(new, new, lengths=None if refusal == "full" else [5, 0])
+    assert cache.batch == 0 and cache.lengths == [] and cache.free_blocks == 1
+    cache.append(new[:1, :, :2], new[:1, :, :2])  # another batch size is welcome
+    assert cache.lengths == [2]
+
+
+def test_a_step_refused_after_its_append_leaves_the_paged_cache_as_it_was():
+    gen = torch.Generator().manual_seed(4)
+    mha = MultiHeadAttention(8, 2, dtype=F64).eval()
+    cache = PagedKVCache(8, 2)
+    mha(torch.randn(2, 3, 8, generator=gen, dtype=F64), cache=cache, is_causal=True)
+    before = (cache.tables, cache.lengths, cache.free_blocks)
+    step = torch.randn(2, 1, 8, generator=gen, dtype=F64)
+    with pytest.raises(ValueError, match="not broadcastable"):
+        mha(step, cache=cache, is_causal=True, mask=torch.ones(1, 3, dtype=torch.bool))
+    assert (cache.tables, cache.lengths, cache.free_blocks) == before
+    out = mha(step, cache=cache, is_causal=True).out
+    assert cache.lengths == [4, 4]
+    full = PagedKVCache(8, 2)
+    mha(torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(4), dtype=F64),
+        cache=full, is_causal=True)
+    torch.testing.assert_close(out, mha(step, cache=full, is_causal=True).out)
+
+
 def test_bad_rows_and_lengths_are_refused():
     cache = PagedKVCache(4, 2)
     cache.append(torch.zeros(2, 1, 1, 4), torch.zeros(2, 1, 1, 4))

@@ -613,7 +613,8 @@ class KVCache:
         if readable(lengths) and bool(((lengths < 0) | (lengths > new)).any()):
             raise ValueError(f"lengths must lie in [0, {new}] (the new positions), got "
                              f"{lengths.tolist()}")
-        return lengths.long()
+        kept = lengths.long()
+        return kept.clone() if kept is given else kept  # the caller may write theirs later
 
 
 # ---------------------------------------------------------------------------------------------
@@ -943,43 +944,53 @@ class MultiHeadAttention(nn.Module):
             heads_out = heads_out.transpose(1, 2).flatten(-2)  # [B, Tq/P, H·D]
             out = _projected(self.out_proj, heads_out, invariant)
             return MHAOutput(out[0] if unbatched else out, None, None)
-        if cache is not None:
-            if not isinstance(cache, (KVCache, PagedKVCache)):
-                raise TypeError(f"cache must be a KVCache (MultiHeadAttention.empty_cache()) or "
-                                f"a PagedKVCache, got {type(cache).__name__}")
-            # a paged step over its own new tokens runs PagedKVCache.attend, which aligns a
-            # band and the score modifiers to each sequence (:func:`_per_sequence_step`)
-            paged_step = (isinstance(cache, PagedKVCache) and not invariant
-                          and key_valid is None and not need_weights
-                          and not (self.training and self.dropout)
-                          and q.shape[2] == k.shape[2] and _per_sequence_step(mask))
-            if mask is not None and not paged_step:
-                _check_positions(as_mask(mask), cache, lengths, k.shape[2])
-            new_cache = (cache._append(k, v, lengths, KV_SPLIT)  # read in place by decode
-                         if invariant and isinstance(cache, KVCache) and cache.window is None
-                         else cache.append(k, v, lengths))
-            if not isinstance(new_cache, PagedKVCache):  # a paged cache gathers only if asked
-                k, v = new_cache.keys, new_cache.values  # [B, Hkv, T_cache + Tk, D]
-                _read_by_graph(new_cache, q)
-        elif lengths is not None:
-            raise TypeError("lengths (real tokens per sequence of a chunk) needs a cache; without "
-                            "one, pass the padding as key_valid")
+        # a PagedKVCache is written in place: a step refused after its append (a mask that
+        # does not fit) puts the cache back as it was
+        undo = cache._snapshot() if isinstance(cache, PagedKVCache) else None
+        try:
+            if cache is not None:
+                if not isinstance(cache, (KVCache, PagedKVCache)):
+                    raise TypeError(f"cache must be a KVCache (MultiHeadAttention."
+                                    f"empty_cache()) or a PagedKVCache, got "
+                                    f"{type(cache).__name__}")
+                # a paged step over its own new tokens runs PagedKVCache.attend, which aligns a
+                # band and the score modifiers to each sequence (:func:`_per_sequence_step`)
+                paged_step = (isinstance(cache, PagedKVCache) and not invariant
+                              and key_valid is None and not need_weights
+                              and not (self.training and self.dropout)
+                              and q.shape[2] == k.shape[2] and _per_sequence_step(mask))
+                if mask is not None and not paged_step:
+                    _check_positions(as_mask(mask), cache, lengths, k.shape[2])
+                new_cache = (cache._append(k, v, lengths, KV_SPLIT)  # read in place by decode
+                             if invariant and isinstance(cache, KVCache) and cache.window is None
+                             else cache.append(k, v, lengths))
+                if not isinstance(new_cache, PagedKVCache):  # a paged cache gathers only if asked
+                    k, v = new_cache.keys, new_cache.values  # [B, Hkv, T_cache + Tk, D]
+                    _read_by_graph(new_cache, q)
+            elif lengths is not None:
+                raise TypeError("lengths (real tokens per sequence of a chunk) needs a cache; "
+                                "without one, pass the padding as key_valid")
 
-        dropout = self.dropout if self.training else 0.0
-        plain = mask is None and key_valid is None and not need_weights and not dropout
-        heads_out = weights = None
-        if plain and isinstance(new_cache, KVCache):  # a decoding step: None otherwise
-            heads_out = new_cache.decode(q, backend=self.backend, invariant=invariant)
-        elif isinstance(new_cache, PagedKVCache) and paged_step:
-            heads_out = new_cache.attend(q, mask, is_causal=is_causal, backend=self.backend)
-        if heads_out is None:
-            if isinstance(new_cache, PagedKVCache):
-                k, v = new_cache.keys, new_cache.values  # gathered [B, Hkv, T, D]
-            full_mask = self._combine_masks(mask, key_valid, is_causal, cache=new_cache,
-                                            batch=batch, kv_len=k.shape[2])
-            result = attention(q, k, v, full_mask, dropout_p=dropout, backend=self.backend,
-                               return_weights=need_weights, invariant=invariant)
-            heads_out, weights = (result.out, result.weights) if need_weights else (result, None)
+            dropout = self.dropout if self.training else 0.0
+            plain = mask is None and key_valid is None and not need_weights and not dropout
+            heads_out = weights = None
+            if plain and isinstance(new_cache, KVCache):  # a decoding step: None otherwise
+                heads_out = new_cache.decode(q, backend=self.backend, invariant=invariant)
+            elif isinstance(new_cache, PagedKVCache) and paged_step:
+                heads_out = new_cache.attend(q, mask, is_causal=is_causal, backend=self.backend)
+            if heads_out is None:
+                if isinstance(new_cache, PagedKVCache):
+                    k, v = new_cache.keys, new_cache.values  # gathered [B, Hkv, T, D]
+                full_mask = self._combine_masks(mask, key_valid, is_causal, cache=new_cache,
+                                                batch=batch, kv_len=k.shape[2])
+                result = attention(q, k, v, full_mask, dropout_p=dropout, backend=self.backend,
+                                   return_weights=need_weights, invariant=invariant)
+                heads_out, weights = ((result.out, result.weights) if need_weights
+                                      else (result, None))
+        except BaseException:
+            if undo is not None:
+                cache._restore(undo)
+            raise
         heads_out = heads_out.transpose(1, 2).flatten(-2)  # [B, Tq, H·D]
         out = _projected(self.out_proj, heads_out, invariant)
         if unbatched:
@@ -1284,6 +1295,14 @@ def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
             f"cache aligns it per sequence); keep sequences of different lengths in caches of "
             f"their own for windows and position biases, or pass their bias as a tensor "
             f"(attnkit.bias){per_step}")
+    if not paged and cache.lengths is not None and cache.length and held[0] != cache.length:
+        raise ValueError(
+            f"{what} over a cache whose sequences hold {held[0]} keys in a buffer of "
+            f"{cache.length} positions (a chunk appended with lengths below its width leaves "
+            f"its padding at the buffer's end): it reads positions of the buffer, aligned to "
+            f"its end, so every row would be off. Pass is_causal=True for causal attention "
+            f"(the cache aligns it per sequence); for windows and position biases append "
+            f"chunks without padding")
     top_left = [part for part in parts if part.align == "top_left"]
     # a paged cache gathers each sequence's keys up to the longest: a chunk no sequence fills
     # ends them before the chunk does, which moves a bottom-right alignment

@@ -793,16 +793,23 @@ class PagedKVCache:
         nothing."""
         self._check_step(keys, values)
         batch, new = keys.shape[0], keys.shape[2]
-        if not self.tables:
-            self.add(batch)
-        if batch != self.batch:
+        if self.tables and batch != self.batch:
             raise ValueError(f"keys/values hold {batch} sequences but the cache has "
                              f"{self.batch}: one row per sequence, in order")
         counts = [new] * batch if lengths is None else _integers("lengths", lengths, 1)
         if len(counts) != batch or any(not 0 <= c <= new for c in counts):
             raise ValueError(f"lengths must be [B] = [{batch}] integers in [0, {new}], got "
                              f"{counts}")
-        plan, copies = self._plan(counts)
+        undo = None
+        if not self.tables:  # the first append starts the batch (undone if the pool is full)
+            undo = self._snapshot()
+            self.add(batch)
+        try:
+            plan, copies = self._plan(counts)
+        except ValueError:
+            if undo is not None:
+                self._restore(undo)
+            raise
         if (self.key_pool is not None and self.key_pool.is_inference()
                 and not torch.is_inference_mode_enabled()):  # (torch refuses writes into them)
             self.key_pool, self.value_pool = self.key_pool.clone(), self.value_pool.clone()
@@ -910,6 +917,19 @@ class PagedKVCache:
     def values(self) -> torch.Tensor:
         """Every sequence's values gathered ``[B, Hkv, T, Dv]``, as :attr:`keys`."""
         return self._gather()[1]
+
+    def _snapshot(self) -> tuple:
+        """What :meth:`append` changes, for :meth:`_restore`: the batch's lists (copies: ``add``
+        extends them in place), the free list and the holder counts (``_plan`` replaces
+        those, never writes them). Slots an undone append wrote lie past the lengths."""
+        return (list(self.tables), list(self.lengths), list(self.appended), self._width,
+                self._free, self._holders, self._runs)
+
+    def _restore(self, snapshot: tuple) -> None:
+        """The cache as :meth:`_snapshot` found it (a step refused after its append)."""
+        (self.tables, self.lengths, self.appended, self._width, self._free, self._holders,
+         self._runs) = snapshot
+        self._changed()
 
     def _changed(self) -> None:
         """Forget what was made from the tables and the pool (:meth:`_state`, :meth:`_gather`):
