@@ -31,7 +31,7 @@ from torch import nn
 from . import dispatch, finite, invariance
 from .api import attention
 from .backends.tiled.forward import KV_SPLIT, kernel_call
-from .backends.tiled.plan import INVARIANT_MAX_HEAD_DIM
+from .backends.tiled.plan import INVARIANT_MAX_HEAD_DIM, rows_anywhere
 from .backends.torch_sdpa import sdpa_call
 from .finite import zero_outside
 from .inputs import LazyText, refuse_jit_trace
@@ -430,7 +430,8 @@ class KVCache:
         or forward-mode AD tensors, a step whose keys
         ``attention`` looks at, a mask too large for a dense key mask, not one real query
         per sequence; under the contract also a window, head dims that differ or exceed
-        :data:`~attnkit.backends.tiled.plan.INVARIANT_MAX_HEAD_DIM`, or a store without
+        :data:`~attnkit.backends.tiled.plan.INVARIANT_MAX_HEAD_DIM` or whose rows round by
+        their place (:func:`~attnkit.backends.tiled.plan.rows_anywhere`), or a store without
         whole splits): the caller then runs ``attention``."""
         keys, values = self.keys, self.values
         # Plain CPU tensors only (not fake, not meta, not a subclass): ``type(q)`` inside a
@@ -476,7 +477,8 @@ class KVCache:
         width = -(-kv_len // KV_SPLIT) * KV_SPLIT
         head_dim, heads_kv = q.shape[-1], self.keys.shape[1]
         if (store is None or self._start or self.window is not None or store.capacity < width
-                or self.values.shape[-1] != head_dim or head_dim > INVARIANT_MAX_HEAD_DIM):
+                or self.values.shape[-1] != head_dim or head_dim > INVARIANT_MAX_HEAD_DIM
+                or not rows_anywhere(head_dim, head_dim, q.dtype)):
             return None
         bias = store.key_bias(kv_len if self.lengths is None else self.lengths, width)
         out, _ = kernel_call(grouped(q, heads_kv), store.keys[:, :, :width],

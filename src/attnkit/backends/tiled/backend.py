@@ -19,7 +19,7 @@ from ..reference import steps
 from .backward import _biases, tiled_backward
 from .forward import _bounded, _exp_, _scores, fused_kernel_takes, tiled_forward, uses_fused_kernel
 from .plan import (BLOCK_K, FIXED_BLOCK_K, INVARIANT_MAX_HEAD_DIM, MODIFIED_TILE_KEYS, Problem,
-                   TiledOptions, choose_block_q, make_plan)
+                   TiledOptions, choose_block_q, make_plan, rows_anywhere)
 from .positions import _position_tile, _positions
 from .tiles import _BlockWork, _segment_mask, _tile_scores
 
@@ -208,6 +208,15 @@ class TiledBackend(Backend):
             reasons.append(f"invariant=True with head dim {widest} > {INVARIANT_MAX_HEAD_DIM} "
                            f"(not supported by tiled: BLAS blocks wider reductions differently "
                            f"for different row counts)")
+        elif inputs.invariant and not rows_anywhere(
+                inputs.q.shape[-1], inputs.v.shape[-1], accum_dtype(inputs.q.dtype),
+                inputs.q.device):
+            reasons.append(f"invariant=True with head dims {inputs.q.shape[-1]} (keys) and "
+                           f"{inputs.v.shape[-1]} (values) (not supported by tiled on this "
+                           f"machine: its BLAS rounds a row of these widths by the row's place "
+                           f"in a call, measured; zero-padding q, k and v to a multiple of 8 "
+                           f"features, with scale= of the unpadded width, then slicing the "
+                           f"output, avoids it on common CPUs)")
         if inputs.invariant and _left_starts(inputs) is not None:
             batched = inputs.modifiers is not None and (inputs.modifiers.functions or any(
                 part.slopes.dim() == 2 and part.slopes.shape[0] > 1

@@ -120,6 +120,51 @@ def _measure_row_quantum(head_dim: int, dtype: torch.dtype, device: torch.device
     return min(quantum, rows)
 
 
+@functools.lru_cache(maxsize=None)
+def rows_anywhere(key_dim: int, value_dim: int, dtype: torch.dtype = torch.float32,
+                  device: torch.device = torch.device("cpu")) -> bool:
+    """Whether the fixed schedule's products give a query row the same bits wherever it sits
+    in a kernel call (a decoding step's row comes first in its call, the same row of a
+    prefill anywhere), for head dims ``key_dim``/``value_dim`` in ``dtype`` (the accumulation
+    dtype) on ``device``, measured once per process: a call's rows shifted by 1 to 16 against
+    the same rows of one call of 256. BLAS rounds a row by its place for some narrow odd
+    widths (5 and 7 in float32, 3 to 7 in float64 on AVX2 CPUs); there the fixed schedule
+    cannot keep the contract. Measured outside the caller's dispatch modes, as
+    :func:`row_quantum`."""
+    if device.type != "cpu":
+        return True
+    with _disable_current_modes():
+        return _measure_rows_anywhere(key_dim, value_dim, dtype, device)
+
+
+def _measure_rows_anywhere(key_dim: int, value_dim: int, dtype: torch.dtype,
+                           device: torch.device) -> bool:
+    gen = torch.Generator().manual_seed(1)
+    rows = 256
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
+
+    q, k, v = draw(1, 2, rows, key_dim), draw(1, 2, FIXED_BLOCK_K, key_dim), draw(
+        1, 2, FIXED_BLOCK_K, value_dim)
+    weights = torch.rand(1, 2, rows, FIXED_BLOCK_K, generator=gen,
+                         dtype=torch.float64).to(device, dtype)
+
+    def results(start: int, stop: int) -> list[torch.Tensor]:
+        found = [q[:, :, start:stop] @ k.transpose(-1, -2), weights[:, :, start:stop] @ v]
+        if key_dim == value_dim and dtype in (torch.float32, torch.float64):
+            found += torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, start:stop], k, v, 0.0, False, scale=key_dim ** -0.5)[:2]
+        return found
+
+    whole = results(0, rows)
+    count = max(row_quantum(key_dim, dtype, device), row_quantum(value_dim, dtype, device), 32)
+    count = min(count, rows - 16)
+    return all(torch.equal(part, full.narrow(2, shift, count))
+               for shift in range(1, 17)
+               for part, full in zip(results(shift, shift + count), whole))
+
+
 LOG2E = 1.4426950408889634
 """``exp(x) = exp2(x · log2 e)``: the matmul path exponentiates in base 2, because torch's CPU
 ``exp`` takes a slow path for arguments below about −87 (where ALiBi puts far keys) and
