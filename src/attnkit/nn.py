@@ -1288,7 +1288,8 @@ def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
         held = [0]  # an empty cache: positions are the call's own (its first append)
     what = repr(parts[0]) + (" with sinks" if off and off[0].kind == "alibi" else "")
     per_step = (" (a PagedKVCache step with a bottom-right band runs per sequence, but not "
-                "with need_weights, key_valid or dropout)" if paged else "")
+                "with need_weights, key_valid, dropout or under attnkit.invariant())" if paged
+                else "")
     if len(set(held)) > 1:
         raise ValueError(
             f"{what} over a cache whose sequences hold different numbers of keys: it reads "
