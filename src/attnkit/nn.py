@@ -356,7 +356,8 @@ class KVCache:
             store.keys[:, :, self.length:length] = keys
             store.values[:, :, self.length:length] = values
         else:  # sequence b's chunk goes to positions before[b] + [0, t)
-            if before.is_inference() and not torch.is_inference_mode_enabled():
+            if (not torch.compiler.is_compiling() and before.is_inference()
+                    and not torch.is_inference_mode_enabled()):
                 before = before.clone()  # the scatter's backward saves its index
             slots = (before.view(-1, 1, 1, 1) if new == 1 else
                      (before[:, None] + torch.arange(new, device=keys.device))[:, None, :, None])
