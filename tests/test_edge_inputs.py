@@ -345,6 +345,26 @@ def test_softcap_at_the_ends_of_its_range_is_finite(cap, backend):
     torch.testing.assert_close(got.detach().double(), truth, rtol=1e-5, atol=1e-5)
 
 
+def test_the_torch_backend_shares_its_whole_mask_with_the_non_finite_scan(monkeypatch):
+    """torch's dense bias evaluates the whole mask: the scan reads that one evaluation at any
+    batch, not a second chunked one."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(65, 1, 256, 4, generator=gen) for _ in range(3))
+    ids = torch.randint(0, 3, (65, 256), generator=gen)
+    function = ak.from_function(lambda b, h, i, j: ids[b, i] == ids[b, j])
+    mask = function & ak.padding(kv_lengths=torch.randint(1, 257, (65,), generator=gen))
+    evaluated = []
+    original = type(function).tile
+
+    def tile(self, *args):
+        allowed = original(self, *args)
+        evaluated.append(allowed.numel())
+        return allowed
+    monkeypatch.setattr(type(function), "tile", tile)
+    out = ak.attention(q, k, v, mask, backend="torch")
+    assert sum(evaluated) == 65 * 256 * 256 and out.isfinite().all()
+
+
 @pytest.mark.parametrize("kind", ["documents", "window & padding", "causal & padding"])
 def test_the_non_finite_scan_never_evaluates_the_whole_batch_mask(kind, monkeypatch):
     """B·Tq·Tk above the scan's chunk: the rows that may see a NaN key are found by runs or
@@ -371,3 +391,21 @@ def test_the_non_finite_scan_never_evaluates_the_whole_batch_mask(kind, monkeypa
     want = ak.attention(q.double(), k.double(), v.double(), mask, backend="reference")
     assert torch.equal(got.isnan(), want.isnan())
     torch.testing.assert_close(got.nan_to_num(), want.float().nan_to_num())
+
+
+@pytest.mark.parametrize("case", ["window", "left padding"])
+def test_a_nan_key_alone_past_a_block_boundary_reaches_the_row(case):
+    """A decoding step (keys not scanned) whose newest key, NaN, sits alone in its key
+    segment: the row is NaN (torch's fused kernel alone would give out 0, LSE 0 for it)."""
+    gen = torch.Generator().manual_seed(9)
+    kv_len = 513 if case == "window" else 129
+    q = torch.randn(2, 4, 1, 8, generator=gen)
+    k, v = (torch.randn(2, 2, kv_len, 8, generator=gen) for _ in range(2))
+    k[0, 0, -1, 0] = float("nan")
+    mask = (ak.sliding_window(100, align="bottom_right") if case == "window"
+            else ak.padding(kv_starts=[3, 3]))
+    got = ak.attention(q, k, v, mask, backend="tiled", return_lse=True)
+    want = ak.attention(q.double(), k.double(), v.double(), mask, backend="reference")
+    assert torch.equal(got.out.isnan(), want.isnan()) and got.out[0, :2].isnan().all()
+    assert got.lse[0, :2].isnan().all()
+    torch.testing.assert_close(got.out[1], want[1].float())

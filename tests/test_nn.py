@@ -291,12 +291,30 @@ def test_masks_that_read_positions_over_a_padded_buffer_end_are_refused(mask):
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
 
 
-def test_a_cache_keeps_its_lengths_when_the_callers_tensor_is_rewritten():
+def test_a_top_left_mask_after_a_chunk_of_padding_alone_runs_as_the_first_append():
+    """Sequences that hold no key yet (a chunk all padding): top-left positions are the
+    new chunk's own and run; bottom-right ones would align to the buffer and are refused."""
+    torch.manual_seed(27)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    x = _rand(2, 5, 8, seed=28)
+    _, _, empty = mha(x[:, :2], cache=KVCache.empty(), is_causal=True,
+                      lengths=torch.tensor([0, 0]))
+    out = mha(x[:, 2:], mask=ak.sliding_window(1), cache=empty).out
+    want = mha(x[:, 2:], mask=ak.sliding_window(1)).out
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="hold 0 keys in a buffer of 2 positions"):
+        mha(x[:, 2:], mask=ak.sliding_window(1, align="bottom_right"), cache=empty)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "numpy"])
+def test_a_cache_keeps_its_lengths_when_the_callers_tensor_is_rewritten(kind):
+    import numpy as np
+
     keys = torch.randn(2, 1, 2, 4, dtype=F64)
-    lengths = torch.tensor([2, 1])
+    lengths = torch.tensor([2, 1]) if kind == "tensor" else np.array([2, 1], dtype=np.int64)
     cache = KVCache.empty().append(keys, keys, lengths)
     mask_before = cache.mask(True).to_dense(ak.masks.MaskSpace(2, 1, 1, 2))
-    lengths.copy_(torch.tensor([1, 2]))  # a loop reusing its buffer
+    lengths[:] = lengths[::-1].copy() if kind == "numpy" else lengths.flip(0)  # reused buffer
     assert cache.lengths.tolist() == [2, 1] and cache.appended.tolist() == [2, 1]
     assert torch.equal(cache.mask(True).to_dense(ak.masks.MaskSpace(2, 1, 1, 2)), mask_before)
 

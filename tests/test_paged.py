@@ -246,6 +246,10 @@ def test_a_step_refused_after_its_append_leaves_the_paged_cache_as_it_was():
     assert (cache.tables, cache.lengths, cache.free_blocks) == before
     out = mha(step, cache=cache, is_causal=True).out
     assert cache.lengths == [4, 4]
+    first = PagedKVCache(8, 2)  # a refused first step leaves no pools of its dtype either
+    with pytest.raises(ValueError, match="not broadcastable"):
+        mha(step, cache=first, mask=torch.ones(1, 9, dtype=torch.bool))
+    assert first.batch == 0 and first.key_pool is None
     full = PagedKVCache(8, 2)
     mha(torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(4), dtype=F64),
         cache=full, is_causal=True)

@@ -175,7 +175,8 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
                 *(torch.zeros_like(t) if want else t.new_empty(0)
                   for t, want in zip(tensors, wanted))]
     # the q, K and V the forward ran on (dispatch.run)
-    inputs = guard(inputs, applies(inputs, chosen), chosen.reads_padding(inputs)).inputs
+    inputs = guard(inputs, applies(inputs, chosen), chosen.reads_padding(inputs),
+                   chosen.evaluates_mask(inputs)).inputs
     rows = inputs.q.shape[:3]
     wanted_by_id = {id(t): want for t, want in zip(tensors, wanted)}
     biases = [] if mask is None else mask.biases()  # the caller's tensors, in the order of

@@ -191,7 +191,8 @@ def run(chosen: Backend, inputs: Inputs) -> BackendOutput:
     as for any other."""
     if is_empty(inputs):
         return empty_output(inputs)
-    guarded = finite.guard(inputs, finite.applies(inputs, chosen), chosen.reads_padding(inputs))
+    guarded = finite.guard(inputs, finite.applies(inputs, chosen), chosen.reads_padding(inputs),
+                           chosen.evaluates_mask(inputs))
     result = chosen.forward(guarded.inputs)
     if guarded.poisons:
         result = BackendOutput(*finite.poison(guarded, *result))

@@ -63,7 +63,8 @@ class Guarded(NamedTuple):
     :func:`poison` does not run)."""
 
 
-def guard(inputs: Inputs, poisons: bool, zero_kv: bool = True) -> Guarded:
+def guard(inputs: Inputs, poisons: bool, zero_kv: bool = True,
+          whole_mask: bool = False) -> Guarded:
     """Zero what no result needs and may hold garbage: K/V outside each batch element's real
     keys, where the mask gives such runs and does not vouch for them
     (:meth:`~attnkit.masks.Mask.guard_runs`), and the queries with no allowed key (on CPU,
@@ -71,7 +72,9 @@ def guard(inputs: Inputs, poisons: bool, zero_kv: bool = True) -> Guarded:
     result is 0 and their gradient 0 whatever they hold. On the device, whatever the values;
     ``inputs`` itself when there is nothing to zero. ``poisons``: :func:`applies`;
     ``zero_kv``: whether the backend reads K/V outside the runs
-    (:meth:`~attnkit.backends.base.Backend.reads_padding`)."""
+    (:meth:`~attnkit.backends.base.Backend.reads_padding`); ``whole_mask``: whether it
+    evaluates the whole mask itself (:meth:`~attnkit.backends.base.Backend.evaluates_mask`),
+    which the scan then shares."""
     mask = inputs.mask
     if mask is None:
         return Guarded(inputs, poisons,
@@ -79,7 +82,7 @@ def guard(inputs: Inputs, poisons: bool, zero_kv: bool = True) -> Guarded:
     prep = derived(inputs, ("guard", poisons), lambda: _prepare(inputs, poisons))
     has_key = seen = key_seen = None
     if poisons and not prep.padding:  # one evaluation of the mask (garbage outside the runs
-        has_key, seen, key_seen = _scan(inputs)  # is never counted)
+        has_key, seen, key_seen = _scan(inputs, whole_mask)  # is never counted)
     fixed = {}
     # keys no query sees (which include those outside the runs), else those outside the runs
     real = (keep_for(key_seen, inputs.k) if key_seen is not None and not prep.every_key_seen
@@ -429,10 +432,12 @@ def _count_runs(runs: tuple, bad: Optional[torch.Tensor], batch: int) -> tuple:
     return has_key, count, (kv_hi > kv_lo)[:, None]  # key_any [Bm, 1, Tk]
 
 
-def _scan(inputs: Inputs) -> tuple:
+def _scan(inputs: Inputs, whole_mask: bool = False) -> tuple:
     """From one evaluation of the mask: per query row, whether it has an allowed key (bool
     ``[Bm|B, Hm|Hq, Tq, 1]``), and, when :func:`checks_keys`, :attr:`Guarded.seen` and per
-    key whether some query may see it (bool ``[Bm|B, Hm|Hkv, Tk, 1]``; else ``None``)."""
+    key whether some query may see it (bool ``[Bm|B, Hm|Hkv, Tk, 1]``; else ``None``).
+    ``whole_mask``: the backend evaluates the whole mask anyway (shared, whatever the
+    mask's batch)."""
     if _up_to_a_diagonal(inputs.mask):
         return _scan_prefix(inputs)
     k, dtype = _plain(inputs.k), _dtype(inputs)
@@ -444,9 +449,11 @@ def _scan(inputs: Inputs) -> tuple:
         bad = bad.repeat_interleave(inputs.group_size, dim=1)[..., None]  # [B, Hq, Tk, 1]
     space = inputs.space
     banded = q_len >= KV_CHECK_MIN_ROWS and inputs.mask.band() is not None  # prefix sums
-    # the whole [B, Tq, Tk] mask when small (the call's own evaluation), else prefix sums over
-    # runs, else row chunks of at most CHUNK_ELEMENTS mask entries over the batch
-    if batch * q_len * space.kv_len <= CHUNK_ELEMENTS and not banded:
+    # the whole [Bm, Tq, Tk] mask when small or the backend's own (the call's evaluation),
+    # else prefix sums over runs, else row chunks of at most CHUNK_ELEMENTS entries per batch
+    entries = q_len * space.kv_len
+    if (entries <= CHUNK_ELEMENTS and not banded
+            and (whole_mask or inputs.mask._min_batch() * entries <= CHUNK_ELEMENTS)):
         has_key = inputs.has_key()  # [Bm, Hm, Tq, 1], or None: every row has a key
         count = key_any = None
         if bad is not None:
@@ -461,7 +468,7 @@ def _scan(inputs: Inputs) -> tuple:
             count = torch.empty(batch, heads, q_len, 1, dtype=dtype, device=k.device)
             key_any = torch.zeros(batch, heads, space.kv_len, dtype=torch.bool, device=k.device)
         kv_idx = torch.arange(space.kv_len, device=k.device)
-        rows = max(1, CHUNK_ELEMENTS // max(1, batch * space.kv_len))
+        rows = max(1, CHUNK_ELEMENTS // max(1, inputs.mask._min_batch() * space.kv_len))
         for start in range(0, q_len, rows):
             stop = min(start + rows, q_len)
             allowed = inputs.mask.tile(torch.arange(start, stop, device=k.device), kv_idx, space)

@@ -616,8 +616,9 @@ class KVCache:
         if readable(lengths) and bool(((lengths < 0) | (lengths > new)).any()):
             raise ValueError(f"lengths must lie in [0, {new}] (the new positions), got "
                              f"{lengths.tolist()}")
-        kept = lengths.long()
-        return kept.clone() if kept is given else kept  # the caller may write theirs later
+        kept = lengths.long()  # a copy unless it shares the caller's memory (a tensor or an
+        # array of int64), which the caller may write later
+        return kept.clone() if kept is lengths and not isinstance(given, (list, tuple)) else kept
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1285,6 +1286,8 @@ def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
         held = list(cache.lengths)
     else:
         held = [cache.length] if cache.lengths is None else cache.lengths.tolist()
+    ends_early = (not paged and cache.lengths is not None and cache.length
+                  and held[0] != cache.length)  # (with equal sequences: checked below)
     if not any(held):
         held = [0]  # an empty cache: positions are the call's own (its first append)
     what = repr(parts[0]) + (" with sinks" if off and off[0].kind == "alibi" else "")
@@ -1299,7 +1302,7 @@ def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
             f"cache aligns it per sequence); keep sequences of different lengths in caches of "
             f"their own for windows and position biases, or pass their bias as a tensor "
             f"(attnkit.bias){per_step}")
-    if not paged and cache.lengths is not None and cache.length and held[0] != cache.length:
+    if ends_early and (held[0] or any(part.align != "top_left" for part in parts)):
         raise ValueError(
             f"{what} over a cache whose sequences hold {held[0]} keys in a buffer of "
             f"{cache.length} positions (a chunk appended with lengths below its width leaves "

@@ -921,14 +921,15 @@ class PagedKVCache:
     def _snapshot(self) -> tuple:
         """What :meth:`append` changes, for :meth:`_restore`: the batch's lists (copies: ``add``
         extends them in place), the free list and the holder counts (``_plan`` replaces
-        those, never writes them). Slots an undone append wrote lie past the lengths."""
+        those, never writes them), the pools (a first append makes them). Slots an undone
+        append wrote lie past the lengths."""
         return (list(self.tables), list(self.lengths), list(self.appended), self._width,
-                self._free, self._holders, self._runs)
+                self._free, self._holders, self._runs, self.key_pool, self.value_pool)
 
     def _restore(self, snapshot: tuple) -> None:
         """The cache as :meth:`_snapshot` found it (a step refused after its append)."""
         (self.tables, self.lengths, self.appended, self._width, self._free, self._holders,
-         self._runs) = snapshot
+         self._runs, self.key_pool, self.value_pool) = snapshot
         self._changed()
 
     def _changed(self) -> None:

@@ -133,6 +133,12 @@ class Backend:
         :func:`attnkit.finite.guard` zeroes them there first)."""
         return True
 
+    def evaluates_mask(self, inputs: Inputs) -> bool:
+        """Whether the call evaluates its mask over the whole ``[Bm, Hm, Tq, Tk]``
+        (:meth:`~attnkit.inputs.Inputs.allowed`), which :func:`attnkit.finite.guard` may
+        then share whatever the batch."""
+        return False
+
     def extra_reasons(self, inputs: Inputs) -> list[str]:
         """Backend-specific refusals beyond the capability fields."""
         return []

@@ -268,6 +268,10 @@ class TorchBackend(Backend):
     def reads_padding(self, inputs: Inputs) -> bool:
         return _sequence_spans(inputs) is None
 
+    def evaluates_mask(self, inputs: Inputs) -> bool:  # its dense bias (see forward)
+        return (inputs.mask is not None and not is_plain_causal(inputs.mask, inputs.scale)
+                and _sequence_spans(inputs) is None)
+
     def forward(self, inputs: Inputs) -> BackendOutput:
         spans = _sequence_spans(inputs)
         if spans is not None:  # each sequence over its own keys

@@ -165,12 +165,21 @@ def _fixed_shapes(q_block, k_seg, v_seg, additive, rows: int):
     return pad_rows(q_block, rows), k_seg, v_seg, additive
 
 
+FUSED_MIN_KEYS = 16
+"""torch's fused CPU kernel gives out 0 and LSE 0, not NaN, for a row whose scores are all NaN
+(a NaN query, or non-finite keys alone) over fewer keys than this; such segments (a cache's
+newest keys past a block boundary) take the matmul path, which keeps the NaN."""
+
+
 def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
                      dropout_p=0.0, fixed=False):
     """One piece of :func:`_segment_pieces` (not strips) → ``(out, lse)``. ``fixed``: the
-    fixed schedule's shapes (:func:`_fixed_shapes`)."""
+    fixed schedule's shapes (:func:`_fixed_shapes`, whole key blocks)."""
     additive = tile.additive if tile is not None else None
     n = q_block.shape[-2]
+    if (fused and not fixed and k_seg.shape[-2] < FUSED_MIN_KEYS
+            and (tile is None or not tile.causal)):
+        fused = False
     rows = row_quantum(q_block.shape[-1], q_block.dtype, q_block.device) if fixed else 1
     if fused:
         queries = q_block

@@ -127,9 +127,9 @@ def rows_anywhere(key_dim: int, value_dim: int, dtype: torch.dtype = torch.float
     in a kernel call (a decoding step's row comes first in its call, the same row of a
     prefill anywhere), for head dims ``key_dim``/``value_dim`` in ``dtype`` (the accumulation
     dtype) on ``device``, measured once per process: a call's rows shifted by 1 to 16 against
-    the same rows of one call of 256. BLAS rounds a row by its place for some narrow odd
-    widths (5 and 7 in float32, 3 to 7 in float64 on AVX2 CPUs); there the fixed schedule
-    cannot keep the contract. Measured outside the caller's dispatch modes, as
+    the same rows of one call of 256. BLAS rounds a row by its place for some widths that are
+    not a multiple of its vector length (odd widths especially, more of them in float64);
+    there the fixed schedule cannot keep the contract. Measured outside the caller's dispatch modes, as
     :func:`row_quantum`."""
     if device.type != "cpu":
         return True
@@ -142,13 +142,14 @@ def _measure_rows_anywhere(key_dim: int, value_dim: int, dtype: torch.dtype,
     gen = torch.Generator().manual_seed(1)
     rows = 256
 
-    def draw(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
+    def draw(*shape):  # on the CPU whatever the default device (its generator is the CPU's)
+        return torch.randn(*shape, generator=gen, dtype=torch.float64,
+                           device="cpu").to(device, dtype)
 
     q, k, v = draw(1, 2, rows, key_dim), draw(1, 2, FIXED_BLOCK_K, key_dim), draw(
         1, 2, FIXED_BLOCK_K, value_dim)
-    weights = torch.rand(1, 2, rows, FIXED_BLOCK_K, generator=gen,
-                         dtype=torch.float64).to(device, dtype)
+    weights = torch.rand(1, 2, rows, FIXED_BLOCK_K, generator=gen, dtype=torch.float64,
+                         device="cpu").to(device, dtype)
 
     def results(start: int, stop: int) -> list[torch.Tensor]:
         found = [q[:, :, start:stop] @ k.transpose(-1, -2), weights[:, :, start:stop] @ v]
