@@ -365,7 +365,8 @@ def test_the_torch_backend_shares_its_whole_mask_with_the_non_finite_scan(monkey
     assert sum(evaluated) == 65 * 256 * 256 and out.isfinite().all()
 
 
-@pytest.mark.parametrize("kind", ["documents", "window & padding", "causal & padding"])
+@pytest.mark.parametrize("kind", ["documents", "window & padding", "causal & padding",
+                                  "function of b"])
 def test_the_non_finite_scan_never_evaluates_the_whole_batch_mask(kind, monkeypatch):
     """B·Tq·Tk above the scan's chunk: the rows that may see a NaN key are found by runs or
     row chunks over the batch, never by the call's whole [B, 1, Tq, Tk] mask (5 bytes per
@@ -385,12 +386,44 @@ def test_the_non_finite_scan_never_evaluates_the_whole_batch_mask(kind, monkeypa
     mask = {"documents": ak.documents(torch.arange(length).repeat(batch, 1) // 100
                                       + torch.arange(batch)[:, None] % 3),
             "window & padding": ak.sliding_window(8) & ak.padding(kv_lengths=lengths),
-            "causal & padding": ak.causal() & ak.padding(lengths, lengths)}[kind]
+            "causal & padding": ak.causal() & ak.padding(lengths, lengths),
+            "function of b": ak.from_function(lambda b, h, i, j: j < lengths[b])}[kind]
+    if kind == "function of b":  # no runs: row chunks of at most CHUNK_ELEMENTS entries
+        largest, scanning = [], []
+        original, scan = type(mask).tile, finite._scan
+
+        def tile(self, *args):
+            allowed = original(self, *args)
+            if scanning:
+                largest.append(allowed.numel())
+            return allowed
+
+        def scan_(*args):
+            scanning.append(True)
+            try:
+                return scan(*args)
+            finally:
+                scanning.clear()
+        monkeypatch.setattr(type(mask), "tile", tile)
+        monkeypatch.setattr(finite, "_scan", scan_)
     k[3, 0, 250] = float("nan")  # rows that may see it are NaN, no other
     got = ak.attention(q, k, v, mask, backend="tiled")
     want = ak.attention(q.double(), k.double(), v.double(), mask, backend="reference")
     assert torch.equal(got.isnan(), want.isnan())
     torch.testing.assert_close(got.nan_to_num(), want.float().nan_to_num())
+    if kind == "function of b":
+        assert max(largest) <= finite.CHUNK_ELEMENTS
+
+
+def test_a_nan_key_first_in_a_short_chunk_reaches_its_row():
+    """A 4-token chunk over a cache: the chunk's diagonal square is short, and its first row
+    sees one of its keys, NaN: that row is NaN too, not the other keys' result."""
+    gen = torch.Generator().manual_seed(10)
+    q = torch.randn(1, 1, 4, 8, generator=gen)
+    k, v = (torch.randn(1, 1, 600, 8, generator=gen) for _ in range(2))
+    k[0, 0, 596, 0] = float("nan")
+    got = ak.attention(q, k, v, ak.causal("bottom_right"), backend="tiled")
+    assert got.isnan().all()
 
 
 @pytest.mark.parametrize("case", ["window", "left padding"])

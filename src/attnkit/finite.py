@@ -452,8 +452,9 @@ def _scan(inputs: Inputs, whole_mask: bool = False) -> tuple:
     # the whole [Bm, Tq, Tk] mask when small or the backend's own (the call's evaluation),
     # else prefix sums over runs, else row chunks of at most CHUNK_ELEMENTS entries per batch
     entries = q_len * space.kv_len
+    mask_batch = _mask_batch(inputs)
     if (entries <= CHUNK_ELEMENTS and not banded
-            and (whole_mask or inputs.mask._min_batch() * entries <= CHUNK_ELEMENTS)):
+            and (whole_mask or mask_batch * entries <= CHUNK_ELEMENTS)):
         has_key = inputs.has_key()  # [Bm, Hm, Tq, 1], or None: every row has a key
         count = key_any = None
         if bad is not None:
@@ -468,7 +469,7 @@ def _scan(inputs: Inputs, whole_mask: bool = False) -> tuple:
             count = torch.empty(batch, heads, q_len, 1, dtype=dtype, device=k.device)
             key_any = torch.zeros(batch, heads, space.kv_len, dtype=torch.bool, device=k.device)
         kv_idx = torch.arange(space.kv_len, device=k.device)
-        rows = max(1, CHUNK_ELEMENTS // max(1, inputs.mask._min_batch() * space.kv_len))
+        rows = max(1, CHUNK_ELEMENTS // max(1, mask_batch * space.kv_len))
         for start in range(0, q_len, rows):
             stop = min(start + rows, q_len)
             allowed = inputs.mask.tile(torch.arange(start, stop, device=k.device), kv_idx, space)
@@ -485,6 +486,14 @@ def _scan(inputs: Inputs, whole_mask: bool = False) -> tuple:
     if key_any.shape[1] != 1 and group > 1:  # a key counts when a query of its group sees it
         key_any = key_any.unflatten(1, (heads_kv, group)).any(2)
     return has_key, seen, key_any[..., None]
+
+
+def _mask_batch(inputs: Inputs) -> int:
+    """The batch of an evaluation of the call's mask: the mask's own
+    (:meth:`~attnkit.masks.Mask._min_batch`), or the call's for a mask that runs user code
+    (``from_function`` reading ``b``)."""
+    mask = inputs.mask
+    return inputs.q.shape[0] if mask_tensors(mask) is None else mask._min_batch()
 
 
 def _up_to_a_diagonal(mask) -> bool:

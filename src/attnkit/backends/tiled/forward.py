@@ -15,8 +15,8 @@ from ...masks import KeyRanges, keeping, key_ranges
 from ...modifiers import Modifiers
 from ...numerics import accum_dtype, additive_mask, merge_alike_into, merge_into, pad_rows
 from ..torch_sdpa import is_plain_causal
-from .plan import (FIXED_BLOCK_K, FLUSH_BELOW, LOG2E, TILE_ELEMENTS, Problem, Segment,
-                   TiledOptions, row_quantum)
+from .plan import (FIXED_BLOCK_K, FLUSH_BELOW, FUSED_MIN_KEYS, LOG2E, TILE_ELEMENTS, Problem,
+                   Segment, TiledOptions, row_quantum)
 from .positions import PositionTile, Positions, _position_tile, _positions
 from .tiles import (TileMask, TileScores, _BlockWork, _dropout_keep, _evaluated, _RunWork,
                     _runs_fit, _segment_mask, _stacked, _tile_scores, _with_positions,
@@ -165,20 +165,14 @@ def _fixed_shapes(q_block, k_seg, v_seg, additive, rows: int):
     return pad_rows(q_block, rows), k_seg, v_seg, additive
 
 
-FUSED_MIN_KEYS = 16
-"""torch's fused CPU kernel gives out 0 and LSE 0, not NaN, for a row whose scores are all NaN
-(a NaN query, or non-finite keys alone) over fewer keys than this; such segments (a cache's
-newest keys past a block boundary) take the matmul path, which keeps the NaN."""
-
-
 def _segment_forward(q_block, k_seg, v_seg, tile: Optional[TileMask], scale, fused, keep=None,
                      dropout_p=0.0, fixed=False):
     """One piece of :func:`_segment_pieces` (not strips) → ``(out, lse)``. ``fixed``: the
     fixed schedule's shapes (:func:`_fixed_shapes`, whole key blocks)."""
     additive = tile.additive if tile is not None else None
     n = q_block.shape[-2]
-    if (fused and not fixed and k_seg.shape[-2] < FUSED_MIN_KEYS
-            and (tile is None or not tile.causal)):
+    if fused and not fixed and k_seg.shape[-2] < FUSED_MIN_KEYS and (
+            tile is None or not tile.causal):  # (short causal tiles are additive: see tiles)
         fused = False
     rows = row_quantum(q_block.shape[-1], q_block.dtype, q_block.device) if fixed else 1
     if fused:

@@ -63,6 +63,13 @@ compute a row alike in any call with enough rows, but fewer rows (a decoding ste
 another code path that rounds differently; shorter calls are padded with copies of their
 last row."""
 
+FUSED_MIN_KEYS = 16
+"""torch's fused CPU kernel gives out 0 and LSE 0, not NaN, for a row whose scores are all NaN
+(a NaN query, or non-finite keys alone) over fewer keys than this without an additive mask
+(with ``is_causal``, a square's first row sees one key): such segments (a cache's newest keys
+past a block boundary, a short chunk's diagonal square) take the matmul path or an additive
+tile, which keep the NaN."""
+
 INVARIANT_MAX_HEAD_DIM = 256
 """The widest head dim the fixed schedule takes: above it BLAS blocks the ``q·kᵀ`` reduction
 differently for different row counts."""

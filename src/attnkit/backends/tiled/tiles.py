@@ -15,7 +15,7 @@ import torch
 from ...masks import MaskSpace, keeping
 from ...modifiers import Modifiers
 from ...numerics import additive_mask, grouped, ungrouped
-from .plan import _FOLD_LIMIT, Problem, Segment
+from .plan import _FOLD_LIMIT, FUSED_MIN_KEYS, Problem, Segment
 from .positions import PositionTile
 
 
@@ -215,7 +215,8 @@ def _segment_mask(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q
         if group == 1 and n >= 2 * strip:
             return TileMask(None, None, strips=_cached(
                 _staircase_strips, seg.structure, n, width, strip, dtype, device))
-        if group == 1 and seg.structure == "lower" and width == n and problem.scale > 0:
+        if (group == 1 and seg.structure == "lower" and width == n and problem.scale > 0
+                and width >= FUSED_MIN_KEYS):
             return TileMask(None, None, causal=True)
         return TileMask(_cached(_staircase_additive, seg.structure, n, width, group, dtype,
                                 device), None)
