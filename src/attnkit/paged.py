@@ -711,9 +711,10 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache.add(count={count!r}): pass the number of new "
                              f"sequences, an int >= 0")
         first = self.batch
-        self.tables += [[] for _ in range(count)]
-        self.lengths += [0] * count
-        self.appended += [0] * count
+        # new lists, never extended in place (a snapshot holds the old ones: _snapshot)
+        self.tables = self.tables + [[] for _ in range(count)]
+        self.lengths = self.lengths + [0] * count
+        self.appended = self.appended + [0] * count
         self._changed()
         return list(range(first, first + count))
 
@@ -919,12 +920,12 @@ class PagedKVCache:
         return self._gather()[1]
 
     def _snapshot(self) -> tuple:
-        """What :meth:`append` changes, for :meth:`_restore`: the batch's lists (copies: ``add``
-        extends them in place), the free list and the holder counts (``_plan`` replaces
-        those, never writes them), the pools (a first append makes them). Slots an undone
-        append wrote lie past the lengths."""
-        return (list(self.tables), list(self.lengths), list(self.appended), self._width,
-                self._free, self._holders, self._runs, self.key_pool, self.value_pool)
+        """What :meth:`append` changes, for :meth:`_restore`: the batch's lists, the free list
+        and the holder counts (an append, its ``add`` and ``_plan`` included, replaces them,
+        never writes them), the pools (a first append makes them). Slots an undone append
+        wrote lie past the lengths."""
+        return (self.tables, self.lengths, self.appended, self._width, self._free,
+                self._holders, self._runs, self.key_pool, self.value_pool)
 
     def _restore(self, snapshot: tuple) -> None:
         """The cache as :meth:`_snapshot` found it (a step refused after its append)."""

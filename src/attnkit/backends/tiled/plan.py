@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -94,31 +94,47 @@ def row_quantum(head_dim: int, dtype: torch.dtype = torch.float32,
         return _measure_row_quantum(head_dim, dtype, device)
 
 
-def _measure_row_quantum(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
-    gen = torch.Generator().manual_seed(0)
-    rows = 256
+PROBE_ROWS = 256
+"""The query rows of the probes :func:`row_quantum` and :func:`rows_anywhere` measure against."""
+
+
+def _probe(key_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device, seed: int,
+           ) -> Callable[[int, int], list[torch.Tensor]]:
+    """``products(start, stop)``: what the fixed schedule computes for probe query rows
+    ``[start, stop)`` of :data:`PROBE_ROWS` against one key block (``q·kᵀ``, weights times
+    values, and torch's fused kernel where it applies), drawn from ``seed`` on the CPU
+    whatever the default device (the generator is the CPU's), then moved to ``device``."""
+    gen = torch.Generator().manual_seed(seed)
 
     def draw(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64,
                            device="cpu").to(device, dtype)
 
-    q, k, v = draw(1, 2, rows, head_dim), draw(1, 2, FIXED_BLOCK_K, head_dim), draw(
-        1, 2, FIXED_BLOCK_K, head_dim)
-    weights = torch.rand(1, 2, rows, FIXED_BLOCK_K, generator=gen, dtype=torch.float64,
+    q, k, v = draw(1, 2, PROBE_ROWS, key_dim), draw(1, 2, FIXED_BLOCK_K, key_dim), draw(
+        1, 2, FIXED_BLOCK_K, value_dim)
+    weights = torch.rand(1, 2, PROBE_ROWS, FIXED_BLOCK_K, generator=gen, dtype=torch.float64,
                          device="cpu").to(device, dtype)
+    fused = (device.type == "cpu" and dtype in (torch.float32, torch.float64)
+             and key_dim == value_dim)
 
-    def results(n: int) -> list[torch.Tensor]:
-        found = [q[:, :, :n] @ k.transpose(-1, -2), weights[:, :, :n] @ v]
-        if device.type == "cpu" and dtype in (torch.float32, torch.float64):
+    def products(start: int, stop: int) -> list[torch.Tensor]:
+        found = [q[:, :, start:stop] @ k.transpose(-1, -2), weights[:, :, start:stop] @ v]
+        if fused:
             found += torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q[:, :, :n], k, v, 0.0, False, scale=head_dim ** -0.5)[:2]
+                q[:, :, start:stop], k, v, 0.0, False, scale=key_dim ** -0.5)[:2]
         return found
 
-    whole = results(rows)
+    return products
+
+
+def _measure_row_quantum(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    results = _probe(head_dim, head_dim, dtype, device, seed=0)
+    rows = PROBE_ROWS
+    whole = results(0, rows)
 
     def alike(n: int) -> bool:
         return all(torch.equal(part, full.narrow(2, 0, n))
-                   for part, full in zip(results(n), whole))
+                   for part, full in zip(results(0, n), whole))
 
     quantum = ROW_QUANTUM
     while quantum < rows and not all(alike(m) for m in range(quantum, max(64, 4 * quantum) + 1,
@@ -136,8 +152,8 @@ def rows_anywhere(key_dim: int, value_dim: int, dtype: torch.dtype = torch.float
     dtype) on ``device``, measured once per process: a call's rows shifted by 1 to 16 against
     the same rows of one call of 256. BLAS rounds a row by its place for some widths that are
     not a multiple of its vector length (odd widths especially, more of them in float64);
-    there the fixed schedule cannot keep the contract. Measured outside the caller's dispatch modes, as
-    :func:`row_quantum`."""
+    there the fixed schedule cannot keep the contract. Measured outside the caller's dispatch
+    modes, as :func:`row_quantum`."""
     if device.type != "cpu":
         return True
     with _disable_current_modes():
@@ -146,28 +162,10 @@ def rows_anywhere(key_dim: int, value_dim: int, dtype: torch.dtype = torch.float
 
 def _measure_rows_anywhere(key_dim: int, value_dim: int, dtype: torch.dtype,
                            device: torch.device) -> bool:
-    gen = torch.Generator().manual_seed(1)
-    rows = 256
-
-    def draw(*shape):  # on the CPU whatever the default device (its generator is the CPU's)
-        return torch.randn(*shape, generator=gen, dtype=torch.float64,
-                           device="cpu").to(device, dtype)
-
-    q, k, v = draw(1, 2, rows, key_dim), draw(1, 2, FIXED_BLOCK_K, key_dim), draw(
-        1, 2, FIXED_BLOCK_K, value_dim)
-    weights = torch.rand(1, 2, rows, FIXED_BLOCK_K, generator=gen, dtype=torch.float64,
-                         device="cpu").to(device, dtype)
-
-    def results(start: int, stop: int) -> list[torch.Tensor]:
-        found = [q[:, :, start:stop] @ k.transpose(-1, -2), weights[:, :, start:stop] @ v]
-        if key_dim == value_dim and dtype in (torch.float32, torch.float64):
-            found += torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q[:, :, start:stop], k, v, 0.0, False, scale=key_dim ** -0.5)[:2]
-        return found
-
-    whole = results(0, rows)
+    results = _probe(key_dim, value_dim, dtype, device, seed=1)
+    whole = results(0, PROBE_ROWS)
     count = max(row_quantum(key_dim, dtype, device), row_quantum(value_dim, dtype, device), 32)
-    count = min(count, rows - 16)
+    count = min(count, PROBE_ROWS - 16)
     return all(torch.equal(part, full.narrow(2, shift, count))
                for shift in range(1, 17)
                for part, full in zip(results(shift, shift + count), whole))
