@@ -239,6 +239,33 @@ def test_bad_input_is_refused_by_name(call, error, words):
     assert words in str(raised.value)
 
 
+@pytest.mark.parametrize("modifier, words", [
+    (lambda: ak.alibi(torch.ones(2, 4)), "alibi slopes has shape (2, 4)"),
+    (lambda: ak.sinks(torch.ones(3)), "sinks logits has shape (3,)"),
+    (lambda: ak.relative_bias(torch.zeros(3, 9)), "relative_bias table has shape (3, 9)"),
+])
+def test_a_modifier_that_does_not_fit_names_the_packed_shapes(modifier, words):
+    """The problem is told against the caller's packed q, k and v, not the [1, H, total, D]
+    row they run as."""
+    q, k, v, _, _ = _packed([2, 3], [2, 3])
+    with pytest.raises(ValueError) as raised:
+        ak.varlen_attention(q, k, v, [0, 2, 5], mask=modifier())
+    message = str(raised.value)
+    assert words in message and f"q {tuple(q.shape)}" in message
+    assert "(1, 4" not in message and "[B, H]" not in message
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_refusal_below_says_how_the_packed_call_runs(invariant):
+    q, k, v, _, _ = _packed([2, 3], [2, 3])
+    with pytest.raises(ValueError) as raised:
+        ak.varlen_attention(q, k, v, [0, 2, 5], dropout_p=0.5, backend="torch",
+                            invariant=invariant)
+    assert "dropout_p=0.5" in str(raised.value)
+    notes = " ".join(getattr(raised.value, "__notes__", []))
+    assert f"packed q {tuple(q.shape)}" in notes and "[1, H, " in notes
+
+
 @pytest.mark.parametrize("invariant", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_no_sequence_gives_an_empty_lse_in_the_accumulation_dtype(invariant, dtype):

@@ -119,11 +119,12 @@ def _per_head_problem(what: str, t: torch.Tensor, space: MaskSpace, batched: boo
                         f".to(q.device)")
     shapes = [(heads,)] + ([(batch, heads)] if batched else [])
     if tuple(t.shape) not in shapes:
-        forms = " or ".join(f"[{', '.join(map(str, s))}]" for s in shapes)
-        names = "[H]" + (" or [B, H]" if batched else "")
+        named = batched and batch != 1  # (a batch of one: [H] says it all)
+        forms = " or ".join(f"[{', '.join(map(str, s))}]" for s in shapes[:2 if named else 1])
+        names = "[H]" + (" or [B, H]" if named else "")
         problems.append(f"{what} has shape {tuple(t.shape)}; it needs one value per query head: "
                         f"{names} = {forms} (q has H={heads} query heads"
-                        + (f", batch size B={batch}, q's leading dims together" if batched
+                        + (f", batch size B={batch}, q's leading dims together" if named
                            else "") + "; with GQA, H counts "
                         f"query heads, not key/value heads)")
     return problems

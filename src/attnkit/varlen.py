@@ -16,7 +16,7 @@ import torch
 
 from . import invariance
 from .api import AttentionResult, MaskLike, attention, autocast_call, autocast_device
-from .masks import Mask, MaskCache, an_int, as_mask, documents, integer_tensor, readable
+from .masks import Mask, MaskCache, MaskSpace, an_int, as_mask, documents, integer_tensor, readable
 from .modifiers import per_sequence, split
 from .numerics import accum_dtype
 
@@ -82,6 +82,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     layout = packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
     given = as_mask(mask)
+    _check_modifiers(given, q, k, v)
     invariant = invariance.active(invariant)
     if invariant or (not layout.same_segments and reads_positions(given)):
         return _each_sequence(q, k, v, layout, given, scale=scale, dropout_p=dropout_p,
@@ -89,8 +90,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               invariant=invariant)
     per_sequence = sequence_mask(given, layout)
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, total, D] views
-    result = attention(q4, k4, v4, per_sequence, scale=scale, dropout_p=dropout_p,
-                       generator=generator, backend=backend, return_lse=return_lse)
+    try:
+        result = attention(q4, k4, v4, per_sequence, scale=scale, dropout_p=dropout_p,
+                           generator=generator, backend=backend, return_lse=return_lse)
+    except (ValueError, TypeError) as error:
+        error.add_note(f"(varlen_attention runs its packed q {tuple(q.shape)}, k "
+                       f"{tuple(k.shape)}, v {tuple(v.shape)} as this one row [1, H, total, D], "
+                       f"its sequences kept apart by the documents mask)")
+        raise
     if not return_lse:
         return result[0].transpose(0, 1).contiguous()
     return AttentionResult(result.out[0].transpose(0, 1).contiguous(), result.lse[0], None)
@@ -100,6 +107,19 @@ def reads_positions(mask: Optional[Mask]) -> bool:
     """Whether ``mask`` holds ALiBi or a relative bias (score modifiers that read positions)."""
     _, modifiers = split(mask)
     return modifiers is not None and bool(modifiers.alibi or modifiers.relative)
+
+
+def _check_modifiers(mask: Optional[Mask], q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+    """``ValueError`` naming the packed shapes when a score modifier's tensors do not fit
+    ``q`` (per-head tensors ``[Hq]``, on q's device), before any call sees the packed row."""
+    _, modifiers = split(mask)
+    if modifiers is None:
+        return
+    problems = modifiers.check(MaskSpace(1, q.shape[1], q.shape[0], k.shape[0], q.device))
+    if problems:
+        raise ValueError(f"score modifiers do not fit varlen_attention's q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}:\n  " + "\n  ".join(problems))
 
 
 def _each_sequence(q, k, v, layout: Layout, mask: Optional[Mask], *, scale, dropout_p,
@@ -113,9 +133,15 @@ def _each_sequence(q, k, v, layout: Layout, mask: Optional[Mask], *, scale, drop
     for (q_start, q_stop), (k_start, k_stop) in zip(layout.queries, layout.keys):
         q4, k4, v4 = (t[a:b].transpose(0, 1)[None] for t, a, b in (
             (q, q_start, q_stop), (k, k_start, k_stop), (v, k_start, k_stop)))
-        result = attention(q4, k4, v4, mask, scale=scale, dropout_p=dropout_p,
-                           generator=generator, backend=backend, return_lse=return_lse,
-                           invariant=invariant)
+        try:
+            result = attention(q4, k4, v4, mask, scale=scale, dropout_p=dropout_p,
+                               generator=generator, backend=backend, return_lse=return_lse,
+                               invariant=invariant)
+        except (ValueError, TypeError) as error:
+            error.add_note(f"(varlen_attention runs each sequence of its packed q "
+                           f"{tuple(q.shape)} alone here, as a row [1, H, T, D]: this one's "
+                           f"queries {q_start}:{q_stop}, keys {k_start}:{k_stop})")
+            raise
         outs.append((result.out if return_lse else result)[0].transpose(0, 1))
         if return_lse:
             lses.append(result.lse[0])
