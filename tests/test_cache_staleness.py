@@ -211,3 +211,41 @@ def test_a_copied_mask_derives_anew(how):
     copied.q_ids[..., 4:] = 1  # (the copy's keys are its queries' ids)
     want = ak.attention(q, q, q, ak.documents(torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])))
     torch.testing.assert_close(ak.attention(q, q, q, copied), want)
+
+
+def _fused_adamw_step(param: torch.Tensor) -> None:
+    """One step of ``torch.optim.AdamW(fused=True)`` on ``param``, which moves its values
+    and not its version counter."""
+    optimizer = torch.optim.AdamW([param], lr=0.5, fused=True)
+    before, version = param.detach().clone(), param._version
+    param.grad = torch.ones_like(param)
+    optimizer.step()
+    assert not torch.equal(param.detach(), before) and param._version == version
+
+
+@pytest.mark.parametrize("kind", ["alibi", "relative_bias", "bias"])
+@pytest.mark.parametrize("call", ["attention", "plan"])
+def test_a_learnable_tensor_written_by_a_fused_optimizer_is_read_anew(kind, call):
+    """A parameter a fused optimizer steps keeps its version counter, so nothing derived from
+    a tensor that requires grad is kept: a decoding-shaped evaluation between steps (torch's
+    kernel with the position bias made dense), a plan, reads the stepped values."""
+    gen = torch.Generator().manual_seed(0)
+    q1, k, v = (torch.randn(1, 2, t, 8, generator=gen) for t in (1, 12, 12))
+    make = {"alibi": lambda p: ak.alibi(p, align="bottom_right"),
+            "relative_bias": lambda p: ak.relative_bias(p, align="bottom_right"),
+            "bias": ak.bias}[kind]
+    param = torch.nn.Parameter({"alibi": torch.rand(2, generator=gen),
+                                "relative_bias": torch.randn(2, 32, generator=gen),
+                                "bias": torch.randn(1, 2, 1, 12, generator=gen)}[kind])
+    mask = make(param)
+    with torch.no_grad():
+        plan = ak.plan(q1, k, v, mask) if call == "plan" else None
+        run = ((lambda: plan(q1, k, v)) if plan is not None
+               else (lambda: ak.attention(q1, k, v, mask)))
+        first = run()
+        _fused_adamw_step(param)
+        want = ak.attention(q1.double(), k.double(), v.double(), make(param.detach().double()),
+                            backend="reference")
+        got = run()
+    assert not torch.allclose(first.double(), want, atol=1e-3)  # the step changed the result
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

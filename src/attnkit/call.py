@@ -19,7 +19,7 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend, BackendOutput
-from .inputs import CallCache, Inputs, _bhtd, refuse_jit_trace, restore, validate
+from .inputs import CallCache, Inputs, _bhtd, learnable, refuse_jit_trace, restore, validate
 from .masks import KEY_BYTES, content_key, mask_tensors, readable, wrapped_eagerly
 
 
@@ -92,12 +92,14 @@ class Plan:
                                          generator=None, backend=backend, return_lse=return_lse,
                                          return_weights=return_weights, compiling=False,
                                          invariant=invariant)
-        # what runs derive from the mask, kept for the plan's lifetime (a call cache hit of a
-        # mask keyed by shape shares nothing)
-        self._inputs = inputs.replaced(q=None, k=None, v=None,
-                                       derived={} if inputs.derived is None else inputs.derived)
-        self._signature = _plan_signature(q, k, v)
         self._watched = _watched(inputs.mask, inputs.modifiers)  # found once: no mask walk
+        # what runs derive from the mask, kept for the plan's lifetime (a call cache hit of a
+        # mask keyed by shape shares nothing); never from a tensor that requires grad, which
+        # a fused optimizer writes without a trace (:func:`~attnkit.inputs.learnable`)
+        derived = (None if learnable(self._watched) else
+                   {} if inputs.derived is None else inputs.derived)
+        self._inputs = inputs.replaced(q=None, k=None, v=None, derived=derived)
+        self._signature = _plan_signature(q, k, v)
         self._tensors = _versions(self._watched)
 
     @staticmethod

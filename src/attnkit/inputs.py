@@ -412,10 +412,12 @@ class CallCache:
             # a mask keyed by shape runs as given on a hit: only where validation kept it
             if key is not None and (not by_shape or inputs.mask is mask):
                 # what the call derived from its mask, for every hit: not for a mask keyed by
-                # shape, a new mask at every hit
+                # shape, a new mask at every hit, nor from a tensor that requires grad (a
+                # parameter, which a fused optimizer writes without moving its version)
+                fresh = by_shape or learnable(keep)
                 kept = dataclasses.replace(inputs, q=None, k=None, v=None, _allowed=None,
                                            _has_key=None,
-                                           derived=None if by_shape else inputs.derived)
+                                           derived=None if fresh else inputs.derived)
                 self._insert(key, (kept, choice, keep))
             return inputs, choice
         t, choice, _ = hit
@@ -463,6 +465,13 @@ class CallCache:
                 k_shape, k.stride(-1) == 1, k.dtype, k.device, k.requires_grad,
                 v_shape, v.stride(-1) == 1, v.dtype, v.device, v.requires_grad,
                 mask_key, torch.is_grad_enabled(), interpreted, options), keep, by_shape
+
+
+def learnable(tensors) -> bool:
+    """Whether any of ``tensors`` requires grad: a parameter, which ``torch.optim``'s fused
+    optimizers (``AdamW(..., fused=True)``) write without moving its version counter, so
+    nothing derived from it is kept (:class:`CallCache`, plans, :func:`~attnkit.masks.memo`)."""
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def _nbytes(value) -> int:

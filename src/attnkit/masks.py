@@ -832,12 +832,14 @@ def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
     (the mask's own, :func:`mask_tensors`; ``None`` entries allowed), so each layer of a step
     evaluating one mask pays once, and an in-place write to a tensor recomputes. Not kept
     where ``tensors`` is ``None`` (a mask that runs user code), inside a compiled region or
-    a mode that keeps nothing (:func:`keeping`), for inference tensors (no version counter)
-    or tensor subclasses (fake tensors): computed. A value kept is computed outside inference
+    a mode that keeps nothing (:func:`keeping`), for inference tensors (no version counter),
+    tensors that require grad (parameters: a fused optimizer writes them without moving the
+    counter) or tensor subclasses (fake tensors): computed. A value kept is computed outside inference
     mode, so a mask first used in an inference-mode pass still serves calls that autograd
     records."""
     if tensors is None or torch.compiler.is_compiling() or not keeping() or any(
-            t is not None and (type(t) is not torch.Tensor or t.is_inference()) for t in tensors):
+            t is not None and (type(t) is not torch.Tensor or t.is_inference()
+                               or t.requires_grad) for t in tensors):
         return compute()
     key = (*key, *(None if t is None else (id(t), t._version) for t in tensors))
     kept = mask.__dict__.setdefault("_memo", {})
@@ -1202,7 +1204,11 @@ def padding(q_lengths=None, kv_lengths=None, q_starts=None, kv_starts=None, *,
     value applies to every element). Starts default to 0 (right padding); starts without
     lengths mean the real tokens run from the start to the end of the sequence (left padding
     for generation: ``kv_starts=[pad_0, pad_1, ...]``). Every run must fit in the sequence:
-    ``0 ≤ start`` and ``start + length ≤`` the query/key length.
+    ``0 ≤ start`` and ``start + length ≤`` the query/key length. An int64 tensor is held, not
+    copied (other dtypes and lists are converted): what is derived from it is kept by its
+    version counter, so a later write through torch is seen and one torch does not count (into
+    numpy memory shared by ``torch.from_numpy``, through ``.data``) is not: pass a new tensor
+    then, or call ``torch.autograd.graph.increment_version(t)`` after the write.
 
     ``q_mask`` / ``kv_mask``: a 2-D "real token" mask ``[B, T]`` instead (bool, or 0/1
     integers; True = real token, as Hugging Face's ``attention_mask``), read here into starts

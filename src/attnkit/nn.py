@@ -313,6 +313,9 @@ class KVCache:
         ``lengths`` (int ``[B]``, each in ``[0, t]``): only the first ``lengths[b]`` of the t new
         positions of sequence b are real (a right-padded chunk); they go right after that
         sequence's own tokens, and the cache keeps per-sequence :attr:`lengths` from then on.
+        The same ``lengths`` tensor passed again unchanged (its version counter) is not
+        checked again: after a write torch does not count (numpy memory shared by
+        ``torch.from_numpy``, ``.data``), pass a new tensor.
         """
         return self._append(keys, values, lengths, 1)
 
