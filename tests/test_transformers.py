@@ -522,6 +522,41 @@ def test_unpacked_position_ids_leave_the_mask_alone(captured):
                                 for mask in captured for leaf in _leaves(mask))
 
 
+def test_a_gap_in_a_single_rows_position_ids_does_not_split_it():
+    """Positions that jump without restarting (``[0..11, 40..51]``) are one sequence, as
+    ``flash_attention_2`` reads them (a sequence starts only where the positions come back to
+    their least value) and as sdpa and eager compute: the row alone equals the row in a
+    batch of two, which is never read as packed."""
+    models = _models(transformers.LlamaConfig(**_common()), dtype=F64)
+    ids, _ = _batch("none")
+    positions = torch.cat([torch.arange(SEQ // 2), torch.arange(40, 40 + SEQ // 2)])[None]
+    with torch.no_grad():
+        logits = {impl: m(input_ids=ids[:1], position_ids=positions).logits
+                  for impl, m in models.items()}
+        pair = models["attnkit"](input_ids=ids[:1].repeat(2, 1),
+                                 position_ids=positions.repeat(2, 1)).logits
+    real = torch.ones(1, SEQ, dtype=torch.bool)
+    limit = _limit(logits["eager"], logits["sdpa"], real, SEQ)
+    assert (logits["attnkit"] - logits["eager"]).abs().max() <= limit
+    torch.testing.assert_close(logits["attnkit"][0], pair[0], rtol=1e-10, atol=1e-10)
+
+
+def test_a_model_that_adds_its_bias_to_no_mask_runs():
+    """BEiT adds its relative position bias to the mask transformers built, which is ``None``
+    for sdpa without padding (``allow_is_bidirectional_skip``): the attnkit mask function
+    gives ``None`` there too, and the bias arrives as a 4-D float mask."""
+    config = transformers.BeitConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, image_size=16, patch_size=4,
+                                     use_relative_position_bias=True, initializer_range=0.2)
+    models = _models(config, auto=transformers.AutoModel, dtype=F64)
+    pixels = _rand(2, 3, 16, 16, seed=3)
+    with torch.no_grad():
+        hidden = {impl: m(pixel_values=pixels).last_hidden_state for impl, m in models.items()}
+    real = torch.ones(hidden["eager"].shape[:-1], dtype=torch.bool)
+    limit = _limit(hidden["eager"], hidden["sdpa"], real, hidden["eager"].shape[1])
+    assert (hidden["attnkit"] - hidden["eager"]).abs().max() <= limit
+
+
 def test_position_bias_is_added_to_the_scaled_scores():
     q, k, v = _rand(3, 2, 4, 5, 8).unbind(0)
     bias = _rand(1, 4, 5, 5, seed=1)

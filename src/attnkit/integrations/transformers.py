@@ -289,8 +289,14 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
                  q_offset: Union[int, torch.Tensor] = 0, kv_offset: Union[int, torch.Tensor] = 0,
                  mask_function: Optional[Callable] = None,
                  attention_mask: Optional[torch.Tensor] = None, use_vmap: bool = False,
-                 device: Union[torch.device, str] = "cpu", **kwargs) -> TransformersMask:
+                 device: Union[torch.device, str] = "cpu", **kwargs,
+                 ) -> Optional[TransformersMask]:
     """transformers' mask-interface call → :class:`TransformersMask`.
+
+    ``None`` where transformers allows it (``allow_is_bidirectional_skip``) and the mask
+    holds every key for every query, no padding given, as its ``sdpa`` mask does: the
+    attention function then gets ``None`` (or the model's own bias, which it adds to "no
+    mask").
 
     Args (as transformers passes them): ``q_length``/``kv_length`` the query and key counts of
     the attention calls; ``q_offset``/``kv_offset`` the absolute position of the first query
@@ -318,6 +324,8 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
     try:
         mask, packed = _structured(q_length, kv_length, q_offset, kv_offset, mask_function,
                                    attention_mask)
+        if mask is None and not padded and kwargs.get("allow_is_bidirectional_skip"):
+            return None  # as sdpa's: a model may add its own bias to "no mask" (BEiT)
         return TransformersMask(mask, batch_size, q_length, kv_length, packed=packed,
                                 padded=padded, rows=rows)
     except _NotStructured:
@@ -617,8 +625,9 @@ def _packed(kwargs: dict, mask: Optional[Mask], batch: int, q_len: int, kv_len: 
             from_positions: bool) -> Optional[Mask]:
     """``mask & documents(...)`` for packed sequences in one row: from the boundaries
     ``cu_seq_lens_q/k`` (``[n + 1]`` cumulative lengths) when given, else, with
-    ``from_positions``, from ``position_ids [1, T]`` that do not run on by one (a sequence
-    starts wherever they do not); ``mask`` itself when neither says the row is packed.
+    ``from_positions``, from ``position_ids [1, T]`` that restart (a sequence starts wherever
+    they come back to their least value); ``mask`` itself when neither says the row is
+    packed.
     The documents of one forward pass are made once and shared by its layers."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     positions = kwargs.get("position_ids") if from_positions else None
@@ -668,9 +677,12 @@ def _shared_documents(sources: tuple, make: Callable[[], Optional[Mask]],
 
 
 def _documents_from_positions(positions: torch.Tensor) -> Optional[Mask]:
-    """``documents`` of ``position_ids [1, T]``: a new sequence wherever they do not run on
-    by one; ``None`` (one host read) when they all do."""
-    starts = positions[0, 1:] - positions[0, :-1] != 1  # [T - 1]
+    """``documents`` of ``position_ids [1, T]``: a new sequence wherever they restart at
+    their least value (``flash_attention_2``'s rule: packed sequences all start at the same
+    position, 0 or a model's offset); ``None`` (one host read) when they never do, a gap in
+    the positions included."""
+    row = positions[0]
+    starts = row[1:] == row.min()  # [T - 1]
     if not torch.compiler.is_compiling() and not bool(starts.any()):
         return None  # inside a compiled graph no value is read: one document, where unpacked
     ids = F.pad(starts.cumsum(0), (1, 0))  # [T]: the sequence of each position
