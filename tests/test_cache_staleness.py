@@ -223,12 +223,14 @@ def _fused_adamw_step(param: torch.Tensor) -> None:
     assert not torch.equal(param.detach(), before) and param._version == version
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen-for-eval"])
 @pytest.mark.parametrize("kind", ["alibi", "relative_bias", "bias"])
 @pytest.mark.parametrize("call", ["attention", "plan"])
-def test_a_learnable_tensor_written_by_a_fused_optimizer_is_read_anew(kind, call):
+def test_a_learnable_tensor_written_by_a_fused_optimizer_is_read_anew(kind, call, frozen):
     """A parameter a fused optimizer steps keeps its version counter, so nothing derived from
-    a tensor that requires grad is kept: a decoding-shaped evaluation between steps (torch's
-    kernel with the position bias made dense), a plan, reads the stepped values."""
+    a parameter is kept, even one frozen (``requires_grad_(False)``) for the evaluation and
+    stepped in between: a decoding-shaped evaluation (torch's kernel with the position bias
+    made dense), a plan, reads the stepped values."""
     gen = torch.Generator().manual_seed(0)
     q1, k, v = (torch.randn(1, 2, t, 8, generator=gen) for t in (1, 12, 12))
     make = {"alibi": lambda p: ak.alibi(p, align="bottom_right"),
@@ -239,13 +241,29 @@ def test_a_learnable_tensor_written_by_a_fused_optimizer_is_read_anew(kind, call
                                 "bias": torch.randn(1, 2, 1, 12, generator=gen)}[kind])
     mask = make(param)
     with torch.no_grad():
+        param.requires_grad_(not frozen)
         plan = ak.plan(q1, k, v, mask) if call == "plan" else None
         run = ((lambda: plan(q1, k, v)) if plan is not None
                else (lambda: ak.attention(q1, k, v, mask)))
         first = run()
+        param.requires_grad_(True)
         _fused_adamw_step(param)
+        param.requires_grad_(not frozen)
         want = ak.attention(q1.double(), k.double(), v.double(), make(param.detach().double()),
                             backend="reference")
         got = run()
     assert not torch.allclose(first.double(), want, atol=1e-3)  # the step changed the result
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_plan_watches_the_callers_bias_not_its_float64_copy():
+    """A float32 bias with float64 inputs is fitted into a float64 copy; the plan watches the
+    caller's tensor, so a write to it makes the plan stale."""
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    bias = torch.randn(1, 2, 4, 4)
+    plan = ak.plan(q, q, q, ak.bias(bias))
+    assert not plan.stale()
+    bias.add_(1.0)
+    assert plan.stale()
+    with pytest.raises(ValueError, match="written in place"):
+        plan(q, q, q)

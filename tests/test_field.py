@@ -500,8 +500,9 @@ def test_double_backward_elsewhere_is_a_clear_error(gen):
     q, k, v = torch.randn(3, 1, 2, 8, 4, generator=gen).unbind(0)
     q.requires_grad_()
     out = ak.attention(q, k, v, ak.causal(), backend="torch")
-    with pytest.raises(RuntimeError, match="double backward.*'torch'.*tiled"):
+    with pytest.raises(RuntimeError, match="double backward.*'torch'.*tiled") as raised:
         torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    assert "MultiHeadAttention(...)" in str(raised.value)  # the module's users, too
     out = ak.attention(q, k, v, ak.causal(), backend="torch")
     torch.autograd.grad(out.pow(2).sum(), q)  # a first-order backward is untouched
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -137,6 +138,37 @@ def test_from_torch_refuses_extra_key_value_bias():
     src = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True)
     with pytest.raises(ValueError, match="add_bias_kv"):
         MultiHeadAttention.from_torch(src)
+
+
+@pytest.mark.parametrize("drop", ["in_proj_bias", "out_proj.bias"])
+def test_from_torch_copies_biases_where_the_source_has_them(drop):
+    """A source with biases on its input projections only (or its output one only) is
+    copied as it is, and a frozen parameter stays frozen."""
+    src = _torch_mha(8, 2, bias=True, batch_first=True)
+    if drop == "in_proj_bias":
+        src.in_proj_bias = None
+    else:
+        src.out_proj.bias = None
+    src.out_proj.weight.requires_grad_(False)
+    mha = MultiHeadAttention.from_torch(src)
+    assert (mha.q_proj.bias is None) == (drop == "in_proj_bias")
+    assert (mha.out_proj.bias is None) == (drop == "out_proj.bias")
+    assert not mha.out_proj.weight.requires_grad and mha.q_proj.weight.requires_grad
+    x = _rand(2, 5, 8)
+    expected, _ = src(x, x, x, need_weights=False)
+    torch.testing.assert_close(mha(x).out, expected, rtol=0, atol=1e-12)
+
+
+def test_from_torch_refuses_the_quantizable_module():
+    """torch.ao.nn.quantizable.MultiheadAttention (a subclass that eager-mode quantization
+    puts in place) projects with its own layers and computes otherwise: refused by name."""
+    src = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    src.qconfig = torch.ao.quantization.get_default_qconfig("fbgemm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantizable = torch.ao.nn.quantizable.MultiheadAttention.from_float(src)
+    with pytest.raises(TypeError, match="linear_Q/K/V"):
+        MultiHeadAttention.from_torch(quantizable)
 
 
 # ---- GQA / MQA ----------------------------------------------------------------------------------

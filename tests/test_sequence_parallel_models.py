@@ -243,6 +243,21 @@ def _llama_case(kind: str, rank: int, world: int) -> str:
     numbered_from_0 = torch.equal(own, torch.arange(own.shape[1])[None])  # nothing to tell
     if torch.allclose(right, wrong, rtol=1e-6, atol=1e-6) and not numbered_from_0:
         problems.append("local position_ids give the same logits: the check is blind")
+    # a gap, and a fall short of the least position: transformers' own packed mask (a pass
+    # without a cache) starts a document at both, and so does the sharded pass
+    half = ids.shape[1] // 2
+    for name, row in (("gap", torch.cat([torch.arange(half), torch.arange(40, 40 + half)])),
+                      ("fall", torch.cat([torch.arange(half + 2), torch.arange(4, 2 + half)]))):
+        row = row[None]
+        with torch.no_grad():
+            whole = model(input_ids=ids, position_ids=row, use_cache=False).logits
+            with ak_hf.sequence_parallel(sp):
+                shard = model(input_ids=local_ids, position_ids=sp.shard(row, dim=1),
+                              use_cache=False).logits
+        try:
+            torch.testing.assert_close(shard, sp.shard(whole, dim=1), **TOL)
+        except AssertionError as error:
+            problems.append(f"{name} positions: {error}")
     return "\n".join(problems)
 
 

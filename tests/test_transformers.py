@@ -541,6 +541,32 @@ def test_a_gap_in_a_single_rows_position_ids_does_not_split_it():
     torch.testing.assert_close(logits["attnkit"][0], pair[0], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("positions", [
+    [0, 1, 2, 3, 0, 1, 2, 0, 1], [0, 1, 2, 10, 11, 12, 0, 1], [2, 3, 4, 2, 3, 2],
+    [0, 1, 2, 3, 1, 2, 3, 0, 1], [5, 6, 7, 0, 1, 2], [0, 1, 2, 3, 4, 5]])
+def test_packed_rows_are_read_as_transformers_reads_them(positions):
+    """Where transformers built no packed mask (a pass with a cache), a row's documents start
+    where ``flash_attention_2`` starts them: where the positions come back to their least
+    value. Under sequence parallelism (a pass without a cache), where transformers' own
+    ``find_packed_sequence_indices`` starts them: wherever they do not run on by one."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    row = torch.tensor([positions])
+
+    def ids_of(documents):
+        return (torch.zeros(len(positions), dtype=torch.long) if documents is None
+                else documents.q_ids.reshape(-1))
+    (starts, _), _ = prepare_fa_kwargs_from_position_ids(row)
+    flash = torch.zeros(len(positions), dtype=torch.long)
+    flash[starts[:-1].long()] = 1  # (flash_attention_2 starts its first at the least too)
+    flash = flash.cumsum(0) - flash[0]
+    torch.testing.assert_close(ids_of(ak_hf._documents_from_positions(row)), flash)
+    own = masking_utils.find_packed_sequence_indices(row)
+    torch.testing.assert_close(ids_of(ak_hf._documents_from_positions(row, restarts=False)),
+                               torch.zeros(len(positions), dtype=torch.long) if own is None
+                               else own.reshape(-1))
+
+
 def test_a_model_that_adds_its_bias_to_no_mask_runs():
     """BEiT adds its relative position bias to the mask transformers built, which is ``None``
     for sdpa without padding (``allow_is_bidirectional_skip``): the attnkit mask function
@@ -550,11 +576,13 @@ def test_a_model_that_adds_its_bias_to_no_mask_runs():
                                      use_relative_position_bias=True, initializer_range=0.2)
     models = _models(config, auto=transformers.AutoModel, dtype=F64)
     pixels = _rand(2, 3, 16, 16, seed=3)
-    with torch.no_grad():
-        hidden = {impl: m(pixel_values=pixels).last_hidden_state for impl, m in models.items()}
-    real = torch.ones(hidden["eager"].shape[:-1], dtype=torch.bool)
-    limit = _limit(hidden["eager"], hidden["sdpa"], real, hidden["eager"].shape[1])
-    assert (hidden["attnkit"] - hidden["eager"]).abs().max() <= limit
+    for given in ({}, {"attention_mask": torch.ones(2, 17, dtype=torch.long)}):  # every key real
+        with torch.no_grad():
+            hidden = {impl: m(pixel_values=pixels, **given).last_hidden_state
+                      for impl, m in models.items()}
+        real = torch.ones(hidden["eager"].shape[:-1], dtype=torch.bool)
+        limit = _limit(hidden["eager"], hidden["sdpa"], real, hidden["eager"].shape[1])
+        assert (hidden["attnkit"] - hidden["eager"]).abs().max() <= limit
 
 
 def test_position_bias_is_added_to_the_scaled_scores():

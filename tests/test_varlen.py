@@ -255,6 +255,26 @@ def test_a_modifier_that_does_not_fit_names_the_packed_shapes(modifier, words):
     assert "(1, 4" not in message and "[B, H]" not in message
 
 
+@pytest.mark.parametrize("segments", ["invariant", "keys differ"])
+def test_a_bucket_function_is_checked_per_sequence_where_each_runs_alone(segments):
+    """A relative-bias bucket function that covers each sequence's own offsets (not the
+    packed row's) runs where each sequence is a call of its own."""
+    q, k, v, cu_q, cu_k = _packed([5, 8], [5, 8] if segments == "invariant" else [6, 8],
+                                  heads=2, heads_kv=2, dv=8)
+    table = torch.randn(2, 15, generator=torch.Generator().manual_seed(1))
+    align = "top_left" if segments == "invariant" else "bottom_right"
+    mask = ak.causal(align) & ak.relative_bias(table, buckets=lambda r: r + 7, align=align)
+    got = ak.varlen_attention(q, k, v, cu_q, cu_k, mask=mask,
+                              invariant=segments == "invariant")
+    outs = []
+    for (qa, qb), (ka, kb) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()),
+                                  zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+        q4, k4, v4 = (t[a:b].transpose(0, 1)[None].double()
+                      for t, a, b in ((q, qa, qb), (k, ka, kb), (v, ka, kb)))
+        outs.append(ak.attention(q4, k4, v4, mask, backend="reference")[0].transpose(0, 1))
+    torch.testing.assert_close(got.double(), torch.cat(outs), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("invariant", [False, True])
 def test_a_refusal_below_says_how_the_packed_call_runs(invariant):
     q, k, v, _, _ = _packed([2, 3], [2, 3])

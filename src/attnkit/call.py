@@ -20,7 +20,7 @@ import torch
 from . import dispatch
 from .backends.base import Backend, BackendOutput
 from .inputs import CallCache, Inputs, _bhtd, learnable, refuse_jit_trace, restore, validate
-from .masks import KEY_BYTES, content_key, mask_tensors, readable, wrapped_eagerly
+from .masks import KEY_BYTES, as_mask, content_key, mask_tensors, readable, wrapped_eagerly
 
 
 class AttentionResult(NamedTuple):
@@ -92,13 +92,15 @@ class Plan:
                                          generator=None, backend=backend, return_lse=return_lse,
                                          return_weights=return_weights, compiling=False,
                                          invariant=invariant)
-        self._watched = _watched(inputs.mask, inputs.modifiers)  # found once: no mask walk
+        # the caller's tensors, found once (validation may fit a bias into a copy)
+        self._watched = _watched(as_mask(mask), None)
+        # a parameter's values are read by every run, through attention(): a fused optimizer
+        # writes it without a trace (:func:`~attnkit.inputs.learnable`)
+        self._learnable = learnable(self._watched)
         # what runs derive from the mask, kept for the plan's lifetime (a call cache hit of a
-        # mask keyed by shape shares nothing); never from a tensor that requires grad, which
-        # a fused optimizer writes without a trace (:func:`~attnkit.inputs.learnable`)
-        derived = (None if learnable(self._watched) else
-                   {} if inputs.derived is None else inputs.derived)
-        self._inputs = inputs.replaced(q=None, k=None, v=None, derived=derived)
+        # mask keyed by shape shares nothing)
+        self._inputs = inputs.replaced(q=None, k=None, v=None,
+                                       derived={} if inputs.derived is None else inputs.derived)
         self._signature = _plan_signature(q, k, v)
         self._tensors = _versions(self._watched)
 
@@ -164,6 +166,11 @@ class Plan:
              ) -> Union[torch.Tensor, AttentionResult]:
         """:meth:`__call__` once its checks have passed (a caller that keys its plans by
         :meth:`signature_of` and checks :meth:`stale` itself)."""
+        if self._learnable:
+            from .api import attention
+            return attention(q, k, v, self.mask, scale=self.scale, backend=self.backend_name,
+                             return_lse=self.return_lse, return_weights=self.return_weights,
+                             invariant=self.invariant)
         template = self._inputs
         rank, batch = template.input_rank, template.batch_shape
         inputs = template.replaced(q=_bhtd(q, rank, batch), k=_bhtd(k, rank, batch),

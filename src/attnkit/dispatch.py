@@ -52,8 +52,9 @@ def refuse_double_backward(result, name: str) -> None:
         if torch.is_grad_enabled():
             raise RuntimeError(
                 f"double backward (create_graph=True) through attention is not supported by "
-                f"backend {name!r}: pass backend='tiled' (O(T) memory) or backend='reference' to "
-                f"attention() for gradients of gradients")
+                f"backend {name!r}: pass backend='tiled' (O(T) memory) or backend='reference' "
+                f"(to attention(), to MultiHeadAttention(...), or around the call with "
+                f"attnkit.use_backend(...)) for gradients of gradients")
 
     nodes = {t.grad_fn for t in (result.out, result.lse) if t is not None and t.requires_grad}
     for node in nodes:

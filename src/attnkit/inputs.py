@@ -21,6 +21,7 @@ import torch
 
 from .masks import (DENSE_MAX_SCORES, Band, Mask, MaskSpace, _is_wrapped, as_mask,
                     every_row_has_key, keeping, mask_tensors, validation_key)
+from .masks import learnable as learnable_tensor
 from .modifiers import Modifiers, split
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -468,10 +469,10 @@ class CallCache:
 
 
 def learnable(tensors) -> bool:
-    """Whether any of ``tensors`` requires grad: a parameter, which ``torch.optim``'s fused
-    optimizers (``AdamW(..., fused=True)``) write without moving its version counter, so
-    nothing derived from it is kept (:class:`CallCache`, plans, :func:`~attnkit.masks.memo`)."""
-    return any(t is not None and t.requires_grad for t in tensors)
+    """Whether any of ``tensors`` is :func:`~attnkit.masks.learnable` (a parameter, which a
+    fused optimizer writes without moving its version counter): nothing derived from them
+    is kept."""
+    return any(t is not None and learnable_tensor(t) for t in tensors)
 
 
 def _nbytes(value) -> int:

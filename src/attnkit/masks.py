@@ -827,6 +827,17 @@ def keeping() -> bool:
     return not any(isinstance(mode, recomputing) for mode in _get_current_dispatch_mode_stack())
 
 
+def learnable(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a parameter or requires grad, or is a view of one: what
+    ``torch.optim``'s fused optimizers (``AdamW(..., fused=True)``) write without moving
+    the version counter (a parameter frozen for an evaluation too, stepped while unfrozen),
+    so nothing derived from it is kept (:func:`memo`, the call cache, plans)."""
+    base = t._base
+    return (t.requires_grad or isinstance(t, torch.nn.Parameter)
+            or (base is not None and (base.requires_grad
+                                      or isinstance(base, torch.nn.Parameter))))
+
+
 def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
     """``compute()``, kept on ``mask`` under ``key`` and the version counters of ``tensors``
     (the mask's own, :func:`mask_tensors`; ``None`` entries allowed), so each layer of a step
@@ -839,7 +850,7 @@ def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
     records."""
     if tensors is None or torch.compiler.is_compiling() or not keeping() or any(
             t is not None and (type(t) is not torch.Tensor or t.is_inference()
-                               or t.requires_grad) for t in tensors):
+                               or learnable(t)) for t in tensors):
         return compute()
     key = (*key, *(None if t is None else (id(t), t._version) for t in tensors))
     kept = mask.__dict__.setdefault("_memo", {})

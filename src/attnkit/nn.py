@@ -710,7 +710,8 @@ def _rowwise(layer: nn.Module, x: torch.Tensor, product=None) -> torch.Tensor:
 
 _TORCH_MHA_KEYWORDS = {
     "attn_mask": "pass mask= (a bool mask there means True = may attend, the opposite of "
-                 "torch's bool attn_mask: pass mask=~attn_mask; a float mask is added as is)",
+                 "torch's bool attn_mask: pass mask=~attn_mask; a float mask is added as is; "
+                 "torch's per-head [B*H, Tq, Tk] mask goes in as attn_mask.view(B, H, Tq, Tk))",
     "average_attn_weights": "the weights are per head, [B, H, Tq, Tk]: average them with "
                             "weights.mean(1)",
 }
@@ -1082,38 +1083,46 @@ class MultiHeadAttention(nn.Module):
         """A copy of ``torch.nn.MultiheadAttention`` (weights, biases, dropout, dtype, device).
 
         Handles the packed ``in_proj_weight`` and the separate ``q/k/v_proj_weight`` layouts
-        (the latter when kdim/vdim differ from embed_dim). The result is always batch first:
-        transpose ``[T, B, E]`` inputs of a ``batch_first=False`` source. Mask conventions
-        differ: torch's bool masks mean True = ignore, attnkit's True = may attend (use ``~``),
-        and torch averages the weights over heads unless ``average_attn_weights=False``.
+        (the latter when kdim/vdim differ from embed_dim), biases where the source has them,
+        and each parameter's ``requires_grad``. The result is always batch first: transpose ``[T, B, E]`` inputs of
+        a ``batch_first=False`` source. Mask conventions differ: torch's bool masks mean True
+        = ignore, attnkit's True = may attend (use ``~``), a per-head ``attn_mask [B*H, Tq,
+        Tk]`` is ``[B, H, Tq, Tk]`` here (``.view``), and torch averages the weights over
+        heads unless ``average_attn_weights=False``.
         """
         if not isinstance(module, nn.MultiheadAttention):
             raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(module).__name__}")
+        if hasattr(module, "linear_Q"):  # computes with other weights, and otherwise
+            raise TypeError(f"from_torch copies torch.nn.MultiheadAttention; "
+                            f"{type(module).__name__} (eager-mode quantization's module) "
+                            f"projects with its own linear_Q/K/V layers and computes "
+                            f"otherwise: copy the float module it was made from")
         if module.bias_k is not None or module.bias_v is not None:
             raise ValueError("from_torch: add_bias_kv=True (a learned extra key/value) is not "
                              "supported; rebuild the torch module with add_bias_kv=False")
         if module.add_zero_attn:
             raise ValueError("from_torch: add_zero_attn=True is not supported; rebuild the torch "
                              "module with add_zero_attn=False")
-        ref = module.out_proj.weight
-        has_bias = module.out_proj.bias is not None
-        copy = cls(module.embed_dim, module.num_heads, dropout=module.dropout, bias=has_bias,
-                   kdim=module.kdim, vdim=module.vdim, backend=backend, device=ref.device,
-                   dtype=ref.dtype)
         e = module.embed_dim
+        weights = (module.in_proj_weight.split(e, dim=0)  # packed [3E, E]: rows q, k, v
+                   if module.in_proj_weight is not None else
+                   (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight))
+        biases = [None] * 3 if module.in_proj_bias is None else module.in_proj_bias.split(e)
+        sources = [*zip(weights, biases), (module.out_proj.weight, module.out_proj.bias)]
+        ref = module.out_proj.weight
+        copy = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
+                   bias=any(b is not None for _, b in sources), kdim=module.kdim,
+                   vdim=module.vdim, backend=backend, device=ref.device, dtype=ref.dtype)
+        projections = (copy.q_proj, copy.k_proj, copy.v_proj, copy.out_proj)
         with torch.no_grad():
-            if module.in_proj_weight is not None:  # packed [3E, E]: rows q, k, v
-                weights = module.in_proj_weight.split(e, dim=0)
-            else:
-                weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
-            for proj, weight in zip((copy.q_proj, copy.k_proj, copy.v_proj), weights):
+            for proj, (weight, bias) in zip(projections, sources):
                 proj.weight.copy_(weight)
-            if module.in_proj_bias is not None:
-                for proj, b in zip((copy.q_proj, copy.k_proj, copy.v_proj), module.in_proj_bias.split(e)):
-                    proj.bias.copy_(b)
-            copy.out_proj.weight.copy_(module.out_proj.weight)
-            if has_bias:
-                copy.out_proj.bias.copy_(module.out_proj.bias)
+                proj.weight.requires_grad_(weight.requires_grad)
+                if bias is None:
+                    proj.bias = None
+                else:
+                    proj.bias.copy_(bias)
+                    proj.bias.requires_grad_(bias.requires_grad)
         copy.train(module.training)
         return copy
 

@@ -112,11 +112,13 @@ def reads_positions(mask: Optional[Mask]) -> bool:
 def _check_modifiers(mask: Optional[Mask], q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> None:
     """``ValueError`` naming the packed shapes when a score modifier's tensors do not fit
-    ``q`` (per-head tensors ``[Hq]``, on q's device), before any call sees the packed row."""
+    ``q`` (per-head tensors ``[Hq]``, on q's device), before any call sees the packed row.
+    Their shapes and devices only: a relative-bias bucket function is checked by each call,
+    over the positions that call covers (checked here over a single position)."""
     _, modifiers = split(mask)
     if modifiers is None:
         return
-    problems = modifiers.check(MaskSpace(1, q.shape[1], q.shape[0], k.shape[0], q.device))
+    problems = modifiers.check(MaskSpace(1, q.shape[1], 1, 1, q.device))
     if problems:
         raise ValueError(f"score modifiers do not fit varlen_attention's q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}:\n  " + "\n  ".join(problems))

@@ -82,8 +82,9 @@ ranks (``dist.all_reduce``) are the single-process ones (DDP and FSDP average gr
 instead: multiply each rank's loss by P there).
 
 The mask is that of the whole sequence: by default causal (for causal layers) and, for a
-batch of one whose global ``position_ids`` restart, the packed documents they delimit (the
-ranks exchange their ``position_ids`` once per forward pass), as in one process. Anything
+batch of one whose global ``position_ids`` do not run on by one, the packed documents they
+delimit (the ranks exchange their ``position_ids`` once per forward pass), as transformers'
+own mask delimits them in one process without a cache. Anything
 else (padding, sliding windows, chunked attention) is given as ``mask=``, the attnkit mask
 of the whole sequence; a 2-D ``attention_mask`` is refused under sequence parallelism.
 """
@@ -157,7 +158,7 @@ def sequence_parallel(parallel: "SequenceParallel",
     models whose layers differ (``config.layer_types``: ``"full_attention"``,
     ``"sliding_attention"``, ...), which refuse a single mask. ``None``: causal for causal
     layers (none for the others), ``& documents`` of the packed sequences when a batch of one
-    has global ``position_ids`` that restart; layers with a sliding window and 2-D padding
+    has global ``position_ids`` that do not run on by one; layers with a sliding window and 2-D padding
     masks then raise ``ValueError`` (pass their mask here). The backward runs after the block as well; with
     gradient checkpointing (which reruns the forward) run it inside. Every rank must run
     the same forward and backward passes (the collectives pair up across ranks).
@@ -294,7 +295,7 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
     """transformers' mask-interface call → :class:`TransformersMask`.
 
     ``None`` where transformers allows it (``allow_is_bidirectional_skip``) and the mask
-    holds every key for every query, no padding given, as its ``sdpa`` mask does: the
+    holds every key for every query, every key real, as its ``sdpa`` mask does: the
     attention function then gets ``None`` (or the model's own bias, which it adds to "no
     mask").
 
@@ -324,7 +325,7 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
     try:
         mask, packed = _structured(q_length, kv_length, q_offset, kv_offset, mask_function,
                                    attention_mask)
-        if mask is None and not padded and kwargs.get("allow_is_bidirectional_skip"):
+        if mask is None and kwargs.get("allow_is_bidirectional_skip"):
             return None  # as sdpa's: a model may add its own bias to "no mask" (BEiT)
         return TransformersMask(mask, batch_size, q_length, kv_length, packed=packed,
                                 padded=padded, rows=rows)
@@ -676,13 +677,16 @@ def _shared_documents(sources: tuple, make: Callable[[], Optional[Mask]],
     return documents
 
 
-def _documents_from_positions(positions: torch.Tensor) -> Optional[Mask]:
-    """``documents`` of ``position_ids [1, T]``: a new sequence wherever they restart at
-    their least value (``flash_attention_2``'s rule: packed sequences all start at the same
-    position, 0 or a model's offset); ``None`` (one host read) when they never do, a gap in
-    the positions included."""
+def _documents_from_positions(positions: torch.Tensor, restarts: bool = True,
+                              ) -> Optional[Mask]:
+    """``documents`` of ``position_ids [1, T]``; ``None`` (one host read) when they hold one
+    sequence. ``restarts``: a new sequence wherever the positions come back to their least
+    value (``flash_attention_2``'s rule: packed sequences all start at the same position, 0
+    or a model's offset; a gap starts none), the rule where transformers built no packed
+    mask (a forward pass with a cache); else wherever they do not run on by one
+    (transformers' own ``find_packed_sequence_indices``, the rule of a pass without one)."""
     row = positions[0]
-    starts = row[1:] == row.min()  # [T - 1]
+    starts = (row[1:] == row.min()) if restarts else (row[1:] - row[:-1] != 1)  # [T - 1]
     if not torch.compiler.is_compiling() and not bool(starts.any()):
         return None  # inside a compiled graph no value is read: one document, where unpacked
     ids = F.pad(starts.cumsum(0), (1, 0))  # [T]: the sequence of each position
@@ -828,7 +832,8 @@ def _parallel_mask(module: torch.nn.Module, attention_mask, is_causal: Optional[
     if batch != 1 or positions.shape[0] != 1:
         return mask
     documents = _shared_documents(
-        (positions,), lambda: _documents_from_positions(_gathered(positions, parallel)),
+        (positions,),  # (as transformers' own packed mask of a pass without a cache)
+        lambda: _documents_from_positions(_gathered(positions, parallel), restarts=False),
         "parallel")
     if documents is None:
         return mask
