@@ -567,6 +567,38 @@ def test_packed_rows_are_read_as_transformers_reads_them(positions):
                                else own.reshape(-1))
 
 
+def test_a_hybrid_model_whose_mask_counts_no_keys_generates():
+    """MiniMax's cache sizes the decoding mask from its first layer, a linear-attention one
+    without keys (1 key where the attention layer has them all): a mask that holds every key
+    and pads nothing fits any key count, so generate gives sdpa's tokens."""
+    config = getattr(transformers, "MiniMaxConfig", None)
+    if config is None:
+        pytest.skip("this transformers has no MiniMax")
+    config = config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=100,
+                    num_local_experts=2, num_experts_per_tok=1, block_size=4, pad_token_id=0,
+                    layer_types=["linear_attention", "full_attention"], eos_token_id=2)
+    models = _models(config)  # (float32: its experts' grouped products take no float64)
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    tokens = {impl: m.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+              for impl, m in models.items()}
+    assert torch.equal(tokens["attnkit"], tokens["sdpa"])
+
+
+def test_a_mask_for_other_key_counts_is_refused_where_it_pads():
+    """The free pass is for a mask that holds every key and pads nothing: a padded one of
+    another key count is refused, naming both counts."""
+    q, k, v = _rand(3, 1, 4, 1, 8).unbind(0)
+    k, v = _rand(2, 1, 2, 7, 8, seed=1).unbind(0)
+    module = torch.nn.Module()
+    free = ak_hf.TransformersMask(None, 1, 1, 1)
+    out, _ = ak_hf.attention_forward(module, q, k, v, free, scaling=0.5)
+    torch.testing.assert_close(out, ak.attention(q, k, v, scale=0.5).transpose(1, 2))
+    padded = ak_hf.TransformersMask(None, 1, 1, 1, padded=True)
+    with pytest.raises(ValueError, match="1 queries × 1 keys but attends 1 queries × 7 keys"):
+        ak_hf.attention_forward(module, q, k, v, padded, scaling=0.5)
+
+
 def test_a_model_that_adds_its_bias_to_no_mask_runs():
     """BEiT adds its relative position bias to the mask transformers built, which is ``None``
     for sdpa without padding (``allow_is_bidirectional_skip``): the attnkit mask function

@@ -557,7 +557,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                  is_causal, *active, kwargs)
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if isinstance(attention_mask, TransformersMask):
-        if (attention_mask.q_len, attention_mask.kv_len) != (q_len, kv_len):
+        # (a mask that holds every key of every query and pads nothing fits any key count: a
+        # hybrid model's cache may size its mask from a layer without keys, as MiniMax's does)
+        free = attention_mask.mask is None and not attention_mask.padded
+        if (attention_mask.q_len, attention_mask.kv_len) != (q_len, kv_len) and not (
+                free and attention_mask.q_len == q_len):
             raise ValueError(
                 f"{type(module).__name__} got an attnkit mask for {attention_mask.q_len} queries "
                 f"× {attention_mask.kv_len} keys but attends {q_len} queries × {kv_len} keys "
