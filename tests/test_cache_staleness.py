@@ -267,3 +267,19 @@ def test_a_plan_watches_the_callers_bias_not_its_float64_copy():
     assert plan.stale()
     with pytest.raises(ValueError, match="written in place"):
         plan(q, q, q)
+
+
+def test_what_an_optimizer_may_step_is_never_keyed():
+    """Parameters, leaves that require grad and views of either are what an optimizer steps
+    (a fused one without moving the version counter); a tensor a layer computes, with
+    autograd history, is not, and what derives from it is still kept per forward pass."""
+    from attnkit.masks import learnable
+
+    param = torch.nn.Parameter(torch.randn(2, 4))
+    leaf = torch.randn(2, 4, requires_grad=True)
+    with torch.no_grad():
+        views = [param[None], leaf.t()]
+    computed = param * 2
+    assert all(map(learnable, [param, leaf, *views]))
+    assert not learnable(computed) and not learnable(computed[None])
+    assert not learnable(torch.randn(2, 4))

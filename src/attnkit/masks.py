@@ -828,14 +828,17 @@ def keeping() -> bool:
 
 
 def learnable(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a parameter or requires grad, or is a view of one: what
-    ``torch.optim``'s fused optimizers (``AdamW(..., fused=True)``) write without moving
-    the version counter (a parameter frozen for an evaluation too, stepped while unfrozen),
-    so nothing derived from it is kept (:func:`memo`, the call cache, plans)."""
+    """Whether ``t`` is what an optimizer may step, or a view of it: a parameter (frozen for
+    an evaluation too, stepped while unfrozen) or a leaf that requires grad. ``torch.optim``'s
+    fused optimizers (``AdamW(..., fused=True)``) write those without moving the version
+    counter, so nothing derived from them is kept (:func:`memo`, the call cache, plans). A
+    tensor computed with autograd history (a bias a layer computes) is never written so."""
     base = t._base
-    return (t.requires_grad or isinstance(t, torch.nn.Parameter)
-            or (base is not None and (base.requires_grad
-                                      or isinstance(base, torch.nn.Parameter))))
+    return _steppable(t) or (base is not None and _steppable(base))
+
+
+def _steppable(t: torch.Tensor) -> bool:
+    return isinstance(t, torch.nn.Parameter) or (t.requires_grad and t.grad_fn is None)
 
 
 def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
