@@ -176,9 +176,10 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = Non
     :func:`attention` returns, bit for bit. A plan holds what it derived from the mask's
     values (runs of real keys, the dense key mask of torch's kernel) for its lifetime: make a
     new one for a new mask, as each step of a decoding loop does. A plan over a parameter
-    (a learnable bias, ALiBi slopes or relative-bias table; or a leaf that requires grad), which ``torch.optim``'s fused optimizers write without moving its version
-    counter, keeps nothing: each run is the call :func:`attention` makes. Make and run plans outside ``torch.autocast``; inside a compiled
-    region a plan runs as :func:`attention`."""
+    (a learnable bias, ALiBi slopes or relative-bias table; or a leaf that requires grad),
+    which ``torch.optim``'s fused optimizers write without moving its version counter,
+    keeps nothing: each run is the call :func:`attention` makes. Make and run plans outside
+    ``torch.autocast``; inside a compiled region a plan runs as :func:`attention`."""
     return call.Plan(q, k, v, mask, scale=scale, backend=backend, return_lse=return_lse,
                      return_weights=return_weights, invariant=invariance.active(invariant))
 
