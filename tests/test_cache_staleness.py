@@ -283,3 +283,32 @@ def test_what_an_optimizer_may_step_is_never_keyed():
     assert all(map(learnable, [param, leaf, *views]))
     assert not learnable(computed) and not learnable(computed[None])
     assert not learnable(torch.randn(2, 4))
+
+
+def test_a_plan_watches_modifiers_beside_a_mask_function():
+    """A mask function hides what it reads, not the score modifiers joined to it: a write to
+    ALiBi slopes next to ``from_function`` makes the plan stale."""
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 8, 8)
+    slopes = torch.rand(2)
+    mask = ak.from_function(lambda b, h, i, j: j >= 0) & ak.alibi(slopes, align="bottom_right")
+    plan = ak.plan(q, k, k, mask)
+    plan(q, k, k)
+    slopes.mul_(8)
+    assert plan.stale()
+    with pytest.raises(ValueError, match="written in place"):
+        plan(q, k, k)
+
+
+def test_a_plan_over_a_parameter_runs_on_its_planned_backend(monkeypatch):
+    """A plan over a parameter runs each call as attention() does, on the backend it chose:
+    one made under ``use_backend("reference")`` stays there outside it."""
+    q = torch.randn(1, 2, 4, 8)
+    mask = ak.bias(torch.nn.Parameter(torch.randn(1, 2, 4, 4)))
+    with ak.use_backend("reference"):
+        plan = ak.plan(q, q, q, mask)
+    ran = []
+    real = dispatch.run
+    monkeypatch.setattr(dispatch, "run", lambda chosen, inputs: ran.append(chosen.NAME)
+                        or real(chosen, inputs))
+    plan(q, q, q)
+    assert plan.backend.NAME == "reference" and ran == ["reference"]

@@ -355,3 +355,38 @@ def test_returned_weights_under_compile_are_for_reading_only():
         torch.testing.assert_close(got, want)
     with pytest.raises(RuntimeError, match="not differentiable"):
         weights.pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["padding", "documents"])
+def test_the_operator_keys_no_tensor_by_identity(kind):
+    """Inductor may hand the operator a buffer it reused, rewritten by its own kernel: the
+    same tensor, the same version counter, new values. The operator then derives everything
+    from the values it gets (here the rewrite bypasses the counter through ``.data``)."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, 12, 8, generator=gen) for _ in range(3))
+    values = {"padding": ([12, 5], [3, 9]),
+              "documents": ([[0] * 6 + [1] * 6] * 2, [[0] * 2 + [1] * 10] * 2)}[kind]
+    held = torch.tensor(values[0])
+    make = {"padding": lambda t: ak.padding(kv_lengths=t), "documents": ak.documents}[kind]
+    for value in values:
+        held.data.copy_(torch.tensor(value))  # (no version bump, as inductor's kernels)
+        out, _, _ = compiled.attention(q, k, v, make(held), scale=None, dropout_p=0.0,
+                                       backend="auto", return_lse=False, return_weights=False)
+        want = ak.attention(q.double(), k.double(), v.double(), make(torch.tensor(value)),
+                            backend="reference")
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_sinks_made_inside_a_dynamic_graph_trace_whole():
+    """Sink logits built inside the compiled function over symbolic head counts: the shape
+    check compares size by size (as guards), so ``fullgraph=True`` holds."""
+    def fn(q, k, v):
+        return ak.attention(q, k, v, ak.sinks(torch.tensor([0.3, -0.2]))
+                            & ak.causal("bottom_right"))
+
+    compiled_fn = torch.compile(fn, backend="aot_eager", dynamic=True, fullgraph=True)
+    gen = torch.Generator().manual_seed(9)
+    for t, s in ((9, 9), (6, 10)):
+        q = torch.randn(2, 2, t, 8, generator=gen)
+        k, v = (torch.randn(2, 2, s, 8, generator=gen) for _ in range(2))
+        torch.testing.assert_close(compiled_fn(q, k, v), fn(q, k, v))

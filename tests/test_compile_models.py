@@ -111,6 +111,27 @@ def test_a_row_of_one_compiles_to_one_graph_with_its_position_ids(positions):
     torch.testing.assert_close(got, want)
 
 
+def test_packed_boundaries_compile_to_one_graph():
+    """``cu_seq_lens_q/k`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``):
+    checked when the graph runs, not read while tracing; boundaries that disagree raise."""
+    model = _llama()
+    ids = torch.randint(3, 100, (1, 10))
+    packed = dict(position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]]),
+                  cu_seq_lens_q=torch.tensor([0, 4, 7, 10], dtype=torch.int32),
+                  cu_seq_lens_k=torch.tensor([0, 4, 7, 10], dtype=torch.int32),
+                  max_length_q=4, max_length_k=4)
+    graphs = Graphs()
+    compiled = torch.compile(model, fullgraph=True, backend=graphs)
+    with torch.no_grad():
+        want = model(input_ids=ids, **packed).logits
+        got = compiled(input_ids=ids, **packed).logits
+        assert graphs.count == 1
+        torch.testing.assert_close(got, want)
+        packed["cu_seq_lens_k"] = torch.tensor([0, 5, 7, 10], dtype=torch.int32)
+        with pytest.raises(RuntimeError, match="cu_seq_lens_q/k"):
+            compiled(input_ids=ids, **packed)
+
+
 def test_a_layer_compiled_inside_an_eager_model_is_one_graph():
     """transformers' output capture begins outside the compiled layer (the model's forward is
     eager): whether attention weights are recorded is read without a graph break."""

@@ -608,13 +608,29 @@ def test_a_model_that_adds_its_bias_to_no_mask_runs():
                                      use_relative_position_bias=True, initializer_range=0.2)
     models = _models(config, auto=transformers.AutoModel, dtype=F64)
     pixels = _rand(2, 3, 16, 16, seed=3)
-    for given in ({}, {"attention_mask": torch.ones(2, 17, dtype=torch.long)}):  # every key real
-        with torch.no_grad():
-            hidden = {impl: m(pixel_values=pixels, **given).last_hidden_state
-                      for impl, m in models.items()}
-        real = torch.ones(hidden["eager"].shape[:-1], dtype=torch.bool)
-        limit = _limit(hidden["eager"], hidden["sdpa"], real, hidden["eager"].shape[1])
-        assert (hidden["attnkit"] - hidden["eager"]).abs().max() <= limit
+    with torch.no_grad():
+        hidden = {impl: m(pixel_values=pixels).last_hidden_state for impl, m in models.items()}
+    real = torch.ones(hidden["eager"].shape[:-1], dtype=torch.bool)
+    limit = _limit(hidden["eager"], hidden["sdpa"], real, hidden["eager"].shape[1])
+    assert (hidden["attnkit"] - hidden["eager"]).abs().max() <= limit
+
+
+def test_an_all_ones_mask_keeps_a_bidirectional_row_whole():
+    """A bidirectional decoder (``config.is_causal=False``) given a 2-D mask of real tokens and
+    positions that restart: the row is one sequence, as sdpa and eager read it (a row is
+    read as packed only without a 2-D mask)."""
+    config = transformers.LlamaConfig(**_common())
+    config.is_causal = False
+    models = _models(config, auto=transformers.AutoModel, dtype=F64)
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    given = dict(attention_mask=torch.ones(1, 6, dtype=torch.long),
+                 position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    with torch.no_grad():
+        hidden = {impl: m(input_ids=ids, **given).last_hidden_state
+                  for impl, m in models.items()}
+    real = torch.ones(1, 6, dtype=torch.bool)
+    assert (hidden["attnkit"] - hidden["eager"]).abs().max() <= _limit(
+        hidden["eager"], hidden["sdpa"], real, 6)
 
 
 def test_position_bias_is_added_to_the_scaled_scores():

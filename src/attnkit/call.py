@@ -20,7 +20,7 @@ import torch
 from . import dispatch
 from .backends.base import Backend, BackendOutput
 from .inputs import CallCache, Inputs, _bhtd, learnable, refuse_jit_trace, restore, validate
-from .masks import KEY_BYTES, as_mask, content_key, mask_tensors, readable, wrapped_eagerly
+from .masks import KEY_BYTES, as_mask, content_key, held_tensors, readable, wrapped_eagerly
 
 
 class AttentionResult(NamedTuple):
@@ -93,7 +93,7 @@ class Plan:
                                          return_weights=return_weights, compiling=False,
                                          invariant=invariant)
         # the caller's tensors, found once (validation may fit a bias into a copy)
-        self._watched = _watched(as_mask(mask), None)
+        self._watched = _watched(as_mask(mask))
         # a parameter's values are read by every run, through attention(): a fused optimizer
         # writes it without a trace (:func:`~attnkit.inputs.learnable`)
         self._learnable = learnable(self._watched)
@@ -168,7 +168,7 @@ class Plan:
         :meth:`signature_of` and checks :meth:`stale` itself)."""
         if self._learnable:
             from .api import attention
-            return attention(q, k, v, self.mask, scale=self.scale, backend=self.backend_name,
+            return attention(q, k, v, self.mask, scale=self.scale, backend=self.backend.NAME,
                              return_lse=self.return_lse, return_weights=self.return_weights,
                              invariant=self.invariant)
         template = self._inputs
@@ -203,12 +203,11 @@ def _describe(signature: tuple) -> str:
     return ", ".join(parts) + f" (grad mode {'on' if grad_mode else 'off'})"
 
 
-def _watched(mask, modifiers) -> tuple:
-    """Every tensor of the mask and modifiers, whose in-place writes make a plan stale."""
-    tensors = [] if mask is None else list(mask_tensors(mask) or ())
-    if modifiers is not None:
-        tensors.extend(modifiers.tensors)
-    return tuple(t for t in tensors if t is not None)
+def _watched(mask) -> tuple:
+    """Every tensor the caller's mask holds, its score modifiers' included, whose in-place
+    writes make a plan stale (:func:`~attnkit.masks.held_tensors`: those of parts that run
+    user code too, where they hold them; what their code reads is not known)."""
+    return () if mask is None else held_tensors(mask)
 
 
 def _versions(tensors: tuple) -> tuple:

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .masks import CAUSAL, MASK_TYPES, Mask, MaskSpace, dense, mask_fields
+from .masks import CAUSAL, MASK_TYPES, Mask, MaskSpace, dense, mask_fields, unkeyed
 from .modifiers import Sinks
 
 TRACED_BACKENDS = ("torch", "reference")
@@ -137,10 +137,12 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list
 
     register_flop_formulas()  # an exported program run in a new process
     mask = unflatten(spec, tensors, numbers.tolist())
-    if trainable:
-        backend = _engine(q, k, v, mask, scale, backend, need_weights, invariant)[1].NAME
-    result = eager(q, k, v, mask, scale=scale, dropout_p=0.0, generator=None, backend=backend,
-                   return_lse=True, return_weights=need_weights, invariant=invariant)
+    with unkeyed():  # (inductor may hand over a reused buffer with new values)
+        if trainable:
+            backend = _engine(q, k, v, mask, scale, backend, need_weights, invariant)[1].NAME
+        result = eager(q, k, v, mask, scale=scale, dropout_p=0.0, generator=None,
+                       backend=backend, return_lse=True, return_weights=need_weights,
+                       invariant=invariant)
     weights = result.weights if need_weights else q.new_empty(0)
     return result.out.contiguous(), result.lse.contiguous(), weights.contiguous()
 
@@ -168,29 +170,30 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
     from .dispatch import is_empty
     from .finite import applies, guard
 
-    mask = unflatten(spec, tensors, numbers.tolist())
-    inputs, chosen = _engine(q, k, v, mask, scale, backend, need_weights, invariant)
-    if is_empty(inputs):  # nothing was computed (dispatch.run): every gradient is 0
-        return [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
-                *(torch.zeros_like(t) if want else t.new_empty(0)
-                  for t, want in zip(tensors, wanted))]
-    # the q, K and V the forward ran on (dispatch.run)
-    inputs = guard(inputs, applies(inputs, chosen), chosen.reads_padding(inputs),
-                   chosen.evaluates_mask(inputs)).inputs
-    rows = inputs.q.shape[:3]
-    wanted_by_id = {id(t): want for t, want in zip(tensors, wanted)}
-    biases = [] if mask is None else mask.biases()  # the caller's tensors, in the order of
-    # inputs.biases (fitted copies); the modifiers' are the caller's own
-    params = inputs.modifiers.tensors if inputs.modifiers is not None else ()
-    dq, dk, dv, dbias, dparams = chosen.backward(
-        inputs, out.reshape(*rows, -1), lse.reshape(rows), dout.reshape(*rows, -1),
-        None if dlse is None else dlse.reshape(rows), [wanted_by_id[id(t)] for t in biases],
-        [wanted_by_id.get(id(t), False) for t in params])
-    by_id = {id(t): d for t, d in zip([*biases, *params], [*dbias, *dparams])}
-    extra = [_like(by_id[id(t)], t) if want and by_id.get(id(t)) is not None
-             else torch.zeros_like(t) if want else t.new_empty(0)
-             for t, want in zip(tensors, wanted)]
-    return [_like(dq, q), _like(dk, k), _like(dv, v), *extra]
+    with unkeyed():  # (inductor may hand over a reused buffer with new values)
+        mask = unflatten(spec, tensors, numbers.tolist())
+        inputs, chosen = _engine(q, k, v, mask, scale, backend, need_weights, invariant)
+        if is_empty(inputs):  # nothing was computed (dispatch.run): every gradient is 0
+            return [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                    *(torch.zeros_like(t) if want else t.new_empty(0)
+                      for t, want in zip(tensors, wanted))]
+        # the q, K and V the forward ran on (dispatch.run)
+        inputs = guard(inputs, applies(inputs, chosen), chosen.reads_padding(inputs),
+                       chosen.evaluates_mask(inputs)).inputs
+        rows = inputs.q.shape[:3]
+        wanted_by_id = {id(t): want for t, want in zip(tensors, wanted)}
+        biases = [] if mask is None else mask.biases()  # the caller's tensors, in the order of
+        # inputs.biases (fitted copies); the modifiers' are the caller's own
+        params = inputs.modifiers.tensors if inputs.modifiers is not None else ()
+        dq, dk, dv, dbias, dparams = chosen.backward(
+            inputs, out.reshape(*rows, -1), lse.reshape(rows), dout.reshape(*rows, -1),
+            None if dlse is None else dlse.reshape(rows), [wanted_by_id[id(t)] for t in biases],
+            [wanted_by_id.get(id(t), False) for t in params])
+        by_id = {id(t): d for t, d in zip([*biases, *params], [*dbias, *dparams])}
+        extra = [_like(by_id[id(t)], t) if want and by_id.get(id(t)) is not None
+                 else torch.zeros_like(t) if want else t.new_empty(0)
+                 for t, want in zip(tensors, wanted)]
+        return [_like(dq, q), _like(dk, k), _like(dv, v), *extra]
 
 
 def _like(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ True means "may attend", as in ``torch.nn.functional.scaled_dot_product_attentio
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import math
@@ -32,7 +33,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -787,6 +788,25 @@ def mask_tensors(mask: Mask) -> Optional[tuple]:
     if "tensors" not in kept:
         kept["tensors"] = _find_tensors(mask)
     return kept["tensors"]
+
+
+def held_tensors(mask: Mask) -> tuple:
+    """Every tensor in a mask's fields and its parts' fields, each once, parts that run user
+    code included (where :func:`mask_tensors` gives up on the whole mask): the tensors a
+    plan watches for in-place writes."""
+    found: dict[int, torch.Tensor] = {}
+
+    def walk(value) -> None:
+        if isinstance(value, torch.Tensor):
+            found.setdefault(id(value), value)
+        elif isinstance(value, Mask):
+            for field in mask_fields(value).values():
+                walk(field)
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                walk(item)
+    walk(mask)
+    return tuple(found.values())
 
 
 def _find_tensors(mask: Mask) -> Optional[tuple]:
@@ -2280,10 +2300,29 @@ KEY_BYTES = 1 << 22
 document ids of 512K tokens; a larger one's derived values are not cached."""
 
 
+_UNKEYED = threading.local()
+"""``on`` inside :func:`unkeyed`, per thread."""
+
+
+@contextlib.contextmanager
+def unkeyed() -> Iterator[None]:
+    """Inside, no tensor is keyed by identity (:func:`tensor_key` gives ``None``: nothing
+    derived from a mask's tensors is cached across calls). For the compiled operators, whose
+    tensors may be buffers inductor reuses, rewritten by its kernels with the same identity
+    and version counter."""
+    was = getattr(_UNKEYED, "on", False)
+    _UNKEYED.on = True
+    try:
+        yield
+    finally:
+        _UNKEYED.on = was
+
+
 def tensor_key(t: torch.Tensor, keep: list) -> Optional[tuple]:
     """A tensor for a cache key: its identity, layout and version counter, or ``None`` when it
-    cannot be keyed (what is derived from it is then not cached). No value is read: keying a
-    call costs no host read (no device sync, and CUDA-graph capture stays possible).
+    cannot be keyed (what is derived from it is then not cached; inside :func:`unkeyed`,
+    always). No value is read: keying a call costs no host read (no device sync, and
+    CUDA-graph capture stays possible).
 
     The version counter counts every in-place write made through torch (``t[i] = x``,
     ``t.add_``, ``t.copy_``), so a plan or validation derived from the old values is made
@@ -2299,7 +2338,8 @@ def tensor_key(t: torch.Tensor, keep: list) -> Optional[tuple]:
     :data:`KEY_BYTES`. ``None``: a larger inference tensor, a ``torch.func`` wrapper, a meta
     or fake tensor (no storage to identify), a tensor subclass."""
     if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta"
-            or torch._C._functorch.is_functorch_wrapped_tensor(t)):
+            or torch._C._functorch.is_functorch_wrapped_tensor(t)
+            or getattr(_UNKEYED, "on", False)):
         return None
     layout = (id(t), t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
     if not t.is_inference():

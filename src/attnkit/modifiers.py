@@ -118,7 +118,8 @@ def _per_head_problem(what: str, t: torch.Tensor, space: MaskSpace, batched: boo
         problems.append(f"{what} is on {t.device} but q is on {space.device}: move it with "
                         f".to(q.device)")
     shapes = [(heads,)] + ([(batch, heads)] if batched else [])
-    if tuple(t.shape) not in shapes:
+    # (size by size, not tuple in list: a traced size is symbolic, compared as a guard)
+    if not any(t.dim() == len(s) and all(a == b for a, b in zip(t.shape, s)) for s in shapes):
         named = batched and batch != 1  # (a batch of one: [H] says it all)
         forms = " or ".join(f"[{', '.join(map(str, s))}]" for s in shapes[:2 if named else 1])
         names = "[H]" + (" or [B, H]" if named else "")

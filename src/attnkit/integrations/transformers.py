@@ -294,8 +294,8 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
                  ) -> Optional[TransformersMask]:
     """transformers' mask-interface call → :class:`TransformersMask`.
 
-    ``None`` where transformers allows it (``allow_is_bidirectional_skip``) and the mask
-    holds every key for every query, every key real, as its ``sdpa`` mask does: the
+    ``None`` where transformers allows it (``allow_is_bidirectional_skip``), the mask holds
+    every key for every query and no 2-D mask is given, as its ``sdpa`` mask does: the
     attention function then gets ``None`` (or the model's own bias, which it adds to "no
     mask").
 
@@ -325,8 +325,10 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
     try:
         mask, packed = _structured(q_length, kv_length, q_offset, kv_offset, mask_function,
                                    attention_mask)
-        if mask is None and kwargs.get("allow_is_bidirectional_skip"):
-            return None  # as sdpa's: a model may add its own bias to "no mask" (BEiT)
+        if mask is None and not padded and kwargs.get("allow_is_bidirectional_skip"):
+            # as sdpa's: a model may add its own bias to "no mask" (BEiT); not with a 2-D mask
+            # given, whose rows are then never read as packed (see _packed)
+            return None
         return TransformersMask(mask, batch_size, q_length, kv_length, packed=packed,
                                 padded=padded, rows=rows)
     except _NotStructured:
@@ -699,8 +701,14 @@ def _documents_from_positions(positions: torch.Tensor, restarts: bool = True,
 
 def _documents_from_boundaries(cu_q: torch.Tensor, cu_k: torch.Tensor, length: int) -> Mask:
     """``documents`` of the boundaries ``cu_seq_lens [n + 1]`` (query and key alike, ending at
-    ``length``)."""
-    if not torch.equal(cu_q, cu_k) or int(cu_q[-1]) != length:
+    ``length``); inside a compiled graph, checked when it runs (no value is read while
+    tracing)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async((cu_q == cu_k).all() & (cu_q[-1] == length),
+                            "attn_implementation='attnkit' takes cu_seq_lens_q/k only for "
+                            "packed sequences without a cache: equal query and key boundaries "
+                            "ending at the sequence length")
+    elif not torch.equal(cu_q, cu_k) or int(cu_q[-1]) != length:
         raise NotImplementedError(
             f"attn_implementation='attnkit' takes cu_seq_lens_q/k only for packed sequences "
             f"without a cache: equal query and key boundaries ending at the sequence length "
