@@ -390,3 +390,17 @@ def test_sinks_made_inside_a_dynamic_graph_trace_whole():
         q = torch.randn(2, 2, t, 8, generator=gen)
         k, v = (torch.randn(2, 2, s, 8, generator=gen) for _ in range(2))
         torch.testing.assert_close(compiled_fn(q, k, v), fn(q, k, v))
+
+
+def test_inside_the_operator_cpu_tensors_are_keyed_by_content():
+    """What the operator derives from a CPU mask tensor stays cached between calls while its
+    values do (a read without a device sync), whatever its version counter says."""
+    from attnkit.masks import tensor_key, unkeyed
+
+    lengths = torch.tensor([12, 5])
+    with unkeyed():
+        first = tensor_key(lengths, [])
+        assert tensor_key(lengths, []) == first
+        lengths.data.copy_(torch.tensor([3, 9]))  # (no version bump)
+        assert tensor_key(lengths, []) != first
+    assert tensor_key(lengths, [])[-1] == lengths._version  # outside: by version counter

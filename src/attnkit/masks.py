@@ -2306,10 +2306,10 @@ _UNKEYED = threading.local()
 
 @contextlib.contextmanager
 def unkeyed() -> Iterator[None]:
-    """Inside, no tensor is keyed by identity (:func:`tensor_key` gives ``None``: nothing
-    derived from a mask's tensors is cached across calls). For the compiled operators, whose
-    tensors may be buffers inductor reuses, rewritten by its kernels with the same identity
-    and version counter."""
+    """Inside, no tensor is keyed by identity and version counter (:func:`tensor_key`: CPU
+    tensors by their content, others not at all, so nothing derived from them is cached
+    across calls). For the compiled operators, whose tensors may be buffers inductor reuses,
+    rewritten by its kernels with the same identity and version counter."""
     was = getattr(_UNKEYED, "on", False)
     _UNKEYED.on = True
     try:
@@ -2320,9 +2320,10 @@ def unkeyed() -> Iterator[None]:
 
 def tensor_key(t: torch.Tensor, keep: list) -> Optional[tuple]:
     """A tensor for a cache key: its identity, layout and version counter, or ``None`` when it
-    cannot be keyed (what is derived from it is then not cached; inside :func:`unkeyed`,
-    always). No value is read: keying a call costs no host read (no device sync, and
-    CUDA-graph capture stays possible).
+    cannot be keyed (what is derived from it is then not cached). No value is read: keying a
+    call costs no host read (no device sync, and CUDA-graph capture stays possible). Inside
+    :func:`unkeyed`, a CPU tensor is keyed by its content, as an inference tensor is (a read
+    without a device sync), and any other is not keyed.
 
     The version counter counts every in-place write made through torch (``t[i] = x``,
     ``t.add_``, ``t.copy_``), so a plan or validation derived from the old values is made
@@ -2338,14 +2339,14 @@ def tensor_key(t: torch.Tensor, keep: list) -> Optional[tuple]:
     :data:`KEY_BYTES`. ``None``: a larger inference tensor, a ``torch.func`` wrapper, a meta
     or fake tensor (no storage to identify), a tensor subclass."""
     if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta"
-            or torch._C._functorch.is_functorch_wrapped_tensor(t)
-            or getattr(_UNKEYED, "on", False)):
+            or torch._C._functorch.is_functorch_wrapped_tensor(t)):
         return None
+    unkeyed = getattr(_UNKEYED, "on", False)
     layout = (id(t), t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-    if not t.is_inference():
+    if not (t.is_inference() or unkeyed):
         keep.append(t)
         return (*layout, "version", t._version)
-    if t.numel() * t.element_size() > KEY_BYTES:
+    if (unkeyed and t.device.type != "cpu") or t.numel() * t.element_size() > KEY_BYTES:
         return None
     keep.append(t)
     return (*layout, content_key(t))
