@@ -255,14 +255,15 @@ def test_a_modifier_that_does_not_fit_names_the_packed_shapes(modifier, words):
     assert "(1, 4" not in message and "[B, H]" not in message
 
 
-@pytest.mark.parametrize("segments", ["invariant", "keys differ"])
-def test_a_bucket_function_is_checked_per_sequence_where_each_runs_alone(segments):
-    """A relative-bias bucket function that covers each sequence's own offsets (not the
-    packed row's) runs where each sequence is a call of its own."""
-    q, k, v, cu_q, cu_k = _packed([5, 8], [5, 8] if segments == "invariant" else [6, 8],
+@pytest.mark.parametrize("segments", ["invariant", "keys differ", "one packing"])
+def test_a_bucket_function_is_checked_per_sequence(segments):
+    """A relative-bias bucket function that covers each sequence's own offsets, not the
+    packed row's, runs: each sequence is then a call of its own (as it is under the
+    invariance contract or with other key segments)."""
+    q, k, v, cu_q, cu_k = _packed([5, 8], [6, 8] if segments == "keys differ" else [5, 8],
                                   heads=2, heads_kv=2, dv=8)
     table = torch.randn(2, 15, generator=torch.Generator().manual_seed(1))
-    align = "top_left" if segments == "invariant" else "bottom_right"
+    align = "bottom_right" if segments == "keys differ" else "top_left"
     mask = ak.causal(align) & ak.relative_bias(table, buckets=lambda r: r + 7, align=align)
     got = ak.varlen_attention(q, k, v, cu_q, cu_k, mask=mask,
                               invariant=segments == "invariant")

@@ -69,7 +69,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``seqused_k``); the attention itself runs as one call of :func:`attnkit.attention` on
     views of q, k and v, except with ALiBi or a relative bias where the query and key segments
     differ (``cu_seqlens_k`` not ``cu_seqlens_q``, or ``seqused_k``): their positions are
-    each sequence's, not the packed row's, so each sequence is then one call of its own. With
+    each sequence's, not the packed row's, so each sequence is then one call of its own; so
+    too where a relative-bias bucket function fits each sequence's positions but not the
+    packed row's. With
     meta or fake q, k and v (shape-only calls) the boundaries stay real values: a list, or a
     tensor off the meta device.
     """
@@ -84,7 +86,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     given = as_mask(mask)
     _check_modifiers(given, q, k, v)
     invariant = invariance.active(invariant)
-    if invariant or (not layout.same_segments and reads_positions(given)):
+    if invariant or (reads_positions(given) and (not layout.same_segments
+                                                 or _buckets_outside_row(given, q, k))):
         return _each_sequence(q, k, v, layout, given, scale=scale, dropout_p=dropout_p,
                               generator=generator, backend=backend, return_lse=return_lse,
                               invariant=invariant)
@@ -122,6 +125,16 @@ def _check_modifiers(mask: Optional[Mask], q: torch.Tensor, k: torch.Tensor,
     if problems:
         raise ValueError(f"score modifiers do not fit varlen_attention's q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}:\n  " + "\n  ".join(problems))
+
+
+def _buckets_outside_row(mask: Optional[Mask], q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a relative-bias bucket function gives buckets outside its table over the
+    packed row's relative positions: the row cannot run as one call, each sequence (whose
+    positions are fewer) can."""
+    _, modifiers = split(mask)
+    relative = [part for part in modifiers.relative if part.buckets is not None]
+    space = MaskSpace(1, q.shape[1], q.shape[0], k.shape[0], q.device)
+    return any(part.check(space) for part in relative)
 
 
 def _each_sequence(q, k, v, layout: Layout, mask: Optional[Mask], *, scale, dropout_p,
