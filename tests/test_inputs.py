@@ -390,9 +390,9 @@ def test_known_keys_everywhere_skips_the_row_flags():
     empty_row = torch.tensor([[False, False, False], [True, True, True]])
     assert not every_row_has_key(ak.padding(kv_mask=empty_row, allow_empty_rows=True))
     assert validate(q, k, k, everywhere).has_key() is None
-    from attnkit.masks import _find_tensors, mask_tensors  # given by the producer, as found
+    from attnkit.masks import _walk_tensors, mask_tensors  # given by the producer, as found
     for made in (everywhere, vouched_padding(lengths, lengths)):
-        assert [id(t) for t in mask_tensors(made)] == [id(t) for t in _find_tensors(made)]
+        assert [id(t) for t in mask_tensors(made)] == [id(t) for t in _walk_tensors(made)[0]]
     assert validate(q, k, k, ak.padding(kv_lengths=lengths)).has_key().all()
     torch.testing.assert_close(ak.attention(q, k, k, everywhere),
                                ak.attention(q, k, k, ak.padding(kv_lengths=lengths),

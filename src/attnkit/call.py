@@ -19,8 +19,9 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend, BackendOutput
-from .inputs import CallCache, Inputs, _bhtd, learnable, refuse_jit_trace, restore, validate
-from .masks import KEY_BYTES, as_mask, content_key, held_tensors, readable, wrapped_eagerly
+from .inputs import CallCache, Inputs, _bhtd, refuse_jit_trace, restore, validate
+from .masks import (KEY_BYTES, as_mask, content_key, held_tensors, learnable, readable,
+                    wrapped_eagerly)
 
 
 class AttentionResult(NamedTuple):
@@ -95,8 +96,8 @@ class Plan:
         # the caller's tensors, found once (validation may fit a bias into a copy)
         self._watched = _watched(as_mask(mask))
         # a parameter's values are read by every run, through attention(): a fused optimizer
-        # writes it without a trace (:func:`~attnkit.inputs.learnable`)
-        self._learnable = learnable(self._watched)
+        # writes it without a trace (:func:`~attnkit.masks.learnable`)
+        self._learnable = any(map(learnable, self._watched))
         # what runs derive from the mask, kept for the plan's lifetime (a call cache hit of a
         # mask keyed by shape shares nothing)
         self._inputs = inputs.replaced(q=None, k=None, v=None,

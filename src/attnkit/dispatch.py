@@ -19,6 +19,7 @@ from .backends.torch_sdpa import TorchBackend
 from .backends.triton import TritonBackend
 from .inputs import Inputs
 from .masks import shapes_only
+from .threadlocal import setting
 
 BACKENDS: dict[str, Backend] = {b.NAME: b for b in (ReferenceBackend(), TorchBackend(), TiledBackend(),
                                                   TritonBackend())}
@@ -81,12 +82,8 @@ def use_backend(name: str):
     Thread-local; an explicit ``backend=`` still wins."""
     if name not in names():
         raise ValueError(f"unknown backend {name!r}: choose one of {names()}")
-    before = getattr(_FORCED, "name", None)
-    _FORCED.name = None if name == "auto" else name
-    try:
+    with setting(_FORCED, "name", None if name == "auto" else name):
         yield
-    finally:
-        _FORCED.name = before
 
 
 class Dispatch(NamedTuple):

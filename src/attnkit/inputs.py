@@ -20,8 +20,7 @@ import numpy as np
 import torch
 
 from .masks import (DENSE_MAX_SCORES, Band, Mask, MaskSpace, _is_wrapped, as_mask,
-                    every_row_has_key, keeping, mask_tensors, validation_key)
-from .masks import learnable as learnable_tensor
+                    every_row_has_key, keeping, learnable, mask_tensors, validation_key)
 from .modifiers import Modifiers, split
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -413,9 +412,9 @@ class CallCache:
             # a mask keyed by shape runs as given on a hit: only where validation kept it
             if key is not None and (not by_shape or inputs.mask is mask):
                 # what the call derived from its mask, for every hit: not for a mask keyed by
-                # shape, a new mask at every hit, nor from a tensor that requires grad (a
-                # parameter, which a fused optimizer writes without moving its version)
-                fresh = by_shape or learnable(keep)
+                # shape, a new mask at every hit, nor from what an optimizer may step
+                # (masks.learnable: a fused one writes without moving the version counter)
+                fresh = by_shape or any(map(learnable, keep))
                 kept = dataclasses.replace(inputs, q=None, k=None, v=None, _allowed=None,
                                            _has_key=None,
                                            derived=None if fresh else inputs.derived)
@@ -466,13 +465,6 @@ class CallCache:
                 k_shape, k.stride(-1) == 1, k.dtype, k.device, k.requires_grad,
                 v_shape, v.stride(-1) == 1, v.dtype, v.device, v.requires_grad,
                 mask_key, torch.is_grad_enabled(), interpreted, options), keep, by_shape
-
-
-def learnable(tensors) -> bool:
-    """Whether any of ``tensors`` is :func:`~attnkit.masks.learnable` (a parameter, which a
-    fused optimizer writes without moving its version counter): nothing derived from them
-    is kept."""
-    return any(t is not None and learnable_tensor(t) for t in tensors)
 
 
 def _nbytes(value) -> int:

@@ -35,6 +35,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from .threadlocal import setting
+
 _MODE = threading.local()
 """``_MODE.on``: whether :func:`invariant` is active on this thread (absent: no)."""
 
@@ -52,12 +54,8 @@ def invariant(enabled: bool = True):
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"invariant(enabled={enabled!r}): pass True or False")
-    before = getattr(_MODE, "on", False)
-    _MODE.on = enabled
-    try:
+    with setting(_MODE, "on", enabled, False):
         yield
-    finally:
-        _MODE.on = before
 
 
 @contextlib.contextmanager

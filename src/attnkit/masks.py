@@ -41,6 +41,8 @@ import torch.autograd.forward_ad as forward_ad
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from .threadlocal import setting
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 """Block-map codes: skip the tile, apply the element mask, or use the tile unmasked."""
 
@@ -786,43 +788,37 @@ def mask_tensors(mask: Mask) -> Optional[tuple]:
     after construction: found once, kept with its memos."""
     kept = mask.__dict__.setdefault("_memo", {})
     if "tensors" not in kept:
-        kept["tensors"] = _find_tensors(mask)
+        tensors, runs_code = _walk_tensors(mask)
+        kept["tensors"] = None if runs_code else tensors
     return kept["tensors"]
 
 
 def held_tensors(mask: Mask) -> tuple:
-    """Every tensor in a mask's fields and its parts' fields, each once, parts that run user
-    code included (where :func:`mask_tensors` gives up on the whole mask): the tensors a
-    plan watches for in-place writes."""
-    found: dict[int, torch.Tensor] = {}
+    """Every tensor in a mask's fields and its parts' fields, parts that run user code
+    included (where :func:`mask_tensors` gives up on the whole mask): the tensors a plan
+    watches for in-place writes."""
+    return _walk_tensors(mask)[0]
+
+
+def _walk_tensors(mask: Mask) -> tuple[tuple, bool]:
+    """``(tensors, runs_code)``: the tensors in ``mask``'s fields and its parts', in field
+    order, and whether some part runs user code."""
+    found: list[torch.Tensor] = []
+    runs_code = False
 
     def walk(value) -> None:
+        nonlocal runs_code
         if isinstance(value, torch.Tensor):
-            found.setdefault(id(value), value)
+            found.append(value)
         elif isinstance(value, Mask):
+            runs_code = runs_code or value.runs_code
             for field in mask_fields(value).values():
                 walk(field)
         elif isinstance(value, (tuple, list)):
             for item in value:
                 walk(item)
     walk(mask)
-    return tuple(found.values())
-
-
-def _find_tensors(mask: Mask) -> Optional[tuple]:
-    found: list = []
-
-    def walk(value) -> bool:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, Mask):
-            if value.runs_code:
-                return False
-            return all(walk(field) for field in mask_fields(value).values())
-        elif isinstance(value, tuple):
-            return all(walk(item) for item in value)
-        return True
-    return tuple(found) if walk(mask) else None
+    return tuple(found), runs_code
 
 
 MEMO_ENTRIES = 8
@@ -867,10 +863,10 @@ def memo(mask: Mask, key: tuple, tensors: tuple, compute: Callable[[], object]):
     evaluating one mask pays once, and an in-place write to a tensor recomputes. Not kept
     where ``tensors`` is ``None`` (a mask that runs user code), inside a compiled region or
     a mode that keeps nothing (:func:`keeping`), for inference tensors (no version counter),
-    tensors that require grad (parameters: a fused optimizer writes them without moving the
-    counter) or tensor subclasses (fake tensors): computed. A value kept is computed outside inference
-    mode, so a mask first used in an inference-mode pass still serves calls that autograd
-    records."""
+    what an optimizer may step (:func:`learnable`: a fused one writes without moving the
+    counter) or tensor subclasses (fake tensors): computed. A value kept is computed outside
+    inference mode, so a mask first used in an inference-mode pass still serves calls that
+    autograd records."""
     if tensors is None or torch.compiler.is_compiling() or not keeping() or any(
             t is not None and (type(t) is not torch.Tensor or t.is_inference()
                                or learnable(t)) for t in tensors):
@@ -2310,12 +2306,8 @@ def unkeyed() -> Iterator[None]:
     tensors by their content, others not at all, so nothing derived from them is cached
     across calls). For the compiled operators, whose tensors may be buffers inductor reuses,
     rewritten by its kernels with the same identity and version counter."""
-    was = getattr(_UNKEYED, "on", False)
-    _UNKEYED.on = True
-    try:
+    with setting(_UNKEYED, "on", True, False):
         yield
-    finally:
-        _UNKEYED.on = was
 
 
 def tensor_key(t: torch.Tensor, keep: list) -> Optional[tuple]:

@@ -1084,15 +1084,15 @@ class MultiHeadAttention(nn.Module):
 
         Handles the packed ``in_proj_weight`` and the separate ``q/k/v_proj_weight`` layouts
         (the latter when kdim/vdim differ from embed_dim), biases where the source has them,
-        and each parameter's ``requires_grad``. The result is always batch first: transpose ``[T, B, E]`` inputs of
-        a ``batch_first=False`` source. Mask conventions differ: torch's bool masks mean True
-        = ignore, attnkit's True = may attend (use ``~``), a per-head ``attn_mask [B*H, Tq,
-        Tk]`` is ``[B, H, Tq, Tk]`` here (``.view``), and torch averages the weights over
-        heads unless ``average_attn_weights=False``.
+        and each parameter's ``requires_grad``. The result is always batch first: transpose
+        ``[T, B, E]`` inputs of a ``batch_first=False`` source. Mask conventions differ:
+        torch's bool masks mean True = ignore, attnkit's True = may attend (use ``~``), a
+        per-head ``attn_mask [B*H, Tq, Tk]`` is ``[B, H, Tq, Tk]`` here (``.view``), and torch
+        averages the weights over heads unless ``average_attn_weights=False``.
         """
         if not isinstance(module, nn.MultiheadAttention):
             raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(module).__name__}")
-        if hasattr(module, "linear_Q"):  # computes with other weights, and otherwise
+        if hasattr(module, "linear_Q"):  # torch.ao.nn.quantizable: its own projections
             raise TypeError(f"from_torch copies torch.nn.MultiheadAttention; "
                             f"{type(module).__name__} (eager-mode quantization's module) "
                             f"projects with its own linear_Q/K/V layers and computes "

@@ -16,7 +16,8 @@ import torch
 
 from . import invariance
 from .api import AttentionResult, MaskLike, attention, autocast_call, autocast_device
-from .masks import Mask, MaskCache, MaskSpace, an_int, as_mask, documents, integer_tensor, readable
+from .masks import (Mask, MaskCache, MaskSpace, an_int, as_mask, documents, integer_tensor,
+                    readable)
 from .modifiers import per_sequence, split
 from .numerics import accum_dtype
 
@@ -71,9 +72,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     differ (``cu_seqlens_k`` not ``cu_seqlens_q``, or ``seqused_k``): their positions are
     each sequence's, not the packed row's, so each sequence is then one call of its own; so
     too where a relative-bias bucket function fits each sequence's positions but not the
-    packed row's. With
-    meta or fake q, k and v (shape-only calls) the boundaries stay real values: a list, or a
-    tensor off the meta device.
+    packed row's. With meta or fake q, k and v (shape-only calls) the boundaries stay real
+    values: a list, or a tensor off the meta device.
     """
     if autocast_device(q) is not None:  # the inputs in its dtype, as attention() takes them
         return autocast_call(varlen_attention, q, k, v, cu_seqlens_q, cu_seqlens_k,

@@ -103,6 +103,7 @@ import torch.nn.functional as F
 
 import attnkit as ak
 from attnkit.masks import UNBOUNDED, Mask, as_mask, keeping, readable, real_keys
+from attnkit.threadlocal import setting
 
 try:
     import transformers
@@ -158,10 +159,11 @@ def sequence_parallel(parallel: "SequenceParallel",
     models whose layers differ (``config.layer_types``: ``"full_attention"``,
     ``"sliding_attention"``, ...), which refuse a single mask. ``None``: causal for causal
     layers (none for the others), ``& documents`` of the packed sequences when a batch of one
-    has global ``position_ids`` that do not run on by one; layers with a sliding window and 2-D padding
-    masks then raise ``ValueError`` (pass their mask here). The backward runs after the block as well; with
-    gradient checkpointing (which reruns the forward) run it inside. Every rank must run
-    the same forward and backward passes (the collectives pair up across ranks).
+    has global ``position_ids`` that do not run on by one; layers with a sliding window and
+    2-D padding masks then raise ``ValueError`` (pass their mask here). The backward runs
+    after the block as well; with gradient checkpointing (which reruns the forward) run it
+    inside. Every rank must run the same forward and backward passes (the collectives pair
+    up across ranks).
     """
     from attnkit.distributed.parallel import SequenceParallel
 
@@ -175,12 +177,8 @@ def sequence_parallel(parallel: "SequenceParallel",
         raise TypeError(f"sequence_parallel(mask=...) takes an attnkit mask of the whole "
                         f"sequence (or a tensor attnkit.attention accepts), or a dict from "
                         f"layer kind (config.layer_types) to such masks, got {mask!r:.80}")
-    before = getattr(_PARALLEL, "active", None)
-    _PARALLEL.active = (parallel, mask)
-    try:
+    with setting(_PARALLEL, "active", (parallel, mask)):
         yield parallel
-    finally:
-        _PARALLEL.active = before
 
 
 def register() -> None:
