@@ -174,6 +174,24 @@ def test_low_precision(dtype, kind, gen):
         check(q, k, v, mask, allowed, gen=gen)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_of_only_finite_fills_average_as_other_backends(dtype, gen):
+    """A bias row of only ``finfo.min`` (transformers' padding under causal) is added as any
+    bias: the uniform average, as the reference gives, not a row with no key (the fill scaled
+    to base 2 would overflow to −inf)."""
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 16, 16, dtype, gen)
+    fill = torch.finfo(dtype).min
+    bias = torch.zeros(1, 1, 20, 20, dtype=dtype).masked_fill(~dense_causal(20, 20), fill)
+    bias[..., :3, :] = fill  # three rows of only fills
+    got = ak.attention(q, k, v, ak.bias(bias), backend="triton", return_lse=True)
+    want = ak.attention(q, k, v, ak.bias(bias), backend="reference", return_lse=True)
+    uniform = v.float().mean(-2, keepdim=True).expand(1, 2, 3, 16)
+    atol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(want.out[:, :, :3].float(), uniform, atol=atol)
+    assert torch.allclose(got.out.float(), want.out.float(), atol=atol)
+    assert torch.isfinite(got.lse).all() and (got.lse[:, :, :3] < -1e38).all()
+
+
 @pytest.mark.parametrize("dk,dv", [(16, 16), (64, 64), (48, 24), (32, 80)])
 def test_head_dims(dk, dv, gen):
     """Powers of two and padded ones (48 → 64, 24 → 32, 80 → 128), Dk ≠ Dv."""

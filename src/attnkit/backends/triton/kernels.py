@@ -50,6 +50,10 @@ INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+BIAS_FLOOR = tl.constexpr(-2.35e38)
+"""The least bias value a kernel adds: ``finfo(float32).min · LOG2E`` would overflow to −inf
+in base 2, so a row of only such fills (``finfo.min`` padding) would read as a row with no
+key; clamped, it stays the uniform average the other backends give."""
 
 # The kernels take the mask program, the block lists and the stored-dS buffer as one tuple
 # argument each (``launch.MaskArgs``, ``launch.Lists``, ``launch.Stored``), their switches
@@ -362,6 +366,7 @@ def _masked(s, q_start, k_start, c, TRANSPOSED: tl.constexpr):
             extra = tl.load(c.mask.bias + offs)
         extra = extra.to(tl.float32)
         ok = ok & (extra != float("-inf"))
+        extra = tl.where(extra < BIAS_FLOOR, BIAS_FLOOR, extra)  # NaN stays NaN
         s = s + tl.where(ok, extra * LOG2E, 0.0)
     return tl.where(ok, s, float("-inf"))
 
