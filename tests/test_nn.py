@@ -936,6 +936,25 @@ def test_a_paged_step_with_a_top_left_band_or_top_left_alibi_and_sinks_is_refuse
                                         is_causal=True).out[:, 3:], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("cache_kind", ["kv", "paged"])
+def test_every_band_of_a_mask_is_checked_against_the_cache(cache_kind):
+    """A top-left band is refused over a cache that holds keys wherever it sits in an `&`
+    chain, not only first."""
+    torch.manual_seed(40)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    x = _rand(1, 6, 8, seed=41)
+    make = (lambda: KVCache.empty()) if cache_kind == "kv" else (lambda: PagedKVCache(8, 4))
+    _, _, cache = mha(x[:, :5], cache=make(), is_causal=True)
+    for mask in (ak.sliding_window(2) & ak.causal("bottom_right"),
+                 ak.causal("bottom_right") & ak.sliding_window(2)):
+        with pytest.raises(ValueError, match=r"sliding_window\(2\) with a cache that holds 5"):
+            mha(x[:, 5:], mask=mask, cache=cache)
+    bottom_right = ak.causal("bottom_right") & ak.sliding_window(2, align="bottom_right")
+    out, _, _ = mha(x[:, 5:], mask=bottom_right, cache=cache)
+    torch.testing.assert_close(out, mha(x, mask=ak.sliding_window(2)).out[:, 5:],
+                               rtol=0, atol=1e-12)
+
+
 def test_training_queries_alone_through_a_cache_and_reading_older_caches():
     """Frozen K/V projections (a query-only adapter): the attention saves the cache's keys for
     q's gradient, so later appends copy; and an append with grad leaves an older cache's
@@ -1039,6 +1058,12 @@ def test_a_paged_chunk_no_sequence_fills_refuses_bottom_right_alone():
     with pytest.raises(ValueError, match="chunk of 4 positions that no sequence fills"):
         mha(x, mask=ak.relative_bias(table, align="bottom_right"), cache=PagedKVCache(8, 4),
             lengths=torch.tensor([3, 3]))
+    # a bottom-right band after a top-left one, lengths as a list (as append takes them)
+    window = ak.sliding_window(1, align="bottom_right")
+    with pytest.raises(ValueError, match=r"sliding_window\(1, align='bottom_right'\) over a "
+                                         r"PagedKVCache chunk of 4 positions"):
+        mha(x, mask=ak.causal() & window & ak.alibi(torch.ones(2, dtype=F64)),
+            cache=PagedKVCache(8, 4), lengths=[3, 3])
 
 
 def test_copies_under_autograd_are_sized_by_their_tokens():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -1275,7 +1275,7 @@ def _per_sequence_step(mask: MaskLike) -> bool:
 
 
 def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
-                     lengths: Optional[torch.Tensor], width: int) -> None:
+                     lengths: Union[torch.Tensor, Sequence[int], None], width: int) -> None:
     """A ``ValueError`` where ``mask``'s positions would not be the sequences' own over
     ``cache`` (before this call's append of ``width`` positions, ``lengths`` real per
     sequence). Bands (causal, windows), relative biases and ALiBi with sinks read positions
@@ -1290,7 +1290,7 @@ def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
     off = [] if modifiers is None else [*modifiers.relative,
                                         *(modifiers.alibi if modifiers.sinks else ())]
     bands = [] if rest is None else [leaf for leaf in rest.leaves() if leaf.band() is not None]
-    parts = [*off, *bands[:1]]  # what reads positions, each with its alignment
+    parts = [*off, *bands]  # what reads positions, each with its alignment
     if not parts:
         return
     paged = isinstance(cache, PagedKVCache)
@@ -1325,11 +1325,13 @@ def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
     top_left = [part for part in parts if part.align == "top_left"]
     # a paged cache gathers each sequence's keys up to the longest: a chunk no sequence fills
     # ends them before the chunk does, which moves a bottom-right alignment
-    if (paged and lengths is not None and max(lengths.tolist(), default=width) != width
-            and len(top_left) < len(parts)):
+    chunk = (None if not paged or lengths is None
+             else lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths))
+    if chunk is not None and max(chunk, default=width) != width and len(top_left) < len(parts):
+        aligned = next(part for part in parts if part.align != "top_left")
         raise ValueError(
-            f"{what} over a PagedKVCache chunk of {width} positions that no sequence fills "
-            f"(lengths {lengths.tolist()}): the gathered keys end before the chunk does, so a "
+            f"{aligned!r} over a PagedKVCache chunk of {width} positions that no sequence fills "
+            f"(lengths {chunk}): the gathered keys end before the chunk does, so a "
             f"bottom-right alignment would be off; pad the chunk to the longest sequence"
             f"{per_step}")
     if top_left and held[0]:
