@@ -136,6 +136,21 @@ def test_explain_refuses_a_single_number(capsys):
     assert "single number (shape ())" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("scale, variance", [(None, None), (0.35, "0.245"), (-1, "2"),
+                                             (0, "0")])
+def test_explain_states_the_score_variance_of_its_scale(capsys, scale, variance):
+    """The default 1/√d_k keeps unit variance; any other scale says what variance it gives
+    (d_k = 2 in the default example)."""
+    argv = ["explain"] + ([] if scale is None else [f"--scale={scale}"])
+    assert cli.main(argv) == 0
+    step = " ".join(capsys.readouterr().out.split("3. Scaled")[1].split())
+    if variance is None:
+        assert "keeps the score variance ≈ 1" in step
+    else:
+        assert "keeps the score variance" not in step
+        assert f"scale² · d_k = {variance} " in step
+
+
 def test_explain_npy_inputs_with_causal_and_scale(tmp_path, capsys):
     rng = np.random.default_rng(3)
     q, k, v = rng.normal(size=(4, 3)), rng.normal(size=(4, 3)), rng.normal(size=(4, 2))

@@ -51,6 +51,33 @@ def test_an_unknown_keyword_is_still_a_plain_type_error(gen):
         ak.attention(q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("entry", ["plan", "explain_dispatch"])
+def test_plan_and_explain_dispatch_spell_torch_keywords_as_attention_does(gen, entry):
+    q, k, v = _qkv(gen)
+    with pytest.raises(TypeError, match=rf"(?s){entry}\(\) got unexpected keyword argument "
+                                        r"'is_causal'.*mask=ak\.causal\(\)"):
+        getattr(ak, entry)(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("name, value, hint", [
+    ("causal", True, r"mask=ak\.causal\(\"bottom_right\"\)"),
+    ("softmax_scale", 0.5, r"`scale=`"),
+    ("window_size", (4, 0), r"ak\.sliding_window\(left, right, \"bottom_right\"\)"),
+    ("softcap", 30.0, r"ak\.softcap\(cap\)"),
+    ("alibi_slopes", torch.ones(2), r"ak\.alibi\(slopes, \"bottom_right\"\)"),
+    ("attn_mask", None, r"mask=attn_mask"),
+])
+def test_flash_attn_keywords_of_the_packed_and_paged_calls_get_the_attnkit_spelling(
+        gen, name, value, hint):
+    q = torch.randn(6, 2, 8, generator=gen)
+    with pytest.raises(TypeError, match=rf"(?s)varlen_attention\(\).*'{name}'.*{hint}"):
+        ak.varlen_attention(q, q, q, [0, 2, 6], **{name: value})
+    pool = torch.randn(4, 4, 2, 8, generator=gen)
+    with pytest.raises(TypeError, match=rf"(?s)paged_attention\(\).*'{name}'.*{hint}"):
+        ak.paged_attention(q[None, :, :1], pool, pool, torch.tensor([[0, 1]]), [6],
+                           **{name: value})
+
+
 # ---- a mask factory passed uncalled -------------------------------------------------------------
 
 @pytest.mark.parametrize("factory, call", [

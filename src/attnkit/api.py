@@ -160,7 +160,8 @@ def _autocast(device: str, *tensors):
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None, *,
          scale: Optional[float] = None, backend: str = "auto", return_lse: bool = False,
-         return_weights: bool = False, invariant: Optional[bool] = None) -> call.Plan:
+         return_weights: bool = False, invariant: Optional[bool] = None,
+         **unexpected) -> call.Plan:
     """``attention(q, k, v, mask, ...)`` validated and planned once, to run on new tensors of
     the same signature: ``plan = attnkit.plan(q, k, v, mask)``, then ``plan(q, k, v)`` in
     every layer of a step that passes ``mask`` (or every step of a loop whose shapes repeat).
@@ -179,7 +180,10 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = Non
     (a learnable bias, ALiBi slopes or relative-bias table; or a leaf that requires grad),
     which ``torch.optim``'s fused optimizers write without moving its version counter,
     keeps nothing: each run is the call :func:`attention` makes. Make and run plans outside
-    ``torch.autocast``; inside a compiled region a plan runs as :func:`attention`."""
+    ``torch.autocast``; inside a compiled region a plan runs as :func:`attention`. torch SDPA's
+    keywords raise ``TypeError`` with the attnkit spelling, as there."""
+    if unexpected:
+        raise unexpected_keywords(plan, unexpected)
     return call.Plan(q, k, v, mask, scale=scale, backend=backend, return_lse=return_lse,
                      return_weights=return_weights, invariant=invariance.active(invariant))
 
@@ -187,13 +191,16 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = Non
 def explain_dispatch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = None,
                      *, scale: Optional[float] = None, dropout_p: float = 0.0,
                      return_lse: bool = False, return_weights: bool = False,
-                     invariant: Optional[bool] = None) -> dispatch.Dispatch:
+                     invariant: Optional[bool] = None, **unexpected) -> dispatch.Dispatch:
     """What ``attention(q, k, v, mask, ...)`` with ``backend="auto"`` would run, without running
     it: the backend's name and, for every backend tried before it, why not (shapes as for
     :func:`attention`); inside ``attnkit.use_backend(name)``, that backend (``forced``), or
     why it cannot run the input. ``print()`` it for a readable summary. Gradients count as
     ``attention`` would see them (q/k/v/bias ``requires_grad`` under grad mode); so does the
-    invariance contract (``invariant``, or ``attnkit.invariant()``)."""
+    invariance contract (``invariant``, or ``attnkit.invariant()``). torch SDPA's keywords
+    raise ``TypeError`` with the attnkit spelling, as in :func:`attention`."""
+    if unexpected:
+        raise unexpected_keywords(explain_dispatch, unexpected)
     device = autocast_device(q)
     if device is not None:  # as attention() runs it
         q, k, v = _autocast(device, q, k, v)

@@ -171,6 +171,23 @@ TORCH_KEYWORDS = {
 }
 """torch SDPA's keyword arguments that attnkit spells differently, with the attnkit spelling."""
 
+FLASH_ATTN_KEYWORDS = {
+    "softmax_scale": "pass it as `scale=`",
+    "causal": "use `mask=ak.causal(\"bottom_right\")` for causal=True (flash-attn's alignment: "
+              "each sequence's last query sees all its keys; combine masks by `&`)",
+    "window_size": "use `mask=ak.sliding_window(left, right, \"bottom_right\")` for "
+                   "window_size=(left, right) (a side of -1, unbounded: `ak.causal(\"bottom_right\")` "
+                   "for (-1, 0), no mask for (-1, -1))",
+    "softcap": "use `mask=ak.softcap(cap)`, joined to the other masks by `&`",
+    "alibi_slopes": "use `mask=ak.alibi(slopes, \"bottom_right\")` (attnkit adds "
+                    "slope·(j − i): flash-attn's −slope·|i − j| where keys are causal)",
+    "return_attn_probs": "not offered: `return_lse=True` gives the LSE; "
+                         "`attnkit.attention(..., return_weights=True)` gives weights",
+}
+"""flash-attn's keyword arguments (``flash_attn_varlen_func``, ``flash_attn_with_kvcache``) that
+:func:`attnkit.varlen_attention` and :func:`attnkit.paged_attention` spell differently, with
+the attnkit spelling."""
+
 
 def refuse_jit_trace(entry: str) -> None:
     """Raise inside ``torch.jit.trace``: a trace records the Python decisions attnkit makes
@@ -186,13 +203,19 @@ def refuse_jit_trace(entry: str) -> None:
 
 def unexpected_keywords(function: Callable, keywords: dict) -> TypeError:
     """The error for keyword arguments that ``function`` does not take: torch SDPA's
-    (:data:`TORCH_KEYWORDS`) with their attnkit spelling, others with the keywords it takes."""
+    (:data:`TORCH_KEYWORDS`) and, for the packed and paged calls, flash-attn's
+    (:data:`FLASH_ATTN_KEYWORDS`) with their attnkit spelling; others with the keywords it
+    takes."""
     names = ", ".join(repr(name) for name in keywords)
     message = (f"{function.__name__}() got unexpected keyword argument"
                f"{'s' if len(keywords) > 1 else ''} {names}")
-    hints = [f"{name}: {TORCH_KEYWORDS[name]}" for name in keywords if name in TORCH_KEYWORDS]
+    tables = [("torch SDPA's", TORCH_KEYWORDS)]
+    if function.__name__ in ("varlen_attention", "paged_attention"):
+        tables.append(("flash-attn's", FLASH_ATTN_KEYWORDS))
+    hints = [f"{name} ({source}): {table[name]}" for name in keywords
+             for source, table in tables if name in table]
     if hints:
-        return TypeError(f"{message} (torch SDPA's); attnkit takes `mask=`:\n  "
+        return TypeError(f"{message}; attnkit spells {'them' if len(hints) > 1 else 'it'}:\n  "
                          + "\n  ".join(hints))
     accepted = [p.name for p in inspect.signature(function).parameters.values()
                 if p.kind is not p.VAR_KEYWORD]

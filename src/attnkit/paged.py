@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import is_fake
 from . import dispatch, invariance
 from .api import AttentionResult, MaskLike, _autocast, attention, autocast_call, autocast_device
 from .finite import looks_at_keys, query_and_output_flags
-from .inputs import FLOAT_DTYPES, checked_scale, refuse_jit_trace
+from .inputs import FLOAT_DTYPES, checked_scale, refuse_jit_trace, unexpected_keywords
 from .masks import (Mask, an_int, as_mask, causal, integer_tensor, readable,
                     vouched_padding)
 from .modifiers import per_sequence, split
@@ -91,7 +91,7 @@ def decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
 def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                     block_table, seqlens, *, cu_seqlens_q=None, mask: MaskLike = None,
                     scale: Optional[float] = None, backend: str = "auto",
-                    return_lse: bool = False) -> Union[torch.Tensor, AttentionResult]:
+                    return_lse: bool = False, **unexpected) -> Union[torch.Tensor, AttentionResult]:
     """Attention of ``q [B, Hq, Tq, Dk]`` over paged keys and values.
 
     ``key_pool [num_blocks, block_size, Hkv, Dk]``, ``value_pool [num_blocks, block_size,
@@ -124,7 +124,13 @@ def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
     but a bottom-right band (a decoding step, a chunk of prefill) reads every key tile's
     blocks through the table, a prompt forks share once for all of them (:func:`kernel_decode`).
     Any other call gathers each sequence's keys and values first.
+
+    Keyword arguments of ``flash_attn_with_kvcache`` and torch SDPA that attnkit spells
+    differently (``causal``, ``softmax_scale``, ``window_size``, ...) raise ``TypeError``
+    with the attnkit spelling.
     """
+    if unexpected:
+        raise unexpected_keywords(paged_attention, unexpected)
     if not all(isinstance(t, torch.Tensor) for t in (q, key_pool, value_pool)):
         raise TypeError("paged_attention takes q, key_pool and value_pool as torch.Tensors")
     refuse_jit_trace("paged_attention")

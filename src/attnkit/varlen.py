@@ -16,6 +16,7 @@ import torch
 
 from . import invariance
 from .api import AttentionResult, MaskLike, attention, autocast_call, autocast_device
+from .inputs import unexpected_keywords
 from .masks import (Mask, MaskCache, MaskSpace, an_int, as_mask, documents, integer_tensor,
                     readable)
 from .modifiers import per_sequence, split
@@ -43,7 +44,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: Optional[float] = None, dropout_p: float = 0.0,
                      generator: Optional[torch.Generator] = None, backend: str = "auto",
                      return_lse: bool = False, invariant: Optional[bool] = None,
-                     ) -> Union[torch.Tensor, AttentionResult]:
+                     **unexpected) -> Union[torch.Tensor, AttentionResult]:
     """Attention over packed sequences of different lengths, each attending only to itself.
 
     Shapes: ``q [total_q, Hq, Dk]``, ``k [total_k, Hkv, Dk]``, ``v [total_k, Hkv, Dv]`` (Hq a
@@ -74,7 +75,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     too where a relative-bias bucket function fits each sequence's positions but not the
     packed row's. With meta or fake q, k and v (shape-only calls) the boundaries stay real
     values: a list, or a tensor off the meta device.
+
+    Keyword arguments of ``flash_attn_varlen_func`` and torch SDPA that attnkit spells
+    differently (``causal``, ``softmax_scale``, ``window_size``, ``softcap``,
+    ``alibi_slopes``, ...) raise ``TypeError`` with the attnkit spelling.
     """
+    if unexpected:
+        raise unexpected_keywords(varlen_attention, unexpected)
     if autocast_device(q) is not None:  # the inputs in its dtype, as attention() takes them
         return autocast_call(varlen_attention, q, k, v, cu_seqlens_q, cu_seqlens_k,
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,

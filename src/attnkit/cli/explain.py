@@ -230,8 +230,13 @@ def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
     console.print(matrix_table(result.scores[b, h], row_name="i"))
 
     console.rule("[bold]3. Scaled  S · scale")
-    say(f"multiply by {inputs.scale:.6g}: keeps the score variance ≈ 1 when q, k have "
-        f"unit-variance entries (Var(q·k) = d_k)")
+    if math.isclose(inputs.scale, default_scale):
+        say(f"multiply by {inputs.scale:.6g}: keeps the score variance ≈ 1 when q, k have "
+            f"unit-variance entries (Var(q·k) = d_k)")
+    else:
+        say(f"multiply by {inputs.scale:.6g}: the score variance is scale² · d_k = "
+            f"{inputs.scale ** 2 * dk:.3g} when q, k have unit-variance entries "
+            f"(Var(q·k) = d_k; 1/√d_k would keep it ≈ 1)")
     console.print(matrix_table(result.scaled[b, h], row_name="i"))
 
     modifiers = inputs.modifiers
