@@ -61,6 +61,27 @@ def test_strided_inputs_equal_their_contiguous_copy(backend, mask, gen):
             torch.testing.assert_close(got, expected, msg=name)
 
 
+@pytest.mark.parametrize("layout", ["[T, B, H, D]", "[H, B, T, D]", "[B, T, H, D]"])
+@pytest.mark.parametrize("mask", [ak.documents(torch.arange(512) // 256),
+                                  ak.documents(torch.arange(512) // 128, causal="top_left")],
+                         ids=["documents", "causal documents"])
+def test_layouts_where_the_tiled_engine_runs_alike_blocks_at_once(layout, mask, gen):
+    """Equal documents let the tiled engine run alike query blocks as one batch of views over
+    B·H (runs): a sequence-first q (``nn.MultiheadAttention(batch_first=False)``'s) and others
+    give their contiguous copy's result, forward and backward."""
+    order = {"[T, B, H, D]": (2, 0, 1, 3), "[H, B, T, D]": (1, 0, 2, 3),
+             "[B, T, H, D]": (0, 2, 1, 3)}[layout]
+    stored = [torch.randn(*(2 if d < 2 else 512 if d == 2 else 8 for d in order),
+                          generator=gen) for _ in range(3)]
+    q, k, v = (t.permute(*sorted(range(4), key=order.__getitem__)) for t in stored)
+    assert q.shape == (2, 2, 512, 8) and not q.is_contiguous()
+    out, grads = _grads("tiled", q, k, v, mask)
+    want, want_grads = _grads("reference", *(t.double().contiguous() for t in (q, k, v)), mask)
+    torch.testing.assert_close(out, want.float(), atol=1e-5, rtol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected.float(), atol=1e-4, rtol=1e-4)
+
+
 def test_strided_inputs_are_copied_only_where_the_feature_dim_is_strided(gen):
     from attnkit.inputs import validate
     q, k, v = torch.randn(2, 4, 24, 16, 3, generator=gen).unbind(-1)

@@ -324,13 +324,15 @@ def _schedule(problem: Problem, tq: int, heads_q: int, heads_kv: int, fused: boo
 
 
 def _empty_like_rows(q: torch.Tensor, dv: int) -> torch.Tensor:
-    """An empty ``[B, Hq, Tq, Dv]`` output in q's dtype laid out as q is: ``[B, Tq, Hq, Dv]``
-    in memory when q is a token-major view (a packed or BSHD caller's tensor, transposed
-    back without a copy), else contiguous."""
-    batch, heads, tq, _ = q.shape
-    if heads > 1 and tq > 1 and q.stride(1) < q.stride(2):
-        return q.new_empty(batch, tq, heads, dv).transpose(1, 2)
-    return q.new_empty(batch, heads, tq, dv)
+    """An empty ``[B, Hq, Tq, Dv]`` output in q's dtype whose leading dims lie in memory in
+    q's order: contiguous for a contiguous q, ``[B, Tq, Hq, Dv]`` for a token-major view (a
+    packed or BSHD caller's tensor, transposed back without a copy), ``[Tq, B, Hq, Dv]`` for
+    a sequence-first one. Runs (:func:`~.tiles._run_view`) then view out as they view q."""
+    if any(q.stride(dim) == 0 and q.shape[dim] > 1 for dim in range(3)):  # an expanded view
+        return q.new_empty(*q.shape[:3], dv)
+    order = sorted(range(3), key=lambda dim: -q.stride(dim) if q.shape[dim] > 1 else 0)
+    stored = q.new_empty(*(q.shape[dim] for dim in order), dv)
+    return stored.permute(*sorted(range(3), key=order.__getitem__), 3)
 
 
 def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem,
@@ -356,8 +358,8 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
         return out.to(q.dtype), lse
     out = _empty_like_rows(q, dv)
     lse = torch.full((batch, heads_q, tq), float("-inf"), dtype=acc, device=q.device)
-    for group, work in _schedule(problem, tq, heads_q, heads_kv, fused, (queries, keys, values),
-                                 positions):
+    for group, work in _schedule(problem, tq, heads_q, heads_kv, fused,
+                                 (queries, keys, values, out), positions):
         start, stop = group.rows
         q_block = work.take(queries, start, stop)  # [B, Hkv, G·n, Dk] or [count, B·Hkv, n, Dk]
         direct = out.dtype == acc and work.views
