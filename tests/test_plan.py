@@ -129,6 +129,21 @@ def test_a_mask_written_in_place_after_planning_raises(gen, kind, inference):
             plan(*_qkv(gen))
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "tiled", "reference"])
+@pytest.mark.parametrize("combine", ["alone", "& causal", "| window"])
+def test_a_plan_over_a_function_reads_what_it_reads_in_every_run(gen, backend, combine):
+    """A ``from_function`` mask reads tensors no version counter ties to the mask: each run
+    evaluates it again, as attention() does, and sees a write to what it reads."""
+    doc = torch.zeros(T, dtype=torch.long)
+    fn = ak.from_function(lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx])
+    mask = {"alone": fn, "& causal": ak.causal() & fn, "| window": fn | ak.sliding_window(3)}[combine]
+    q, k, v = _qkv(gen)
+    plan = ak.plan(q, k, v, mask, backend=backend)
+    plan(q, k, v)
+    doc[T // 2:] = 1
+    torch.testing.assert_close(plan(q, k, v), ak.attention(q, k, v, mask, backend="reference"))
+
+
 def test_a_plan_refuses_mask_tensors_whose_requires_grad_changed(gen):
     """Planned with frozen ALiBi slopes (torch's kernel takes them as constants), run after
     they require grad: refused, never run without their gradient."""

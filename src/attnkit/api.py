@@ -179,7 +179,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = Non
     new one for a new mask, as each step of a decoding loop does. A plan over a parameter
     (a learnable bias, ALiBi slopes or relative-bias table; or a leaf that requires grad),
     which ``torch.optim``'s fused optimizers write without moving its version counter,
-    keeps nothing: each run is the call :func:`attention` makes. Make and run plans outside
+    keeps nothing: each run is the call :func:`attention` makes; so does a plan over a
+    ``from_function`` mask, whose function may read tensors the mask does not hold. Make and run plans outside
     ``torch.autocast``; inside a compiled region a plan runs as :func:`attention`. torch SDPA's
     keywords raise ``TypeError`` with the attnkit spelling, as there."""
     if unexpected:

@@ -20,8 +20,8 @@ import torch
 from . import dispatch
 from .backends.base import Backend, BackendOutput
 from .inputs import CallCache, Inputs, _bhtd, refuse_jit_trace, restore, validate
-from .masks import (KEY_BYTES, as_mask, content_key, held_tensors, learnable, readable,
-                    wrapped_eagerly)
+from .masks import (KEY_BYTES, as_mask, content_key, held_tensors, learnable, mask_tensors,
+                    readable, wrapped_eagerly)
 
 
 class AttentionResult(NamedTuple):
@@ -95,9 +95,11 @@ class Plan:
                                          invariant=invariant)
         # the caller's tensors, found once (validation may fit a bias into a copy)
         self._watched = _watched(as_mask(mask))
-        # a parameter's values are read by every run, through attention(): a fused optimizer
-        # writes it without a trace (:func:`~attnkit.masks.learnable`)
-        self._learnable = any(map(learnable, self._watched))
+        # read afresh by every run, through attention(): a parameter, which a fused optimizer
+        # writes without a trace (:func:`~attnkit.masks.learnable`), and a mask that runs
+        # user code (from_function), whose reads no version counter shows
+        self._rederives = (any(map(learnable, self._watched))
+                           or (mask is not None and mask_tensors(as_mask(mask)) is None))
         # what runs derive from the mask, kept for the plan's lifetime (a call cache hit of a
         # mask keyed by shape shares nothing)
         self._inputs = inputs.replaced(q=None, k=None, v=None,
@@ -167,7 +169,7 @@ class Plan:
              ) -> Union[torch.Tensor, AttentionResult]:
         """:meth:`__call__` once its checks have passed (a caller that keys its plans by
         :meth:`signature_of` and checks :meth:`stale` itself)."""
-        if self._learnable:
+        if self._rederives:
             from .api import attention
             return attention(q, k, v, self.mask, scale=self.scale, backend=self.backend.NAME,
                              return_lse=self.return_lse, return_weights=self.return_weights,
