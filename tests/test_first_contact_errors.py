@@ -78,6 +78,40 @@ def test_flash_attn_keywords_of_the_packed_and_paged_calls_get_the_attnkit_spell
                            **{name: value})
 
 
+@pytest.mark.parametrize("name, hint", [
+    ("block_mask", r"mask=ak\.from_function\(block_mask\.mask_mod\)"),
+    ("score_mod", r"mask=ak\.score_function\(score_mod\)"),
+])
+def test_flex_attention_keywords_get_the_attnkit_spelling(gen, name, hint):
+    q, k, v = _qkv(gen)
+    with pytest.raises(TypeError, match=rf"(?s)'{name}'.*FlexAttention's.*{hint}"):
+        ak.attention(q, k, v, **{name: None})
+
+
+def test_a_flex_block_mask_names_its_mask_function(gen):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    block_mask = create_block_mask(mask_mod, None, None, 8, 8, device="cpu")
+    q, k, v = _qkv(gen)
+    with pytest.raises(TypeError, match=r"BlockMask.*ak\.from_function\(block_mask\.mask_mod\)"):
+        ak.attention(q, k, v, block_mask)
+    torch.testing.assert_close(ak.attention(q, k, v, ak.from_function(block_mask.mask_mod)),
+                               ak.attention(q, k, v, ak.causal()))
+
+
+def test_a_mask_function_and_a_score_function_swapped_name_the_other():
+    """FlexAttention's mask_mod and score_mod differ by the leading score argument."""
+    with pytest.raises(TypeError, match=r"from_function\(\) takes fn\(b, h, q_idx, kv_idx\).*"
+                                        r"ak\.score_function"):
+        ak.from_function(lambda score, b, h, q_idx, kv_idx: score)
+    with pytest.raises(TypeError, match=r"score_function\(\) takes fn\(score, b, h, q_idx, "
+                                        r"kv_idx\).*ak\.from_function"):
+        ak.score_function(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    ak.from_function(lambda *indices: indices[2] >= indices[3])  # any signature that binds
+
+
 # ---- a mask factory passed uncalled -------------------------------------------------------------
 
 @pytest.mark.parametrize("factory, call", [

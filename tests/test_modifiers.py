@@ -686,9 +686,10 @@ def test_errors_name_shapes_and_fixes(gen):
 def test_compiled_region_refuses_modifiers_that_call_python(gen):
     from attnkit import compiled
     q, k, v = make_qkv(gen, tq=5, tk=5)
-    for modifier in (ak.score_function(lambda s, b, h, i, j: s * 0.5),
-                     ak.relative_bias(torch.ones(4, 8), buckets=lambda r: r.clamp(0, 7))):
-        with pytest.raises(ValueError, match="calls Python code"):
+    for modifier, instead in (
+            (ak.score_function(lambda s, b, h, i, j: s * 0.5), "softcap, alibi, relative_bias"),
+            (ak.relative_bias(torch.ones(4, 8), buckets=lambda r: r.clamp(0, 7)), "buckets=None")):
+        with pytest.raises(ValueError, match=f"calls Python code.*{instead}"):
             compiled.attention(q, k, v, ak.causal() & modifier, scale=None, dropout_p=0.0,
                                backend="auto", return_lse=False, return_weights=False)
 
@@ -747,7 +748,7 @@ def test_auto_sends_decoding_steps_with_position_biases_to_torch(gen):
     builds the small bias; more queries, a mask, or learnable slopes: tiled, with reasons."""
     from attnkit.backends.torch_sdpa import POSITION_BIAS_QUERIES
 
-    slopes, table = torch.rand(H) * 0.5, torch.randn(H, 32)
+    slopes, table = torch.rand(H, generator=gen) * 0.5, torch.randn(H, 32, generator=gen)
     for modifier in (ak.alibi(slopes, "bottom_right"), ak.relative_bias(table),
                      ak.alibi(slopes, "bottom_right") & ak.sinks(torch.zeros(H))):
         q, k, v = make_qkv(gen, tq=1, tk=300)
@@ -799,7 +800,7 @@ def test_tiled_position_biases_with_few_and_many_query_rows(tq, gen):
 def test_decoding_loop_with_position_biases_over_a_growing_cache(gen):
     """Token by token over a growing K/V (the call cache keys such steps without the key
     length): every step equals the reference with the bias at its own positions."""
-    slopes, table = torch.rand(H) * 0.5, torch.randn(H, 32)
+    slopes, table = torch.rand(H, generator=gen) * 0.5, torch.randn(H, 32, generator=gen)
     for modifier in (ak.causal("bottom_right") & ak.alibi(slopes, "bottom_right"),
                      ak.relative_bias(table) & ak.sinks(torch.zeros(H))):
         k = v = torch.zeros(1, H, 0, D)

@@ -316,11 +316,14 @@ def attention(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, retur
     code = [leaf for leaf in ([] if mask is None else mask.leaves()) if leaf.modifies
             and (leaf.kind == "score_function" or getattr(leaf, "buckets", None) is not None)]
     if code:
+        instead = (" or use T5's bucketing (buckets=None)" if any(leaf.kind != "score_function"
+                                                                  for leaf in code)
+                   else " or express the function by softcap, alibi, relative_bias or a bias "
+                        "tensor")
         raise ValueError(f"attnkit under torch.compile: {', '.join(map(repr, code))} in mask "
                          f"{mask!r} calls Python code, which a compiled region cannot hand to "
                          f"attnkit's operator; call attention outside torch.compile (e.g. in a "
-                         f"function decorated with @torch.compiler.disable), or use T5's "
-                         f"bucketing (buckets=None)")
+                         f"function decorated with @torch.compiler.disable),{instead}")
     rows = q.shape[:-2]
     batch = 1 if q.dim() == 2 else rows[0] if q.dim() == 3 else math.prod(rows[:-1])
     heads = 1 if q.dim() < 4 else rows[-1]

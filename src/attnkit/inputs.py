@@ -171,6 +171,13 @@ TORCH_KEYWORDS = {
 }
 """torch SDPA's keyword arguments that attnkit spells differently, with the attnkit spelling."""
 
+FLEX_KEYWORDS = {
+    "block_mask": "pass its function as `mask=ak.from_function(block_mask.mask_mod)` (attnkit "
+                  "finds the blocks to skip itself)",
+    "score_mod": "pass `mask=ak.score_function(score_mod)`, joined to a mask by `&`",
+}
+"""FlexAttention's keyword arguments, with the attnkit spelling."""
+
 FLASH_ATTN_KEYWORDS = {
     "softmax_scale": "pass it as `scale=`",
     "causal": "use `mask=ak.causal(\"bottom_right\")` for causal=True (flash-attn's alignment: "
@@ -203,13 +210,13 @@ def refuse_jit_trace(entry: str) -> None:
 
 def unexpected_keywords(function: Callable, keywords: dict) -> TypeError:
     """The error for keyword arguments that ``function`` does not take: torch SDPA's
-    (:data:`TORCH_KEYWORDS`) and, for the packed and paged calls, flash-attn's
-    (:data:`FLASH_ATTN_KEYWORDS`) with their attnkit spelling; others with the keywords it
-    takes."""
+    (:data:`TORCH_KEYWORDS`), FlexAttention's (:data:`FLEX_KEYWORDS`) and, for the packed and
+    paged calls, flash-attn's (:data:`FLASH_ATTN_KEYWORDS`) with their attnkit spelling;
+    others with the keywords it takes."""
     names = ", ".join(repr(name) for name in keywords)
     message = (f"{function.__name__}() got unexpected keyword argument"
                f"{'s' if len(keywords) > 1 else ''} {names}")
-    tables = [("torch SDPA's", TORCH_KEYWORDS)]
+    tables = [("torch SDPA's", TORCH_KEYWORDS), ("FlexAttention's", FLEX_KEYWORDS)]
     if function.__name__ in ("varlen_attention", "paged_attention"):
         tables.append(("flash-attn's", FLASH_ATTN_KEYWORDS))
     hints = [f"{name} ({source}): {table[name]}" for name in keywords

@@ -2088,6 +2088,23 @@ def bias(values: torch.Tensor) -> Mask:
     return _Bias(values)
 
 
+def check_arity(fn: Callable, entry: str, arguments: str, other: str) -> None:
+    """A ``TypeError`` naming ``entry`` where ``fn`` cannot take ``arguments`` (its names,
+    comma-separated) positionally, with the call ``other`` that takes the other kind of
+    function (a mask function and a score function differ by the leading ``score``);
+    nothing where Python cannot tell (a builtin without a signature)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    names = arguments.split(", ")
+    try:
+        signature.bind(*names)
+    except TypeError:
+        raise TypeError(f"{entry}() takes fn({arguments}); {getattr(fn, '__name__', fn)!s} takes "
+                        f"{signature}: {other}") from None
+
+
 class _Function(Mask):
     runs_code = True
 
@@ -2095,6 +2112,9 @@ class _Function(Mask):
         if not callable(fn):
             raise TypeError(f"from_function() takes a callable fn(b, h, q_idx, kv_idx) -> bool tensor, "
                             f"got {type(fn).__name__}")
+        check_arity(fn, "from_function", "b, h, q_idx, kv_idx",
+                    "a score function fn(score, b, h, q_idx, kv_idx) (FlexAttention's score_mod) "
+                    "goes to ak.score_function")
         self.fn, self.name = fn, name or getattr(fn, "__name__", "fn")
 
     def tile(self, q_idx, kv_idx, space):
@@ -2121,7 +2141,9 @@ class _Function(Mask):
 def from_function(fn: Callable, name: Optional[str] = None) -> Mask:
     """A mask from ``fn(b, h, q_idx, kv_idx) -> bool``, evaluated on broadcast index tensors
     (``b [B,1,1,1]``, ``h [1,H,1,1]``, ``q_idx [1,1,tq,1]``, ``kv_idx [1,1,1,tk]``), like
-    FlexAttention's ``mask_mod``. Its block map is found by evaluating it once."""
+    FlexAttention's ``mask_mod``. Its block map is found by evaluating it once. With more
+    than one batch dim (``[B1, B2, H, T, D]`` inputs), ``b`` counts the flattened batch
+    (``b = b1 · B2 + b2``)."""
     return _Function(fn, name)
 
 
@@ -2266,6 +2288,10 @@ def as_mask(mask) -> Optional[Mask]:
 
 
 def _bad_mask(mask):
+    if type(mask).__name__ == "BlockMask" and hasattr(mask, "mask_mod"):
+        raise TypeError("mask is a FlexAttention BlockMask: pass its function as "
+                        "`mask=ak.from_function(block_mask.mask_mod)` (attnkit finds the blocks "
+                        "to skip itself)")
     if callable(mask) and not isinstance(mask, torch.Tensor):
         raise TypeError(_uncalled_mask(mask))
     raise TypeError(f"mask must be an attnkit mask, a bool tensor (True = may attend) or a float "

@@ -42,8 +42,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .masks import (FULL, Mask, MaskSpace, aligned_shift, band_per_sequence, tensor_key,
-                    tensor_summary)
+from .masks import (FULL, Mask, MaskSpace, aligned_shift, band_per_sequence, check_arity,
+                    tensor_key, tensor_summary)
 
 __all__ = ["Modifier", "Modifiers", "softcap", "alibi", "relative_bias", "sinks",
            "score_function", "t5_buckets", "split"]
@@ -507,6 +507,9 @@ class ScoreFunction(Modifier):
         if not callable(fn):
             raise TypeError(f"score_function() takes a callable fn(score, b, h, q_idx, kv_idx) "
                             f"-> score, got {type(fn).__name__}")
+        check_arity(fn, "score_function", "score, b, h, q_idx, kv_idx",
+                    "a mask function fn(b, h, q_idx, kv_idx) -> bool (FlexAttention's mask_mod) "
+                    "goes to ak.from_function")
         if tensors is not None and not all(isinstance(t, torch.Tensor) for t in tensors):
             raise TypeError("score_function(tensors=...) takes a sequence of tensors: the ones "
                             "fn reads that should get gradients")
