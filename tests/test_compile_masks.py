@@ -132,3 +132,42 @@ def test_empty_sequences_compile_with_zero_gradients(backend, q_len, kv_len):
     out.sum().backward()
     for t in (q, k, v, slopes):
         assert t.grad is not None and t.grad.shape == t.shape and (t.grad == 0).all()
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (3, 6, 4), (3, 1, 2, 6, 4)], ids=str)
+def test_a_mask_function_compiles_for_queries_of_any_rank(shape):
+    """The dense mask a ``from_function`` mask becomes in the graph has the caller's rank."""
+    def below(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (b >= 0)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(shape, generator=gen) for _ in range(3))
+    def fn(q, k, v):
+        return ak.attention(q, k, v, ak.from_function(below))
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v)
+    torch.testing.assert_close(got, ak.attention(q, k, v, ak.causal()))
+
+
+def test_a_tensor_softcap_is_refused_as_eagerly():
+    """A cap given as a tensor is refused, as eagerly, not run with a zero gradient."""
+    q, k, v = _qkv(8)
+    cap = torch.tensor(5.0, requires_grad=True)
+    def fn(q, k, v, cap):
+        return ak.attention(q, k, v, ak.causal() & ak.softcap(cap))
+    with pytest.raises(TypeError, match="cap must be a float"):
+        fn(q, k, v, cap)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="cap must be a float"):
+        torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v, cap)
+
+
+def test_a_bias_held_twice_gets_the_sum_of_both_gradients():
+    q, k, v = _qkv(9)
+    bias = torch.randn(T, T, generator=torch.Generator().manual_seed(10), requires_grad=True)
+    def fn(q, k, v):
+        return ak.attention(q, k, v, ak.bias(bias) & ak.bias(bias) & ak.causal())
+    want, = torch.autograd.grad(fn(q, k, v).square().sum(), bias)
+    torch._dynamo.reset()
+    got, = torch.autograd.grad(
+        torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v).square().sum(), bias)
+    torch.testing.assert_close(got, want)

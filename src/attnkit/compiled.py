@@ -44,11 +44,12 @@ eagerly; the others (tiled, triton) plan on the host from the mask's values and 
 _NUMBERS = (int, float, torch.SymInt, torch.SymFloat)
 
 
-def _encode(value, tensors: list, numbers: list, space: MaskSpace):
+def _encode(value, tensors: list, numbers: list, space: MaskSpace, lead: tuple):
     """One mask attribute as a literal: tensors become their index in ``tensors``, numbers
     (ints and floats, symbolic ones included) their index in ``numbers`` with their type; a
     ``from_function`` mask (a Python callable, which a string cannot name) becomes the dense
-    mask it evaluates to over ``space``, computed in the graph."""
+    mask it evaluates to over ``space``, computed in the graph (shaped for a q with leading
+    dims ``lead``)."""
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return ("T", len(tensors) - 1)
@@ -56,26 +57,43 @@ def _encode(value, tensors: list, numbers: list, space: MaskSpace):
         numbers.append(value)
         return ("N", len(numbers) - 1, isinstance(value, (int, torch.SymInt)))
     if isinstance(value, Mask) and value.runs_code:
-        value = dense(value.tile(torch.arange(space.q_len, device=space.device),
-                                 torch.arange(space.kv_len, device=space.device), space))
+        allowed = value.tile(torch.arange(space.q_len, device=space.device),
+                             torch.arange(space.kv_len, device=space.device), space)
+        value = dense(_in_rank(allowed, lead))
     if isinstance(value, Mask):
         fields = mask_fields(value)
         return ("M", type(value).__name__, tuple(
-            (name, _encode(fields[name], tensors, numbers, space)) for name in sorted(fields)))
+            (name, _encode(fields[name], tensors, numbers, space, lead))
+            for name in sorted(fields)))
     if isinstance(value, tuple):
-        return ("S", tuple(_encode(item, tensors, numbers, space) for item in value))
+        return ("S", tuple(_encode(item, tensors, numbers, space, lead) for item in value))
     return ("C", value)
 
 
-def flatten(mask: Optional[Mask], space: MaskSpace) -> tuple[str, list[torch.Tensor], list]:
+def _in_rank(allowed: torch.Tensor, lead: tuple) -> torch.Tensor:
+    """A mask function's ``[B|1, H|1, Tq, Tk]`` values (the batch dims flattened) shaped for
+    the caller's q with leading dims ``lead`` (``q.shape[:-2]``), as a ``dense`` mask of that
+    call takes them: ``[Tq, Tk]``, ``[B|1, Tq, Tk]``, or the batch dims unflattened."""
+    if len(lead) == 2:
+        return allowed
+    if len(lead) < 2:  # one head: its dim goes, and the batch's with a 2-D q
+        allowed = allowed[:, 0]
+        return allowed[0] if not lead else allowed
+    batch = lead[:-1] if allowed.shape[0] != 1 else (1,) * (len(lead) - 1)
+    return allowed.reshape(*batch, *allowed.shape[1:])
+
+
+def flatten(mask: Optional[Mask], space: MaskSpace,
+            lead: tuple = ()) -> tuple[str, list[torch.Tensor], list]:
     """``mask`` as ``(spec, tensors, numbers)``: the spec names every class, field and constant
     parameter (a string, constant for a compiled graph), the tensors are its lengths, ids,
     biases..., the numbers its window sizes, caps... (Python or symbolic ints and floats);
-    :func:`unflatten` rebuilds an equal mask from them. ``space``: the call's extent (for
-    ``from_function`` masks)."""
+    :func:`unflatten` rebuilds an equal mask from them. ``space``: the call's extent, and
+    ``lead``: the leading dims of its q (``q.shape[:-2]``), for ``from_function`` masks,
+    evaluated into a dense mask of that call."""
     tensors: list[torch.Tensor] = []
     numbers: list = []
-    return repr(_encode(mask, tensors, numbers, space)), tensors, numbers
+    return repr(_encode(mask, tensors, numbers, space, lead)), tensors, numbers
 
 
 @functools.lru_cache(maxsize=256)
@@ -190,9 +208,16 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
             None if dlse is None else dlse.reshape(rows), [wanted_by_id[id(t)] for t in biases],
             [wanted_by_id.get(id(t), False) for t in params])
         by_id = {id(t): d for t, d in zip([*biases, *params], [*dbias, *dparams])}
-        extra = [_like(by_id[id(t)], t) if want and by_id.get(id(t)) is not None
-                 else torch.zeros_like(t) if want else t.new_empty(0)
-                 for t, want in zip(tensors, wanted)]
+        extra, given = [], set()
+        for t, want in zip(tensors, wanted):
+            if want and by_id.get(id(t)) is not None:
+                grad = _like(by_id[id(t)], t)
+                # a tensor the mask holds twice (its gradient sums both uses): one output per
+                # occurrence, never aliased (a custom operator's outputs may not alias)
+                extra.append(grad.clone() if id(t) in given else grad)
+                given.add(id(t))
+            else:
+                extra.append(torch.zeros_like(t) if want else t.new_empty(0))
         return [_like(dq, q), _like(dk, k), _like(dv, v), *extra]
 
 
@@ -329,7 +354,7 @@ def attention(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, retur
     heads = 1 if q.dim() < 4 else rows[-1]
     space = MaskSpace(batch, heads, q.shape[-2], k.shape[-2], q.device)
     mask, sinks = (None, None) if mask is None else _without_sinks(mask, space)
-    spec, tensors, numbers = flatten(mask, space)
+    spec, tensors, numbers = flatten(mask, space, tuple(rows))
     trainable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))
     # on the host as data: a changed window or cap is a new value, not a new spec
     numbers = torch.tensor(numbers, dtype=torch.float64, device="cpu")

@@ -2092,7 +2092,10 @@ def check_arity(fn: Callable, entry: str, arguments: str, other: str) -> None:
     """A ``TypeError`` naming ``entry`` where ``fn`` cannot take ``arguments`` (its names,
     comma-separated) positionally, with the call ``other`` that takes the other kind of
     function (a mask function and a score function differ by the leading ``score``);
-    nothing where Python cannot tell (a builtin without a signature)."""
+    nothing where Python cannot tell (a builtin without a signature) or while a compiler
+    traces (dynamo cannot trace ``inspect.signature``; a wrong function fails when called)."""
+    if torch.compiler.is_compiling():
+        return
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):

@@ -146,8 +146,8 @@ class Softcap(Modifier):
     kind = "softcap"
 
     def __init__(self, cap: float):
-        if torch.compiler.is_compiling():  # cap may be a graph input: no value to read
-            self.cap = cap
+        if torch.compiler.is_compiling() and not isinstance(cap, (torch.Tensor, bool)):
+            self.cap = cap  # a graph input (a symbolic float): no value to read
             return
         if isinstance(cap, bool) or not isinstance(cap, (int, float)):
             raise TypeError(f"softcap(cap): cap must be a float > 0 (scores become "
