@@ -179,6 +179,38 @@ def test_the_call_cache_keeps_a_bounded_amount_of_what_masks_derive(monkeypatch)
     assert len(cache._calls) < 40
 
 
+def test_the_call_cache_counts_the_memory_its_masks_hold(monkeypatch):
+    """Each step's lengths a view of one large buffer: an entry keeps the whole buffer
+    alive, so it counts against the byte bound, and few such entries stay."""
+    from attnkit import call
+    from attnkit.inputs import CallCache
+
+    cache = CallCache(derived_bytes=16 << 20)
+    monkeypatch.setattr(call, "CALLS", cache)
+    q = torch.randn(2, 2, 8, 4)
+    for n in range(20):
+        buffer = torch.full((1 << 20,), 8, dtype=torch.long)  # 8 MiB
+        buffer[1] = 1 + n % 7
+        ak.attention(q, q, q, ak.padding(kv_lengths=buffer[:2]), backend="tiled")
+    assert len(cache._calls) <= 3
+
+
+def test_the_call_cache_evicts_the_least_recently_used_call(monkeypatch):
+    from attnkit import call
+    from attnkit.inputs import CallCache
+
+    cache = CallCache(entries=4)
+    monkeypatch.setattr(call, "CALLS", cache)
+    q = torch.randn(1, 2, 8, 4)
+    hot = ak.causal()
+    ak.attention(q, q, q, hot)
+    [entry] = cache._calls.values()
+    for t in range(1, 9):  # a new shape each time, the hot call between
+        ak.attention(q[:, :, :t], q, q, ak.causal("bottom_right"))
+        ak.attention(q, q, q, hot)
+    assert any(kept is entry for kept in cache._calls.values())  # never evicted, never redone
+
+
 def test_the_call_cache_keeps_no_tensor_with_autograd_history():
     """ALiBi slopes computed each step (by a small network): the call's cache entry would
     keep them and their graph alive; such calls are not cached."""

@@ -144,6 +144,31 @@ def test_a_plan_over_a_function_reads_what_it_reads_in_every_run(gen, backend, c
     torch.testing.assert_close(plan(q, k, v), ak.attention(q, k, v, mask, backend="reference"))
 
 
+def test_a_plan_reads_a_large_inference_tensor_afresh_in_every_run(gen):
+    """An inference tensor over 4 MiB is not compared by value: the plan does not keep what
+    it derives from it, so a write to it is seen."""
+    t = 1100  # a float bias [1, 1, t, t]: 4.8 MB
+    with torch.inference_mode():
+        values = torch.randn(1, 1, t, t, generator=gen)
+    q, k, v = (torch.randn(1, 2, t, 8, generator=gen) for _ in range(3))
+    plan = ak.plan(q, k, v, ak.bias(values), backend="torch")
+    plan(q, k, v)
+    with torch.inference_mode():
+        values[..., t // 2:] = float("-inf")
+    torch.testing.assert_close(plan(q, k, v), ak.attention(q, k, v, ak.bias(values.clone()),
+                                                           backend="reference"))
+
+
+def test_dropout_and_generator_are_checked_on_every_call(gen):
+    q, k, v = _qkv(gen)
+    ak.attention(q, k, v, ak.causal())
+    for bad in (None, False):
+        with pytest.raises(ValueError, match="dropout_p"):
+            ak.attention(q, k, v, ak.causal(), dropout_p=bad)
+    with pytest.raises(TypeError, match="generator"):
+        ak.attention(q, k, v, ak.causal(), generator="seed")
+
+
 def test_a_plan_refuses_mask_tensors_whose_requires_grad_changed(gen):
     """Planned with frozen ALiBi slopes (torch's kernel takes them as constants), run after
     they require grad: refused, never run without their gradient."""

@@ -66,6 +66,14 @@ def test_fake_tensors_propagate_shapes(name):
         assert grad.shape == (B, H, T, D)
 
 
+def test_explain_dispatch_names_the_backend_a_shape_only_call_runs_on():
+    q = torch.empty(B, H, T, D, device="meta")
+    assert ak.explain_dispatch(q, q, q, ak.causal()).backend == "reference"
+    with FakeTensorMode():
+        q = torch.empty(B, H, T, D)
+        assert ak.explain_dispatch(q, q, q).backend == "reference"
+
+
 def test_a_module_decodes_on_meta():
     """Meta-device initialisation and a dry run of prefill and decode with a ragged cache."""
     mha = MultiHeadAttention(32, 4, num_kv_heads=2, device="meta")

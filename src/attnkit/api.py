@@ -180,7 +180,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = Non
     (a learnable bias, ALiBi slopes or relative-bias table; or a leaf that requires grad),
     which ``torch.optim``'s fused optimizers write without moving its version counter,
     keeps nothing: each run is the call :func:`attention` makes; so does a plan over a
-    ``from_function`` mask, whose function may read tensors the mask does not hold. Make and run plans outside
+    ``from_function`` mask, whose function may read tensors the mask does not hold, and one
+    over a CPU inference tensor larger than 4 MiB (too large to compare by value). Make and run plans outside
     ``torch.autocast``; inside a compiled region a plan runs as :func:`attention`. torch SDPA's
     keywords raise ``TypeError`` with the attnkit spelling, as there."""
     if unexpected:

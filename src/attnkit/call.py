@@ -96,9 +96,10 @@ class Plan:
         # the caller's tensors, found once (validation may fit a bias into a copy)
         self._watched = _watched(as_mask(mask))
         # read afresh by every run, through attention(): a parameter, which a fused optimizer
-        # writes without a trace (:func:`~attnkit.masks.learnable`), and a mask that runs
-        # user code (from_function), whose reads no version counter shows
-        self._rederives = (any(map(learnable, self._watched))
+        # writes without a trace (:func:`~attnkit.masks.learnable`), a CPU inference tensor
+        # too large to compare by value, and a mask that runs user code (from_function),
+        # whose reads no version counter shows
+        self._rederives = (any(learnable(t) or _too_large(t) for t in self._watched)
                            or (mask is not None and mask_tensors(as_mask(mask)) is None))
         # what runs derive from the mask, kept for the plan's lifetime (a call cache hit of a
         # mask keyed by shape shares nothing)
@@ -231,6 +232,13 @@ def _inference_values(t: torch.Tensor) -> Optional[bytes]:
     return content_key(t)
 
 
+def _too_large(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a CPU inference tensor with values (no version counter) too large for
+    :func:`_inference_values` to compare."""
+    return (t.is_inference() and type(t) is torch.Tensor and t.device.type == "cpu"
+            and readable(t) and t.numel() * t.element_size() > KEY_BYTES)
+
+
 def validated(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse,
               return_weights, compiling: bool, invariant: bool = False,
               ) -> tuple[Inputs, Backend]:
@@ -241,8 +249,8 @@ def validated(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse
         return _validated_now(q, k, v, mask, scale=scale, dropout_p=dropout_p,
                               generator=generator, backend=backend, return_lse=return_lse,
                               return_weights=return_weights, invariant=invariant)
-    if dropout_p or compiling:
-        inputs, chosen = validate_and_choose()
+    if compiling or generator is not None or type(dropout_p) not in (float, int) or dropout_p:
+        inputs, chosen = validate_and_choose()  # (validation checks dropout_p and generator)
     else:
         # (the arguments' types too: True == 1 and np.float32(0.5) == 0.5, which validation
         # tells apart)

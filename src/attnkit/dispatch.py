@@ -79,7 +79,9 @@ def use_backend(name: str):
         with attnkit.use_backend("reference"):
             model(x)
 
-    Thread-local; an explicit ``backend=`` still wins."""
+    Thread-local; an explicit ``backend=`` still wins. With ``torch.utils.checkpoint``, run
+    the backward inside the block too: its recompute calls ``attention()`` again, and outside
+    the block that call would pick another backend (``CheckpointError``)."""
     if name not in names():
         raise ValueError(f"unknown backend {name!r}: choose one of {names()}")
     with setting(_FORCED, "name", None if name == "auto" else name):
@@ -111,7 +113,10 @@ class Dispatch(NamedTuple):
 def explain(inputs: Inputs) -> Dispatch:
     """:class:`Dispatch` for ``inputs``: the backend auto picks and why each one before it
     was passed over (backends after the pick are not asked); inside :func:`use_backend`, the
-    backend it names, or why that one cannot run the input."""
+    backend it names, or why that one cannot run the input. A call that only propagates
+    shapes runs on ``reference``, as :func:`select` runs it."""
+    if shape_only(inputs):
+        return Dispatch("reference", {})
     name = forced("auto")
     if name != "auto":
         why = BACKENDS[name].not_supported_reasons(inputs)

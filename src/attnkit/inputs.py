@@ -400,9 +400,10 @@ class CallCache:
     dropout, ``torch.func`` wrappers, compiled graphs.
 
     Bounded twice: at most ``entries`` calls, and the tensors their masks derived (dense
-    biases of ``Tq·Tk`` per sequence, kept for hits on the same mask) at most about
-    ``derived_bytes``: a server seeing a new mask each call keeps only its latest few. The
-    oldest entries go first."""
+    biases of ``Tq·Tk`` per sequence, kept for hits on the same mask) and the memory of the
+    tensors they hold (the whole storage a view of a larger tensor keeps alive) at most
+    about ``derived_bytes``: a server seeing a new mask each call keeps only its latest few.
+    The least recently used entries go first."""
 
     def __init__(self, entries: int = 256, derived_bytes: int = 64 << 20):
         self.entries, self.derived_bytes = entries, derived_bytes
@@ -415,9 +416,9 @@ class CallCache:
         """Remember ``entry`` under ``key``, the oldest entries evicted past either bound."""
         newest = self._newest
         if newest is not None and newest in self._calls:  # its call has derived by now
-            kept = self._calls[newest][0]
-            size = _nbytes(kept.derived) + _nbytes(getattr(kept.mask, "__dict__", {})
-                                                   .get("_memo"))
+            kept, _, held = self._calls[newest]
+            size = (_nbytes(kept.derived) + _nbytes(getattr(kept.mask, "__dict__", {})
+                                                    .get("_memo")) + _storage_bytes(held))
             self._sizes[newest] = size
             self._bytes += size
         while self._calls and (len(self._calls) >= self.entries
@@ -450,6 +451,7 @@ class CallCache:
                                            derived=None if fresh else inputs.derived)
                 self._insert(key, (kept, choice, keep))
             return inputs, choice
+        self._calls.move_to_end(key)  # least recently used first out
         t, choice, _ = hit
         rank, batch = t.input_rank, t.batch_shape
         return Inputs(_bhtd(q, rank, batch), _bhtd(k, rank, batch), _bhtd(v, rank, batch),
@@ -506,6 +508,17 @@ def _nbytes(value) -> int:
     if isinstance(value, dict):
         return sum(_nbytes(item) for item in value.values())
     return 0
+
+
+def _storage_bytes(tensors) -> int:
+    """The bytes of the distinct storages behind ``tensors`` (a view keeps its base's whole
+    storage alive); 0 for tensors without memory of their own (meta)."""
+    storages = {}
+    for t in tensors:
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
+            storages[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _bhtd(t: torch.Tensor, rank: int, batch_shape: tuple) -> torch.Tensor:

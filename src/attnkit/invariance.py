@@ -51,6 +51,10 @@ def invariant(enabled: bool = True):
 
         with attnkit.invariant():
             model.generate(**batch)
+
+    With ``torch.utils.checkpoint``, run the backward inside the block too: its recompute
+    calls ``attention()`` again, which outside the block runs without the contract
+    (``CheckpointError``).
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"invariant(enabled={enabled!r}): pass True or False")
