@@ -279,6 +279,24 @@ def test_a_poisoned_row_sends_nan_gradients_back(gen):
     assert torch.isnan(q.grad[0, 0, 2:]).all()
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("where", ["key", "value"])
+def test_a_poisoned_row_sends_nan_into_the_key_and_value_gradients(backend, where, gen):
+    """A row made NaN by a non-finite key or value it may attend (a backend whose kernel
+    returns it finite, poisoned after the call) gives NaN gradients, as the reference's
+    math does, not those of a call without that key: a NaN loss never steps with a finite
+    update."""
+    q, k, v = (t.requires_grad_() for t in torch.randn(3, 1, 2, 64, 8, generator=gen).unbind(0))
+    bad = torch.zeros(1, 2, 64, 8)
+    bad[0, 0, 3, 0] = -INF if where == "key" else INF
+    out = ak.attention(q, k + bad if where == "key" else k, v + bad if where == "value" else v,
+                       ak.causal(), backend=backend)
+    assert torch.isnan(out[0, 0, 3:]).all() and not torch.isnan(out[0, 1]).any()
+    out.sum().backward()
+    assert torch.isnan(k.grad[0, 0]).any() and torch.isnan(v.grad[0, 0]).any()
+    assert torch.isnan(q.grad[0, 0, 3:]).all()
+
+
 def test_fully_masked_row_through_partial_empty_partial_blocks(gen):
     """Row 0 has no key; its key blocks are PARTIAL (others' keys), EMPTY, PARTIAL, so the tiled
     engine merges two empty partial results: out 0 and LSE −inf, not NaN."""

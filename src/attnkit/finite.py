@@ -208,9 +208,9 @@ def looks_at_keys(query_rows: int, key_elements: int) -> bool:
 def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
            weights: Optional[torch.Tensor]) -> tuple:
     """``(out, lse, weights)`` of the call :func:`guard` made with every row that holds or may
-    attend a non-finite value set to NaN, as ``x + flag`` with flag 0 or NaN per row: a
-    gradient reaching a poisoned row of out goes back as NaN, and every other row is
-    unchanged. A row with no allowed key holds zeros after :func:`guard`: never poisoned.
+    attend a non-finite value set to NaN, as ``x + flag`` with flag 0 or NaN per row (out
+    under autograd as ``out + out · flag``: a gradient reaching a poisoned row of out goes
+    back as NaN, into q, k and v), and every other row is unchanged. A row with no allowed key holds zeros after :func:`guard`: never poisoned.
 
     The flag of a row is its query and output times a zero vector (``[Tq, D] @ 0``: NaN
     exactly where the row holds a NaN or ±inf; no sum that could overflow), plus
@@ -221,9 +221,14 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
     if guarded.seen is not None:
         flag = _grouped_add(flag, guarded.seen)
     # in place on the backend's own tensor, except where autograd or a trace holds it (a
-    # graph traced without gradients may run with them)
-    out = (out + flag if out.requires_grad or torch.compiler.is_compiling()
-           else out.add_(flag))
+    # graph traced without gradients may run with them); under autograd as out + out·flag,
+    # whose derivative 1 + flag sends NaN back from a poisoned row into the backward
+    if out.requires_grad:
+        out = torch.addcmul(out, out, flag)
+    elif torch.compiler.is_compiling():
+        out = out + flag
+    else:
+        out = out.add_(flag)
     if lse is not None:  # −inf stays −inf
         lse = lse + flag[..., 0].to(lse.dtype)
     weights = None if weights is None else weights + flag.to(weights.dtype)
