@@ -721,3 +721,12 @@ def test_a_band_per_document_is_the_band_on_each_documents_own_positions(align, 
     assert torch.equal(got, want), f"{mask!r}\n{got.int()}\n{want.int()}"
     if left is None and right == 0:
         assert repr(mask).startswith("documents(")
+
+
+def test_an_and_of_bands_of_one_alignment_is_their_intersection():
+    from attnkit.masks import Band
+    assert (ak.causal() & ak.sliding_window(3, 2)).band() == Band(3, 0, "top_left")
+    assert (ak.sliding_window(4, 1, "bottom_right")
+            & ak.sliding_window(2, 5, "bottom_right")).band() == Band(2, 1, "bottom_right")
+    assert (ak.causal() & ak.causal("bottom_right")).band() is None
+    assert (ak.causal() & ak.padding(kv_lengths=[3])).band() is None

@@ -949,10 +949,27 @@ def test_every_band_of_a_mask_is_checked_against_the_cache(cache_kind):
                  ak.causal("bottom_right") & ak.sliding_window(2)):
         with pytest.raises(ValueError, match=r"sliding_window\(2\) with a cache that holds 5"):
             mha(x[:, 5:], mask=mask, cache=cache)
+    with pytest.raises(ValueError, match=r"causal\(\) with a cache that holds 5"):  # inside |
+        mha(x[:, 5:], mask=ak.causal() | ak.from_function(lambda b, h, i, j: j < 2), cache=cache)
     bottom_right = ak.causal("bottom_right") & ak.sliding_window(2, align="bottom_right")
     out, _, _ = mha(x[:, 5:], mask=bottom_right, cache=cache)
     torch.testing.assert_close(out, mha(x, mask=ak.sliding_window(2)).out[:, 5:],
                                rtol=0, atol=1e-12)
+
+
+def test_a_ragged_paged_step_takes_an_and_of_bottom_right_bands():
+    """flash-attn's causal=True with window_size=(w, 0), spelled as two bands, runs per
+    sequence as the one band it is."""
+    torch.manual_seed(42)
+    mha = MultiHeadAttention(8, 2, dtype=F64)
+    x = _rand(2, 6, 8, seed=43)
+    outs = []
+    for mask in (ak.sliding_window(2, 0, "bottom_right"),
+                 ak.causal("bottom_right") & ak.sliding_window(2, 0, "bottom_right")):
+        cache = PagedKVCache(16, 4)
+        mha(x[:, :4], cache=cache, is_causal=True, lengths=torch.tensor([4, 2]))
+        outs.append(mha(x[:, 4:5], mask=mask, cache=cache).out)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
 
 
 def test_training_queries_alone_through_a_cache_and_reading_older_caches():

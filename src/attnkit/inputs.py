@@ -183,8 +183,9 @@ FLASH_ATTN_KEYWORDS = {
     "causal": "use `mask=ak.causal(\"bottom_right\")` for causal=True (flash-attn's alignment: "
               "each sequence's last query sees all its keys; combine masks by `&`)",
     "window_size": "use `mask=ak.sliding_window(left, right, \"bottom_right\")` for "
-                   "window_size=(left, right) (a side of -1, unbounded: `ak.causal(\"bottom_right\")` "
-                   "for (-1, 0), no mask for (-1, -1))",
+                   "window_size=(left, right); a side of -1 (unbounded) is "
+                   "`ak.masks.UNBOUNDED` there (`ak.causal(\"bottom_right\")` for (-1, 0), no "
+                   "mask for (-1, -1))",
     "softcap": "use `mask=ak.softcap(cap)`, joined to the other masks by `&`",
     "alibi_slopes": "use `mask=ak.alibi(slopes, \"bottom_right\")` (attnkit adds "
                     "slope·(j − i): flash-attn's −slope·|i − j| where keys are causal)",

@@ -2185,6 +2185,17 @@ class _And(_Combined):
     def leaves(self):
         return [leaf for part in self.parts for leaf in part.leaves()]
 
+    def band(self):
+        """The intersection of bands of one alignment (``causal("bottom_right") &
+        sliding_window(w, align="bottom_right")``) is one band; anything else is not."""
+        bands = [part.band() for part in self.parts]
+        if any(b is None for b in bands) or len({b.align for b in bands}) != 1:
+            return None
+        def least(values):  # None: unbounded
+            bounded = [v for v in values if v is not None]
+            return min(bounded) if bounded else None
+        return Band(least(b.left for b in bands), least(b.right for b in bands), bands[0].align)
+
     def simplified(self, space):
         parts = [p.simplified(space) for p in self.parts]
         if all(new is old for new, old in zip(parts, self.parts)):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import dispatch, finite, invariance
+from . import dispatch, finite, invariance, masks
 from .api import attention
 from .backends.tiled.forward import KV_SPLIT, kernel_call
 from .backends.tiled.plan import INVARIANT_MAX_HEAD_DIM, rows_anywhere
@@ -1274,6 +1274,18 @@ def _per_sequence_step(mask: MaskLike) -> bool:
                                      or modifiers.alibi)
 
 
+def _bands(mask: Optional[Mask]) -> list[Mask]:
+    """The bands (causal, windows) in ``mask``: the leaves of its ``&`` chain that are bands,
+    and those inside its ``|`` and ``~`` parts."""
+    found = []
+    for leaf in [] if mask is None else mask.leaves():
+        if leaf.band() is not None:
+            found.append(leaf)
+        elif isinstance(leaf, (masks._Or, masks._Not)):
+            found.extend(band for part in leaf.parts for band in _bands(part))
+    return found
+
+
 def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
                      lengths: Union[torch.Tensor, Sequence[int], None], width: int) -> None:
     """A ``ValueError`` where ``mask``'s positions would not be the sequences' own over
@@ -1289,8 +1301,7 @@ def _check_positions(mask: Mask, cache: Union[KVCache, PagedKVCache],
     rest, modifiers = split(mask)
     off = [] if modifiers is None else [*modifiers.relative,
                                         *(modifiers.alibi if modifiers.sinks else ())]
-    bands = [] if rest is None else [leaf for leaf in rest.leaves() if leaf.band() is not None]
-    parts = [*off, *bands]  # what reads positions, each with its alignment
+    parts = [*off, *_bands(rest)]  # what reads positions, each with its alignment
     if not parts:
         return
     paged = isinstance(cache, PagedKVCache)
