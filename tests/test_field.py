@@ -297,6 +297,25 @@ def test_a_poisoned_row_sends_nan_into_the_key_and_value_gradients(backend, wher
     assert torch.isnan(q.grad[0, 0, 3:]).all()
 
 
+@pytest.mark.parametrize("backend", ["tiled", "torch"])
+def test_an_infinite_gradient_into_a_clean_call_stays_infinite(backend, gen):
+    """The poisoning step multiplies the gradient by 1 + flag: 1 on clean rows, so an
+    infinite upstream gradient goes on as through the math (inf where a key has weight, NaN
+    only where the math makes 0 · inf), as the reference gives it."""
+    leaves = torch.randn(3, 1, 2, 16, 8, generator=gen).unbind(0)
+    grads = {}
+    for name in (backend, "reference"):
+        q, k, v = (t.clone().requires_grad_() for t in leaves)
+        out = ak.attention(q, k, v, ak.causal(), backend=name)
+        grad = torch.zeros_like(out)
+        grad[0, 0, 5] = INF
+        out.backward(grad)
+        grads[name] = v.grad
+    for test in (torch.isnan, torch.isinf):
+        assert torch.equal(test(grads[backend]), test(grads["reference"]))
+    assert torch.isinf(grads[backend][0, 0, :6]).all()
+
+
 def test_fully_masked_row_through_partial_empty_partial_blocks(gen):
     """Row 0 has no key; its key blocks are PARTIAL (others' keys), EMPTY, PARTIAL, so the tiled
     engine merges two empty partial results: out 0 and LSE −inf, not NaN."""

@@ -130,14 +130,20 @@ def test_a_mask_written_in_place_after_planning_raises(gen, kind, inference):
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch", "tiled", "reference"])
-@pytest.mark.parametrize("combine", ["alone", "& causal", "| window"])
+@pytest.mark.parametrize("combine", ["alone", "& causal", "| window", "bucket function"])
 def test_a_plan_over_a_function_reads_what_it_reads_in_every_run(gen, backend, combine):
-    """A ``from_function`` mask reads tensors no version counter ties to the mask: each run
-    evaluates it again, as attention() does, and sees a write to what it reads."""
+    """A ``from_function`` mask (or a bucket function) reads tensors no version counter ties
+    to the mask: each run evaluates it again, as attention() does, and sees a write to what
+    it reads."""
     doc = torch.zeros(T, dtype=torch.long)
     fn = ak.from_function(lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx])
-    mask = {"alone": fn, "& causal": ak.causal() & fn, "| window": fn | ak.sliding_window(3)}[combine]
+    buckets = ak.relative_bias(torch.randn(HQ, 2, generator=gen),
+                               buckets=lambda rel: (doc[rel.clamp(0, T - 1)] > 0).long())
+    mask = {"alone": fn, "& causal": ak.causal() & fn, "| window": fn | ak.sliding_window(3),
+            "bucket function": buckets}[combine]
     q, k, v = _qkv(gen)
+    if combine == "bucket function":  # a decoding step: torch's kernel takes the bias built
+        q = q[:, :, -1:]
     plan = ak.plan(q, k, v, mask, backend=backend)
     plan(q, k, v)
     doc[T // 2:] = 1

@@ -97,10 +97,10 @@ class Plan:
         self._watched = _watched(as_mask(mask))
         # read afresh by every run, through attention(): a parameter, which a fused optimizer
         # writes without a trace (:func:`~attnkit.masks.learnable`), a CPU inference tensor
-        # too large to compare by value, and a mask that runs user code (from_function),
-        # whose reads no version counter shows
+        # too large to compare by value, and a mask that runs user code, whose reads no
+        # version counter shows
         self._rederives = (any(learnable(t) or _too_large(t) for t in self._watched)
-                           or (mask is not None and mask_tensors(as_mask(mask)) is None))
+                           or _runs_code(as_mask(mask)))
         # what runs derive from the mask, kept for the plan's lifetime (a call cache hit of a
         # mask keyed by shape shares nothing)
         self._inputs = inputs.replaced(q=None, k=None, v=None,
@@ -230,6 +230,14 @@ def _inference_values(t: torch.Tensor) -> Optional[bytes]:
             or t.numel() * t.element_size() > KEY_BYTES):
         return None
     return content_key(t)
+
+
+def _runs_code(mask) -> bool:
+    """Whether ``mask`` runs the caller's Python code: a ``from_function`` part, a
+    ``score_function``, a ``relative_bias`` with a bucket function of its own."""
+    return mask is not None and (mask_tensors(mask) is None or any(
+        leaf.kind == "score_function" or getattr(leaf, "buckets", None) is not None
+        for leaf in mask.leaves() if leaf.modifies))
 
 
 def _too_large(t: torch.Tensor) -> bool:

@@ -209,7 +209,7 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
            weights: Optional[torch.Tensor]) -> tuple:
     """``(out, lse, weights)`` of the call :func:`guard` made with every row that holds or may
     attend a non-finite value set to NaN, as ``x + flag`` with flag 0 or NaN per row (out
-    under autograd as ``out + out · flag``: a gradient reaching a poisoned row of out goes
+    under autograd as ``out · (1 + flag)``: a gradient reaching a poisoned row of out goes
     back as NaN, into q, k and v), and every other row is unchanged. A row with no allowed key holds zeros after :func:`guard`: never poisoned.
 
     The flag of a row is its query and output times a zero vector (``[Tq, D] @ 0``: NaN
@@ -221,10 +221,11 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
     if guarded.seen is not None:
         flag = _grouped_add(flag, guarded.seen)
     # in place on the backend's own tensor, except where autograd or a trace holds it (a
-    # graph traced without gradients may run with them); under autograd as out + out·flag,
-    # whose derivative 1 + flag sends NaN back from a poisoned row into the backward
+    # graph traced without gradients may run with them); under autograd as out · (1 + flag),
+    # whose derivative 1 + flag sends NaN back from a poisoned row into the backward (and
+    # any other gradient unchanged, infinite ones too)
     if out.requires_grad:
-        out = torch.addcmul(out, out, flag)
+        out = out * (flag + 1)
     elif torch.compiler.is_compiling():
         out = out + flag
     else:

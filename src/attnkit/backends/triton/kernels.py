@@ -53,7 +53,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 BIAS_FLOOR = tl.constexpr(-2.35e38)
 """The least bias value a kernel adds: ``finfo(float32).min · LOG2E`` would overflow to −inf
 in base 2, so a row of only such fills (``finfo.min`` padding) would read as a row with no
-key; clamped, it stays the uniform average the other backends give."""
+key; clamped, it stays the uniform average the other backends give (values below the floor
+count as equal: a row of only such values averages them all)."""
 
 # The kernels take the mask program, the block lists and the stored-dS buffer as one tuple
 # argument each (``launch.MaskArgs``, ``launch.Lists``, ``launch.Stored``), their switches
