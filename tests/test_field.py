@@ -316,6 +316,25 @@ def test_an_infinite_gradient_into_a_clean_call_stays_infinite(backend, gen):
     assert torch.isinf(grads[backend][0, 0, :6]).all()
 
 
+@pytest.mark.parametrize("kind", ["bias", "kv_lengths", "documents", "alibi"])
+def test_a_mask_written_between_forward_and_backward_is_refused(kind, gen):
+    """The tiled backward reads the mask's tensors again: a write to one after the forward
+    (a preallocated buffer refilled for the next micro-batch) raises, as torch does for a
+    tensor saved for backward, instead of giving the gradients of another mask."""
+    t = 40
+    q, k, v = (x.requires_grad_() for x in torch.randn(3, 2, 4, t, 8, generator=gen).unbind(0))
+    values = {"bias": torch.randn(1, 1, t, t, generator=gen),
+              "kv_lengths": torch.tensor([30, 20]), "documents": torch.arange(t) // 9,
+              "alibi": torch.rand(4, generator=gen)}[kind]
+    mask = {"bias": lambda: ak.bias(values), "kv_lengths": lambda: ak.padding(kv_lengths=values),
+            "documents": lambda: ak.documents(values) & ak.causal(),
+            "alibi": lambda: ak.causal() & ak.alibi(values)}[kind]()
+    out = ak.attention(q, k, v, mask, backend="tiled")
+    values[0] = values[0] - 1 if kind != "documents" else 3
+    with pytest.raises(RuntimeError, match="written in place between the forward and the backward"):
+        out.sum().backward()
+
+
 def test_fully_masked_row_through_partial_empty_partial_blocks(gen):
     """Row 0 has no key; its key blocks are PARTIAL (others' keys), EMPTY, PARTIAL, so the tiled
     engine merges two empty partial results: out 0 and LSE −inf, not NaN."""

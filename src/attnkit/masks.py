@@ -800,6 +800,28 @@ def held_tensors(mask: Mask) -> tuple:
     return _walk_tensors(mask)[0]
 
 
+def tensor_versions(mask: Optional[Mask], extra: tuple = ()) -> tuple:
+    """``(tensor, version counter)`` of every tensor ``mask`` holds and of ``extra`` (plain
+    tensors with a counter: not inference tensors), for :func:`check_unwritten`."""
+    held = (*(() if mask is None else held_tensors(mask)), *extra)
+    return tuple((t, t._version) for t in held
+                 if type(t) is torch.Tensor and not t.is_inference())
+
+
+def check_unwritten(versions: tuple, backend: str) -> None:
+    """A ``RuntimeError`` where a tensor of :func:`tensor_versions` was written in place since:
+    a backward that reads the mask again (its biases, lengths, ids) would give the gradients
+    of another mask, as torch refuses for a tensor saved for backward."""
+    for t, version in versions:
+        if t._version != version:
+            raise RuntimeError(
+                f"attnkit ({backend} backward): a tensor of the mask, shape {tuple(t.shape)}, "
+                f"was written in place between the forward and the backward (version "
+                f"{version} → {t._version}); the backward reads the mask's tensors again, "
+                f"so its gradients could be those of another mask. Write it after the "
+                f"backward, or build the mask from a clone")
+
+
 def _walk_tensors(mask: Mask) -> tuple[tuple, bool]:
     """``(tensors, runs_code)``: the tensors in ``mask``'s fields and its parts', in field
     order, and whether some part runs user code."""
@@ -2195,6 +2217,12 @@ class _And(_Combined):
             bounded = [v for v in values if v is not None]
             return min(bounded) if bounded else None
         return Band(least(b.left for b in bands), least(b.right for b in bands), bands[0].align)
+
+    def structure(self, space):
+        """An ``&`` of bands is the one band it makes (:meth:`band`); any other chain has no
+        structure of its own (its leaves do)."""
+        band = self.band()
+        return None if band is None else _Band(*band).structure(space)
 
     def simplified(self, space):
         parts = [p.simplified(space) for p in self.parts]

@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 
 from ...inputs import Inputs
-from ...masks import Mask, MaskSpace, cache_key, key_starts, mask_tensors, memo
+from ...masks import (Mask, MaskSpace, cache_key, check_unwritten, key_starts, mask_tensors, memo,
+                     tensor_versions)
 from ...modifiers import Modifiers
 from ...numerics import accum_dtype
 from ..base import (Backend, BackendOutput, batched_gradient, bias_range_reasons,
@@ -41,11 +42,13 @@ class _TiledAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused lse gives grad_lse None, not zeros
         ctx.save_for_backward(q, k, v, *output)
         ctx.problem = problem
+        ctx.versions = tensor_versions(problem.mask, _modifier_tensors(problem))
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         problem = ctx.problem
+        check_unwritten(ctx.versions, "tiled")
         biases, params = _biases(problem.mask), _modifier_tensors(problem)
         wants = ctx.needs_input_grad[4:]
         wants_bias, wants_param = wants[:len(biases)], wants[len(biases):]

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from ...inputs import Inputs
+from ...masks import check_unwritten, tensor_versions
 from ...modifiers import relative_positions
 from ..base import (Backend, BackendOutput, batched_gradient, bias_range_reasons,
                     check_backward_modifiers)
@@ -81,13 +82,14 @@ class _TritonAttention(torch.autograd.Function):
     the rest of :class:`launch.ScoreMods`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, cap=None, shift=0, slopes=None, diag=None):
+    def forward(ctx, q, k, v, plan, cap=None, shift=0, slopes=None, diag=None, versions=()):
         # an unused lse gives dlse None, not a zero tensor to fill and subtract on every backward
         ctx.set_materialize_grads(False)
         mods = launch.ScoreMods(cap, slopes, shift, diag, q.shape[2] - 1)
         out, lse = forward_step(q, k, v, plan, mods)
         ctx.save_for_backward(q, k, v, out, lse, slopes, diag)
         ctx.plan, ctx.cap, ctx.shift = plan, cap, shift
+        ctx.versions = versions  # the mask's tensors, which the backward reads again
         return out, lse
 
     @staticmethod
@@ -98,6 +100,7 @@ class _TritonAttention(torch.autograd.Function):
                                "supported: use backend='tiled' or 'reference', or "
                                "vectorize=False")
         q, k, v, out, lse, slopes, diag = ctx.saved_tensors
+        check_unwritten(ctx.versions, "triton")
         if dout is None:  # only the lse was used
             dout = torch.zeros_like(out)
         want_slopes, want_diag = ctx.needs_input_grad[6:8]
@@ -106,7 +109,7 @@ class _TritonAttention(torch.autograd.Function):
         mods = launch.ScoreMods(ctx.cap, slopes, ctx.shift, diag, q.shape[2] - 1)
         dq, dk, dv = backward_step(dout, dlse, q, k, v, out, lse, ctx.plan, mods, dslope, ddiag)
         return (dq, dk, dv, None, None, None, None if dslope is None else dslope.to(slopes.dtype),
-                None if ddiag is None else ddiag.to(diag.dtype))
+                None if ddiag is None else ddiag.to(diag.dtype), None)
 
 
 def score_mods(inputs: Inputs) -> dict:
@@ -210,8 +213,10 @@ class TritonBackend(Backend):
             return BackendOutput(*launch.decode(inputs, *form, self.options), None)
         plan = launch.make_plan(inputs, self.options)
         mods = score_mods(inputs)
+        versions = tensor_versions(inputs.mask) if inputs.need_grad else ()
         out, lse = _TritonAttention.apply(inputs.q, inputs.k, inputs.v, plan, mods.get("cap"),
-                                          mods.get("shift", 0), mods.get("slopes"), mods.get("diag"))
+                                          mods.get("shift", 0), mods.get("slopes"), mods.get("diag"),
+                                          versions)
         return BackendOutput(out, lse, None)
 
     def backward(self, inputs, out, lse, dout, dlse, want_bias, want_params=()):
