@@ -192,6 +192,17 @@ def test_rows_of_only_finite_fills_average_as_other_backends(dtype, gen):
     assert torch.isfinite(got.lse).all() and (got.lse[:, :, :3] < -1e38).all()
 
 
+def test_a_bias_written_between_forward_and_backward_is_refused(gen):
+    """The kernels read the caller's bias again in the backward: a write after the forward
+    raises rather than giving the gradients of another bias."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 20, 20, 16, 16, torch.float32, gen))
+    values = torch.randn(1, 1, 20, 20, generator=gen)
+    out = ak.attention(q, k, v, ak.bias(values), backend="triton")
+    values.fill_(0)
+    with pytest.raises(RuntimeError, match="written in place between the forward and the backward"):
+        out.sum().backward()
+
+
 @pytest.mark.parametrize("dk,dv", [(16, 16), (64, 64), (48, 24), (32, 80)])
 def test_head_dims(dk, dv, gen):
     """Powers of two and padded ones (48 → 64, 24 → 32, 80 → 128), Dk ≠ Dv."""
@@ -842,6 +853,16 @@ def test_paged_decode_reads_blocks_by_table(q_len, case, dtype, gen, monkeypatch
     torch.testing.assert_close(got.lse.double()[seen], runs["truth"][1][seen], rtol=1e-5,
                                atol=1e-5)
     assert (got.lse[~seen] == float("-inf")).all()
+
+
+def test_paged_decode_of_an_empty_batch_is_empty(gen):
+    from attnkit.paged import paged_attention
+    pool = torch.randn(4, 4, 1, 16, generator=gen)
+    q = torch.randn(0, 2, 1, 16)
+    with torch.no_grad():
+        r = paged_attention(q, pool, pool, torch.zeros(0, 2, dtype=torch.long),
+                            torch.zeros(0, dtype=torch.long), backend="triton", return_lse=True)
+    assert r.out.shape == (0, 2, 1, 16) and r.lse.shape == (0, 2, 1)
 
 
 def test_paged_decode_reads_a_forked_prompt_once(gen, monkeypatch):

@@ -40,6 +40,10 @@ from conftest import (check, dense_band, dense_causal, dense_documents, make_qkv
 
 skip_module_unless_interpreted(launch, __file__)
 
+SIXTEEN = launch.Tiles(sparse_q=16, sparse_k=16, fwd=(16, 16), dkdv=(16, 16), dq=(16, 16))
+"""Sparse blocks of 16 (kernel blocks of 16 divide them)."""
+
+
 
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
@@ -79,7 +83,7 @@ def test_slots_index_the_forward_lists():
     allowed = torch.rand(2, 3, 90, 90, generator=torch.Generator().manual_seed(1)) < 0.02
     allowed[0, 1] = dense_causal(90, 90)
     space = MaskSpace(batch=2, heads=3, q_len=90, kv_len=90, device=torch.device("cpu"))
-    lay = launch.layout(ak.dense(allowed), space, launch.Tiles(sparse_q=16, sparse_k=16))
+    lay = launch.layout(ak.dense(allowed), space, SIXTEEN)
     slots, entries = lay.slots
     rows, cols = lay.rows, lay.cols
     assert entries == int((rows.num_partial + rows.num_full).max())
@@ -382,7 +386,7 @@ def _plan(mask, q_len, kv_len, tiles, heads=1, batch=1):
 
 
 def test_causal_visits_about_half_the_tiles():
-    tiles = launch.Tiles(sparse_q=16, sparse_k=16)
+    tiles = SIXTEEN
     n = 1024 // 16
     plan = _plan(ak.causal(), 1024, 1024, tiles)
     assert plan.rows.visited() == n * (n + 1) // 2  # the lower triangle and the diagonal
@@ -392,7 +396,7 @@ def test_causal_visits_about_half_the_tiles():
 
 
 def test_window_and_documents_visit_only_their_band():
-    tiles = launch.Tiles(sparse_q=16, sparse_k=16)
+    tiles = SIXTEEN
     n = 1024 // 16
     window = _plan(ak.sliding_window(32), 1024, 1024, tiles).rows.visited()
     assert window <= 4 * n  # 32 keys back span at most 3 blocks plus the diagonal one
@@ -449,3 +453,14 @@ def test_a_new_mask_reads_at_most_two_values_and_a_known_one_none(name, invarian
     with HostReads() as again:
         call(mask)
     assert new.count <= 2 and again.count == 0, (new.by_kind, again.by_kind)
+
+
+def test_sparse_blocks_that_a_kernel_block_does_not_divide_are_refused():
+    """A kernel walks SPARSE // BLOCK kernel blocks per sparse block: 16 over blocks of 32
+    would skip every row (LSE −inf), 48 a third of each block."""
+    for sparse in (16, 48):
+        with pytest.raises(ValueError, match="multiples of each kernel's"):
+            launch.Tiles(sparse_q=sparse, sparse_k=sparse)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        launch.Tiles(sparse_q=64, sparse_k=64).fit_gpu()
+    launch.GPU_TILES.fit_gpu()

@@ -593,6 +593,9 @@ def kernel_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Ten
     batch, heads_q, q_len, _ = q.shape
     scale = checked_scale(scale, q.shape[-1])
     device = q.device
+    if batch == 0 or q_len == 0:  # nothing to launch
+        return (q.new_zeros(batch, heads_q, q_len, value_pool.shape[-1]),
+                q.new_full((batch, heads_q, q_len), float("-inf"), dtype=torch.float32))
     counts = torch.tensor(lengths, dtype=torch.int32, device=device)  # [B]
     last = counts[:, None] - q_len + torch.arange(q_len, dtype=torch.int32, device=device)
     left, right = band

@@ -118,6 +118,25 @@ class Tiles:
     dkdv: tuple[int, int] = (32, 32)
     dq: tuple[int, int] = (32, 32)
 
+    def __post_init__(self):
+        # a kernel walks SPARSE // BLOCK kernel blocks per sparse block: a block that does not
+        # divide it would skip rows or keys
+        for name, (block_m, block_n) in (("fwd", self.fwd), ("dkdv", self.dkdv), ("dq", self.dq)):
+            if self.sparse_q % block_m or self.sparse_k % block_n:
+                raise ValueError(f"Tiles(sparse_q={self.sparse_q}, sparse_k={self.sparse_k}, "
+                                 f"{name}={(block_m, block_n)}): the sparse blocks must be "
+                                 f"multiples of each kernel's (BLOCK_M, BLOCK_N)")
+
+    def fit_gpu(self) -> None:
+        """A ``ValueError`` unless the sparse blocks are multiples of every block size the
+        GPU autotuner may pick (:data:`CONFIGS`)."""
+        largest = max(max(config[0], config[1]) for configs in CONFIGS.values()
+                      for shapes in configs.values() for config in shapes)
+        if self.sparse_q % largest or self.sparse_k % largest:
+            raise ValueError(f"Tiles(sparse_q={self.sparse_q}, sparse_k={self.sparse_k}) on a "
+                             f"GPU: the sparse blocks must be multiples of {largest}, the "
+                             f"largest kernel block its autotuner may pick")
+
 
 GPU_TILES = Tiles(sparse_q=128, sparse_k=128)
 INTERPRETER_TILES = Tiles(sparse_q=32, sparse_k=32)
@@ -644,6 +663,8 @@ def build_plan(mask: Optional[Mask], space: MaskSpace, scale: float,
     under the invariance contract."""
     interpret = interpreting()
     tiles = options.tiles or (INTERPRETER_TILES if interpret else GPU_TILES)
+    if not interpret:
+        tiles.fit_gpu()
     return Plan(scale, interpret, tiles, layout(mask, space, tiles, invariant), options,
                 invariant)
 
