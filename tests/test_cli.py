@@ -151,6 +151,16 @@ def test_explain_states_the_score_variance_of_its_scale(capsys, scale, variance)
         assert f"scale² · d_k = {variance} " in step
 
 
+def test_explain_applies_one_alibi_slope_to_every_head(tmp_path, capsys):
+    rng = np.random.default_rng(4)
+    q, k = rng.normal(size=(1, 4, 3, 2)), rng.normal(size=(1, 2, 3, 2))  # GQA 4/2
+    for name, array in (("q", q), ("k", k)):
+        np.save(tmp_path / f"{name}.npy", array)
+    argv = ["explain", f"--q={tmp_path / 'q.npy'}", f"--k={tmp_path / 'k.npy'}", "--alibi", "0.5"]
+    assert cli.main(argv) == 0
+    assert "slope 0.5" in capsys.readouterr().out
+
+
 def test_explain_npy_inputs_with_causal_and_scale(tmp_path, capsys):
     rng = np.random.default_rng(3)
     q, k, v = rng.normal(size=(4, 3)), rng.normal(size=(4, 3)), rng.normal(size=(4, 2))

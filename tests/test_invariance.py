@@ -515,6 +515,28 @@ def test_rowwise_linears_give_a_row_the_same_bits_for_any_row_count():
     assert "forward" not in vars(layer)  # restored on exit
 
 
+def test_rowwise_linears_keep_a_forward_set_on_the_layer():
+    """A hook that replaces ``layer.forward`` (accelerate's device hooks do) still runs inside
+    the block, per chunk, and is the layer's forward again after it; ``input=`` still binds."""
+    gen = torch.Generator().manual_seed(7)
+    layer = torch.nn.Linear(64, 32)
+    seen = []
+
+    def hooked(x):
+        seen.append(x.shape[0])
+        return torch.nn.Linear.forward(layer, x)
+    layer.forward = hooked
+    x = torch.randn(40, 64, generator=gen)
+    with invariance.rowwise_linears(layer):
+        inside = layer(input=x)
+        assert seen and len(set(seen)) == 1  # products of a fixed number of rows
+        assert all(torch.equal(layer(x[:n]), inside[:n]) for n in (1, 3, 17))
+    assert vars(layer)["forward"] is hooked
+    seen.clear()
+    torch.testing.assert_close(layer(x), inside)
+    assert seen == [40]
+
+
 def test_rowwise_linears_hold_per_thread():
     """Threads sharing one model: those inside a block (some nested) compute row-wise, the
     others torch's own product, and the layer is restored when the last block ends."""

@@ -475,6 +475,18 @@ def test_fully_masked_rows_with_and_without_a_sink(gen):
         assert torch.isneginf(plain.lse[0]).all() and (plain.out[0] == 0).all()
 
 
+@pytest.mark.parametrize("backend", ["reference", "tiled"])
+def test_a_head_without_a_sink_keeps_zero_weights_on_a_row_with_no_key(backend, gen):
+    """A sink logit of −inf (a head without one) on a fully masked row: weights 0, not
+    exp(−inf − (−inf)) = NaN."""
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=gen) for _ in range(3))
+    allowed = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    allowed[..., 1, :] = False
+    r = ak.attention(q, k, v, ak.dense(allowed) & ak.sinks(torch.tensor([float("-inf"), 0.0])),
+                     backend=backend, return_weights=True, return_lse=True)
+    assert (r.weights[0, :, 1] == 0).all() and not torch.isnan(r.weights).any()
+
+
 def test_sinks_on_torch_without_gradients(gen):
     """torch's kernel returns an LSE on CPU (Dk = Dv): sinks join its result."""
     q, k, v = make_qkv(gen)

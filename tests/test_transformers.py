@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 import attnkit as ak  # noqa: E402
 import attnkit.integrations.transformers as ak_hf  # noqa: E402
-from attnkit.masks import MaskSpace  # noqa: E402
+from attnkit.masks import MaskSpace, key_starts  # noqa: E402
 from transformers import masking_utils  # noqa: E402
 
 F32, F64 = torch.float32, torch.float64
@@ -720,6 +720,10 @@ def test_mask_function_equals_transformers_dense_mask(kind, q_len, kv_len, q_off
     if result.structured and padding in ("left", "right"):
         leaves = _leaves(result.mask)
         assert not any(isinstance(leaf, DENSE) for leaf in leaves), result
+    if not result.structured and padding == "left" and kv_offset == 0:
+        # the dense fallback holds the padding too: the invariance contract's key blocks
+        # start where each row's keys do
+        assert key_starts(result.mask).tolist() == [0, min(3, seen - 1)], result
     if result.structured and padding == "ones" and seen >= kv_offset + kv_len:  # all real
         assert result.mask is None or not any(isinstance(leaf, PADDING)
                                               for leaf in _leaves(result.mask)), result

@@ -88,7 +88,8 @@ def rowwise_linears(model: "torch.nn.Module"):
     with _ROWWISE_LOCK:
         for layer in layers:
             users = _ROWWISE_USERS.get(id(layer), 0)
-            if not users:
+            if not users:  # a forward set on the instance (a hook's) runs per chunk, and stays
+                _ROWWISE_SAVED[id(layer)] = layer.__dict__.get("forward")
                 layer.forward = functools.partial(_linear_forward, layer)
             _ROWWISE_USERS[id(layer)] = users + 1
     for layer in layers:
@@ -106,27 +107,36 @@ def rowwise_linears(model: "torch.nn.Module"):
                 if users:
                     _ROWWISE_USERS[id(layer)] = users
                 else:
-                    layer.__dict__.pop("forward", None)
+                    saved = _ROWWISE_SAVED.pop(id(layer), None)
+                    if saved is None:
+                        layer.__dict__.pop("forward", None)
+                    else:
+                        layer.forward = saved
 
 
 _ROWWISE_LOCK = threading.Lock()
 _ROWWISE_USERS: dict = {}
 """``id(layer)`` → the :func:`rowwise_linears` blocks, on any thread, that hold the layer (its
 patched ``forward`` goes when the last one ends)."""
+_ROWWISE_SAVED: dict = {}
+"""``id(layer)`` → the forward set on the layer instance before the first block (``None``)."""
 _ROWWISE_HERE = threading.local()
 """``_ROWWISE_HERE.layers``: ``id(layer)`` → this thread's blocks that hold the layer."""
 
 
-def _linear_forward(layer: "torch.nn.Module", x: torch.Tensor) -> torch.Tensor:
+def _linear_forward(layer: "torch.nn.Module", input: torch.Tensor) -> torch.Tensor:
     """A linear layer's forward while a :func:`rowwise_linears` block holds it: row-wise on a
-    thread inside such a block, the layer's own forward on any other."""
+    thread inside such a block, the layer's own forward on any other (a forward set on the
+    instance, such as a hook's, first)."""
     from .nn import _rowwise
 
+    saved = _ROWWISE_SAVED.get(id(layer))
     if getattr(_ROWWISE_HERE, "layers", {}).get(id(layer)):
         own = type(layer).forward  # a subclass's own forward (an adapter) runs per chunk
-        return _rowwise(layer, x, None if own is torch.nn.Linear.forward or _conv1d(layer)
-                        else functools.partial(own, layer))
-    return type(layer).forward(layer, x)
+        plain = saved is None and (own is torch.nn.Linear.forward or _conv1d(layer))
+        return _rowwise(layer, input, None if plain
+                        else saved if saved is not None else functools.partial(own, layer))
+    return saved(input) if saved is not None else type(layer).forward(layer, input)
 
 
 def _conv1d(module: "torch.nn.Module") -> bool:

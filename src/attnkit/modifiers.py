@@ -432,8 +432,9 @@ class Sinks(Modifier):
 
         sink = self.logits.to(lse.dtype)[None, :, None].expand_as(lse)  # [B, H, Tq]
         merged, merged_lse = merge(out, lse, torch.zeros_like(out), sink, alike)
-        if weights is not None:
-            weights = weights * torch.exp(lse - merged_lse).to(weights.dtype)[..., None]
+        if weights is not None:  # (a −inf sink on a row with no key: both −inf, weights 0)
+            finite = merged_lse.where(~torch.isneginf(merged_lse), 0.0)
+            weights = weights * torch.exp(lse - finite).to(weights.dtype)[..., None]
         return merged.to(out.dtype), merged_lse, weights
 
     def __repr__(self):

@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="soft-cap the scaled scores, s -> C*tanh(s/C) (a score modifier, "
                              "shown as step 3b)")
     parser.add_argument("--alibi", type=float, default=None, metavar="SLOPE",
-                        help="add the ALiBi bias SLOPE*(j - i) to the scores (a score modifier, "
-                             "shown as step 3b)")
+                        help="add the ALiBi bias SLOPE*(j - i) to the scores, in every head (a "
+                             "score modifier, shown as step 3b)")
     parser.add_argument("--plot", metavar="PATH", default=None,
                         help="write a heatmap PNG of the attention weights to PATH")
 
@@ -115,7 +115,7 @@ def build_inputs(q=None, k=None, v=None, *, causal_mask: Optional[bool] = None,
     ``q``/``k``/``v`` are tensors ``[T, D]`` or ``None``: all ``None`` means the built-in
     example :data:`EXAMPLE_QKV` (causal unless ``causal_mask=False``); ``k`` defaults to ``q``
     and ``v`` to ``k`` (self-attention). ``softcap_at`` / ``alibi_slope``: score modifiers
-    (:func:`attnkit.softcap`, :func:`attnkit.alibi` with one slope for the one head). Raises
+    (:func:`attnkit.softcap`, :func:`attnkit.alibi` with one slope for every head). Raises
     ``ValueError`` for a non-finite ALiBi slope and for whatever ``inputs.validate`` refuses.
     """
     if q is None and k is None and v is None:
@@ -133,7 +133,8 @@ def build_inputs(q=None, k=None, v=None, *, causal_mask: Optional[bool] = None,
         if not math.isfinite(alibi_slope):
             raise ValueError(f"--alibi {alibi_slope:g}: the ALiBi slope must be a finite number "
                              f"(the bias added to score (i, j) is slope·(j − i)), e.g. --alibi 0.5")
-        parts.append(alibi(torch.tensor([alibi_slope], dtype=torch.float64)))
+        heads = q.shape[-3] if q.dim() >= 3 else 1  # one slope, for every query head
+        parts.append(alibi(torch.full((heads,), alibi_slope, dtype=torch.float64)))
     mask = None
     for part in parts:
         mask = part if mask is None else mask & part

@@ -341,8 +341,14 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
             device=device)
         pattern = _read(mask_function)
         packed = pattern is not None and any(g[0] == "packed" for g in pattern.groups)
-        return TransformersMask(ak.dense(allowed), batch_size, q_length, kv_length,
-                                structured=False, packed=packed, padded=padded, rows=rows)
+        mask = ak.dense(allowed)
+        try:  # the padding too (already in the dense mask): where each row's keys begin, which
+            keys = _key_padding(attention_mask, kv_length, kv_offset)  # the invariance
+        except _NotStructured:  # contract's key blocks start from (left padding)
+            keys = None
+        return TransformersMask(mask if keys is None else mask & keys, batch_size, q_length,
+                                kv_length, structured=False, packed=packed, padded=padded,
+                                rows=rows)
 
 
 class _NotStructured(Exception):
