@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -535,6 +536,21 @@ def test_rowwise_linears_keep_a_forward_set_on_the_layer():
     seen.clear()
     torch.testing.assert_close(layer(x), inside)
     assert seen == [40]
+
+
+def test_rowwise_linears_on_a_copy_made_inside_a_block_and_hooks_set_inside():
+    """A copy of a model made inside a block carries the block's forward: a later block on
+    the copy runs it as the layer's own (no recursion); a hook set inside a block stays."""
+    import copy
+    gen = torch.Generator().manual_seed(8)
+    layer = torch.nn.Linear(32, 16)
+    x = torch.randn(5, 32, generator=gen)
+    with invariance.rowwise_linears(layer):
+        clone = copy.deepcopy(layer)
+        layer.forward = hook = functools.partial(torch.nn.Linear.forward, layer)
+    assert vars(layer)["forward"] is hook
+    with invariance.rowwise_linears(clone):
+        torch.testing.assert_close(clone(x), torch.nn.Linear.forward(layer, x))
 
 
 def test_rowwise_linears_hold_per_thread():

@@ -210,6 +210,12 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
         by_id = {id(t): d for t, d in zip([*biases, *params], [*dbias, *dparams])}
         extra, given = [], set()
         for t, want in zip(tensors, wanted):
+            if want and id(t) in by_id and by_id[id(t)] is None:
+                # validated inside the operator, the tensor did not require grad there
+                raise RuntimeError(
+                    f"attnkit under torch.compile: backend {chosen.NAME!r} gives no gradient "
+                    f"for the mask's tensor of shape {tuple(t.shape)}, which requires grad; "
+                    f"use backend='tiled' for a compiled call that trains a bias")
             if want and by_id.get(id(t)) is not None:
                 grad = _like(by_id[id(t)], t)
                 # a tensor the mask holds twice (its gradient sums both uses): one output per

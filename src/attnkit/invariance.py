@@ -89,7 +89,7 @@ def rowwise_linears(model: "torch.nn.Module"):
         for layer in layers:
             users = _ROWWISE_USERS.get(id(layer), 0)
             if not users:  # a forward set on the instance (a hook's) runs per chunk, and stays
-                _ROWWISE_SAVED[id(layer)] = layer.__dict__.get("forward")
+                _ROWWISE_SAVED[id(layer)] = _instance_forward(layer)
                 layer.forward = functools.partial(_linear_forward, layer)
             _ROWWISE_USERS[id(layer)] = users + 1
     for layer in layers:
@@ -108,10 +108,11 @@ def rowwise_linears(model: "torch.nn.Module"):
                     _ROWWISE_USERS[id(layer)] = users
                 else:
                     saved = _ROWWISE_SAVED.pop(id(layer), None)
-                    if saved is None:
-                        layer.__dict__.pop("forward", None)
-                    else:
-                        layer.forward = saved
+                    if _ours(layer.__dict__.get("forward")):  # (not one set inside the block)
+                        if saved is None:
+                            del layer.forward
+                        else:
+                            layer.forward = saved
 
 
 _ROWWISE_LOCK = threading.Lock()
@@ -122,6 +123,21 @@ _ROWWISE_SAVED: dict = {}
 """``id(layer)`` → the forward set on the layer instance before the first block (``None``)."""
 _ROWWISE_HERE = threading.local()
 """``_ROWWISE_HERE.layers``: ``id(layer)`` → this thread's blocks that hold the layer."""
+
+
+def _ours(forward) -> bool:
+    """Whether ``forward`` is the one :func:`rowwise_linears` sets."""
+    return isinstance(forward, functools.partial) and forward.func is _linear_forward
+
+
+def _instance_forward(layer: "torch.nn.Module"):
+    """The forward set on ``layer`` itself, or ``None``: also where it is one
+    :func:`rowwise_linears` set (a copy made inside a block carries it)."""
+    forward = layer.__dict__.get("forward")
+    if _ours(forward):
+        del layer.forward
+        return None
+    return forward
 
 
 def _linear_forward(layer: "torch.nn.Module", input: torch.Tensor) -> torch.Tensor:
