@@ -796,8 +796,9 @@ def mask_tensors(mask: Mask) -> Optional[tuple]:
 def held_tensors(mask: Mask) -> tuple:
     """Every tensor in a mask's fields and its parts' fields, parts that run user code
     included (where :func:`mask_tensors` gives up on the whole mask): the tensors a plan
-    watches for in-place writes."""
-    return _walk_tensors(mask)[0]
+    and a backward watch for in-place writes."""
+    tensors = mask_tensors(mask)
+    return _walk_tensors(mask)[0] if tensors is None else tensors
 
 
 def tensor_versions(mask: Optional[Mask], extra: tuple = ()) -> tuple:

@@ -42,7 +42,11 @@ class _TiledAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused lse gives grad_lse None, not zeros
         ctx.save_for_backward(q, k, v, *output)
         ctx.problem = problem
-        ctx.versions = tensor_versions(problem.mask, _modifier_tensors(problem))
+        # the mask's tensors, which the backward reads again (none to watch where no input
+        # requires grad: no backward runs)
+        ctx.versions = (tensor_versions(problem.mask, _modifier_tensors(problem))
+                        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+                        else ())
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
