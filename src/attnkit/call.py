@@ -22,6 +22,7 @@ from .backends.base import Backend, BackendOutput
 from .inputs import CallCache, Inputs, _bhtd, refuse_jit_trace, restore, validate
 from .masks import (KEY_BYTES, as_mask, content_key, held_tensors, learnable, mask_tensors,
                     readable, wrapped_eagerly)
+from .modifiers import calls_python
 
 
 class AttentionResult(NamedTuple):
@@ -226,25 +227,27 @@ def _inference_values(t: torch.Tensor) -> Optional[bytes]:
     """An inference tensor's values as a key when reading them costs no device sync (a plain
     CPU tensor, at most :data:`~attnkit.masks.KEY_BYTES`); else ``None``: a GPU tensor (a read
     would sync every run), meta or fake tensors (no values), larger ones."""
-    if (type(t) is not torch.Tensor or t.device.type != "cpu" or not readable(t)
-            or t.numel() * t.element_size() > KEY_BYTES):
+    if not _values_on_cpu(t) or t.numel() * t.element_size() > KEY_BYTES:
         return None
     return content_key(t)
 
 
+def _values_on_cpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain CPU tensor with values to read (not meta, fake or traced)."""
+    return type(t) is torch.Tensor and t.device.type == "cpu" and readable(t)
+
+
 def _runs_code(mask) -> bool:
-    """Whether ``mask`` runs the caller's Python code: a ``from_function`` part, a
-    ``score_function``, a ``relative_bias`` with a bucket function of its own."""
-    return mask is not None and (mask_tensors(mask) is None or any(
-        leaf.kind == "score_function" or getattr(leaf, "buckets", None) is not None
-        for leaf in mask.leaves() if leaf.modifies))
+    """Whether ``mask`` runs the caller's Python code: a ``from_function`` part, or a score
+    modifier that does (:func:`~attnkit.modifiers.calls_python`)."""
+    return mask is not None and (mask_tensors(mask) is None or bool(calls_python(mask)))
 
 
 def _too_large(t: torch.Tensor) -> bool:
     """Whether ``t`` is a CPU inference tensor with values (no version counter) too large for
     :func:`_inference_values` to compare."""
-    return (t.is_inference() and type(t) is torch.Tensor and t.device.type == "cpu"
-            and readable(t) and t.numel() * t.element_size() > KEY_BYTES)
+    return (t.is_inference() and _values_on_cpu(t)
+            and t.numel() * t.element_size() > KEY_BYTES)
 
 
 def validated(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse,

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from .masks import CAUSAL, MASK_TYPES, Mask, MaskSpace, dense, mask_fields, unkeyed
-from .modifiers import Sinks
+from .modifiers import Sinks, calls_python
 
 TRACED_BACKENDS = ("torch", "reference")
 """Backends whose forward is torch operations alone, which a compiled graph traces as they run
@@ -344,8 +344,7 @@ def attention(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, retur
                          f"on backend {backend!r} is not supported inside a compiled region; "
                          f"apply dropout to the output instead, or call attention outside "
                          f"torch.compile")
-    code = [leaf for leaf in ([] if mask is None else mask.leaves()) if leaf.modifies
-            and (leaf.kind == "score_function" or getattr(leaf, "buckets", None) is not None)]
+    code = calls_python(mask)
     if code:
         instead = (" or use T5's bucketing (buckets=None)" if any(leaf.kind != "score_function"
                                                                   for leaf in code)

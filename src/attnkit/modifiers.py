@@ -566,6 +566,13 @@ def score_function(fn: Callable, *, tensors: Optional[Sequence[torch.Tensor]] = 
     return ScoreFunction(fn, tensors, name)
 
 
+def calls_python(mask: Optional[Mask]) -> list[Mask]:
+    """The score modifiers of ``mask`` that run the caller's Python code per tile: score
+    functions, and relative biases with a bucket function of their own."""
+    return [leaf for leaf in ([] if mask is None else mask.leaves()) if leaf.modifies
+            and (leaf.kind == "score_function" or getattr(leaf, "buckets", None) is not None)]
+
+
 # ---- the modifiers of one call ----------------------------------------------------------------
 
 @dataclass(frozen=True)
