@@ -179,11 +179,12 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskLike = Non
     new one for a new mask, as each step of a decoding loop does. A plan over a parameter
     (a learnable bias, ALiBi slopes or relative-bias table; or a leaf that requires grad),
     which ``torch.optim``'s fused optimizers write without moving its version counter,
-    keeps nothing: each run is the call :func:`attention` makes; so does a plan over a
-    ``from_function`` mask, whose function may read tensors the mask does not hold, and one
-    over a CPU inference tensor larger than 4 MiB (too large to compare by value). Make and run plans outside
-    ``torch.autocast``; inside a compiled region a plan runs as :func:`attention`. torch SDPA's
-    keywords raise ``TypeError`` with the attnkit spelling, as there."""
+    keeps nothing: each run is the call :func:`attention` makes; so does a plan over a mask
+    that runs the caller's code (``from_function``, ``score_function``, a ``relative_bias``
+    bucket function), which may read tensors the mask does not hold, and one over a CPU
+    inference tensor larger than 4 MiB (too large to compare by value). Make and run plans
+    outside ``torch.autocast``; inside a compiled region a plan runs as :func:`attention`.
+    torch SDPA's keywords raise ``TypeError`` with the attnkit spelling, as there."""
     if unexpected:
         raise unexpected_keywords(plan, unexpected)
     return call.Plan(q, k, v, mask, scale=scale, backend=backend, return_lse=return_lse,

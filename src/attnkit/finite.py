@@ -210,7 +210,8 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
     """``(out, lse, weights)`` of the call :func:`guard` made with every row that holds or may
     attend a non-finite value set to NaN, as ``x + flag`` with flag 0 or NaN per row (out
     under autograd as ``out · (1 + flag)``: a gradient reaching a poisoned row of out goes
-    back as NaN, into q, k and v), and every other row is unchanged. A row with no allowed key holds zeros after :func:`guard`: never poisoned.
+    back as NaN, into q, k and v), and every other row is unchanged. A row with no allowed
+    key holds zeros after :func:`guard`: never poisoned.
 
     The flag of a row is its query and output times a zero vector (``[Tq, D] @ 0``: NaN
     exactly where the row holds a NaN or ±inf; no sum that could overflow), plus
