@@ -117,11 +117,12 @@ def test_chunk_lengths_are_validated_once_while_unchanged():
         append()
 
 
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("padded", [True, False])
-def test_a_transformers_decode_step_reads_once(padded):
+def test_a_transformers_decode_step_reads_once(padded, grad_mode):
     """The mask function runs once per forward pass and reads the padding's runs (and whether
     every key is real) in one read; every layer then calls attention with that mask, reading
-    nothing."""
+    nothing. Under inference mode too, where tensors have no version counter to key by."""
     transformers = pytest.importorskip("transformers")
     import attnkit.integrations.transformers as akhf
     akhf.register()
@@ -132,7 +133,7 @@ def test_a_transformers_decode_step_reads_once(padded):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnkit")
     ids = torch.randint(3, 100, (2, 6))
     mask = torch.tensor([[0 if padded else 1] * 2 + [1] * 4, [1] * 6])
-    with torch.no_grad():
+    with grad_mode():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
         for _ in range(2):  # a warm-up step, then the counted one
             mask = torch.cat([mask, mask.new_ones(2, 1)], 1)

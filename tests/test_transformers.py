@@ -245,6 +245,20 @@ def test_greedy_generate_left_padded_matches_eager(name, cache):
     assert torch.equal(tokens["attnkit"], tokens["eager"])
 
 
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-window"])
+def test_greedy_generate_under_inference_mode_matches_eager(name):
+    """Under ``torch.inference_mode`` the model's tensors have no version counter; the mask's
+    own tensors, made by the mask function, keep one, and the result is unchanged."""
+    models = _models(_decoder_configs()[name], impls=("eager", "attnkit"))
+    ids, mask = _batch("left", seq=10)
+    with torch.inference_mode():
+        tokens = {impl: m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12,
+                                   min_new_tokens=12, do_sample=False)
+                  for impl, m in models.items()}
+    assert tokens["eager"].shape == (BATCH, 22)
+    assert torch.equal(tokens["attnkit"], tokens["eager"])
+
+
 # ---- attention weights ----------------------------------------------------------------------
 def test_output_attentions_match_eager():
     models = _models(_decoder_configs()["mistral-window"], impls=("eager", "attnkit"))

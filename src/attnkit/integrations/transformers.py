@@ -311,6 +311,13 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
             raise ValueError(f"a prepared attnkit mask of shape {attention_mask.shape} was passed "
                              f"for an attention of shape {(batch_size, 1, q_length, kv_length)}")
         return attention_mask
+    if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+        # a tensor made under inference mode has no version counter, so every layer's call
+        # would key the mask's tensors by content (a host read each, a device sync on GPU);
+        # the tensors made here, from the model's, are the mask's own and get one
+        with torch.inference_mode(False):
+            return mask_forward(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                mask_function, attention_mask, use_vmap, device, **kwargs)
     if mask_function is None:
         mask_function = masking_utils.causal_mask_function
     q_offset, kv_offset = int(q_offset), int(kv_offset)
