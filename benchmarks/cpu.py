@@ -44,7 +44,9 @@ def main(argv=None) -> int:
     out_dir = options.out_dir()
     path = runner.write_results(results, out_dir)
     figures = plots.write_all(results, out_dir)
-    console.print(f"results: {path}; figures: {', '.join(figures)}")
+    console.print(f"results: {path}; figures: {', '.join(figures) or 'none'}")
+    for name, reason in plots.left_out(results).items():
+        console.print(f"not written: {name}: {reason}")
     partial = [flag for flag, given in (("--quick", args.quick), ("--workloads", args.workloads),
                                         ("--methods", args.methods), ("--no-memory", not args.memory))
                if given]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attnkit.bench import memory, plots, report, runner
-from attnkit.bench.workloads import Workload, quick_workloads, standard_workloads
+from attnkit.bench.workloads import Workload, quick_workloads, select, standard_workloads
 from attnkit.cli import main as cli_main
 
 N_SMALL = 100  # not a multiple of any block size or document length below
@@ -356,3 +356,39 @@ def test_source_revision_is_attnkits_checkout_not_an_enclosing_project(tmp_path,
         subprocess.run(["git", *command], cwd=project, check=True, capture_output=True)
     monkeypatch.setattr(runner, "__file__", str(package / "bench" / "runner.py"))
     assert runner.source_revision() is None
+
+
+FIGURE_NAMES = ("time_vs_n.png", "memory_vs_n.png", "speedups.png")
+
+
+def test_no_speedups_figure_without_its_baseline(tmp_path, capsys):
+    """Without sdpa_mask in --methods there is no speed-up to draw: no empty speedups.png, and
+    the output says why."""
+    code = cli_main(["bench", "--quick", "--workloads", "dense", "--methods", "tiled", "naive",
+                     "--no-memory", "--reps", "1", "--out", str(tmp_path)])
+    assert code == 0
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert (tmp_path / "cpu.json").is_file()
+    assert not any((tmp_path / name).exists() for name in FIGURE_NAMES)
+    assert "not written: speedups.png" in printed and "add sdpa_mask to --methods" in printed
+    assert plots.left_out({"results": [], "sweep": None}).keys() == set(FIGURE_NAMES)
+
+
+def test_a_run_removes_the_figures_of_an_earlier_run_it_does_not_write(tmp_path, capsys):
+    """--no-memory into a folder holding an earlier run's figures: the memory figures go (the
+    folder holds one run), the speed-ups are rewritten, files of other names stay."""
+    for name in (*FIGURE_NAMES, "notes.txt"):
+        (tmp_path / name).write_bytes(b"earlier run")
+    code = cli_main(["bench", "--quick", "--workloads", "dense", "--methods", "tiled", "sdpa_mask",
+                     "--no-memory", "--reps", "1", "--out", str(tmp_path)])
+    assert code == 0
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert not (tmp_path / "time_vs_n.png").exists() and not (tmp_path / "memory_vs_n.png").exists()
+    assert (tmp_path / "speedups.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "notes.txt").read_bytes() == b"earlier run"
+    assert "removed memory_vs_n.png from an earlier run" in printed
+
+
+def test_a_workload_named_twice_runs_once():
+    chosen = select(quick_workloads(), ["window", "dense", "window"])
+    assert [w.name for w in chosen] == ["window", "dense"]

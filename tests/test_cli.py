@@ -709,3 +709,28 @@ def test_a_device_this_machine_lacks_is_a_usage_error(device, words, capsys):
     assert cli.main(["check", "--invariance", "--quick", "--device", device]) == 2
     err = capsys.readouterr().err
     assert f"--device {device}: {words}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("option, text, value, index", [
+    ("--q", "[[1.5, true], [2, 0]]", "true", "[0][1]"),   # next to floats numpy reads 1.0
+    ("--k", "[[1, 0], [2, false]]", "false", "[1][1]"),   # next to integers
+    ("--v", "[[[0.5, 1]], [[true, 2.5]]]", "true", "[1][0][0]"),
+    ("--q", "true", "true", "top level"),
+])
+def test_explain_refuses_json_booleans_naming_the_element(monkeypatch, capsys, option, text,
+                                                          value, index):
+    """Q, K and V are numbers: a JSON true/false is refused wherever it stands, never read as 1."""
+    _refuse_to_work(monkeypatch)
+    assert cli.main(["explain", option, text]) == 2
+    assert_one_line_error(capsys, "explain", option, f"boolean {value} at", index,
+                          "where a number is needed", "1 and 0")
+
+
+@pytest.mark.parametrize("out", ["", " "])
+def test_bench_refuses_an_empty_out_folder(tmp_path, monkeypatch, capsys, out):
+    """An empty --out is a mistake, not a request for the default folder."""
+    monkeypatch.chdir(tmp_path)
+    _refuse_to_work(monkeypatch)
+    assert cli.main(["bench", "--quick", "--out", out]) == 2
+    assert_one_line_error(capsys, "bench", "--out", "empty", "folder path")
+    assert not any(tmp_path.iterdir())

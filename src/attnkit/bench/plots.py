@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 
-from .runner import sizes
+from .runner import PASSES, sizes
 
 METHOD_STYLE = {
     "tiled": ("attnkit tiled", "tab:blue", "o"),
@@ -176,12 +176,43 @@ def _minor_label(y: float, _position, suffix: str = "×") -> str:
     return f"{y:g}{suffix}" if min(abs(leading - 2), abs(leading - 5)) < 1e-6 else ""
 
 
+FIGURES = ("time_vs_n.png", "memory_vs_n.png", "speedups.png")
+"""The files :func:`write_all` writes, by name."""
+
+
+def left_out(results: dict, reference: str = "sdpa_mask") -> dict[str, str]:
+    """Figure name → why :func:`write_all` does not draw it for ``results`` (no line or bar to
+    draw); the figures not named here are drawn."""
+    reasons = {}
+    sweep = results.get("sweep") or []
+    for name, value in (("time_vs_n.png", "median_s"), ("memory_vs_n.png", "extra_peak_mib")):
+        if not any(r.get(value) is not None and r[value] > 0 for r in sweep):
+            reasons[name] = ("no measurement against N in this run, as asked by --no-memory"
+                             if not sweep else "no method measured against N")
+    records = results.get("results") or []
+    if not any(speedup_bars([r for r in records if r["pass"] == p], reference) for p in PASSES):
+        label = METHOD_STYLE[reference][0]
+        reasons["speedups.png"] = (
+            f"no speed-up over {label} to draw" if any(r["method"] == reference for r in records)
+            else f"the speed-ups are over {label}, not timed in this run (add {reference} to "
+                 f"--methods)")
+    return reasons
+
+
 def write_all(results: dict, out_dir: str) -> list[str]:
-    """Every figure the results allow, written into ``out_dir``; returns their paths."""
+    """Every figure the results allow (see :func:`left_out`), written into ``out_dir``; any
+    other file of :data:`FIGURES` already there is removed, so that the folder holds the
+    figures of one run only. Returns the paths written."""
+    skipped = left_out(results)
+    for name in skipped:
+        path = os.path.join(out_dir, name)
+        if os.path.isfile(path):
+            os.remove(path)
     paths = []
-    if results.get("sweep"):
+    if "time_vs_n.png" not in skipped:
         paths.append(time_vs_n(results["sweep"], os.path.join(out_dir, "time_vs_n.png")))
+    if "memory_vs_n.png" not in skipped:
         paths.append(memory_vs_n(results["sweep"], os.path.join(out_dir, "memory_vs_n.png")))
-    if results.get("results"):
+    if "speedups.png" not in skipped:
         paths.append(speedups(results["results"], os.path.join(out_dir, "speedups.png")))
     return paths

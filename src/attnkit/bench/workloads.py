@@ -199,15 +199,15 @@ def quick_workloads() -> list[Workload]:
 
 
 def select(workloads: list[Workload], names: Optional[list[str]]) -> list[Workload]:
-    """The workloads whose name is in ``names`` (all when ``names`` is empty/None); raises
-    ``ValueError`` naming the choices for an unknown name."""
+    """The workloads whose name is in ``names``, in that order, each once (all when ``names``
+    is empty/None); raises ``ValueError`` naming the choices for an unknown name."""
     if not names:
         return list(workloads)
     known = {w.name: w for w in workloads}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown workload(s) {unknown}: choose from {list(known)}")
-    return [known[n] for n in names]
+    return [known[n] for n in dict.fromkeys(names)]  # a name given twice runs once
 
 
 def packed_ids(length: int, low: int, high: int, median: float, sigma: float,

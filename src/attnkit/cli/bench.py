@@ -13,10 +13,6 @@ from ._common import UsageError, check_output
 
 HELP = "benchmark attnkit vs torch SDPA, FlexAttention and naive attention (time, memory)"
 
-OUTPUT_FILES = ("cpu.json", "time_vs_n.png", "memory_vs_n.png", "speedups.png")
-"""The files ``bench`` writes into its ``--out`` folder."""
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, 1-2 rounds, no Flex compile unless --flex (a smoke test)")
@@ -46,13 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from(args: argparse.Namespace, command: str = ""):
     """The :class:`attnkit.bench.Options` of parsed arguments; raises :class:`UsageError` for
     bad counts, unknown workloads or methods, and an ``--out`` folder it cannot write in."""
-    from ..bench import Options, runner
+    from ..bench import Options, plots, runner
     from ..bench.workloads import select
 
     for name in ("reps", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name} {value}: give at least 1")
+    if args.out is not None and not args.out.strip():
+        raise UsageError(f"--out {args.out!r}: empty; give a folder path such as results/ (it "
+                         f"is created if missing), or leave --out out for the default")
     cores = os.cpu_count() or 1
     if args.threads is not None and args.threads > cores:
         raise UsageError(f"--threads {args.threads}: this machine has {cores} cores; give at "
@@ -70,11 +69,13 @@ def options_from(args: argparse.Namespace, command: str = ""):
     except ValueError as error:
         message = str(error)
         raise UsageError(message if message.startswith("--") else f"--methods: {message}") from None
-    check_output("--out", options.out_dir(), *OUTPUT_FILES)
+    check_output("--out", options.out_dir(), "cpu.json", *plots.FIGURES)
     return options
 
 
 def run(args: argparse.Namespace, console) -> int:
+    from rich.markup import escape
+
     from ..bench import plots, runner
 
     command = "attnkit " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == [
@@ -84,8 +85,13 @@ def run(args: argparse.Namespace, console) -> int:
     runner.print_report(results, console)
     out_dir = options.out_dir()
     path = runner.write_results(results, out_dir)
-    figures = plots.write_all(results, out_dir)
-    console.print(f"results: {path}; figures: {', '.join(figures) or 'none'}")
+    left_out = plots.left_out(results)
+    stale = [name for name in left_out if os.path.isfile(os.path.join(out_dir, name))]
+    figures = plots.write_all(results, out_dir)  # removes the stale ones
+    console.print(escape(f"results: {path}; figures: {', '.join(figures) or 'none'}"))
+    for name, reason in left_out.items():
+        removed = f"; removed {name} from an earlier run in {out_dir}" if name in stale else ""
+        console.print(escape(f"not written: {name}: {reason}{removed}"))
     mismatched = [f"{r['workload']}/{r['pass']}/{r['method']}" for r in results["results"]
                   if r["status"] == "mismatch"]
     if mismatched:

@@ -61,7 +61,8 @@ def parse_matrix(text: str) -> torch.Tensor:
     """A JSON nested list or the path of a ``.npy`` file → a float64 tensor.
 
     Raises ``ValueError`` for text that is neither, and for arrays that are empty or hold
-    anything but real integers or floats (complex, booleans, strings, objects, dates).
+    anything but real integers or floats (complex, booleans, strings, objects, dates); a JSON
+    ``true``/``false`` is refused wherever it stands, naming its index.
     """
     path = Path(text)
     from_file = text.endswith(".npy") or path.is_file()
@@ -85,10 +86,12 @@ def parse_matrix(text: str) -> torch.Tensor:
         except (json.JSONDecodeError, ValueError, TypeError) as error:
             raise ValueError(f"cannot read {text!r} as a JSON matrix (e.g. '[[1,0],[2,0]]') "
                              f"or a .npy file: {error}") from None
-        if array.dtype.kind in "iu" and any(isinstance(x, bool) for x in
-                                            np.asarray(data, dtype=object).flat):
-            raise ValueError(f"{text!r} holds JSON true/false, which are not numbers; "
-                             f"write 1 and 0")
+        where = _first_boolean(data)
+        if where is not None:  # numpy reads true as 1.0 next to floats: refuse it everywhere
+            index, value = where
+            raise ValueError(f"{text!r} holds the JSON boolean {json.dumps(value)} at "
+                             f"{index or 'its top level'}, where a number is needed (queries, "
+                             f"keys and values are numbers); write 1 and 0 for true/false")
     kind = array.dtype.kind
     if kind == "c":
         raise ValueError(f"{text!r} holds complex numbers ({array.dtype}), and attention is "
@@ -105,6 +108,19 @@ def parse_matrix(text: str) -> torch.Tensor:
         raise ValueError(f"{text!r} is a single number (shape ()); pass a matrix such as "
                          f"'[[1,0],[2,0]]'")
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float64))
+
+
+def _first_boolean(data, index: str = "") -> Optional[tuple[str, bool]]:
+    """``(index, value)`` of the first JSON ``true``/``false`` in the nested lists ``data``,
+    with its index written like ``[0][1]``; ``None`` when it holds none."""
+    if isinstance(data, bool):
+        return index, data
+    if isinstance(data, list):
+        for i, item in enumerate(data):
+            found = _first_boolean(item, f"{index}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def build_inputs(q=None, k=None, v=None, *, causal_mask: Optional[bool] = None,
