@@ -84,6 +84,19 @@ def rowwise_linears(model: "torch.nn.Module"):
     from torch import nn
 
     layers = [m for m in model.modules() if isinstance(m, nn.Linear) or _conv1d(m)]
+    with _held_rowwise(layers):
+        yield model
+
+
+@contextlib.contextmanager
+def _held_rowwise(layers: Sequence["torch.nn.Module"]):
+    """Inside the ``with`` block, on this thread, each module of ``layers`` computes its rows
+    in products of a fixed number of rows (:func:`attnkit.nn._rowwise`): the forward of
+    :func:`rowwise_linears`, for any module taking one tensor ``[..., in]``. The module is
+    called as usual, so its forward hooks and pre-hooks see the whole input; its product
+    runs per chunk of rows: from the weight for a plain ``nn.Linear`` or ``Conv1D``, else
+    a forward set on the instance (a hook's, such as accelerate's) or the class's own
+    forward (a subclass's, a wrapper's) on each chunk."""
     here = _ROWWISE_HERE.__dict__.setdefault("layers", {})  # this thread's blocks per layer
     with _ROWWISE_LOCK:
         for layer in layers:
@@ -95,7 +108,7 @@ def rowwise_linears(model: "torch.nn.Module"):
     for layer in layers:
         here[id(layer)] = here.get(id(layer), 0) + 1
     try:
-        yield model
+        yield
     finally:
         for layer in layers:
             here[id(layer)] -= 1
@@ -117,7 +130,7 @@ def rowwise_linears(model: "torch.nn.Module"):
 
 _ROWWISE_LOCK = threading.Lock()
 _ROWWISE_USERS: dict = {}
-"""``id(layer)`` → the :func:`rowwise_linears` blocks, on any thread, that hold the layer (its
+"""``id(layer)`` → the :func:`_held_rowwise` blocks, on any thread, that hold the layer (its
 patched ``forward`` goes when the last one ends)."""
 _ROWWISE_SAVED: dict = {}
 """``id(layer)`` → the forward set on the layer instance before the first block (``None``)."""
@@ -126,13 +139,13 @@ _ROWWISE_HERE = threading.local()
 
 
 def _ours(forward) -> bool:
-    """Whether ``forward`` is the one :func:`rowwise_linears` sets."""
+    """Whether ``forward`` is the one :func:`_held_rowwise` sets."""
     return isinstance(forward, functools.partial) and forward.func is _linear_forward
 
 
 def _instance_forward(layer: "torch.nn.Module"):
     """The forward set on ``layer`` itself, or ``None``: also where it is one
-    :func:`rowwise_linears` set (a copy made inside a block carries it)."""
+    :func:`_held_rowwise` set (a copy made inside a block carries it)."""
     forward = layer.__dict__.get("forward")
     if _ours(forward):
         del layer.forward
@@ -141,8 +154,8 @@ def _instance_forward(layer: "torch.nn.Module"):
 
 
 def _linear_forward(layer: "torch.nn.Module", input: torch.Tensor) -> torch.Tensor:
-    """A linear layer's forward while a :func:`rowwise_linears` block holds it: row-wise on a
-    thread inside such a block, the layer's own forward on any other (a forward set on the
+    """A layer's forward while a :func:`_held_rowwise` block holds it: row-wise on a thread
+    inside such a block, the layer's own forward on any other (a forward set on the
     instance, such as a hook's, first)."""
     from .nn import _rowwise
 

@@ -37,8 +37,7 @@ from .finite import zero_outside
 from .inputs import LazyText, refuse_jit_trace
 from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, keys_below, padding,
                     readable, real_keys, sliding_window, vouched_padding, wrapped_eagerly)
-from .numerics import (accum_dtype, additive_mask, grouped, masked_softmax, pad_rows,
-                       ungrouped)
+from .numerics import accum_dtype, additive_mask, grouped, masked_softmax, ungrouped
 from .modifiers import split
 from .paged import PagedKVCache
 
@@ -666,6 +665,9 @@ def _refuse_with_parallel(parallel, *, cache, lengths, need_weights: bool) -> No
 ROWWISE_ROWS = 16
 """Rows per matrix product of :func:`_rowwise`."""
 
+ROWWISE_ALIGN = 64
+"""Bytes every row of a :func:`_rowwise` product starts at a multiple of."""
+
 
 def _check_dtypes(module: nn.Module, inputs) -> None:
     """Raise unless every ``(name, tensor)`` of ``inputs`` has the dtype of ``module``'s
@@ -691,21 +693,32 @@ def _rowwise(layer: nn.Module, x: torch.Tensor, product=None) -> torch.Tensor:
     (the last padded with copies of its last row), so that each row is computed the same
     way whatever the number of rows: BLAS takes another path for a few rows (a decoding
     step), and for wide layers blocks its reduction, or splits it over threads, by the row
-    count. The projections of ``MultiHeadAttention`` under the invariance contract.
-    ``layer``: an ``nn.Linear``, or transformers' ``Conv1D`` (weight ``[in, out]``), its
-    product taken from its weight; or ``product``, a function of each chunk of rows
-    ``[ROWWISE_ROWS, in]`` (the module itself, its hooks and wrapped layers then seeing
-    those chunks)."""
+    count. Each row starts at a multiple of :data:`ROWWISE_ALIGN` bytes (the rows are copied
+    into a buffer whose row stride is widened to one): BLAS rounds a row by its address's
+    alignment (MKL on AVX2: float64 rows of an odd width, float32 ones of a width not a
+    multiple of 4, give other bits at every other place in a product). The projections of
+    ``MultiHeadAttention`` under the invariance contract. ``layer``: an ``nn.Linear``, or
+    transformers' ``Conv1D`` (weight ``[in, out]``), its product taken from its weight; or
+    ``product``, a function of each chunk of rows ``[ROWWISE_ROWS, in]`` (row stride a
+    multiple of :data:`ROWWISE_ALIGN` bytes, not ``in``), such as the layer's own forward."""
     flat = x.reshape(-1, x.shape[-1])
-    rows = flat.shape[0]
+    rows, width = flat.shape
     if product is None:
         weight = layer.weight if isinstance(layer, nn.Linear) else layer.weight.t()
 
         def product(chunk: torch.Tensor) -> torch.Tensor:
             return F.linear(chunk, weight, layer.bias)
-    parts = [product(chunk) for chunk in pad_rows(flat, ROWWISE_ROWS).split(ROWWISE_ROWS)]
-    out = torch.cat(parts) if parts else product(flat)
-    return out[:rows].reshape(*x.shape[:-1], -1)
+    if not rows:
+        out = product(flat)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    step = max(1, ROWWISE_ALIGN // flat.element_size())
+    wide = -(-width // step) * step
+    # torch.cat allocates (aligned), never aliases x; F.pad widens the row stride
+    padded = torch.cat([flat, flat[-1:].expand(-rows % ROWWISE_ROWS, width)])
+    if wide != width:
+        padded = F.pad(padded, (0, wide - width))[:, :width]
+    out = torch.cat([product(chunk) for chunk in padded.split(ROWWISE_ROWS)])
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
 _TORCH_MHA_KEYWORDS = {
@@ -736,9 +749,12 @@ def _weight_dtype(layer: nn.Module) -> Optional[torch.dtype]:
 
 
 def _projected(layer: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tensor:
-    """``layer(x)``, row-wise under the invariance contract (:func:`_rowwise`): from the
-    weight for a plain ``nn.Linear``, else by calling ``layer`` on each chunk of rows, so a
-    wrapper (LoRA), a hook or a reparametrisation in a pre-hook still runs."""
+    """``layer(x)``, row-wise under the invariance contract (:func:`_rowwise`, through
+    :func:`attnkit.invariance._held_rowwise` for this call): the layer is called as usual, so
+    its forward hooks and pre-hooks see the whole ``x``; its product runs per chunk of rows,
+    from the weight for a plain ``nn.Linear``, else by a forward set on the instance
+    (accelerate's device hooks) or the layer's own forward (a wrapper such as LoRA, whose
+    inner layers' hooks then see the chunks)."""
     if not invariant:
         return layer(x)
     if type(layer).__module__.startswith("torch.ao.nn.quantized"):
@@ -746,10 +762,8 @@ def _projected(layer: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tens
                          f"quantized projection scales its activations by the rows of each "
                          f"call, so a row's result depends on the others; run it without "
                          f"invariant, or with float projections")
-    plain = (type(layer).forward is nn.Linear.forward and not layer._forward_hooks
-             and not layer._forward_pre_hooks and not nn.modules.module._global_forward_hooks
-             and not nn.modules.module._global_forward_pre_hooks)
-    return _rowwise(layer, x, None if plain else layer)
+    with invariance._held_rowwise((layer,)):
+        return layer(x)
 
 
 class MultiHeadAttention(nn.Module):
@@ -774,7 +788,10 @@ class MultiHeadAttention(nn.Module):
             whether it was prefilled at once, in chunks or decoded token by token (a
             ``KVCache`` without a window); ``None`` follows ``attnkit.invariant()``. Under
             the contract a ``KVCache`` without a window grows its buffers in whole key splits
-            (512 positions), which its decoding steps read in place.
+            (512 positions), which its decoding steps read in place, and the projections
+            compute their rows in products of 16 rows each: hooks registered on a projection
+            see the call's whole input, while a forward set on its instance (accelerate's
+            device hooks) or a wrapper's forward (LoRA) runs once per 16 rows.
         sequence_parallel: a :class:`attnkit.distributed.parallel.SequenceParallel`: every
             call attends across the ranks of its group (``ring_attention`` or
             ``ulysses_attention``); see :meth:`forward`. ``None``: one process. Stored as the
