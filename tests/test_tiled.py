@@ -804,3 +804,24 @@ def test_pieces_of_packed_documents(kind, dtype, gen):
     if kind == "cross":  # document 2's queries have no key
         assert any(k0 == k1 for p in pieces for _, _, k0, k1 in p)
     _assert_like_truth(result, q, k, v, allowed, bias, 0.3, dtype)
+
+
+@pytest.mark.parametrize("mask", [ak.causal(), ak.sliding_window(2),
+                                  ak.padding(kv_lengths=torch.tensor([5, 7]))])
+def test_overlapping_keys_and_values_get_their_gradients(mask, gen):
+    """K and V whose rows overlap in memory (as ``unfold`` or ``as_strided`` make them): an
+    elementwise op on them (the zeroing of keys no query sees) returns a tensor whose last dim
+    is strided, which torch's fused CPU backward reads as if it were not."""
+    base = torch.randn(300, generator=gen)
+    q = torch.randn(2, 4, 6, 8, generator=gen).requires_grad_()
+    k = base.as_strided((2, 4, 7, 8), (3, 5, 1, 1)).detach().requires_grad_()
+    v = base.as_strided((2, 4, 7, 8), (7, 11, 2, 1)).detach().requires_grad_()
+    weight = torch.randn(2, 4, 6, 8, generator=gen)
+    out = ak.attention(q, k, v, mask=mask, backend="tiled")
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    truth = ak.attention(*leaves, mask=mask, backend="reference")
+    expected = torch.autograd.grad((truth * weight.double()).sum(), leaves)
+    torch.testing.assert_close(out.double(), truth, rtol=0, atol=1e-5)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
