@@ -484,3 +484,96 @@ def test_a_validated_call_derives_once_and_shares_only_what_its_mask_keys(valida
     alone = validated(vouched_padding(None, lengths))
     hit = validated(vouched_padding(None, lengths.clone()))
     assert len(validations) == 2 and isinstance(alone.derived, dict) and hit.derived is None
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.parametrize("name", ["q", "k", "v", "mask", "bool mask", "ids", "slopes"])
+def test_sparse_tensors_are_refused_naming_the_argument_and_the_fix(name, layout):
+    """A sparse tensor as q, k, v or in the mask is refused by validation, with its name, its
+    layout and `.to_dense()` (not torch's error about strides or a missing sparse kernel)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 8, generator=gen), torch.randn(2, 6, 8, generator=gen),
+               torch.randn(2, 6, 8, generator=gen))
+
+    def sparse(t):
+        return t.to_sparse() if layout == "coo" else t.to_sparse_csr()
+
+    tensors, mask, words = dict(q=q, k=k, v=v), None, [name]
+    if name in tensors:
+        tensors[name] = sparse(tensors[name])
+    elif name in ("mask", "bool mask"):
+        bias = torch.randn(5, 6, generator=gen)
+        mask, words = sparse(bias if name == "mask" else bias > 0), ["mask"]
+    elif name == "ids":
+        ids = torch.tensor([[0, 0, 1, 1, 1, 1]]).expand(2, 6)
+        tensors = dict(q=k, k=k, v=v)
+        mask, words = ak.documents(sparse(ids)), ["documents mask's q_ids"]
+    else:  # ALiBi slopes (a CSR tensor has 2 dims at least)
+        slopes = torch.tensor([0.5, 0.25])
+        mask = ak.alibi(slopes.to_sparse() if layout == "coo" else slopes[None].to_sparse_csr())
+        words = ["alibi mask's slopes"]
+    raises(TypeError, lambda: ak.attention(tensors["q"], tensors["k"], tensors["v"], mask=mask),
+           *words, f"sparse_{layout}", ".to_dense()")
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "tiled", "triton"])
+def test_negative_views_attend_as_the_values_they_read_as(backend, monkeypatch):
+    """``torch._neg_view(t)`` reads as ``-t`` with ``t``'s memory: q, k, v, a bias and ALiBi
+    slopes given as such views give what ``-t`` materialised gives (float64 reference), on
+    every backend, with a padding mask too (whose rows without keys zero by bits)."""
+    from conftest import import_triton_interpreted, interpreted_triton_launch
+
+    if backend == "triton":
+        import_triton_interpreted()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        interpreted_triton_launch()  # skips where triton runs compiled
+    gen = torch.Generator().manual_seed(0)
+    tensors = dict(q=torch.randn(2, 2, 5, 8, generator=gen),
+                   k=torch.randn(2, 2, 6, 8, generator=gen),
+                   v=torch.randn(2, 2, 6, 8, generator=gen),
+                   bias=torch.randn(5, 6, generator=gen), slopes=torch.tensor([0.5, -0.25]))
+    lengths = torch.tensor([0, 4])  # the first sequence has no key
+
+    def call(t, backend):
+        mask = ak.padding(kv_lengths=lengths) & ak.bias(t["bias"]) & ak.alibi(t["slopes"])
+        return ak.attention(t["q"], t["k"], t["v"], mask=mask, backend=backend)
+
+    for name in tensors:
+        given = dict(tensors, **{name: torch._neg_view(tensors[name])})
+        assert given[name].is_neg()
+        truth = call({n: (-t if n == name else t).double() for n, t in tensors.items()},
+                     "reference")
+        torch.testing.assert_close(call(given, backend).double(), truth, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{name} as a negative view: {m}")
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_quantized_inputs_say_dequantize():
+    """A quantized tensor has no ``.float()``: the error says ``.dequantize()``."""
+    if not hasattr(torch, "quantize_per_tensor"):
+        pytest.skip("this torch has no quantized tensors")
+    q, k, v = qkv()
+    quantized = torch.quantize_per_tensor(q, 0.1, 0, torch.qint8)
+    message = raises(TypeError, lambda: ak.attention(quantized, k, v), "qint8", "q.dequantize()")
+    assert ".float()" not in message
+
+
+def test_mask_tensor_device_and_bias_dtype_errors_name_the_shapes():
+    """A mask tensor on another device and a bias of a narrower dtype than q are named by
+    their shapes, with the fix."""
+    q, k, v = qkv()
+    raises(ValueError, lambda: ak.attention(q, k, v, mask=torch.zeros(5, 6, device="meta")),
+           "(5, 6)", "meta", "cpu", ".to(q.device)")
+    q, k, v = qkv(dtype=torch.float32)
+    raises(TypeError, lambda: ak.attention(q, k, v, mask=torch.zeros(1, 5, 6, dtype=torch.float16)),
+           "(1, 5, 6)", "float16", "float32", ".to(q.dtype)")
+
+
+@pytest.mark.parametrize("name", ["kv_lengths", "q_starts", "kv_mask"])
+def test_sparse_padding_tensors_are_refused_where_the_mask_is_built(name):
+    """padding reads its lengths and 2-D masks when built: a sparse one is refused there, by
+    name, with `.to_dense()` (not torch's error about a missing sparse kernel)."""
+    dense = torch.ones(2, 6, dtype=torch.bool) if name == "kv_mask" else torch.tensor([3, 6])
+    raises(TypeError, lambda: ak.padding(**{name: dense.to_sparse()}), name, "sparse_coo",
+           ".to_dense()")

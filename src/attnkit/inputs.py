@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from .masks import (DENSE_MAX_SCORES, Band, Mask, MaskSpace, _is_wrapped, as_mask,
-                    every_row_has_key, keeping, learnable, mask_tensors, validation_key)
+                    every_row_has_key, keeping, learnable, mask_fields, mask_tensors,
+                    validation_key)
 from .modifiers import Modifiers, split
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -148,6 +149,34 @@ def _describe(**tensors) -> str:
                      if isinstance(t, torch.Tensor))
 
 
+def _refuse_sparse(name: str, t: torch.Tensor, fix: Optional[str] = None) -> None:
+    """``TypeError`` for a tensor without strided memory (sparse COO, CSR, CSC, BSR, BSC;
+    mkldnn): every backend reads its tensors through their strides. ``fix``: what to do
+    (default: pass ``{name}.to_dense()``)."""
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name} is a {t.layout} tensor of shape {tuple(t.shape)}: attention "
+                        f"takes dense (strided) tensors; {fix or f'pass {name}.to_dense()'}")
+
+
+def _refuse_sparse_mask(mask) -> None:
+    """:func:`_refuse_sparse` for the ``mask`` argument: a tensor, or each tensor an attnkit
+    mask holds (named by its mask and field, e.g. ``the documents mask's q_ids``)."""
+    if isinstance(mask, torch.Tensor):
+        _refuse_sparse("mask", mask)
+    if not isinstance(mask, Mask) or all(t.layout is torch.strided
+                                         for t in mask_tensors(mask) or ()):
+        return
+    for leaf in mask.leaves():
+        for field, value in mask_fields(leaf).items():
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    _refuse_sparse(f"the {type(leaf).__name__.lstrip('_').lower()} mask's "
+                                  f"{field}", t, f"build the mask from {field}.to_dense()")
+    _refuse_sparse("a tensor of the mask", next(t for t in mask_tensors(mask)
+                                                 if t.layout is not torch.strided),
+                  "build the mask from dense tensors (.to_dense())")
+
+
 class LazyText:
     """A string computed on first formatting (error messages only)."""
 
@@ -257,11 +286,13 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
                             f"q.to_local(), k.to_local(), v.to_local() and wrap the result with "
                             f"DTensor.from_local(out, q.device_mesh, q.placements); for a "
                             f"sharded sequence, see attnkit.distributed")
+        _refuse_sparse(name, t)
     where = LazyText(lambda: _describe(**tensors))  # built only when a message needs it
     for name, t in tensors.items():
         if t.dtype not in FLOAT_DTYPES:
+            fix = f"convert with {name}.{'dequantize' if t.is_quantized else 'float'}()"
             raise TypeError(f"{name} has dtype {t.dtype}; attention needs floating point "
-                            f"(float64/float32/float16/bfloat16): convert with {name}.float(). Got {where}")
+                            f"(float64/float32/float16/bfloat16): {fix}. Got {where}")
         if t.dim() < 2:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; attention needs at least 2 dims "
                              f"[T, D] (use {name}[None] for a single vector). Got {where}")
@@ -327,7 +358,10 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
+    _refuse_sparse_mask(mask)
     mask, modifiers = split(as_mask(mask))
+    if modifiers is not None:
+        modifiers = _resolved_neg(modifiers)
     # sinks join the finished result through its LSE (modifiers.Sinks.join): the call needs one
     need_lse = need_lse or (modifiers is not None and modifiers.sinks is not None)
     inputs = Inputs(q=q4, k=k4, v=v4, mask=mask, scale=float(scale), dropout_p=float(dropout_p),
@@ -465,9 +499,10 @@ class CallCache:
         """``(key, keep, by_shape)``: the call's key (``None``: not cached), the tensors an
         entry must hold, and whether the mask is keyed by shape (:func:`validation_key`)."""
         keep: list = []
-        tensor = torch.Tensor
+        tensor, strided = torch.Tensor, torch.strided
         if (type(q) is not tensor or type(k) is not tensor or type(v) is not tensor
                 or q.is_nested or k.is_nested or v.is_nested
+                or q.layout is not strided or k.layout is not strided or v.layout is not strided
                 or _is_wrapped(q) or _is_wrapped(k) or _is_wrapped(v)
                 or min(q.dim(), k.dim(), v.dim()) < 2):  # validation says what is wrong
             return None, keep, False
@@ -523,7 +558,11 @@ def _storage_bytes(tensors) -> int:
 
 
 def _bhtd(t: torch.Tensor, rank: int, batch_shape: tuple) -> torch.Tensor:
-    """A caller's tensor as ``[B, H, T, D]``, as :func:`validate` lays it out."""
+    """A caller's tensor as ``[B, H, T, D]``, as :func:`validate` lays it out. A negative
+    view (``torch._neg_view``: memory holding ``-t``) is materialised, since kernels that
+    read memory through a pointer (triton) or reinterpret its bits would miss the sign."""
+    if t.is_neg():
+        t = t.resolve_neg()
     if rank == 2:
         t = t[None, None]
     elif rank == 3:
@@ -533,15 +572,28 @@ def _bhtd(t: torch.Tensor, rank: int, batch_shape: tuple) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+def _resolved_neg(modifiers: Modifiers) -> Modifiers:
+    """``modifiers`` with the ALiBi slopes, relative-bias tables and sink logits that are
+    negative views materialised, as :func:`_bhtd` does for q, k and v (the tensors score
+    functions read stay as given: their function reads them through torch)."""
+    parts = (*modifiers.alibi, *modifiers.relative,
+             *(() if modifiers.sinks is None else (modifiers.sinks,)))
+    swap = {id(t): t.resolve_neg() for part in parts for t in part.tensors() if t.is_neg()}
+    return modifiers._swapped(swap) if swap else modifiers
+
+
 def _fit_mask(mask: Mask, inputs: Inputs) -> Mask:
     """Tensor masks follow the caller's layout; map them to [B, H, Tq, Tk] once, here."""
 
     def fit(t: torch.Tensor, is_bias: bool) -> torch.Tensor:
+        what = f"{'bias' if is_bias else 'mask'} of shape {tuple(t.shape)}"
         if t.device != inputs.q.device:
-            raise ValueError(f"mask is on {t.device} but q is on {inputs.q.device}: move it with .to()")
+            raise ValueError(f"{what} is on {t.device} but q {tuple(inputs.q.shape)} is on "
+                             f"{inputs.q.device}: move it with .to(q.device)")
         if is_bias and t.dtype != inputs.q.dtype and t.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"bias has dtype {t.dtype} but q has {inputs.q.dtype}: cast the bias")
-        t4 = _to_4d(t, inputs)
+            raise TypeError(f"{what} has dtype {t.dtype} but q has {inputs.q.dtype}: cast it "
+                            f"with .to(q.dtype)")
+        t4 = _to_4d(t.resolve_neg() if t.is_neg() else t, inputs)  # as _bhtd does
         if is_bias and inputs.q.dtype == torch.float64:
             t4 = t4.to(torch.float64)  # biases of float64 inputs add (and sum) in float64
         return t4

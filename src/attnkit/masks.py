@@ -947,6 +947,12 @@ class _Padding(Mask):
                                 f"not both ({side}_mask already gives each row's start and length)")
         if not isinstance(allow_empty_rows, bool):
             raise TypeError(f"padding allow_empty_rows={allow_empty_rows!r}: pass True or False")
+        for name, value in (("q_lengths", q_lengths), ("kv_lengths", kv_lengths),
+                            ("q_starts", q_starts), ("kv_starts", kv_starts),
+                            ("q_mask", q_mask), ("kv_mask", kv_mask)):
+            if isinstance(value, torch.Tensor) and value.layout is not torch.strided:
+                raise TypeError(f"padding {name} is a {value.layout} tensor of shape "
+                                f"{tuple(value.shape)}: pass a dense one ({name}.to_dense())")
         self.q_lengths = _lengths("q_lengths", q_lengths)
         self.kv_lengths = _lengths("kv_lengths", kv_lengths)
         self.q_starts = _lengths("q_starts", q_starts)
@@ -2397,9 +2403,10 @@ def tensor_key(t: torch.Tensor, keep: list) -> Optional[tuple]:
 
     Inference tensors (made under ``torch.inference_mode``) have no version counter: their
     content is read instead (bytes up to 256, else a blake2b digest), up to
-    :data:`KEY_BYTES`. ``None``: a larger inference tensor, a ``torch.func`` wrapper, a meta
+    :data:`KEY_BYTES`. ``None``: a larger inference tensor, a sparse tensor, a ``torch.func`` wrapper, a meta
     or fake tensor (no storage to identify), a tensor subclass."""
     if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta"
+            or t.layout is not torch.strided  # sparse: validation refuses it
             or torch._C._functorch.is_functorch_wrapped_tensor(t)):
         return None
     unkeyed = getattr(_UNKEYED, "on", False)
