@@ -442,3 +442,24 @@ def test_a_nan_key_alone_past_a_block_boundary_reaches_the_row(case):
     assert torch.equal(got.out.isnan(), want.isnan()) and got.out[0, :2].isnan().all()
     assert got.lse[0, :2].isnan().all()
     torch.testing.assert_close(got.out[1], want[1].float())
+
+
+@pytest.mark.parametrize("backend", ["torch", "tiled", "auto"])
+@pytest.mark.parametrize("mask", [ak.causal(), ak.sliding_window(2),
+                                  ak.padding(kv_lengths=torch.tensor([5, 7]))])
+def test_overlapping_keys_and_values_with_the_lse(backend, mask):
+    """K and V whose rows overlap in memory (``unfold``, ``as_strided``; a zero stride over
+    the batch): zeroing the keys no query sees returns tensors whose last dim is strided,
+    which torch's fused kernel (the LSE's path) must not get as they are."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(400, generator=gen)
+    q = torch.randn(2, 4, 6, 8, generator=gen)
+    for k_strides, v_strides in (((3, 5, 1, 1), (7, 11, 2, 1)), ((0, 9, 1, 1), (1, 2, 1, 1))):
+        k = base.as_strided((2, 4, 7, 8), k_strides)
+        v = base[50:].as_strided((2, 4, 7, 8), v_strides)
+        with torch.no_grad():
+            got = ak.attention(q, k, v, mask=mask, backend=backend, return_lse=True)
+        truth = ak.attention(q.double(), k.double(), v.double(), mask=mask,
+                             backend="reference", return_lse=True)
+        torch.testing.assert_close(got.out.double(), truth.out, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got.lse.double(), truth.lse, rtol=0, atol=1e-5)

@@ -139,6 +139,14 @@ def merge_alike_into(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tens
     lse_a.copy_(torch.where(total == 0, float("-inf"), top + torch.log(total)))
 
 
+def unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` with unit-stride rows, copied only where its last dim is strided: torch's
+    fused CPU kernel, forward and backward, reads q, K and V rows as if unit-stride, and an
+    elementwise op on overlapping memory (K from ``unfold`` or ``as_strided``, zeroed where no
+    query sees it) returns a tensor whose last dim is not."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     """``x [..., n, D]`` with copies of its last row appended up to a multiple of ``multiple``
     rows (itself when ``n`` is one already, or 0): a product then computes each row as in

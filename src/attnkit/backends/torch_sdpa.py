@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..finite import checks_keys
 from ..inputs import Inputs, derived
 from ..masks import CAUSAL, DENSE_MAX_SCORES, Padding
-from ..numerics import accum_dtype, additive_mask, grouped, ungrouped
+from ..numerics import accum_dtype, additive_mask, grouped, ungrouped, unit_rows
 from .base import Backend, BackendOutput, bias_range_reasons
 
 
@@ -120,7 +120,8 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             additive = grouped(additive, k.shape[1])
     if fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=additive, scale=scale)
+            unit_rows(q), unit_rows(k), unit_rows(v), 0.0, is_causal, attn_mask=additive,
+            scale=scale)
         lse = lse.to(accum_dtype(q.dtype))
     else:
         # (a branch, not the comparison itself: under dynamic shapes that is a SymBool, which

@@ -13,7 +13,8 @@ import torch
 
 from ...masks import KeyRanges, keeping, key_ranges
 from ...modifiers import Modifiers
-from ...numerics import accum_dtype, additive_mask, merge_alike_into, merge_into, pad_rows
+from ...numerics import (accum_dtype, additive_mask, merge_alike_into, merge_into, pad_rows,
+                         unit_rows)
 from ..torch_sdpa import is_plain_causal
 from .plan import (FIXED_BLOCK_K, FLUSH_BELOW, FUSED_MIN_KEYS, LOG2E, TILE_ELEMENTS, Problem,
                    Segment, TiledOptions, row_quantum)
@@ -323,13 +324,6 @@ def _schedule(problem: Problem, tq: int, heads_q: int, heads_kv: int, fused: boo
                                       group_size, member)
 
 
-def _unit_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., D]`` with unit-stride rows, copied only where its last dim is strided: torch's
-    fused CPU kernel, forward and backward, reads rows as if unit-stride (an elementwise op on
-    overlapping K, such as K from ``unfold``, returns one whose last dim is not)."""
-    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
-
-
 def _empty_like_rows(q: torch.Tensor, dv: int) -> torch.Tensor:
     """An empty ``[B, Hq, Tq, Dv]`` output in q's dtype whose leading dims lie in memory in
     q's order: contiguous for a contiguous q, ``[B, Tq, Hq, Dv]`` for a token-major view (a
@@ -353,7 +347,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
     if fused and problem.modifies_scores and not problem.modifiers.by_position:
         raise ValueError("tiled_forward: softcap and score functions need a plan built with "
                          "fused=False (the fused kernel takes ALiBi and relative biases alone)")
-    queries, keys, values = map(_unit_rows, (q.to(acc), k.to(acc), v.to(acc)))
+    queries, keys, values = map(unit_rows, (q.to(acc), k.to(acc), v.to(acc)))
     positions = _positions(problem, acc, fused, keys, values, rows=heads_q // heads_kv * tq)
     if problem.plan.options.fixed_blocks:
         whole = fused and positions is None  # the kernel takes the mask as its additive mask
