@@ -561,7 +561,7 @@ def _bhtd(t: torch.Tensor, rank: int, batch_shape: tuple) -> torch.Tensor:
     """A caller's tensor as ``[B, H, T, D]``, as :func:`validate` lays it out. A negative
     view (``torch._neg_view``: memory holding ``-t``) is materialised, since kernels that
     read memory through a pointer (triton) or reinterpret its bits would miss the sign."""
-    if t.is_neg():
+    if not torch.compiler.is_compiling() and t.is_neg():  # (dynamo does not trace is_neg)
         t = t.resolve_neg()
     if rank == 2:
         t = t[None, None]
@@ -578,6 +578,8 @@ def _resolved_neg(modifiers: Modifiers) -> Modifiers:
     functions read stay as given: their function reads them through torch)."""
     parts = (*modifiers.alibi, *modifiers.relative,
              *(() if modifiers.sinks is None else (modifiers.sinks,)))
+    if torch.compiler.is_compiling():  # (dynamo does not trace is_neg)
+        return modifiers
     swap = {id(t): t.resolve_neg() for part in parts for t in part.tensors() if t.is_neg()}
     return modifiers._swapped(swap) if swap else modifiers
 
@@ -593,7 +595,9 @@ def _fit_mask(mask: Mask, inputs: Inputs) -> Mask:
         if is_bias and t.dtype != inputs.q.dtype and t.dtype not in (torch.float32, torch.float64):
             raise TypeError(f"{what} has dtype {t.dtype} but q has {inputs.q.dtype}: cast it "
                             f"with .to(q.dtype)")
-        t4 = _to_4d(t.resolve_neg() if t.is_neg() else t, inputs)  # as _bhtd does
+        if not torch.compiler.is_compiling() and t.is_neg():  # as _bhtd does
+            t = t.resolve_neg()
+        t4 = _to_4d(t, inputs)
         if is_bias and inputs.q.dtype == torch.float64:
             t4 = t4.to(torch.float64)  # biases of float64 inputs add (and sum) in float64
         return t4

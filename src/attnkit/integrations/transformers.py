@@ -311,7 +311,7 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
             raise ValueError(f"a prepared attnkit mask of shape {attention_mask.shape} was passed "
                              f"for an attention of shape {(batch_size, 1, q_length, kv_length)}")
         return attention_mask
-    if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
         # a tensor made under inference mode has no version counter, so every layer's call
         # would key the mask's tensors by content (a host read each, a device sync on GPU);
         # the tensors made here, from the model's, are the mask's own and get one
