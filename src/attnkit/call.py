@@ -289,7 +289,8 @@ def with_sinks(inputs: Inputs, result: BackendOutput) -> BackendOutput:
     if inputs.modifiers is None or inputs.modifiers.sinks is None:
         return result
     return BackendOutput(*inputs.modifiers.sinks.join(result.out, result.lse, result.weights,
-                                                       alike=inputs.invariant))
+                                                       alike=inputs.invariant,
+                                                       dtype=inputs.q.dtype))
 
 
 def restored(result: BackendOutput, inputs: Inputs, return_lse: bool,

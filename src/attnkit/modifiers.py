@@ -147,7 +147,7 @@ class Softcap(Modifier):
 
     def __init__(self, cap: float):
         if torch.compiler.is_compiling() and not isinstance(cap, (torch.Tensor, bool)):
-            self.cap = cap  # a graph input (a symbolic float): no value to read
+            self.cap = cap  # a graph input (a symbolic float): checked in the operator
             return
         if isinstance(cap, bool) or not isinstance(cap, (int, float)):
             raise TypeError(f"softcap(cap): cap must be a float > 0 (scores become "
@@ -179,9 +179,9 @@ class Softcap(Modifier):
 def softcap(cap: float) -> Mask:
     """Soft-cap the scaled scores: ``s → cap · tanh(s / cap)`` (Gemma 2, Grok), before any
     additive bias and before masking. ``cap``: a float in float32's normal range, ``1.18e-38
-    ≤ cap ≤ 3.4e38`` (kernels divide by it in float32), checked eagerly; inside a compiled
-    graph, where cap may be a graph input, it is taken as given. Combine with masks by ``&``:
-    ``ak.causal() & ak.softcap(50.0)``."""
+    ≤ cap ≤ 3.4e38`` (kernels divide by it in float32), checked when built; inside a compiled
+    graph, where cap may be a graph input, when attnkit's operator runs. Combine with masks
+    by ``&``: ``ak.causal() & ak.softcap(50.0)``."""
     return Softcap(cap)
 
 
@@ -420,22 +420,27 @@ class Sinks(Modifier):
         return _per_head_problem("sinks logits", self.logits, space, batched=False)
 
     def join(self, out: torch.Tensor, lse: torch.Tensor, weights: Optional[torch.Tensor] = None,
-             alike: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+             alike: bool = False, dtype: Optional[torch.dtype] = None,
+             ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """A finished result with the sinks in its denominators: ``out [B, H, Tq, Dv]``,
-        ``lse [B, H, Tq]``, ``weights [B, H, Tq, Tk]`` or ``None`` → the same, out in its own
-        dtype and lse in the accumulation dtype. The result is merged with an empty partial
-        result ``(0, sink_h)`` (:func:`attnkit.numerics.merge`): ``lse' = logaddexp(lse,
-        sink_h)``, ``out' = out · exp(lse − lse')``, weights scaled alike (a row's weights then
-        sum to less than 1). A fully masked row gets out 0 and ``lse' = sink_h``. ``alike``:
+        ``lse [B, H, Tq]``, ``weights [B, H, Tq, Tk]`` or ``None`` → the same, out and weights
+        in ``dtype`` (default: their own) and lse in its accumulation dtype. The result is
+        merged with an empty partial result ``(0, sink_h)`` (:func:`attnkit.numerics.merge`,
+        in out's accumulation dtype): ``lse' = logaddexp(lse, sink_h)``, ``out' = out ·
+        exp(lse − lse')``, weights scaled alike (a row's weights then sum to less than 1). A
+        fully masked row gets out 0 and ``lse' = sink_h``. A float64 result (the reference's)
+        joins in float64 and rounds once, to ``dtype``. ``alike``:
         :func:`~attnkit.numerics.merge`'s form for the invariance contract."""
-        from .numerics import merge
+        from .numerics import accum_dtype, merge
 
         sink = self.logits.to(lse.dtype)[None, :, None].expand_as(lse)  # [B, H, Tq]
         merged, merged_lse = merge(out, lse, torch.zeros_like(out), sink, alike)
         if weights is not None:  # (a −inf sink on a row with no key: both −inf, weights 0)
             finite = merged_lse.where(~torch.isneginf(merged_lse), 0.0)
             weights = weights * torch.exp(lse - finite).to(weights.dtype)[..., None]
-        return merged.to(out.dtype), merged_lse, weights
+            weights = weights if dtype is None else weights.to(dtype)
+        dtype = out.dtype if dtype is None else dtype
+        return merged.to(dtype), merged_lse.to(accum_dtype(dtype)), weights
 
     def __repr__(self):
         return f"sinks({tensor_summary(self.logits)})"

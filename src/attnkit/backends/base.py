@@ -12,7 +12,8 @@ from ..masks import readable
 
 class BackendOutput(NamedTuple):
     """``out [B, Hq, Tq, Dv]`` (input dtype), ``lse [B, Hq, Tq]`` (fp32; fp64 for fp64 input;
-    may be ``None`` when not requested), ``weights [B, Hq, Tq, Tk]`` or ``None`` when not requested."""
+    may be ``None`` when not requested), ``weights [B, Hq, Tq, Tk]`` or ``None`` when not requested.
+    The reference with sinks returns all three in float64, which the sinks' join rounds once."""
 
     out: torch.Tensor
     lse: Optional[torch.Tensor]

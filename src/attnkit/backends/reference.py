@@ -10,8 +10,9 @@ This is the definition the other backends are tested against, written as the mat
     weights, lse = stable softmax(masked)   (a fully masked row: weights 0, lse −inf)
     out = dropout(weights) @ v          [B, Hq, Tq, Dv]
 
-It costs O(Tq·Tk) memory per head and computes in float64 whatever the input dtype. Sinks
-join the result after any backend (``attnkit.modifiers.Sinks.join``), this one included.
+It costs O(Tq·Tk) memory per head and computes in float64 whatever the input dtype, rounding
+once at the end. Sinks join the result after any backend (``attnkit.modifiers.Sinks.join``),
+this one included: with sinks its out, LSE and weights stay float64, and the join rounds them.
 """
 
 from __future__ import annotations
@@ -50,14 +51,16 @@ def steps(inputs: Inputs) -> Steps:
     """Run the reference computation in float64 and keep every intermediate.
 
     Non-finite inputs follow docs/NUMERICS.md without a data-dependent branch (so under
-    ``torch.func`` and compile too): q rows and K/V rows holding NaN/inf are zeroed before use,
-    so nothing a mask excludes reaches a result or a gradient (no ``NaN + −inf``, no
-    ``0 · NaN``), and the rows that may see one (a zeroed query row with an allowed key, or a
-    row whose scores may reach a zeroed key) are multiplied by NaN, the others by 1."""
+    ``torch.func`` and compile too): q rows and K/V rows holding NaN/inf are zeroed before use
+    (:class:`_Zeroed`), so nothing a mask excludes reaches a result or a gradient (no
+    ``NaN + −inf``, no ``0 · NaN``), and the rows that may see one (a zeroed query row with an
+    allowed key, or a row whose scores may reach a zeroed key) are multiplied by NaN, the
+    others by 1. Their NaN gradients go back through the zeroing into the non-finite rows
+    themselves, as on the other backends (eagerly: see :func:`_zeroed`)."""
     q, k, v = (t.to(torch.float64) for t in (inputs.q, inputs.k, inputs.v))
     bad_q = ~torch.isfinite(q).all(-1, keepdim=True)  # [B, Hq, Tq, 1]
     bad_kv = ~(torch.isfinite(k).all(-1, keepdim=True) & torch.isfinite(v).all(-1, keepdim=True))
-    q, k, v = q.masked_fill(bad_q, 0.0), k.masked_fill(bad_kv, 0.0), v.masked_fill(bad_kv, 0.0)
+    q, k, v = _zeroed(q, bad_q), _zeroed(k, bad_kv), _zeroed(v, bad_kv)
     heads_kv = k.shape[1]
     scores = grouped_matmul(q, k.transpose(-1, -2), heads_kv)  # [B, Hq, Tq, Tk]
     scaled = scores * inputs.scale
@@ -91,6 +94,37 @@ def steps(inputs: Inputs) -> Steps:
     return Steps(scores, scaled, modified, allowed, masked, weights, lse, out)
 
 
+def _zeroed(x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """:class:`_Zeroed`; traced by dynamo (which refuses a custom ``jvp``), ``masked_fill``:
+    a compiled graph sends 0 back into a non-finite row itself."""
+    return x.masked_fill(bad, 0.0) if torch.compiler.is_compiling() else _Zeroed.apply(x, bad)
+
+
+class _Zeroed(torch.autograd.Function):
+    """``x [..., n, D]`` with the rows ``bad [..., n, 1]`` set to 0, whose gradient and tangent
+    pass through unchanged, zeroed rows included: a row that held NaN/inf gets the gradient
+    that reached its zeroed stand-in (NaN from a poisoned row, 0 where no row may see it),
+    where ``masked_fill`` would send back 0 always."""
+
+    generate_vmap_rule = True  # torch.func: vmap, grad, jacrev, jvp
+
+    @staticmethod
+    def forward(x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(bad, 0.0)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+    @staticmethod
+    def jvp(ctx, x_tangent: torch.Tensor, bad_tangent) -> torch.Tensor:
+        return x_tangent
+
+
 def _poison(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``x [B, Hq, Tq, ...]`` with ``rows [B, Hq, Tq]`` set to NaN, as ``x · (NaN or 1)``: a
     gradient reaching a poisoned row goes back as NaN; every other row is unchanged."""
@@ -108,8 +142,11 @@ class ReferenceBackend(Backend):
     DESCRIPTION = "float64, materialised O(Tq·Tk), keeps every step; the definition others are tested against"
 
     def forward(self, inputs: Inputs) -> BackendOutput:
+        """:func:`steps` rounded to the input dtype (LSE float32, float64 for float64 input);
+        with sinks all float64, for :meth:`~attnkit.modifiers.Sinks.join` to round once."""
         s = steps(inputs)
-        dtype = inputs.q.dtype
+        sinks = inputs.modifiers is not None and inputs.modifiers.sinks is not None
+        dtype = torch.float64 if sinks else inputs.q.dtype
         lse = s.lse if dtype == torch.float64 else s.lse.to(torch.float32)
         weights = s.weights.to(dtype) if inputs.need_weights else None
         return BackendOutput(s.out.to(dtype), lse, weights)
