@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from .masks import CAUSAL, MASK_TYPES, Mask, MaskSpace, dense, mask_fields, unkeyed
-from .modifiers import Sinks, calls_python
+from .modifiers import Sinks, Softcap, calls_python
 
 TRACED_BACKENDS = ("torch", "reference")
 """Backends whose forward is torch operations alone, which a compiled graph traces as they run
@@ -124,19 +124,35 @@ def unflatten(spec: str, tensors: Sequence[torch.Tensor], numbers: Sequence[floa
     return build(_parse(spec))
 
 
+def _checked(mask: Optional[Mask]) -> Optional[Mask]:
+    """``mask`` (rebuilt by :func:`unflatten`) after the checks its numbers skip while traced:
+    a softcap's cap, symbolic or taken as given there (:class:`~attnkit.modifiers.Softcap`),
+    is concrete inside the operator and raises what it raises eagerly."""
+    for leaf in () if mask is None else mask.leaves():
+        if isinstance(leaf, Softcap):
+            Softcap(leaf.cap)
+    return mask
+
+
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _engine(q, k, v, mask: Mask, scale: Optional[float], backend: str, need_weights: bool,
-            invariant: bool = False):
+            invariant: bool, tensors: Sequence[torch.Tensor], wanted: Sequence[bool]):
     """``(inputs, backend)`` for a call whose gradients come from ``Backend.backward``; the
-    forward and the backward operator make the same choice from the same arguments."""
+    forward and the backward operator make the same choice from the same arguments.
+    ``wanted``: whether each of ``tensors`` (the mask's, as :func:`flatten` gave them) gets a
+    gradient. Inside the operator no tensor requires grad, so validation cannot see a bias that
+    trains: ``wanted`` marks it, and the backend must give its gradient, as eagerly (``auto``
+    passes over one that does not; an explicit one raises)."""
     from .dispatch import select_with_backward
     from .inputs import validate
 
     inputs = validate(q, k, v, mask, scale=scale, need_lse=True, need_weights=need_weights,
                       invariant=invariant)
+    trained = {id(t) for t, want in zip(tensors, wanted) if want}
+    inputs.bias_grad = mask is not None and any(id(t) in trained for t in mask.biases())
     chosen = select_with_backward(inputs, backend)
     if chosen is None:
         raise ValueError(f"attnkit under torch.compile: backend={backend!r} has no separate "
@@ -149,15 +165,18 @@ def _engine(q, k, v, mask: Mask, scale: Optional[float], backend: str, need_weig
 @torch.library.custom_op("attnkit::attention", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
                 numbers: torch.Tensor, spec: str, scale: Optional[float], backend: str,
-                need_weights: bool, need_lse: bool, trainable: bool, invariant: bool,
+                need_weights: bool, need_lse: bool, grads: list[bool], invariant: bool,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``grads``: whether each of q, k, v and ``tensors`` gets a gradient (never empty: a list
+    of bools is one leaf for the autograd registration, as a number is)."""
     from .call import run as eager
 
     register_flop_formulas()  # an exported program run in a new process
-    mask = unflatten(spec, tensors, numbers.tolist())
+    mask = _checked(unflatten(spec, tensors, numbers.tolist()))
     with unkeyed():  # (inductor may hand over a reused buffer with new values)
-        if trainable:
-            backend = _engine(q, k, v, mask, scale, backend, need_weights, invariant)[1].NAME
+        if any(grads):
+            backend = _engine(q, k, v, mask, scale, backend, need_weights, invariant, tensors,
+                              grads[3:])[1].NAME
         result = eager(q, k, v, mask, scale=scale, dropout_p=0.0, generator=None,
                        backend=backend, return_lse=True, return_weights=need_weights,
                        invariant=invariant)
@@ -166,7 +185,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list
 
 
 @_forward_op.register_fake
-def _(q, k, v, tensors, numbers, spec, scale, backend, need_weights, need_lse, trainable,
+def _(q, k, v, tensors, numbers, spec, scale, backend, need_weights, need_lse, grads,
       invariant):
     register_flop_formulas()  # traced (compile, export)
     rows = q.shape[:-1]
@@ -190,7 +209,8 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
 
     with unkeyed():  # (inductor may hand over a reused buffer with new values)
         mask = unflatten(spec, tensors, numbers.tolist())
-        inputs, chosen = _engine(q, k, v, mask, scale, backend, need_weights, invariant)
+        inputs, chosen = _engine(q, k, v, mask, scale, backend, need_weights, invariant,
+                                 tensors, wanted)
         if is_empty(inputs):  # nothing was computed (dispatch.run): every gradient is 0
             return [torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                     *(torch.zeros_like(t) if want else t.new_empty(0)
@@ -244,7 +264,8 @@ def _(dout, dlse, dweights, q, k, v, out, lse, tensors, wanted, numbers, spec, s
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, tensors, numbers, spec, scale, backend, need_weights, need_lse, _, invariant = inputs
+    (q, k, v, tensors, numbers, spec, scale, backend, need_weights, need_lse, grads,
+     invariant) = inputs
     out, lse, weights = output
     # An LSE or weights the caller did not ask for get no gradient (None, not zeros: the tiled
     # backward then takes the fused kernel).
@@ -254,7 +275,7 @@ def _setup_context(ctx, inputs, output):
     if not need_weights:
         ctx.mark_non_differentiable(weights)
     ctx.save_for_backward(q, k, v, out, lse, numbers, *tensors)
-    ctx.wanted = [t.requires_grad and t.is_floating_point() for t in tensors]
+    ctx.wanted = list(grads[3:])
     ctx.options = (spec, scale, backend, need_weights, invariant)
 
 
@@ -360,12 +381,13 @@ def attention(q, k, v, mask: Optional[Mask], *, scale, dropout_p, backend, retur
     space = MaskSpace(batch, heads, q.shape[-2], k.shape[-2], q.device)
     mask, sinks = (None, None) if mask is None else _without_sinks(mask, space)
     spec, tensors, numbers = flatten(mask, space, tuple(rows))
-    trainable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))
+    grad_mode = torch.is_grad_enabled()
+    grads = [grad_mode and t.requires_grad and t.is_floating_point() for t in (q, k, v, *tensors)]
     # on the host as data: a changed window or cap is a new value, not a new spec
     numbers = torch.tensor(numbers, dtype=torch.float64, device="cpu")
     out, lse, weights = _forward_op(q, k, v, tensors, numbers, spec, scale, backend,
                                     bool(return_weights), bool(return_lse or sinks is not None),
-                                    trainable, invariant)
+                                    grads, invariant)
     if sinks is not None:  # in the graph: autograd differentiates it, logits included
         joined = sinks.join(out.reshape(batch, heads, *out.shape[-2:]),
                             lse.reshape(batch, heads, -1),
