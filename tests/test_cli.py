@@ -734,3 +734,11 @@ def test_bench_refuses_an_empty_out_folder(tmp_path, monkeypatch, capsys, out):
     assert cli.main(["bench", "--quick", "--out", out]) == 2
     assert_one_line_error(capsys, "bench", "--out", "empty", "folder path")
     assert not any(tmp_path.iterdir())
+
+
+def test_bench_refuses_flex_left_out_of_its_methods(tmp_path, monkeypatch, capsys):
+    """--flex asks for FlexAttention; --methods without flex would drop it silently."""
+    monkeypatch.chdir(tmp_path)
+    _refuse_to_work(monkeypatch)
+    assert cli.main(["bench", "--quick", "--flex", "--methods", "tiled", "sdpa"]) == 2
+    assert_one_line_error(capsys, "bench", "--flex", "--methods tiled sdpa", "add flex")

@@ -52,6 +52,9 @@ def options_from(args: argparse.Namespace, command: str = ""):
     if args.out is not None and not args.out.strip():
         raise UsageError(f"--out {args.out!r}: empty; give a folder path such as results/ (it "
                          f"is created if missing), or leave --out out for the default")
+    if args.flex and args.methods and "flex" not in args.methods:
+        raise UsageError(f"--flex with --methods {' '.join(args.methods)}: FlexAttention runs "
+                         f"only as a method; add flex to --methods, or leave --flex out")
     cores = os.cpu_count() or 1
     if args.threads is not None and args.threads > cores:
         raise UsageError(f"--threads {args.threads}: this machine has {cores} cores; give at "
