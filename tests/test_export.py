@@ -133,3 +133,21 @@ def test_jit_trace_is_refused_by_name(gen):
     plan = ak.plan(*_qkv(8, 1, 2, gen=gen), ak.causal())
     with pytest.raises(RuntimeError, match="plan cannot be recorded"):
         torch.jit.trace(lambda q, k, v: plan(q, k, v), _qkv(8, 1, 2, gen=gen))
+
+
+def test_a_program_exported_without_gradients_gives_a_bias_its_gradient(gen):
+    """The operator's gradient flags are traced; a bias that trains only when the program
+    runs still gets its gradient."""
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v, bias):
+            return ak.attention(q, k, v, ak.bias(bias) & ak.sliding_window(3))
+
+    q, k, v = _qkv(8, 2, 2, gen=gen)
+    bias = torch.randn(1, 2, 8, 8, generator=gen)
+    program = export(Attend(), (q, k, v, bias)).module()
+    args = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    got = torch.autograd.grad(program(*args).square().sum(), args, allow_unused=True)
+    want = torch.autograd.grad(Attend()(*args).square().sum(), args)
+    assert got[3] is not None
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

@@ -110,3 +110,14 @@ def test_rowwise_gives_gradients_and_takes_strided_and_empty_inputs():
     strided = torch.randn(6, 34, generator=gen, dtype=F64)[:, ::2]
     torch.testing.assert_close(_rowwise(layer, strided), layer(strided), rtol=0, atol=1e-12)
     assert _rowwise(layer, torch.zeros(2, 0, 17, dtype=F64)).shape == (2, 0, 5)
+
+
+def test_a_compiled_invariant_module_is_one_graph_equal_to_eager():
+    """Compiled, the projections take their row-wise products without the patching (which
+    dynamo cannot trace): one graph, the eager bits."""
+    module = MultiHeadAttention(32, 4, invariant=True, dtype=torch.float32)
+    x = _rand(2, 5, 32, dtype=torch.float32)
+    want = module(x).out
+    torch._dynamo.reset()
+    got = torch.compile(module, fullgraph=True, backend="eager")(x).out
+    assert torch.equal(got, want)

@@ -275,7 +275,9 @@ def _setup_context(ctx, inputs, output):
     if not need_weights:
         ctx.mark_non_differentiable(weights)
     ctx.save_for_backward(q, k, v, out, lse, numbers, *tensors)
-    ctx.wanted = list(grads[3:])
+    # traced flags, or what trains when the graph runs (a program exported without gradients)
+    ctx.wanted = [want or (t.requires_grad and t.is_floating_point())
+                  for want, t in zip(grads[3:], tensors)]
     ctx.options = (spec, scale, backend, need_weights, invariant)
 
 

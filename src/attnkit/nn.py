@@ -762,6 +762,14 @@ def _projected(layer: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tens
                          f"quantized projection scales its activations by the rows of each "
                          f"call, so a row's result depends on the others; run it without "
                          f"invariant, or with float projections")
+    if torch.compiler.is_compiling():
+        # dynamo traces neither the lock nor a patched forward: the product per chunk of rows,
+        # from the weight for a plain Linear, else by the layer (its hooks then see the chunks)
+        plain = (type(layer).forward is nn.Linear.forward and not layer._forward_hooks
+                 and not layer._forward_pre_hooks
+                 and not nn.modules.module._global_forward_hooks
+                 and not nn.modules.module._global_forward_pre_hooks)
+        return _rowwise(layer, x, None if plain else layer)
     with invariance._held_rowwise((layer,)):
         return layer(x)
 
