@@ -463,3 +463,85 @@ def test_overlapping_keys_and_values_with_the_lse(backend, mask):
                              backend="reference", return_lse=True)
         torch.testing.assert_close(got.out.double(), truth.out, rtol=0, atol=1e-5)
         torch.testing.assert_close(got.lse.double(), truth.lse, rtol=0, atol=1e-5)
+
+
+def _overlapping_queries(gen: torch.Generator) -> dict:
+    """Query layouts whose rows overlap or repeat: torch's kernels make their output like q,
+    in an order that may put the last dim outside, and write it as if it were inside."""
+    return {
+        "unfold": torch.randn(1, 1, 9, generator=gen).unfold(-1, 8, 1),  # [1, 1, 2, 8]
+        "expand over positions": torch.randn(3, 1, 1, 2, generator=gen).expand(3, 1, 5, 2),
+        "overlapping rows": torch.randn(200, generator=gen).as_strided((2, 2, 16, 8),
+                                                                       (40, 17, 2, 1)),
+        "decode, batch stride 1": torch.randn(100, generator=gen).as_strided((2, 2, 1, 8),
+                                                                             (1, 9, 8, 1)),
+    }
+
+
+@pytest.mark.parametrize("backend", ["torch", "tiled", "auto"])
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("mask", [None, ak.causal("bottom_right")])
+def test_overlapping_queries(backend, return_lse, mask):
+    gen = torch.Generator().manual_seed(0)
+    for name, q in _overlapping_queries(gen).items():
+        k, v = (torch.randn(q.shape[0], q.shape[1], 40, q.shape[-1], generator=gen)
+                for _ in range(2))
+        got = ak.attention(q, k, v, mask, backend=backend, return_lse=return_lse)
+        truth = ak.attention(q.double(), k.double(), v.double(), mask, backend="reference",
+                             return_lse=return_lse)
+        if return_lse:
+            torch.testing.assert_close(got.lse.double(), truth.lse, rtol=0, atol=1e-5, msg=name)
+            got, truth = got.out, truth.out
+        torch.testing.assert_close(got.double(), truth, rtol=0, atol=1e-5, msg=name)
+
+
+def test_overlapping_queries_get_their_gradients():
+    """The tiled backward makes dQ (and dK, dV) like q (and K, V) through torch's kernel."""
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(200, generator=gen).requires_grad_()
+    q = base.as_strided((2, 2, 16, 8), (40, 17, 2, 1))
+    k, v = (torch.randn(2, 2, 16, 8, generator=gen).requires_grad_() for _ in range(2))
+    got = torch.autograd.grad(ak.attention(q, k, v, ak.causal(), backend="tiled").sum(),
+                              (base, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (base, k, v)]
+    truth = ak.attention(leaves[0].as_strided(q.shape, q.stride()), *leaves[1:], ak.causal(),
+                         backend="reference")
+    for g, w in zip(got, torch.autograd.grad(truth.sum(), leaves)):
+        torch.testing.assert_close(g.double(), w, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_position_biases_over_overlapping_keys(which):
+    """ALiBi on tiled with K or V from ``unfold``: the reversed K/V of its fused path (a
+    flip) come back with a strided last dim, which torch's kernel must not get."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 7, 4, generator=gen)
+    tensors = {name: torch.randn(1, 2, 3, 4, generator=gen) for name in "kv"}
+    tensors[which] = torch.randn(1, 2, 6, generator=gen).unfold(-1, 4, 1)  # [1, 2, 3, 4]
+    mask = ak.alibi(torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+    got = ak.attention(q, tensors["k"], tensors["v"], mask, backend="tiled")
+    truth = ak.attention(q.double(), tensors["k"].double(), tensors["v"].double(), mask,
+                         backend="reference")
+    torch.testing.assert_close(got.double(), truth, rtol=0, atol=1e-5)
+
+
+def test_negative_views_into_a_cache_and_additive_attention():
+    """A ``torch._neg_view`` K or V where nn zeroes padding (a cache's append with lengths,
+    AdditiveAttention with a padding mask) reads as the values it holds."""
+    from attnkit.nn import AdditiveAttention, KVCache
+
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(2, 1, 4, 8, generator=gen) for _ in range(2))
+    lengths = torch.tensor([2, 4])
+    cache = KVCache.empty().append(torch._neg_view(k), v, lengths=lengths)
+    plain = KVCache.empty().append(-k, v, lengths=lengths)
+    assert torch.equal(cache.keys, plain.keys) and torch.equal(cache.values, plain.values)
+    module = AdditiveAttention(8, 8, 16)
+    q, keys = torch.randn(2, 3, 8, generator=gen), torch.randn(2, 4, 8, generator=gen)
+    values = torch.randn(2, 4, 8, generator=gen)
+    mask = ak.padding(kv_lengths=lengths)
+    with torch.no_grad():
+        got = module(q, keys, torch._neg_view(values), mask=mask)
+        want = module(q, keys, -values, mask=mask)
+    for a, b in zip(got, want):  # (context, weights)
+        assert torch.equal(a, b)

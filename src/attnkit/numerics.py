@@ -147,6 +147,20 @@ def unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
+def query_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` laid out so that a tensor made like it (``empty_like``: torch's fused
+    kernels make their output and gradients so, then write them as if unit-stride) has
+    unit-stride rows: copied where its last dim is strided, or where another dim of more
+    than one entry has a stride of 0 or 1 (rows that overlap or repeat, as ``unfold`` or an
+    ``expand`` over positions make them), which ``empty_like`` may order after the last."""
+    if x.is_contiguous():
+        return x
+    if ((x.shape[-1] > 1 and x.stride(-1) != 1)
+            or any(size > 1 and stride <= 1 for size, stride in zip(x.shape[:-1], x.stride()))):
+        return x.contiguous()
+    return x
+
+
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     """``x [..., n, D]`` with copies of its last row appended up to a multiple of ``multiple``
     rows (itself when ``n`` is one already, or 0): a product then computes each row as in

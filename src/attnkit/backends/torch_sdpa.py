@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..finite import checks_keys
 from ..inputs import Inputs, derived
 from ..masks import CAUSAL, DENSE_MAX_SCORES, Padding
-from ..numerics import accum_dtype, additive_mask, grouped, ungrouped, unit_rows
+from ..numerics import accum_dtype, additive_mask, grouped, query_rows, ungrouped, unit_rows
 from .base import Backend, BackendOutput, bias_range_reasons
 
 
@@ -112,7 +112,7 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``fused``, the CPU flash kernel that also returns the LSE, else the public entry point; a
     decoding step with GQA as one call per K/V head over its query heads
     (:func:`_stacks_heads`; :meth:`attnkit.nn.KVCache.decode` makes its call here too)."""
-    heads_q = q.shape[1]
+    q, heads_q = query_rows(q), q.shape[1]  # the kernels' output is made like q
     stacked = _stacks_heads(q, k, is_causal)
     if stacked:  # the query heads of a K/V head as the rows of one call
         q = grouped(q, k.shape[1])
@@ -120,8 +120,7 @@ def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             additive = grouped(additive, k.shape[1])
     if fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            unit_rows(q), unit_rows(k), unit_rows(v), 0.0, is_causal, attn_mask=additive,
-            scale=scale)
+            q, unit_rows(k), unit_rows(v), 0.0, is_causal, attn_mask=additive, scale=scale)
         lse = lse.to(accum_dtype(q.dtype))
     else:
         # (a branch, not the comparison itself: under dynamic shapes that is a SymBool, which

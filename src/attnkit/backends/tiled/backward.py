@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from ...masks import Mask
-from ...numerics import accum_dtype, grouped, ungrouped, unit_rows
+from ...numerics import accum_dtype, grouped, query_rows, ungrouped
 from .forward import _exp_, _group_segments, _masked_add_, _member_rows, _schedule
 from .plan import WIDE_BIAS, Problem, Segment
 from .positions import _add_position_grad, _add_position_param_grads, _positions, _spread
@@ -170,7 +170,8 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
     fused = problem.plan.fused and grad_lse is None and not slopes_or_tables
     if wanted and fused:
         raise ValueError("tiled_backward: dbias needs a plan built with fused=False")
-    queries, keys, values = map(unit_rows, (q.to(acc), k.to(acc), v.to(acc)))
+    # the fused kernel's gradients are made like q, K and V
+    queries, keys, values = map(query_rows, (q.to(acc), k.to(acc), v.to(acc)))
     vector = problem.position_vector(acc)  # [1|B, Hq, Tq + Tk − 1] or None
     if fused and vector is not None and _spread(vector) > WIDE_BIAS:
         fused = False  # subnormal weights in torch's fused backward: see WIDE_BIAS
@@ -180,7 +181,7 @@ def tiled_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, *,
     # the sum over every tile of terms of both signs (each row's dS sums to its dLSE)
     grad_vector = (torch.zeros_like(positions.vector, dtype=torch.float64) if slopes_or_tables
                    else None)
-    grad_out, out = unit_rows(grad_out.to(acc)), unit_rows(out.to(acc))
+    grad_out, out = query_rows(grad_out.to(acc)), query_rows(out.to(acc))
     if not fused:  # the fused kernel forms rowsum(dO ∘ O) itself
         delta = (grad_out * out).sum(dim=-1)  # [B, Hq, Tq]  rowsum(dO ∘ O)
         if grad_lse is not None:

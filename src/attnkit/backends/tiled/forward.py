@@ -14,7 +14,7 @@ import torch
 from ...masks import KeyRanges, keeping, key_ranges
 from ...modifiers import Modifiers
 from ...numerics import (accum_dtype, additive_mask, merge_alike_into, merge_into, pad_rows,
-                         unit_rows)
+                         query_rows, unit_rows)
 from ..torch_sdpa import is_plain_causal
 from .plan import (FIXED_BLOCK_K, FLUSH_BELOW, FUSED_MIN_KEYS, LOG2E, TILE_ELEMENTS, Problem,
                    Segment, TiledOptions, row_quantum)
@@ -347,7 +347,8 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Pr
     if fused and problem.modifies_scores and not problem.modifiers.by_position:
         raise ValueError("tiled_forward: softcap and score functions need a plan built with "
                          "fused=False (the fused kernel takes ALiBi and relative biases alone)")
-    queries, keys, values = map(unit_rows, (q.to(acc), k.to(acc), v.to(acc)))
+    # the fused kernel's output is made like the queries, K and V are only read
+    queries, keys, values = query_rows(q.to(acc)), unit_rows(k.to(acc)), unit_rows(v.to(acc))
     positions = _positions(problem, acc, fused, keys, values, rows=heads_q // heads_kv * tq)
     if problem.plan.options.fixed_blocks:
         whole = fused and positions is None  # the kernel takes the mask as its additive mask

@@ -9,6 +9,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ...numerics import unit_rows
 from .plan import Problem, Segment
 
 
@@ -39,7 +40,8 @@ def _positions(problem: Problem, dtype: torch.dtype, fused: bool = False,
     if (vector is None or not fused or rows < keys.shape[-1] + values.shape[-1]
             or problem.plan.options.fixed_blocks):  # the fixed schedule reads keys in order
         return None if vector is None else Positions(vector)
-    return Positions(vector, vector.flip(-1), keys.flip(2), values.flip(2))
+    # (a flip of overlapping rows may come back with a strided last dim: unit_rows)
+    return Positions(vector, vector.flip(-1), unit_rows(keys.flip(2)), unit_rows(values.flip(2)))
 
 
 class PositionTile(NamedTuple):
