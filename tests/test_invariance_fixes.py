@@ -121,3 +121,20 @@ def test_a_compiled_invariant_module_is_one_graph_equal_to_eager():
     torch._dynamo.reset()
     got = torch.compile(module, fullgraph=True, backend="eager")(x).out
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("how", ["instance forward", "hook over the rows"])
+def test_a_compiled_invariant_module_runs_its_projections_as_eagerly(how):
+    """A projection that is not a plain Linear (an instance forward, a hook reading every
+    row) runs outside the graph, as eagerly: never per chunk of rows inside it."""
+    module = MultiHeadAttention(32, 4, invariant=True, dtype=torch.float32)
+    layer = module.q_proj
+    if how == "instance forward":
+        plain = layer.forward
+        layer.forward = lambda x: plain(x) * 3
+    else:
+        layer.register_forward_hook(lambda _, args, out: out - out.mean(dim=-2, keepdim=True))
+    x = _rand(2, 5, 32, dtype=torch.float32)
+    want = module(x).out
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(module, backend="eager")(x).out, want)

@@ -203,22 +203,6 @@ def test_a_bias_written_between_forward_and_backward_is_refused(gen):
         out.sum().backward()
 
 
-def test_a_compiled_call_never_trains_a_bias_with_a_zero_gradient(gen):
-    """Eagerly triton refuses a bias that requires grad; inside the compiled operator (which
-    validates tensors that no longer require grad) its backward raises rather than handing
-    back zeros."""
-    import torch._dynamo
-    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 9, 9, 8, 8, torch.float32, gen))
-    bias = torch.randn(1, 2, 9, 9, generator=gen, requires_grad=True)
-
-    def fn(q, k, v):
-        return ak.attention(q, k, v, ak.causal() & ak.bias(bias), backend="triton")
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v)
-    with pytest.raises(RuntimeError, match="gives no gradient for the mask's tensor"):
-        out.sum().backward()
-
-
 @pytest.mark.parametrize("dk,dv", [(16, 16), (64, 64), (48, 24), (32, 80)])
 def test_head_dims(dk, dv, gen):
     """Powers of two and padded ones (48 → 64, 24 → 32, 80 → 128), Dk ≠ Dv."""

@@ -561,7 +561,7 @@ def _bhtd(t: torch.Tensor, rank: int, batch_shape: tuple) -> torch.Tensor:
     """A caller's tensor as ``[B, H, T, D]``, as :func:`validate` lays it out. A negative
     view (``torch._neg_view``: memory holding ``-t``) is materialised, since kernels that
     read memory through a pointer (triton) or reinterpret its bits would miss the sign."""
-    if not torch.compiler.is_compiling() and t.is_neg():  # (dynamo does not trace is_neg)
+    if torch.compiler.is_compiling() or t.is_neg():  # (dynamo does not trace is_neg)
         t = t.resolve_neg()
     if rank == 2:
         t = t[None, None]

@@ -828,19 +828,18 @@ def _walk_tensors(mask: Mask) -> tuple[tuple, bool]:
     order, and whether some part runs user code."""
     found: list[torch.Tensor] = []
     runs_code = False
-
-    def walk(value) -> None:
-        nonlocal runs_code
+    # a stack, not a recursive closure: that is a reference cycle, which would keep the
+    # tensors (and their autograd graphs) alive until the garbage collector runs
+    stack = [mask]
+    while stack:
+        value = stack.pop()
         if isinstance(value, torch.Tensor):
             found.append(value)
         elif isinstance(value, Mask):
             runs_code = runs_code or value.runs_code
-            for field in mask_fields(value).values():
-                walk(field)
+            stack.extend(reversed(mask_fields(value).values()))
         elif isinstance(value, (tuple, list)):
-            for item in value:
-                walk(item)
-    walk(mask)
+            stack.extend(reversed(value))
     return tuple(found), runs_code
 
 

@@ -754,7 +754,8 @@ def _projected(layer: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tens
     its forward hooks and pre-hooks see the whole ``x``; its product runs per chunk of rows,
     from the weight for a plain ``nn.Linear``, else by a forward set on the instance
     (accelerate's device hooks) or the layer's own forward (a wrapper such as LoRA, whose
-    inner layers' hooks then see the chunks)."""
+    inner layers' hooks then see the chunks). Compiled, a plain ``nn.Linear`` is traced; any
+    other projection runs outside the graph (a graph break; ``fullgraph=True`` refuses it)."""
     if not invariant:
         return layer(x)
     if type(layer).__module__.startswith("torch.ao.nn.quantized"):
@@ -762,14 +763,23 @@ def _projected(layer: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tens
                          f"quantized projection scales its activations by the rows of each "
                          f"call, so a row's result depends on the others; run it without "
                          f"invariant, or with float projections")
-    if torch.compiler.is_compiling():
-        # dynamo traces neither the lock nor a patched forward: the product per chunk of rows,
-        # from the weight for a plain Linear, else by the layer (its hooks then see the chunks)
-        plain = (type(layer).forward is nn.Linear.forward and not layer._forward_hooks
-                 and not layer._forward_pre_hooks
-                 and not nn.modules.module._global_forward_hooks
-                 and not nn.modules.module._global_forward_pre_hooks)
-        return _rowwise(layer, x, None if plain else layer)
+    if torch.compiler.is_compiling() and _plain_linear(layer):
+        return _rowwise(layer, x)  # (dynamo traces neither the lock nor a patched forward)
+    return _held_projection(layer, x)
+
+
+def _plain_linear(layer: nn.Module) -> bool:
+    """Whether ``layer(x)`` is ``F.linear`` of its weight and nothing else: an ``nn.Linear``
+    with no forward of its own (class or instance) and no hooks (its own or global)."""
+    return (type(layer).forward is nn.Linear.forward and "forward" not in layer.__dict__
+            and not layer._forward_hooks and not layer._forward_pre_hooks
+            and not nn.modules.module._global_forward_hooks
+            and not nn.modules.module._global_forward_pre_hooks)
+
+
+@torch.compiler.disable  # a graph break inside a compiled module: its forward is patched
+def _held_projection(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` with its products row-wise (:func:`attnkit.invariance._held_rowwise`)."""
     with invariance._held_rowwise((layer,)):
         return layer(x)
 
