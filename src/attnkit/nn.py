@@ -765,7 +765,8 @@ def _projected(layer: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tens
                          f"invariant, or with float projections")
     if torch.compiler.is_compiling() and _plain_linear(layer):
         return _rowwise(layer, x)  # (dynamo traces neither the lock nor a patched forward)
-    return _held_projection(layer, x)
+    with invariance._held_rowwise((layer,)):  # compiled: a graph break here
+        return layer(x)
 
 
 def _plain_linear(layer: nn.Module) -> bool:
@@ -776,12 +777,6 @@ def _plain_linear(layer: nn.Module) -> bool:
             and not nn.modules.module._global_forward_hooks
             and not nn.modules.module._global_forward_pre_hooks)
 
-
-@torch.compiler.disable  # a graph break inside a compiled module: its forward is patched
-def _held_projection(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` with its products row-wise (:func:`attnkit.invariance._held_rowwise`)."""
-    with invariance._held_rowwise((layer,)):
-        return layer(x)
 
 
 class MultiHeadAttention(nn.Module):
