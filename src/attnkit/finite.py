@@ -144,8 +144,7 @@ def zero_outside(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     autograd the bits are cleared (``x`` seen as integers ``& keep``): one pass that vectorises
     over a broadcast mask, several times cheaper than ``where`` on CPU; with autograd (or
     inside a ``torch.func`` transform) ``where``, whose gradient is 0 outside ``keep``."""
-    if torch.compiler.is_compiling() or x.is_neg():  # (dynamo does not trace is_neg)
-        x = x.resolve_neg()  # a negative view reinterprets no bits
+    x = x.resolve_neg()  # a negative view reinterprets no bits (itself for any other)
     bits = _bits(x)
     if bits is None:
         return x.where(keep if keep.dtype == torch.bool else keep != 0, 0.0)

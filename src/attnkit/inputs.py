@@ -561,8 +561,7 @@ def _bhtd(t: torch.Tensor, rank: int, batch_shape: tuple) -> torch.Tensor:
     """A caller's tensor as ``[B, H, T, D]``, as :func:`validate` lays it out. A negative
     view (``torch._neg_view``: memory holding ``-t``) is materialised, since kernels that
     read memory through a pointer (triton) or reinterpret its bits would miss the sign."""
-    if torch.compiler.is_compiling() or t.is_neg():  # (dynamo does not trace is_neg)
-        t = t.resolve_neg()
+    t = t.resolve_neg()  # itself unless a negative view (and dynamo traces it, not is_neg)
     if rank == 2:
         t = t[None, None]
     elif rank == 3:
@@ -595,9 +594,7 @@ def _fit_mask(mask: Mask, inputs: Inputs) -> Mask:
         if is_bias and t.dtype != inputs.q.dtype and t.dtype not in (torch.float32, torch.float64):
             raise TypeError(f"{what} has dtype {t.dtype} but q has {inputs.q.dtype}: cast it "
                             f"with .to(q.dtype)")
-        if not torch.compiler.is_compiling() and t.is_neg():  # as _bhtd does
-            t = t.resolve_neg()
-        t4 = _to_4d(t, inputs)
+        t4 = _to_4d(t.resolve_neg(), inputs)  # as _bhtd does
         if is_bias and inputs.q.dtype == torch.float64:
             t4 = t4.to(torch.float64)  # biases of float64 inputs add (and sum) in float64
         return t4
