@@ -394,6 +394,16 @@ def reasons_for(backend: str, q, k, v, mask=None, **kwargs) -> list[str]:
     return dispatch.BACKENDS[backend].not_supported_reasons(inputs)
 
 
+@pytest.fixture(autouse=True)
+def _global_rng_per_test():
+    """Every test starts from the same global RNG state and leaves the state it found: module
+    initialisation (``nn.Linear``, transformers' ``from_config``) and dropout draw from it, so
+    without this a test's weights would depend on which tests its worker ran before it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield
+
+
 @pytest.fixture
 def gen() -> torch.Generator:
     """A seeded generator, so every test draws the same numbers on every run."""

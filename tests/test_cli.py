@@ -131,6 +131,16 @@ def test_explain_says_how_it_shows_a_non_finite_row(capsys):
     assert "NaN" not in capsys.readouterr().out
 
 
+def test_explain_names_the_rows_whose_scores_overflow(capsys):
+    # q_0 · k_1 = 1e400 overflows float64; the causal mask hides it, a softcap bounds it
+    own = ["--q", "[[1e200, 0], [1, 0]]", "--k", "[[1, 0], [1e200, 0]]"]
+    for extra, named in (([], True), (["--causal"], False), (["--softcap", "5"], False)):
+        assert cli.main(["explain", *own, *extra]) == 0
+        text = capsys.readouterr().out
+        assert ("Row(s) 0: a score the row may attend overflowed float64" in text) == named
+        assert ("nan" in text) == named
+
+
 def test_explain_refuses_a_single_number(capsys):
     assert cli.main(["explain", "--q", "5"]) == 2
     assert "single number (shape ())" in capsys.readouterr().err

@@ -238,7 +238,8 @@ def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
         f"scale = {scale_note}{gqa}")
     for name, t in (("Q", q), ("K", k), ("V", v)):
         console.print(matrix_table(t.double(), title=name, row_name="row"))
-    if not all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
+    finite_inputs = all(bool(torch.isfinite(t).all()) for t in (q, k, v))
+    if not finite_inputs:
         say("A row of Q, K or V holds NaN or ±inf: the steps below use it as zeros, and every "
             "row that holds or may attend it comes out NaN (docs/NUMERICS.md).")
 
@@ -255,6 +256,13 @@ def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
             f"{inputs.scale ** 2 * dk:.3g} when q, k have unit-variance entries "
             f"(Var(q·k) = d_k; 1/√d_k would keep it ≈ 1)")
     console.print(matrix_table(result.scaled[b, h], row_name="i"))
+    masked = result.masked[b, h]  # [Tq, Tk]: after modifiers and the mask, −inf = masked
+    overflowed = (masked.isnan() | masked.isposinf()).any(-1).nonzero().flatten().tolist()
+    if finite_inputs and overflowed:
+        say(f"Row(s) {', '.join(map(str, overflowed))}: a score the row may attend overflowed "
+            f"float64 (|scale · q·k| > {torch.finfo(torch.float64).max:.3g}) although Q and K "
+            f"are finite; softmax cannot subtract an infinite maximum, so those rows come out "
+            f"NaN, as on every backend. Rescale Q or K.")
 
     modifiers = inputs.modifiers
     if modifiers is not None and modifiers.changes_scores:
