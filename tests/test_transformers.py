@@ -601,7 +601,8 @@ def test_a_hybrid_model_whose_mask_counts_no_keys_generates():
 
 def test_a_mask_for_other_key_counts_is_refused_where_it_pads():
     """The free pass is for a mask that holds every key and pads nothing: a padded one of
-    another key count is refused, naming both counts."""
+    another key count that no 2-D padding mask of this layer's key count remakes is refused,
+    naming both counts."""
     q, k, v = _rand(3, 1, 4, 1, 8).unbind(0)
     k, v = _rand(2, 1, 2, 7, 8, seed=1).unbind(0)
     module = torch.nn.Module()

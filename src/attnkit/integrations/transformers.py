@@ -206,17 +206,36 @@ class TransformersMask:
     transformers asks of a prepared 4-D mask, so a mask built ahead of the forward pass (as
     ``generate`` does for static caches) is passed through unchanged. A run of query rows,
     ``mask[:, :, rows, :]`` (a model that keeps only the last rows, as Gemma 4's shared-KV
-    layers do), is the mask of those queries, made again by ``rows(start, count)``."""
+    layers do), is the mask of those queries, made again by ``rows(start, count)``.
+
+    :meth:`_for_keys` is the mask of the same queries against another key count, for a layer
+    that holds every key of the sequence where transformers sized the mask from a layer that
+    holds fewer (MiniMax's cache sizes it from its first layer, a linear-attention one),
+    made again by ``keys(count)``."""
 
     ndim = 4
 
     def __init__(self, mask: Optional[Mask], batch: int, q_len: int, kv_len: int, *,
                  structured: bool = True, packed: bool = False, padded: bool = False,
-                 rows: Optional[Callable[[int, int], "TransformersMask"]] = None):
+                 rows: Optional[Callable[[int, int], "TransformersMask"]] = None,
+                 keys: Optional[Callable[[int], Optional["TransformersMask"]]] = None):
         self.mask, self.batch, self.q_len, self.kv_len = mask, batch, q_len, kv_len
         self.structured, self.packed, self.padded = structured, packed, padded
-        self._rows = rows
+        self._rows, self._keys = rows, keys
         self._plans: dict = {}
+        self._resized: dict = {}
+
+    def _for_keys(self, kv_len: int) -> Optional["TransformersMask"]:
+        """The mask of the same ``q_len`` queries against ``kv_len`` keys that are the whole
+        sequence so far (the queries its last ``q_len``), as a layer whose cache keeps every
+        key attends; ``None`` where that is not known: only a mask given a 2-D padding mask
+        of exactly ``kv_len`` tokens can say so (it numbers the sequence's tokens). Made once
+        per key count and kept."""
+        if kv_len == self.kv_len:
+            return self
+        if kv_len not in self._resized:
+            self._resized[kv_len] = None if self._keys is None else self._keys(kv_len)
+        return self._resized[kv_len]
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: Optional[float]) -> torch.Tensor:
@@ -327,6 +346,13 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
         return mask_forward(batch_size, count, kv_length, q_offset + start, kv_offset,
                             mask_function, attention_mask, use_vmap, device, **kwargs)
 
+    def keys(count: int) -> Optional[TransformersMask]:  # the sequence's first `count` keys
+        if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+                and attention_mask.shape[-1] == count >= q_length):
+            return None
+        return mask_forward(batch_size, q_length, count, count - q_length, 0, mask_function,
+                            attention_mask, use_vmap, device, **kwargs)
+
     try:
         mask, packed = _structured(q_length, kv_length, q_offset, kv_offset, mask_function,
                                    attention_mask)
@@ -335,7 +361,7 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
             # given, whose rows are then never read as packed (see _packed)
             return None
         return TransformersMask(mask, batch_size, q_length, kv_length, packed=packed,
-                                padded=padded, rows=rows)
+                                padded=padded, rows=rows, keys=keys)
     except _NotStructured:
         if not torch.compiler.is_compiling():  # dynamo traces no logger call
             _log.debug("transformers mask %s (q_offset %d, kv_offset %d): no structured "
@@ -463,10 +489,12 @@ def _structured(q_len: int, kv_len: int, q_offset: int, kv_offset: int, mask_fun
 def _band(lo: float, hi: float, shift: int, q_len: int, kv_len: int) -> Optional[Mask]:
     """Keys ``lo ≤ kv - q ≤ hi`` in absolute positions, i.e. ``lo + shift ≤ j - i ≤ hi +
     shift`` for query index ``i`` and key index ``j`` (``shift = q_offset - kv_offset``), as a
-    causal or sliding-window mask; ``None`` when the band holds every key of every query."""
+    causal or sliding-window mask; ``None`` when the band holds every key of every query;
+    every key padding when it holds none (a window of 0 keys: Qwen2-MoE makes such a mask
+    for the sliding layers it has none of)."""
     lo, hi = lo + shift, hi + shift
     if lo > hi:
-        raise _NotStructured
+        return ak.padding(kv_lengths=0)
     if lo <= -(q_len - 1) and hi >= kv_len - 1:
         return None
     fits = []  # (align, left, right) with j - i - diagonal within [-left, right]
@@ -570,9 +598,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                  is_causal, *active, kwargs)
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if isinstance(attention_mask, TransformersMask):
-        # (a mask that holds every key of every query and pads nothing fits any key count: a
-        # hybrid model's cache may size its mask from a layer without keys, as MiniMax's does)
+        # A hybrid model's cache may size its mask from a layer without keys (MiniMax's does):
+        # a mask that holds every key of every query and pads nothing fits any key count, a
+        # padded one is made again for this layer's keys (see TransformersMask._for_keys).
         free = attention_mask.mask is None and not attention_mask.padded
+        resized = (attention_mask._for_keys(kv_len) if attention_mask.q_len == q_len and not free
+                   else None)
+        attention_mask = attention_mask if resized is None else resized
         if (attention_mask.q_len, attention_mask.kv_len) != (q_len, kv_len) and not (
                 free and attention_mask.q_len == q_len):
             raise ValueError(
