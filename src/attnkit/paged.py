@@ -44,10 +44,10 @@ def gather(key_pool: torch.Tensor, value_pool: torch.Tensor, block_table: torch.
     positions = torch.arange(length, device=key_pool.device)  # [T]
     valid = positions[None, :] < seqlens[:, None]  # [B, T]
     blocks = block_table[:, positions // block_size].where(valid, 0)  # [B, T]
-    slots = blocks * block_size + positions % block_size
+    offsets = (positions % block_size).expand_as(blocks)
     out = []
     for pool in (key_pool, value_pool):
-        rows = pool.reshape(-1, *pool.shape[2:])[slots]  # [B, T, Hkv, D]: a copy
+        rows = pool[blocks, offsets]  # [B, T, Hkv, D]: a copy of these slots (any pool strides)
         out.append(rows.masked_fill_(~valid[:, :, None, None], 0).transpose(1, 2))
     return out[0], out[1]
 
@@ -171,10 +171,12 @@ def _packed_queries(q, key_pool, value_pool, block_table, seqlens, cu_seqlens_q,
                          f"got q {tuple(q.shape)}")
     batch = len(_integers("cu_seqlens_q", cu_seqlens_q, 1)) - 1
     table, lengths = _checked_tables(q, key_pool, value_pool, block_table, seqlens, batch)
+    block_size = key_pool.shape[1]
     _, _, slots = token_slots(table_tensor(table, q.device),
                               torch.zeros(len(lengths), dtype=torch.long, device=q.device),
-                              lengths, key_pool.shape[1])  # [total_k]
-    keys, values = (pool.reshape(-1, *pool.shape[2:])[slots] for pool in (key_pool, value_pool))
+                              lengths, block_size)  # [total_k]
+    keys, values = (pool[slots // block_size, slots % block_size]  # [total_k, Hkv, D]
+                    for pool in (key_pool, value_pool))
     cu_k = [0, *accumulate(lengths)] if lengths else [0]
     return varlen_attention(q, keys, values, cu_seqlens_q, cu_k, mask=mask, scale=scale,
                             backend=backend, return_lse=return_lse)
@@ -296,11 +298,13 @@ def decode_spans(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tens
     (not fake) without autograd, ``backend="auto"``, equal key and value head dims (the fused
     kernel's), and no mask but a bottom-right causal band (all keys, or a window's last
     ones), over keys that :func:`attnkit.attention` would not look at for non-finite values
-    (:func:`~attnkit.finite.looks_at_keys` of the keys it would gather); ``None`` otherwise
-    (the gathered path runs it, and validates it); ``None`` under the invariance contract
-    too, whose fixed schedule the gathered call keeps (:mod:`attnkit.invariance`)."""
+    (:func:`~attnkit.finite.looks_at_keys` of the keys it would gather), from pools
+    :func:`decode_by_runs` reads in place (:func:`_runs_in_place`); ``None`` otherwise (the
+    gathered path runs it, and validates it); ``None`` under the invariance contract too,
+    whose fixed schedule the gathered call keeps (:mod:`attnkit.invariance`)."""
     gathered = len(lengths) * max(lengths, default=0) * math.prod(key_pool.shape[2:])
     if (dispatch.forced(backend) != "auto" or invariance.active(None) or q.device.type != "cpu"
+            or not all(_runs_in_place(pool) for pool in (key_pool, value_pool))
             or not readable(q, key_pool, value_pool)
             or q.dim() != 4 or q.shape[2] != 1 or not q.is_floating_point()
             or looks_at_keys(1, gathered)
@@ -316,6 +320,16 @@ def decode_spans(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tens
             return None
         left = band.left
     return [(0 if left is None else max(0, n - 1 - left), n) for n in lengths]
+
+
+def _runs_in_place(pool: torch.Tensor) -> bool:
+    """Whether :func:`decode_by_runs` can read runs of ``pool [num_blocks, block_size, Hkv,
+    D]`` as views: its block and slot dims merge into one axis of slots (else the pool would
+    be copied whole; e.g. a ``[num_blocks, Hkv, block_size, D]`` pool transposed), and its
+    last dim D is contiguous (the fused CPU kernel reads each key's row as contiguous
+    memory, whatever its strides say)."""
+    return ((min(pool.shape[:2]) <= 1 or pool.stride(0) == pool.shape[1] * pool.stride(1))
+            and (pool.shape[-1] <= 1 or pool.stride(-1) == 1))
 
 
 def decode_result(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, return_lse: bool,
@@ -437,7 +451,8 @@ def decode_by_runs(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Te
     batch, heads_q = q.shape[:2]
     heads_kv = key_pool.shape[2]
     group = heads_q // heads_kv
-    rows_of = q.reshape(batch, heads_kv, group, q.shape[-1])  # [B, Hkv, G, Dk]: a query's heads
+    # [B, Hkv, G, Dk]: a query's heads, contiguous (the fused kernel reads rows as contiguous)
+    rows_of = q.reshape(batch, heads_kv, group, q.shape[-1]).contiguous()
     holders = shared_runs(tables, spans, key_pool.shape[1]) if runs is None else runs
     keys = key_pool.reshape(-1, heads_kv, key_pool.shape[-1])  # [slots, Hkv, Dk]
     values = value_pool.reshape(-1, heads_kv, value_pool.shape[-1])
@@ -516,8 +531,8 @@ def _short_runs(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     bias = rows.new_zeros(outside.shape).masked_fill_(outside, float("-inf"))  # [n, L]
     flat = torch.from_numpy(index).to(rows.device).view(-1)
     n, heads_kv = rows.shape[:2]
-    k, v = (t.view(t.shape[0], -1).index_select(0, flat).view(n, width, heads_kv, -1)
-            .transpose(1, 2) for t in (keys, values))  # [n, Hkv, L, D]
+    k, v = (t.index_select(0, flat).view(n, width, heads_kv, -1).transpose(1, 2)
+            for t in (keys, values))  # [n, Hkv, L, D]: copies, whatever the pools' strides
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         rows, k, v, 0.0, False, attn_mask=bias[:, None, None, :], scale=scale)[:2]
     return out, lse
@@ -593,6 +608,8 @@ def kernel_decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Ten
     batch, heads_q, q_len, _ = q.shape
     scale = checked_scale(scale, q.shape[-1])
     device = q.device
+    # a negative view (torch._neg_view) holds -t in memory, which the kernel reads as it lies
+    q, key_pool, value_pool = (t.resolve_neg() for t in (q, key_pool, value_pool))
     if batch == 0 or q_len == 0:  # nothing to launch
         return (q.new_zeros(batch, heads_q, q_len, value_pool.shape[-1]),
                 q.new_full((batch, heads_q, q_len), float("-inf"), dtype=torch.float32))
@@ -835,7 +852,7 @@ class PagedKVCache:
             slots = torch.tensor([table[n // size] * size + n % size
                                   for table, n in zip(plan, self.lengths)], device=keys.device)
             for pool, new_rows in ((self.key_pool, keys), (self.value_pool, values)):
-                pool.view(-1, *pool.shape[2:])[slots] = new_rows[:, :, 0]
+                pool[slots // size, slots % size] = new_rows[:, :, 0]
         elif any(counts):  # row b's offsets [0, counts[b]) go after its lengths[b] tokens
             device = keys.device
             tails = [table[length // size:] for table, length in zip(plan, self.lengths)]
@@ -843,7 +860,7 @@ class PagedKVCache:
                 table_tensor(tails, device), torch.tensor([n % size for n in self.lengths],
                                                           device=device), counts, size)
             for pool, new_rows in ((self.key_pool, keys), (self.value_pool, values)):
-                pool.view(-1, *pool.shape[2:])[slots] = new_rows.transpose(1, 2)[rows, offsets]
+                pool[slots // size, slots % size] = new_rows.transpose(1, 2)[rows, offsets]
         self.tables = plan
         self.lengths = [a + b for a, b in zip(self.lengths, counts)]
         self.appended, self._width = counts, new
