@@ -530,3 +530,14 @@ def test_varlen_attention_on_triton_equals_each_sequence_alone(monkeypatch):
         if problems:
             failures[seed] = (case, problems)
     assert not failures, failures
+
+
+def test_appending_to_a_pool_of_stride_zero_is_refused_clearly():
+    """An expanded pool (one slot standing for several heads) reads fine but cannot take
+    one head's token at a time: the append says so and what to pass, changing nothing."""
+    pool = torch.zeros(4, 2, 1, 8, dtype=F64).expand(4, 2, 2, 8)
+    cache = PagedKVCache.from_tables(pool, pool, [[1], [2]], [1, 1])
+    new = torch.ones(2, 2, 1, 8, dtype=F64)
+    with pytest.raises(ValueError, match=r"key_pool \(4, 2, 2, 8\) has strides .*contiguous"):
+        cache.append(new, new)
+    assert cache.lengths == [1, 1]

@@ -819,6 +819,14 @@ class PagedKVCache:
         Returns this cache. Raises ``ValueError`` when the pool lacks the blocks, changing
         nothing."""
         self._check_step(keys, values)
+        for name, pool in (("key_pool", self.key_pool), ("value_pool", self.value_pool)):
+            if pool is not None and any(stride == 0 and size > 1
+                                        for size, stride in zip(pool.shape, pool.stride())):
+                raise ValueError(
+                    f"PagedKVCache.append: the {name} {tuple(pool.shape)} has strides "
+                    f"{pool.stride()}: a stride of 0 (an expand) makes one memory slot stand "
+                    f"for several, which an append cannot write one at a time; build the cache "
+                    f"from_tables over {name}.contiguous()")
         batch, new = keys.shape[0], keys.shape[2]
         if self.tables and batch != self.batch:
             raise ValueError(f"keys/values hold {batch} sequences but the cache has "
