@@ -216,8 +216,10 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
                     *(torch.zeros_like(t) if want else t.new_empty(0)
                       for t, want in zip(tensors, wanted))]
         # the q, K and V the forward ran on (dispatch.run)
-        inputs = guard(inputs, applies(inputs, chosen), chosen.reads_padding(inputs),
-                       chosen.evaluates_mask(inputs)).inputs
+        zeroing = functools.partial(guard, poisons=applies(inputs, chosen),
+                                    zero_kv=chosen.reads_padding(inputs),
+                                    whole_mask=chosen.evaluates_mask(inputs))
+        caller, inputs = inputs, zeroing(inputs).inputs
         rows = inputs.q.shape[:3]
         wanted_by_id = {id(t): want for t, want in zip(tensors, wanted)}
         biases = [] if mask is None else mask.biases()  # the caller's tensors, in the order of
@@ -227,6 +229,7 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
             inputs, out.reshape(*rows, -1), lse.reshape(rows), dout.reshape(*rows, -1),
             None if dlse is None else dlse.reshape(rows), [wanted_by_id[id(t)] for t in biases],
             [wanted_by_id.get(id(t), False) for t in params])
+        dq, dk, dv = _through_zeroing(zeroing, caller, inputs, (dq, dk, dv))
         by_id = {id(t): d for t, d in zip([*biases, *params], [*dbias, *dparams])}
         extra, given = [], set()
         for t, want in zip(tensors, wanted):
@@ -245,6 +248,22 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor],
             else:
                 extra.append(torch.zeros_like(t) if want else t.new_empty(0))
         return [_like(dq, q), _like(dk, k), _like(dv, v), *extra]
+
+
+def _through_zeroing(zeroing, caller, ran, grads: Sequence[torch.Tensor]) -> list:
+    """``grads``, the gradients of the q, K, V ``[B, H, T, D]`` a backend ran on (``ran``:
+    what ``zeroing``, :func:`~attnkit.finite.guard`, made of ``caller``'s), as gradients of
+    ``caller``'s: 0 where the guard zeroed (K/V outside the real keys, queries with no allowed
+    key), whatever the backend computed there (NaN from a non-finite value it read), as
+    autograd gives through the zeroing eagerly. Where the guard zeroes depends on the mask
+    and the shapes alone, so the guard run over the gradients (in the inputs' dtypes) zeroes
+    them there."""
+    names = ("q", "k", "v")
+    if all(getattr(ran, name) is getattr(caller, name) for name in names):
+        return list(grads)
+    fitted = {name: grad.to(getattr(caller, name).dtype) for name, grad in zip(names, grads)}
+    zeroed = zeroing(caller.replaced(**fitted)).inputs
+    return [getattr(zeroed, name) for name in names]
 
 
 def _like(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

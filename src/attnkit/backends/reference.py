@@ -56,7 +56,7 @@ def steps(inputs: Inputs) -> Steps:
     ``NaN + −inf``, no ``0 · NaN``), and the rows that may see one (a zeroed query row with an
     allowed key, or a row whose scores may reach a zeroed key) are multiplied by NaN, the
     others by 1. Their NaN gradients go back through the zeroing into the non-finite rows
-    themselves, as on the other backends (eagerly: see :func:`_zeroed`)."""
+    themselves, as on the other backends (:func:`_zeroed`)."""
     q, k, v = (t.to(torch.float64) for t in (inputs.q, inputs.k, inputs.v))
     bad_q = ~torch.isfinite(q).all(-1, keepdim=True)  # [B, Hq, Tq, 1]
     bad_kv = ~(torch.isfinite(k).all(-1, keepdim=True) & torch.isfinite(v).all(-1, keepdim=True))
@@ -95,18 +95,19 @@ def steps(inputs: Inputs) -> Steps:
 
 
 def _zeroed(x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-    """:class:`_Zeroed`; traced by dynamo (which refuses a custom ``jvp``), ``masked_fill``:
-    a compiled graph sends 0 back into a non-finite row itself."""
-    return x.masked_fill(bad, 0.0) if torch.compiler.is_compiling() else _Zeroed.apply(x, bad)
+    """``x [..., n, D]`` with the rows ``bad [..., n, 1]`` set to 0, whose gradient passes
+    through unchanged (:class:`_Zeroed`); traced by dynamo, which refuses a custom ``jvp``,
+    :class:`_ZeroedRows`, the same without forward-mode AD."""
+    return (_ZeroedRows if torch.compiler.is_compiling() else _Zeroed).apply(x, bad)
 
 
-class _Zeroed(torch.autograd.Function):
-    """``x [..., n, D]`` with the rows ``bad [..., n, 1]`` set to 0, whose gradient and tangent
-    pass through unchanged, zeroed rows included: a row that held NaN/inf gets the gradient
-    that reached its zeroed stand-in (NaN from a poisoned row, 0 where no row may see it),
-    where ``masked_fill`` would send back 0 always."""
+class _ZeroedRows(torch.autograd.Function):
+    """``x [..., n, D]`` with the rows ``bad [..., n, 1]`` set to 0, whose gradient passes
+    through unchanged, zeroed rows included: a row that held NaN/inf gets the gradient that
+    reached its zeroed stand-in (NaN from a poisoned row, 0 where no row may see it), where
+    ``masked_fill`` would send back 0 always."""
 
-    generate_vmap_rule = True  # torch.func: vmap, grad, jacrev, jvp
+    generate_vmap_rule = True  # torch.func: vmap, grad, jacrev
 
     @staticmethod
     def forward(x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
@@ -119,6 +120,10 @@ class _Zeroed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+class _Zeroed(_ZeroedRows):
+    """:class:`_ZeroedRows` with its tangent passed through too (``torch.func.jvp``)."""
 
     @staticmethod
     def jvp(ctx, x_tangent: torch.Tensor, bad_tangent) -> torch.Tensor:
