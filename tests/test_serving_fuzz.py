@@ -541,3 +541,18 @@ def test_appending_to_a_pool_of_stride_zero_is_refused_clearly():
     with pytest.raises(ValueError, match=r"key_pool \(4, 2, 2, 8\) has strides .*contiguous"):
         cache.append(new, new)
     assert cache.lengths == [1, 1]
+
+
+@pytest.mark.parametrize("new", [1, 3])
+def test_a_step_of_no_sequences_appends_and_attends_nothing(new):
+    """A batch emptied (every sequence freed) still steps: an append of 0 rows, one token
+    each (the decoding step) or several, changes nothing and its attention is empty."""
+    generator = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(num_blocks=4, block_size=4)
+    cache.append(*torch.randn(2, 2, 2, 3, 8, dtype=F64, generator=generator).unbind(0))
+    cache.free([0, 1])
+    none = torch.zeros(0, 2, new, 8, dtype=F64)
+    cache.append(none, none)
+    assert cache.batch == 0 and cache.free_blocks == 4
+    out = cache.attend(torch.zeros(0, 4, new, 8, dtype=F64))
+    assert out.shape == (0, 4, new, 8)

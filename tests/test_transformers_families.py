@@ -331,3 +331,32 @@ def test_a_window_of_no_keys_is_structured(q_len, kv_len, q_offset, kv_offset, p
     assert result.structured
     got = result.mask.to_dense(MaskSpace(batch=2, heads=1, q_len=q_len, kv_len=kv_len))
     assert torch.equal(got.expand(expected.shape), expected)
+
+
+def _causal_elsewhere(batch_idx, head_idx, q_idx, kv_idx):  # causal, not transformers' function
+    return kv_idx <= q_idx
+
+
+@pytest.mark.parametrize("where", ["unrecognised function", "compiled region"])
+def test_a_dense_fallback_mask_is_made_again_for_the_layers_keys(where):
+    """The dense fallback (a mask function attnkit does not read, or any mask made inside a
+    compiled region) is made again for a layer that holds the whole sequence, as the
+    structured mask is: MiniMax's padded decoding compiled, or with a custom mask function."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 8, generator=generator)
+    k, v = torch.randn(2, 2, 2, 7, 8, generator=generator).unbind(0)
+    seen = torch.ones(2, 7, dtype=torch.bool)
+    seen[1, :3] = False  # left padding; the decoding mask was sized for 1 key
+    fn = _causal_elsewhere if where == "unrecognised function" else None
+    module = torch.nn.Module()
+
+    def decode(q, k, v):
+        mask = ak_hf.mask_forward(2, 1, 1, mask_function=fn, attention_mask=seen)
+        return ak_hf.attention_forward(module, q, k, v, mask)[0]
+
+    whole = ak_hf.mask_forward(2, 1, 7, q_offset=6, mask_function=fn, attention_mask=seen)
+    expected = ak_hf.attention_forward(module, q, k, v, whole)[0]
+    if where == "compiled region":
+        torch._dynamo.reset()
+        decode = torch.compile(decode, backend="eager", fullgraph=True)
+    torch.testing.assert_close(decode(q, k, v), expected, rtol=0, atol=1e-6)

@@ -857,18 +857,21 @@ class PagedKVCache:
             self.value_pool[target] = self.value_pool[source]
         size = self.block_size
         if new == 1 and all(counts):  # a decoding step: each sequence's one slot, on the host
-            slots = torch.tensor([table[n // size] * size + n % size
-                                  for table, n in zip(plan, self.lengths)], device=keys.device)
+            blocks = torch.tensor([table[n // size] for table, n in zip(plan, self.lengths)],
+                                  dtype=torch.long, device=keys.device)  # [B]
+            within = torch.tensor([n % size for n in self.lengths], dtype=torch.long,
+                                  device=keys.device)  # [B]
             for pool, new_rows in ((self.key_pool, keys), (self.value_pool, values)):
-                pool[slots // size, slots % size] = new_rows[:, :, 0]
+                pool[blocks, within] = new_rows[:, :, 0]
         elif any(counts):  # row b's offsets [0, counts[b]) go after its lengths[b] tokens
             device = keys.device
             tails = [table[length // size:] for table, length in zip(plan, self.lengths)]
             rows, offsets, slots = token_slots(  # positions counted from each tail's block
                 table_tensor(tails, device), torch.tensor([n % size for n in self.lengths],
                                                           device=device), counts, size)
+            blocks, within = slots // size, slots % size
             for pool, new_rows in ((self.key_pool, keys), (self.value_pool, values)):
-                pool[slots // size, slots % size] = new_rows.transpose(1, 2)[rows, offsets]
+                pool[blocks, within] = new_rows.transpose(1, 2)[rows, offsets]
         self.tables = plan
         self.lengths = [a + b for a, b in zip(self.lengths, counts)]
         self.appended, self._width = counts, new

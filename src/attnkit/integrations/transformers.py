@@ -376,12 +376,12 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int,
         packed = pattern is not None and any(g[0] == "packed" for g in pattern.groups)
         mask = ak.dense(allowed)
         try:  # the padding too (already in the dense mask): where each row's keys begin, which
-            keys = _key_padding(attention_mask, kv_length, kv_offset)  # the invariance
+            real = _key_padding(attention_mask, kv_length, kv_offset)  # the invariance
         except _NotStructured:  # contract's key blocks start from (left padding)
-            keys = None
-        return TransformersMask(mask if keys is None else mask & keys, batch_size, q_length,
+            real = None
+        return TransformersMask(mask if real is None else mask & real, batch_size, q_length,
                                 kv_length, structured=False, packed=packed, padded=padded,
-                                rows=rows)
+                                rows=rows, keys=keys)
 
 
 class _NotStructured(Exception):
