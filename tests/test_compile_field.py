@@ -203,3 +203,42 @@ def test_mask_tensors_that_change_between_calls_are_read_fresh(context, how):
             torch.testing.assert_close(got, fn(q, k, v, new_lengths, new_ids),
                                        msg=lambda m: f"call {call}: {m}")
     assert _graphs() == 1
+
+
+def test_a_mask_made_outside_a_checkpointed_region_compiles_whole():
+    """Activation checkpointing inside a ``fullgraph=True`` compile, with a mask object built
+    once outside (a bare ``causal()``, which holds no tensor): tracing must not write into
+    the mask (a side effect the checkpoint's region refuses)."""
+    gen = torch.Generator().manual_seed(4)
+    mha = MultiHeadAttention(32, 4)
+    x = torch.randn(2, 6, 32, generator=gen)
+    mask = ak.causal()
+
+    def fn(x):
+        return torch.utils.checkpoint.checkpoint(lambda x: mha(x, mask=mask).out, x,
+                                                 use_reentrant=False)
+
+    want = _out_and_grads(fn, x)
+    got = _out_and_grads(torch.compile(fn, backend="aot_eager", fullgraph=True), x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_masks_from_python_lists_compile_for_new_values(dynamic):
+    """Lengths and document ids given as Python lists (a data loader's) are graph inputs,
+    not constants: new values of the same length reuse the graph (``dynamic=None``: after
+    the one recompile that marks the changed ints dynamic), and read fresh. (Every id
+    changes here, and none is 0 or 1: dynamo keeps those two values constant.)"""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 8, 16, generator=gen) for _ in range(3))
+
+    def fn(q, k, v, lengths, ids):
+        return ak.attention(q, k, v, ak.padding(kv_lengths=lengths) & ak.documents(ids))
+
+    compiled = torch.compile(fn, backend="aot_eager", dynamic=dynamic)
+    for step in range(5):
+        lengths = [3 + step, 8 - step]
+        ids = [5 + step] * (2 + step % 3) + [9 + step] * (6 - step % 3)
+        torch.testing.assert_close(compiled(q, k, v, lengths, ids), fn(q, k, v, lengths, ids))
+    assert _graphs() <= (1 if dynamic else 2)

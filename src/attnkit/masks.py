@@ -565,8 +565,10 @@ def integer_tensor(value) -> torch.Tensor:
     """``value`` (a tensor, or nested lists of numbers) as a tensor of its own dtype, for the
     caller to refuse unless integer: a list holding a float becomes a float tensor, never
     truncated; an empty list (no dtype of its own) becomes long, for the caller's shape
-    check. Raises what ``torch.as_tensor`` raises for anything else."""
-    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value, device="cpu")
+    check. Raises what ``torch.tensor`` raises for anything else (``torch.tensor``, not
+    ``as_tensor``: dynamo traces the list's ints as inputs, where ``as_tensor`` pins their
+    values into the graph, a recompile for every new list)."""
+    t = value if isinstance(value, torch.Tensor) else torch.tensor(value, device="cpu")
     if t.numel() == 0 and not isinstance(value, torch.Tensor):
         t = t.to(torch.long)
     return t
@@ -652,7 +654,7 @@ def _runs(name: str, value, allow_empty_rows: bool) -> _Runs:
     dense_fix = ("ak.dense(mask[:, None, None, :])" if side == "kv"
                  else "ak.dense(mask[:, None, :, None])")
     try:
-        m = value if isinstance(value, torch.Tensor) else torch.as_tensor(value, device="cpu")
+        m = value if isinstance(value, torch.Tensor) else torch.tensor(value, device="cpu")
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"padding {name}={value!r}: pass a bool or 0/1 integer tensor of shape "
                         f"[B, T] (True = real token)") from None
@@ -785,12 +787,17 @@ def mask_fields(mask: Mask) -> dict:
 def mask_tensors(mask: Mask) -> Optional[tuple]:
     """Every tensor a mask holds (its fields, its parts' fields), or ``None`` when it runs
     user code (``from_function``: what it reads is unknown). A mask's fields never change
-    after construction: found once, kept with its memos."""
-    kept = mask.__dict__.setdefault("_memo", {})
-    if "tensors" not in kept:
-        tensors, runs_code = _walk_tensors(mask)
-        kept["tensors"] = None if runs_code else tensors
-    return kept["tensors"]
+    after construction: found once, kept with its memos; traced, found without keeping (a
+    write into a mask made outside the traced region is a side effect that a checkpointed
+    region refuses under ``fullgraph=True``)."""
+    kept = mask.__dict__.get("_memo")
+    if kept is not None and "tensors" in kept:
+        return kept["tensors"]
+    tensors, runs_code = _walk_tensors(mask)
+    found = None if runs_code else tensors
+    if not torch.compiler.is_compiling():
+        mask.__dict__.setdefault("_memo", {})["tensors"] = found
+    return found
 
 
 def held_tensors(mask: Mask) -> tuple:
@@ -1622,7 +1629,7 @@ def _document_ids(name: str, value) -> torch.Tensor:
                             f"i, name in enumerate(dict.fromkeys(names))}}; ids = [index[name] for "
                             f"name in names]")
         try:
-            ids = torch.as_tensor(value, device="cpu")
+            ids = torch.tensor(value, device="cpu")  # (not as_tensor: see integer_tensor)
         except (TypeError, RuntimeError):
             raise TypeError(f"documents {name}: cannot read {type(value).__name__} as document ids; "
                             f"pass integer ids, one per position (a list of ints or an integer "
@@ -1632,7 +1639,7 @@ def _document_ids(name: str, value) -> torch.Tensor:
                              f"give every row of a batch the same length (pad the shorter rows "
                              f"with an id of their own)") from None
         if ids.numel() == 0:
-            ids = ids.to(torch.long)  # an empty list has no dtype (as_tensor says float)
+            ids = ids.to(torch.long)  # an empty list has no dtype (torch.tensor says float)
     if ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"documents {name} has dtype {ids.dtype}: document ids are compared for "
                         f"equality, so they must be integers; pass {name}.long() when the values "

@@ -375,7 +375,8 @@ class KVCache:
         search keeps its best hypotheses). Per-sequence lengths follow their rows."""
         if self.keys is None:
             raise ValueError("KVCache.reorder needs a cache holding tokens: append first")
-        index = torch.as_tensor(index, device=self.keys.device)
+        index = (index.to(self.keys.device) if isinstance(index, torch.Tensor)
+                 else torch.tensor(index, device=self.keys.device))  # (masks.integer_tensor)
         if index.dim() != 1 or index.dtype == torch.bool or index.is_floating_point():
             raise TypeError(f"index must be integers [B'] (rows of this cache), got "
                             f"{index.dtype} {tuple(index.shape)}")
@@ -599,7 +600,8 @@ class KVCache:
             return torch.full((batch,), new, dtype=torch.long, device=device)
         given = lengths
         try:
-            lengths = torch.as_tensor(lengths, device=device)
+            lengths = (lengths.to(device) if isinstance(lengths, torch.Tensor)
+                       else torch.tensor(lengths, device=device))  # (see masks.integer_tensor)
         except (TypeError, ValueError, RuntimeError):
             raise TypeError(f"lengths must be integers [B] = [{batch}] (real new positions per "
                             f"sequence), a tensor or a list, got {type(given).__name__} "
