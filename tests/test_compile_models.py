@@ -145,3 +145,22 @@ def test_a_layer_compiled_inside_an_eager_model_is_one_graph():
         compiled = model(input_ids=ids).logits
     assert graphs.count == 1
     torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.parametrize("name, pattern", [("causal_mask_function", (float("-inf"), 0)),
+                                           ("bidirectional_mask_function",
+                                            (float("-inf"), float("inf")))])
+def test_transformers_own_mask_functions_are_read_while_compiling(name, pattern):
+    """Inside a compiled region the causal and bidirectional mask functions are still read
+    as structured masks (not the dense fallback): dynamo traces a function's
+    ``__qualname__`` unequal to its text, so they are known by identity."""
+    from transformers import masking_utils
+    found = []
+
+    def read(x, fn):
+        found.append(ak_hf._read(fn))
+        return x + 1
+
+    torch.compile(read, backend=Graphs(), fullgraph=True)(torch.ones(2),
+                                                          getattr(masking_utils, name))
+    assert found[0] is not None and (found[0].lo, found[0].hi) == pattern

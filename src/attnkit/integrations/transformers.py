@@ -418,11 +418,12 @@ def _read(fn: Callable) -> Optional[_Pattern]:
     functions without a closure (causal, bidirectional) are read."""
     if getattr(fn, "__module__", None) != masking_utils.__name__:
         return None
-    name = getattr(fn, "__qualname__", "")
-    if name == "causal_mask_function":
+    # (by identity: dynamo compares a function's traced __qualname__ unequal to its text)
+    if fn is getattr(masking_utils, "causal_mask_function", None):
         return _Pattern(hi=0)
-    if name == "bidirectional_mask_function":
+    if fn is getattr(masking_utils, "bidirectional_mask_function", None):
         return _Pattern()
+    name = getattr(fn, "__qualname__", "")
     if torch.compiler.is_compiling():  # dynamo cannot read a closure's cells: the dense mask
         return None
     free = _free_variables(fn)
