@@ -723,19 +723,54 @@ def _rowwise(layer: nn.Module, x: torch.Tensor, product=None) -> torch.Tensor:
     return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
-_TORCH_MHA_KEYWORDS = {
-    "attn_mask": "pass mask= (a bool mask there means True = may attend, the opposite of "
-                 "torch's bool attn_mask: pass mask=~attn_mask; a float mask is added as is; "
-                 "torch's per-head [B*H, Tq, Tk] mask goes in as attn_mask.view(B, H, Tq, Tk))",
-    "average_attn_weights": "the weights are per head, [B, H, Tq, Tk]: average them with "
-                            "weights.mean(1)",
-}
+def _attn_mask_hint(attn_mask) -> str:
+    """attnkit's spelling of torch's ``attn_mask`` ``[Tq, Tk]`` or per-head ``[B*H, Tq, Tk]``
+    (``[H, Tq, Tk]`` unbatched): bool True = NOT allowed, float = added to the scores."""
+    if attn_mask is None:
+        return "drop it (no mask is the default)"
+    if not isinstance(attn_mask, torch.Tensor):
+        return "pass mask= (a tensor over the scores [B, H, Tq, Tk], or an attnkit mask)"
+    flip, how = (("~", "a bool mask here means True = may attend, the opposite of torch's")
+                 if attn_mask.dtype == torch.bool else
+                 ("", "a float mask is added to the scores, as torch's"))
+    if attn_mask.dim() == 3:
+        tq, tk = attn_mask.shape[1:]
+        return (f"pass mask= ({how}; torch's per-head [B*H, Tq, Tk] is [B, H, Tq, Tk] here): "
+                f"mask={flip}attn_mask.view(-1, num_heads, {tq}, {tk})")
+    return f"pass mask= ({how}): mask={flip}attn_mask"
+
+
+def _key_padding_mask_hint(key_padding_mask) -> str:
+    """attnkit's spelling of torch's ``key_padding_mask`` ``[B, Tk]`` (``[Tk]`` unbatched):
+    bool True = ignore the key, float = added to the scores of that key."""
+    if key_padding_mask is None:
+        return "drop it (no padding is the default)"
+    if isinstance(key_padding_mask, torch.Tensor) and key_padding_mask.is_floating_point():
+        return ("a float mask is added to the scores of each key: pass mask=key_padding_mask"
+                "[:, None, None] ([B, 1, 1, Tk]; unbatched: mask=key_padding_mask; with an "
+                "attn_mask, add the two)")
+    return ("pass key_valid=~key_padding_mask (key_valid: True = a real key that may be "
+            "attended, the opposite of torch's key_padding_mask)")
+
+
+def _average_attn_weights_hint(average) -> str:
+    """attnkit's spelling of torch's ``average_attn_weights``: the weights are per head."""
+    if average is False:
+        return ("drop it: the weights (need_weights=True) are per head, [B, H, Tq, Tk], as "
+                "torch's with average_attn_weights=False")
+    return ("the weights (need_weights=True) are per head, [B, H, Tq, Tk]: average them with "
+            "weights.mean(1)")
+
+
+_TORCH_MHA_KEYWORDS = {"attn_mask": _attn_mask_hint, "key_padding_mask": _key_padding_mask_hint,
+                       "average_attn_weights": _average_attn_weights_hint}
+"""torch's ``nn.MultiheadAttention.forward`` keywords → their hint, a function of the value."""
 
 
 def _unexpected(keywords: dict) -> TypeError:
     """The error for keywords :meth:`MultiHeadAttention.forward` does not take: torch's
-    ``nn.MultiheadAttention`` ones with their attnkit spelling."""
-    hints = [f"{name}: {_TORCH_MHA_KEYWORDS[name]}" for name in keywords
+    ``nn.MultiheadAttention`` ones with their attnkit spelling (for the value passed)."""
+    hints = [f"{name}: {_TORCH_MHA_KEYWORDS[name](value)}" for name, value in keywords.items()
              if name in _TORCH_MHA_KEYWORDS]
     names = ", ".join(repr(name) for name in keywords)
     return TypeError(f"MultiHeadAttention.forward() got unexpected keyword argument(s) {names}"
@@ -939,9 +974,8 @@ class MultiHeadAttention(nn.Module):
             extended cache (``None`` without one). A query row whose keys are all masked gets 0
             attention output (never NaN).
         """
-        if key_padding_mask is not None:
-            raise TypeError("MultiHeadAttention takes key_valid (True = a real key), not torch's "
-                            "key_padding_mask (True = ignore): pass key_valid=~key_padding_mask")
+        if key_padding_mask is not None:  # torch's, reported with the others
+            unexpected = {"key_padding_mask": key_padding_mask, **unexpected}
         if unexpected:
             raise _unexpected(unexpected)
         refuse_jit_trace("MultiHeadAttention")
@@ -1116,11 +1150,30 @@ class MultiHeadAttention(nn.Module):
 
         Handles the packed ``in_proj_weight`` and the separate ``q/k/v_proj_weight`` layouts
         (the latter when kdim/vdim differ from embed_dim), biases where the source has them,
-        and each parameter's ``requires_grad``. The result is always batch first: transpose
-        ``[T, B, E]`` inputs of a ``batch_first=False`` source. Mask conventions differ:
-        torch's bool masks mean True = ignore, attnkit's True = may attend (use ``~``), a
-        per-head ``attn_mask [B*H, Tq, Tk]`` is ``[B, H, Tq, Tk]`` here (``.view``), and torch
-        averages the weights over heads unless ``average_attn_weights=False``.
+        and each parameter's ``requires_grad``. A torch state_dict (``in_proj_weight``,
+        ``out_proj.weight``, ...) does not load here (``in_proj_weight`` is ``q_proj.weight``,
+        ``k_proj.weight`` and ``v_proj.weight``): load it into the torch module and copy that,
+        ``src.load_state_dict(sd); MultiHeadAttention.from_torch(src)``.
+
+        The copy's outputs and gradients are the source's, called the attnkit way:
+
+        - always batch first: transpose ``[T, B, E]`` inputs of a ``batch_first=False``
+          source (unchecked: they would read as ``[B, T, E]``);
+        - it returns ``(out, weights, cache)``; weights only with ``need_weights=True`` (torch's
+          default), per head ``[B, H, Tq, Tk]`` (``weights.mean(1)`` is torch's default
+          average), before dropout (torch's are after);
+        - bool masks mean True = may attend: ``mask=~attn_mask``,
+          ``key_valid=~key_padding_mask``; a float ``attn_mask`` is ``mask=attn_mask``, a float
+          ``key_padding_mask [B, Tk]`` is ``mask=key_padding_mask[:, None, None]``, and a
+          per-head ``attn_mask [B*H, Tq, Tk]`` is ``attn_mask.view(B, H, Tq, Tk)``;
+        - torch's ``is_causal`` is a hint that ``attn_mask`` is causal; here
+          ``is_causal=True`` alone is the causal mask, and with ``mask`` both apply;
+        - a query row with every key masked gets attention output 0 (torch's may be NaN).
+
+        Raises:
+            ValueError: ``add_bias_kv=True`` (no learned extra key/value here) or
+                ``add_zero_attn=True`` (attnkit's ``sinks`` at each call instead: see the
+                message).
         """
         if not isinstance(module, nn.MultiheadAttention):
             raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(module).__name__}")
@@ -1130,11 +1183,17 @@ class MultiHeadAttention(nn.Module):
                             f"projects with its own linear_Q/K/V layers and computes "
                             f"otherwise: copy the float module it was made from")
         if module.bias_k is not None or module.bias_v is not None:
-            raise ValueError("from_torch: add_bias_kv=True (a learned extra key/value) is not "
-                             "supported; rebuild the torch module with add_bias_kv=False")
+            raise ValueError("from_torch: add_bias_kv=True appends a learned key and value "
+                             "(bias_k, bias_v) to every sequence, which MultiHeadAttention "
+                             "has no place for: keep torch's module for this layer (an "
+                             "untrained one can be built with add_bias_kv=False)")
         if module.add_zero_attn:
-            raise ValueError("from_torch: add_zero_attn=True is not supported; rebuild the torch "
-                             "module with add_zero_attn=False")
+            raise ValueError(f"from_torch: add_zero_attn=True appends a zero key and value to "
+                             f"every head, which is attnkit's sinks with logit 0: copy the "
+                             f"module with add_zero_attn=False (module.add_zero_attn = False; "
+                             f"its parameters are the same) and pass mask=attnkit.sinks("
+                             f"torch.zeros({module.num_heads})) at every call (& any other "
+                             f"mask); the weights then lack torch's last (zero key) column")
         e = module.embed_dim
         weights = (module.in_proj_weight.split(e, dim=0)  # packed [3E, E]: rows q, k, v
                    if module.in_proj_weight is not None else
