@@ -108,6 +108,23 @@ def _refusal(error: ValueError) -> str:
     return "refused"
 
 
+def _check_grads(problems: list, names: tuple, got: tuple, want: tuple, leaves: tuple) -> None:
+    """Each gradient of ``got`` against ``want`` (``None``: zeros like its leaf); problems
+    appended to ``problems``."""
+    for name, g, w, leaf in zip(names, got, want, leaves):
+        try:
+            torch.testing.assert_close(torch.zeros_like(leaf) if g is None else g,
+                                       torch.zeros_like(leaf) if w is None else w)
+        except AssertionError as error:
+            problems.append(f"{name}: {str(error)[:300]}")
+
+
+def _failures(make, run, seeds) -> dict:
+    """``{seed: (case, problems)}`` of the cases ``make(seed)`` that ``run`` finds wrong."""
+    cases = {seed: make(seed) for seed in seeds}
+    return {seed: (case, problems) for seed, case in cases.items() if (problems := run(case))}
+
+
 # ---- paged_attention ----------------------------------------------------------------------------
 POOL_LAYOUTS = ("contiguous", "heads_major", "dim_major", "slot_major", "slice", "neg",
                 "fused_kv", "expanded")
@@ -244,24 +261,14 @@ def run_paged(case: dict) -> list:
                     for b, (row, n) in enumerate(zip(rows, case["lengths"])))
         got_grads = torch.autograd.grad(out, leaves, dout, allow_unused=True)
         want_grads = torch.autograd.grad(total, truth_leaves, allow_unused=True)
-        for name, g, w, leaf in zip(("dq", "dkey_pool", "dvalue_pool"), got_grads,
-                                    want_grads, leaves):
-            try:
-                torch.testing.assert_close(torch.zeros_like(leaf) if g is None else g,
-                                           torch.zeros_like(leaf) if w is None else w)
-            except AssertionError as error:
-                problems.append(f"{name}: {str(error)[:300]}")
+        _check_grads(problems, ("dq", "dkey_pool", "dvalue_pool"), got_grads, want_grads,
+                     leaves)
     return problems
 
 
 @pytest.mark.parametrize("first", range(0, 320, 40))
 def test_paged_attention_equals_each_sequence_alone(first):
-    failures = {}
-    for seed in range(first, first + 40):
-        case = paged_case(seed)
-        problems = run_paged(case)
-        if problems:
-            failures[seed] = (case, problems)
+    failures = _failures(paged_case, run_paged, range(first, first + 40))
     assert not failures, failures
 
 
@@ -269,12 +276,7 @@ def test_paged_attention_on_the_triton_kernel_equals_each_sequence_alone(monkeyp
     """Small cases on the split-key kernel reading the table (interpreted on CPU)."""
     interpreted_triton_launch()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    failures = {}
-    for seed in range(12):
-        case = paged_case(seed, triton=True)
-        problems = run_paged(case)
-        if problems:
-            failures[seed] = (case, problems)
+    failures = _failures(lambda seed: paged_case(seed, triton=True), run_paged, range(12))
     assert not failures, failures
 
 
@@ -500,35 +502,20 @@ def run_varlen(case: dict) -> list:
         got_grads = torch.autograd.grad(out, (q, k, v), dout, allow_unused=True)
         want_grads = (torch.autograd.grad(total, truth_leaves, allow_unused=True)
                       if torch.is_tensor(total) else [None] * 3)
-        for name, g, w, leaf in zip(("dq", "dk", "dv"), got_grads, want_grads, (q, k, v)):
-            try:
-                torch.testing.assert_close(torch.zeros_like(leaf) if g is None else g,
-                                           torch.zeros_like(leaf) if w is None else w)
-            except AssertionError as error:
-                problems.append(f"{name}: {str(error)[:300]}")
+        _check_grads(problems, ("dq", "dk", "dv"), got_grads, want_grads, (q, k, v))
     return problems
 
 
 @pytest.mark.parametrize("first", range(0, 300, 50))
 def test_varlen_attention_equals_each_sequence_alone(first):
-    failures = {}
-    for seed in range(first, first + 50):
-        case = varlen_case(seed)
-        problems = run_varlen(case)
-        if problems:
-            failures[seed] = (case, problems)
+    failures = _failures(varlen_case, run_varlen, range(first, first + 50))
     assert not failures, failures
 
 
 def test_varlen_attention_on_triton_equals_each_sequence_alone(monkeypatch):
     interpreted_triton_launch()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    failures = {}
-    for seed in range(10):
-        case = varlen_case(seed, triton=True)
-        problems = run_varlen(case)
-        if problems:
-            failures[seed] = (case, problems)
+    failures = _failures(lambda seed: varlen_case(seed, triton=True), run_varlen, range(10))
     assert not failures, failures
 
 
