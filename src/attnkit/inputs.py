@@ -297,7 +297,11 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
             raise ValueError(f"{name} has shape {tuple(t.shape)}; attention needs at least 2 dims "
                              f"[T, D] (use {name}[None] for a single vector). Got {where}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype: {where}. Cast them, e.g. k.to(q.dtype)")
+        autocast = (" (under torch.autocast float64 tensors keep their dtype and the others run "
+                    "in the autocast dtype: pass all three in float64, or none)"
+                    if torch.float64 in (q.dtype, k.dtype, v.dtype) else "")
+        raise TypeError(f"q, k and v must share one dtype: {where}. Cast them, e.g. "
+                        f"k.to(q.dtype){autocast}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device: {where}. Move them with .to(q.device)")
     if not (q.dim() == k.dim() == v.dim()):
@@ -592,8 +596,12 @@ def _fit_mask(mask: Mask, inputs: Inputs) -> Mask:
             raise ValueError(f"{what} is on {t.device} but q {tuple(inputs.q.shape)} is on "
                              f"{inputs.q.device}: move it with .to(q.device)")
         if is_bias and t.dtype != inputs.q.dtype and t.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"{what} has dtype {t.dtype} but q has {inputs.q.dtype}: cast it "
-                            f"with .to(q.dtype)")
+            # (under torch.autocast q is in the autocast dtype here, and the bias as given:
+            # a fix named by q's dtype could name one the caller's q does not have)
+            raise TypeError(f"{what} has dtype {t.dtype} but q runs in {inputs.q.dtype} (under "
+                            f"torch.autocast, the autocast dtype; a bias keeps its own): a bias "
+                            f"is float32, float64 or q's dtype. Cast it with .float(), or "
+                            f".to(q.dtype) outside torch.autocast")
         t4 = _to_4d(t.resolve_neg(), inputs)  # as _bhtd does
         if is_bias and inputs.q.dtype == torch.float64:
             t4 = t4.to(torch.float64)  # biases of float64 inputs add (and sum) in float64
