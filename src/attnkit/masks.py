@@ -2181,7 +2181,9 @@ def from_function(fn: Callable, name: Optional[str] = None) -> Mask:
     (``b [B,1,1,1]``, ``h [1,H,1,1]``, ``q_idx [1,1,tq,1]``, ``kv_idx [1,1,1,tk]``), like
     FlexAttention's ``mask_mod``. Its block map is found by evaluating it once. With more
     than one batch dim (``[B1, B2, H, T, D]`` inputs), ``b`` counts the flattened batch
-    (``b = b1 · B2 + b2``)."""
+    (``b = b1 · B2 + b2``). ``pickle`` and ``torch.save`` (DataLoader workers, checkpoints)
+    save ``fn`` by its name: a lambda or a function defined inside another cannot be
+    pickled there (``PicklingError`` or ``AttributeError``); define ``fn`` at module level."""
     return _Function(fn, name)
 
 

@@ -81,6 +81,12 @@ class _Store:
         # read by a query that requires grad: autograd holds views of it (an attention's
         # saved keys), so later appends copy (as for a store whose keys require grad)
         self.graphed = False
+        # whether the buffers are inference tensors (torch refuses writes into them outside
+        # inference mode); None where a compiled region made them: dynamo sees neither
+        # inference mode nor inference tensors, and they are ones when the graph runs under
+        # inference mode
+        self.inference: Optional[bool] = (None if torch.compiler.is_compiling()
+                                          else self.keys.is_inference())
         # (what _checked remembers of the lengths the last append validated, those lengths
         # as a long tensor on the device)
         self.checked: Optional[tuple] = None
@@ -152,10 +158,15 @@ def _writable(store: _Store) -> bool:
     """Whether an append may write into ``store`` in place: not while autograd may hold views
     of it (it holds keys that require grad, or a query that requires grad read it: a backward
     through an earlier step would find its saved keys changed), nor an inference-mode store
-    outside inference mode (torch refuses the write)."""
-    return (not store.graphed and not store.keys.requires_grad
-            and not store.values.requires_grad
-            and (torch.is_inference_mode_enabled() or not store.keys.is_inference()))
+    outside inference mode (torch refuses the write). Compiled, inference mode is not seen
+    (dynamo breaks the graph on it): a store made under inference mode outside the region
+    is copied once (into a store the region makes), a store a region made is written in
+    place (wrong for one case, which torch refuses: see :class:`KVCache`)."""
+    if store.graphed or store.keys.requires_grad or store.values.requires_grad:
+        return False
+    if torch.compiler.is_compiling():
+        return store.inference is not True
+    return torch.is_inference_mode_enabled() or not store.keys.is_inference()
 
 
 def _recorded(keys: torch.Tensor, values: torch.Tensor) -> bool:
@@ -203,12 +214,16 @@ class KVCache:
     call :func:`attnkit.attention` on :attr:`keys` yourself with a query that requires grad
     and keys that do not, the next append may write over what that backward reads: pass
     ``keys.clone()`` and ``values.clone()`` there. Buffers made under ``inference_mode`` are
-    copied before a write outside it; extending an older cache again (beam search,
-    speculative decoding) copies it first, so no cache's real positions ever change. With
-    per-sequence ``lengths``, a sequence's positions past ``lengths[b]`` are padding, which
-    :meth:`mask` excludes; a later append of the chain may write there. A cache built from
-    the caller's tensors may hold anything there: it is never read (the first append copies
-    zeros in its place).
+    copied before an eager write outside it. A compiled step sees neither inference mode nor
+    inference tensors: it copies such buffers made eagerly and writes in place into those a
+    compiled step made, so a cache that compiled steps extended under ``inference_mode`` is
+    extended under it again, or by one eager step first (which copies): torch refuses the
+    write otherwise. Extending an older cache again (beam search, speculative decoding)
+    copies it first, so no cache's real positions ever change. With per-sequence
+    ``lengths``, a sequence's positions past ``lengths[b]`` are padding, which :meth:`mask`
+    excludes; a later append of the chain may write there. A cache built from the caller's
+    tensors may hold anything there: it is never read (the first append copies zeros in its
+    place).
 
     ``window`` (Mistral-style sliding-window attention, ``KVCache.empty(window=w)``): each
     append first drops all but the last ``w − 1`` keys, so a query sees at most ``w`` keys, its
@@ -550,11 +565,14 @@ class KVCache:
     def _check_step(self, keys, values) -> None:
         """Raise unless ``keys``/``values`` are one step ``[B, Hkv, t, D]`` that continues
         this cache (the same B, Hkv, head dims, dtype and device)."""
-        cached = self.keys
+        # the store's buffers where there is one (B, Hkv, D, dtype and device of the views):
+        # a compiled step then reads the store alone, not also views of it
+        cached, cached_values = ((self.keys, self.values) if self._store is None
+                                 else (self._store.keys, self._store.values))
         if (cached is not None and type(keys) is type(values) is torch.Tensor
                 and keys.dim() == values.dim() == 4 and keys.shape[:3] == values.shape[:3]
                 and keys.shape[:2] == cached.shape[:2] and keys.shape[3] == cached.shape[3]
-                and values.shape[3] == self.values.shape[3] and keys.dtype == values.dtype
+                and values.shape[3] == cached_values.shape[3] and keys.dtype == values.dtype
                 and keys.dtype == cached.dtype and keys.device == values.device == cached.device
                 and keys.is_floating_point()):
             return  # the common step, accepted at once; the checks below name what is wrong
@@ -586,11 +604,14 @@ class KVCache:
                              f"{tuple(self.keys.shape)}, values {tuple(self.values.shape)}): batch "
                              f"size, KV heads and head dims must match. Start a new cache with "
                              f"KVCache.empty() for a new batch")
-        if self.keys.dtype != keys.dtype or self.keys.device != keys.device:
-            raise ValueError(f"new keys are {keys.dtype} on {keys.device} but the cache holds "
-                             f"{self.keys.dtype} on {self.keys.device}: decode in one dtype/device "
-                             f"(under torch.autocast the projections give the autocast dtype: "
-                             f"fill and extend a cache on the same side of autocast)")
+        if self.keys.dtype != keys.dtype:
+            raise TypeError(f"new keys are {keys.dtype} but the cache holds {self.keys.dtype}: "
+                            f"decode in one dtype (under torch.autocast the projections give "
+                            f"the autocast dtype: fill and extend a cache on the same side of "
+                            f"autocast)")
+        if self.keys.device != keys.device:
+            raise ValueError(f"new keys are on {keys.device} but the cache holds keys on "
+                             f"{self.keys.device}: decode on one device")
 
     @staticmethod
     def _new_lengths(lengths, batch: int, new: int, device) -> torch.Tensor:
@@ -814,6 +835,11 @@ def _plain_linear(layer: nn.Module) -> bool:
             and not nn.modules.module._global_forward_hooks
             and not nn.modules.module._global_forward_pre_hooks)
 
+
+
+_TORCH_MHA_PARAMETERS = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight",
+                         "v_proj_weight", "bias_k", "bias_v")
+"""``torch.nn.MultiheadAttention``'s parameter names that :class:`MultiHeadAttention` lacks."""
 
 
 class MultiHeadAttention(nn.Module):
@@ -1142,6 +1168,25 @@ class MultiHeadAttention(nn.Module):
         for part in parts[1:]:
             combined = combined & part
         return combined
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """torch's loading, refusing ``torch.nn.MultiheadAttention``'s state dict (packed
+        ``in_proj_weight`` or ``q/k/v_proj_weight``) with the way to convert it, also with
+        ``strict=False`` (which would load ``out_proj`` alone)."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        found = [prefix + name for name in _TORCH_MHA_PARAMETERS if prefix + name in state_dict]
+        if found and prefix + "q_proj.weight" not in state_dict:
+            error_msgs.append(
+                f"{', '.join(map(repr, found))} are torch.nn.MultiheadAttention's parameters; "
+                f"MultiHeadAttention has q_proj, k_proj, v_proj and out_proj layers. Load "
+                f"the state dict into torch's module and copy that: src = torch.nn."
+                f"MultiheadAttention({self.embed_dim}, {self.num_heads}"
+                + ("" if self.kdim == self.vdim == self.embed_dim
+                   else f", kdim={self.kdim}, vdim={self.vdim}")
+                + f", batch_first=True); "
+                f"src.load_state_dict(state_dict); MultiHeadAttention.from_torch(src)")
 
     # ---- conversion ---------------------------------------------------------------------------
     @classmethod
