@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from .masks import (DENSE_MAX_SCORES, Band, Mask, MaskSpace, _is_wrapped, as_mask,
-                    every_row_has_key, keeping, learnable, mask_fields, mask_tensors,
-                    validation_key)
+                    every_row_has_key, held_tensors, keeping, learnable, mask_fields,
+                    mask_tensors, validation_key)
 from .modifiers import Modifiers, split
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -46,8 +46,9 @@ class Inputs:
     bias_grad: bool = False
     """A bias of the mask requires grad (a learnable bias: it needs dBias)."""
     transformed: bool = False
-    """The call runs under a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, …): its
-    tensors are functorch wrappers."""
+    """The call runs under a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, …) or
+    forward-mode AD: some of its tensors (q, k, v, or any the mask or its modifiers hold, such
+    as vmapped lengths or ids) are functorch wrappers or dual tensors."""
     modifiers: Optional[Modifiers] = None
     """The score modifiers (softcap, alibi, …) taken out of the caller's mask, or ``None``;
     ``mask`` then holds only what says which keys count (see :mod:`attnkit.modifiers`)."""
@@ -383,9 +384,7 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
     grad_mode = torch.is_grad_enabled()
     inputs.need_grad = grad_mode and any(t.requires_grad for t in inputs.grad_tensors)
     inputs.bias_grad = grad_mode and any(t.requires_grad for t in inputs.biases)
-    # (dynamo cannot trace the functorch query; a compiled graph holds no functorch wrappers)
-    inputs.transformed = not torch.compiler.is_compiling() and any(
-        _is_wrapped(t) for t in inputs.grad_tensors)
+    inputs.transformed = _transformed(inputs)
     if mask is not None:
         if q.device.type != "meta":  # a mask built under `with torch.device("meta")`
             for t in mask_tensors(mask) or ():
@@ -400,6 +399,25 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
                              + f"\nInputs (normalised to [B, H, T, D]):\n{inputs.describe()}")
         inputs.mask = mask.simplified(inputs.space)
     return inputs
+
+
+def _transformed(inputs: Inputs) -> bool:
+    """:attr:`Inputs.transformed` for a validated call: a tensor it takes is a ``torch.func``
+    wrapper or a dual tensor (q, k, v, and every tensor the mask and its modifiers hold: ``vmap``
+    over per-example lengths, ids or bool masks wraps them alone), or a transform is active
+    and the call runs the caller's code (``from_function``, a score or bucket function), which
+    may read a wrapped tensor the mask does not hold. Never inside a compiled graph, which
+    holds no wrappers (and dynamo cannot trace the functorch query)."""
+    if torch.compiler.is_compiling():
+        return False
+    mask, modifiers = inputs.mask, inputs.modifiers
+    held = () if mask is None else held_tensors(mask)
+    if any(_is_wrapped(t) for t in (*inputs.grad_tensors, *held)):
+        return True
+    runs_code = (mask is not None and mask_tensors(mask) is None) or (
+        modifiers is not None and (bool(modifiers.functions) or any(
+            part.buckets is not None for part in modifiers.relative)))
+    return runs_code and torch._C._functorch.peek_interpreter_stack() is not None
 
 
 LAST_QUERY_CAUSAL = Band(None, 0, "bottom_right")

@@ -1914,9 +1914,10 @@ class _CausalDocuments(_Intervals):
         return self.documents._size()
 
     def tile(self, q_idx, kv_idx, space):
-        if not readable(self.documents.q_ids, self.documents.kv_ids):
+        ids = (self.documents.q_ids, self.documents.kv_ids)
+        if _fake_mode_active() or any(shapes_only(t) for t in ids):
             return self.documents.tile(q_idx, kv_idx, space)  # shapes only: no values to place
-        return super().tile(q_idx, kv_idx, space)
+        return super().tile(q_idx, kv_idx, space)  # (batched ids under vmap too: no host read)
 
     def check(self, space):
         problems = self.documents.check(space)
@@ -1949,7 +1950,8 @@ class _CausalDocuments(_Intervals):
             return tuple(torch.zeros(0, n, dtype=torch.long, device=device) for n in (
                 q2.shape[1], q2.shape[1], kv2.shape[1], kv2.shape[1], q2.shape[1]))
         *runs, q_whole, kv_whole = (torch.stack(parts) for parts in zip(*per_row))
-        if not bool(torch.cat([q_whole, kv_whole]).all()):  # one read for every row and side
+        if readable(q_ids, kv_ids) and not bool(torch.cat([q_whole, kv_whole]).all()):
+            # (one read for every row and side; check() makes it where the values cannot be read)
             name, ids, whole = (("q_ids", q2, q_whole) if not bool(q_whole.all())
                                 else ("kv_ids", kv2, kv_whole))
             row = int((~whole).nonzero()[0])

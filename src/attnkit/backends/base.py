@@ -32,11 +32,14 @@ def beyond_range(values: torch.Tensor, dtype: torch.dtype) -> bool:
 def bias_range_reasons(inputs: Inputs, dtype: torch.dtype, name: str) -> list[str]:
     """The refusal of a backend that adds the mask's biases in ``dtype``, for each bias with
     finite values beyond its range (:func:`beyond_range`), ALiBi's largest (its slopes times
-    ``Tq + Tk``) and relative-bias tables included."""
+    ``Tq + Tk``) and relative-bias tables included. Under a ``torch.func`` transform
+    (``inputs.transformed``) biases are not read: ``vmap`` cannot read batched values on the
+    host, and such a call runs on ``reference``, which adds them in float64."""
     reasons = [f"a bias beyond {dtype}'s range (|bias| > {torch.finfo(dtype).max:g}) (not "
                f"supported by {name}: it adds the bias in {dtype}, where it would overflow; "
                f"reference adds it in float64)"
-               for values in inputs.biases if beyond_range(values, dtype)]
+               for values in inputs.biases
+               if not inputs.transformed and beyond_range(values, dtype)]
     modifiers = inputs.modifiers
     if modifiers is not None and (modifiers.alibi or modifiers.relative):
         span = inputs.q.shape[2] + inputs.k.shape[2]
