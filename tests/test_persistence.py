@@ -170,6 +170,39 @@ def test_a_torch_multihead_attention_state_dict_names_from_torch(kdim, strict):
     torch.testing.assert_close(converted(x, kv, kv).out, torch_module(x, kv, kv)[0])
 
 
+@pytest.mark.parametrize("prefix", ["", "attn."])
+@pytest.mark.parametrize("options", [dict(bias=False), dict(kdim=8, vdim=12),
+                                     dict(kdim=8, vdim=8, bias=False)])
+def test_the_conversion_a_torch_state_dict_error_names_runs(prefix, options):
+    """The code the error gives (torch's module as the state dict needs it, loaded from the
+    entries under the prefix, then from_torch) runs and reproduces torch's module."""
+    gen = torch.Generator().manual_seed(7)
+    torch_module = torch.nn.MultiheadAttention(16, 4, batch_first=True, **options)
+    state = {prefix + name: value for name, value in torch_module.state_dict().items()}
+    target = MultiHeadAttention(16, 4, kdim=options.get("kdim"), vdim=options.get("vdim"),
+                                bias=options.get("bias", True))
+    layer = target if not prefix else torch.nn.Module()
+    if prefix:
+        layer.attn = target
+    with pytest.raises(RuntimeError, match=r"from_torch\(src\)") as error:
+        layer.load_state_dict(state, strict=False)
+    code = str(error.value).split("copy that: ")[1].strip()
+    scope = {"torch": torch, "state_dict": state, "MultiHeadAttention": MultiHeadAttention}
+    exec(code.replace("MultiHeadAttention.from_torch(src)",
+                      "converted = MultiHeadAttention.from_torch(src)"), scope)
+    x = torch.randn(2, 3, 16, generator=gen)
+    key = torch.randn(2, 3, options.get("kdim", 16), generator=gen)
+    value = torch.randn(2, 3, options.get("vdim", 16), generator=gen)
+    torch.testing.assert_close(scope["converted"](x, key, value).out,
+                               torch_module(x, key, value)[0])
+
+
+def test_a_torch_state_dict_with_bias_k_is_named_as_such():
+    torch_module = torch.nn.MultiheadAttention(16, 4, add_bias_kv=True, batch_first=True)
+    with pytest.raises(RuntimeError, match="add_bias_kv=True.*keep torch's module"):
+        MultiHeadAttention(16, 4).load_state_dict(torch_module.state_dict(), strict=False)
+
+
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
 def test_a_compiled_decoding_loop_has_no_graph_break(context):
     """A ``fullgraph=True`` decoding step over a KVCache, under ``no_grad`` or
@@ -202,3 +235,60 @@ def test_a_compiled_decoding_loop_has_no_graph_break(context):
     assert not counters["graph_break"]
     assert graphs[-6:] == [graphs[-1]] * 6, graphs
     assert all(store is stores[-1] for store in stores[-10:])  # written in place
+
+
+def test_an_inductor_compiled_decoding_loop_with_dynamic_shapes():
+    """torch.compile's default backend with dynamic shapes: the steps equal the eager ones,
+    the latest cache is extended in place and a sibling from the same cache copies (the
+    first keeps its keys)."""
+    gen = torch.Generator().manual_seed(8)
+    module = MultiHeadAttention(16, 2).eval()
+    x = torch.randn(2, 8, 16, generator=gen)
+
+    def step(x, cache):
+        out, _, cache = module(x, is_causal=True, cache=cache)
+        return out, cache
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="inductor", dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        _, cache = step(x[:, :3], KVCache.empty(capacity=16))
+        eager = cache
+        for t in range(3, 7):
+            out, cache = compiled(x[:, t:t + 1], cache)
+            want, eager = step(x[:, t:t + 1], eager)
+            torch.testing.assert_close(out, want)
+        _, first = compiled(x[:, 7:8], cache)  # the latest cache: written in place
+        kept = first.keys.clone()
+        _, second = compiled(x[:, 6:7], cache)  # its sibling: copies
+        torch.testing.assert_close(first.keys, kept, rtol=0, atol=0)
+        assert second._store is not first._store
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("trip", ["deepcopy", "torch.save"])
+def test_a_cache_copied_under_inference_mode_is_extended_by_compiled_steps(trip):
+    """A cache made under no_grad, copied (or loaded) under inference_mode, holds inference
+    tensors: compiled steps outside inference mode copy them once (torch refuses a write
+    into them) and equal the eager steps."""
+    gen = torch.Generator().manual_seed(9)
+    module = MultiHeadAttention(16, 2).eval()
+    x = torch.randn(2, 7, 16, generator=gen)
+
+    def step(x, cache):
+        out, _, cache = module(x, is_causal=True, cache=cache)
+        return out, cache
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        _, cache = step(x[:, :3], KVCache.empty(capacity=16))
+    with torch.inference_mode():
+        cache = TRIPS[trip](cache)
+    with torch.no_grad():
+        eager = cache
+        for t in range(3, 7):
+            out, cache = compiled(x[:, t:t + 1], cache)
+            want, eager = step(x[:, t:t + 1], eager)
+            torch.testing.assert_close(out, want)
+    torch._dynamo.reset()

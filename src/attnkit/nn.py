@@ -94,6 +94,12 @@ class _Store:
         self._positions: Optional[torch.Tensor] = None
         self._bias_values: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled or deep-copied: :attr:`inference` as the buffers are made again (under
+        ``inference_mode`` or not), not as they were."""
+        self.__dict__.update(state)
+        self.inference = self.keys.is_inference()
+
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]
@@ -144,7 +150,11 @@ def _claimed(store: _Store, generation: int, needed: int) -> bool:
     made: the store's generation moves on at once, so of several threads extending one
     cache (a shared prompt), one writes in place and the others copy."""
     def claim() -> bool:
-        if store.generation != generation or store.capacity < needed:
+        # two comparisons, not `!=`: compiled with dynamic shapes, dynamo turns an
+        # inequality of two symbolic ints into a replacement of one by the other, which
+        # inductor's generated code then leaves unbound (pytorch/pytorch#104102)
+        if (store.generation > generation or store.generation < generation
+                or store.capacity < needed):
             return False
         store.generation += 1
         return True
@@ -1172,21 +1182,40 @@ class MultiHeadAttention(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         """torch's loading, refusing ``torch.nn.MultiheadAttention``'s state dict (packed
-        ``in_proj_weight`` or ``q/k/v_proj_weight``) with the way to convert it, also with
-        ``strict=False`` (which would load ``out_proj`` alone)."""
+        ``in_proj_weight`` or ``q/k/v_proj_weight``), also with ``strict=False`` (which would
+        load ``out_proj`` alone). The error gives code that converts it: torch's module built
+        as the state dict needs (``bias``, ``kdim``/``vdim``), loaded from the entries under
+        ``prefix``, copied by :meth:`from_torch`; one with ``bias_k``/``bias_v``
+        (``add_bias_kv=True``), which :meth:`from_torch` refuses, is named as such."""
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         found = [prefix + name for name in _TORCH_MHA_PARAMETERS if prefix + name in state_dict]
-        if found and prefix + "q_proj.weight" not in state_dict:
+        if not found or prefix + "q_proj.weight" in state_dict:
+            return
+        names = ", ".join(map(repr, found))
+        if prefix + "bias_k" in state_dict or prefix + "bias_v" in state_dict:
             error_msgs.append(
-                f"{', '.join(map(repr, found))} are torch.nn.MultiheadAttention's parameters; "
-                f"MultiHeadAttention has q_proj, k_proj, v_proj and out_proj layers. Load "
-                f"the state dict into torch's module and copy that: src = torch.nn."
-                f"MultiheadAttention({self.embed_dim}, {self.num_heads}"
-                + ("" if self.kdim == self.vdim == self.embed_dim
-                   else f", kdim={self.kdim}, vdim={self.vdim}")
-                + f", batch_first=True); "
-                f"src.load_state_dict(state_dict); MultiHeadAttention.from_torch(src)")
+                f"{names} are torch.nn.MultiheadAttention's parameters with add_bias_kv=True: "
+                f"a learned key and value appended to every sequence, which MultiHeadAttention "
+                f"has no place for (from_torch refuses them): keep torch's module for this "
+                f"layer")
+            return
+        options = ""
+        k_weight, v_weight = (state_dict.get(prefix + name)
+                              for name in ("k_proj_weight", "v_proj_weight"))
+        if isinstance(k_weight, torch.Tensor) and isinstance(v_weight, torch.Tensor):
+            options += f", kdim={k_weight.shape[-1]}, vdim={v_weight.shape[-1]}"
+        if prefix + "in_proj_bias" not in state_dict:
+            options += ", bias=False"
+        entries = ("state_dict" if not prefix else
+                   f"{{k.removeprefix({prefix!r}): v for k, v in state_dict.items() "
+                   f"if k.startswith({prefix!r})}}")
+        error_msgs.append(
+            f"{names} are torch.nn.MultiheadAttention's parameters; MultiHeadAttention has "
+            f"q_proj, k_proj, v_proj and out_proj layers. Load the state dict into torch's "
+            f"module and copy that: src = torch.nn.MultiheadAttention({self.embed_dim}, "
+            f"{self.num_heads}{options}, batch_first=True); src.load_state_dict({entries}); "
+            f"MultiHeadAttention.from_torch(src)")
 
     # ---- conversion ---------------------------------------------------------------------------
     @classmethod
