@@ -171,3 +171,29 @@ def test_a_bias_held_twice_gets_the_sum_of_both_gradients():
     got, = torch.autograd.grad(
         torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v).square().sum(), bias)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize("kind", ["documents(causal=)", "causal(sequences=)",
+                                  "sliding_window(sequences=)"])
+def test_a_band_per_document_evaluated_in_the_graph(kind, fullgraph):
+    """A band inside each document evaluated by the compiled code itself (a mask's
+    ``to_dense``, as :class:`~attnkit.nn.AdditiveAttention` makes it): the eager values, for
+    ids the graph was not traced with too (nothing derived from traced ids is kept)."""
+    from attnkit.nn import AdditiveAttention
+    make = {"documents(causal=)": lambda ids: ak.documents(ids, causal="bottom_right"),
+            "causal(sequences=)": lambda ids: ak.causal(sequences=ak.documents(ids)),
+            "sliding_window(sequences=)": lambda ids: ak.sliding_window(
+                1, sequences=ak.documents(ids))}[kind]
+    gen = torch.Generator().manual_seed(11)
+    module = AdditiveAttention(4, 4, 8)
+    x = torch.randn(2, 6, 4, generator=gen)
+
+    def fn(x, ids):
+        return module(x, x, x, mask=make(ids))[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=fullgraph)
+    for ids in (torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 2, 2]]),
+                torch.tensor([[0, 1, 1, 2, 2, 2], [0, 0, 0, 1, 1, 1]])):
+        torch.testing.assert_close(compiled(x, ids), fn(x, ids))
+    torch._dynamo.reset()

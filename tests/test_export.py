@@ -151,3 +151,37 @@ def test_a_program_exported_without_gradients_gives_a_bias_its_gradient(gen):
     assert got[3] is not None
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+class _Additive(torch.nn.Module):
+    """:class:`~attnkit.nn.AdditiveAttention`, which evaluates its mask in the graph, over
+    a band inside each document."""
+
+    def __init__(self):
+        super().__init__()
+        from attnkit.nn import AdditiveAttention
+        self.attend = AdditiveAttention(4, 4, 8)
+
+    def forward(self, x, ids):
+        return self.attend(x, x, x, mask=ak.documents(ids, causal="top_left"))[0]
+
+
+@pytest.mark.parametrize("capture", ["export strict", "export", "make_fx"])
+def test_a_band_per_document_evaluated_in_a_captured_graph(capture, gen):
+    """Captured with fake ids, the band inside each document is traced as computed from the
+    ids (not shapes alone): the program equals the eager module on other ids."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    module = _Additive()
+    x = torch.randn(2, 6, 4, generator=gen)
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 2, 2]])
+    if capture == "make_fx":
+        params = dict(module.named_parameters())
+        traced = make_fx(lambda p, x, ids: torch.func.functional_call(module, p, (x, ids)),
+                         tracing_mode="symbolic")(params, x, ids)
+        program = lambda x, ids: traced(params, x, ids)  # noqa: E731
+    else:
+        torch._dynamo.reset()
+        program = export(module, (x, ids), strict=capture == "export strict").module()
+    for other in (ids, torch.tensor([[0, 1, 1, 2, 2, 2], [0, 0, 0, 1, 1, 1]])):
+        torch.testing.assert_close(program(x, other), module(x, other))

@@ -301,3 +301,27 @@ def test_vmap_randomness_of_dropout(gen):
     assert not torch.equal(different[0], different[1])
     with pytest.raises(RuntimeError, match="randomness"):
         vmap(run)(batch)
+
+
+@pytest.mark.parametrize("side", ["q_ids", "kv_ids"])
+@pytest.mark.parametrize("nested", [False, True])
+def test_vmap_over_causal_document_ids_in_two_runs_is_refused(gen, side, nested):
+    """Ids whose document lies in two runs on one side, which ``documents(causal=)`` refuses
+    eagerly, are refused under ``vmap`` over the ids too (nested ``vmap`` included), naming
+    the side, on ``auto`` and ``reference`` alike: not evaluated as some other mask."""
+    q, k, v = (_rand(gen, 1, 2, T, 3) for _ in range(3))
+    good = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])
+    bad = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 0, 1, 1]])  # example 1: document 0 twice
+    q_ids, kv_ids = (bad, good) if side == "q_ids" else (good, bad)
+    with pytest.raises(ValueError, match="not one contiguous run"):
+        ak.attention(q, k, v, ak.documents(q_ids[1], kv_ids[1], causal="top_left"))
+    for backend in ("auto", "reference"):
+        def call(a, b):
+            return ak.attention(q, k, v, ak.documents(a, b, causal="top_left"), backend=backend)
+        run = vmap(vmap(call)) if nested else vmap(call)
+        with pytest.raises(ValueError, match=f"vmapped example.*{side}.*not one contiguous run"):
+            run(*((q_ids, kv_ids) if not nested else (q_ids[None], kv_ids[None])))
+    looped = torch.stack([ak.attention(q, k, v, ak.documents(a, causal="top_left"))
+                          for a in good])
+    torch.testing.assert_close(
+        vmap(lambda a: ak.attention(q, k, v, ak.documents(a, causal="top_left")))(good), looped)

@@ -1853,11 +1853,39 @@ def _not_one_run(ids: torch.Tensor, name: str, row: Optional[int], align: str) -
     where = name if row is None else f"{name} row {row}"
     return ValueError(
         f"documents(causal={align!r}): document {doc} sits at positions {at[:12]}"
-        f"{'...' if len(at) > 12 else ''} of {where}, not one contiguous run; causal= aligns "
-        f"each document's query and key segments, so each document's positions must be "
-        f"contiguous on each side: pack each document's tokens together (sorted by document), "
-        f"or drop causal= and combine documents(q_ids, kv_ids) with ak.dense(...) or "
-        f"ak.from_function(...) for this layout")
+        f"{'...' if len(at) > 12 else ''} of {where}, not one contiguous run; {_ONE_RUN}")
+
+
+_ONE_RUN = ("causal= aligns each document's query and key segments, so each document's "
+            "positions must be contiguous on each side: pack each document's tokens together "
+            "(sorted by document), or drop causal= and combine documents(q_ids, kv_ids) with "
+            "ak.dense(...) or ak.from_function(...) for this layout")
+"""What a document in more than one run breaks, and the fixes."""
+
+
+def _vmapped(*tensors: torch.Tensor) -> bool:
+    """Whether some of ``tensors`` are batched by ``vmap`` over tensors that hold values (not
+    traced, meta or fake): :func:`readable` refuses them, and :func:`_batched_values` reads
+    every example at once."""
+    return (any(map(_is_wrapped, tensors)) and not _fake_mode_active()
+            and not any(shapes_only(_batched_values(t)) for t in tensors))
+
+
+def _batched_values(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a ``torch.func`` wrapper ``t`` stands for at every level unwrapped: the
+    values of all vmapped examples, batch dims where the wrappers keep them (for a reduction
+    over all of them); ``t`` itself when not wrapped."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def _not_one_run_vmapped(name: str, align: str) -> ValueError:
+    """:func:`_not_one_run` for ids batched by ``vmap`` (``name``: the side)."""
+    return ValueError(
+        f"documents(causal={align!r}) under torch.func.vmap: in some vmapped example a "
+        f"document's positions in {name} are not one contiguous run (the call without vmap "
+        f"names them); {_ONE_RUN}")
 
 
 def _document_runs(q_ids: torch.Tensor, kv_ids: torch.Tensor, align: str,
@@ -1913,15 +1941,10 @@ class _CausalDocuments(_Intervals):
     def _size(self):
         return self.documents._size()
 
-    def tile(self, q_idx, kv_idx, space):
-        ids = (self.documents.q_ids, self.documents.kv_ids)
-        if _fake_mode_active() or any(shapes_only(t) for t in ids):
-            return self.documents.tile(q_idx, kv_idx, space)  # shapes only: no values to place
-        return super().tile(q_idx, kv_idx, space)  # (batched ids under vmap too: no host read)
-
     def check(self, space):
         problems = self.documents.check(space)
-        if not problems and readable(self.documents.q_ids, self.documents.kv_ids):
+        ids = (self.documents.q_ids, self.documents.kv_ids)
+        if not problems and (readable(*ids) or _vmapped(*ids)):
             try:
                 self._runs_per_position(space.device)
             except ValueError as error:
@@ -1935,12 +1958,12 @@ class _CausalDocuments(_Intervals):
         the ids once per content of the ids and device. ValueError when a document is not
         one run on each side."""
         q_ids, kv_ids = self.documents.q_ids, self.documents.kv_ids
-        ids_key = self.documents.cache_key([])  # the mask holds the ids: no keep list needed
-        key = None if ids_key is None else (ids_key, str(device))
-        if not keeping():  # a checkpoint's recompute must run what its forward ran
-            key = None
-        cached = _DOCUMENT_RUNS.get(self)
-        if key is not None and cached is not None and cached[0] == key:
+        key = None  # traced: nothing kept (no value exists); a checkpoint's recompute must
+        if not torch.compiler.is_compiling() and keeping():  # run what its forward ran
+            ids_key = self.documents.cache_key([])  # the mask holds the ids: no keep list
+            key = None if ids_key is None else (ids_key, str(device))
+        cached = None if key is None else _DOCUMENT_RUNS.get(self)
+        if cached is not None and cached[0] == key:
             return cached[1]
         q2, kv2 = (ids.long() if ids.dim() == 2 else ids.long()[None] for ids in (q_ids, kv_ids))
         rows = max(q2.shape[0], kv2.shape[0])
@@ -1950,8 +1973,12 @@ class _CausalDocuments(_Intervals):
             return tuple(torch.zeros(0, n, dtype=torch.long, device=device) for n in (
                 q2.shape[1], q2.shape[1], kv2.shape[1], kv2.shape[1], q2.shape[1]))
         *runs, q_whole, kv_whole = (torch.stack(parts) for parts in zip(*per_row))
-        if readable(q_ids, kv_ids) and not bool(torch.cat([q_whole, kv_whole]).all()):
-            # (one read for every row and side; check() makes it where the values cannot be read)
+        if _vmapped(q_ids, kv_ids):  # one read of every example's rows at once
+            for name, whole in (("q_ids", q_whole), ("kv_ids", kv_whole)):
+                if not bool(_batched_values(whole).all()):
+                    raise _not_one_run_vmapped(name, self.align)
+        elif readable(q_ids, kv_ids) and not bool(torch.cat([q_whole, kv_whole]).all()):
+            # (one read for every row and side; none where no value exists: traced, fake)
             name, ids, whole = (("q_ids", q2, q_whole) if not bool(q_whole.all())
                                 else ("kv_ids", kv2, kv_whole))
             row = int((~whole).nonzero()[0])
