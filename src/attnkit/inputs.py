@@ -12,6 +12,7 @@ import inspect
 import math
 import numbers
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -460,7 +461,11 @@ class CallCache:
     biases of ``Tq·Tk`` per sequence, kept for hits on the same mask) and the memory of the
     tensors they hold (the whole storage a view of a larger tensor keeps alive) at most
     about ``derived_bytes``: a server seeing a new mask each call keeps only its latest few.
-    The least recently used entries go first."""
+    The least recently used entries go first.
+
+    Shared by the threads of a process (a server's thread pool calling one model): a lock
+    guards the entries and their accounting; validation, and the calls themselves, run
+    outside it."""
 
     def __init__(self, entries: int = 256, derived_bytes: int = 64 << 20):
         self.entries, self.derived_bytes = entries, derived_bytes
@@ -468,9 +473,14 @@ class CallCache:
         self._sizes: dict = {}  # key -> bytes derived (measured at the next insertion)
         self._bytes = 0
         self._newest = None  # the key inserted last, its size not measured yet
+        self._lock = threading.Lock()  # guards the four above
 
     def _insert(self, key, entry: tuple) -> None:
-        """Remember ``entry`` under ``key``, the oldest entries evicted past either bound."""
+        """Remember ``entry`` under ``key``, the oldest entries evicted past either bound
+        (holding :attr:`_lock`). A key another thread inserted meanwhile keeps its entry."""
+        if key in self._calls:
+            self._calls.move_to_end(key)
+            return
         newest = self._newest
         if newest is not None and newest in self._calls:  # its call has derived by now
             kept, _, held = self._calls[newest]
@@ -491,10 +501,15 @@ class CallCache:
         other arguments, hashable."""
         key, keep, by_shape = (self._signature(q, k, v, mask, options) if keeping()
                                else (None, [], False))
+        hit = None
         try:
-            hit = None if key is None else self._calls.get(key)
+            if key is not None:
+                with self._lock:
+                    hit = self._calls.get(key)
+                    if hit is not None:
+                        self._calls.move_to_end(key)  # least recently used first out
         except TypeError:  # an unhashable argument: validation will say what is wrong with it
-            key = hit = None
+            key = None
         if hit is None:
             inputs, choice = validate_and_choose()
             # a mask keyed by shape runs as given on a hit: only where validation kept it
@@ -506,9 +521,9 @@ class CallCache:
                 kept = dataclasses.replace(inputs, q=None, k=None, v=None, _allowed=None,
                                            _has_key=None,
                                            derived=None if fresh else inputs.derived)
-                self._insert(key, (kept, choice, keep))
+                with self._lock:
+                    self._insert(key, (kept, choice, keep))
             return inputs, choice
-        self._calls.move_to_end(key)  # least recently used first out
         t, choice, _ = hit
         rank, batch = t.input_rank, t.batch_shape
         return Inputs(_bhtd(q, rank, batch), _bhtd(k, rank, batch), _bhtd(v, rank, batch),
@@ -558,13 +573,15 @@ class CallCache:
 
 
 def _nbytes(value) -> int:
-    """The bytes of the tensors in ``value`` (a tensor, or tuples, lists and dicts of them)."""
+    """The bytes of the tensors in ``value`` (a tensor, or tuples, lists and dicts of them).
+    Reads a copy of each list and dict: other threads add to a call's derived values and a
+    mask's memos while they are measured."""
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (tuple, list)):
-        return sum(_nbytes(item) for item in value)
+        return sum(_nbytes(item) for item in tuple(value))
     if isinstance(value, dict):
-        return sum(_nbytes(item) for item in value.values())
+        return sum(_nbytes(item) for item in tuple(value.values()))
     return 0
 
 

@@ -142,7 +142,7 @@ class Mask:
         """The mask's fields without what was derived from its tensors (:func:`memo`, keyed by
         their identities, which a copy's tensors do not have, and a later object's may reuse):
         a copied or unpickled mask derives anew."""
-        return {name: value for name, value in self.__dict__.items() if name != "_memo"}
+        return mask_fields(self)
 
     def band(self) -> Optional[Band]:
         """The mask's :class:`Band` when it is one band (``causal``, ``sliding_window``), else
@@ -780,8 +780,12 @@ host, is measured faster beyond (docs/BENCHMARKS.md)."""
 
 def mask_fields(mask: Mask) -> dict:
     """What a mask is made of, by name: its fields without ``_memo`` (values derived from
-    them, :func:`memo`), for the code that describes a mask (digests, compiled specs)."""
-    return {name: value for name, value in vars(mask).items() if name != "_memo"}
+    them, :func:`memo`), for the code that describes a mask (digests, compiled specs). Read
+    from a copy of the mask's ``__dict__``, which another thread's first :func:`memo` may
+    grow meanwhile."""
+    fields = vars(mask).copy()
+    fields.pop("_memo", None)
+    return fields
 
 
 def mask_tensors(mask: Mask) -> Optional[tuple]:

@@ -667,7 +667,7 @@ class Modifiers:
         """These modifiers with the tensors in ``swap`` (``id(old) → new``) replaced in the
         ALiBi, relative-bias and sink parts."""
         def part(p):
-            names = [name for name, value in vars(p).items()
+            names = [name for name, value in vars(p).copy().items()  # (another thread may memo)
                      if isinstance(value, torch.Tensor) and id(value) in swap]
             if not names:
                 return p

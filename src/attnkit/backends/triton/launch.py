@@ -28,6 +28,7 @@ import math
 import operator
 import os
 import sys
+import threading
 from collections import namedtuple
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -43,6 +44,12 @@ LOG2E = 1.4426950408889634
 _FLAVOURS: dict[bool, ModuleType] = {}
 _MODE: list[bool] = []
 _TUNED: dict[tuple, object] = {}
+_TUNING = threading.Lock()
+"""Held while a template tunes (its first compiled launch): ``triton.autotune`` keeps a run's
+state on the tuner (its ``best_config``, the arguments), which a thread tuning another
+template at the same time would overwrite."""
+_TEMPLATES = threading.Lock()
+"""Guards the insertion and eviction of a layout's launch templates (:func:`_template`)."""
 
 
 # ---- interpreter or compiler --------------------------------------------------------------------
@@ -735,10 +742,13 @@ class Call:
             return
         config = self.shared.get("config")
         if config is None:
-            tuner = _tuned(self.name, options.autotune_cache)
-            tuner[self.grid](**self.args)
-            self.shared["config"] = tuner.best_config
-            return
+            with _TUNING:
+                config = self.shared.get("config")  # (tuned by another thread meanwhile)
+                if config is None:
+                    tuner = _tuned(self.name, options.autotune_cache)
+                    tuner[self.grid](**self.args)
+                    self.shared["config"] = tuner.best_config
+                    return
         grid = self.grid(config.kwargs)
         key = tuple(_specialized(self.args[name]) for name in self.swapped)
         direct = self.shared.setdefault("direct", {})
@@ -773,7 +783,8 @@ def kernel_meta(fn, meta: dict) -> dict:
 
 def _tuned(name: str, cache: bool):
     """The compiled kernel ``name`` wrapped in ``triton.autotune`` over its candidates of the
-    launch's head-dim bucket (made once; ``cache``: timings kept on disk)."""
+    launch's head-dim bucket (made once, under :data:`_TUNING`; ``cache``: timings kept on
+    disk)."""
     if (name, cache) not in _TUNED:
         import triton
 
@@ -832,11 +843,15 @@ def _template(plan: Plan, name: str, tensors: dict, build: Callable[[], dict],
     calls = plan.layout.calls
     template = calls.get(key)
     if template is None:
-        if len(calls) >= CALLS_PER_LAYOUT:
-            calls.pop(next(iter(calls)))
         args = {**build(), **{f"s_{n.lower()}": t.stride() for n, t in tensors.items()}}
         names = _arg_names(getattr(kernels(), name))
-        template = calls[key] = Call(name, {n: v for n, v in args.items() if n in names}, grid, fixed)
+        made = Call(name, {n: v for n, v in args.items() if n in names}, grid, fixed)
+        with _TEMPLATES:  # (threads sharing the layout: one template per key, the oldest out)
+            template = calls.get(key)
+            if template is None:
+                while len(calls) >= CALLS_PER_LAYOUT:
+                    calls.pop(next(iter(calls)))
+                template = calls[key] = made
     return dataclasses.replace(template, args={**template.args, **tensors}, swapped=tuple(tensors))
 
 
