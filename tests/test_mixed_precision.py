@@ -309,7 +309,8 @@ def test_mixed_input_dtypes_are_refused_alike_on_every_backend(gen, backend):
     with pytest.raises(TypeError, match=r"share one dtype.*bfloat16.*float32.*k\.to\(q\.dtype\)"):
         ak.attention(q.bfloat16(), k, v, backend=backend)
     with pytest.raises(TypeError, match=r"bias of shape \(12, 12\) has dtype torch.float16 but "
-                                        r"q runs in torch.bfloat16.*\.float\(\)"):
+                                        r"q has torch.bfloat16.*\.float\(\), or "
+                                        r"\.to\(q\.dtype\)"):
         ak.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(),
                      torch.zeros(12, 12, dtype=torch.float16), backend=backend)
 
@@ -321,12 +322,15 @@ def test_a_bias_in_another_low_precision_dtype_under_autocast_names_a_fix_that_r
     q, k, v = (t.bfloat16() for t in _leaves(gen))
     bias = torch.randn(12, 12, generator=gen).bfloat16().requires_grad_()
     with torch.autocast("cpu", dtype=torch.float16):
-        with pytest.raises(TypeError, match=r"q runs in torch.float16 \(under torch.autocast, "
+        with pytest.raises(TypeError, match=r"q has torch.float16 \(under torch.autocast, "
                                             r"the autocast dtype.*\.float\(\)"):
             ak.attention(q, k, v, bias)
         out = ak.attention(q, k, v, bias.float())
     out.float().sum().backward()
     assert out.dtype == torch.float16 and bias.grad.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(
+            TypeError, match=r"q has torch.float64: .*\.float\(\) or \.to\(q\.dtype\)"):
+        ak.attention(q.double(), k.double(), v.double(), bias)  # autocast leaves float64 alone
 
 
 def test_float64_next_to_autocast_names_what_autocast_leaves(gen):

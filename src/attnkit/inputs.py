@@ -302,8 +302,10 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
         autocast = (" (under torch.autocast float64 tensors keep their dtype and the others run "
                     "in the autocast dtype: pass all three in float64, or none)"
                     if torch.float64 in (q.dtype, k.dtype, v.dtype) else "")
-        raise TypeError(f"q, k and v must share one dtype: {where}. Cast them, e.g. "
-                        f"k.to(q.dtype){autocast}")
+        casts = ", ".join(f"{n}.to(q.dtype)" for n, t in (("k", k), ("v", v))
+                          if t.dtype != q.dtype)
+        raise TypeError(f"q, k and v must share one dtype: {where}. Cast them: "
+                        f"{casts}{autocast}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device: {where}. Move them with .to(q.device)")
     if not (q.dim() == k.dim() == v.dim()):
@@ -633,10 +635,13 @@ def _fit_mask(mask: Mask, inputs: Inputs) -> Mask:
         if is_bias and t.dtype != inputs.q.dtype and t.dtype not in (torch.float32, torch.float64):
             # (under torch.autocast q is in the autocast dtype here, and the bias as given:
             # a fix named by q's dtype could name one the caller's q does not have)
-            raise TypeError(f"{what} has dtype {t.dtype} but q runs in {inputs.q.dtype} (under "
-                            f"torch.autocast, the autocast dtype; a bias keeps its own): a bias "
-                            f"is float32, float64 or q's dtype. Cast it with .float(), or "
-                            f".to(q.dtype) outside torch.autocast")
+            # (autocast is off here, the call's inputs cast; it never casts float64)
+            autocast = (" (under torch.autocast, the autocast dtype; a bias keeps its own)"
+                        if inputs.q.dtype != torch.float64 else "")
+            raise TypeError(f"{what} has dtype {t.dtype} but q has {inputs.q.dtype}{autocast}: "
+                            f"a bias is float32, float64 or q's dtype. Cast it with .float()"
+                            + (", or .to(q.dtype) outside torch.autocast" if autocast
+                               else " or .to(q.dtype)"))
         t4 = _to_4d(t.resolve_neg(), inputs)  # as _bhtd does
         if is_bias and inputs.q.dtype == torch.float64:
             t4 = t4.to(torch.float64)  # biases of float64 inputs add (and sum) in float64
