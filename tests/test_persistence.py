@@ -203,34 +203,51 @@ def test_a_torch_state_dict_with_bias_k_is_named_as_such():
         MultiHeadAttention(16, 4).load_state_dict(torch_module.state_dict(), strict=False)
 
 
+def _decoder(seed: int, embed: int, heads: int, tokens: int):
+    """``(step, x)``: a causal :class:`MultiHeadAttention` decoding step ``step(x, cache) ->
+    (out, cache)`` and its inputs ``x [2, tokens, embed]``."""
+    gen = torch.Generator().manual_seed(seed)
+    module = MultiHeadAttention(embed, heads).eval()
+    x = torch.randn(2, tokens, embed, generator=gen)
+
+    def step(x, cache):
+        out, _, cache = module(x, is_causal=True, cache=cache)
+        return out, cache
+    return step, x
+
+
+def _decode_alike(compiled, step, x, cache, positions, each=lambda cache: None):
+    """Extend ``cache`` by the tokens of ``x`` at ``positions``, compiled and eagerly side by
+    side, each compiled step equal to the eager one; ``each(cache)`` after every compiled
+    step. The compiled chain's last cache."""
+    eager = cache
+    for t in positions:
+        out, cache = compiled(x[:, t:t + 1], cache)
+        want, eager = step(x[:, t:t + 1], eager)
+        torch.testing.assert_close(out, want, msg=lambda m: f"step {t}: {m}")
+        each(cache)
+    return cache
+
+
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
 def test_a_compiled_decoding_loop_has_no_graph_break(context):
     """A ``fullgraph=True`` decoding step over a KVCache, under ``no_grad`` or
     ``inference_mode`` (prefilled eagerly there, so the first compiled step copies the
     inference-mode buffers once): no graph break, no new graph once the steps' shapes are
     dynamic, the steps write one store in place, and each step equals the eager one."""
-    gen = torch.Generator().manual_seed(6)
-    module = MultiHeadAttention(32, 4).eval()
-    x = torch.randn(2, 16, 32, generator=gen)
-
-    def step(x, cache):
-        out, _, cache = module(x, is_causal=True, cache=cache)
-        return out, cache
-
+    step, x = _decoder(6, 32, 4, 16)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     mode = torch.no_grad if context == "no_grad" else torch.inference_mode
     graphs, stores = [], []
+
+    def seen(cache):
+        graphs.append(counters["stats"]["unique_graphs"])
+        stores.append(cache._store)
     with mode():
         _, cache = step(x[:, :4], KVCache.empty(capacity=32))
-        eager_cache = cache
-        for t in range(4, 16):
-            out, cache = compiled(x[:, t:t + 1], cache)
-            want, eager_cache = step(x[:, t:t + 1], eager_cache)
-            torch.testing.assert_close(out, want, msg=lambda m: f"step {t}: {m}")
-            graphs.append(counters["stats"]["unique_graphs"])
-            stores.append(cache._store)
+        _decode_alike(compiled, step, x, cache, range(4, 16), seen)
     torch._dynamo.reset()
     assert not counters["graph_break"]
     assert graphs[-6:] == [graphs[-1]] * 6, graphs
@@ -241,23 +258,12 @@ def test_an_inductor_compiled_decoding_loop_with_dynamic_shapes():
     """torch.compile's default backend with dynamic shapes: the steps equal the eager ones,
     the latest cache is extended in place and a sibling from the same cache copies (the
     first keeps its keys)."""
-    gen = torch.Generator().manual_seed(8)
-    module = MultiHeadAttention(16, 2).eval()
-    x = torch.randn(2, 8, 16, generator=gen)
-
-    def step(x, cache):
-        out, _, cache = module(x, is_causal=True, cache=cache)
-        return out, cache
-
+    step, x = _decoder(8, 16, 2, 8)
     torch._dynamo.reset()
     compiled = torch.compile(step, backend="inductor", dynamic=True, fullgraph=True)
     with torch.no_grad():
         _, cache = step(x[:, :3], KVCache.empty(capacity=16))
-        eager = cache
-        for t in range(3, 7):
-            out, cache = compiled(x[:, t:t + 1], cache)
-            want, eager = step(x[:, t:t + 1], eager)
-            torch.testing.assert_close(out, want)
+        cache = _decode_alike(compiled, step, x, cache, range(3, 7))
         _, first = compiled(x[:, 7:8], cache)  # the latest cache: written in place
         kept = first.keys.clone()
         _, second = compiled(x[:, 6:7], cache)  # its sibling: copies
@@ -271,14 +277,7 @@ def test_a_cache_copied_under_inference_mode_is_extended_by_compiled_steps(trip)
     """A cache made under no_grad, copied (or loaded) under inference_mode, holds inference
     tensors: compiled steps outside inference mode copy them once (torch refuses a write
     into them) and equal the eager steps."""
-    gen = torch.Generator().manual_seed(9)
-    module = MultiHeadAttention(16, 2).eval()
-    x = torch.randn(2, 7, 16, generator=gen)
-
-    def step(x, cache):
-        out, _, cache = module(x, is_causal=True, cache=cache)
-        return out, cache
-
+    step, x = _decoder(9, 16, 2, 7)
     torch._dynamo.reset()
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
@@ -286,9 +285,5 @@ def test_a_cache_copied_under_inference_mode_is_extended_by_compiled_steps(trip)
     with torch.inference_mode():
         cache = TRIPS[trip](cache)
     with torch.no_grad():
-        eager = cache
-        for t in range(3, 7):
-            out, cache = compiled(x[:, t:t + 1], cache)
-            want, eager = step(x[:, t:t + 1], eager)
-            torch.testing.assert_close(out, want)
+        _decode_alike(compiled, step, x, cache, range(3, 7))
     torch._dynamo.reset()

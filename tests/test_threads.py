@@ -244,7 +244,7 @@ def test_triton_tuning_keeps_each_templates_config(monkeypatch):
                 self.best_config = tag
                 if tag == "first":
                     first_tuning.set()
-                    second_tuned.wait(timeout=1.0)  # (the second run, unless it must wait)
+                    second_tuned.wait(timeout=1.0)  # the other template tunes meanwhile, if it can
                 else:
                     second_tuned.set()
             return run

@@ -633,9 +633,9 @@ def _fit_mask(mask: Mask, inputs: Inputs) -> Mask:
             raise ValueError(f"{what} is on {t.device} but q {tuple(inputs.q.shape)} is on "
                              f"{inputs.q.device}: move it with .to(q.device)")
         if is_bias and t.dtype != inputs.q.dtype and t.dtype not in (torch.float32, torch.float64):
-            # (under torch.autocast q is in the autocast dtype here, and the bias as given:
-            # a fix named by q's dtype could name one the caller's q does not have)
-            # (autocast is off here, the call's inputs cast; it never casts float64)
+            # (under torch.autocast q is in the autocast dtype here, the bias as given, and
+            # autocast is off: a fix named by q's dtype could name one the caller's q does not
+            # have, except for float64, which autocast never casts)
             autocast = (" (under torch.autocast, the autocast dtype; a bias keeps its own)"
                         if inputs.q.dtype != torch.float64 else "")
             raise TypeError(f"{what} has dtype {t.dtype} but q has {inputs.q.dtype}{autocast}: "
