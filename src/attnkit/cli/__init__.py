@@ -9,7 +9,7 @@ Each command module defines three things::
 A user's mistake (bad argument, unusable output path, unreadable input file) raises
 :class:`~attnkit.cli._common.UsageError`; :func:`main` reports it on stderr as one line and
 returns 2. Commands check their output paths with :func:`~attnkit.cli._common.check_output`
-before starting any work.
+before starting any work. Ctrl-C ends any command with one line on stderr and exit code 130.
 
 Adding a command (e.g. ``bench``) is one module plus one entry in :data:`COMMANDS`.
 Plotting modules import matplotlib inside their plotting functions only, so
@@ -66,17 +66,34 @@ def make_console():
     return console
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``attnkit`` console script; returns the exit code."""
-    parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.command is None:
-        parser.print_help()
-        return 0
-    from ._common import UsageError
+def tolerate_encoding(stream) -> None:
+    """Let ``stream`` (stdout) write ``?`` for the characters its encoding lacks (√, →, the
+    table rules) instead of raising ``UnicodeEncodeError``: an ASCII or cp1252 console or pipe
+    gets readable output. A UTF-8 stream, or one that cannot be reconfigured, is left as is."""
+    encoding = (getattr(stream, "encoding", None) or "utf-8").lower().replace("-", "").replace("_", "")
+    if encoding != "utf8" and hasattr(stream, "reconfigure"):
+        stream.reconfigure(errors="replace")
 
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``attnkit`` console script; returns the exit code: 0, 1 when a
+    check fails, 2 for a usage error (one line on stderr), 130 when interrupted (Ctrl-C)."""
+    command = "attnkit"
     try:
-        return int(args._module.run(args, make_console()) or 0)
-    except UsageError as error:
-        print(f"attnkit {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        parser = build_parser()
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        if args.command is None:
+            parser.print_help()
+            return 0
+        command = f"attnkit {args.command}"
+        from ._common import UsageError
+
+        tolerate_encoding(sys.stdout)
+        try:
+            return int(args._module.run(args, make_console()) or 0)
+        except UsageError as error:
+            print(f"{command}: error: {error}", file=sys.stderr)
+            return 2
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130

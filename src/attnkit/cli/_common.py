@@ -39,19 +39,29 @@ def check_device(option: str, value: str) -> str:
     return value
 
 
+FILE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".json", ".txt")
+"""Endings that name a file: :func:`check_output` refuses them for a folder it would create."""
+
+
 def check_output(option: str, value, *names: str) -> Path:
     """Make sure a command can write its output, before it starts any work.
 
     ``value`` is the path given to ``option``: a file path, or, when ``names`` are given, a
     folder that will hold files of those names. The folder (``value`` itself, or the file's
     parent) is created if missing and a scratch file is created in it and removed; each output
-    file must not be a folder and, if it exists, must be writable. Returns ``value`` as a
-    :class:`~pathlib.Path`; raises :class:`UsageError` naming ``option`` otherwise.
+    file must not be a folder and, if it exists, must be writable. A folder that does not
+    exist yet may not end like a file (:data:`FILE_SUFFIXES`, e.g. ``--out plot.png``).
+    Returns ``value`` as a :class:`~pathlib.Path`; raises :class:`UsageError` naming ``option``
+    otherwise.
     """
     path = Path(value)
     where = f"{option} {value}"
     if not names and (path.is_dir() or str(value).endswith(("/", os.sep))):
         raise UsageError(f"{where}: is a folder; give a file path such as {path / 'out.png'}")
+    if names and path.suffix.lower() in FILE_SUFFIXES and not path.exists():
+        raise UsageError(f"{where}: names a file, where a folder for {', '.join(names)} goes; "
+                         f"give a folder path such as {path.with_suffix('')} (it is created if "
+                         f"missing)")
     folder = path if names else path.parent
     if folder.exists() and not folder.is_dir():
         fix = "give a folder path (it is created if missing)" if names else "choose another path"
@@ -98,27 +108,71 @@ def fmt_number(x: float, digits: int = 4) -> str:
 
 def matrix_table(matrix: torch.Tensor, *, title: str = "", row_name: str = "i",
                  col_labels: Optional[Sequence[str]] = None, extra: Optional[dict] = None,
-                 digits: int = 4):
+                 digits: int = 4, width: Optional[int] = None, max_rows: Optional[int] = None):
     """A rich table of a 2-D tensor ``[R, C]``: one row per query, columns labelled ``j=0..``.
 
     ``extra`` maps a column title to ``R`` values appended on the right (e.g. row sums).
+    ``width`` (characters, e.g. ``console.width``): when the columns do not fit in it, the
+    middle ones are left out behind one ``…`` column (the first ones, the last one and the
+    ``extra`` ones stay), so every cell shown keeps its digits. ``max_rows``: at most this many
+    rows are shown, the last one after a ``…`` row. A caption names what was left out.
     """
     from rich.table import Table
 
     rows, cols = matrix.shape
-    table = Table(title=title or None, title_justify="left", show_edge=False, pad_edge=False)
+    labels = list(col_labels or [f"{j}" for j in range(cols)])
+    shown_rows = (list(range(rows)) if max_rows is None or rows <= max(max_rows, 2)
+                  else list(range(max(max_rows, 2) - 1)) + [None, rows - 1])
+    picked = [i for i in shown_rows if i is not None]
+    values = matrix[picked].tolist()  # only the rows shown are formatted
+    cells = {i: [fmt_number(float(x), digits) for x in row] for i, row in zip(picked, values)}
+    extra_cells = [{i: fmt_number(float(column[i]), digits) for i in picked}
+                   for column in (extra or {}).values()]
+    fixed = [max(len(row_name), len(str(rows - 1)))]  # the row labels, then the extra columns
+    fixed += [max([len(name)] + [len(c) for c in column.values()])
+              for name, column in zip(extra or {}, extra_cells)]
+    shown_cols = _fit_columns(labels, list(cells.values()), width, fixed)
+    left_out = []
+    if None in shown_cols:
+        first, last = shown_cols[shown_cols.index(None) - 1] + 1, shown_cols[-1] - 1
+        left_out.append(f"columns {labels[first]}…{labels[last]}")
+    if None in shown_rows:
+        first, last = shown_rows[-3] + 1, rows - 2
+        left_out.append(f"rows {first}…{last}")
+    caption = f"not shown: {', '.join(left_out)} (of {rows} × {cols})" if left_out else None
+    table = Table(title=title or None, title_justify="left", caption=caption,
+                  caption_justify="left", show_edge=False, pad_edge=False)
     table.add_column(row_name, justify="right", style="bold")
-    for label in (col_labels or [f"{j}" for j in range(cols)]):
-        table.add_column(label, justify="right")
+    for j in shown_cols:
+        table.add_column("…" if j is None else labels[j], justify="right")
     for name in (extra or {}):
         table.add_column(name, justify="right", style="italic")
-    values = matrix.tolist()
-    extra_values = [[float(v) for v in column] for column in (extra or {}).values()]
-    for i in range(rows):
-        cells = [fmt_number(float(x), digits) for x in values[i]]
-        cells += [fmt_number(column[i], digits) for column in extra_values]
-        table.add_row(str(i), *cells)
+    for i in shown_rows:
+        if i is None:
+            table.add_row("…", *["…"] * (len(shown_cols) + len(extra_cells)))
+            continue
+        table.add_row(str(i), *["…" if j is None else cells[i][j] for j in shown_cols],
+                      *[column[i] for column in extra_cells])
     return table
+
+
+def _fit_columns(labels: Sequence[str], cells: list, width: Optional[int],
+                 fixed: Sequence[int]) -> list:
+    """Indices of the columns :func:`matrix_table` shows within ``width`` characters, ``None``
+    standing for the ``…`` column that replaces the ones left out. ``fixed``: the widths of the
+    columns always shown (row labels, extra columns). A column takes its widest text plus 3
+    (padding and the rule between columns)."""
+    cols = len(labels)
+    widths = [max([len(labels[j])] + [len(row[j]) for row in cells]) + 3 for j in range(cols)]
+    budget = None if width is None else width + 3 - sum(w + 3 for w in fixed)
+    if budget is None or cols <= 2 or sum(widths) <= budget:
+        return list(range(cols))
+    budget -= widths[-1] + 4  # the last column and the "…" column stay
+    keep = 0
+    while keep < cols - 2 and widths[keep] <= budget:
+        budget -= widths[keep]
+        keep += 1
+    return list(range(max(keep, 1))) + [None, cols - 1]
 
 
 def agg_figure(**kwargs):

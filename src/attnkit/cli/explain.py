@@ -31,6 +31,19 @@ HELP = ("print the attention computation step by step (default: a 3-token causal
 EXAMPLE_QKV = [[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]]
 """The built-in example: Q = K = V (3 positions, d_k = 2), causal mask, scale 1/√2."""
 
+MAX_SCORES = 2 ** 24
+"""The most attention scores (batch × heads × queries × keys) explain takes: it keeps every
+step of every score in float64, on the order of 150 bytes a score."""
+
+ANNOTATED = 20
+"""Up to this many rows and columns, the heatmap of ``--plot`` labels every cell with its
+weight; a larger matrix is drawn in a figure no larger than one of this many cells a side."""
+
+SHOWN_ROWS = 32
+"""Rows printed per matrix: a longer one shows its first rows and its last after a ``…`` row
+(and, whatever its length, only the columns that fit the console's width); ``--plot`` draws
+every weight."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, what in (("q", "queries [Tq, Dk]"), ("k", "keys [Tk, Dk] (default: --q)"),
@@ -60,12 +73,16 @@ NOT_NUMBERS = {"b": "booleans", "U": "strings", "S": "bytes", "O": "Python objec
 def parse_matrix(text: str) -> torch.Tensor:
     """A JSON nested list or the path of a ``.npy`` file → a float64 tensor.
 
-    Raises ``ValueError`` for text that is neither, and for arrays that are empty or hold
-    anything but real integers or floats (complex, booleans, strings, objects, dates); a JSON
-    ``true``/``false`` is refused wherever it stands, naming its index.
+    Raises ``ValueError`` for text that is neither, and for arrays that are empty, have fewer
+    than 2 dimensions or hold anything but real integers or floats (complex, booleans,
+    strings, objects, dates); a JSON ``true``/``false`` is refused wherever it stands, naming
+    its index.
     """
     path = Path(text)
-    from_file = text.endswith(".npy") or path.is_file()
+    try:
+        from_file = text.endswith(".npy") or path.is_file()
+    except OSError:  # e.g. a JSON matrix longer than a file name may be
+        from_file = False
     if from_file:
         if not path.exists():
             raise ValueError(f"{text!r}: no such file; check the path, or pass a JSON matrix "
@@ -107,6 +124,10 @@ def parse_matrix(text: str) -> torch.Tensor:
     if array.ndim == 0:
         raise ValueError(f"{text!r} is a single number (shape ()); pass a matrix such as "
                          f"'[[1,0],[2,0]]'")
+    if array.ndim == 1:
+        raise ValueError(f"{text!r} is one vector (shape {array.shape}), where a matrix "
+                         f"[positions, features] is needed; for one position write it as one "
+                         f"row, e.g. '[[1,0]]'")
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float64))
 
 
@@ -182,30 +203,36 @@ def _modifier_names(modifiers, head: int) -> str:
 
 def plot_weights(weights: torch.Tensor, allowed: Optional[torch.Tensor], path, *,
                  title: str = "attention weights") -> Path:
-    """Heatmap PNG of ``weights [Tq, Tk]`` with each cell annotated; masked cells (``allowed``
-    False, ``[Tq, Tk]`` or ``None``) are labelled "masked". Uses the Agg canvas."""
+    """Heatmap PNG of ``weights [Tq, Tk]``; masked cells (``allowed`` False, ``[Tq, Tk]`` or
+    ``None``) are grey. Up to :data:`ANNOTATED` rows and columns every cell is labelled (its
+    weight, or "masked") and ticked; a larger matrix is drawn in a figure of that size, with
+    ticks chosen by matplotlib. Uses the Agg canvas."""
     values = weights.detach().double().cpu().numpy()
     rows, cols = values.shape
-    figure = agg_figure(figsize=(max(4.5, 1.6 + 0.7 * cols), max(3.4, 1.2 + 0.6 * rows)))
+    labelled = rows <= ANNOTATED and cols <= ANNOTATED
+    figure = agg_figure(figsize=(max(4.5, 1.6 + 0.7 * min(cols, ANNOTATED)),
+                                 max(3.4, 1.2 + 0.6 * min(rows, ANNOTATED))))
     axes = figure.add_subplot()
     import matplotlib
+    from matplotlib.ticker import MaxNLocator
 
     shown = values if allowed is None else np.ma.masked_array(values, mask=~allowed.cpu().numpy())
     colormap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
-    image = axes.imshow(shown, cmap=colormap, vmin=0.0, vmax=1.0)
+    image = axes.imshow(shown, cmap=colormap, vmin=0.0, vmax=1.0, interpolation="nearest")
     figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04)
-    annotate = rows * cols <= 400
-    for i in range(rows):
-        for j in range(cols):
-            if not annotate:
-                break
-            masked = allowed is not None and not bool(allowed[i, j])
-            text = "masked" if masked else f"{values[i, j]:.3f}"
-            color = "black" if masked or values[i, j] > 0.6 else "white"
-            axes.text(j, i, text, ha="center", va="center", color=color,
-                      fontsize=7 if masked else 8)
-    axes.set_xticks(range(cols))
-    axes.set_yticks(range(rows))
+    if labelled:
+        for i in range(rows):
+            for j in range(cols):
+                masked = allowed is not None and not bool(allowed[i, j])
+                text = "masked" if masked else f"{values[i, j]:.3f}"
+                color = "black" if masked or values[i, j] > 0.6 else "white"
+                axes.text(j, i, text, ha="center", va="center", color=color,
+                          fontsize=7 if masked else 8)
+        axes.set_xticks(range(cols))
+        axes.set_yticks(range(rows))
+    else:
+        for axis in (axes.xaxis, axes.yaxis):
+            axis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("key j")
     axes.set_ylabel("query i")
     axes.set_title(title, fontsize=10)
@@ -231,13 +258,16 @@ def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
     def say(text: str) -> None:  # plain text: brackets like A[i, j] are not rich markup
         console.print(text, markup=False, highlight=False)
 
+    def table(matrix: torch.Tensor, **options):  # what fits the console, SHOWN_ROWS rows at most
+        return matrix_table(matrix, width=console.width, max_rows=SHOWN_ROWS, **options)
+
     console.rule("[bold]1. Inputs")
     gqa = (f"   (GQA: query head {h} uses K/V head {h // inputs.group_size})"
            if inputs.group_size > 1 else "")
     say(f"Q [Tq={tq}, d_k={dk}]   K [Tk={tk}, d_k={dk}]   V [Tk={tk}, d_v={dv}]   "
         f"scale = {scale_note}{gqa}")
     for name, t in (("Q", q), ("K", k), ("V", v)):
-        console.print(matrix_table(t.double(), title=name, row_name="row"))
+        console.print(table(t.double(), title=name, row_name="row"))
     finite_inputs = all(bool(torch.isfinite(t).all()) for t in (q, k, v))
     if not finite_inputs:
         say("A row of Q, K or V holds NaN or ±inf: the steps below use it as zeros, and every "
@@ -245,7 +275,7 @@ def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
 
     console.rule("[bold]2. Scores  S = Q Kᵀ")
     say(f"S[i, j] = q_i · k_j   shape [{tq}, {tk}]")
-    console.print(matrix_table(result.scores[b, h], row_name="i"))
+    console.print(table(result.scores[b, h], row_name="i"))
 
     console.rule("[bold]3. Scaled  S · scale")
     if math.isclose(inputs.scale, default_scale):
@@ -255,7 +285,7 @@ def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
         say(f"multiply by {inputs.scale:.6g}: the score variance is scale² · d_k = "
             f"{inputs.scale ** 2 * dk:.3g} when q, k have unit-variance entries "
             f"(Var(q·k) = d_k; 1/√d_k would keep it ≈ 1)")
-    console.print(matrix_table(result.scaled[b, h], row_name="i"))
+    console.print(table(result.scaled[b, h], row_name="i"))
     masked = result.masked[b, h]  # [Tq, Tk]: after modifiers and the mask, −inf = masked
     overflowed = (masked.isnan() | masked.isposinf()).any(-1).nonzero().flatten().tolist()
     if finite_inputs and overflowed:
@@ -275,9 +305,8 @@ def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
             steps_text.append(f"alibi: + slope·(j − i), slope {part.slopes.flatten()[h].item():g}")
         say("; then ".join(steps_text) + "  (score modifiers, in their order: softcap, "
             "additive biases, score functions)")
-        console.print(matrix_table(result.modified[min(b, result.modified.shape[0] - 1),
-                                                   min(h, result.modified.shape[1] - 1)],
-                                   row_name="i"))
+        console.print(table(result.modified[min(b, result.modified.shape[0] - 1),
+                                            min(h, result.modified.shape[1] - 1)], row_name="i"))
 
     console.rule("[bold]4. Masked  (−inf where a query may not attend)")
     source = "modified" if modifiers is not None and modifiers.changes_scores else "scaled"
@@ -286,18 +315,22 @@ def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
     else:
         allowed = result.allowed[min(b, result.allowed.shape[0] - 1), min(h, result.allowed.shape[1] - 1)]
         say(f"mask: {describe_mask(inputs.mask)}  (█ may attend, ░ masked):")
-        say("\n".join("  " + "".join("█" if a else "░" for a in row) for row in allowed.tolist()))
-        console.print(matrix_table(result.masked[b, h], row_name="i"))
+        picture = ["".join("█" if a else "░" for a in row) for row in allowed.tolist()]
+        if len(picture) > SHOWN_ROWS:
+            picture = picture[:SHOWN_ROWS - 1] + ["⋮"] + picture[-1:]
+        room = max(console.width - 2, 2)
+        say("\n".join("  " + (row if len(row) <= room else row[:room - 1] + "…") for row in picture))
+        console.print(table(result.masked[b, h], row_name="i"))
 
     console.rule("[bold]5. Weights  A = softmax(masked) per row")
     say("A[i, j] = exp(m_ij − max_j m_ij) / Σ_j exp(m_ij − max_j m_ij); each row sums to 1 "
         "(0 for a query with no visible key)")
     weights = result.weights[b, h]  # [Tq, Tk]
-    console.print(matrix_table(weights, row_name="i", extra={"row sum": weights.sum(-1).tolist()}))
+    console.print(table(weights, row_name="i", extra={"row sum": weights.sum(-1).tolist()}))
 
     console.rule("[bold]6. Output  O = A V")
     say(f"O[i] = Σ_j A[i, j] · v_j   shape [{tq}, {dv}]")
-    console.print(matrix_table(result.out[b, h], row_name="i"))
+    console.print(table(result.out[b, h], row_name="i"))
 
     console.rule("[bold]" + escape("7. Log-sum-exp  LSE[i] = log Σ_j exp(masked[i, j])"))
     lse = result.lse[b, h]  # [Tq]
@@ -305,7 +338,10 @@ def _print_head(console, result: Steps, inputs: Inputs, b: int, h: int) -> None:
     rebuilt = torch.where(torch.isneginf(lse)[:, None], torch.zeros_like(rebuilt), rebuilt)
     say("what fast kernels keep instead of A: A = exp(masked − LSE) rebuilds the weights "
         f"(max |difference| here: {(rebuilt - weights).abs().max().item():.1e})")
-    say("  " + "   ".join(f"LSE[{i}] = {fmt_number(x)}" for i, x in enumerate(lse.tolist())))
+    shown = [f"LSE[{i}] = {fmt_number(x)}" for i, x in enumerate(lse.tolist())]
+    if len(shown) > SHOWN_ROWS:
+        shown = shown[:SHOWN_ROWS - 1] + ["…"] + shown[-1:]
+    say("  " + "   ".join(shown))
 
 
 def run(args: argparse.Namespace, console) -> int:
@@ -321,6 +357,13 @@ def run(args: argparse.Namespace, console) -> int:
                               softcap_at=args.softcap, alibi_slope=args.alibi)
     except (ValueError, TypeError) as error:
         raise UsageError(str(error)) from None
+    batch, heads, q_len, kv_len = *inputs.q.shape[:3], inputs.k.shape[2]
+    if batch * heads * q_len * kv_len > MAX_SCORES:
+        raise UsageError(f"--q/--k: {batch} × {heads} × {q_len} × {kv_len} attention scores "
+                         f"(batch × heads × queries × keys); explain keeps every step of each in "
+                         f"float64 and takes at most {MAX_SCORES} (e.g. 4096 × 4096): pass fewer "
+                         f"rows, or call attnkit.attention(q, k, v, backend='reference', "
+                         f"return_weights=True) for the weights of a larger case")
     if args.plot is not None:
         if not args.plot.lower().endswith(".png"):
             raise UsageError(f"--plot {args.plot}: the heatmap is a PNG; give a path ending "
@@ -331,7 +374,6 @@ def run(args: argparse.Namespace, console) -> int:
         console.print("[bold]Built-in example[/bold]: a classic 3-token example of scaled "
                       "dot-product attention (give --q/--k/--v for your own inputs)")
         console.print(escape(describe_example(inputs)))
-    batch, heads = inputs.q.shape[:2]
     for b in range(batch):
         for h in range(heads):
             if batch * heads > 1:
