@@ -149,6 +149,12 @@ class Softcap(Modifier):
         if torch.compiler.is_compiling() and not isinstance(cap, (torch.Tensor, bool)):
             self.cap = cap  # a graph input (a symbolic float): checked in the operator
             return
+        if isinstance(cap, torch.Tensor):
+            raise TypeError(
+                f"softcap(cap) takes a float, got a tensor {tensor_summary(cap)}: the cap is a "
+                f"constant of the call, not learnable. Pass float(cap); for a learnable cap, "
+                f"ak.score_function(lambda s, b, h, q_idx, kv_idx: cap * torch.tanh(s / cap)) "
+                f"gives cap its gradient (it applies after the additive biases, softcap before)")
         if isinstance(cap, bool) or not isinstance(cap, (int, float)):
             raise TypeError(f"softcap(cap): cap must be a float > 0 (scores become "
                             f"cap·tanh(s/cap)), got {cap!r}")

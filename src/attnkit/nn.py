@@ -810,10 +810,14 @@ def _unexpected(keywords: dict) -> TypeError:
                              "lengths, sequence_parallel"))
 
 
-def _weight_dtype(layer: nn.Module) -> Optional[torch.dtype]:
-    """The dtype of ``layer.weight``, ``None`` where it has none (a wrapper) or it is not a
-    tensor (a quantized layer's method)."""
-    return getattr(getattr(layer, "weight", None), "dtype", None)
+def _parameter_dtype(module: nn.Module) -> Optional[torch.dtype]:
+    """The dtype of ``module``'s first parameter, which :func:`_check_dtypes` compares the
+    inputs with (``None`` without one). Read from the parameter, never through a layer's
+    ``weight``: a parametrized weight (``torch.nn.utils.parametrize``: weight norm,
+    spectral norm) is computed on each read, a pass over the weight, and spectral norm in
+    training steps its power iteration on each one, so only the projection itself reads it."""
+    weight = next(module.parameters(), None)
+    return None if weight is None else weight.dtype
 
 
 def _projected(layer: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tensor:
@@ -1112,7 +1116,7 @@ class MultiHeadAttention(nn.Module):
         """Raise on shapes the projections cannot take; return True for unbatched input."""
         if (type(query) is torch.Tensor and key is query and value is query
                 and query.dim() == 3 and query.shape[-1] == self.embed_dim == self.kdim
-                == self.vdim and query.dtype == _weight_dtype(self.q_proj)):
+                == self.vdim and query.dtype == _parameter_dtype(self)):
             return False  # batched self-attention, accepted at once
         where = LazyText(lambda: ", ".join(f"{n} {tuple(t.shape)}" for n, t in (
             ("query", query), ("key", key), ("value", value)) if isinstance(t, torch.Tensor)))
