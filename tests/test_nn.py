@@ -42,13 +42,12 @@ def test_from_torch_self_attention(bias, batch_first, need_weights):
     src = _torch_mha(12, 3, bias=bias, batch_first=batch_first)
     assert src._qkv_same_embed_dim  # the packed in_proj_weight layout
     mha = MultiHeadAttention.from_torch(src)
+    assert mha.batch_first == batch_first
     x = _rand(2, 5, 12)  # [B, T, E]
     x_src = x if batch_first else x.transpose(0, 1)  # torch's [T, B, E] layout
     expected, expected_w = src(x_src, x_src, x_src, need_weights=need_weights,
                                average_attn_weights=False)
-    if not batch_first:
-        expected = expected.transpose(0, 1)
-    out, weights, _ = mha(x, need_weights=need_weights)
+    out, weights, _ = mha(x_src, need_weights=need_weights)  # the source's layout
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     if need_weights:
         assert weights.shape == (2, 3, 5, 5)
@@ -67,11 +66,49 @@ def test_from_torch_cross_attention_kdim_vdim(bias, batch_first):
     query, key, value = _rand(2, 4, 8, seed=1), _rand(2, 6, 5, seed=2), _rand(2, 6, 3, seed=3)
     args = (query, key, value) if batch_first else tuple(t.transpose(0, 1) for t in (query, key, value))
     expected, expected_w = src(*args, average_attn_weights=False)
-    if not batch_first:
-        expected = expected.transpose(0, 1)
-    out, weights, _ = mha(query, key, value, need_weights=True)
+    out, weights, _ = mha(*args, need_weights=True)  # the source's layout
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(weights, expected_w, rtol=0, atol=1e-12)
+
+
+def test_batch_first_false_is_the_batch_first_module_transposed():
+    """[T, B, E] in and out; masks, key_valid, lengths, weights and the cache batch first."""
+    first = MultiHeadAttention(8, 2, num_kv_heads=1, kdim=5, vdim=7, dtype=F64)
+    second = MultiHeadAttention(8, 2, num_kv_heads=1, kdim=5, vdim=7, batch_first=False,
+                                dtype=F64)
+    second.load_state_dict(first.state_dict())
+    assert "batch_first=False" in repr(second) and "batch_first" not in repr(first)
+    query, key, value = _rand(3, 4, 8, seed=1), _rand(3, 6, 5, seed=2), _rand(3, 6, 7, seed=3)
+    valid = torch.tensor([[True] * 6, [True] * 4 + [False] * 2, [True] * 2 + [False] * 4])
+    t = lambda x: x.transpose(0, 1)  # noqa: E731
+    expected = first(query, key, value, key_valid=valid, mask=ak.causal(), need_weights=True)
+    out = second(t(query), t(key), t(value), key_valid=valid, mask=ak.causal(), need_weights=True)
+    assert out.out.shape == (4, 3, 8)
+    torch.testing.assert_close(t(out.out), expected.out, rtol=0, atol=0)
+    torch.testing.assert_close(out.weights, expected.weights, rtol=0, atol=0)
+    # a ragged decoding loop: prompt chunk with lengths, then steps
+    first = MultiHeadAttention(8, 2, num_kv_heads=1, dtype=F64)
+    second = MultiHeadAttention(8, 2, num_kv_heads=1, batch_first=False, dtype=F64)
+    second.load_state_dict(first.state_dict())
+    x = _rand(3, 5, 8, seed=4)
+    lengths = torch.tensor([5, 3, 1])
+    a = first(x, is_causal=True, cache=first.empty_cache(), lengths=lengths)
+    b = second(t(x), is_causal=True, cache=second.empty_cache(), lengths=lengths)
+    torch.testing.assert_close(t(b.out), a.out, rtol=0, atol=0)
+    for step in range(2):
+        x = _rand(3, 1, 8, seed=10 + step)
+        a = first(x, cache=a.cache)
+        b = second(t(x), cache=b.cache)
+        assert b.out.shape == (1, 3, 8)
+        torch.testing.assert_close(t(b.out), a.out, rtol=0, atol=0)
+    unbatched = second(x[0])  # [T, E]: no batch dimension to move
+    torch.testing.assert_close(unbatched.out, first(x[0]).out, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"batch size \(dim 1, \[T, B, ·\]\)"):
+        second(t(query)[..., :8], t(query)[:, :2], t(query)[:, :2])
+    with pytest.raises(ValueError, match=r"same length Tk \(dim 0\)"):
+        second(t(query), t(query), t(query)[:3])
+    with pytest.raises(TypeError, match="batch_first"):
+        MultiHeadAttention(8, 2, batch_first="no")
 
 
 def test_from_torch_with_attn_mask_and_key_padding_mask():

@@ -1,6 +1,6 @@
 """Attention layers built on :func:`attnkit.attention`.
 
-- :class:`MultiHeadAttention`: batch-first multi-head attention with separate q/k/v/out
+- :class:`MultiHeadAttention`: multi-head attention (batch first by default) with separate q/k/v/out
   projections, grouped-query attention (``num_kv_heads``), cross-attention (``kdim``/``vdim``),
   any attnkit mask, a key-padding mask, per-head weights and a :class:`KVCache` for
   incremental decoding. :meth:`MultiHeadAttention.from_torch` copies a
@@ -15,6 +15,8 @@ Shapes (E = embed_dim, H = num_heads, Hkv = num_kv_heads, D = E // H)::
 
     query [B, Tq, E]   key [B, Tk, kdim]   value [B, Tk, vdim]     (or unbatched [T, ·])
     out   [B, Tq, E]   weights [B, H, Tq, Tk]   cache.keys / cache.values [B, Hkv, T, D]
+
+(``batch_first=False``: query, key, value and out ``[T, B, ·]``, the rest as above.)
 """
 
 from __future__ import annotations
@@ -857,7 +859,7 @@ _TORCH_MHA_PARAMETERS = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_p
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention, batch first, with GQA/MQA, cross-attention and a KV cache.
+    """Multi-head attention with GQA/MQA, cross-attention and a KV cache.
 
     ``out = out_proj(attention(q_proj(query), k_proj(key), v_proj(value)))`` with the
     projections split into heads: q into ``num_heads``, k and v into ``num_kv_heads`` heads of
@@ -886,14 +888,17 @@ class MultiHeadAttention(nn.Module):
             call attends across the ranks of its group (``ring_attention`` or
             ``ulysses_attention``); see :meth:`forward`. ``None``: one process. Stored as the
             attribute ``sequence_parallel``; a call's ``sequence_parallel=`` overrides it.
+        batch_first: ``True`` (default): batched inputs and outputs are ``[B, T, ·]``;
+            ``False``: ``[T, B, ·]``, as ``torch.nn.MultiheadAttention``'s default. Masks,
+            ``key_valid``, ``lengths``, the weights and the cache stay batch first.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: Optional[int] = None,
                  dropout: float = 0.0, bias: bool = True, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, *, backend: str = "auto",
                  invariant: Optional[bool] = None,
-                 sequence_parallel: Optional["SequenceParallel"] = None, device=None,
-                 dtype=None):
+                 sequence_parallel: Optional["SequenceParallel"] = None,
+                 batch_first: bool = True, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         kdim = embed_dim if kdim is None else kdim
@@ -916,6 +921,9 @@ class MultiHeadAttention(nn.Module):
         if invariant is not None and not isinstance(invariant, bool):
             raise TypeError(f"invariant={invariant!r}: pass True, False or None (None follows "
                             f"attnkit.invariant())")
+        if not isinstance(batch_first, bool):
+            raise TypeError(f"batch_first={batch_first!r}: pass True ([B, T, E] inputs) or "
+                            f"False ([T, B, E])")
 
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
@@ -923,6 +931,7 @@ class MultiHeadAttention(nn.Module):
         self.dropout = float(dropout)
         self.backend = backend
         self.invariant = invariant
+        self.batch_first = batch_first
         self.sequence_parallel = _check_parallel(sequence_parallel)
         factory = dict(device=device, dtype=dtype)
         kv_width = num_kv_heads * self.head_dim
@@ -946,7 +955,8 @@ class MultiHeadAttention(nn.Module):
                 f"backend={self.backend!r}" + ("" if self.invariant is None
                                                else f", invariant={self.invariant}")
                 + ("" if self.sequence_parallel is None
-                   else f", sequence_parallel={self.sequence_parallel.kind!r}"))
+                   else f", sequence_parallel={self.sequence_parallel.kind!r}")
+                + ("" if self.batch_first else ", batch_first=False"))
 
     @staticmethod
     def empty_cache() -> KVCache:
@@ -964,7 +974,8 @@ class MultiHeadAttention(nn.Module):
         """Attend from ``query`` to ``key``/``value`` (both default to ``query``: self-attention).
 
         Args:
-            query: ``[B, Tq, E]`` or unbatched ``[Tq, E]``.
+            query: ``[B, Tq, E]`` or unbatched ``[Tq, E]`` (``[Tq, B, E]`` with
+                ``batch_first=False``, likewise key, value and the output).
             key: ``[B, Tk, kdim]`` (same rank and batch as ``query``); default ``query``.
             value: ``[B, Tk, vdim]``; default ``key``.
             mask: anything :func:`attnkit.attention` accepts, over the scores
@@ -1029,6 +1040,8 @@ class MultiHeadAttention(nn.Module):
                     raise ValueError(f"key_valid has shape {tuple(key_valid.shape)} but unbatched "
                                      f"keys take [Tk] = [{key.shape[1]}]; True = real key")
                 key_valid = key_valid[None]
+        elif not self.batch_first:  # [T, B, ·] as views [B, T, ·]
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         batch, q_len, _ = query.shape
         invariant = invariance.active(self.invariant)
         parallel = (self.sequence_parallel if sequence_parallel is None
@@ -1057,7 +1070,7 @@ class MultiHeadAttention(nn.Module):
                                         invariant=invariant)  # [B, H, Tq/P, D]
             heads_out = heads_out.transpose(1, 2).flatten(-2)  # [B, Tq/P, H·D]
             out = _projected(self.out_proj, heads_out, invariant)
-            return MHAOutput(out[0] if unbatched else out, None, None)
+            return MHAOutput(self._layout(out, unbatched), None, None)
         # a PagedKVCache is written in place: a step refused after its append (a mask that
         # does not fit) puts the cache back as it was
         undo = cache._snapshot() if isinstance(cache, PagedKVCache) else None
@@ -1108,9 +1121,15 @@ class MultiHeadAttention(nn.Module):
         heads_out = heads_out.transpose(1, 2).flatten(-2)  # [B, Tq, H·D]
         out = _projected(self.out_proj, heads_out, invariant)
         if unbatched:
-            out = out[0]  # [Tq, E]
             weights = None if weights is None else weights[0]  # [H, Tq, Tk]
-        return MHAOutput(out, weights, new_cache)
+        return MHAOutput(self._layout(out, unbatched), weights, new_cache)
+
+    def _layout(self, out: torch.Tensor, unbatched: bool) -> torch.Tensor:
+        """``out [B, Tq, E]`` in the caller's layout: ``[Tq, E]`` unbatched, ``[Tq, B, E]``
+        with ``batch_first=False``."""
+        if unbatched:
+            return out[0]
+        return out if self.batch_first else out.transpose(0, 1)
 
     def _check_inputs(self, query, key, value) -> bool:
         """Raise on shapes the projections cannot take; return True for unbatched input."""
@@ -1120,25 +1139,30 @@ class MultiHeadAttention(nn.Module):
             return False  # batched self-attention, accepted at once
         where = LazyText(lambda: ", ".join(f"{n} {tuple(t.shape)}" for n, t in (
             ("query", query), ("key", key), ("value", value)) if isinstance(t, torch.Tensor)))
+        layout, batch_dim = (("[B, T, ", 0) if self.batch_first else
+                             ("[T, B, ", 1))  # batch_first=False: torch's default layout
         for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim),
                                ("value", value, self.vdim)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.dim() not in (2, 3):
-                raise ValueError(f"{name} must be [B, T, {width}] (batch first) or unbatched "
-                                 f"[T, {width}]; got {where}")
+                raise ValueError(f"{name} must be {layout}{width}] or unbatched [T, {width}]; "
+                                 f"got {where}")
             if t.shape[-1] != width:
                 hint = "embed_dim" if name == "query" else name[0] + "dim"
                 raise ValueError(f"{name} has width {t.shape[-1]} but this module expects "
                                  f"{width} ({hint}); got {where}")
         if not query.dim() == key.dim() == value.dim():
-            raise ValueError(f"query, key and value must all be batched [B, T, ·] or all "
+            raise ValueError(f"query, key and value must all be batched {layout}·] or all "
                              f"unbatched [T, ·]; got {where}")
-        if query.dim() == 3 and not query.shape[0] == key.shape[0] == value.shape[0]:
-            raise ValueError(f"query, key and value must share the batch size (dim 0, batch "
-                             f"first); got {where}")
-        if key.shape[-2] != value.shape[-2]:
-            raise ValueError(f"key and value must have the same length Tk; got {where}")
+        if query.dim() == 3 and not (query.shape[batch_dim] == key.shape[batch_dim]
+                                     == value.shape[batch_dim]):
+            raise ValueError(f"query, key and value must share the batch size (dim {batch_dim}, "
+                             f"{layout}·]); got {where}")
+        time_dim = 0 if query.dim() == 2 else 1 - batch_dim
+        if key.shape[time_dim] != value.shape[time_dim]:
+            raise ValueError(f"key and value must have the same length Tk (dim {time_dim}); "
+                             f"got {where}")
         _check_dtypes(self, (("query", query), ("key", key), ("value", value)))
         return query.dim() == 2
 
@@ -1235,8 +1259,7 @@ class MultiHeadAttention(nn.Module):
 
         The copy's outputs and gradients are the source's, called the attnkit way:
 
-        - always batch first: transpose ``[T, B, E]`` inputs of a ``batch_first=False``
-          source (unchecked: they would read as ``[B, T, E]``);
+        - the same layout: ``batch_first`` is the source's (``[T, B, E]`` for torch's default);
         - it returns ``(out, weights, cache)``; weights only with ``need_weights=True`` (torch's
           default), per head ``[B, H, Tq, Tk]`` (``weights.mean(1)`` is torch's default
           average), before dropout (torch's are after);
@@ -1281,7 +1304,8 @@ class MultiHeadAttention(nn.Module):
         ref = module.out_proj.weight
         copy = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
                    bias=any(b is not None for _, b in sources), kdim=module.kdim,
-                   vdim=module.vdim, backend=backend, device=ref.device, dtype=ref.dtype)
+                   vdim=module.vdim, backend=backend, batch_first=module.batch_first,
+                   device=ref.device, dtype=ref.dtype)
         projections = (copy.q_proj, copy.k_proj, copy.v_proj, copy.out_proj)
         with torch.no_grad():
             for proj, (weight, bias) in zip(projections, sources):
