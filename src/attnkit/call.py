@@ -19,6 +19,7 @@ import torch
 
 from . import dispatch
 from .backends.base import Backend, BackendOutput
+from .backends.torch_sdpa import allowed_kernels
 from .inputs import CallCache, Inputs, _bhtd, refuse_jit_trace, restore, validate
 from .masks import (KEY_BYTES, as_mask, content_key, held_tensors, learnable, mask_tensors,
                     readable, wrapped_eagerly)
@@ -264,9 +265,11 @@ def validated(q, k, v, mask, *, scale, dropout_p, generator, backend, return_lse
         inputs, chosen = validate_and_choose()  # (validation checks dropout_p and generator)
     else:
         # (the arguments' types too: True == 1 and np.float32(0.5) == 0.5, which validation
-        # tells apart)
+        # tells apart; and the torch kernels the caller's sdpa_kernel context allows, which
+        # the torch backend's refusals read)
         options = (scale, backend, dispatch.forced(backend), return_lse, return_weights,
-                   invariant, type(scale), type(return_lse), type(return_weights))
+                   invariant, type(scale), type(return_lse), type(return_weights),
+                   allowed_kernels())
         inputs, chosen = CALLS.get(q, k, v, mask, options, validate_and_choose)
     if not compiling and dispatch.log.isEnabledFor(logging.DEBUG):
         dispatch.log.debug("attention: backend %s (asked %r) for q %s, k %s, %s, mask %r",

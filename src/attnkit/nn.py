@@ -34,7 +34,7 @@ from . import dispatch, finite, invariance, masks
 from .api import attention
 from .backends.tiled.forward import KV_SPLIT, kernel_call
 from .backends.tiled.plan import INVARIANT_MAX_HEAD_DIM, rows_anywhere
-from .backends.torch_sdpa import sdpa_call
+from .backends.torch_sdpa import context_refusal, sdpa_call
 from .finite import zero_outside
 from .inputs import LazyText, refuse_jit_trace
 from .masks import (DENSE_MAX_SCORES, Mask, MaskSpace, as_mask, causal, keys_below, padding,
@@ -457,7 +457,8 @@ class KVCache:
         splits, read in place: it needs a store allocated in whole splits
         (``MultiHeadAttention`` appends so under the contract). ``None`` where that is not
         the call ``attention`` would make (another backend asked or forced, not CPU
-        float32/float64, gradients, autocast, a traced or shape-only call, ``torch.func``
+        float32/float64, gradients, autocast, a ``torch.nn.attention.sdpa_kernel`` context
+        that allows none of torch's CPU kernels, a traced or shape-only call, ``torch.func``
         or forward-mode AD tensors, a step whose keys
         ``attention`` looks at, a mask too large for a dense key mask, not one real query
         per sequence; under the contract also a window, head dims that differ or exceed
@@ -482,7 +483,8 @@ class KVCache:
                 or finite.looks_at_keys(q_len, keys.numel())
                 or (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad
                                                  or values.requires_grad))
-                or torch.is_autocast_enabled("cpu") or dispatch.forced(backend) != "auto"):
+                or torch.is_autocast_enabled("cpu") or dispatch.forced(backend) != "auto"
+                or context_refusal(q.device) is not None):
             return None
         scale = 1.0 / math.sqrt(head_dim)
         if invariance.active(invariant):

@@ -172,8 +172,10 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def dropout_keep(shape, p: float, generator: Optional[torch.Generator], device) -> torch.Tensor:
-    """Bool keep-mask for dropout of probability ``p`` over ``shape`` (reproducible via ``generator``)."""
-    return torch.rand(shape, generator=generator, device=device) >= p
+    """Bool keep-mask for dropout of probability ``p`` over ``shape`` (reproducible via
+    ``generator``), from float32 draws whatever ``torch.set_default_dtype`` says: another
+    dtype draws another stream from the same seed."""
+    return torch.rand(shape, generator=generator, dtype=torch.float32, device=device) >= p
 
 
 def grouped(x: torch.Tensor, heads_kv: int) -> torch.Tensor:

@@ -30,6 +30,46 @@ from ..numerics import accum_dtype, additive_mask, grouped, query_rows, ungroupe
 from .base import Backend, BackendOutput, bias_range_reasons
 
 
+KERNELS = ("flash", "mem_efficient", "cudnn", "math")
+"""torch's SDPA kernels by the names of their switches (``torch._C._get_<name>_sdp_enabled``)."""
+
+_SWITCHES = tuple(getattr(torch._C, f"_get_{name}_sdp_enabled", lambda: True) for name in KERNELS)
+"""Each kernel's switch, read per call (a torch without one: always allowed)."""
+
+DEVICE_KERNELS = {"cpu": ("flash", "math"), "cuda": KERNELS}
+"""The kernels torch has for each device."""
+
+
+def allowed_kernels() -> tuple[bool, ...]:
+    """Which of :data:`KERNELS` the caller allows now (``torch.nn.attention.sdpa_kernel``,
+    ``torch.backends.cuda.enable_*_sdp``; process-wide), one flag each. Inside a compiled
+    region all of them: the graph's own call of the kernel honours the context there."""
+    if torch.compiler.is_compiling():
+        return (True,) * len(KERNELS)
+    return tuple(enabled() for enabled in _SWITCHES)
+
+
+def _allowed_here(device: torch.device) -> list[str]:
+    """The kernels of :data:`DEVICE_KERNELS` for ``device`` that the caller allows now."""
+    allowed = dict(zip(KERNELS, allowed_kernels()))
+    return [name for name in DEVICE_KERNELS.get(device.type, KERNELS) if allowed[name]]
+
+
+def context_refusal(device: torch.device) -> Optional[str]:
+    """Why ``auto`` passes this backend over on ``device`` under the caller's ``sdpa_kernel``
+    context, or ``None``: it allows none of the device's kernels, or on CUDA not the math
+    kernel (each fused one refuses some calls, known only by calling it). An explicit
+    ``backend="torch"`` still calls the kernel, which honours the context."""
+    allowed = _allowed_here(device)
+    if allowed and (device.type != "cuda" or "math" in allowed):
+        return None
+    why = ("none of them runs there" if not allowed
+           else "its fused kernels refuse some calls, known only by calling them")
+    return (f"torch.nn.attention.sdpa_kernel allows {', '.join(allowed) or 'none'} of "
+            f"torch's kernels on {device.type}: {why} (auto passes torch over; "
+            f"backend='torch' honours the context)")
+
+
 def _fused_cpu(inputs: Inputs) -> bool:
     """The CPU flash kernel that also returns the LSE (taken when the LSE is asked for; else
     the public entry point, with less per-call cost) needs Dk == Dv."""
@@ -224,6 +264,11 @@ class TorchBackend(Backend):
         if inputs.need_lse and not _fused_cpu(inputs):
             reasons.append(f"{lse_use} needs the CPU fused kernel with Dk == Dv "
                            "(not supported by torch)")
+        elif inputs.need_lse and "flash" not in _allowed_here(inputs.q.device):
+            # (the fused kernel is called past the entry point, which reads the context)
+            reasons.append(f"{lse_use} needs torch's CPU flash kernel, which "
+                           f"torch.nn.attention.sdpa_kernel does not allow here (not "
+                           f"supported by torch)")
         dtype = inputs.q.dtype
         low = accum_dtype(dtype) != dtype  # fp16/bf16: the others add biases in float32
         if low:
@@ -250,6 +295,9 @@ class TorchBackend(Backend):
         return reasons
 
     def auto_reasons(self, inputs: Inputs) -> list[str]:
+        refusal = context_refusal(inputs.q.device)
+        if refusal is not None:
+            return [refusal]
         mask = inputs.mask
         positions = _position_biased(inputs)
         q_len, kv_len = inputs.q.shape[2], inputs.k.shape[2]

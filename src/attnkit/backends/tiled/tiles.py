@@ -390,7 +390,9 @@ def _tile_scores(problem: Problem, rows: tuple[int, int], seg: Segment, heads_q:
 
 def _dropout_keep(problem: Problem, block_row: int, seg: Segment, shape, device) -> torch.Tensor:
     """Keep-mask ``[B, Hkv, G·n, span]`` for one segment, drawn per (query block, key block) from
-    a generator seeded by (seed, block_row, key block), so forward and backward agree."""
+    a generator seeded by (seed, block_row, key block), so forward and backward agree. The
+    draws are float32 whatever ``torch.set_default_dtype`` says: another dtype draws another
+    stream from the same seed."""
     b, hkv, gn, span = shape
     pieces = []
     for start in range(seg.start, seg.stop, problem.plan.block_k):
@@ -398,5 +400,6 @@ def _dropout_keep(problem: Problem, block_row: int, seg: Segment, shape, device)
         gen = torch.Generator(device=device)
         gen.manual_seed((problem.seed * 1_000_003 + block_row * 65_537
                          + start // problem.plan.block_k) % (2**63 - 1))
-        pieces.append(torch.rand((b, hkv, gn, width), generator=gen, device=device))
+        pieces.append(torch.rand((b, hkv, gn, width), generator=gen, dtype=torch.float32,
+                                 device=device))
     return torch.cat(pieces, dim=-1) >= problem.dropout_p
