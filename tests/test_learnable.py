@@ -265,3 +265,31 @@ def test_a_learnable_cap_through_score_function_gets_the_reference_gradient():
                                               backend=backend).sum(), cap)[0]
              for backend in ("reference", "tiled")]
     torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-5)
+_HOLDER = {"deep": {"deeper": {"deepest": [torch.nn.Parameter(torch.tensor([0.1, -0.2, 0.3, 0.4]))]}}}
+
+
+def _hidden_bias(s, b, h, q_idx, kv_idx):
+    """Reads a parameter deeper than score_function looks (so auto runs reference with grad)."""
+    return s + _HOLDER["deep"]["deeper"]["deepest"][0][h] * (q_idx - kv_idx)
+
+
+@pytest.mark.parametrize("case", ["weights", "hidden"])
+def test_reentrant_checkpoint_with_dropout_returns_the_output_its_gradients_belong_to(case):
+    """auto's choice with dropout does not follow grad mode: a reentrant checkpoint runs the
+    forward with grad off and the recompute with it on, and both must draw one pattern."""
+    gen = _gen(9)
+    q0, k0, v0 = (torch.randn(B, H, T, D, generator=gen) for _ in range(3))
+
+    def call(q, k, v):
+        if case == "weights":
+            return ak.attention(q, k, v, ak.causal(), dropout_p=0.3, return_weights=True).out
+        return ak.attention(q, k, v, ak.score_function(_hidden_bias), dropout_p=0.3)
+
+    def run(checked):
+        leaves = [t.clone().requires_grad_() for t in (q0, k0, v0)]
+        torch.manual_seed(12)
+        out = (checkpoint(call, *leaves, use_reentrant=True) if checked else call(*leaves))
+        out.sum().backward()
+        return [out.detach()] + [t.grad for t in leaves]
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)

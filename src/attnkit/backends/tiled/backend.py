@@ -194,6 +194,30 @@ class TiledBackend(Backend):
     def __init__(self, options: TiledOptions = TiledOptions()):
         self.options = options
 
+    def auto_reasons(self, inputs: Inputs) -> list[str]:
+        """With dropout, auto passes over tiled wherever autograd would make it: a reentrant
+        ``torch.utils.checkpoint`` runs the forward with grad mode off and its recompute with
+        it on, and tiled and reference draw different dropout patterns, so the two runs must
+        choose one backend (else the gradients belong to another pattern than the output)."""
+        if inputs.dropout_p == 0:
+            return []
+        reasons = []
+        if inputs.need_weights and not inputs.need_grad:  # (with autograd: extra_reasons)
+            reasons.append("dropout with return_weights (auto runs it on reference in any grad "
+                           "mode, as autograd needs: a reentrant checkpoint's forward and "
+                           "recompute must draw one dropout pattern)")
+        functions = inputs.modifiers is not None and inputs.modifiers.functions
+        if functions and not torch.is_grad_enabled():
+            with torch.enable_grad():  # the tensors autograd would find (see extra_reasons)
+                hidden = inputs.modifiers.hidden_tensors(inputs.space, accum_dtype(inputs.q.dtype))
+            if hidden:
+                reasons.append(f"dropout with a score_function reading {hidden} tensor(s) that "
+                               f"require grad outside its closure, defaults, named globals and "
+                               f"modules (auto runs it on reference in any grad mode, as "
+                               f"autograd needs: a reentrant checkpoint's forward and recompute "
+                               f"must draw one dropout pattern)")
+        return reasons
+
     def extra_reasons(self, inputs: Inputs) -> list[str]:
         reasons = []
         if inputs.need_weights and inputs.need_grad:
