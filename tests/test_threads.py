@@ -265,3 +265,20 @@ def test_triton_tuning_keeps_each_templates_config(monkeypatch):
     assert not errors, errors[0]
     assert {tag: c.shared["config"] for tag, c in calls.items()} == {"first": "first",
                                                                      "second": "second"}
+
+
+def test_triton_kernels_loaded_once_by_threads_calling_first(monkeypatch, switching):
+    """Threads making a mode's first triton call at once share one kernels module: a module
+    apiece would compile every kernel once per thread."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(launch, "_FLAVOURS", {})
+    barrier = threading.Barrier(4)
+    loaded = []
+
+    def work(index):
+        barrier.wait()
+        loaded.append(launch.kernels())
+
+    errors = _run_threads(4, work)
+    assert not errors, errors[0]
+    assert len(loaded) == 4 and all(module is loaded[0] for module in loaded)

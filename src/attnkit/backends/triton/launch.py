@@ -50,6 +50,9 @@ state on the tuner (its ``best_config``, the arguments), which a thread tuning a
 template at the same time would overwrite."""
 _TEMPLATES = threading.Lock()
 """Guards the insertion and eviction of a layout's launch templates (:func:`_template`)."""
+_LOADING = threading.Lock()
+"""Held while :func:`kernels` loads a mode's module: threads calling first at once share one
+(each module's kernels compile on their own)."""
 
 
 # ---- interpreter or compiler --------------------------------------------------------------------
@@ -89,17 +92,21 @@ def cpu_problem() -> Optional[str]:
 def kernels() -> ModuleType:
     """``kernels.py`` decorated in this process's mode, loaded once per mode."""
     interpret = interpreting()
-    if interpret not in _FLAVOURS:
-        import triton
+    module = _FLAVOURS.get(interpret)
+    if module is not None:
+        return module
+    import triton
 
-        name = f"{__package__}._kernels_{'interpreted' if interpret else 'compiled'}"
-        spec = importlib.util.spec_from_file_location(
-            name, os.path.join(os.path.dirname(__file__), "kernels.py"))
-        module = importlib.util.module_from_spec(spec)
-        with triton.knobs.runtime.scope():
-            triton.knobs.runtime.interpret = interpret
-            spec.loader.exec_module(module)
-        _FLAVOURS[interpret] = module
+    with _LOADING:
+        if interpret not in _FLAVOURS:
+            name = f"{__package__}._kernels_{'interpreted' if interpret else 'compiled'}"
+            spec = importlib.util.spec_from_file_location(
+                name, os.path.join(os.path.dirname(__file__), "kernels.py"))
+            module = importlib.util.module_from_spec(spec)
+            with triton.knobs.runtime.scope():
+                triton.knobs.runtime.interpret = interpret
+                spec.loader.exec_module(module)
+            _FLAVOURS[interpret] = module
     return _FLAVOURS[interpret]
 
 
