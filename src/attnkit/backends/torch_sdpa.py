@@ -36,6 +36,8 @@ KERNELS = ("flash", "mem_efficient", "cudnn", "math")
 _SWITCHES = tuple(getattr(torch._C, f"_get_{name}_sdp_enabled", lambda: True) for name in KERNELS)
 """Each kernel's switch, read per call (a torch without one: always allowed)."""
 
+_ALL_ALLOWED = (True,) * len(KERNELS)
+
 DEVICE_KERNELS = {"cpu": ("flash", "math"), "cuda": KERNELS}
 """The kernels torch has for each device."""
 
@@ -45,8 +47,9 @@ def allowed_kernels() -> tuple[bool, ...]:
     ``torch.backends.cuda.enable_*_sdp``; process-wide), one flag each. Inside a compiled
     region all of them: the graph's own call of the kernel honours the context there."""
     if torch.compiler.is_compiling():
-        return (True,) * len(KERNELS)
-    return tuple(enabled() for enabled in _SWITCHES)
+        return _ALL_ALLOWED
+    flash, mem_efficient, cudnn, math_ = _SWITCHES  # (unpacked: called on every call)
+    return flash(), mem_efficient(), cudnn(), math_()
 
 
 def _allowed_here(device: torch.device) -> list[str]:
@@ -60,6 +63,8 @@ def context_refusal(device: torch.device) -> Optional[str]:
     context, or ``None``: it allows none of the device's kernels, or on CUDA not the math
     kernel (each fused one refuses some calls, known only by calling it). An explicit
     ``backend="torch"`` still calls the kernel, which honours the context."""
+    if allowed_kernels() == _ALL_ALLOWED:  # (the common case, read per decoding step)
+        return None
     allowed = _allowed_here(device)
     if allowed and (device.type != "cuda" or "math" in allowed):
         return None
