@@ -111,6 +111,25 @@ def test_batch_first_false_is_the_batch_first_module_transposed():
         MultiHeadAttention(8, 2, batch_first="no")
 
 
+def test_batch_first_false_output_is_contiguous_as_torchs():
+    src = torch.nn.MultiheadAttention(8, 2, dtype=F64)  # torch's [T, B, E] default
+    mha = MultiHeadAttention.from_torch(src)
+    x = _rand(5, 3, 8, seed=1)
+    expected = src(x, x, x, need_weights=False)[0]
+    out = mha(x).out
+    assert expected.is_contiguous() and out.is_contiguous()
+    torch.testing.assert_close(out.view(15, 8), expected.view(15, 8))  # torch-style reshapes
+
+
+def test_a_torch_state_dict_error_builds_a_copy_of_the_modules_layout():
+    """The conversion the error gives copies the layout of the module it was loaded into."""
+    source = torch.nn.MultiheadAttention(8, 2)
+    module = MultiHeadAttention(8, 2, batch_first=False)
+    with pytest.raises(RuntimeError, match=r"from_torch\(src\)") as error:
+        module.load_state_dict(source.state_dict())
+    assert "batch_first=False" in str(error.value)
+
+
 def test_from_torch_with_attn_mask_and_key_padding_mask():
     batch, heads, tq, tk = 3, 2, 4, 6
     src = _torch_mha(8, heads, kdim=5, vdim=7, seed=2)

@@ -1014,16 +1014,18 @@ class MultiHeadAttention(nn.Module):
             sequence_parallel: a :class:`~attnkit.distributed.parallel.SequenceParallel`
                 for this call (default: the module's ``sequence_parallel``). Then ``query``,
                 ``key`` and ``value`` are this rank's shards ``[B, T/P, ·]`` of the sequence
-                (cut by its layout, e.g. ``sequence_parallel.shard(x, dim=1)``), ``out`` is
-                this rank's shard ``[B, Tq/P, E]``, and ``mask``, ``key_valid`` (``[B, Tk]``)
+                (cut by its layout, e.g. ``sequence_parallel.shard(x, dim=1)``; ``[T/P, B, ·]``
+                and ``dim=0`` with ``batch_first=False``), ``out`` is this rank's shard in
+                the same layout, and ``mask``, ``key_valid`` (``[B, Tk]``)
                 and ``is_causal`` describe the WHOLE sequence, at global positions; every
                 rank passes the same ones, and every rank must run the backward. Not with a
                 ``cache``, ``lengths`` or ``need_weights`` (``ValueError``); attention dropout
                 in training needs ``kind="ulysses"``.
 
         Returns:
-            :class:`MHAOutput` ``(out, weights, cache)``: ``out [B, Tq, E]``, ``weights
-            [B, H, Tq, Tk]`` or ``None`` (unbatched: ``[Tq, E]``, ``[H, Tq, Tk]``), and the
+            :class:`MHAOutput` ``(out, weights, cache)``: ``out [B, Tq, E]`` (``[Tq, B, E]``
+            with ``batch_first=False``), ``weights [B, H, Tq, Tk]`` or ``None`` (unbatched:
+            ``[Tq, E]``, ``[H, Tq, Tk]``), and the
             extended cache (``None`` without one). A query row whose keys are all masked gets 0
             attention output (never NaN).
         """
@@ -1070,9 +1072,8 @@ class MultiHeadAttention(nn.Module):
             dropout = self.dropout if self.training else 0.0
             heads_out = parallel.attend(q, k, v, full_mask, dropout_p=dropout,
                                         invariant=invariant)  # [B, H, Tq/P, D]
-            heads_out = heads_out.transpose(1, 2).flatten(-2)  # [B, Tq/P, H·D]
-            out = _projected(self.out_proj, heads_out, invariant)
-            return MHAOutput(self._layout(out, unbatched), None, None)
+            out = _projected(self.out_proj, self._merged(heads_out, unbatched), invariant)
+            return MHAOutput(out[0] if unbatched else out, None, None)
         # a PagedKVCache is written in place: a step refused after its append (a mask that
         # does not fit) puts the cache back as it was
         undo = cache._snapshot() if isinstance(cache, PagedKVCache) else None
@@ -1120,18 +1121,19 @@ class MultiHeadAttention(nn.Module):
             if undo is not None:
                 cache._restore(undo)
             raise
-        heads_out = heads_out.transpose(1, 2).flatten(-2)  # [B, Tq, H·D]
-        out = _projected(self.out_proj, heads_out, invariant)
+        out = _projected(self.out_proj, self._merged(heads_out, unbatched), invariant)
         if unbatched:
+            out = out[0]  # [Tq, E]
             weights = None if weights is None else weights[0]  # [H, Tq, Tk]
-        return MHAOutput(self._layout(out, unbatched), weights, new_cache)
+        return MHAOutput(out, weights, new_cache)
 
-    def _layout(self, out: torch.Tensor, unbatched: bool) -> torch.Tensor:
-        """``out [B, Tq, E]`` in the caller's layout: ``[Tq, E]`` unbatched, ``[Tq, B, E]``
-        with ``batch_first=False``."""
-        if unbatched:
-            return out[0]
-        return out if self.batch_first else out.transpose(0, 1)
+    def _merged(self, heads_out: torch.Tensor, unbatched: bool) -> torch.Tensor:
+        """``heads_out [B, H, Tq, D]`` with its heads merged, in the caller's layout, for the
+        out projection: ``[B, Tq, H·D]``, or ``[Tq, B, H·D]`` with ``batch_first=False`` (so
+        that the output is contiguous in it, as torch's is; unbatched: ``B = 1``)."""
+        if self.batch_first or unbatched:
+            return heads_out.transpose(1, 2).flatten(-2)
+        return heads_out.permute(2, 0, 1, 3).flatten(-2)
 
     def _check_inputs(self, query, key, value) -> bool:
         """Raise on shapes the projections cannot take; return True for unbatched input."""
@@ -1244,7 +1246,8 @@ class MultiHeadAttention(nn.Module):
             f"{names} are torch.nn.MultiheadAttention's parameters; MultiHeadAttention has "
             f"q_proj, k_proj, v_proj and out_proj layers. Load the state dict into torch's "
             f"module and copy that: src = torch.nn.MultiheadAttention({self.embed_dim}, "
-            f"{self.num_heads}{options}, batch_first=True); src.load_state_dict({entries}); "
+            f"{self.num_heads}{options}, batch_first={self.batch_first}); "
+            f"src.load_state_dict({entries}); "
             f"MultiHeadAttention.from_torch(src)")
 
     # ---- conversion ---------------------------------------------------------------------------
