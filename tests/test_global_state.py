@@ -44,7 +44,9 @@ def default_device(device):
     try:
         yield
     finally:
-        torch.set_default_device(before)
+        # (None where it was cpu: setting "cpu" would leave a DeviceContext mode active, which
+        # every later torch call, and dynamo's tracing, then goes through)
+        torch.set_default_device(None if before == torch.device("cpu") else before)
 
 
 @contextlib.contextmanager
@@ -424,3 +426,17 @@ def test_modes_come_back_after_an_exception(mode):
                 pass
         assert torch_state() == before
     torch.testing.assert_close(ak.attention(q, k, v), ak.attention(q, k, v, backend="reference"))
+
+
+@pytest.mark.parametrize("kind", [ak.causal, lambda: None], ids=["causal", "none"])
+def test_a_compiled_auto_call_inside_a_context_allowing_no_cpu_kernel(kind):
+    """Eager auto passes torch over under the context; the traced call does too (else its
+    graph calls torch's kernel, which refuses under FakeTensor: 'No viable backend')."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=gen) for _ in range(3))
+    want = ak.attention(q, k, v, kind())
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: ak.attention(q, k, v, kind()), backend="eager")
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        got = compiled(q, k, v)
+    torch.testing.assert_close(got, want)

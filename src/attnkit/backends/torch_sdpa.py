@@ -45,9 +45,9 @@ DEVICE_KERNELS = {"cpu": ("flash", "math"), "cuda": KERNELS}
 def allowed_kernels() -> tuple[bool, ...]:
     """Which of :data:`KERNELS` the caller allows now (``torch.nn.attention.sdpa_kernel``,
     ``torch.backends.cuda.enable_*_sdp``; process-wide), one flag each. Inside a compiled
-    region all of them: the graph's own call of the kernel honours the context there."""
-    if torch.compiler.is_compiling():
-        return _ALL_ALLOWED
+    region they are read as the graph is traced, as the graph's own call of torch's kernel
+    reads them; dynamo keeps no guard on them, so a graph traced outside a context keeps
+    the backend chosen there."""
     flash, mem_efficient, cudnn, math_ = _SWITCHES  # (unpacked: called on every call)
     return flash(), mem_efficient(), cudnn(), math_()
 
