@@ -293,3 +293,43 @@ def test_reentrant_checkpoint_with_dropout_returns_the_output_its_gradients_belo
         return [out.detach()] + [t.grad for t in leaves]
     for a, b in zip(run(False), run(True)):
         assert torch.equal(a, b)
+
+
+def test_inference_mode_draws_the_dropout_pattern_of_the_other_grad_modes():
+    """auto finds the parameters a score_function reads in inference mode too (which records
+    no graph even with grad enabled), so it picks one backend, and one pattern, in every mode."""
+    gen = _gen(1)
+    q, k, v = (torch.randn(B, H, T, D, generator=gen) for _ in range(3))
+    outs = {}
+    for name, mode in (("grad", torch.enable_grad), ("no_grad", torch.no_grad),
+                       ("inference_mode", torch.inference_mode)):
+        with mode():
+            out = ak.attention(q, k, v, ak.score_function(_hidden_bias), dropout_p=0.3,
+                               generator=_gen(5))
+        outs[name] = out.detach().clone()
+    assert torch.equal(outs["no_grad"], outs["grad"])
+    assert torch.equal(outs["inference_mode"], outs["grad"])
+
+
+with torch.inference_mode():
+    _INFERENCE_SCALE = torch.full((1, H, 1, 1), 0.5)  # a constant made under inference_mode
+
+
+def _scaled_by_inference_tensor(s, b, h, q_idx, kv_idx):
+    return s * _INFERENCE_SCALE
+
+
+@pytest.mark.parametrize("mode,dropout", [("grad", 0.0), ("no_grad", 0.3)])
+def test_a_score_function_reading_an_inference_tensor_runs_on_auto(mode, dropout):
+    """Nothing requires grad: auto's probe for hidden tensors does not raise autograd's
+    'Inference tensors cannot be saved for backward' where the call itself runs."""
+    gen = _gen(2)
+    q, k, v = (torch.randn(B, H, T, D, generator=gen) for _ in range(3))
+    mask = ak.score_function(_scaled_by_inference_tensor)
+    context = torch.no_grad if mode == "no_grad" else torch.enable_grad
+    with context():
+        want = ak.attention(q, k, v, mask, dropout_p=dropout, generator=_gen(3),
+                            backend="reference")
+        got = ak.attention(q, k, v, mask, dropout_p=dropout, generator=_gen(3))
+    if not dropout:  # (with dropout, backends draw their own patterns)
+        torch.testing.assert_close(got, want)

@@ -730,7 +730,14 @@ class Modifiers:
         kv_idx = torch.zeros(min(space.kv_len, 1), dtype=torch.long, device=space.device)
         scores = torch.zeros(space.batch, space.heads, q_idx.shape[0], kv_idx.shape[0], dtype=dtype,
                              device=space.device, requires_grad=True)
-        out = self.apply(scores, q_idx, kv_idx, space)
+        try:
+            out = self.apply(scores, q_idx, kv_idx, space)
+        except RuntimeError as error:
+            # a product with an inference tensor, which autograd cannot save: a call with
+            # gradients cannot run the function at all, and one without needs no tensor's
+            if "Inference tensors" not in str(error):
+                raise
+            return 0
         if out.grad_fn is None:
             return 0
         known = {id(t) for t in (scores, *self.tensors)}

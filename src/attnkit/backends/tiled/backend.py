@@ -208,7 +208,9 @@ class TiledBackend(Backend):
                            "recompute must draw one dropout pattern)")
         functions = inputs.modifiers is not None and inputs.modifiers.functions
         if functions and not torch.is_grad_enabled():
-            with torch.enable_grad():  # the tensors autograd would find (see extra_reasons)
+            # the tensors autograd would find (see extra_reasons), under inference_mode too
+            # (which records no graph even with grad enabled)
+            with torch.inference_mode(False), torch.enable_grad():
                 hidden = inputs.modifiers.hidden_tensors(inputs.space, accum_dtype(inputs.q.dtype))
             if hidden:
                 reasons.append(f"dropout with a score_function reading {hidden} tensor(s) that "
