@@ -150,3 +150,11 @@ def test_out_folder_named_like_a_file_is_a_usage_error(tmp_path, monkeypatch, ca
     assert line.startswith(f"attnkit {command}: error: --out {name}: names a file")
     assert f"give a folder path such as {name.rsplit('.', 1)[0]}" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_main_puts_the_stdout_error_handler_back(monkeypatch):
+    """main() called in-process (a notebook, a test) leaves sys.stdout as it found it."""
+    stream = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", stream)
+    assert cli.main(["explain"]) == 0
+    assert stream.errors == "strict"

@@ -19,6 +19,7 @@ Plotting modules import matplotlib inside their plotting functions only, so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from typing import Optional, Sequence
@@ -66,13 +67,23 @@ def make_console():
     return console
 
 
-def tolerate_encoding(stream) -> None:
-    """Let ``stream`` (stdout) write ``?`` for the characters its encoding lacks (√, →, the
-    table rules) instead of raising ``UnicodeEncodeError``: an ASCII or cp1252 console or pipe
-    gets readable output. A UTF-8 stream, or one that cannot be reconfigured, is left as is."""
+@contextlib.contextmanager
+def tolerate_encoding(stream):
+    """While the block runs, let ``stream`` (stdout) write ``?`` for the characters its
+    encoding lacks (√, →, the table rules) instead of raising ``UnicodeEncodeError``: an ASCII
+    or cp1252 console or pipe gets readable output. Its error handler is put back on exit
+    (:func:`main` may run inside a larger program). A UTF-8 stream, or one that cannot be
+    reconfigured, is left as is."""
     encoding = (getattr(stream, "encoding", None) or "utf-8").lower().replace("-", "").replace("_", "")
-    if encoding != "utf8" and hasattr(stream, "reconfigure"):
-        stream.reconfigure(errors="replace")
+    if encoding == "utf8" or not hasattr(stream, "reconfigure"):
+        yield
+        return
+    errors = stream.errors
+    stream.reconfigure(errors="replace")
+    try:
+        yield
+    finally:
+        stream.reconfigure(errors=errors)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -88,9 +99,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         command = f"attnkit {args.command}"
         from ._common import UsageError
 
-        tolerate_encoding(sys.stdout)
         try:
-            return int(args._module.run(args, make_console()) or 0)
+            with tolerate_encoding(sys.stdout):
+                return int(args._module.run(args, make_console()) or 0)
         except UsageError as error:
             print(f"{command}: error: {error}", file=sys.stderr)
             return 2
