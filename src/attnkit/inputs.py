@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from .masks import (DENSE_MAX_SCORES, Band, Mask, MaskSpace, _is_wrapped, as_mask,
-                    every_row_has_key, held_tensors, keeping, learnable, mask_fields,
-                    mask_tensors, validation_key)
+                    derived_values, every_row_has_key, held_tensors, keeping, learnable,
+                    mask_fields, mask_tensors, validation_key)
 from .modifiers import Modifiers, split
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -486,8 +486,7 @@ class CallCache:
         newest = self._newest
         if newest is not None and newest in self._calls:  # its call has derived by now
             kept, _, held = self._calls[newest]
-            size = (_nbytes(kept.derived) + _nbytes(getattr(kept.mask, "__dict__", {})
-                                                    .get("_memo")) + _storage_bytes(held))
+            size = _nbytes((kept.derived, derived_values(kept.mask), held))
             self._sizes[newest] = size
             self._bytes += size
         while self._calls and (len(self._calls) >= self.entries
@@ -520,8 +519,10 @@ class CallCache:
                 # shape, a new mask at every hit, nor from what an optimizer may step
                 # (masks.learnable: a fused one writes without moving the version counter)
                 fresh = by_shape or any(map(learnable, keep))
+                # (a mask keyed by shape is not kept: a hit runs on its own mask, and an
+                # entry would keep the caller's first mask and its tensors alive for nothing)
                 kept = dataclasses.replace(inputs, q=None, k=None, v=None, _allowed=None,
-                                           _has_key=None,
+                                           _has_key=None, mask=None if by_shape else inputs.mask,
                                            derived=None if fresh else inputs.derived)
                 with self._lock:
                     self._insert(key, (kept, choice, keep))
@@ -575,16 +576,22 @@ class CallCache:
 
 
 def _nbytes(value) -> int:
-    """The bytes of the tensors in ``value`` (a tensor, or tuples, lists and dicts of them).
-    Reads a copy of each list and dict: other threads add to a call's derived values and a
-    mask's memos while they are measured."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (tuple, list)):
-        return sum(_nbytes(item) for item in tuple(value))
-    if isinstance(value, dict):
-        return sum(_nbytes(item) for item in tuple(value.values()))
-    return 0
+    """The bytes of the distinct storages behind the tensors in ``value`` (a tensor, or
+    tuples, lists and dicts of them): a tensor shared by several of them (a mask's dense form
+    that a call's derived values hold too) counts once, an expanded view by the memory it
+    reads, a view of a larger tensor by the whole storage it keeps alive. Reads a copy of
+    each list and dict: other threads add to a call's derived values and a mask's memos
+    while they are measured."""
+    tensors, stack = [], [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            tensors.append(item)
+        elif isinstance(item, (tuple, list)):
+            stack.extend(tuple(item))
+        elif isinstance(item, dict):
+            stack.extend(tuple(item.values()))
+    return _storage_bytes(tensors)
 
 
 def _storage_bytes(tensors) -> int:

@@ -812,6 +812,24 @@ def held_tensors(mask: Mask) -> tuple:
     return _walk_tensors(mask)[0] if tensors is None else tensors
 
 
+def derived_values(mask: Optional[Mask]) -> list:
+    """What ``mask`` and its parts keep of what was derived from them: their :func:`memo`
+    values and causal documents' runs (:data:`_DOCUMENT_RUNS`), for the call cache's byte
+    bound. Reads a copy of each memo, which another thread may grow meanwhile."""
+    found: list = []
+    stack = [] if mask is None else [mask]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Mask):
+            found.extend(tuple(value.__dict__.get("_memo", {}).values()))
+            if isinstance(value, _CausalDocuments):
+                found.append(_DOCUMENT_RUNS.get(value))
+            stack.extend(mask_fields(value).values())
+        elif isinstance(value, (tuple, list)):
+            stack.extend(value)
+    return found
+
+
 def tensor_versions(mask: Optional[Mask], extra: tuple = ()) -> tuple:
     """``(tensor, version counter)`` of every tensor ``mask`` holds and of ``extra`` (plain
     tensors with a counter: not inference tensors), for :func:`check_unwritten`."""
