@@ -333,3 +333,28 @@ def test_a_score_function_reading_an_inference_tensor_runs_on_auto(mode, dropout
         got = ak.attention(q, k, v, mask, dropout_p=dropout, generator=_gen(3))
     if not dropout:  # (with dropout, backends draw their own patterns)
         torch.testing.assert_close(got, want)
+
+
+_BESIDE_INFERENCE = {"deep": {"deeper": {"deepest": [torch.nn.Parameter(torch.ones(H))]}}}
+
+
+def _scaled_plus_hidden(s, b, h, q_idx, kv_idx):
+    """An inference tensor times the scores, and a parameter deeper than score_function looks."""
+    return s * _INFERENCE_SCALE + _BESIDE_INFERENCE["deep"]["deeper"]["deepest"][0][h] * (q_idx - kv_idx)
+
+
+def test_a_hidden_parameter_beside_an_inference_tensor_gets_its_gradient():
+    """The probe's scores need no grad: the inference tensor's product saves nothing, so the
+    probe reaches the parameter, and auto runs a backend that gives it its gradient."""
+    param = _BESIDE_INFERENCE["deep"]["deeper"]["deepest"][0]
+    gen = _gen(6)
+    q, k, v = (torch.randn(B, H, T, D, generator=gen) for _ in range(3))
+    mask = ak.score_function(_scaled_plus_hidden)
+    grads = {}
+    for backend in ("reference", "auto"):
+        param.grad = None
+        out = ak.attention(q, k, v, mask, backend=backend)
+        assert out.requires_grad, backend
+        out.sum().backward()
+        grads[backend] = param.grad.clone()
+    torch.testing.assert_close(grads["auto"], grads["reference"])

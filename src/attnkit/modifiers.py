@@ -728,13 +728,16 @@ class Modifiers:
         # fails where Tk = 0; an empty index still reaches the tensor in the graph)
         q_idx = torch.zeros(min(space.q_len, 1), dtype=torch.long, device=space.device)
         kv_idx = torch.zeros(min(space.kv_len, 1), dtype=torch.long, device=space.device)
+        # (scores without grad: a product of them with an inference tensor saves nothing,
+        # and the graph reaches only the tensors that require grad)
         scores = torch.zeros(space.batch, space.heads, q_idx.shape[0], kv_idx.shape[0], dtype=dtype,
-                             device=space.device, requires_grad=True)
+                             device=space.device)
         try:
             out = self.apply(scores, q_idx, kv_idx, space)
         except RuntimeError as error:
-            # a product with an inference tensor, which autograd cannot save: a call with
-            # gradients cannot run the function at all, and one without needs no tensor's
+            # a tensor that requires grad times an inference tensor, which autograd cannot
+            # save: a call with gradients cannot run the function at all, and one without
+            # needs no tensor's
             if "Inference tensors" not in str(error):
                 raise
             return 0
