@@ -251,3 +251,19 @@ def test_transformers_generate_keeps_a_bounded_number_of_entries(calls):
         counts.append(_live_tensors())
     assert len(calls._calls) <= calls.entries
     assert counts[0] == counts[1]
+
+
+def test_entries_measured_after_a_torch_func_transform(calls):
+    """A mask used under ``vmap`` and ``grad`` memoises ``torch.func`` wrapper tensors, whose
+    storage cannot be read: the call cache still measures the entries that hold the mask."""
+    from torch.func import grad, vmap
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(3, 3, 2, 8, 4, dtype=torch.float64, generator=gen).unbind(0)
+    mask = ak.causal()
+    vmap(lambda a, b, c: ak.attention(a, b, c, mask))(q, k, v)
+    grad(lambda a: ak.attention(a, k, v, mask).sum())(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ak.attention(*leaves, mask, backend="reference").sum().backward()
+    ak.attention(q[:1], k[:1], v[:1], mask)  # measures the entry before it
+    assert len(calls._calls) >= 2

@@ -596,11 +596,18 @@ def _nbytes(value) -> int:
 
 def _storage_bytes(tensors) -> int:
     """The bytes of the distinct storages behind ``tensors`` (a view keeps its base's whole
-    storage alive); 0 for tensors without memory of their own (meta)."""
+    storage alive); 0 for tensors without memory of their own (meta). A tensor whose storage
+    cannot be read (a ``torch.func`` wrapper, a sparse or nested tensor, a subclass) counts
+    its elements once."""
     storages = {}
     for t in tensors:
-        if t.device.type != "meta":
+        if t.device.type == "meta":
+            continue
+        try:
             storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError, TypeError):
+            storages[id(t)] = t.numel() * t.element_size()
+        else:
             storages[(t.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())
 
