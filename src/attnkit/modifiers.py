@@ -151,7 +151,7 @@ class Softcap(Modifier):
             return
         if isinstance(cap, torch.Tensor):
             raise TypeError(
-                f"softcap(cap) takes a float, got a tensor {tensor_summary(cap)}: the cap is a "
+                f"softcap(cap): cap must be a float, got a tensor {tensor_summary(cap)}: the cap is a "
                 f"constant of the call, not learnable. Pass float(cap); for a learnable cap, "
                 f"ak.score_function(lambda s, b, h, q_idx, kv_idx: cap * torch.tanh(s / cap)) "
                 f"gives cap its gradient (it applies after the additive biases, softcap before)")
