@@ -434,6 +434,20 @@ def test_decoding_steps():
 
 
 @gpu
+def test_dropout_with_a_cpu_generator_on_the_device():
+    """A CPU generator with CUDA inputs (accepted by validation for every backend): the
+    reference draws on the generator's device, so the pattern and the result are the CPU's."""
+    import attnkit as ak
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 17, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    results = [ak.attention(*(t.to(device) for t in (q, k, v)), ak.causal(), dropout_p=0.3,
+                            generator=torch.Generator().manual_seed(5), backend="reference")
+               for device in ("cpu", DEVICE)]
+    torch.testing.assert_close(results[1].cpu(), results[0])
+
+
+@gpu
 def test_steps_make_no_device_sync():
     """A ragged decode step (``MultiHeadAttention`` over a ``KVCache(lengths=)``, every layer)
     and a padded prefill with a mask built before: no host read, so no device sync, under

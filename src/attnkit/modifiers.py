@@ -522,6 +522,9 @@ class ScoreFunction(Modifier):
         check_arity(fn, "score_function", "score, b, h, q_idx, kv_idx",
                     "a mask function fn(b, h, q_idx, kv_idx) -> bool (FlexAttention's mask_mod) "
                     "goes to ak.from_function")
+        if isinstance(tensors, torch.Tensor):  # (iterating it would list its rows, not it)
+            raise TypeError(f"score_function(tensors=...) takes a sequence of tensors, got one "
+                            f"tensor of shape {tuple(tensors.shape)}: pass tensors=[t]")
         if tensors is not None and not all(isinstance(t, torch.Tensor) for t in tensors):
             raise TypeError("score_function(tensors=...) takes a sequence of tensors: the ones "
                             "fn reads that should get gradients")

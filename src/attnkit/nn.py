@@ -206,6 +206,26 @@ def _checked(lengths, new: int) -> Optional[tuple]:
     return (id(lengths), lengths._version, new, lengths)
 
 
+def _check_pair(caller: str, keys, values) -> LazyText:
+    """Raise unless ``keys`` and ``values`` are tensors of one floating dtype on one device
+    (``caller`` names the entry point); their shapes, dtypes and devices as text for the
+    caller's other messages."""
+    for name, t in (("keys", keys), ("values", values)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{caller} takes keys and values as torch.Tensors [B, Hkv, T, D], "
+                            f"got {type(t).__name__} for {name}: convert with "
+                            f"torch.as_tensor({name})")
+    where = LazyText(lambda: f"keys {tuple(keys.shape)} {keys.dtype} {keys.device}, values "
+                             f"{tuple(values.shape)} {values.dtype} {values.device}")
+    if not keys.is_floating_point() or keys.dtype != values.dtype:
+        raise TypeError(f"{caller}: keys and values must share one floating-point dtype, got "
+                        f"{where}: cast them, e.g. values.to(keys.dtype)")
+    if keys.device != values.device:
+        raise ValueError(f"{caller}: keys and values must be on one device, got {where}: move "
+                         f"them with values.to(keys.device)")
+    return where
+
+
 @dataclass(frozen=True)
 class KVCache:
     """Projected keys and values of the tokens seen so far, for incremental decoding.
@@ -265,6 +285,8 @@ class KVCache:
     def __post_init__(self):
         if (self.keys is None) != (self.values is None):
             raise ValueError("KVCache needs both keys and values, or neither (an empty cache)")
+        if self.keys is not None and self._store is None:  # the caller's tensors
+            self._check_tensors()
         stored = 0 if self.keys is None else self.keys.shape[-2]
         if self.keys is not None and (self.keys.dim() != 4 or self.values.dim() != 4
                                       or self.keys.shape[:3] != self.values.shape[:3]):
@@ -285,6 +307,14 @@ class KVCache:
         if isinstance(self.offset, bool) or not isinstance(self.offset, int) or self.offset < 0:
             raise ValueError(f"KVCache offset={self.offset!r}: the tokens a window dropped "
                              f"before keys[..., 0, :], an int >= 0")
+
+    def _check_tensors(self) -> None:
+        """Raise unless the caller's ``keys`` and ``values`` are tensors of one floating dtype
+        on one device, holding ``length`` (an int) positions."""
+        _check_pair("KVCache", self.keys, self.values)
+        if isinstance(self.length, bool) or not isinstance(self.length, int):
+            raise TypeError(f"KVCache length={self.length!r}: the positions the keys hold, an "
+                            f"int (keys.shape[2] = {self.keys.shape[2]})")
 
     def _check_lengths(self) -> None:
         """Raise unless ``lengths`` is an integer tensor ``[B]`` on the keys' device with every
@@ -590,13 +620,7 @@ class KVCache:
                 and keys.dtype == cached.dtype and keys.device == values.device == cached.device
                 and keys.is_floating_point()):
             return  # the common step, accepted at once; the checks below name what is wrong
-        for name, t in (("keys", keys), ("values", values)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"KVCache.append takes keys and values as torch.Tensors "
-                                f"[B, Hkv, t, D], got {type(t).__name__} for {name}: convert "
-                                f"with torch.as_tensor({name})")
-        where = LazyText(lambda: f"keys {tuple(keys.shape)} {keys.dtype} {keys.device}, values "
-                                 f"{tuple(values.shape)} {values.dtype} {values.device}")
+        where = _check_pair("KVCache.append", keys, values)
         if keys.dim() != 4 or values.dim() != 4:
             raise ValueError(f"KVCache.append takes keys and values [B, Hkv, t, D] (4-D), got "
                              f"{where}: add the head dim of one head with .unsqueeze(1), or "
@@ -604,12 +628,6 @@ class KVCache:
         if keys.shape[:3] != values.shape[:3]:
             raise ValueError(f"keys and values must match in B, Hkv and t (all dims but the "
                              f"head dim), got {where}")
-        if not keys.is_floating_point() or keys.dtype != values.dtype:
-            raise TypeError(f"keys and values must share one floating-point dtype, got {where}: "
-                            f"cast them, e.g. values.to(keys.dtype)")
-        if keys.device != values.device:
-            raise ValueError(f"keys and values must be on one device, got {where}: move them "
-                             f"with .to(keys.device)")
         if self.keys is None:
             return
         if (self.keys.shape[:2] != keys.shape[:2] or self.keys.shape[-1] != keys.shape[-1]
@@ -920,6 +938,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"dropout={dropout!r}: must be a float in [0, 1)")
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a backend name (str), got {backend!r}")
+        if backend not in dispatch.names():
+            raise ValueError(f"unknown backend {backend!r}: choose one of {dispatch.names()}")
         if invariant is not None and not isinstance(invariant, bool):
             raise TypeError(f"invariant={invariant!r}: pass True, False or None (None follows "
                             f"attnkit.invariant())")
@@ -1010,7 +1030,7 @@ class MultiHeadAttention(nn.Module):
                 tokens, then padding (batched decoding of sequences of different lengths).
                 Its real keys/values go right after that sequence's cached ones
                 (:meth:`KVCache.append`), its real queries see only its own tokens, and its
-                padded queries get output 0.
+                padded queries get attention output 0 (``out`` there is ``out_proj``'s bias).
             sequence_parallel: a :class:`~attnkit.distributed.parallel.SequenceParallel`
                 for this call (default: the module's ``sequence_parallel``). Then ``query``,
                 ``key`` and ``value`` are this rank's shards ``[B, T/P, ·]`` of the sequence
@@ -1033,6 +1053,10 @@ class MultiHeadAttention(nn.Module):
             unexpected = {"key_padding_mask": key_padding_mask, **unexpected}
         if unexpected:
             raise _unexpected(unexpected)
+        if not (isinstance(is_causal, bool) and isinstance(need_weights, bool)):
+            name, flag = (("is_causal", is_causal) if not isinstance(is_causal, bool)
+                          else ("need_weights", need_weights))
+            raise TypeError(f"MultiHeadAttention {name}={flag!r:.40}: pass True or False")
         refuse_jit_trace("MultiHeadAttention")
         key = query if key is None else key
         value = key if value is None else value

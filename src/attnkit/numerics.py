@@ -173,8 +173,14 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 def dropout_keep(shape, p: float, generator: Optional[torch.Generator], device) -> torch.Tensor:
     """Bool keep-mask for dropout of probability ``p`` over ``shape`` (reproducible via
-    ``generator``), from float32 draws whatever ``torch.set_default_dtype`` says: another
-    dtype draws another stream from the same seed."""
+    ``generator``) on ``device``, from float32 draws whatever ``torch.set_default_dtype``
+    says: another dtype draws another stream from the same seed. A generator of another
+    device (a CPU one for CUDA inputs) draws on its own device: the same pattern as there."""
+    device = torch.device(device)
+    if generator is not None and generator.device.type != device.type:
+        draws = torch.rand(shape, generator=generator, dtype=torch.float32,
+                           device=generator.device)
+        return (draws >= p).to(device)
     return torch.rand(shape, generator=generator, dtype=torch.float32, device=device) >= p
 
 

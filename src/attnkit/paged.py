@@ -15,6 +15,7 @@ prompt) costs no pool memory; each sequence's gathered keys are its own.
 from __future__ import annotations
 
 import math
+import numbers
 from itertools import accumulate, chain
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -196,24 +197,31 @@ def _checked_tables(q, key_pool, value_pool, block_table, seqlens,
     where = ("" if tables else f"q {tuple(q.shape)}, ") + (
         f"key_pool {tuple(key_pool.shape)}, value_pool {tuple(value_pool.shape)}")
     if q.dim() != (4 if batch is None else 3) or key_pool.dim() != 4 or value_pool.dim() != 4:
-        raise ValueError(f"paged_attention takes q [B, Hq, Tq, D] (packed [total_q, Hq, D] with "
-                         f"cu_seqlens_q) and pools [num_blocks, block_size, Hkv, D], got {where}")
+        takes = ("" if tables else
+                 "q [B, Hq, Tq, D] (packed [total_q, Hq, D] with cu_seqlens_q) and ")
+        raise ValueError(f"{caller} takes {takes}pools [num_blocks, block_size, Hkv, D], got "
+                         f"{where}")
     if key_pool.shape[:3] != value_pool.shape[:3]:
         raise ValueError(f"key_pool and value_pool must share num_blocks, block_size and Hkv, "
                          f"got {where}")
     if not tables and (q.shape[1] % key_pool.shape[2] or q.shape[-1] != key_pool.shape[-1]):
         raise ValueError(f"{caller} needs q's heads (dim 1) a multiple of the pools' Hkv "
                          f"(dim 2) and q's head dim equal to key_pool's, got {where}")
-    if q.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"paged_attention needs floating point q and pools (float64/float32/"
-                        f"float16/bfloat16), "
-                        f"got q {q.dtype}, key_pool {key_pool.dtype}: convert them, e.g. with "
-                        f".float()")
-    if key_pool.dtype != q.dtype or value_pool.dtype != q.dtype or key_pool.device != q.device:
+    if q.dtype not in FLOAT_DTYPES:  # (from_tables' probe has key_pool's dtype)
+        got = "" if tables else f"q {q.dtype}, "
+        raise TypeError(f"{caller} needs floating point {'' if tables else 'q and '}pools "
+                        f"(float64/float32/float16/bfloat16), got {got}key_pool "
+                        f"{key_pool.dtype}: convert them, e.g. with .float()")
+    if (key_pool.dtype != q.dtype or value_pool.dtype != q.dtype
+            or not q.device == key_pool.device == value_pool.device):
+        pools = (f"key_pool {key_pool.dtype} {key_pool.device}, value_pool {value_pool.dtype} "
+                 f"{value_pool.device}")
+        if tables:
+            raise TypeError(f"{caller}: key_pool and value_pool must share one dtype and "
+                            f"device, got {pools}: cast with value_pool.to(key_pool)")
         raise TypeError(f"q and the pools must share one dtype and device, got q {q.dtype} "
-                        f"{q.device}, key_pool {key_pool.dtype} {key_pool.device}, value_pool "
-                        f"{value_pool.dtype} (under torch.autocast q is in the autocast dtype: "
-                        f"fill and read a cache on the same side of autocast)")
+                        f"{q.device}, {pools} (under torch.autocast q is in the autocast "
+                        f"dtype: fill and read a cache on the same side of autocast)")
     num_blocks, block_size = key_pool.shape[:2]
     table = _integers(table_name, block_table, 2)
     lengths = _integers(lengths_name, seqlens, 1)
@@ -678,9 +686,9 @@ class PagedKVCache:
 
     def __init__(self, num_blocks: int, block_size: int):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"PagedKVCache {name} must be a positive int, got {value!r}")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size = int(num_blocks), int(block_size)
         self.key_pool: Optional[torch.Tensor] = None
         self.value_pool: Optional[torch.Tensor] = None
         self.tables: list[list[int]] = []
