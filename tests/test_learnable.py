@@ -358,3 +358,21 @@ def test_a_hidden_parameter_beside_an_inference_tensor_gets_its_gradient():
         out.sum().backward()
         grads[backend] = param.grad.clone()
     torch.testing.assert_close(grads["auto"], grads["reference"])
+
+
+def test_the_module_dtype_is_read_from_the_first_parameter_torch_lists():
+    """The input dtype comes from ``next(module.parameters())`` found without walking every
+    module: the same tensor, for plain, parametrized, shared, nested and bias-free modules."""
+    from attnkit.nn import _first_parameter
+
+    plain = MultiHeadAttention(16, 2)
+    normed = MultiHeadAttention(16, 2)
+    weight_norm(normed.q_proj)
+    spectral_norm(normed.out_proj)
+    shared = MultiHeadAttention(16, 2, bias=False)
+    shared.k_proj.weight = shared.q_proj.weight
+    nested = torch.nn.Sequential(torch.nn.Sequential(), torch.nn.ReLU(),
+                                 torch.nn.Sequential(torch.nn.Identity(), plain))
+    empty = torch.nn.Sequential(torch.nn.ReLU())
+    for module in (plain, normed, shared, nested, empty, normed.q_proj):
+        assert _first_parameter(module) is next(module.parameters(), None)

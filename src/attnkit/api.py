@@ -100,7 +100,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     autocast = device is not None
     if autocast:  # 1. autocast: the inputs in its dtype, as torch's SDPA takes them
         q, k, v = _autocast(device, q, k, v)
-    if torch.compiler.is_compiling():  # 2. inside a compiled graph: attnkit's operator
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # 2. inside a compiled graph: attnkit's operator
         detour = _compiled(q, k, v, as_mask(mask), scale=scale, dropout_p=dropout_p,
                            backend=backend, return_lse=return_lse, return_weights=return_weights,
                            invariant=invariant)
@@ -111,11 +112,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not autocast:
         return call.run(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
                         backend=backend, return_lse=return_lse, return_weights=return_weights,
-                        invariant=invariant)
+                        invariant=invariant, compiling=compiling)
     with torch.autocast(device, enabled=False):
         return call.run(q, k, v, mask, scale=scale, dropout_p=dropout_p, generator=generator,
                         backend=backend, return_lse=return_lse, return_weights=return_weights,
-                        invariant=invariant)
+                        invariant=invariant, compiling=compiling)
 
 
 def _compiled(q, k, v, mask, *, scale, dropout_p, backend, return_lse, return_weights,

@@ -47,11 +47,14 @@ CALLS = CallCache()
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, *, scale: Optional[float],
         dropout_p: float, generator: Optional[torch.Generator], backend: str, return_lse: bool,
-        return_weights: bool, invariant: bool = False) -> Union[torch.Tensor, AttentionResult]:
+        return_weights: bool, invariant: bool = False, compiling: Optional[bool] = None,
+        ) -> Union[torch.Tensor, AttentionResult]:
     """The eager call of :func:`attnkit.attention` (same arguments and results; autocast is
-    off here: the caller applied it to q, k and v)."""
+    off here: the caller applied it to q, k and v). ``compiling``:
+    ``torch.compiler.is_compiling()`` where the caller has read it, else ``None``."""
     refuse_jit_trace("attnkit.attention")
-    compiling = torch.compiler.is_compiling()
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
     inputs, chosen = validated(q, k, v, mask, scale=scale, dropout_p=dropout_p,
                                generator=generator, backend=backend, return_lse=return_lse,
                                return_weights=return_weights, compiling=compiling,
@@ -197,8 +200,8 @@ def _plan_signature(q, k, v) -> tuple:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"a plan runs on torch.Tensors q, k, v; got {type(t).__name__} "
                             f"for {name}")
-    return (tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in (q, k, v)),
-            torch.is_grad_enabled())
+    layouts = [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in (q, k, v)]
+    return tuple(layouts), torch.is_grad_enabled()
 
 
 def _describe(signature: tuple) -> str:
@@ -220,8 +223,8 @@ def _versions(tensors: tuple) -> tuple:
     """The version counter of each tensor, then each one's ``requires_grad`` (the plan holds
     the tensors, so their identities stay theirs). Inference tensors have no counter: their
     values on the CPU (:func:`_inference_values`), else ``None`` (not watched)."""
-    return (tuple(_inference_values(t) if t.is_inference() else t._version for t in tensors),
-            tuple(t.requires_grad for t in tensors))
+    return (tuple([_inference_values(t) if t.is_inference() else t._version for t in tensors]),
+            tuple([t.requires_grad for t in tensors]))
 
 
 def _inference_values(t: torch.Tensor) -> Optional[bytes]:

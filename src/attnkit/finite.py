@@ -61,6 +61,9 @@ class Guarded(NamedTuple):
     has_key: Optional[torch.Tensor] = None
     """Bool ``[Bm|B, Hm|Hq, Tq, 1]``: the rows with an allowed key (``None``: every row, or
     :func:`poison` does not run)."""
+    keep_rows: Optional[torch.Tensor] = None
+    """``has_key`` in :func:`keep_for` q's form where it was kept so (a padding's rows, made
+    once per validation), else ``None``: :func:`poison` zeroes out's rows with it."""
 
 
 def guard(inputs: Inputs, poisons: bool, zero_kv: bool = True,
@@ -89,15 +92,17 @@ def guard(inputs: Inputs, poisons: bool, zero_kv: bool = True,
             else prep.kv)
     if real is not None and zero_kv:
         fixed["k"], fixed["v"] = zero_outside(inputs.k, real), zero_outside(inputs.v, real)
+    keep_rows = None
     if poisons and prep.padding:
-        has_key = prep.rows
+        has_key, keep_rows = prep.rows, prep.keep_rows
         if checks_keys(inputs):  # the keys as zeroed: every real row sees all of its own
             seen = _seen_unmasked(fixed.get("k", inputs.k))
     if has_key is not None:
-        fixed["q"] = zero_outside(inputs.q, has_key)
+        fixed["q"] = zero_outside(inputs.q, has_key if keep_rows is None else keep_rows)
     elif prep.q is not None:
         fixed["q"] = zero_outside(inputs.q, prep.q)
-    return Guarded(inputs.replaced(**fixed) if fixed else inputs, poisons, seen, has_key)
+    return Guarded(inputs.replaced(**fixed) if fixed else inputs, poisons, seen, has_key,
+                   keep_rows)
 
 
 class _Prepared(NamedTuple):
@@ -113,6 +118,8 @@ class _Prepared(NamedTuple):
     rows: Optional[torch.Tensor]
     """With ``padding`` and poison: :func:`_padding_rows`."""
     every_key_seen: bool
+    keep_rows: Optional[torch.Tensor] = None
+    """``rows`` in :func:`keep_for` q's form (``None`` without ``rows``)."""
 
 
 def _prepare(inputs: Inputs, poisons: bool) -> _Prepared:
@@ -121,16 +128,18 @@ def _prepare(inputs: Inputs, poisons: bool) -> _Prepared:
     padding = isinstance(mask, Padding) and not mask.vouched
     keys = mask.key_mask(space) if padding else None
     if keys is not None:  # the real-key mask itself: no runs to build
-        return _Prepared(keep_for(keys[:, None, :, None], inputs.k), None, True,
-                         _padding_rows(mask, space) if poisons else None,
-                         every_key_seen(mask, space))
+        rows = _padding_rows(mask, space) if poisons else None
+        return _Prepared(keep_for(keys[:, None, :, None], inputs.k), None, True, rows,
+                         every_key_seen(mask, space),
+                         None if rows is None else keep_for(rows, inputs.q))
     runs = mask.guard_runs(space)
     kv = None if runs.kv is None else _runs_mask(mask, runs.kv, space.kv_len, "kv", inputs.k)
     if poisons and padding and runs.q is not None:  # and the keys of an element without queries
         kv = _padding_keys(mask, space, inputs.k)
     q = None if runs.q is None else _runs_mask(mask, runs.q, space.q_len, "q", inputs.q)
-    return _Prepared(kv, q, padding, _padding_rows(mask, space) if poisons and padding else None,
-                     every_key_seen(mask, space))
+    rows = _padding_rows(mask, space) if poisons and padding else None
+    return _Prepared(kv, q, padding, rows, every_key_seen(mask, space),
+                     None if rows is None else keep_for(rows, inputs.q))
 
 
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
@@ -237,7 +246,8 @@ def poison(guarded: Guarded, out: torch.Tensor, lse: Optional[torch.Tensor],
     weights = None if weights is None else weights + flag.to(weights.dtype)
     has_key = guarded.has_key
     if has_key is not None:  # a kernel may spread a tile's NaN into a row with no key
-        out = zero_outside(out, has_key)
+        keep = guarded.keep_rows  # (q's form fits out, of q's dtype, where no grad needs where)
+        out = zero_outside(out, has_key if keep is None or keep.dtype != _bits(out) else keep)
         lse = None if lse is None else lse.where(has_key[..., 0], float("-inf"))
         weights = None if weights is None else zero_outside(weights, has_key)
     return out, lse, weights

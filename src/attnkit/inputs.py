@@ -22,7 +22,7 @@ import torch
 
 from .masks import (DENSE_MAX_SCORES, Band, Mask, MaskSpace, _is_wrapped, as_mask,
                     derived_values, every_row_has_key, held_tensors, keeping, learnable,
-                    mask_fields, mask_tensors, validation_key)
+                    mask_fields, mask_tensors, validation_key, wrapped_eagerly)
 from .modifiers import Modifiers, split
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -505,7 +505,8 @@ class CallCache:
     def get(self, q, k, v, mask, options: tuple, validate_and_choose: Callable[[], tuple]):
         """``(inputs, choice)`` for this call: from the cache, or ``validate_and_choose()``
         (which returns them) remembered under the call's signature. ``options``: the call's
-        other arguments, hashable."""
+        other arguments, hashable. Called outside compiled regions only (the caller
+        validates a traced call itself)."""
         key, keep, by_shape = (self._signature(q, k, v, mask, options) if keeping()
                                else (None, [], False))
         hit = None
@@ -549,7 +550,7 @@ class CallCache:
         if (type(q) is not tensor or type(k) is not tensor or type(v) is not tensor
                 or q.is_nested or k.is_nested or v.is_nested
                 or q.layout is not strided or k.layout is not strided or v.layout is not strided
-                or _is_wrapped(q) or _is_wrapped(k) or _is_wrapped(v)
+                or wrapped_eagerly(q) or wrapped_eagerly(k) or wrapped_eagerly(v)
                 or min(q.dim(), k.dim(), v.dim()) < 2):  # validation says what is wrong
             return None, keep, False
         by_shape = False

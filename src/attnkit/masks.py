@@ -739,7 +739,7 @@ def readable(*tensors: Optional[torch.Tensor]) -> bool:
     (:func:`attnkit.dispatch.select`), or evaluates the mask as tensors (under ``vmap``)."""
     if torch.compiler.is_compiling() or _fake_mode_active():
         return False
-    return not any(t is not None and (shapes_only(t) or _is_wrapped(t)) for t in tensors)
+    return not any(t is not None and (shapes_only(t) or wrapped_eagerly(t)) for t in tensors)
 
 
 def _fake_mode_active() -> bool:

@@ -837,9 +837,24 @@ def _parameter_dtype(module: nn.Module) -> Optional[torch.dtype]:
     inputs with (``None`` without one). Read from the parameter, never through a layer's
     ``weight``: a parametrized weight (``torch.nn.utils.parametrize``: weight norm,
     spectral norm) is computed on each read, a pass over the weight, and spectral norm in
-    training steps its power iteration on each one, so only the projection itself reads it."""
-    weight = next(module.parameters(), None)
+    training steps its power iteration on each one, so only the projection itself reads it.
+    The first parameter of ``module.parameters()`` (its own, then its submodules' depth
+    first), found without that generator's walk over every module."""
+    weight = _first_parameter(module)
     return None if weight is None else weight.dtype
+
+
+def _first_parameter(module: nn.Module) -> Optional[torch.Tensor]:
+    """``next(module.parameters(), None)``: a parameter of ``module``'s own, else the first
+    of its submodules' in registration order."""
+    for weight in module._parameters.values():
+        if weight is not None:
+            return weight
+    for child in module._modules.values():
+        weight = None if child is None else _first_parameter(child)
+        if weight is not None:
+            return weight
+    return None
 
 
 def _projected(layer: nn.Module, x: torch.Tensor, invariant: bool) -> torch.Tensor:
