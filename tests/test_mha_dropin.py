@@ -281,3 +281,18 @@ def test_key_padding_mask_gets_the_spelling_for_its_value():
     with pytest.raises(TypeError, match=r"(?s)key_valid=~key_padding_mask.*attn_mask: pass mask="):
         mha(x, key_padding_mask=torch.zeros(2, 3, dtype=torch.bool),
             attn_mask=torch.zeros(3, 3, dtype=torch.bool))
+
+
+def test_torch_s_positional_arguments_are_named_with_their_spelling():
+    """torch's ``forward(query, key, value, key_padding_mask, need_weights, attn_mask, ...)``
+    called positionally: each argument after ``value`` named in torch's order, with its
+    attnkit keyword, never Python's bare count of arguments."""
+    mha = MultiHeadAttention(8, 2)
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    pad = torch.zeros(2, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match=r"got 1 more.*order they are key_padding_mask;"
+                                        r"(?s:.*)key_valid=~key_padding_mask"):
+        mha(x, x, x, pad)
+    with pytest.raises(TypeError, match=r"(?s)key_padding_mask: drop it.*need_weights: pass "
+                                        r"need_weights=False by keyword.*attn_mask: pass mask="):
+        mha(x, x, x, None, False, torch.zeros(3, 3, dtype=torch.bool))

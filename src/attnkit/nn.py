@@ -832,6 +832,26 @@ def _unexpected(keywords: dict) -> TypeError:
                              "lengths, sequence_parallel"))
 
 
+_TORCH_MHA_POSITIONAL = ("key_padding_mask", "need_weights", "attn_mask",
+                         "average_attn_weights", "is_causal")
+"""torch's ``nn.MultiheadAttention.forward`` arguments after ``value``, in order."""
+
+
+def _positional(extra: tuple) -> TypeError:
+    """The error for arguments passed positionally after ``value``, which torch's
+    ``nn.MultiheadAttention.forward`` reads as :data:`_TORCH_MHA_POSITIONAL`: each named,
+    with its attnkit spelling where it has one."""
+    named = dict(zip(_TORCH_MHA_POSITIONAL, extra))
+    hints = [f"{name}: " + (_TORCH_MHA_KEYWORDS[name](value) if name in _TORCH_MHA_KEYWORDS
+                            else f"pass {name}={value!r:.40} by keyword")
+             for name, value in named.items()]
+    more = (f" (it takes at most {len(_TORCH_MHA_POSITIONAL)})"
+            if len(extra) > len(_TORCH_MHA_POSITIONAL) else "")
+    return TypeError(f"MultiHeadAttention.forward() takes query, key and value positionally, "
+                     f"got {len(extra)} more: in torch's nn.MultiheadAttention order{more} they "
+                     f"are {', '.join(named)}; pass them by keyword:\n  " + "\n  ".join(hints))
+
+
 def _parameter_dtype(module: nn.Module) -> Optional[torch.dtype]:
     """The dtype of ``module``'s first parameter, which :func:`_check_dtypes` compares the
     inputs with (``None`` without one). Read from the parameter, never through a layer's
@@ -1002,7 +1022,7 @@ class MultiHeadAttention(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, query: torch.Tensor, key: Optional[torch.Tensor] = None,
-                value: Optional[torch.Tensor] = None, *, mask: MaskLike = None,
+                value: Optional[torch.Tensor] = None, *positional, mask: MaskLike = None,
                 key_valid: Optional[torch.Tensor] = None, need_weights: bool = False,
                 cache: Union[KVCache, PagedKVCache, None] = None, is_causal: bool = False,
                 lengths: Optional[torch.Tensor] = None, key_padding_mask: None = None,
@@ -1014,7 +1034,9 @@ class MultiHeadAttention(nn.Module):
             query: ``[B, Tq, E]`` or unbatched ``[Tq, E]`` (``[Tq, B, E]`` with
                 ``batch_first=False``, likewise key, value and the output).
             key: ``[B, Tk, kdim]`` (same rank and batch as ``query``); default ``query``.
-            value: ``[B, Tk, vdim]``; default ``key``.
+            value: ``[B, Tk, vdim]``; default ``key``. The arguments after it are keywords
+                (torch's positional ``key_padding_mask, need_weights, attn_mask, ...`` raise
+                ``TypeError`` with their attnkit spelling).
             mask: anything :func:`attnkit.attention` accepts, over the scores
                 ``[B, H, Tq, Tk]``: an attnkit mask (``causal()``, ``padding(...)``, ...), a bool
                 tensor (**True = may attend**) or a float bias, broadcastable to
@@ -1064,6 +1086,8 @@ class MultiHeadAttention(nn.Module):
             extended cache (``None`` without one). A query row whose keys are all masked gets 0
             attention output (never NaN).
         """
+        if positional:  # torch's positional order after value
+            raise _positional(positional)
         if key_padding_mask is not None:  # torch's, reported with the others
             unexpected = {"key_padding_mask": key_padding_mask, **unexpected}
         if unexpected:
