@@ -217,11 +217,28 @@ FLASH_ATTN_KEYWORDS = {
                    "window_size=(left, right); a side of -1 (unbounded) is "
                    "`ak.masks.UNBOUNDED` there (`ak.causal(\"bottom_right\")` for (-1, 0), no "
                    "mask for (-1, -1))",
-    "softcap": "use `mask=ak.softcap(cap)`, joined to the other masks by `&`",
-    "alibi_slopes": "use `mask=ak.alibi(slopes, \"bottom_right\")` (attnkit adds "
-                    "slope·(j − i): flash-attn's −slope·|i − j| where keys are causal)",
-    "return_attn_probs": "not offered: `return_lse=True` gives the LSE; "
+    "softcap": "use `mask=ak.softcap(cap)`, joined to the other masks by `&` (it caps the "
+               "scaled scores before ALiBi, as flash-attn)",
+    "alibi_slopes": "with causal=True (or a window of right side 0) use `mask=ak.alibi(slopes, "
+                    "\"bottom_right\")`: it adds slope·(j − i − (Tk − Tq)), flash-attn's "
+                    "−slope·|i + Tk − Tq − j| on the keys such a mask keeps. Without, "
+                    "flash-attn's bias is symmetric (keys after the query lose slope·distance; "
+                    "ak.alibi adds it): use `ak.relative_bias(-slopes[:, None] * "
+                    "torch.arange(n), lambda d: d.abs(), \"bottom_right\")` (slopes [H], "
+                    "n ≥ the longest sequence). "
+                    "varlen_attention takes slopes [H], not [batch_size, H]; paged_attention "
+                    "takes ALiBi for one query per sequence, without return_lse",
+    "return_attn_probs": "`return_lse=True` gives softmax_lse, as flash-attn lays it out "
+                         "(varlen_attention [Hq, total_q], paged_attention [B, Hq, Tq]), −inf "
+                         "for a row with no key (flash-attn writes +inf); no S_dmask: "
                          "`attnkit.attention(..., return_weights=True)` gives weights",
+    "return_softmax_lse": "pass `return_lse=True`: the LSE [B, Hq, Tq], −inf for a row with no "
+                          "key (flash-attn writes +inf)",
+    "cache_seqlens": "pass the lengths as `seqlens` (after block_table), counting the new "
+                     "tokens: paged_attention appends none, so write k and v into the pools "
+                     "first, at positions cache_seqlens[b]… through block_table "
+                     "(`attnkit.nn.PagedKVCache.from_tables(...).append(...)` appends into "
+                     "blocks of its own choosing: read its block_table() after)",
 }
 """flash-attn's keyword arguments (``flash_attn_varlen_func``, ``flash_attn_with_kvcache``) that
 :func:`attnkit.varlen_attention` and :func:`attnkit.paged_attention` spell differently, with
