@@ -668,3 +668,48 @@ def test_valid_edges_are_not_refused(data):
     expected = ak.attention(q, k, v, mask, backend="reference")
     tol = 1e-5 if q.dtype == torch.float32 else 1e-12
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+def _keys_values(t: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(1, 2, t, 8, generator=gen), torch.randn(1, 2, t, 8, generator=gen)
+
+
+def test_a_cache_of_the_caller_s_tensors_takes_any_integer_length():
+    """``KVCache(keys, values, length)``: a numpy integer, and ``keys.shape[2]`` traced
+    symbolically (``make_fx``, ``torch.export`` with a dynamic dim) are lengths; a float is
+    refused naming the keys' shape, whatever their rank."""
+    import numpy as np
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    k, v = _keys_values()
+    assert KVCache(k, v, np.int64(3)).length == 3
+    traced = make_fx(lambda k, v: KVCache(k, v, k.shape[2]).keys + 1, tracing_mode="symbolic")(k, v)
+
+    class Build(torch.nn.Module):
+        def forward(self, k, v):
+            return KVCache(k, v, k.shape[2]).keys + 1
+
+    t = torch.export.Dim("t", min=2, max=64)
+    program = torch.export.export(Build(), (k, v), dynamic_shapes=({2: t}, {2: t}), strict=False)
+    k5, v5 = _keys_values(5)
+    assert torch.equal(traced(k5, v5), k5 + 1)
+    assert torch.equal(program.module()(k5, v5), k5 + 1)
+    with pytest.raises(TypeError, match=r"length=3.0.*keys \(3, 4\)"):
+        KVCache(torch.zeros(3, 4), torch.zeros(3, 4), 3.0)
+
+
+def test_a_generator_is_checked_only_where_dropout_draws():
+    """A generator of another device is refused where dropout draws from it, not where it
+    is unused (``dropout_p=0``) nor where shapes alone propagate (meta)."""
+    class OtherDevice(torch.Generator):  # a generator of an accelerator (none here)
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+    k, v = _keys_values()
+    q = k.flip(2)
+    assert ak.attention(q, k, v, generator=OtherDevice()).shape == q.shape
+    meta = q.to("meta")
+    assert ak.attention(meta, meta, meta, dropout_p=0.5, generator=OtherDevice()).is_meta
+    with pytest.raises(ValueError, match="cuda:0"):
+        ak.attention(q, k, v, dropout_p=0.5, generator=OtherDevice())

@@ -120,3 +120,15 @@ def test_a_fake_call_leaves_no_fake_tensor_for_real_calls():
     real = finite._zeros(torch.randn(2, 53))
     assert isinstance(fake, FakeTensor) and not isinstance(real, FakeTensor)
     assert torch.equal(real, torch.zeros(53, 1))
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "auto"])
+def test_meta_dropout_with_a_cpu_generator_draws_nothing(backend):
+    """Shapes only with dropout and a CPU generator: no draws on the CPU (no ``[B, H, Tq, Tk]``
+    tensor made there), and the generator's stream is the next real call's."""
+    generator = torch.Generator().manual_seed(0)
+    state = generator.get_state()
+    q = torch.empty(2, 4, 64, 16, device="meta")
+    out = ak.attention(q, q, q, dropout_p=0.25, generator=generator, backend=backend)
+    assert out.device.type == "meta" and out.shape == q.shape
+    assert torch.equal(generator.get_state(), state)

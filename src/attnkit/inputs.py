@@ -382,9 +382,12 @@ def validate(q, k, v, mask=None, *, scale=None, dropout_p=0.0, generator=None,
             raise TypeError(f"{name}={flag!r}: pass True or False")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    if generator is not None and generator.device.type not in ("cpu", q.device.type):
-        # (the CPU's is accepted for any q: the tiled engine draws its seed on the generator's
-        # device; a generator of another device cannot draw on q's)
+    if (generator is not None and dropout_p
+            and generator.device.type not in ("cpu", "meta", q.device.type)
+            and q.device.type != "meta"):
+        # (where dropout draws: the CPU's is accepted for any q, the tiled engine draws its
+        # seed on the generator's device; a generator of another device cannot draw on q's;
+        # shapes alone draw nothing)
         raise ValueError(f"generator is on {generator.device} but q {tuple(q.shape)} is on "
                          f"{q.device}: make it with torch.Generator(device=q.device), or "
                          f"torch.Generator() (the CPU's)")

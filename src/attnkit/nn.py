@@ -22,6 +22,7 @@ Shapes (E = embed_dim, H = num_heads, Hkv = num_kv_heads, D = E // H)::
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Union
@@ -312,9 +313,11 @@ class KVCache:
         """Raise unless the caller's ``keys`` and ``values`` are tensors of one floating dtype
         on one device, holding ``length`` (an int) positions."""
         _check_pair("KVCache", self.keys, self.values)
-        if isinstance(self.length, bool) or not isinstance(self.length, int):
+        # (a numpy integer, or keys.shape[2] traced symbolically: torch.export, make_fx)
+        if isinstance(self.length, bool) or not isinstance(self.length,
+                                                           (numbers.Integral, torch.SymInt)):
             raise TypeError(f"KVCache length={self.length!r}: the positions the keys hold, an "
-                            f"int (keys.shape[2] = {self.keys.shape[2]})")
+                            f"int (dim 2 of keys {tuple(self.keys.shape)} [B, Hkv, T, D])")
 
     def _check_lengths(self) -> None:
         """Raise unless ``lengths`` is an integer tensor ``[B]`` on the keys' device with every

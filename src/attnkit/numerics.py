@@ -175,9 +175,10 @@ def dropout_keep(shape, p: float, generator: Optional[torch.Generator], device) 
     """Bool keep-mask for dropout of probability ``p`` over ``shape`` (reproducible via
     ``generator``) on ``device``, from float32 draws whatever ``torch.set_default_dtype``
     says: another dtype draws another stream from the same seed. A generator of another
-    device (a CPU one for CUDA inputs) draws on its own device: the same pattern as there."""
+    device (a CPU one for CUDA inputs) draws on its own device: the same pattern as there.
+    On ``meta`` (shapes only) nothing is drawn, whatever the generator's device."""
     device = torch.device(device)
-    if generator is not None and generator.device.type != device.type:
+    if generator is not None and device.type not in (generator.device.type, "meta"):
         draws = torch.rand(shape, generator=generator, dtype=torch.float32,
                            device=generator.device)
         return (draws >= p).to(device)
