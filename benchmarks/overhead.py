@@ -7,6 +7,9 @@
   ``F.scaled_dot_product_attention`` on the same tensors (B1 H1 T16 D64, and B2 H8 T128 D64),
   forward and forward+backward, without a mask, causal and a sliding window (SDPA: its dense
   bool mask). The two are timed interleaved, block by block, and the medians compared.
+- **Work per call** (``--counts``: deterministic, unlike a time on a shared host): Python
+  function calls (``cProfile``) and aten operations (a counting dispatch mode) per call of
+  the tiny forward calls, attnkit against SDPA.
 - **Decode loop**: a 4-layer model (E 256, 4 heads, pre-norm, no MLP) decodes 512 tokens one
   at a time after a 16-token prompt, with ``MultiHeadAttention`` and its ``KVCache``
   (``is_causal`` on and off), against the same weights in a loop on SDPA over a preallocated
@@ -19,9 +22,12 @@ which more threads do not shorten; the ratios are what the script reports.
 from __future__ import annotations
 
 import argparse
+import collections
+import cProfile
 import json
 import os
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -37,6 +43,7 @@ sys.path.insert(0, str(REPO / "src"))
 import attnkit as ak  # noqa: E402
 from attnkit.bench.runner import interleaved as timed  # noqa: E402
 from attnkit.nn import MultiHeadAttention  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
 def interleaved(fns: dict[str, Callable[[], object]], calls: int, blocks: int) -> dict[str, float]:
@@ -73,6 +80,52 @@ def tiny_calls(quick: bool) -> list[dict]:
                 rows.append(dict(shape=f"B{batch} H{heads} T{length} D64", mask=mask_name, mode=mode,
                                  attnkit_us=us["attnkit"], sdpa_us=us["sdpa"],
                                  ratio=us["attnkit"] / us["sdpa"]))
+    return rows
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten operations run under it (attnkit keeps its caches under such a mode:
+    ``masks.keeping``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def work(call: Callable[[], object], calls: int = 50) -> dict:
+    """Python function calls and aten operations per ``call()``, after warm-up calls."""
+    for _ in range(5):
+        call()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        call()
+    profile.disable()
+    with _CountOps() as ops:
+        call()
+    return dict(python_calls=pstats.Stats(profile).total_calls / calls, aten_ops=ops.count)
+
+
+def work_per_call() -> list[dict]:
+    """:func:`work` of the B1 H1 T16 D64 forward calls of :func:`tiny_calls`, without a grad."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 16, 64, generator=gen) for _ in range(3))
+    window = torch.ones(16, 16, dtype=torch.bool).tril().triu(-4)
+    masks = {"none": (None, {}), "causal": (ak.causal(), {"is_causal": True}),
+             "window": (ak.sliding_window(4), {"attn_mask": window}),
+             "padding": (ak.padding(kv_lengths=torch.tensor([9])), {"attn_mask": window[:1]})}
+    rows = []
+    with torch.no_grad():
+        for name, (mask, sdpa_kwargs) in masks.items():
+            ours = work(lambda: ak.attention(q, k, v, mask))
+            sdpa = work(lambda: F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs))
+            rows.append(dict(shape="B1 H1 T16 D64", mask=name,
+                             **{f"attnkit_{key}": value for key, value in ours.items()},
+                             **{f"sdpa_{key}": value for key, value in sdpa.items()}))
     return rows
 
 
@@ -147,8 +200,18 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few repeats and tokens: checks the "
                         "script runs, its figures mean nothing")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "results"))
+    parser.add_argument("--counts", action="store_true", help="only the work per call "
+                        "(Python calls, aten operations): deterministic, seconds to run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    counts = work_per_call()
+    print(f"{'work per call, forward':28s} {'mask':7s} {'attnkit calls':>13s} {'SDPA calls':>10s} "
+          f"{'attnkit ops':>11s} {'SDPA ops':>8s}")
+    for r in counts:
+        print(f"{r['shape']:28s} {r['mask']:7s} {r['attnkit_python_calls']:13.1f} "
+              f"{r['sdpa_python_calls']:10.1f} {r['attnkit_aten_ops']:11d} {r['sdpa_aten_ops']:8d}")
+    if args.counts:
+        return 0
     tiny, decode = tiny_calls(args.quick), decode_loop(args.quick)
     print(f"{'shape':20s} {'mask':7s} {'pass':8s} {'attnkit µs':>11s} {'SDPA µs':>9s} {'ratio':>6s}")
     for r in tiny:
@@ -163,7 +226,7 @@ def main(argv=None) -> int:
     name = "overhead_quick.json" if args.quick else "overhead.json"
     (out / name).write_text(json.dumps(dict(
         torch=torch.__version__, machine=platform.machine(), processor=platform.processor(),
-        threads=1, tiny=tiny, decode=decode), indent=1))
+        threads=1, work=counts, tiny=tiny, decode=decode), indent=1))
     return 0
 
 

@@ -336,6 +336,11 @@ def test_overhead_script_runs_and_checks_the_decode_loop(tmp_path):
     data = json.loads((tmp_path / "overhead_quick.json").read_text())
     assert len(data["tiny"]) == 12 and {r["is_causal"] for r in data["decode"]} == {True, False}
     assert all(r["attnkit_us"] > 0 and r["sdpa_us"] > 0 for r in data["tiny"])
+    # the work counts: SDPA is one aten operation without a mask, attnkit at least its kernel
+    work = {r["mask"]: r for r in data["work"]}
+    assert set(work) == {"none", "causal", "window", "padding"}
+    assert work["none"]["sdpa_aten_ops"] == 1 and work["none"]["attnkit_aten_ops"] >= 1
+    assert all(r["attnkit_python_calls"] > r["sdpa_python_calls"] > 0 for r in work.values())
 
 
 def test_source_revision_is_attnkits_checkout_not_an_enclosing_project(tmp_path, monkeypatch):
