@@ -956,7 +956,8 @@ class PagedKVCache:
     @property
     def keys(self) -> torch.Tensor:
         """Every sequence's keys gathered from the pool ``[B, Hkv, T, D]`` (T the longest
-        sequence; zeros past each one's length), once per change of the cache."""
+        sequence; zeros past each one's length), once per change of the cache: the cache's
+        own tensor, which later calls read (copy it before writing into it)."""
         return self._gather()[0]
 
     @property
