@@ -5,6 +5,8 @@
     out = ak.attention(q, k, v, mask=ak.causal() & ak.softcap(30.0))   # a score modifier
 """
 
+from typing import TYPE_CHECKING
+
 from . import masks, modifiers
 from .api import AttentionResult, attention, available_backends, explain_dispatch, plan
 from .call import Plan
@@ -26,9 +28,11 @@ __all__ = [
     "softcap", "alibi", "relative_bias", "sinks", "score_function", "t5_buckets", "__version__",
 ]
 
-
-def __getattr__(name):  # nn imports lazily: attention() alone needs no module classes
-    if name == "nn":
-        import importlib
-        return importlib.import_module(".nn", __name__)
-    raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
+if TYPE_CHECKING:  # type checkers see nn as imported, and no __getattr__ that answers any name
+    from . import nn
+else:
+    def __getattr__(name):  # nn imports lazily: attention() alone needs no module classes
+        if name == "nn":
+            import importlib
+            return importlib.import_module(".nn", __name__)
+        raise AttributeError(f"module 'attnkit' has no attribute {name!r}")

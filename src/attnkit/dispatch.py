@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 
@@ -71,7 +71,7 @@ _FORCED = threading.local()
 
 
 @contextlib.contextmanager
-def use_backend(name: str):
+def use_backend(name: str) -> Iterator[None]:
     """Run every ``attention(..., backend="auto")`` call inside the ``with`` block on backend
     ``name``, as if it had been passed explicitly (an input it cannot run raises with its
     reasons). For a region of someone else's code, e.g. a model's forward::

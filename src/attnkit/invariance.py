@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import NamedTuple, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -42,7 +42,7 @@ _MODE = threading.local()
 
 
 @contextlib.contextmanager
-def invariant(enabled: bool = True):
+def invariant(enabled: bool = True) -> Iterator[None]:
     """Run every ``attention()`` call in the ``with`` block under the invariance contract
     (see this module): ``backend="auto"`` picks a backend that keeps it, an explicit backend
     that cannot raises with its reason. Thread-local, like :func:`attnkit.use_backend`; an

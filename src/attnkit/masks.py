@@ -33,7 +33,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -276,20 +276,21 @@ class Mask:
         return []
 
     # ---- combinators ------------------------------------------------------------------------
-    def __and__(self, other: "Mask") -> "Mask":
+    def __and__(self, other: Union["Mask", torch.Tensor, None]) -> "Mask":
         if other is None:  # no mask: nothing more to require (an optional mask's "and")
             return self
         return _And(self, as_mask(other))
 
-    def __rand__(self, other) -> "Mask":  # a bool or float tensor, or None, on the left
+    def __rand__(self, other: Optional[torch.Tensor]) -> "Mask":
+        # a bool or float tensor, or None, on the left
         return self if other is None else as_mask(other) & self
 
-    def __or__(self, other: "Mask") -> "Mask":
+    def __or__(self, other: Union["Mask", torch.Tensor]) -> "Mask":
         if other is None:
             raise _union_with_none(f"{self!r} | None")
         return _Or(self, as_mask(other))
 
-    def __ror__(self, other) -> "Mask":
+    def __ror__(self, other: torch.Tensor) -> "Mask":
         if other is None:
             raise _union_with_none(f"None | {self!r}")
         return as_mask(other) | self

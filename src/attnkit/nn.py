@@ -47,7 +47,7 @@ from .paged import PagedKVCache
 if TYPE_CHECKING:  # torch.distributed loads only when sequence parallelism is used
     from .distributed.parallel import SequenceParallel
 
-__all__ = ["KVCache", "PagedKVCache", "MultiHeadAttention", "AdditiveAttention"]
+__all__ = ["KVCache", "PagedKVCache", "MultiHeadAttention", "MHAOutput", "AdditiveAttention"]
 
 MaskLike = Union[Mask, torch.Tensor, None]
 
@@ -62,7 +62,7 @@ class MHAOutput(NamedTuple):
 
     out: torch.Tensor
     weights: Optional[torch.Tensor]
-    cache: Optional["KVCache"]
+    cache: Union[KVCache, PagedKVCache, None]
 
 
 class _Store:
@@ -1193,6 +1193,9 @@ class MultiHeadAttention(nn.Module):
             weights = None if weights is None else weights[0]  # [H, Tq, Tk]
         return MHAOutput(out, weights, new_cache)
 
+    if TYPE_CHECKING:  # calling the module runs forward (nn.Module's __call__ returns Any)
+        __call__ = forward
+
     def _merged(self, heads_out: torch.Tensor, unbatched: bool) -> torch.Tensor:
         """``heads_out [B, H, Tq, D]`` with its heads merged, in the caller's layout, for the
         out projection: ``[B, Tq, H·D]``, or ``[Tq, B, H·D]`` with ``batch_first=False`` (so
@@ -1464,6 +1467,9 @@ class AdditiveAttention(nn.Module):
         if unbatched:
             return out[0], weights[0]
         return out, weights
+
+    if TYPE_CHECKING:  # calling the module runs forward (nn.Module's __call__ returns Any)
+        __call__ = forward
 
     def _check_inputs(self, query, keys, values) -> bool:
         for name, t in (("query", query), ("keys", keys), ("values", values)):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 from itertools import accumulate, chain
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Literal, NamedTuple, Optional, Sequence, Union, overload
 
 import numpy as np
 import torch
@@ -87,6 +87,27 @@ def decode(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
     out, lse = decode_by_runs(q, key_pool, value_pool, tables, spans,
                               checked_scale(scale, q.shape[-1]), runs)
     return decode_result(q, out, lse, return_lse)
+
+
+@overload
+def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                    block_table, seqlens, *, cu_seqlens_q=None, mask: MaskLike = None,
+                    scale: Optional[float] = None, backend: str = "auto",
+                    return_lse: Literal[False] = False) -> torch.Tensor: ...
+
+
+@overload
+def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                    block_table, seqlens, *, cu_seqlens_q=None, mask: MaskLike = None,
+                    scale: Optional[float] = None, backend: str = "auto",
+                    return_lse: Literal[True]) -> AttentionResult: ...
+
+
+@overload
+def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                    block_table, seqlens, *, cu_seqlens_q=None, mask: MaskLike = None,
+                    scale: Optional[float] = None, backend: str = "auto",
+                    return_lse: bool = False) -> Union[torch.Tensor, AttentionResult]: ...
 
 
 def paged_attention(q: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
@@ -1018,6 +1039,21 @@ class PagedKVCache:
         if all(a == self._width for a in self.appended):
             return vouched_padding(None, lengths)  # every query real
         return vouched_padding(appended, lengths)
+
+    @overload
+    def attend(self, q: torch.Tensor, mask: MaskLike = None, *, is_causal: bool = True,
+               scale: Optional[float] = None, backend: str = "auto",
+               return_lse: Literal[False] = False) -> torch.Tensor: ...
+
+    @overload
+    def attend(self, q: torch.Tensor, mask: MaskLike = None, *, is_causal: bool = True,
+               scale: Optional[float] = None, backend: str = "auto",
+               return_lse: Literal[True]) -> AttentionResult: ...
+
+    @overload
+    def attend(self, q: torch.Tensor, mask: MaskLike = None, *, is_causal: bool = True,
+               scale: Optional[float] = None, backend: str = "auto",
+               return_lse: bool = False) -> Union[torch.Tensor, AttentionResult]: ...
 
     def attend(self, q: torch.Tensor, mask: MaskLike = None, *, is_causal: bool = True,
                scale: Optional[float] = None, backend: str = "auto",

@@ -10,7 +10,7 @@ tokens), and the tiled engine skips every tile between two sequences.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import Literal, NamedTuple, Optional, Union, overload
 
 import torch
 
@@ -36,6 +36,36 @@ class Layout(NamedTuple):
     """Per sequence, its used keys' ``(start, stop)`` in the packed k and v (host integers)."""
     queries: list[tuple[int, int]]
     """Per sequence, its queries' ``(start, stop)`` in the packed q."""
+
+
+@overload
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q: Optional[int] = None,
+                     max_seqlen_k: Optional[int] = None, seqused_k=None, mask: MaskLike = None,
+                     scale: Optional[float] = None, dropout_p: float = 0.0,
+                     generator: Optional[torch.Generator] = None, backend: str = "auto",
+                     return_lse: Literal[False] = False, invariant: Optional[bool] = None,
+                     ) -> torch.Tensor: ...
+
+
+@overload
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q: Optional[int] = None,
+                     max_seqlen_k: Optional[int] = None, seqused_k=None, mask: MaskLike = None,
+                     scale: Optional[float] = None, dropout_p: float = 0.0,
+                     generator: Optional[torch.Generator] = None, backend: str = "auto",
+                     return_lse: Literal[True], invariant: Optional[bool] = None,
+                     ) -> AttentionResult: ...
+
+
+@overload
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q, cu_seqlens_k=None, *, max_seqlen_q: Optional[int] = None,
+                     max_seqlen_k: Optional[int] = None, seqused_k=None, mask: MaskLike = None,
+                     scale: Optional[float] = None, dropout_p: float = 0.0,
+                     generator: Optional[torch.Generator] = None, backend: str = "auto",
+                     return_lse: bool = False, invariant: Optional[bool] = None,
+                     ) -> Union[torch.Tensor, AttentionResult]: ...
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

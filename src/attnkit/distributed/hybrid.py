@@ -31,7 +31,7 @@ Tested with multi-process gloo on CPU; written for NCCL on GPUs as well, not tes
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Literal, Optional, Sequence, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -240,6 +240,34 @@ def _validate(q, k, v, mask, scale, return_lse, backend, ring_layout, groups):
 
 
 # ---- the public functions ---------------------------------------------------------------------
+
+@overload
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: Union[Mask, torch.Tensor, None] = None, *,
+                     mesh: MeshLike, scale: Optional[float] = None,
+                     return_lse: Literal[False] = False,
+                     backend: str = "auto", ring_layout: Layout = "contiguous",
+                     stats: Optional[RingStats] = None, backward_timeout: Optional[float] = None,
+                     ) -> torch.Tensor: ...
+
+
+@overload
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: Union[Mask, torch.Tensor, None] = None, *,
+                     mesh: MeshLike, scale: Optional[float] = None, return_lse: Literal[True],
+                     backend: str = "auto", ring_layout: Layout = "contiguous",
+                     stats: Optional[RingStats] = None, backward_timeout: Optional[float] = None,
+                     ) -> AttentionResult: ...
+
+
+@overload
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: Union[Mask, torch.Tensor, None] = None, *,
+                     mesh: MeshLike, scale: Optional[float] = None, return_lse: bool = False,
+                     backend: str = "auto", ring_layout: Layout = "contiguous",
+                     stats: Optional[RingStats] = None, backward_timeout: Optional[float] = None,
+                     ) -> Union[torch.Tensor, AttentionResult]: ...
+
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: Union[Mask, torch.Tensor, None] = None, *,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..masks import Mask
-from .hybrid import _mesh_groups, hybrid_attention, hybrid_shard
+from .hybrid import MeshLike, _mesh_groups, hybrid_attention, hybrid_shard
 from .ring import BACKENDS as RING_BACKENDS
 from .ring import Layout, _check_layout, pieces, ring_attention, shard, unshard
 from .ulysses import ulysses_attention
@@ -64,7 +64,7 @@ class SequenceParallel:
     kind: str = "ring"
     layout: Layout = "contiguous"
     backend: str = "auto"
-    mesh: object = None
+    mesh: Optional[MeshLike] = None
 
     def __post_init__(self):
         if not isinstance(self.kind, str) or self.kind not in KINDS:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Literal, Optional, Sequence, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -628,6 +628,36 @@ def _scoring(whole: Inputs, step_backend: str) -> Scoring:
 
 
 # ---- the public function ----------------------------------------------------------------------
+
+@overload
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: Union[Mask, torch.Tensor, None] = None, *, scale: Optional[float] = None,
+                   group: Optional[dist.ProcessGroup] = None, layout: Layout = "contiguous",
+                   return_lse: Literal[False] = False, block_q: Optional[int] = None,
+                   block_k: Optional[int] = None, stats: Optional[RingStats] = None,
+                   backward_timeout: Optional[float] = None, backend: str = "auto",
+                   ) -> torch.Tensor: ...
+
+
+@overload
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: Union[Mask, torch.Tensor, None] = None, *, scale: Optional[float] = None,
+                   group: Optional[dist.ProcessGroup] = None, layout: Layout = "contiguous",
+                   return_lse: Literal[True], block_q: Optional[int] = None,
+                   block_k: Optional[int] = None, stats: Optional[RingStats] = None,
+                   backward_timeout: Optional[float] = None, backend: str = "auto",
+                   ) -> AttentionResult: ...
+
+
+@overload
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: Union[Mask, torch.Tensor, None] = None, *, scale: Optional[float] = None,
+                   group: Optional[dist.ProcessGroup] = None, layout: Layout = "contiguous",
+                   return_lse: bool = False, block_q: Optional[int] = None,
+                   block_k: Optional[int] = None, stats: Optional[RingStats] = None,
+                   backward_timeout: Optional[float] = None, backend: str = "auto",
+                   ) -> Union[torch.Tensor, AttentionResult]: ...
+
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: Union[Mask, torch.Tensor, None] = None, *, scale: Optional[float] = None,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from typing import Optional, Sequence, Union
+from typing import Any, Literal, Optional, Sequence, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -380,6 +380,33 @@ def _validate(q, k, v, mask, scale, return_lse, backend, kwargs, group, rank: in
 
 
 # ---- the public functions ---------------------------------------------------------------------
+
+@overload
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: Union[Mask, torch.Tensor, None] = None, *,
+                      scale: Optional[float] = None, group: Optional[dist.ProcessGroup] = None,
+                      return_lse: Literal[False] = False, backend: str = "auto",
+                      backward_timeout: Optional[float] = None, **attention_kwargs: Any,
+                      ) -> torch.Tensor: ...
+
+
+@overload
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: Union[Mask, torch.Tensor, None] = None, *,
+                      scale: Optional[float] = None, group: Optional[dist.ProcessGroup] = None,
+                      return_lse: Literal[True], backend: str = "auto",
+                      backward_timeout: Optional[float] = None, **attention_kwargs: Any,
+                      ) -> AttentionResult: ...
+
+
+@overload
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: Union[Mask, torch.Tensor, None] = None, *,
+                      scale: Optional[float] = None, group: Optional[dist.ProcessGroup] = None,
+                      return_lse: bool = False, backend: str = "auto",
+                      backward_timeout: Optional[float] = None, **attention_kwargs: Any,
+                      ) -> Union[torch.Tensor, AttentionResult]: ...
+
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: Union[Mask, torch.Tensor, None] = None, *,

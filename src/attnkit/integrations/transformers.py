@@ -144,7 +144,9 @@ torch.compile traces its reads (it cannot trace a ``ContextVar``'s)."""
 
 @contextlib.contextmanager
 def sequence_parallel(parallel: "SequenceParallel",
-                      mask: Union[Mask, torch.Tensor, None] = None) -> Iterator["SequenceParallel"]:
+                      mask: Union[Mask, torch.Tensor, None,
+                                  dict[str, Union[Mask, torch.Tensor, None]]] = None,
+                      ) -> Iterator["SequenceParallel"]:
     """Within the block, every ``attn_implementation="attnkit"`` attention call attends
     across the ranks of ``parallel`` (ring, Ulysses or hybrid, as ``parallel.kind`` says).
 
