@@ -82,8 +82,7 @@ def use_backend(name: str) -> Iterator[None]:
     Thread-local; an explicit ``backend=`` still wins. With ``torch.utils.checkpoint``, run
     the backward inside the block too: its recompute calls ``attention()`` again, and outside
     the block that call would pick another backend (``CheckpointError``)."""
-    if name not in names():
-        raise ValueError(f"unknown backend {name!r}: choose one of {names()}")
+    check_name(name)
     with setting(_FORCED, "name", None if name == "auto" else name):
         yield
 
@@ -140,6 +139,12 @@ def names() -> list[str]:
     return ["auto", *BACKENDS]
 
 
+def check_name(name) -> None:
+    """Raise ``ValueError`` unless ``name`` is ``"auto"`` or a backend's name."""
+    if name not in names():
+        raise ValueError(f"unknown backend {name!r}: choose one of {names()}")
+
+
 def forced(backend: str) -> str:
     """``backend`` with ``"auto"`` replaced by the name :func:`use_backend` set on this thread."""
     return (getattr(_FORCED, "name", None) or "auto") if backend == "auto" else backend
@@ -158,8 +163,7 @@ def select(inputs: Inputs, backend: str) -> Backend:
     :func:`use_backend`, ``"auto"`` means the backend it names. A call that only propagates
     shapes (:func:`shape_only`) runs on ``reference``, whose operations all have meta and fake
     implementations; every backend gives the same shapes and dtypes."""
-    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
-        raise ValueError(f"unknown backend {backend!r}: choose one of {names()}")
+    check_name(backend)
     if shape_only(inputs):
         return BACKENDS["reference"]
     backend = forced(backend)

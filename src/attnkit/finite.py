@@ -126,20 +126,18 @@ def _prepare(inputs: Inputs, poisons: bool) -> _Prepared:
     """:class:`_Prepared` for the call's mask (``poisons``: :func:`applies`)."""
     mask, space = inputs.mask, inputs.space
     padding = isinstance(mask, Padding) and not mask.vouched
+    rows = _padding_rows(mask, space) if poisons and padding else None
+    keep_rows = None if rows is None else keep_for(rows, inputs.q)
     keys = mask.key_mask(space) if padding else None
     if keys is not None:  # the real-key mask itself: no runs to build
-        rows = _padding_rows(mask, space) if poisons else None
         return _Prepared(keep_for(keys[:, None, :, None], inputs.k), None, True, rows,
-                         every_key_seen(mask, space),
-                         None if rows is None else keep_for(rows, inputs.q))
+                         every_key_seen(mask, space), keep_rows)
     runs = mask.guard_runs(space)
     kv = None if runs.kv is None else _runs_mask(mask, runs.kv, space.kv_len, "kv", inputs.k)
     if poisons and padding and runs.q is not None:  # and the keys of an element without queries
         kv = _padding_keys(mask, space, inputs.k)
     q = None if runs.q is None else _runs_mask(mask, runs.q, space.q_len, "q", inputs.q)
-    rows = _padding_rows(mask, space) if poisons and padding else None
-    return _Prepared(kv, q, padding, rows, every_key_seen(mask, space),
-                     None if rows is None else keep_for(rows, inputs.q))
+    return _Prepared(kv, q, padding, rows, every_key_seen(mask, space), keep_rows)
 
 
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,

@@ -976,8 +976,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"dropout={dropout!r}: must be a float in [0, 1)")
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a backend name (str), got {backend!r}")
-        if backend not in dispatch.names():
-            raise ValueError(f"unknown backend {backend!r}: choose one of {dispatch.names()}")
+        dispatch.check_name(backend)
         if invariant is not None and not isinstance(invariant, bool):
             raise TypeError(f"invariant={invariant!r}: pass True, False or None (None follows "
                             f"attnkit.invariant())")
